@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device "round": every area script benchmarks/device/<area>.py runs in its own process
+# (a fault or hang in one leaves the others), each under a time limit, then all outputs are
+# packed into $OUT/round.tgz (the device returns at most 8 files).
+# Usage on the device:  bash benchmarks/device/round.sh [area ...]   (default: every script)
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+W=$OUT/work; mkdir -p "$W"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$W/nvidia-smi.txt" 2>&1
+areas=("$@")
+if [ ${#areas[@]} -eq 0 ]; then
+  for f in benchmarks/device/*.py; do areas+=("$(basename "$f" .py)"); done
+fi
+for a in "${areas[@]}"; do
+  lim=${LIMIT:-110}
+  case "$a" in anchors) lim=${ANCHORS_LIMIT:-170};; esac
+  mkdir -p "$W/$a"
+  echo "=== $a (limit ${lim}s)"
+  start=$(date +%s)
+  timeout -k 5 "$lim" python3 "benchmarks/device/$a.py" --out "$W/$a" > "$W/$a/log.txt" 2>&1
+  rc=$?
+  echo "$a rc=$rc $(( $(date +%s) - start ))s" | tee -a "$W/summary.txt"
+  tail -n 25 "$W/$a/log.txt"
+done
+tar czf "$OUT/round.tgz" -C "$W" . && rm -rf "$W"
+ls -la "$OUT"

@@ -1,0 +1,104 @@
+"""Small shared helpers: argument checks with clear errors, one-time warnings, Triton dispatch.
+
+Every public op validates its inputs here so a bad call raises a Python error that names the
+argument instead of faulting on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "check_tensor", "check_same_device", "warn_once", "interpret_mode", "triton_available",
+    "use_triton", "cdiv", "FLOAT_DTYPES",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_tensor(
+    t,
+    name: str,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | Iterable[int] | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | str | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Validate ``t`` and raise TypeError/ValueError naming ``name`` if it does not fit.
+
+    ``shape`` entries may be None (any size). Returns ``t`` so calls can be chained.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None:
+        allowed_nd = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.ndim not in allowed_nd:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed_nd))} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.ndim != len(shape) or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if device is not None and t.device.type != torch.device(device).type:
+        raise ValueError(f"{name} must be on {torch.device(device).type}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device, else ValueError naming them."""
+    devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devs.values())) > 1:
+        desc = ", ".join(f"{n} on {d}" for n, d in devs.items())
+        raise ValueError(f"tensors must be on one device: {desc}")
+    return next(iter(devs.values()))
+
+
+@functools.lru_cache(maxsize=None)
+def _warned(msg: str) -> bool:
+    warnings.warn(msg, stacklevel=3)
+    return True
+
+
+def warn_once(msg: str) -> None:
+    """Emit ``msg`` as a UserWarning the first time it is seen in this process."""
+    _warned(msg)
+
+
+def interpret_mode() -> bool:
+    """True when Triton kernels run on the CPU through the interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - triton missing on some platforms
+        return False
+    return True
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Dispatch rule shared by every op: Triton kernel on CUDA, or on the CPU under the
+    interpreter; otherwise the plain-PyTorch reference with the same numerics."""
+    if not triton_available():
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    return interpret_mode() and all(t.device.type == "cpu" for t in tensors)

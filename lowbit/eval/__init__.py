@@ -1,0 +1,1 @@
+"""Evaluation: the embedded corpus, perplexity, attention-error studies."""

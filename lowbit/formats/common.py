@@ -1,0 +1,56 @@
+"""Shared scale rules and per-token reference quantizers (FP8 E4M3 and INT8).
+
+Scale rule used by every lowbit format (one place, so kernels and references agree):
+
+    amax_c = max(amax, AMAX_EPS)          # AMAX_EPS = 1e-12: an all-zero row/group gives scale
+    scale  = amax_c / qmax  (float32)     #   AMAX_EPS/qmax, codes 0, dequant 0 (never 0/0 = NaN)
+    q      = cast(clamp(x / scale, -qmax, qmax))
+
+- no 0/0: all-zero groups get codes 0 and dequantize to exactly 0;
+- no overflow from a tiny amax: scale >= 1e-12/qmax, so 1/scale stays finite in fp32;
+- FP8 E4M3 (``torch.float8_e4m3fn``) has no infinity and maps out-of-range values to NaN, so we
+  always clamp to +-448 before the cast; the cast rounds to nearest even.
+- INT rounding is round-half-to-even (``torch.round``; ``libdevice.rint`` in kernels).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3 = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+INT8_MAX = 127.0
+INT4_MAX = 7.0
+AMAX_EPS = 1e-12
+
+QMAX = {FP8_E4M3: FP8_E4M3_MAX, torch.int8: INT8_MAX}
+
+
+def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """float32 scale = max(amax, AMAX_EPS) / qmax (see module docstring)."""
+    return amax.float().clamp_min(AMAX_EPS) / qmax
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp to the format's range and cast (RNE). ``x`` is already divided by its scale."""
+    qmax = QMAX[dtype]
+    x = x.clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        return torch.round(x).to(torch.int8)
+    return x.to(dtype)
+
+
+def quantize_per_token(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3):
+    """Per-row (last dim) symmetric quantization. Returns (q: dtype [..., K], scale: fp32 [...]).
+
+    Reference for ``lowbit.ops.quant.per_token_quant`` and its Triton kernel.
+    """
+    if dtype not in QMAX:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    xf = x.float()
+    scale = safe_scale(xf.abs().amax(dim=-1), QMAX[dtype])
+    q = round_to(xf / scale.unsqueeze(-1), dtype)
+    return q, scale
+
+
+def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)

@@ -1,0 +1,71 @@
+"""Architecture views: the seam between PTQ algorithms and transformers models.
+
+PTQ code never walks ``model.model.layers[i].self_attn...`` itself; it asks for ``decoder_layers``
+and gets ``LayerView``s naming the pieces by role. Supported: Llama-family models of transformers
+(Llama, Mistral, Qwen2, SmolLM...), whose RoPE pairs channel i with i + head_dim/2 ("half").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass
+class LayerView:
+    index: int
+    layer: nn.Module
+    input_norm: nn.Module  # RMSNorm before q/k/v; its .weight absorbs CAS / smoothing inverses
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    post_norm: nn.Module  # RMSNorm before gate/up
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_pairing: str  # "half": (i, i + head_dim/2); "interleaved": (2i, 2i+1)
+
+    def linears(self) -> dict[str, nn.Module]:
+        return {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj,
+                "gate_proj": self.gate_proj, "up_proj": self.up_proj, "down_proj": self.down_proj}
+
+    def set_linear(self, role: str, module: nn.Module) -> None:
+        parent = self.layer.self_attn if role in ("q_proj", "k_proj", "v_proj", "o_proj") else self.layer.mlp
+        setattr(parent, role, module)
+        setattr(self, role, module)
+
+
+def rope_pairing(model) -> str:
+    """Read the RoPE channel pairing from the model (not assumed): HF Llama-family models use
+    ``rotate_half`` (half split); configs with ``rope_interleave=True`` (DeepSeek) interleave."""
+    cfg = model.config
+    if getattr(cfg, "rope_interleave", False):
+        return "interleaved"
+    return "half"
+
+
+def decoder_layers(model) -> list[LayerView]:
+    """LayerViews of a Llama-family ``*ForCausalLM``; ValueError for other architectures."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"unsupported model {type(model).__name__}: no .model.layers")
+    cfg = model.config
+    nh = cfg.num_attention_heads
+    nkv = getattr(cfg, "num_key_value_heads", None) or nh
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+    pairing = rope_pairing(model)
+    views = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for role in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            if not hasattr(attn, role):
+                raise ValueError(f"unsupported attention block {type(attn).__name__}: no {role}")
+        views.append(LayerView(i, layer, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
+                               attn.o_proj, layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj,
+                               mlp.down_proj, nh, nkv, hd, pairing))
+    return views

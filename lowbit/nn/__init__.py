@@ -1,0 +1,1 @@
+"""Modules and caches: quantized linears (one per scheme) and the paged KV cache."""

@@ -1,0 +1,48 @@
+"""``QuantLinear``: the contract every quantized linear module follows.
+
+A scheme's module stores only tensors as registered buffers (so ``state_dict`` round-trips
+through safetensors) plus a JSON-serialisable ``config()``. ``lowbit.models.checkpoint`` rebuilds
+it with ``cls.empty(in_features, out_features, bias, dtype, **config)`` and loads the buffers.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+class QuantLinear(nn.Module):
+    scheme: ClassVar[str] = ""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.dtype = dtype  # activation / output dtype
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options) -> "QuantLinear":
+        raise NotImplementedError
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, **config) -> "QuantLinear":
+        """Allocate a module with correctly shaped (uninitialised) buffers, for loading."""
+        raise NotImplementedError
+
+    def config(self) -> dict:
+        """Options that ``empty`` needs to rebuild this module (JSON-serialisable)."""
+        raise NotImplementedError
+
+    # --- inspection ---------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """The effective weight [out_features, in_features] in float32 (for tests and export)."""
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes of every stored buffer (codes, scales, bias)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme!r}, {self.config()}"
