@@ -102,3 +102,30 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if all(t.is_cuda for t in tensors):
         return True
     return interpret_mode() and all(t.device.type == "cpu" for t in tensors)
+
+
+def _patch_triton_interpreter() -> None:
+    """Triton 3.6's interpreter converts loop bounds with ``int(ndarray)``, which NumPy >= 2.4
+    refuses for 1-element arrays ("only 0-dimensional arrays can be converted"): every
+    ``for k in range(0, K, BLOCK)`` with a runtime ``K`` then fails on the CPU. Wrap its tensor
+    patch so ``__index__`` reads the single element. Idempotent; a no-op if triton is absent or
+    its internals differ. (Added by the w4a8_int8 area.)"""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as _interp
+    except Exception:  # pragma: no cover
+        return
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_lowbit_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._lowbit_patched = True
+    _interp._patch_lang_tensor = patched
+
+
+if interpret_mode():
+    _patch_triton_interpreter()

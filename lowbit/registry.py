@@ -81,8 +81,8 @@ def get(kind: str, name: str) -> Entry:
     table = _BY_KIND.get(kind, {})
     if not isinstance(name, str) or name not in table:
         known = ", ".join(sorted(table))
-        what = "scheme" if kind != "recipe" else "recipe"
-        raise ValueError(f"unknown {kind} {what} {name!r}; known: {known}")
+        what = f"{kind} scheme" if kind != "recipe" else "recipe"
+        raise ValueError(f"unknown {what} {name!r}; known: {known}")
     return table[name]
 
 

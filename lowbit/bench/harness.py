@@ -5,7 +5,9 @@ Method (one place, every suite uses it):
 - ``reps`` (>= 50) timed calls, each between two CUDA events, cycling through >= 3 input sets
   whose total size exceeds twice the L2 cache, so no call reads its inputs from L2;
 - the stream is kept full (a ``torch.cuda._sleep`` ahead of each chunk of calls), so the events
-  measure GPU time per call without host launch gaps, as under CUDA graphs;
+  measure GPU time per call without host launch gaps, as under CUDA graphs (``mode="gpu"``, the
+  default); ``mode="wall"`` records the events around back-to-back calls without that padding, so
+  host launch overhead shows where it exceeds the GPU time (the method of ANCHORS.md);
 - median, min and max in milliseconds; throughput from counted FLOPs and the fewest bytes moved;
   ``roofline`` = max(FLOPs / peak, bytes / bandwidth) with the ceilings measured in the same run
   (``measure_ceilings``), and ``frac_roofline`` = roofline / median.
@@ -89,8 +91,10 @@ def rotating_inputs(make: Callable[[], tuple], *, min_sets: int = 3, min_total_b
 
 
 def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps: int = 100,
-              chunk: int = 25) -> dict:
+              chunk: int = 25, mode: str = "gpu") -> dict:
     """Median/min/max ms per call of ``fn(*args)``, cycling through ``arg_sets`` (see module doc)."""
+    if mode not in ("gpu", "wall"):
+        raise ValueError(f"mode must be 'gpu' or 'wall', got {mode!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("time_cuda needs a CUDA device")
     n = len(arg_sets)
@@ -107,8 +111,9 @@ def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps
     clock_hz = 2.0e9
     for c0 in range(0, reps, chunk):
         c1 = min(reps, c0 + chunk)
-        # keep the queue ahead of the GPU: sleep for ~1.5x the host time to enqueue this chunk
-        torch.cuda._sleep(int(min(1.5 * host_s * (c1 - c0), 0.2) * clock_hz))
+        if mode == "gpu":
+            # keep the queue ahead of the GPU: sleep for ~1.5x the host time to enqueue this chunk
+            torch.cuda._sleep(int(min(1.5 * host_s * (c1 - c0), 0.2) * clock_hz))
         for i in range(c0, c1):
             starts[i].record()
             fn(*arg_sets[i % n])
@@ -116,7 +121,7 @@ def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps
         torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "reps": reps,
-            "input_sets": n, "host_ms_per_call": host_s * 1e3}
+            "input_sets": n, "host_ms_per_call": host_s * 1e3, "mode": mode}
 
 
 def measure_ceilings() -> dict:

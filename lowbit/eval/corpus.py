@@ -14,14 +14,26 @@ import torch
 
 def load_text(text_file: str | os.PathLike | None = None) -> str:
     if text_file is not None:
-        with open(text_file, encoding="utf-8") as f:
-            text = f.read()
+        if not os.path.isfile(text_file):
+            raise FileNotFoundError(f"text file {str(text_file)!r} does not exist (pass a UTF-8 text file)")
+        try:
+            with open(text_file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"text file {str(text_file)!r} is not UTF-8 text ({exc})") from exc
         if not text.strip():
             raise ValueError(f"text file {str(text_file)!r} is empty")
         return text
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics.values())
+
+
+def describe_source(text_file: str | os.PathLike | None = None) -> str:
+    """Human-readable name of the eval text (for reports)."""
+    if text_file is None:
+        return "pydoc_data.topics (CPython documentation topics)"
+    return str(text_file)
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:

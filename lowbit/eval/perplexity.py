@@ -25,6 +25,17 @@ class PerplexityResult:
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def describe(self) -> str:
+        return (f"perplexity {self.perplexity:.3f} (mean NLL {self.nll:.4f}) over {self.tokens_scored} scored tokens, "
+                f"{self.windows} non-overlapping window(s) of {self.window} tokens")
+
+
+def windowing(max_tokens: int | None, window: int) -> str:
+    """One line that states the windowing (for reports)."""
+    first = "all tokens" if max_tokens is None else f"first {max_tokens} tokens"
+    return (f"{first} of the text, non-overlapping {window}-token windows, each scored alone with HF "
+            f"labels=input_ids loss, averaged weighted by window length - 1")
+
 
 @torch.no_grad()
 def perplexity(model, input_ids: torch.Tensor, *, max_tokens: int | None = 8192, window: int = 1024,

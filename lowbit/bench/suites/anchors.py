@@ -32,6 +32,8 @@ def linear_rows(rec, quick: bool):
             fns = [peers.cublas_bf16(w) for (w,) in ws]
             t = time_cuda(lambda i, x: fns[i](x), [(i, x) for i, x in enumerate(xs)])
             rec.record(case, "cublas-bf16", t, flops=fl, bytes_moved=byts, peak="bf16")
+            t = time_cuda(lambda i, x: fns[i](x), [(i, x) for i, x in enumerate(xs)], mode="wall")
+            rec.record(case, "cublas-bf16 [wall]", t, flops=fl, bytes_moved=byts, peak="bf16")
             mm = [peers.scaled_mm_rowwise(w, quantize_x=False) for (w,) in ws]
             xq = [peers.fp8_rowwise_act(x) for x in xs]
             t = time_cuda(lambda i, xq, xs_: mm[i](xq, xs_), [(i, *q) for i, q in enumerate(xq)])
@@ -67,6 +69,9 @@ def prefill_rows(rec, quick: bool):
                     fn(*sets[0], causal=causal)
                     t = time_cuda(lambda q, k, v: fn(q, k, v, causal=causal), sets)
                     rec.record(case, f"sdpa-{name}", t, flops=fl, peak="bf16")
+                    if name in ("flash", "cudnn"):
+                        t = time_cuda(lambda q, k, v: fn(q, k, v, causal=causal), sets, mode="wall")
+                        rec.record(case, f"sdpa-{name} [wall]", t, flops=fl, peak="bf16")
                 except Exception as exc:
                     rec.record(case, f"sdpa-{name}", None, note=f"{type(exc).__name__}: {exc}"[:200])
             try:
@@ -98,9 +103,10 @@ def decode_rows(rec, quick: bool):
                 else:
                     f = fn
                 f(*sets[0])
-                t = time_cuda(f, sets)
-                rec.record({"B": B, "L": L, "decode": True}, name, t, bytes_moved=byts,
-                           flops=attention_flops(B, Hq, 1, L, D, False), peak="bf16")
+                for mode, suffix in (("gpu", ""), ("wall", " [wall]")):
+                    t = time_cuda(f, sets, mode=mode)
+                    rec.record({"B": B, "L": L, "decode": True}, name + suffix, t, bytes_moved=byts,
+                               flops=attention_flops(B, Hq, 1, L, D, False), peak="bf16")
             except Exception as exc:
                 rec.record({"B": B, "L": L, "decode": True}, name, None, note=str(exc)[:200])
         del sets
@@ -126,6 +132,42 @@ def mla_bmm_rows(rec, quick: bool):
         del sets
 
 
+# ANCHORS.md (H200, 2026-11-22; median of 20 event-timed calls, no queue padding) for the check.
+ANCHOR_MS = {
+    ("qkv", 1): 0.0341, ("qkv", 16): 0.0297, ("qkv", 128): 0.0328, ("qkv", 1024): 0.0847, ("qkv", 8192): 0.5459,
+    ("o", 1): 0.0281, ("o", 16): 0.0345, ("o", 128): 0.0340, ("o", 1024): 0.0595, ("o", 8192): 0.3682,
+    ("gate_up", 1): 0.0718, ("gate_up", 16): 0.0729, ("gate_up", 128): 0.0951, ("gate_up", 1024): 0.3286,
+    ("gate_up", 8192): 2.4932, ("down", 1): 0.0472, ("down", 16): 0.0471, ("down", 128): 0.0598,
+    ("down", 1024): 0.1776, ("down", 8192): 1.3068,
+}
+ANCHOR_TFLOPS = {  # SDPA (S, causal): (flash, cudnn)
+    (1024, False): (270, 455), (1024, True): (166, 243), (4096, False): (349, 650),
+    (4096, True): (314, 550), (16384, False): (348, 610), (16384, True): (340, 570),
+}
+
+
+def anchor_check(rec) -> None:
+    """Note how each re-measured bf16 GEMM / SDPA row compares with ANCHORS.md (both timing modes)."""
+    by = {(tuple(sorted(r["case"].items())), r["provider"]): r for r in rec.rows if "median_ms" in r}
+    lines = []
+    for (layer, M), ref in ANCHOR_MS.items():
+        N, K = LLAMA3_8B[layer]
+        key = tuple(sorted({"layer": layer, "M": M, "N": N, "K": K}.items()))
+        g, w = by.get((key, "cublas-bf16")), by.get((key, "cublas-bf16 [wall]"))
+        if g and w:
+            lines.append(f"bf16 {layer} M={M}: anchor {ref:.4f} ms, gpu {g['median_ms']:.4f} ({g['median_ms'] / ref - 1:+.0%}), "
+                         f"wall {w['median_ms']:.4f} ({w['median_ms'] / ref - 1:+.0%})")
+    for (S, causal), (fa, cd) in ANCHOR_TFLOPS.items():
+        key = tuple(sorted({"S": S, "causal": causal}.items()))
+        for prov, ref in (("sdpa-flash", fa), ("sdpa-cudnn", cd)):
+            g, w = by.get((key, prov)), by.get((key, prov + " [wall]"))
+            if g and w:
+                lines.append(f"{prov} S={S} causal={causal}: anchor {ref} TF/s, gpu {g['TFLOPs']:.0f} ({g['TFLOPs'] / ref - 1:+.0%}), "
+                             f"wall {w['TFLOPs']:.0f} ({w['TFLOPs'] / ref - 1:+.0%})")
+    for ln in lines:
+        rec.note(ln)
+
+
 def run(rec, quick: bool = False):
     for part in (linear_rows, prefill_rows, decode_rows, mla_bmm_rows):
         try:
@@ -135,3 +177,4 @@ def run(rec, quick: bool = False):
 
             traceback.print_exc()
             rec.note(f"{part.__name__} aborted: {type(exc).__name__}: {exc}"[:300])
+    anchor_check(rec)

@@ -1,0 +1,352 @@
+"""Device script for area attention_prefill (issue 9 INT8 FlashAttention, issue 8 FP8 prefill).
+
+(1) correctness of the kernels vs the float32 replay of the same numerics and vs float64,
+(2) what Triton generated (wgmma types, 16-byte loads, registers, spills),
+(3) timing: lowbit fp8 / int8 / int8-qk / fp8-kv4 vs SDPA cuDNN / FA2, SageAttention 1.0.6 and
+    INT-FlashAttention's Triton kernels (``.refcode/int_fa``, carried by the lead, never committed),
+(4) INT-FA Tables 1-2 (MRE vs float64) and the embedded model: per-layer error + perplexity.
+``--cpu-smoke`` runs (1) on tiny shapes under TRITON_INTERPRET=1.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--cpu-smoke", action="store_true")
+ap.add_argument("--skip", default="", help="comma list: check,asm,sweep,suite,mre,model")
+ap.add_argument("--budget", type=float, default=100.0, help="seconds; later sections shrink or skip")
+a = ap.parse_args()
+if a.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.makedirs(a.out, exist_ok=True)
+T0 = time.time()
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, ".refcode", "int_fa"))
+
+import torch  # noqa: E402
+
+DEV = "cpu" if a.cpu_smoke else "cuda"
+SUMMARY = []
+RESULTS = {}
+
+
+def left():
+    return a.budget - (time.time() - T0)
+
+
+def stamp(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def section(name, fn, need=0.0):
+    if name in a.skip.split(","):
+        return
+    if left() < need:
+        SUMMARY.append(f"{name}: skipped ({left():.0f}s left < {need:.0f}s)")
+        return
+    stamp(f"== {name}")
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
+        SUMMARY.append(f"{name}: EXCEPTION {traceback.format_exc().strip().splitlines()[-1]}")
+    stamp(f"== {name} done")
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+
+
+def dump():
+    with open(os.path.join(a.out, "attention_prefill_results.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+# ------------------------------------------------------------------------------------- (1) checks
+def checks():
+    from lowbit.formats.attention_quant import attention_quant_ref, quantize_qkv
+    from lowbit.kernels.attention_prefill import default_config
+    from lowbit.ops.attention import attention_ref
+    from lowbit.ops.attention_prefill import fp8_kv4_attention, quant_attention
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    if DEV == "cuda":
+        base = [(2, 8, 8, 1008, 1008, 128)]
+        extra = [("fp8", True, (1, 8, 2, 496, 1008, 128)), ("int8", True, (1, 8, 2, 496, 1008, 128)),
+                 ("int8", False, (1, 4, 4, 272, 272, 64)), ("fp8", False, (1, 4, 4, 272, 272, 64)),
+                 ("fp8", False, (1, 2, 2, 400, 400, 256)), ("fp8", False, (1, 2, 2, 16384, 16384, 128)),
+                 ("int8", False, (1, 2, 2, 16384, 16384, 128))]
+    else:
+        base = [(1, 2, 2, 40, 40, 32)]
+        extra = [("fp8", True, (1, 4, 2, 20, 45, 32)), ("int8", True, (1, 4, 2, 20, 45, 32))]
+    cases = [(m, c, s) for s in base for m in ("fp8", "int8", "int8-qk", "fp8-kv4") for c in (False, True)] + extra
+    rows = []
+    for mode, causal, (B, Hq, Hkv, Sq, Skv, D) in cases:
+        tag = f"{mode:8s} causal={int(causal)} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Skv={Skv} D={D}"
+        try:
+            torch.manual_seed(len(rows))
+            q = torch.randn(B, Hq, Sq, D, device=DEV, dtype=dt)
+            k = torch.randn(B, Hkv, Skv, D, device=DEV, dtype=dt)
+            v = torch.randn(B, Hkv, Skv, D, device=DEV, dtype=dt)
+            o = quant_attention(q, k, v, mode=mode, causal=causal)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            qq = quantize_qkv(q, k, v, mode=mode)
+            bn = default_config(mode, D, causal, Sq)["BLOCK_N"]
+            r = attention_quant_ref(qq, causal=causal, sm_scale=D ** -0.5, block_n=bn)
+            f = attention_ref(q, k, v, causal=causal)
+            e_same, e64, eref = rel(o, r), rel(o, f), rel(r, f)
+            ok = bool(torch.isfinite(o).all()) and e_same < 1.5e-2 and e64 < eref * 1.2 + 2e-3
+            rows.append({"case": tag, "vs_same_numerics": e_same, "vs_fp64": e64, "ref_vs_fp64": eref, "pass": ok})
+            print(f"{'PASS' if ok else 'FAIL'} {tag}  vs-same-numerics {e_same:.2e}  vs-fp64 {e64:.3e}  (ref vs fp64 {eref:.3e})", flush=True)
+            del q, k, v, o, r, f, qq
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"case": tag, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
+            print(f"FAIL {tag} {type(exc).__name__}: {exc}", flush=True)
+    # zero inputs and huge logits stay finite
+    for mode in ("fp8", "int8"):
+        try:
+            z = torch.zeros(1, 2, 300, 128 if DEV == "cuda" else 32, device=DEV, dtype=dt)
+            o = quant_attention(z, z, z, mode=mode, causal=True)
+            big = torch.randn_like(z) * 3e3
+            o2 = quant_attention(big, big, big, mode=mode)
+            ok = bool(torch.isfinite(o).all() and (o == 0).all() and torch.isfinite(o2).all())
+            rows.append({"case": f"{mode} zeros/huge", "pass": ok})
+            print(f"{'PASS' if ok else 'FAIL'} {mode} zero inputs -> 0, huge logits finite", flush=True)
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"case": f"{mode} zeros/huge", "error": str(exc)[:300], "pass": False})
+    RESULTS["checks"] = rows
+    n_ok = sum(r["pass"] for r in rows)
+    SUMMARY.append(f"checks: {n_ok}/{len(rows)} PASS")
+    dump()
+
+
+# ------------------------------------------------------------------------------------- (2) asm
+def asm():
+    from lowbit.kernels import attention_prefill as kap
+    from lowbit.kernels import attention_quant as kaq
+
+    lines = []
+    for fn in (kap._attn_fwd, kaq._kv_quant_kernel):
+        for dev_cache in getattr(fn, "device_caches", {}).values():
+            cache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+            for key, kern in list(cache.items()):
+                try:
+                    ptx = kern.asm.get("ptx", "")
+                    c = kern.metadata.constants if hasattr(kern.metadata, "constants") else {}
+                    wg = re.findall(r"wgmma\.mma_async\S*", ptx)
+                    kinds = sorted({w for w in wg})
+                    info = {
+                        "kernel": kern.metadata.name, "n_regs": kern.n_regs, "n_spills": kern.n_spills,
+                        "num_warps": kern.metadata.num_warps, "num_stages": kern.metadata.num_stages,
+                        "shared": kern.metadata.shared,
+                        "wgmma": len(wg), "wgmma_kinds": kinds[:8], "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+                        "ld_global_v4": len(re.findall(r"ld\.global[^;]*\.v4", ptx)),
+                        "cp_async": len(re.findall(r"cp\.async\.(?:cg|ca)", ptx)),
+                        "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                        "local": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+                        "ex2": len(re.findall(r"ex2\.approx", ptx)),
+                        "magic_rne": ptx.count("0f4B400000"),
+                        "specialization": str(c)[:300],
+                    }
+                    lines.append(info)
+                except Exception as exc:
+                    lines.append({"error": str(exc)})
+    with open(os.path.join(a.out, "asm.txt"), "w") as f:
+        for info in lines:
+            f.write(json.dumps(info, default=str) + "\n")
+    for info in lines:
+        print(json.dumps({k: info.get(k) for k in ("kernel", "n_regs", "n_spills", "num_warps", "num_stages", "shared",
+                                                   "wgmma", "wgmma_kinds", "mma_sync", "ld_global_v4", "cp_async",
+                                                   "local")}, default=str), flush=True)
+    RESULTS["asm"] = lines
+    dump()
+
+
+# ------------------------------------------------------------------------------------- (3a) sweep
+def sweep():
+    from lowbit.bench.harness import attention_flops, time_cuda
+    from lowbit.kernels.attention_prefill import attention_prefill_triton
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    B, H, S, D = 4, 32, 4096, 128
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fl = attention_flops(B, H, S, S, D, False)
+    rows = []
+    cfgs = [dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)]
+    for mode, dt in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+        kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt)
+        for cfg in cfgs:
+            if left() < 45:
+                break
+            try:
+                fn = lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=False, sm_scale=D ** -0.5, config=cfg)
+                fn()
+                t = time_cuda(lambda: fn(), [()], warmup=3, reps=20)
+                tf = fl / t["median_ms"] / 1e9
+                rows.append({"mode": mode, **cfg, "ms": t["median_ms"], "TFLOPs": tf})
+                print(f"sweep {mode} {cfg}: {t['median_ms']:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+            except Exception as exc:
+                rows.append({"mode": mode, **cfg, "error": str(exc)[:200]})
+                print(f"sweep {mode} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    RESULTS["sweep"] = rows
+    dump()
+
+
+# ------------------------------------------------------------------------------------- (3b) suite
+def suite():
+    from lowbit.bench import harness
+    from lowbit.bench.suites import attention_prefill as s
+
+    ceil = {}
+    rec = harness.Recorder("attention_prefill", ceilings=ceil)
+    big = left() > 70
+    s.run(rec, quick=False, seq_lens=[1024, 4096, 16384] if big else [1024, 4096],
+          causals=(False, True))
+    path = rec.write(a.out, baseline=s.BASELINE, command="benchmarks/device/attention_prefill.py")
+    print(open(path.with_suffix(".md")).read(), flush=True)
+    RESULTS["suite_json"] = str(path)
+    cell = {(r["case"]["S"], r["case"]["causal"], r["provider"]): r for r in rec.rows}
+    for (S, c, p), r in sorted(cell.items(), key=lambda x: (x[0][0], x[0][1])):
+        if p.startswith("lowbit") and "median_ms" in r:
+            base = cell.get((S, c, "sdpa-cudnn"), {})
+            sage = cell.get((S, c, "sageattention-1.0.6"), {})
+            fa = cell.get((S, c, "int-fa-full-int8"), {})
+            parts = [f"{p} S={S} causal={int(c)}: {r['TFLOPs']:.0f} TF/s"]
+            if "median_ms" in base:
+                parts.append(f"{base['median_ms'] / r['median_ms']:.2f}x cuDNN")
+            if "median_ms" in sage:
+                parts.append(f"{sage['median_ms'] / r['median_ms']:.2f}x Sage")
+            if "median_ms" in fa:
+                parts.append(f"{fa['median_ms'] / r['median_ms']:.2f}x INT-FA")
+            SUMMARY.append(", ".join(parts))
+
+
+# ------------------------------------------------------------------------------------- (4a) MRE
+def int_fa_accuracy_providers():
+    try:
+        from flash_atten_full_int8 import attention_full_int8
+        from flash_atten_int8 import attention_int8
+    except Exception as exc:
+        print(f"INT-FA not importable: {exc}")
+        return {}
+
+    def per_token(x):
+        s = x.float().abs().amax(-1) / 127
+        return torch.round(x.float() / s[..., None]).to(torch.int8), s
+
+    def full(q, k, v, causal):
+        qi, qs = per_token(q)
+        ki, ks = per_token(k)
+        vs = v.float().abs().amax(dim=(2, 3)) / 127
+        vi = torch.round(v.float() / vs[..., None, None]).to(torch.int8)
+        return attention_full_int8(qi, ki, vi, qs.half(), ks.half(), vs.half(), causal, q.shape[-1] ** -0.5)
+
+    def half(q, k, v, causal):
+        qi, qs = per_token(q)
+        ki, ks = per_token(k)
+        return attention_int8(qi, ki, v.half(), qs.half(), ks.half(), causal, q.shape[-1] ** -0.5)
+
+    return {"int-fa-full-int8": full, "int-fa-half-int8": half}
+
+
+def mre_tables():
+    from lowbit.eval.attention_error import lowbit_providers, synthetic_table
+
+    provs = lowbit_providers()
+    try:
+        from sageattention import sageattn
+
+        provs["sageattention-1.0.6"] = lambda q, k, v, c: sageattn(q.half(), k.half(), v.half(), tensor_layout="HND", is_causal=c)
+    except Exception as exc:
+        print(f"sage not importable: {exc}")
+    provs.update(int_fa_accuracy_providers())
+    provs["sdpa-bf16"] = lambda q, k, v, c: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c)
+    rows = []
+
+    def show(r):
+        if "mre" in r:
+            print(f"  {r['dist']:7s} S={r['S']:5d} B={r['B']} H={r['H']} {r['provider']:20s} MRE {100 * r['mre']:7.3f}%  "
+                  f"last4 {100 * r['mre_last4']:7.3f}%  relL2 {r['rel_l2']:.4f}", flush=True)
+        else:
+            print(f"  {r['dist']} S={r['S']} {r['provider']}: {r.get('error')}", flush=True)
+
+    # the target shape at 1k (B=4, H=32), then 2k-16k on B=1, H=4 (float64 reference cost)
+    rows += synthetic_table(provs, seq_lens=(1024,), B=4, H=32, on_row=show)
+    dump()
+    lens = (2048, 4096, 8192, 16384) if left() > 40 else (4096,)
+    rows += synthetic_table(provs, seq_lens=lens, B=1, H=4, on_row=show)
+    RESULTS["mre"] = rows
+    for dist in ("normal", "uniform"):
+        for p in ("lowbit-int8", "lowbit-int8-tensorV", "lowbit-int8-qk", "lowbit-fp8", "int-fa-full-int8",
+                  "sageattention-1.0.6"):
+            r = next((r for r in rows if r["provider"] == p and r["dist"] == dist and r["S"] == 1024 and "mre" in r), None)
+            if r:
+                SUMMARY.append(f"MRE {dist} 1k {p}: {100 * r['mre']:.3f}% (last-4 {100 * r['mre_last4']:.3f}%)")
+    dump()
+
+
+# ------------------------------------------------------------------------------------- (4b) model
+def model():
+    from lowbit.eval.attention_error import capture_qkv, layer_errors, model_perplexity
+    from lowbit.eval.corpus import load_text, tokenize
+    from lowbit.models.loading import load_model
+
+    m, tok = load_model(None, device="cuda")
+    stamp("model loaded")
+    ids = tokenize(tok, load_text())
+    cap = capture_qkv(m, ids[:1024])
+    from lowbit.ops import attention_prefill as ap
+
+    provs = {
+        "int8": lambda q, k, v, c, sm: ap.int8_attention(q, k, v, causal=c, sm_scale=sm),
+        "int8-tensorV": lambda q, k, v, c, sm: ap.int8_attention(q, k, v, causal=c, sm_scale=sm, v_granularity="tensor"),
+        "int8-qk": lambda q, k, v, c, sm: ap.int8_qk_attention(q, k, v, causal=c, sm_scale=sm),
+        "fp8": lambda q, k, v, c, sm: ap.fp8_attention(q, k, v, causal=c, sm_scale=sm),
+        "fp8-kv4": lambda q, k, v, c, sm: ap.fp8_kv4_attention(q, k, v, causal=c, sm_scale=sm),
+        "sdpa-bf16": lambda q, k, v, c, sm: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=c, scale=sm, enable_gqa=True),
+    }
+    rows = layer_errors(cap, provs)
+    RESULTS["layers"] = rows
+    for p in provs:
+        vals = [r["rel_l2"] for r in rows if r["provider"] == p and "rel_l2" in r]
+        if vals:
+            line = f"layer rel-L2 {p}: mean {sum(vals) / len(vals):.4f} max {max(vals):.4f} (" + " ".join(f"{x:.3f}" for x in vals) + ")"
+            print(line, flush=True)
+            SUMMARY.append(line.split(" (")[0])
+    dump()
+    ppl = {}
+    for scheme in (None, "int8", "int8-qk", "fp8"):
+        if left() < 8:
+            break
+        ppl[scheme or "fp32-sdpa"] = model_perplexity(m, ids, scheme, dtype=torch.bfloat16 if scheme else None)
+        print(f"perplexity {scheme or 'fp32-sdpa'}: {ppl[scheme or 'fp32-sdpa']:.4f}", flush=True)
+    RESULTS["perplexity"] = ppl
+    SUMMARY.append("perplexity (8192 tokens, window 1024): " + ", ".join(f"{k} {v:.3f}" for k, v in ppl.items()))
+    dump()
+
+
+section("check", checks)
+if DEV == "cuda":
+    section("asm", asm)
+    section("suite", suite, need=30)
+    section("mre", mre_tables, need=15)
+    section("sweep", sweep, need=45)
+    section("model", model, need=25)
+print("\n==== summary ====")
+for s in SUMMARY:
+    print(s)
+print(f"total {time.time() - T0:.1f}s")
+dump()

@@ -1,0 +1,311 @@
+"""Device script for area `lut` (FLUTE lookup-table GEMM, issue 4). Budget: <= 100 s wall.
+
+1. correctness of the Triton kernel (every bits x lookup x path, odd shapes, fp16/bf16) vs the
+   float32 reference, split-K determinism, all-zero groups;
+2. PTX / register report of the main kernels -> ptx_report.txt;
+3. timings (suite ``lowbit.bench.suites.lut``) with the peers, sweeps of the launch config;
+4. perplexity of the embedded model (RTN INT4/INT3, NF4/NF3, learned NF4/NF3) if time is left.
+
+    python3 benchmarks/device/lut.py --out DIR [--cpu-smoke] [--skip-accuracy]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+T0 = time.time()
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1, no timing")
+ap.add_argument("--skip-accuracy", action="store_true")
+ap.add_argument("--budget", type=float, default=96.0)
+args = ap.parse_args()
+if args.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.makedirs(args.out, exist_ok=True)
+
+import torch  # noqa: E402
+
+from lowbit.formats.lut import dequantize_lut, pack_codes, quantize_lut  # noqa: E402
+from lowbit.kernels.lut_gemm import LAST_COMPILED, lut_gemm_triton  # noqa: E402
+from lowbit.ops.lut import lut_gemm  # noqa: E402
+
+DEV = "cpu" if args.cpu_smoke else "cuda"
+SUMMARY = []
+
+
+def elapsed():
+    return time.time() - T0
+
+
+def log(*a):
+    print(f"[{elapsed():6.1f}s]", *a, flush=True)
+
+
+# ------------------------------------------------------------------ 1. correctness
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(name, fn, tol):
+    try:
+        err = fn()
+        ok = err == err and err < tol
+        log(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {err:.2e} (tol {tol:g})")
+        SUMMARY.append(("check", name, err, ok))
+    except Exception as exc:
+        log(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        SUMMARY.append(("check", name, float("nan"), False))
+
+
+def case(M, N, K, bits, G, dtype, lookup, table="nf", **cfg):
+    def run():
+        w = torch.randn(N, K, device=DEV)
+        q = quantize_lut(w, bits=bits, group_size=G, table=table, scale_dtype=dtype)
+        qw, qh = pack_codes(q.codes, bits)
+        x = torch.randn(M, K, device=DEV, dtype=dtype)
+        ref = x.double() @ dequantize_lut(q).double().t()
+        if cfg:
+            y = lut_gemm_triton(x, qw, qh, q.scales.t().contiguous(), q.table.to(DEV), bits=bits, group_size=G,
+                                out_features=N, lookup=lookup, **cfg)
+        else:
+            y = lut_gemm(x, qw, qh, q.scales.t().contiguous(), q.table.to(DEV), bits=bits, group_size=G, lookup=lookup)
+        assert y.dtype == dtype and y.shape == (M, N)
+        assert torch.isfinite(y).all(), "non-finite output"
+        return rel(y, ref)
+    return run
+
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+if args.cpu_smoke:
+    shapes = [(1, 40, 200), (5, 33, 96)]
+else:
+    shapes = [(1, 4096, 4096), (1, 1000, 1000), (7, 3000, 1111), (16, 28672, 4096), (33, 4096, 14336), (300, 2048, 4096)]
+for bits in (4, 3, 2):
+    for (M, N, K) in shapes:
+        for dtype in (torch.bfloat16, torch.float16):
+            if dtype == torch.float16 and (M, N, K) not in shapes[:2]:
+                continue
+            G = 128 if K % 64 else 64 if bits == 2 else 128
+            check(f"bits={bits} M={M} N={N} K={K} g{G} {str(dtype)[6:]} load", case(M, N, K, bits, G, dtype, "load"), TOL[dtype])
+    check(f"bits={bits} select M=1", case(1, 512, 512, bits, 128, torch.bfloat16, "select"), 1e-2)
+    check(f"bits={bits} int-table affine M=3", case(3, 512, 512, bits, 128, torch.bfloat16, "affine", table="int"), 1e-2)
+    check(f"bits={bits} dot path at M=1", case(1, 512, 1024, bits, 128, torch.bfloat16, "load", use_dot=True, block_m=16), 1e-2)
+for G in (32, 64, 256):
+    check(f"bits=4 g{G} M=2", case(2, 768, 1536, 4, G, torch.bfloat16, "load"), 1e-2)
+
+
+def split_det():
+    N, K = (64, 512) if args.cpu_smoke else (4096, 14336)
+    w = torch.randn(N, K, device=DEV)
+    q = quantize_lut(w, bits=4, group_size=128)
+    qw, _ = pack_codes(q.codes, 4)
+    x = torch.randn(1, K, device=DEV, dtype=torch.bfloat16)
+    s = q.scales.t().contiguous()
+    t = q.table.to(DEV)
+    ys = [lut_gemm_triton(x, qw, None, s, t, bits=4, group_size=128, out_features=N, split_k=8) for _ in range(3)]
+    y1 = lut_gemm_triton(x, qw, None, s, t, bits=4, group_size=128, out_features=N, split_k=1)
+    assert all(torch.equal(ys[0], y) for y in ys), "split-K result changed between runs"
+    return rel(ys[0], y1)
+
+
+check("split-K=8 deterministic and equal to split 1", split_det, 1e-2)
+
+
+def zero_groups():
+    N, K = 64, 512
+    w = torch.randn(N, K, device=DEV)
+    w[:, :128] = 0
+    w[3] = 0
+    out = []
+    for dtype in (torch.float16, torch.bfloat16):
+        q = quantize_lut(w, bits=4, group_size=128, scale_dtype=dtype)
+        qw, _ = pack_codes(q.codes, 4)
+        x = torch.randn(2, K, device=DEV, dtype=dtype)
+        x[:, 128:] = 0
+        y = lut_gemm(x, qw, None, q.scales.t().contiguous(), q.table.to(DEV), bits=4, group_size=128)
+        assert torch.isfinite(y).all() and (y == 0).all(), "zero groups must give exact zeros"
+        out.append(0.0)
+    return max(out)
+
+
+check("all-zero groups -> exact 0, fp16 and bf16", zero_groups, 1e-9)
+
+if args.cpu_smoke:
+    log("cpu smoke done")
+    sys.exit(0 if all(r[3] for r in SUMMARY) else 1)
+
+# ------------------------------------------------------------------ 2. PTX report
+def ptx_report():
+    lines = []
+    N, K = 28672, 4096
+    w = torch.randn(N, K, device=DEV)
+    for bits in (4, 3):
+        q = quantize_lut(w, bits=bits, group_size=128)
+        qw, qh = pack_codes(q.codes, bits)
+        s, t = q.scales.t().contiguous(), q.table.to(DEV)
+        for M in (1, 16):
+            x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+            lut_gemm_triton(x, qw, qh, s, t, bits=bits, group_size=128, out_features=N)
+            k = LAST_COMPILED["gemm"]
+            ptx = k.asm.get("ptx", "")
+            name = f"bits={bits} M={M}"
+            info = {
+                "n_regs": k.n_regs, "n_spills": k.n_spills,
+                "ld.global.v4": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"),
+                "ld.global.v2": ptx.count("ld.global.v2") + ptx.count("ld.global.nc.v2"),
+                "ld.global (all)": ptx.count("ld.global"),
+                "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync"),
+                "local": ptx.count(".local"), "shared_bytes": k.metadata.shared,
+            }
+            lines.append(f"{name}: {json.dumps(info)}")
+            with open(os.path.join(args.out, f"lut_gemm_bits{bits}_M{M}.ptx"), "w") as f:
+                f.write(ptx)
+    del w
+    return "\n".join(lines)
+
+
+try:
+    rep = ptx_report()
+    open(os.path.join(args.out, "ptx_report.txt"), "w").write(rep + "\n")
+    log("PTX report:\n" + rep)
+except Exception:
+    traceback.print_exc()
+
+# ------------------------------------------------------------------ 3. timings
+from lowbit.bench import harness  # noqa: E402
+from lowbit.bench.suites import lut as suite  # noqa: E402
+
+log("measuring ceilings")
+ceil = harness.measure_ceilings()
+log({k: round(v, 2) for k, v in ceil.items()})
+rec = harness.Recorder("lut", ceilings=ceil)
+sweep = harness.Recorder("lut_sweep", ceilings=ceil)
+
+
+def extra(name, ws, packs, xs, case_):
+    """Launch-config and lookup variants for the sweep table (4-bit unless said)."""
+    if name == "8192sq" or elapsed() > 60:
+        return
+    M, N, K = case_["M"], case_["N"], case_["K"]
+    fl = harness.gemm_flops(M, N, K)
+    byts = suite.lut_bytes(M, N, K, 4, 128)
+    variants = []
+    if M == 1:
+        for bn in (16, 32, 64):
+            for cps in (4, 8, 16):
+                variants.append((f"fma bn{bn} cps{cps}", dict(block_n=bn, ctas_per_sm=cps)))
+        variants.append(("fma bn32 cps8 st3", dict(block_n=32, ctas_per_sm=8, num_stages=3)))
+        variants.append(("dot bm16 bn64 cps4", dict(use_dot=True, block_m=16, block_n=64, ctas_per_sm=4, num_stages=2)))
+        variants.append(("select bn32 cps8", dict(block_n=32, ctas_per_sm=8, lookup="select")))
+    elif M == 16:
+        for bn in (64, 128):
+            for cps in (2, 4, 8):
+                variants.append((f"dot bn{bn} cps{cps}", dict(block_n=bn, ctas_per_sm=cps)))
+        variants.append(("dot bn64 cps4 w8", dict(block_n=64, ctas_per_sm=4, num_warps=8)))
+        variants.append(("dot bn64 cps4 st3", dict(block_n=64, ctas_per_sm=4, num_stages=3)))
+        variants.append(("select dot bn64 cps4", dict(block_n=64, ctas_per_sm=4, lookup="select")))
+    for label, cfg in variants:
+        cfg = dict(cfg)
+        lookup = cfg.pop("lookup", "load")
+        fns = [suite.lut_fn(p, lookup=lookup, **cfg) for p in packs[4]]
+        suite._try(sweep, case_, label, lambda: suite._time(sweep, case_, label, fns, xs, flops=fl, byts=byts, reps=50))
+    if M == 1:  # 3-bit select and 2-bit affine/select variants
+        for b in (3,):
+            fns = [suite.lut_fn(p, lookup="select") for p in packs[b]]
+            suite._try(sweep, case_, f"lut{b} select", lambda: suite._time(sweep, case_, f"lut{b} select", fns, xs, flops=fl,
+                                                                          byts=suite.lut_bytes(M, N, K, b, 128), reps=50))
+
+
+try:
+    suite.target_rows(rec, False, extra=extra)
+except Exception:
+    traceback.print_exc()
+log("target rows done")
+if elapsed() < 70:
+    try:
+        suite.crossover_rows(rec, False)
+    except Exception:
+        traceback.print_exc()
+    log("crossover rows done")
+for r in (rec, sweep):
+    p = r.write(args.out, baseline="cublas-bf16")
+    log(f"wrote {p}")
+
+# ------------------------------------------------------------------ 4. accuracy (embedded model)
+acc = {}
+if not args.skip_accuracy and elapsed() < args.budget - 30:
+    try:
+        import copy
+
+        from lowbit.eval.corpus import calibration_batches, load_text, tokenize
+        from lowbit.eval.perplexity import perplexity
+        from lowbit.models.arch import decoder_layers
+        from lowbit.models.loading import load_model
+        from lowbit.nn.lut import LUTLinear
+
+        model, tok = load_model(None, device="cuda")
+        log("model loaded")
+        ids = tokenize(tok, load_text())
+        acc["fp32"] = perplexity(model, ids).perplexity
+
+        def quantized(bits, table):
+            m = copy.deepcopy(model)
+            for v in decoder_layers(m):
+                for role, lin in v.linears().items():
+                    v.set_linear(role, LUTLinear.from_linear(lin, bits=bits, group_size=128, table=table))
+            return m
+
+        for bits in (4, 3):
+            for table in ("int", "nf"):
+                if elapsed() > args.budget - 15:
+                    break
+                m = quantized(bits, table)
+                acc[f"{'RTN INT' if table == 'int' else 'NF'}{bits} g128"] = perplexity(m, ids).perplexity
+                del m
+                log(acc)
+        try:
+            from lowbit.ptq.nfl import learn_nf_scales
+
+            batches = calibration_batches(tok, n_samples=64, seq_len=512, seed=0)
+            for bits in (4, 3):
+                if elapsed() > args.budget - 12:
+                    break
+                m = copy.deepcopy(model)
+                info = learn_nf_scales(m, batches, bits=bits, group_size=128, progress=False)
+                acc[f"learned NF{bits} g128"] = perplexity(m, ids).perplexity
+                acc[f"learned NF{bits} info"] = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
+                del m
+                log(acc)
+        except Exception:
+            traceback.print_exc()
+    except Exception:
+        traceback.print_exc()
+    with open(os.path.join(args.out, "lut_accuracy.json"), "w") as f:
+        json.dump({"perplexity_first_8192_tokens_window_1024": acc, "note": "embedded SmolLM2-135M fp32, decoder "
+                   "linears quantized (embeddings/lm_head float); LUT kernel in bf16 on GPU"}, f, indent=1)
+
+# ------------------------------------------------------------------ summary
+print("\n==== summary (lut) ====")
+fails = [r for r in SUMMARY if not r[3]]
+print(f"checks: {len(SUMMARY) - len(fails)}/{len(SUMMARY)} pass" + (f"; FAIL: {[r[1] for r in fails]}" if fails else ""))
+cell = {}
+for r in rec.rows:
+    if "median_ms" in r:
+        cell[(r["case"].get("layer"), r["case"].get("M"), r["provider"])] = r["median_ms"]
+print("| layer | M | bf16 ms | lut4 | x bf16 | x tinygemm | x bnb | lut3 x bf16 |")
+for (layer, M, prov), ms in sorted(cell.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
+    if prov != "cublas-bf16":
+        continue
+    l4 = cell.get((layer, M, "lut4-nf-g128")) or cell.get((layer, M, "lut4-kernel"))
+    l3 = cell.get((layer, M, "lut3-nf-g128"))
+    tg, bn = cell.get((layer, M, "tinygemm-int4")), cell.get((layer, M, "bnb-nf4"))
+    f = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+    print(f"| {layer} | {M} | {ms:.4f} | {l4 or 0:.4f} | {f(ms, l4)} | {f(tg, l4)} | {f(bn, l4)} | {f(ms, l3)} |")
+if acc:
+    print("perplexity:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in acc.items()})
+print(f"total {elapsed():.1f}s")

@@ -1,0 +1,322 @@
+"""Device script for area w4a8_int8 (QServe W4A8 INT8 linear): correctness on the GPU, PTX dump,
+timings vs cuBLAS bf16 (and FireQ's w4a8-fp8 when present), the Llama-2-7B FFN comparison,
+config sweep, perplexity of the embedded model. Every stage checks a wall-clock budget.
+
+    python3 benchmarks/device/w4a8_int8.py --out DIR [--budget 95] [--cpu-smoke]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+T0 = time.time()
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--budget", type=float, default=95.0, help="seconds of wall time for the whole script")
+ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1, no timing")
+ap.add_argument("--no-sweep", action="store_true")
+args = ap.parse_args()
+if args.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.makedirs(args.out, exist_ok=True)
+
+import torch  # noqa: E402
+
+from lowbit.formats import w4a8_int8 as fmt  # noqa: E402
+from lowbit.formats.common import quantize_per_token  # noqa: E402
+
+DEV = "cpu" if args.cpu_smoke else "cuda"
+SUMMARY: list[str] = []
+RESULTS: dict = {"correctness": [], "ptx": {}, "ffn_ratio": {}, "perplexity": {}, "sweep": []}
+
+
+def left() -> float:
+    return args.budget - (time.time() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def dump():
+    with open(os.path.join(args.out, "w4a8_int8_extra.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------- 1. correctness
+def correctness():
+    from lowbit.ops.w4a8_int8 import w4a8_int8_gemm, w4a8_int8_linear
+
+    cases = [(1, 4096, 4096, 128, True), (3, 1000, 1000, 128, False), (17, 333, 4100, 128, True),
+             (64, 6144, 4096, 128, False), (128, 4096, 4096, 128, False), (1024, 4096, 14336, 128, True),
+             (1, 4096, 4096, -1, False), (77, 512, 768, 64, False), (4096, 1024, 1024, 128, False)]
+    if args.cpu_smoke:
+        cases = [(1, 40, 200, 128, True), (17, 72, 130, -1, False)]
+    for M, N, K, g, bias in cases:
+        for dt in (torch.bfloat16, torch.float16):
+            name = f"M={M} N={N} K={K} g={g} bias={bias} {str(dt)[6:]}"
+            try:
+                torch.manual_seed(0)
+                w = torch.randn(N, K, device=DEV) * K ** -0.5
+                x = torch.randn(M, K, device=DEV, dtype=dt)
+                b = torch.randn(N, device=DEV, dtype=dt) if bias else None
+                qw = fmt.quantize(w, g)
+                xq, xs = quantize_per_token(x, torch.int8)
+                y = w4a8_int8_gemm(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, out_dtype=dt)
+                r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, dt)
+                e = rel(y, r)
+                yl = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b)
+                yf = x.float() @ w.t() + (b.float() if b is not None else 0)
+                eq = rel(yl, yf)
+                tol = 1e-2 if dt == torch.bfloat16 else 2e-3
+                ok = e <= tol and eq < 0.2
+                RESULTS["correctness"].append({"case": name, "rel_l2_vs_ref": e, "rel_l2_vs_float": eq, "pass": ok})
+                log(f"{'PASS' if ok else 'FAIL'} {name}: kernel vs ref rel-L2 {e:.2e}, w4a8 vs float {eq:.3f}")
+            except Exception as exc:
+                RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
+                log(f"FAIL {name}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+    n_ok = sum(c["pass"] for c in RESULTS["correctness"])
+    SUMMARY.append(f"correctness: {n_ok}/{len(RESULTS['correctness'])} PASS")
+
+
+# ---------------------------------------------------------------------------------- 2. PTX
+def ptx():
+    import re
+
+    from lowbit.kernels.w4a8_int8_gemm import launch
+
+    lines = []
+    for M, N, K in [(1, 4096, 4096), (16, 28672, 4096), (64, 4096, 14336), (128, 6144, 4096), (4096, 4096, 4096)]:
+        try:
+            w = torch.randn(N, K, device=DEV)
+            qw = fmt.quantize(w, 128)
+            xq, xs = quantize_per_token(torch.randn(M, K, device=DEV), torch.int8)
+            _, kern = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, K, 128, torch.bfloat16)
+            p = kern.asm.get("ptx", "")
+            info = {"M": M, "N": N, "K": K, "n_regs": getattr(kern, "n_regs", None),
+                    "n_spills": getattr(kern, "n_spills", None),
+                    "wgmma": len(re.findall(r"wgmma\.mma_async[^\n]*s8", p)),
+                    "wgmma_any": p.count("wgmma.mma_async"),
+                    "mma_s8": len(re.findall(r"mma\.sync[^\n]*s8", p)),
+                    "ld_global_v4": len(re.findall(r"ld\.global[^\n]*\.v4", p)),
+                    "ld_global": p.count("ld.global"), "cp_async": p.count("cp.async"),
+                    "local": len(re.findall(r"\.local", p)), "metadata": str(getattr(kern, "metadata", ""))[:400]}
+            RESULTS["ptx"][f"M={M} N={N} K={K}"] = info
+            lines.append(json.dumps(info))
+            with open(os.path.join(args.out, f"w4a8_int8_M{M}.ptx"), "w") as f:
+                f.write(p)
+            log(f"PTX M={M}: regs {info['n_regs']} spills {info['n_spills']} wgmma(s8) {info['wgmma']} "
+                f"mma.sync s8 {info['mma_s8']} ld.global.v4 {info['ld_global_v4']}/{info['ld_global']} local {info['local']}")
+        except Exception as exc:
+            lines.append(f"M={M}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+    with open(os.path.join(args.out, "w4a8_int8_ptx.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------------- 3. timings
+def timings(rec):
+    from lowbit.bench.suites import w4a8_int8 as suite
+
+    for layer in ("gate_up", "down", "qkv", "o"):
+        if left() < 45:
+            rec.note(f"linear rows for {layer} skipped: out of time budget")
+            continue
+        suite.linear_rows(rec, layers=[layer])
+        log(f"linear rows {layer} done")
+    if left() > 35:
+        suite.ffn_rows(rec)
+        log("ffn rows done")
+    else:
+        rec.note("FFN rows skipped: out of time budget")
+
+
+def ratios(rec):
+    med = {}
+    for r in rec.rows:
+        if "median_ms" in r:
+            med[(json.dumps(r["case"], sort_keys=True), r["provider"])] = r["median_ms"]
+    lin = {}
+    for (c, p), v in med.items():
+        case = json.loads(c)
+        if "layer" in case and p == "lowbit-w4a8-int8":
+            b = med.get((c, "cublas-bf16"))
+            if b:
+                lin[f"{case['layer']} M={case['M']}"] = b / v
+        if "ffn" in case and p in ("w4a8-int8", "w4a8-int8-fused"):
+            f8 = med.get((c, "w4a8-fp8"))
+            if f8:
+                RESULTS["ffn_ratio"][f"M={case['M']} fp8/{p}"] = v / f8
+    RESULTS["linear_speedup_vs_bf16"] = lin
+    small = [v for k, v in lin.items() if int(k.split("M=")[1]) <= 16]
+    big = [v for k, v in lin.items() if int(k.split("M=")[1]) >= 1024]
+    if small:
+        SUMMARY.append(f"linear M<=16 speedup vs bf16: min {min(small):.2f}x, max {max(small):.2f}x (target >= 3x)")
+    if big:
+        SUMMARY.append(f"linear M>=1024 speedup vs bf16: min {min(big):.2f}x, max {max(big):.2f}x (target >= 1.4x)")
+    for k, v in sorted(lin.items()):
+        SUMMARY.append(f"  {k}: {v:.2f}x")
+    for k, v in RESULTS["ffn_ratio"].items():
+        SUMMARY.append(f"  FFN {k} (w4a8-int8 time / w4a8-fp8 time): {v:.2f}")
+
+
+# ---------------------------------------------------------------------------------- 4. sweep
+def sweep():
+    from lowbit.bench.harness import rotating_inputs, time_cuda
+    from lowbit.kernels.w4a8_int8_gemm import launch
+
+    cfgs = {
+        1: [(16, 64, 128, 0, 4, 4), (16, 32, 256, 0, 4, 4), (16, 64, 256, 0, 4, 3), (16, 128, 128, 0, 4, 4), (16, 32, 128, 1, 4, 6)],
+        16: [(16, 64, 128, 0, 4, 4), (16, 64, 256, 0, 4, 3), (16, 128, 256, 0, 4, 3)],
+        128: [(64, 128, 128, 0, 4, 4), (128, 128, 128, 0, 8, 3), (64, 64, 128, 0, 4, 4), (64, 128, 256, 0, 4, 3)],
+        4096: [(128, 128, 128, 1, 8, 3), (128, 256, 128, 1, 8, 3), (128, 128, 256, 1, 8, 3), (128, 128, 128, 1, 4, 4),
+               (128, 256, 64, 1, 8, 4)],
+    }
+    for (N, K) in [(28672, 4096), (4096, 14336), (4096, 4096)]:
+        sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
+                                             for f in ("qweight", "wscale", "gscale", "gzs")))
+        for M, cl in cfgs.items():
+            xq, xs = quantize_per_token(torch.randn(M, K, device=DEV), torch.int8)
+            for c in cl:
+                if left() < 8:
+                    return
+                bm, bn, bk, split, warps, stages = c
+                if split == 0:
+                    from lowbit._utils import cdiv
+
+                    tiles = cdiv(M, bm) * cdiv(N, bn)
+                    split = max(1, min(264 // max(tiles, 1), cdiv(K, bk) // 4, 16))
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                try:
+                    t = time_cuda(lambda *w: launch(xq, xs, *w, None, K, 128, torch.bfloat16, config=cfg)[0],
+                                  sets, reps=30 if M >= 4096 else 50, warmup=3)
+                    row = {"N": N, "K": K, "M": M, "cfg": list(c), "split": split, "ms": t["median_ms"]}
+                except Exception as exc:
+                    row = {"N": N, "K": K, "M": M, "cfg": list(c), "error": repr(exc)[:200]}
+                RESULTS["sweep"].append(row)
+                log(f"sweep {row}")
+        del sets
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------- 5. perplexity
+def perplexity_stage():
+    import copy
+
+    from lowbit.eval.corpus import calibration_batches, load_text, tokenize
+    from lowbit.eval.perplexity import perplexity
+    from lowbit.models.arch import decoder_layers
+    from lowbit.models.loading import load_model
+    from lowbit.nn.w4a8_int8 import W4A8INT8Linear
+
+    model, tok = load_model(None, device=DEV)
+    log("model loaded")
+    ids = tokenize(tok, load_text())
+    max_tokens = 8192 if not args.cpu_smoke else 256
+    ppl = {}
+    ppl["float32"] = perplexity(model, ids, max_tokens=max_tokens).perplexity
+    log(f"ppl float32 {ppl['float32']:.3f}")
+
+    def quantized(m, cls, **opt):
+        for v in decoder_layers(m):
+            for role, lin in v.linears().items():
+                v.set_linear(role, cls.from_linear(lin, **opt))
+        return m
+
+    variants = [("w4a8-int8 g128", lambda m: quantized(m, W4A8INT8Linear, group_size=128)),
+                ("w4a8-int8 per-channel", lambda m: quantized(m, W4A8INT8Linear, group_size=-1))]
+    batches = calibration_batches(tok, n_samples=8, seq_len=512)
+
+    def sq(m, alpha):
+        from lowbit.ptq.smoothquant import apply_smoothquant
+
+        apply_smoothquant(m, batches, alpha=alpha)
+        return quantized(m, W4A8INT8Linear, group_size=128)
+
+    def sa_sq(m):
+        from lowbit.ptq.smooth_attention import apply_smooth_attention
+
+        apply_smooth_attention(m, batches)
+        return sq(m, 0.5)
+
+    variants += [("w4a8-int8 g128 + SmoothQuant a=0.5", lambda m: sq(m, 0.5)),
+                 ("w4a8-int8 g128 + SmoothQuant a=0.3", lambda m: sq(m, 0.3)),
+                 ("w4a8-int8 g128 + SmoothAttention + SmoothQuant a=0.5", sa_sq)]
+    try:
+        from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
+
+        variants.append(("w4a8-fp8 g128 (FireQ linear, defaults)", lambda m: quantized(m, W4A8FP8Linear, group_size=128)))
+    except Exception as exc:
+        ppl["w4a8-fp8"] = f"not present: {exc}"[:100]
+    for name, fn in variants:
+        if left() < 6:
+            ppl[name] = "skipped: out of time"
+            continue
+        try:
+            m = fn(copy.deepcopy(model))
+            ppl[name] = perplexity(m, ids, max_tokens=max_tokens).perplexity
+            del m
+            log(f"ppl {name}: {ppl[name]:.3f}")
+        except Exception as exc:
+            ppl[name] = f"error: {type(exc).__name__}: {exc}"[:200]
+            traceback.print_exc()
+    RESULTS["perplexity"] = ppl
+    for k, v in ppl.items():
+        SUMMARY.append(f"ppl {k}: {v if isinstance(v, str) else f'{v:.3f}'}")
+
+
+def main():
+    rec = None
+    stages = [("correctness", correctness), ("ptx", ptx)]
+    for name, fn in stages:
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
+        dump()
+    if args.cpu_smoke:
+        perplexity_stage() if os.environ.get("SMOKE_PPL") else None
+        dump()
+        print("\n".join(SUMMARY))
+        return
+    from lowbit.bench import harness
+
+    rec = harness.Recorder("w4a8_int8", ceilings={})
+    try:
+        rec.ceilings = harness.measure_ceilings()
+        log(f"ceilings {rec.ceilings}")
+    except Exception:
+        traceback.print_exc()
+    try:
+        timings(rec)
+    except Exception:
+        traceback.print_exc()
+    rec.write(args.out, baseline="cublas-bf16")
+    ratios(rec)
+    dump()
+    for name, fn, need in (("perplexity", perplexity_stage, 25), ("sweep", sweep, 10)):
+        if name == "sweep" and args.no_sweep:
+            continue
+        if left() < need:
+            SUMMARY.append(f"{name}: skipped (out of time budget)")
+            continue
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
+        dump()
+    print("\n== summary (w4a8_int8)")
+    print("\n".join(SUMMARY), flush=True)
+
+
+main()

@@ -1,0 +1,341 @@
+"""``lowbit bench model``: whole-model throughput of a Llama-3-8B-shaped model (FireQ Table 1).
+
+The model is ``LlamaConfig`` with Llama-3-8B's shapes (hidden 4096, MLP 14336, 32 query / 8 KV
+heads of 128, vocab 128256, RoPE theta 500000) and random bf16 weights (no download). To fit the
+time and memory of one run it is built with ``layers`` decoder layers (2 by default) and every
+number is scaled to the real 32 layers with a second measurement of the same step with no
+decoder layer (embedding + final norm + ``lm_head``)::
+
+    t_32 = t_head + (32 / layers) * (t_layers - t_head)
+
+(decoder layers are identical in cost, so this is exact up to timing noise; the JSON keeps both
+raw times). Each row says how it was scaled.
+
+Providers, side by side in one process and on one GPU:
+
+- ``bf16``: the transformers modules in bf16 with SDPA attention, run by
+  ``lowbit.models.generate.Generator`` (prefill eager, decode under CUDA graphs over a static bf16
+  cache): the same runner as the recipes, so the ratio isolates the quantized pieces;
+- ``bf16-hf``: plain ``model(input_ids, logits_to_keep=1)`` of transformers (prefill only), a
+  check that the runner adds nothing;
+- one provider per recipe (``fireq``, ``qserve``, ``flute-nf4``, ``flute-nf3``,
+  ``int8-attention``) whose pieces are installed; when a recipe's KV or attention piece is
+  missing its linears are measured alone as ``<recipe>[linear]``, and the row says so.
+
+Prefill: batch 16 x seq {1024, 2048, 4096}, tokens/s = 16 * seq / t (only the last token of each
+request goes through ``lm_head``). Decode: one new token per request at batch {1, 16, 64} with the
+cache holding ``ctx`` tokens; tokens/s = batch / t. Memory: weights (every parameter and buffer,
+scaled to 32 layers) and KV cache bytes per token.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+FULL_LAYERS = 32
+RECIPES = ("fireq", "qserve", "flute-nf4", "flute-nf3", "int8-attention")
+BASELINE = "bf16"
+
+
+def build_model(layers: int = 2, *, seed: int = 0, device="cuda", dtype=torch.bfloat16):
+    """Random Llama-3-8B-shaped model with ``layers`` decoder layers (weights ~ N(0, 0.02))."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    cfg = LlamaConfig(num_hidden_layers=layers, attn_implementation="sdpa", **LLAMA3_8B)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        m = LlamaForCausalLM(cfg).to(dtype)
+    return m.eval()
+
+
+def _module_bytes(mod) -> int:
+    return sum(t.numel() * t.element_size() for t in list(mod.parameters()) + list(mod.buffers()))
+
+
+def weight_bytes(model, layers: int) -> dict:
+    """Bytes of the decoder layers (scaled to 32) and of everything else."""
+    inner = model.model
+    per_layer = _module_bytes(inner.layers) / max(1, len(inner.layers))
+    rest = _module_bytes(model) - _module_bytes(inner.layers)
+    return {"per_layer_bytes": per_layer, "other_bytes": rest, "total_bytes_32": rest + FULL_LAYERS * per_layer}
+
+
+def _scaled(t_layers: dict, t_head: dict, layers: int) -> dict:
+    f = FULL_LAYERS / layers
+    out = {}
+    for k in ("median_ms", "min_ms", "max_ms"):
+        out[k] = t_head["median_ms"] + f * (t_layers[k] - t_head["median_ms"])
+    out.update(reps=t_layers["reps"], input_sets=t_layers["input_sets"], raw_ms=t_layers["median_ms"],
+               head_ms=t_head["median_ms"], layers_measured=layers)
+    return out
+
+
+class _Deadline:
+    def __init__(self, seconds: float | None):
+        self.t_end = None if seconds is None else time.time() + seconds
+
+    def out(self) -> bool:
+        return self.t_end is not None and time.time() > self.t_end
+
+
+def _quantize(model, recipe: str, *, linear_only: bool = False):
+    import lowbit
+
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randint(0, vocab, (1, 128), generator=g) for _ in range(2)]
+    opts = dict(progress=False)
+    if linear_only:
+        opts.update(kv=None, attention=None)
+        if recipe == "fireq":
+            opts.update(rpn=False, crs=False, cas=False)  # CAS/RPN/CRS change no kernel: speed is the same
+    return lowbit.quantize_model(model, recipe, calibration=calib, **opts)
+
+
+def _prefill_fn(gen, B, S, vocab, dev):
+    ids = torch.randint(0, vocab, (B, S), device=dev)
+    lengths = torch.full((B,), S, device=dev)
+    return lambda: gen.prefill(ids, lengths)
+
+
+def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode_batches, decode_ctx,
+                     deadline: _Deadline, memory: dict, note: str | None = None, hf: bool = False) -> None:
+    from lowbit.bench.harness import time_cuda
+    from lowbit.models.generate import Generator
+
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    wb = weight_bytes(model, layers)
+    memory.setdefault(name, {}).update(weights=wb)
+    scale_note = f"measured with {layers} of 32 layers + head-only step, scaled to 32 layers"
+    full_note = scale_note + (f"; {note}" if note else "")
+    B = 16
+    for S in prefill_seqs:
+        case = {"phase": "prefill", "batch": B, "seq": S}
+        if deadline.out():
+            rec.record(case, name, None, note="skipped: time budget of this run")
+            continue
+        try:
+            times = {}
+            for nl in (layers, 0):
+                gen = Generator(model, max_batch=B, max_seq=S, layers=nl, cuda_graphs=False)
+                fn = _prefill_fn(gen, B, S, vocab, dev)
+                reps = 5 if S * B >= 32768 else 10
+                times[nl] = time_cuda(fn, [()], warmup=2, reps=reps, chunk=reps)
+                if nl == layers:
+                    kv_bytes = gen.cache.bytes()
+                    memory[name]["kv_bytes_per_token_32"] = kv_bytes / (B * gen.cache.smax) * FULL_LAYERS / max(1, nl)
+                    memory[name]["kv_format"] = gen.cache.name
+                del gen, fn
+            t = _scaled(times[layers], times[0], layers)
+            row = rec.record(case, name, t, note=full_note)
+            row["tokens_per_s"] = B * S / (t["median_ms"] * 1e-3)
+            if hf and S == prefill_seqs[0]:
+                _hf_prefill_row(rec, model, B, S, layers, deadline)
+        except Exception as exc:  # one failure must not stop the rest
+            rec.record(case, name, None, note=f"error: {type(exc).__name__}: {str(exc)[:300]}")
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+    for Bd in decode_batches:
+        for L in decode_ctx:
+            case = {"phase": "decode", "batch": Bd, "ctx": L}
+            if deadline.out():
+                rec.record(case, name, None, note="skipped: time budget of this run")
+                continue
+            try:
+                times = {}
+                graphs = True
+                for nl in (layers, 0):
+                    gen = Generator(model, max_batch=Bd, max_seq=L + 1, layers=nl)
+                    tok = torch.randint(0, vocab, (Bd,), device=dev)
+                    pos = torch.full((Bd,), L, device=dev)  # the cache holds L tokens, this one is L+1
+                    try:
+                        gen.decode(tok, pos)
+                    except Exception as exc:  # graph capture refused: measure eagerly and say so
+                        graphs = False
+                        print(f"[{name}] CUDA graph capture failed ({type(exc).__name__}: {exc}); eager decode")
+                        gen = Generator(model, max_batch=Bd, max_seq=L + 1, layers=nl, cuda_graphs=False)
+                    times[nl] = time_cuda(lambda: gen.decode(tok, pos), [()], warmup=3, reps=50)
+                    del gen
+                t = _scaled(times[layers], times[0], layers)
+                nt = full_note + ("" if graphs else "; EAGER decode (CUDA graph capture failed)")
+                row = rec.record(case, name, t, note=nt)
+                row["tokens_per_s"] = Bd / (t["median_ms"] * 1e-3)
+                row["cuda_graphs"] = graphs
+            except Exception as exc:
+                rec.record(case, name, None, note=f"error: {type(exc).__name__}: {str(exc)[:300]}")
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+
+
+def _hf_prefill_row(rec, model, B, S, layers, deadline):
+    from lowbit.bench.harness import time_cuda
+
+    ids = torch.randint(0, model.config.vocab_size, (B, S), device=next(model.parameters()).device)
+    t = time_cuda(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), [()], warmup=2, reps=5, chunk=5)
+    # no head-only variant for HF: scale the whole step linearly (upper bound on the true time)
+    f = FULL_LAYERS / layers
+    ts = {k: t[k] * f for k in ("median_ms", "min_ms", "max_ms")}
+    ts.update(reps=t["reps"], input_sets=1, raw_ms=t["median_ms"], layers_measured=layers)
+    row = rec.record({"phase": "prefill", "batch": B, "seq": S}, "bf16-hf", ts,
+                     note=f"transformers forward, {layers} layers, whole step x {f:g} (includes the head {f:g} times)")
+    row["tokens_per_s"] = B * S / (ts["median_ms"] * 1e-3)
+
+
+def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefill_seqs=None, decode_batches=None,
+        decode_ctx=None, time_budget_s: float | None = None, command: str | None = None) -> Path:
+    """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``."""
+    from lowbit.bench.harness import Recorder
+
+    prefill_seqs = prefill_seqs or ([1024, 4096] if quick else [1024, 2048, 4096])
+    decode_batches = decode_batches or [1, 16, 64]
+    decode_ctx = decode_ctx or ([1024, 8192] if quick else [1024, 2048, 4096, 8192])
+    rec = Recorder("model")
+    deadline = _Deadline(time_budget_s)
+    memory: dict = {}
+    rec.note(f"Llama-3-8B shapes, random bf16 weights, {layers} decoder layers measured and scaled to 32 "
+             "(t_32 = t_head + 32/layers * (t_layers - t_head)); prefill = 16 x seq tokens, lm_head on the last "
+             "token only; decode = one token per request with ctx tokens cached, CUDA graphs")
+    model = build_model(layers)
+    print("== bf16", flush=True)
+    measure_provider(rec, "bf16", model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
+                     decode_ctx=decode_ctx, deadline=deadline, memory=memory, hf=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    for r in recipes:
+        if deadline.out():
+            rec.note(f"{r}: skipped (time budget)")
+            continue
+        print(f"== {r}", flush=True)
+        model = build_model(layers)
+        t0 = time.time()
+        name, note = r, None
+        try:
+            _quantize(model, r)
+        except NotImplementedError as exc:
+            try:
+                del model
+                gc.collect()
+                model = build_model(layers)
+                _quantize(model, r, linear_only=True)
+                name, note = f"{r}[linear]", f"linears only ({exc})"
+            except Exception as exc2:
+                rec.note(f"{r}: not measured: {exc}; linear-only: {type(exc2).__name__}: {exc2}")
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
+        except Exception as exc:
+            traceback.print_exc()
+            rec.note(f"{r}: quantization failed: {type(exc).__name__}: {str(exc)[:300]}")
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        rec.note(f"{name}: quantized {layers} layers in {time.time() - t0:.1f} s")
+        measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
+                         decode_ctx=decode_ctx, deadline=deadline, memory=memory, note=note)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    path = rec.write(out_dir, baseline=BASELINE, command=command)
+    out = Path(out_dir)
+    (out / "model_memory.json").write_text(json.dumps(memory, indent=1))
+    summary = summarize(json.loads(path.read_text()), memory)
+    (out / "model_summary.md").write_text(summary)
+    try:
+        plot_throughput(json.loads(path.read_text()), memory, out / "model_throughput.png")
+    except Exception as exc:
+        print(f"plot failed: {exc}")
+    print(summary, flush=True)
+    return path
+
+
+def summarize(doc: dict, memory: dict) -> str:
+    """Markdown: tokens/s per provider and case, ratio to bf16, and memory."""
+    rows = [r for r in doc["rows"] if "tokens_per_s" in r]
+    provs = list(dict.fromkeys(r["provider"] for r in doc["rows"]))
+    cases = list(dict.fromkeys(tuple(r["case"].items()) for r in doc["rows"]))
+    cell = {(tuple(r["case"].items()), r["provider"]): r for r in rows}
+    lines = ["| case | " + " | ".join(provs) + " |", "|---|" + "---|" * len(provs)]
+    for c in cases:
+        base = cell.get((c, BASELINE))
+        vals = []
+        for p in provs:
+            r = cell.get((c, p))
+            if r is None:
+                vals.append("-")
+                continue
+            s = f"{r['tokens_per_s'] / 1e3:.1f}k"
+            if base is not None and p != BASELINE:
+                s += f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
+            vals.append(s)
+        lines.append("| " + " ".join(f"{k}={v}" for k, v in c) + " | " + " | ".join(vals) + " |")
+    lines += ["", "| provider | weights (GB, 32 layers) | KV bytes / token (32 layers) |", "|---|---|---|"]
+    for p, m in memory.items():
+        kv = m.get("kv_bytes_per_token_32")
+        lines.append(f"| {p} | {m['weights']['total_bytes_32'] / 1e9:.2f} | {kv:.0f} ({m.get('kv_format')}) |"
+                     if kv else f"| {p} | {m['weights']['total_bytes_32'] / 1e9:.2f} | - |")
+    return "tokens/s (ratio to bf16, same run)\n\n" + "\n".join(lines) + "\n"
+
+
+def plot_throughput(doc: dict, memory: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in doc["rows"] if "tokens_per_s" in r]
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    for ax, phase in zip(axes[:2], ("prefill", "decode")):
+        cases = list(dict.fromkeys(tuple(r["case"].items()) for r in rows if r["case"]["phase"] == phase))
+        w = 0.8 / max(1, len(provs))
+        for j, p in enumerate(provs):
+            ys = []
+            for c in cases:
+                r = next((r for r in rows if tuple(r["case"].items()) == c and r["provider"] == p), None)
+                ys.append(r["tokens_per_s"] if r else 0)
+            ax.bar([i + j * w for i in range(len(cases))], ys, w, label=p)
+        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(cases))])
+        ax.set_xticklabels([" ".join(f"{k}={v}" for k, v in c if k != "phase") for c in cases], rotation=60, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens/s (32-layer equivalent)")
+        ax.set_title(f"{phase}, Llama-3-8B shapes")
+        ax.legend(fontsize=6)
+    ax = axes[2]
+    names = list(memory)
+    ax.bar(range(len(names)), [memory[n]["weights"]["total_bytes_32"] / 1e9 for n in names])
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=60, fontsize=7)
+    ax.set_ylabel("weights GB (32 layers)")
+    ax.set_title("memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """Entry of ``lowbit bench model`` (argparse namespace with ``out``, ``quick``)."""
+    import sys
+
+    from lowbit.bench import harness
+
+    if not torch.cuda.is_available():
+        print("lowbit bench model needs a CUDA GPU (none found).", file=sys.stderr)
+        return 2
+    out = getattr(args, "out", None) or f"benchmarks/results/{harness.gpu_slug()}"
+    layers = getattr(args, "layers", None) or 2
+    run(out, quick=bool(getattr(args, "quick", False)), layers=layers, command=" ".join(sys.argv))
+    return 0

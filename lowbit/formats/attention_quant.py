@@ -1,0 +1,218 @@
+"""Quantized prefill attention: the ONE reference of its operand formats and of its numerics.
+
+Operand formats (every tensor keeps the attention layout ``[B, H, S, D]``)
+--------------------------------------------------------------------------
+``Q``, ``K``: symmetric, one scale per token per head (INT-FlashAttention §3.2, FireQ App. D)::
+
+    codes  int8 or float8_e4m3fn [B, H, S, D]
+    scale  float32 [B, H, S]          scale = max(amax, AMAX_EPS) / qmax  (lowbit.formats.common)
+
+``V`` (INT8 or FP8 E4M3), one scale per channel per block of ``v_block`` tokens::
+
+    codes  [B, H, S, D]
+    scale  float32 [B, H, cdiv(S, v_block), D]
+
+  ``v_granularity="block"`` (default; the authors' stated future work, and what their CUDA code
+  does): amax over the ``v_block`` tokens of each channel. ``"tensor"`` (the paper's Algorithm 1):
+  one amax per (batch, head) over all tokens and channels, written into every entry so both share
+  one layout. A per-channel scale factors out of the sum over tokens in ``P V``, so the kernel
+  multiplies the ``[BLOCK_M, D]`` block product once per KV block (``BLOCK_N`` divides ``v_block``).
+
+``P`` (the softmax numerator, always taken against the **running** row max ``m``, Algorithm 1):
+
+* INT8 (``mode="int8"``): ``P = round(127 * exp(S - m))`` in [0, 127], i.e. the fixed scale
+  S_P = 1/R with R = 127 (the paper's "R = 256" in §3.2 would overflow INT8; the digest §1.3).
+  Rounding is to nearest even (the fp32 adder with 1.5*2^23, as everywhere in lowbit).
+  ``l`` is summed from the **quantized** P (Algorithm 1 line 13; their Triton code sums the
+  float P instead): numerator and denominator then carry the same rounding and the factor R
+  cancels in O = acc / l.
+* FP8 (``mode="fp8"``): ``P = fp8(256 * exp(S - m))``: 256 = 2^8 is exact, keeps P <= 256 < 448
+  (no overflow, the running max makes exp(S - m) <= 1), and moves the small probabilities out of
+  E4M3's subnormal range (down to 2^-17 of the row max instead of 2^-9). ``l`` is summed from the
+  fp32 P (as FlashAttention-3); the 256 cancels in O = acc / l.
+* ``mode="int8-qk"`` (half-INT8): P in the input's 16-bit float dtype, V unquantized.
+* ``mode="fp8-kv4"``: K and V are KV4 (``lowbit.formats.kv4``: INT4 codes, per-token FP8 scales).
+  The INT4 codes are exact in FP8; the K scale multiplies the columns of S; the per-token V scale
+  cannot leave the sum over tokens, so it is folded into P as ``P * (s_v / max_block(s_v))``
+  (still <= 256) and the block max multiplies the block product.
+
+Scores use log2 units: ``S2 = (q_code . k_code) * (q_scale * sm_scale * log2(e)) * k_scale`` and
+``exp2``; the 1/sqrt(d) temperature, absent from INT-FlashAttention's equations, is folded into
+the Q scale. ``attention_quant_ref`` below replays the kernel's block loop in float32 (same block
+size, same running max, same roundings), so the kernel must match it to accumulation order.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowbit.formats.common import FP8_E4M3, FP8_E4M3_MAX, INT8_MAX, QMAX, quantize_per_token, round_to, safe_scale
+
+__all__ = [
+    "MODES", "V_BLOCK", "P_SCALE_FP8", "P_SCALE_INT8", "LOG2E",
+    "quantize_qk", "quantize_v", "dequantize_v", "quantize_p_int8", "quantize_p_fp8",
+    "quantize_qkv", "attention_quant_ref", "mre",
+]
+
+MODES = ("fp8", "int8", "int8-qk", "fp8-kv4")
+V_BLOCK = 128  # tokens per V scale block (default)
+P_SCALE_FP8 = 256.0  # P in FP8 is stored as 256 * exp(S - m)  (2^8: exact, <= 448)
+P_SCALE_INT8 = INT8_MAX  # R = 127
+LOG2E = 1.4426950408889634
+_RNE_MAGIC = 12582912.0  # 1.5 * 2^23
+
+
+def _code_dtype(mode: str) -> torch.dtype:
+    return torch.int8 if mode in ("int8", "int8-qk") else FP8_E4M3
+
+
+def quantize_qk(x: torch.Tensor, dtype: torch.dtype):
+    """Per token per head: x [..., S, D] -> (codes [..., S, D], scale float32 [..., S])."""
+    return quantize_per_token(x, dtype)
+
+
+def quantize_v(v: torch.Tensor, dtype: torch.dtype, *, granularity: str = "block", block: int = V_BLOCK):
+    """V [B, H, S, D] -> (codes [B, H, S, D], scale float32 [B, H, cdiv(S, block), D]).
+
+    ``granularity``: ``"block"`` (per channel per ``block`` tokens) or ``"tensor"`` (per batch and
+    head, the paper's S_V, broadcast into the same layout).
+    """
+    if granularity not in ("block", "tensor"):
+        raise ValueError(f"v_granularity must be 'block' or 'tensor', got {granularity!r}")
+    if dtype not in QMAX:
+        raise ValueError(f"dtype must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
+    if block <= 0:
+        raise ValueError(f"v_block must be positive, got {block}")
+    B, H, S, D = v.shape
+    nb = -(-S // block)
+    vf = v.float()
+    pad = nb * block - S
+    vp = torch.nn.functional.pad(vf, (0, 0, 0, pad)) if pad else vf
+    amax = vp.abs().reshape(B, H, nb, block, D).amax(dim=3)  # [B, H, nb, D]
+    if granularity == "tensor":
+        amax = amax.amax(dim=(2, 3), keepdim=True).expand(B, H, nb, D)
+    scale = safe_scale(amax, QMAX[dtype]).contiguous()
+    full = scale.repeat_interleave(block, dim=2)[:, :, :S]
+    return round_to(vf / full, dtype), scale
+
+
+def dequantize_v(codes: torch.Tensor, scale: torch.Tensor, *, block: int = V_BLOCK) -> torch.Tensor:
+    S = codes.shape[2]
+    return codes.float() * scale.repeat_interleave(block, dim=2)[:, :, :S]
+
+
+def quantize_p_int8(p127: torch.Tensor) -> torch.Tensor:
+    """``p127 = 127 * exp(S - m)`` in [0, 127] (fp32) -> the rounded values (fp32 integers)."""
+    return (p127 + _RNE_MAGIC) - _RNE_MAGIC
+
+
+def quantize_p_fp8(p256: torch.Tensor) -> torch.Tensor:
+    """``p256 = 256 * exp(S - m)`` in [0, 256] -> FP8 E4M3 (RNE; never clips: 256 < 448)."""
+    return p256.to(FP8_E4M3)
+
+
+def quantize_qkv(q, k, v, *, mode: str, v_granularity: str = "block", v_block: int = V_BLOCK):
+    """Quantize the three operands as the kernels do. Returns a dict of codes and scales."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    dt = _code_dtype(mode)
+    qc, qs = quantize_qk(q, dt)
+    out = {"mode": mode, "q": qc, "q_scale": qs, "v_block": v_block}
+    if mode == "fp8-kv4":
+        from lowbit.formats.kv4 import quantize_kv4
+
+        out["k"], out["k_scale"], _ = quantize_kv4(k)
+        out["v"], out["v_scale"], _ = quantize_kv4(v)
+        return out
+    out["k"], out["k_scale"] = quantize_qk(k, dt)
+    if mode == "int8-qk":
+        out["v"], out["v_scale"] = v, None
+    else:
+        out["v"], out["v_scale"] = quantize_v(v, dt, granularity=v_granularity, block=v_block)
+    return out
+
+
+def _expand(t: torch.Tensor, hq: int) -> torch.Tensor:
+    rep = hq // t.shape[1]
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int = 128,
+                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Replay the kernel's numerics in float32 on operands from ``quantize_qkv``.
+
+    Loop over KV blocks of ``block_n`` keys with the running max ``m``, ``alpha = exp2(m_old - m)``,
+    P quantized per ``mode`` (module docstring), ``acc = acc * alpha + (P V_block) * v_scale`` and
+    O = acc / l. Returns ``[B, Hq, Sq, D]`` in ``out_dtype``.
+    """
+    mode = qq["mode"]
+    qc, qs = qq["q"], qq["q_scale"]
+    B, Hq, Sq, D = qc.shape
+    if mode == "fp8-kv4":
+        from lowbit.formats.int4 import unpack_int4
+
+        kf = unpack_int4(qq["k"], signed=True).float()
+        vf = unpack_int4(qq["v"], signed=True).float()
+        ks = qq["k_scale"].float()
+        vtok = _expand(qq["v_scale"].float(), Hq)
+    else:
+        kf, ks = qq["k"].float(), qq["k_scale"].float()
+        vf = qq["v"].float()
+        if mode == "int8-qk":
+            vf = qq["v"]  # 16-bit float
+    Skv = kf.shape[2]
+    kf, ks, vf = _expand(kf, Hq), _expand(ks, Hq), _expand(vf, Hq)
+    vsc = _expand(qq["v_scale"], Hq) if mode in ("fp8", "int8") else None
+    v_block = qq.get("v_block", V_BLOCK)
+    if mode in ("fp8", "int8") and v_block % block_n:
+        raise ValueError(f"block_n ({block_n}) must divide v_block ({v_block})")
+    qk_scale = (qs.float() * (sm_scale * LOG2E)).unsqueeze(-1)  # [B, H, Sq, 1]
+    dots = torch.matmul(qc.float(), kf.transpose(-1, -2))  # exact for int8 codes (|sum| < 2^24)
+    s2 = dots * ks.unsqueeze(-2) * qk_scale
+    if causal:
+        i = torch.arange(Sq, device=qc.device).unsqueeze(1)
+        j = torch.arange(Skv, device=qc.device).unsqueeze(0)
+        s2 = s2.masked_fill(j > i + (Skv - Sq), float("-inf"))
+    m = torch.full((B, Hq, Sq), float("-inf"), device=qc.device)
+    l = torch.zeros((B, Hq, Sq), device=qc.device)
+    acc = torch.zeros((B, Hq, Sq, D), device=qc.device)
+    for n0 in range(0, Skv, block_n):
+        s = s2[..., n0:n0 + block_n]
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp2(m - m_use)
+        vb = vf[:, :, n0:n0 + block_n]
+        if mode == "int8":
+            p = quantize_p_int8(torch.exp2(s - (m_use - math.log2(P_SCALE_INT8)).unsqueeze(-1)))
+            l = l * alpha + p.sum(-1)
+            pv = torch.matmul(p, vb) * vsc[:, :, n0 // v_block].unsqueeze(-2)
+        elif mode == "fp8":
+            p = torch.exp2(s - (m_use - 8.0).unsqueeze(-1))
+            l = l * alpha + p.sum(-1)
+            pv = torch.matmul(quantize_p_fp8(p).float(), vb) * vsc[:, :, n0 // v_block].unsqueeze(-2)
+        elif mode == "fp8-kv4":
+            p = torch.exp2(s - (m_use - 8.0).unsqueeze(-1))
+            l = l * alpha + p.sum(-1)
+            sv = vtok[..., n0:n0 + block_n]
+            svmax = sv.amax(dim=-1, keepdim=True).clamp_min(1e-30)
+            r = sv * (1.0 / svmax)
+            pv = torch.matmul(quantize_p_fp8(p * r.unsqueeze(-2)).float(), vb) * svmax.unsqueeze(-1)
+        else:  # int8-qk
+            p = torch.exp2(s - m_use.unsqueeze(-1))
+            l = l * alpha + p.sum(-1)
+            pv = torch.matmul(p.to(vb.dtype).float(), vb.float())
+        acc = acc * alpha.unsqueeze(-1) + pv
+        m = m_new
+    return (acc / l.unsqueeze(-1)).to(out_dtype)
+
+
+def mre(out: torch.Tensor, ref: torch.Tensor, *, last: int | None = None, eps: float = 1e-5) -> float:
+    """INT-FlashAttention's mean relative error ``mean(|out - ref| / (|ref| + eps))``.
+
+    ``last=None`` averages over all elements (lowbit's choice); their script used ``last=4``.
+    """
+    o, r = out.double().reshape(-1), ref.double().reshape(-1)
+    if last is not None:
+        o, r = o[-last:], r[-last:]
+    return ((o - r).abs() / (r.abs() + eps)).mean().item()

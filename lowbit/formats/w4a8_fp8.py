@@ -1,0 +1,169 @@
+"""W4A8-FP (FireQ §3.1): INT4 weights with FP8 E4M3 group scales, FP8 E4M3 per-token activations.
+
+This file is THE reference of the format: quantize, pack, dequantize and the float64 matmul that
+the Triton kernel (``lowbit.kernels.w4a8_fp8_gemm``) must reproduce.
+
+Weights ``W [N, K]`` (N = out_features, K = in_features), after CAS and PTS (``lowbit.ptq``)::
+
+    W'    = W * delta                             delta = 2^n (PTS, FireQ Def. 3.2; n = 0 without)
+    amax  = max |W'| over a group of ``group_size`` consecutive input channels of one output row
+    sigma = FP8_E4M3( max(amax, AMAX_EPS) / 7 )   RNE, clamped to 448; a sigma that underflows to
+                                                  0 (amax < 7 * 2^-10) zeroes its group (FireQ
+                                                  Lemma B.1) -- codes 0, never 0/0
+    q     = clamp(round_half_even(W' / sigma), -8, 7)   divided by the *FP8-rounded* sigma, so the
+                                                  rounding of sigma is compensated in q; -8 occurs
+                                                  only when sigma was rounded down
+    Weff  = FP8_E4M3(q * sigma)                   the dequantized weight is the FP8 rounding of
+                                                  q*sigma: FireQ's lookup table holds FP8(q*sigma)
+                                                  (16 entries per group), so the kernel multiplies
+                                                  FP8 x FP8 on the tensor cores. q*sigma has up to
+                                                  7 significant bits, E4M3 keeps 4: the rounding is
+                                                  part of the format, not a kernel error.
+
+Activations: ``xq, sx = quantize_per_token(x, FP8_E4M3)`` (``lowbit.formats.common``).
+
+Output::
+
+    y[m, n] = sx[m] * delta^-1 * sum_k xq[m, k] * Weff[n, k]  (+ bias[n])     (FP32 accumulation)
+
+Storage (every field a tensor; ``Kp = ceil(K / 128) * 128``):
+
+- ``codes`` uint8 ``[N, Kp / 2]``: offset-binary nibbles ``u = q + 8`` in [0, 15], packed by
+  ``lowbit.formats.int4.pack_int4`` after an offline column reorder inside each 128-column block:
+  byte ``b*64 + i`` holds column ``b*128 + i`` in its low nibble and column ``b*128 + 64 + i`` in its
+  high nibble. The kernel unpacks a 64-byte row chunk into the two 64-wide halves of its K=128 tile
+  with one AND and one shift, no interleaving shuffle. Columns K..Kp-1 are padding (code 8 = 0).
+- ``scales`` float8_e4m3fn ``[N, ceil(K / group_size)]``: sigma per (row, group).
+- ``inv_delta`` float32 scalar ``[]``: 2^-n, applied in the epilogue.
+
+K that is not a multiple of ``group_size``: the last group of each row is shorter (its sigma comes
+from its real columns only) and the code storage is zero-padded to the 128-column block. This is
+exact (padding codes dequantize to 0 and the kernel masks activations beyond K) and costs at most
+127 columns of storage per row (K=576: 640 stored, 10%); picking a smaller group per layer instead
+would change the numerics of that layer, so we pad. ``group_size`` in {32, 64, 128}.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token
+from lowbit.formats.int4 import pack_int4, unpack_int4
+
+GROUP_SIZES = (32, 64, 128)
+PACK_BLOCK = 128  # columns per reorder block (= the kernel's BLOCK_K)
+
+
+def padded_k(k: int) -> int:
+    return -(-k // PACK_BLOCK) * PACK_BLOCK
+
+
+def num_groups(k: int, group_size: int) -> int:
+    return -(-k // group_size)
+
+
+def _check_group(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+
+
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest FP8 E4M3 value (ties to even, clamped to +-448), returned as float32."""
+    return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3).float()
+
+
+def _reorder(codes: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] -> [N, Kp] with columns of each 128-block interleaved (i, 64 + i) for pack_int4."""
+    n, kp = codes.shape
+    c = codes.reshape(n, kp // PACK_BLOCK, 2, PACK_BLOCK // 2)
+    return c.transpose(-1, -2).reshape(n, kp)
+
+
+def _unreorder(codes: torch.Tensor) -> torch.Tensor:
+    n, kp = codes.shape
+    c = codes.reshape(n, kp // PACK_BLOCK, PACK_BLOCK // 2, 2)
+    return c.transpose(-1, -2).reshape(n, kp)
+
+
+def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
+    """``w [N, K]`` float -> (codes uint8 [N, Kp/2], scales fp8 [N, G], inv_delta fp32 []).
+
+    ``pts_exp`` is PTS's n (delta = 2^n), see ``lowbit.ptq.pts``. CAS, if any, is already folded
+    into ``w``. Returns tensors on w's device.
+    """
+    _check_group(group_size)
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [N, K], got shape {tuple(w.shape)}")
+    if not torch.isfinite(w).all():
+        raise ValueError("w has NaN or Inf entries")
+    n, k = w.shape
+    g = num_groups(k, group_size)
+    kg = g * group_size
+    wf = w.float() * (2.0 ** pts_exp)
+    wg = torch.nn.functional.pad(wf, (0, kg - k)).reshape(n, g, group_size)
+    amax = wg.abs().amax(-1)
+    sigma = fp8_round(amax.clamp_min(AMAX_EPS) / INT4_MAX)  # [N, G], may be 0 (underflow)
+    safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
+    q = torch.round(wg / safe.unsqueeze(-1)).clamp(-8, 7)
+    q = torch.where(sigma.unsqueeze(-1) > 0, q, torch.zeros_like(q))
+    q = q.reshape(n, kg)[:, :k]
+    u = torch.full((n, padded_k(k)), 8, dtype=torch.int16, device=w.device)
+    u[:, :k] = q.to(torch.int16) + 8
+    codes = pack_int4(_reorder(u))
+    return codes, sigma.to(FP8_E4M3), torch.tensor(2.0 ** -pts_exp, dtype=torch.float32, device=w.device)
+
+
+def unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """codes uint8 [N, Kp/2] -> signed int8 q [N, K] (undoes the reorder and offset)."""
+    u = unpack_int4(codes, signed=False)
+    return (_unreorder(u.to(torch.int16)) - 8)[:, :k].to(torch.int8)
+
+
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int = 128) -> torch.Tensor:
+    """Weff = FP8(q * sigma) as float32 [N, K] (without delta^-1)."""
+    _check_group(group_size)
+    q = unpack_codes(codes, k).float()
+    sig = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
+    return fp8_round(q * sig)
+
+
+def reference_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float,
+                   k: int, group_size: int = 128, bias: torch.Tensor | None = None, *,
+                   residual: torch.Tensor | None = None, silu_mul: bool = False,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The float64 reference of the kernel for pre-quantized activations ``xq [M, K]`` fp8,
+    ``sx [M]`` fp32. Returns ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``.
+
+    ``silu_mul``: the weight rows are interleaved (gate_0, up_0, gate_1, up_1, ...) and the output
+    is ``silu(gate) * up``, each of gate, up, silu(gate) and the product rounded to ``out_dtype``
+    like the eager model. ``residual`` (shaped like the output) is added last, in ``out_dtype``.
+    """
+    w = dequantize_weight(codes, scales, k, group_size).double()
+    y = (xq.double() @ w.t()) * sx.double().unsqueeze(-1) * float(inv_delta)
+    if bias is not None:
+        y = y + bias.double()
+    dt = out_dtype
+    if silu_mul:
+        g, u = y[..., 0::2].to(dt).float(), y[..., 1::2].to(dt).float()
+        y = torch.nn.functional.silu(g).to(dt).float() * u
+    y = y.to(dt)
+    if residual is not None:
+        y = (y.float() + residual.float()).to(dt)
+    return y
+
+
+def reference_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta, k: int,
+                     group_size: int = 128, bias: torch.Tensor | None = None, *,
+                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """``x [..., K]`` -> ``[..., N]`` in x.dtype: FP8 per-token quantization of x, then
+    ``reference_gemm``."""
+    lead = x.shape[:-1]
+    xq, sx = quantize_per_token(x.reshape(-1, x.shape[-1]), FP8_E4M3)
+    res = None if residual is None else residual.reshape(xq.shape[0], -1)
+    y = reference_gemm(xq, sx, codes, scales, float(inv_delta), k, group_size, bias, residual=res,
+                       silu_mul=silu_mul, out_dtype=x.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[N, ...] and [N, ...] -> [2N, ...] with rows (a_0, b_0, a_1, b_1, ...) (fused gate_up)."""
+    return torch.stack((a, b), dim=1).reshape(2 * a.shape[0], *a.shape[1:])

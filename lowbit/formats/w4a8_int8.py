@@ -1,0 +1,178 @@
+"""QoQ progressive group quantization (QServe §4, W4A8): the one reference of the ``w4a8-int8`` format.
+
+Two levels, both integer below the per-channel scale (seed 003, digest part 1.3):
+
+Level 1, per output channel ``n``, symmetric INT8 with the *protective range* [-119, 119]::
+
+    s1[n] = max(max_k |W[n, k]|, AMAX_EPS) / 119          (float32, ``lowbit.formats.common`` rule)
+    q8[n, k] = clamp(round(W[n, k] / s1[n]), -119, 119)
+
+Level 2, per group ``g`` of ``group_size`` consecutive k (or one group per row: per-channel),
+asymmetric UINT4 of that INT8 weight with an *integer* scale and an integer zero point::
+
+    lo = min(min_g q8, 0),  hi = max(max_g q8, 0)          (the range always contains 0)
+    s2[n, g] = max(ceil((hi - lo) / 15), 1)                 integer in [1, 16]
+    z[n, g]  = round(-lo / s2)                              integer in [0, 15]
+    q4[n, k] = clamp(round(q8 / s2) + z, 0, 15)
+
+Runtime dequantization UINT4 -> INT8 ("subtraction after multiplication", precomputed z*s2)::
+
+    w8[n, k] = q4 * s2 - zs,     zs[n, g] = z * s2  (integer in [0, 240])
+
+and the GEMM is a plain W8A8 one: ``y[m, n] = (sum_k x8[m, k] * w8[n, k]) * sx[m] * s1[n]``
+(INT8 x INT8 products, INT32 accumulation, scales in the epilogue only).
+
+Why 119 (the digest's reasoning, made exact here and tested in ``tests/test_w4a8_int8_format.py``):
+a group's range is at most 119 - (-119) = 238, so s2 <= ceil(238 / 15) = 16 and the level-2
+rounding error is at most s2 / 2 = 8. An unclamped code reconstructs ``round(q8 / s2) * s2``, within
+8 of ``q8`` in [-119, 119], so inside [-127, 127]; a code clamped to 15 (or 0) reconstructs a value
+*closer to zero* than that. Hence ``w8`` never leaves [-127, 127] (INT8, and the symmetric INT8
+range the activations use), and ``q4 * s2 <= 15 * 16 = 240 < 256`` fits one unsigned byte, which is
+what lets QServe's kernel dequantize four lanes of a 32-bit register at once without carries.
+With the full range 127 the same bound would reach 135 and overflow INT8.
+
+Decisions where the sources leave room (each has a test):
+- ``s2`` rounds *up* (ceil): the group's [lo, hi] always fits in 15 steps, so no code is clipped
+  by the scale (round-to-nearest would clip up to 7 INT8 units of a group of range 22).
+- the group range is widened to contain 0, so ``z`` fits UINT4 and all-zero groups give
+  s2 = 1, z = 0, codes 0 and dequantize to exactly 0.
+- K not a multiple of the group (or odd): the weight is padded with zero columns up to a multiple
+  of ``group_size`` (of 2 for per-channel); the padded columns are zero weights, the activation
+  is never padded (kernels mask k >= K), ``in_features`` keeps the true K.
+
+Stored fields (all plain tensors, row = output channel ``n``, layout ``[N, ...]``):
+
+========== ======================== ======== =====================================================
+name       shape                    dtype    meaning
+========== ======================== ======== =====================================================
+qweight    [N, Kp / 2]              uint8    q4, two codes per byte along k (``lowbit.formats.int4``:
+                                             k = 2i low nibble, k = 2i + 1 high nibble)
+wscale     [N]                      float32  s1, per-channel level-1 scale
+gscale     [N, Kp / group_size]     uint8    s2 in [1, 16]
+gzs        [N, Kp / group_size]     uint8    zs = z * s2 in [0, 240] (z = gzs / gscale)
+========== ======================== ======== =====================================================
+
+``Kp`` = K padded as above; per-channel (``group_size=-1``) has one group of Kp columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.formats.common import safe_scale
+from lowbit.formats.int4 import pack_int4, unpack_int4
+
+PROTECTIVE_RANGE = 119  # level-1 INT8 range [-119, 119]; see module docstring for why
+UINT4_MAX = 15
+GSCALE_MAX = 16  # ceil(2 * 119 / 15)
+
+
+@dataclass
+class QoQWeight:
+    """The quantized weight of one linear layer (fields: see module docstring)."""
+
+    qweight: torch.Tensor
+    wscale: torch.Tensor
+    gscale: torch.Tensor
+    gzs: torch.Tensor
+    in_features: int
+    group_size: int  # -1 = per-channel
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.qweight.shape[1] * 2
+
+    @property
+    def effective_group_size(self) -> int:
+        return self.padded_in_features if self.group_size == -1 else self.group_size
+
+
+def padded_k(k: int, group_size: int) -> int:
+    """K rounded up to a multiple of ``group_size`` (per-channel ``-1``: of 2)."""
+    mult = 2 if group_size == -1 else group_size
+    return -(-k // mult) * mult
+
+
+def check_group_size(group_size: int) -> int:
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size != -1 and (group_size < 2 or group_size % 2):
+        raise ValueError(f"group_size must be -1 (per-channel) or an even int >= 2, got {group_size}")
+    return group_size
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 1: w [N, K] float -> (q8 int16 [N, K] in [-119, 119], s1 float32 [N])."""
+    wf = w.float()
+    s1 = safe_scale(wf.abs().amax(dim=1), PROTECTIVE_RANGE)
+    q8 = torch.round(wf / s1[:, None]).clamp(-PROTECTIVE_RANGE, PROTECTIVE_RANGE).to(torch.int16)
+    return q8, s1
+
+
+def quantize_uint4_groups(q8: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Level 2: q8 [N, Kp] integers (Kp a multiple of the group) -> (q4 uint8 [N, Kp],
+    s2 uint8 [N, G], zs uint8 [N, G]); integer arithmetic only."""
+    N, Kp = q8.shape
+    g = Kp if group_size == -1 else group_size
+    x = q8.to(torch.int32).reshape(N, Kp // g, g)
+    lo = x.amin(-1).clamp(max=0)
+    hi = x.amax(-1).clamp(min=0)
+    s2 = ((hi - lo + UINT4_MAX - 1) // UINT4_MAX).clamp(min=1)  # ceil((hi - lo) / 15), >= 1
+    # z = round(-lo / s2) with round-half-even, in integers: -lo / s2 is exact as a float64 ratio
+    z = torch.round(-lo.double() / s2.double()).to(torch.int32)
+    q = torch.round(x.double() / s2[..., None].double()).to(torch.int32) + z[..., None]
+    q4 = q.clamp(0, UINT4_MAX).to(torch.uint8).reshape(N, Kp)
+    return q4, s2.to(torch.uint8), (z * s2).to(torch.uint8)
+
+
+def quantize(w: torch.Tensor, group_size: int = 128) -> QoQWeight:
+    """Progressive group quantization of a linear weight ``w`` [N, K] (float)."""
+    check_group_size(group_size)
+    if w.ndim != 2:
+        raise ValueError(f"w must be 2-D [out_features, in_features], got shape {list(w.shape)}")
+    if not w.is_floating_point():
+        raise TypeError(f"w must be a float tensor, got {w.dtype}")
+    N, K = w.shape
+    q8, s1 = quantize_int8_per_channel(w)
+    Kp = padded_k(K, group_size)
+    if Kp != K:
+        q8 = torch.nn.functional.pad(q8, (0, Kp - K))
+    q4, s2, zs = quantize_uint4_groups(q8, group_size)
+    return QoQWeight(pack_int4(q4), s1, s2, zs, K, group_size)
+
+
+def dequantize_int8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor,
+                    in_features: int | None = None) -> torch.Tensor:
+    """The runtime INT8 weight ``w8 = q4 * s2 - zs`` as int8 [N, in_features] (all of Kp if None)."""
+    q4 = unpack_int4(qweight, signed=False).to(torch.int32)
+    N, Kp = q4.shape
+    G = gscale.shape[1]
+    g = Kp // G
+    w8 = q4.reshape(N, G, g) * gscale.to(torch.int32)[..., None] - gzs.to(torch.int32)[..., None]
+    w8 = w8.reshape(N, Kp)
+    if in_features is not None:
+        w8 = w8[:, :in_features]
+    return w8.to(torch.int8)
+
+
+def dequantize(qw: QoQWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The effective float weight ``w8 * s1`` [N, K]."""
+    w8 = dequantize_int8(qw.qweight, qw.gscale, qw.gzs, qw.in_features)
+    return (w8.float() * qw.wscale[:, None]).to(dtype)
+
+
+def gemm_ref(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+             gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Reference of the W4A8 INT8 GEMM, same numerics as the kernel.
+
+    xq int8 [M, K], xscale fp32 [M] -> out_dtype [M, N]: the INT8 dot is exact (computed in
+    float64, |acc| <= 127 * 127 * K < 2^53), then ``float32(acc) * xscale[m] * wscale[n] (+ bias)``.
+    """
+    K = xq.shape[-1]
+    w8 = dequantize_int8(qweight, gscale, gzs, K)
+    acc = (xq.double() @ w8.double().t()).float()
+    y = acc * xscale.float()[:, None] * wscale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)

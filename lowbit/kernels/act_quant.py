@@ -1,0 +1,185 @@
+"""Per-token activation quantization (FP8 E4M3 or INT8) in one Triton kernel, optionally fused
+with the op that produces the activation (FireQ §3.1 "re-quantization on CUDA cores").
+
+Math (per row ``m`` of ``v``, the value to quantize; the numerics of
+``lowbit.formats.common.quantize_per_token``)::
+
+    amax_m  = max_k |v[m, k]|                    (fp32)
+    scale_m = max(amax_m, AMAX_EPS) / QMAX       (fp32; QMAX = 448 for FP8 E4M3, 127 for INT8)
+    q[m, k] = cast(clamp(v[m, k] / scale_m, -QMAX, QMAX))   FP8: RNE cast; INT8: round half-even
+
+The division is IEEE round-to-nearest (``tl.div_rn``), not ``x * (1/scale)``, so the kernel agrees
+with the PyTorch reference bit for bit.
+
+``v`` is, by the constexpr flag ``FUSE``:
+
+- ``0`` plain: ``v = x``;
+- ``1`` RMSNorm (HF Llama numerics): ``h = (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype)``,
+  ``v = (w * h).to(dtype)``, i.e. ``quantize(LlamaRMSNorm(x))``;
+- ``2`` SiLU-mul: ``v = (silu(g).to(dtype) * u).to(dtype)``, i.e. ``quantize(act(gate) * up)``
+  as HF's ``LlamaMLP`` computes it before ``down_proj``.
+
+Layout: rows are the flattened leading dims (row stride given, last dim contiguous); any K (not
+only powers of two) and any number of rows. One program per row. A row of up to ``_SINGLE_MAX``
+elements is held in registers (one read of HBM); longer rows are walked in chunks (the second and
+third walks hit L2). Output: q ``[M, K]`` (dtype), scale ``[M]`` float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import check_tensor
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
+
+_SINGLE_MAX = 16384  # largest row held in registers in one piece
+
+
+@triton.jit
+def _fused_value(X, G, W, offs, mask, rstd, FUSE: tl.constexpr):
+    """The value to quantize at ``offs`` of one row, in fp32 (rounded like the eager model)."""
+    # Products of two fp16/bf16 values are exact in fp32, so "multiply in fp32, round to the input
+    # dtype" equals the eager half-precision multiply (and the interpreter, which has no bf16
+    # arithmetic, gets it right too).
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if FUSE == 1:
+        w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+        h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+        v = (w * h).to(x.dtype).to(tl.float32)
+    elif FUSE == 2:
+        u = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        a = (xf / (1.0 + tl.exp(-xf))).to(x.dtype).to(tl.float32)
+        v = (a * u).to(x.dtype).to(tl.float32)
+    else:
+        v = x.to(tl.float32)
+    return v
+
+
+@triton.jit
+def round_to_fp8_e4m3(y):
+    """fp32 ``y`` (already within +-448) rounded to the nearest E4M3 value (ties to even), as fp32.
+
+    The E4M3 spacing near ``y`` is ``u = 2^(max(e, -6) - 3)`` (e = binary exponent of y; -6 is the
+    smallest normal exponent, below it the subnormal spacing 2^-9); adding and subtracting
+    ``1.5 * 2^23 * u`` makes the fp32 adder round to a multiple of ``u`` with ties to even. The
+    result is exactly representable, so the following cast to FP8 is exact. The hardware cast
+    already rounds like this; the arithmetic exists because Triton 3.6's interpreter mis-rounds
+    fp32->fp8 when the carry crosses a binade (126.8 -> 64), and it costs a few ALU ops per
+    element in a memory-bound kernel.
+    """
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6) - 3
+    u = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    c = u * 12582912.0
+    return (y + c) - c
+
+
+@triton.jit
+def _quant_store(Q, offs, mask, v, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr):
+    y = tl.div_rn(v, scale)
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if IS_INT8:
+        # round half to even: adding and subtracting 1.5 * 2^23 leaves the fp32 value rounded to an
+        # integer by the FPU's RNE (|y| <= 127); same result as rint, and the interpreter runs it
+        r = (y + 12582912.0) - 12582912.0
+        tl.store(Q + offs, r.to(tl.int8), mask=mask)
+    else:
+        tl.store(Q + offs, round_to_fp8_e4m3(y).to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _per_token_quant_kernel(
+    X, G, W, Q, S,  # pointers: input, up (FUSE=2), norm weight (FUSE=1), codes, scales
+    K, eps, amax_eps,  # sizes / scalars
+    stride_xm, stride_gm, stride_qm,  # row strides (last dim contiguous)
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, FUSE: tl.constexpr,
+    BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    Xr = X + row * stride_xm
+    Gr = G + row * stride_gm
+    Qr = Q + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    if SINGLE:
+        mask = offs < K
+        rstd = 1.0
+        if FUSE == 1:
+            x = tl.load(Xr + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        v = _fused_value(Xr, Gr, W, offs, mask, rstd, FUSE)
+        amax = tl.max(tl.abs(v), axis=0)
+        scale = tl.maximum(amax, amax_eps) / QMAX
+        _quant_store(Qr, offs, mask, v, scale, QMAX, IS_INT8)
+    else:
+        rstd = 1.0
+        if FUSE == 1:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                m = (k0 + offs) < K
+                x = tl.load(Xr + k0 + offs, mask=m, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+        amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            m = (k0 + offs) < K
+            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
+            amax_v = tl.maximum(amax_v, tl.abs(v))
+        scale = tl.maximum(tl.max(amax_v, axis=0), amax_eps) / QMAX
+        for k0 in range(0, K, BLOCK_K):
+            m = (k0 + offs) < K
+            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
+            _quant_store(Qr, k0 + offs, m, v, scale, QMAX, IS_INT8)
+    tl.store(S + row, scale)
+
+
+_FUSE = {None: 0, "rmsnorm": 1, "silu_mul": 2}
+
+
+def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fuse: str | None = None,
+                           weight: torch.Tensor | None = None, eps: float = 1e-6,
+                           up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of ``x`` ``[..., K]`` to ``dtype`` (FP8 E4M3 or INT8).
+
+    Returns (q ``[..., K]`` dtype, scale ``[...]`` float32). ``fuse='rmsnorm'`` quantizes
+    ``RMSNorm(x) * weight`` (``weight [K]``, ``eps``); ``fuse='silu_mul'`` quantizes
+    ``silu(x) * up`` (``up`` shaped like ``x``). See the module docstring for the rounding.
+    """
+    if dtype not in QMAX:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    if fuse not in _FUSE:
+        raise ValueError(f"fuse must be one of None, 'rmsnorm', 'silu_mul', got {fuse!r}")
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim")
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    g2, w = x2, x2
+    if fuse == "rmsnorm":
+        check_tensor(weight, "weight", dtype=x.dtype, shape=(K,))
+        w = weight.contiguous()
+    elif fuse == "silu_mul":
+        check_tensor(up, "up", dtype=x.dtype, shape=tuple(x.shape))
+        g2 = up.reshape(-1, K)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    s = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M and K:
+        single = K <= _SINGLE_MAX
+        block = triton.next_power_of_2(K) if single else 4096
+        nw = 1 if block <= 512 else 4 if block <= 4096 else 8 if block <= 8192 else 16
+        _per_token_quant_kernel[(M,)](
+            x2, g2, w, q, s,
+            K, float(eps), AMAX_EPS,
+            x2.stride(0), g2.stride(0), q.stride(0),
+            QMAX=QMAX[dtype], IS_INT8=dtype == torch.int8, FUSE=_FUSE[fuse],
+            BLOCK_K=block, SINGLE=single, num_warps=nw,
+        )
+    elif M:
+        s.fill_(AMAX_EPS / QMAX[dtype])
+    return q.reshape(x.shape), s.reshape(x.shape[:-1])

@@ -1,0 +1,302 @@
+"""Quantized FlashAttention forward (prefill): FP8, full-INT8, half-INT8 and FP8 x INT4-KV in ONE
+Triton kernel selected by constexpr flags.
+
+Math (FlashAttention-2 forward, one program per ``BLOCK_M`` queries of one (batch, query head))::
+
+    q_code, q_scale = quantize_per_token(Q_tile)          # in registers (Q is read once)
+    for each KV block of BLOCK_N keys:
+        t     = (q_code . k_code^T) * k_scale             # INT32 -> fp32, or fp32 from FP8 MMA
+        S2    = t * (q_scale * sm_scale * log2 e)         # scores in log2 units (exp2 softmax)
+        m_new = max(m, rowmax(S2)); alpha = exp2(m - m_new)
+        P     = exp2(S2 - m_new + c)                      # c = log2 127 (INT8) / 8 (FP8) / 0
+        P     = quantize(P)                               # INT8 RNE / FP8 / 16-bit float
+        l     = l * alpha + rowsum(P)                     # INT8: the quantized P (Alg. 1 line 13)
+        acc   = acc * alpha + (P . V_block) * v_scale     # INT32 or fp32 block product
+    O = acc / l
+
+``MODE`` 0 = ``fp8`` (FP8 E4M3 Q/K/V/P, FP8 wgmma, fp32 accumulation), 1 = ``int8`` (INT8 Q/K/V/P,
+s8 wgmma with INT32 accumulation, INT-FlashAttention Alg. 1), 2 = ``int8-qk`` (INT8 QK^T, 16-bit
+float P and V). ``KV4`` (with MODE 0, FireQ §3.2) reads packed INT4 K/V codes with per-token FP8
+scales and converts the codes to FP8 in registers (exact); the V scale is folded into P
+(``lowbit.formats.attention_quant`` explains each rule; it is the reference of these numerics).
+
+Layouts: Q ``[B, Hq, Sq, D]`` (16-bit or fp32, last dim contiguous), K codes ``[B, Hkv, Skv, D]``
+(KV4: ``[B, Hkv, Skv, D/2]`` uint8), K scale ``[B, Hkv, Skv]``, V codes **transposed**
+``[B, Hkv, D, S_al]`` with V scales ``[B, Hkv, cdiv(Skv, V_BLOCK), D]`` (KV4: V ``[B, Hkv, Skv, D/2]``,
+scale ``[B, Hkv, Skv]``; int8-qk: V ``[B, Hkv, Skv, D]`` 16-bit), O like Q.
+
+Precision notes: the FP8 P.V product of one KV block (K = BLOCK_N = 128 products) is taken in a
+fresh accumulator and added to the fp32 ``acc`` by CUDA cores, never accumulated across blocks
+inside the tensor core: Hopper's FP8 MMA accumulates with ~14 bits, and Triton's default for FP8
+dots on sm_90 (``max_num_imprecise_acc`` = 2^30) would otherwise carry that over the whole
+sequence. The per-block V scale multiply makes that split free.
+
+Causal: bottom-right aligned (query i of Sq sees keys j <= i + Skv - Sq). KV blocks fully visible
+to the whole query block run without masks; the diagonal and tail blocks run a masked copy of the
+loop body; blocks above the diagonal are skipped. Query blocks are scheduled longest first.
+GQA: query head h reads KV head h // (Hq / Hkv). Any Sq, Skv (masked tails, no padding needed).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import cdiv, interpret_mode
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
+from lowbit.kernels.act_quant import round_to_fp8_e4m3
+
+MODE_FP8, MODE_INT8, MODE_INT8_QK = 0, 1, 2
+MODE_IDS = {"fp8": MODE_FP8, "int8": MODE_INT8, "int8-qk": MODE_INT8_QK, "fp8-kv4": MODE_FP8}
+LOG2E = 1.4426950408889634
+LOG2_127 = math.log2(127.0)
+
+
+# ----------------------------------------------------------------------------------------- configs
+def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
+    """Block sizes / warps / stages per case (tuned on H200, see benchmarks/device)."""
+    if interpret_mode():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if head_dim > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    if mode == "int8-qk":
+        return {"BLOCK_M": 128, "BLOCK_N": 64 if head_dim > 64 else 128, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+
+
+# ----------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _to_fp8(x, INTERPRET: tl.constexpr):
+    if INTERPRET:  # Triton 3.6's interpreter mis-rounds fp32->fp8 across binades
+        x = round_to_fp8_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """uint8 [ROWS, COLS/2] (element 2i in the low nibble, two's complement) -> FP8 [ROWS, COLS]
+    (INT4 values are exact in E4M3)."""
+    lo = (packed & 0xF).to(tl.int8)
+    hi = ((packed >> 4) & 0xF).to(tl.int8)
+    lo = lo - ((lo & 8) << 1)
+    hi = hi - ((hi & 8) << 1)
+    x = tl.reshape(tl.join(lo, hi), [ROWS, COLS])
+    return x.to(tl.float16).to(tl.float8e4nv)
+
+
+@triton.jit
+def _attn_blocks(acc, l_i, m_i, q, qs, offs_m, lo, hi,  #
+                 Kb, KSb, Vb, VSb,  #
+                 Skv, causal_off,  #
+                 stride_kn, stride_vr, stride_vsn,  #
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
+                 MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
+                 INTERPRET: tl.constexpr):
+    """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_h = tl.arange(0, HEAD_DIM // 2)
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_nb
+        nmask = offs_n < Skv
+        # ---- S = Q K^T (block), in log2 units after the two scales
+        if KV4:
+            kp_ptr = Kb + offs_n[:, None] * stride_kn + offs_h[None, :]
+            if MASK:
+                kp = tl.load(kp_ptr, mask=nmask[:, None], other=0.0)
+            else:
+                kp = tl.load(kp_ptr)
+            k = _int4_to_fp8(kp, BLOCK_N, HEAD_DIM)
+        else:
+            k_ptr = Kb + offs_n[:, None] * stride_kn + offs_d[None, :]
+            if MASK:
+                k = tl.load(k_ptr, mask=nmask[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptr)
+        if MASK:
+            ks = tl.load(KSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        else:
+            ks = tl.load(KSb + offs_n).to(tl.float32)
+        t = tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]
+        if MASK:
+            valid = nmask[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            t = tl.where(valid, t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(t, 1) * qs)
+        if MASK:  # a row with no visible key yet keeps m = -inf; subtract 0 instead (no inf - inf)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = tl.math.exp2(m_i - m_use)
+        if MODE == 1:
+            sub = m_use - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
+        elif MODE == 0:
+            sub = m_use - 8.0  # P = 256 * exp(S - m) in [0, 256]
+        else:
+            sub = m_use
+        p = tl.math.exp2(t * qs[:, None] - sub[:, None])
+        if MODE == 1:
+            p = (p + 12582912.0) - 12582912.0  # round to nearest even integer in [0, 127]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # ---- O += P V (block)
+        if MODE == 2:
+            v_ptr = Vb + offs_n[:, None] * stride_vr + offs_d[None, :]
+            if MASK:
+                v = tl.load(v_ptr, mask=nmask[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptr)
+            if INTERPRET:  # Triton 3.6's interpreter multiplies bf16 bit patterns: go through fp32
+                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        elif KV4:
+            vp_ptr = Vb + offs_n[:, None] * stride_vr + offs_h[None, :]
+            if MASK:
+                vp = tl.load(vp_ptr, mask=nmask[:, None], other=0.0)
+                sv = tl.load(VSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            else:
+                vp = tl.load(vp_ptr)
+                sv = tl.load(VSb + offs_n).to(tl.float32)
+            v = _int4_to_fp8(vp, BLOCK_N, HEAD_DIM)
+            svmax = tl.maximum(tl.max(sv, 0), 1e-30)
+            r = sv * (1.0 / svmax)
+            pv = tl.dot(_to_fp8(p * r[None, :], INTERPRET), v)
+            acc = acc + pv * svmax
+        else:
+            vt_ptr = Vb + offs_d[:, None] * stride_vr + offs_n[None, :]
+            if MASK:
+                vt = tl.load(vt_ptr, mask=nmask[None, :], other=0.0)
+            else:
+                vt = tl.load(vt_ptr)
+            vs = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn + offs_d)
+            if MODE == 1:
+                pv = tl.dot(p.to(tl.int8), tl.trans(vt)).to(tl.float32)
+            else:
+                pv = tl.dot(_to_fp8(p, INTERPRET), tl.trans(vt))
+            acc = acc + pv * vs[None, :]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# ----------------------------------------------------------------------------------------- kernel
+@triton.jit
+def _attn_fwd(
+    Q, K, KS, V, VS, Out,  # pointers
+    qk_scale, amax_eps, Sq, Skv, causal_off, Hq, n_rep, n_mblk,  # sizes / scalars
+    stride_qb, stride_qh, stride_qm,  #
+    stride_kb, stride_kh, stride_kn,  #
+    stride_ksb, stride_ksh,  #
+    stride_vb, stride_vh, stride_vr,  #
+    stride_vsb, stride_vsh, stride_vsn,  #
+    stride_ob, stride_oh, stride_om,  #
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
+    MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,  #
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    if CAUSAL:  # longest query blocks first
+        pid_m = n_mblk - 1 - pid_m
+    b = bh // Hq
+    hq = bh % Hq
+    hk = hq // n_rep
+    b64, hq64, hk64 = b.to(tl.int64), hq.to(tl.int64), hk.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mmask = offs_m < Sq
+
+    # ---- Q tile: read once, quantized per token in registers
+    x = tl.load(Q + b64 * stride_qb + hq64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
+                + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+    QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
+    q_scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAXV
+    y = tl.div_rn(x, q_scale[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
+    if MODE == 0:
+        q = _to_fp8(y, INTERPRET)
+    else:
+        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
+    qs = q_scale * qk_scale  # sm_scale * log2(e) folded in
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    Kb = K + b64 * stride_kb + hk64 * stride_kh
+    KSb = KS + b64 * stride_ksb + hk64 * stride_ksh
+    Vb = V + b64 * stride_vb + hk64 * stride_vh
+    VSb = VS + b64 * stride_vsb + hk64 * stride_vsh
+    if CAUSAL:
+        hi = tl.minimum(Skv, m0 + BLOCK_M + causal_off)
+        n_full = tl.minimum(((m0 + causal_off + 1) // BLOCK_N) * BLOCK_N, (Skv // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Skv
+        n_full = (Skv // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, qs, offs_m, 0, n_full,  #
+                                 Kb, KSb, Vb, VSb, Skv, causal_off,  #
+                                 stride_kn, stride_vr, stride_vsn,  #
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, INTERPRET)
+    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, qs, offs_m, n_full, hi,  #
+                                 Kb, KSb, Vb, VSb, Skv, causal_off,  #
+                                 stride_kn, stride_vr, stride_vsn,  #
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, INTERPRET)
+    out = acc / l_i[:, None]
+    tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
+             + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------- launcher
+def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal: bool, sm_scale: float,
+                             v_block: int = 128, config: dict | None = None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the kernel on pre-quantized K/V (layouts in the module docstring); Q is quantized
+    inside. ``config`` overrides ``default_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages).
+    Returns O ``[B, Hq, Sq, D]`` in q's dtype (or written into ``out``)."""
+    if mode not in MODE_IDS:
+        raise ValueError(f"mode must be one of {sorted(MODE_IDS)}, got {mode!r}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if D not in (64, 128, 256) and not interpret_mode():
+        raise ValueError(f"head_dim must be 64, 128 or 256 for the Triton kernel, got {D}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cfg = dict(default_config(mode, D, causal, Sq))
+    if config:
+        cfg.update(config)
+    BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    kv4 = mode == "fp8-kv4"
+    if mode in ("fp8", "int8") and v_block % BN:
+        raise ValueError(f"BLOCK_N ({BN}) must divide v_block ({v_block})")
+    if out is None:
+        out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    if B * Hq * Sq == 0:
+        return out
+    n_mblk = cdiv(Sq, BM)
+    if mode == "int8-qk":
+        vsp, svs = ks, (0, 0, 0)  # unused
+        sv_r = v.stride(2)
+    elif kv4:
+        vsp, svs = vs, (vs.stride(0), vs.stride(1), 0)
+        sv_r = v.stride(2)
+    else:
+        vsp, svs = vs, (vs.stride(0), vs.stride(1), vs.stride(2))
+        sv_r = v.stride(2)  # V^T [B, H, D, S_al]: row (channel) stride
+    _attn_fwd[(n_mblk, B * Hq)](
+        q, k, ks, v, vsp, out,
+        sm_scale * LOG2E, AMAX_EPS, Sq, Skv, Skv - Sq, Hq, Hq // Hkv, n_mblk,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0), ks.stride(1),
+        v.stride(0), v.stride(1), sv_r,
+        *svs,
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, V_BLOCK=v_block,
+        MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), INTERPRET=interpret_mode(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

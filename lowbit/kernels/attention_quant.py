@@ -1,0 +1,137 @@
+"""Fused K/V quantization for quantized prefill attention (one launch quantizes K and V).
+
+Numerics: ``lowbit.formats.attention_quant`` (the reference this kernel must match bit for bit):
+
+- K: symmetric per token per head, ``scale = max(amax, AMAX_EPS) / QMAX`` (fp32),
+  ``code = cast(clamp(k / scale))`` with IEEE division (``tl.div_rn``), INT8 codes rounded to
+  nearest even, FP8 codes by the RNE cast.
+- V: symmetric per channel per block of ``V_BLOCK`` tokens (``V_GIVEN``: the scales were computed
+  beforehand, e.g. the per-tensor option, and are only read).
+
+Layouts written (all contiguous):
+
+- ``kc [B, H, S, D]`` codes, ``ks [B, H, S]`` fp32;
+- ``vt [B, H, D, S_al]`` codes **transposed** (``S_al`` = S rounded up to 16 for 16-byte rows):
+  8-bit tensor-core MMAs on Hopper (wgmma with e4m3 / s8 operands) need the B operand K-major,
+  and in ``P V`` the reduction runs over tokens, so V must be token-contiguous. Doing the
+  transpose here costs nothing extra (this pass reads and writes V anyway);
+- ``vs [B, H, cdiv(S, V_BLOCK), D]`` fp32.
+
+The Q quantization is not here: the attention kernel quantizes its Q tile in registers
+(Q is read exactly once there, so that saves a full pass over Q).
+
+Grid: ``(cdiv(S, BLOCK_T) [K programs] + cdiv(S, V_BLOCK) [V programs], B * H)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import cdiv, interpret_mode
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
+from lowbit.kernels.act_quant import round_to_fp8_e4m3
+
+_MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
+
+
+@triton.jit
+def _quant_tile(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, EXACT_FP8: tl.constexpr):
+    """fp32 tile / scale (broadcast) -> INT8 or FP8 E4M3 codes (clamped, RNE)."""
+    y = tl.div_rn(x, scale)
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if IS_INT8:
+        return ((y + 12582912.0) - 12582912.0).to(tl.int8)
+    if EXACT_FP8:  # the interpreter's fp32->fp8 cast mis-rounds across binades
+        y = round_to_fp8_e4m3(y)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _kv_quant_kernel(
+    K, V, KC, KS, VT, VS,  # pointers: inputs, K codes / scales, V^T codes / scales
+    S, H, n_kprog, amax_eps,  # sizes
+    stride_kb, stride_kh, stride_kn,  # K input (last dim contiguous)
+    stride_vb, stride_vh, stride_vn,  # V input (last dim contiguous)
+    stride_vtd, S_al, n_vblk,  # V^T row stride, padded length, V scale blocks
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, V_BLOCK: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_GIVEN: tl.constexpr,
+    EXACT_FP8: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    if pid < n_kprog:
+        offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = offs_t < S
+        x = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+                    + offs_t[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                    mask=tmask[:, None], other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAX
+        codes = _quant_tile(x, scale[:, None], QMAX, IS_INT8, EXACT_FP8)
+        row = bh.to(tl.int64) * S + offs_t
+        tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=tmask[:, None])
+        tl.store(KS + row, scale, mask=tmask)
+    elif QUANT_V:
+        blk = pid - n_kprog
+        offs_t = blk * V_BLOCK + tl.arange(0, V_BLOCK)
+        tmask = offs_t < S
+        x = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+                    + offs_t[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                    mask=tmask[:, None], other=0.0).to(tl.float32)
+        vs_ptr = VS + (bh.to(tl.int64) * n_vblk + blk) * HEAD_DIM + offs_d
+        if V_GIVEN:
+            scale = tl.load(vs_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), 0), amax_eps) / QMAX
+            tl.store(vs_ptr, scale)
+        codes = _quant_tile(x, scale[None, :], QMAX, IS_INT8, EXACT_FP8)
+        # transposed store: element (t, d) -> VT[b, h, d, t]
+        vt_ptr = VT + bh.to(tl.int64) * HEAD_DIM * stride_vtd + offs_d[None, :] * stride_vtd + offs_t[:, None]
+        tl.store(vt_ptr, codes, mask=tmask[:, None])
+
+
+def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype,
+                       v_granularity: str = "block", v_block: int = 128):
+    """K [B, H, S, D] (and V, or None to quantize K only) -> (kc, ks, vt, vs) in the layouts of
+    the module docstring (vt, vs None when ``v`` is None)."""
+    B, H, S, D = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v is not None and v.stride(-1) != 1:
+        v = v.contiguous()
+    qmax = QMAX[dtype]
+    dev = k.device
+    kc = torch.empty((B, H, S, D), dtype=dtype, device=dev)
+    ks = torch.empty((B, H, S), dtype=torch.float32, device=dev)
+    block_t = 128 if D <= 128 else 64
+    n_kprog = cdiv(S, block_t)
+    vt = vs = None
+    n_vblk, s_al, given = cdiv(S, v_block), -(-S // 16) * 16, False
+    if v is not None:
+        vt = torch.empty((B, H, D, s_al), dtype=dtype, device=dev)
+        if s_al != S:
+            vt[..., S:].zero_()
+        if v_granularity == "tensor":
+            amax = v.abs().amax(dim=(2, 3)).float()
+            vs = (amax.clamp_min(AMAX_EPS) / qmax)[:, :, None, None].expand(B, H, n_vblk, D).contiguous()
+            given = True
+        else:
+            vs = torch.empty((B, H, n_vblk, D), dtype=torch.float32, device=dev)
+    if B * H == 0 or S == 0:
+        return kc, ks, vt, vs
+    grid = (n_kprog + (n_vblk if v is not None else 0), B * H)
+    vv = v if v is not None else k
+    _kv_quant_kernel[grid](
+        k, vv, kc, ks, vt if vt is not None else kc, vs if vs is not None else ks,
+        S, H, n_kprog, AMAX_EPS,
+        k.stride(0), k.stride(1), k.stride(2),
+        vv.stride(0), vv.stride(1), vv.stride(2),
+        s_al, s_al, n_vblk,
+        HEAD_DIM=D, BLOCK_T=block_t, V_BLOCK=v_block, QMAX=qmax, IS_INT8=dtype == torch.int8,
+        QUANT_V=v is not None, V_GIVEN=given, EXACT_FP8=interpret_mode(),
+        num_warps=8 if D >= 128 else 4,
+    )
+    return kc, ks, vt, vs

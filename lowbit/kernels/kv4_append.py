@@ -1,0 +1,158 @@
+"""Fused KV4 append: RoPE + CRS + INT4 quantization + paged write of new K/V tokens (FireQ §1.6-1.9).
+
+For each new token t of sequence b and KV head h (one program per (b, t), h)::
+
+    k_rot = k * cos + rotate(k) * sin          (RoPE, fp32; half-split pairs (i, i + D/2), or
+                                                interleaved pairs (2i, 2i+1); optional)
+    k_crs = k_rot * crs_k[h]                   (CRS, post-RoPE per-channel scales; optional)
+    (codes, scale, zero) = quantize_kv4(k_crs) (lowbit.formats.kv4: symmetric or zero-point)
+    v: the same quantization, no RoPE and no CRS
+
+and the row is written to slot ``pos = start[b] + t`` of sequence b:
+``page = page_table[b, pos // PAGE]``, ``offset = pos % PAGE``. The numerics are those of
+``lowbit.formats.kv4`` (FP8 scale floor 2^-9, subnormal scales rounded up, codes from the stored
+scale with an IEEE division and round-half-even). The row is read as its even and odd channels,
+which are exactly the low and high nibbles of the packed bytes, so packing is one OR.
+
+Layouts: k, v ``[B, Hkv, T, D]`` (any strides, last dim contiguous); cos, sin ``[B, T, D]``
+(transformers' layout: ``cos[..., i] == cos[..., i + D/2]`` for half-split RoPE); crs_k fp32
+``[Hkv, D]``; cache tensors as in ``lowbit.kernels.decode_kv4``; start int32 ``[B]``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.kernels.act_quant import round_to_fp8_e4m3
+
+_RNE_MAGIC = 12582912.0  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to an integer, ties to even
+
+
+@triton.jit
+def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
+    """Even/odd halves of one row (fp32) -> (packed bytes uint8, scale fp32 (exactly the stored
+    value), zero fp32). Numerics of ``lowbit.formats.kv4.quantize_kv4``."""
+    if ZERO_POINT:
+        lo = tl.minimum(tl.minimum(tl.min(xe, axis=0), tl.min(xo, axis=0)), 0.0)
+        hi = tl.maximum(tl.maximum(tl.max(xe, axis=0), tl.max(xo, axis=0)), 0.0)
+        s = tl.maximum(hi - lo, 1e-12) / 15.0
+    else:
+        amax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
+        s = tl.maximum(amax, 1e-12) / 7.0
+    if SCALE_KIND == 1:  # float8_e4m3fn
+        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # floor 2^-9: no whole-token underflow
+        sub = tl.ceil(s * 512.0) / 512.0  # subnormal range: round up to a multiple of 2^-9
+        s = tl.where(s < 0.015625, sub, round_to_fp8_e4m3(s))
+    elif SCALE_KIND == 2:  # bfloat16: the codes must use the stored (rounded) scale
+        # fp32 -> bf16 round-half-even in integer arithmetic (the interpreter's cast truncates)
+        bits = s.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        s = bits.to(tl.float32, bitcast=True)
+    ye = tl.div_rn(xe, s)
+    yo = tl.div_rn(xo, s)
+    if ZERO_POINT:
+        z = (tl.div_rn(-lo, s) + _RNE_MAGIC) - _RNE_MAGIC
+        z = tl.minimum(tl.maximum(z, 0.0), 15.0)
+        qe = tl.minimum(tl.maximum(((ye + _RNE_MAGIC) - _RNE_MAGIC) + z, 0.0), 15.0)
+        qo = tl.minimum(tl.maximum(((yo + _RNE_MAGIC) - _RNE_MAGIC) + z, 0.0), 15.0)
+    else:
+        z = 0.0
+        qe = tl.minimum(tl.maximum((ye + _RNE_MAGIC) - _RNE_MAGIC, -7.0), 7.0)
+        qo = tl.minimum(tl.maximum((yo + _RNE_MAGIC) - _RNE_MAGIC, -7.0), 7.0)
+    ie = qe.to(tl.int32) & 0xF
+    io = qo.to(tl.int32) & 0xF
+    packed = (ie | (io << 4)).to(tl.uint8)
+    return packed, s, z
+
+
+@triton.jit
+def _kv4_append_kernel(
+    # pointers
+    K, V, COS, SIN, CRSK, PT, START, KC, KS, KZ, VC, VS, VZ,
+    # sizes
+    T,
+    # strides
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_cb, stride_ct,
+    stride_ptb,
+    stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+    # constexpr
+    HALF: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_CRS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid // T
+    t = pid % T
+    pos = tl.load(START + b) + t
+    page = tl.load(PT + b * stride_ptb + pos // PAGE).to(tl.int64)
+    off = pos % PAGE
+    j = tl.arange(0, HALF)
+    de = 2 * j
+    do = 2 * j + 1
+
+    k_row = K + b * stride_kb + h * stride_kh + t * stride_kt
+    xe = tl.load(k_row + de).to(tl.float32)
+    xo = tl.load(k_row + do).to(tl.float32)
+    if ROPE:
+        c_row = b * stride_cb + t * stride_ct
+        ce = tl.load(COS + c_row + de).to(tl.float32)
+        co = tl.load(COS + c_row + do).to(tl.float32)
+        se = tl.load(SIN + c_row + de).to(tl.float32)
+        so = tl.load(SIN + c_row + do).to(tl.float32)
+        if INTERLEAVED:  # pairs (2i, 2i+1): rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i]
+            re = -xo
+            ro = xe
+        else:  # pairs (i, i + D/2): rotate(x)[i] = -x[i + D/2], rotate(x)[i + D/2] = x[i]
+            D: tl.constexpr = 2 * HALF
+            pe = (de + HALF) % D
+            po = (do + HALF) % D
+            re = tl.load(k_row + pe).to(tl.float32) * tl.where(de < HALF, -1.0, 1.0)
+            ro = tl.load(k_row + po).to(tl.float32) * tl.where(do < HALF, -1.0, 1.0)
+        xe, xo = xe * ce + re * se, xo * co + ro * so
+    if HAS_CRS:
+        xe = xe * tl.load(CRSK + h * 2 * HALF + de)
+        xo = xo * tl.load(CRSK + h * 2 * HALF + do)
+
+    c_off = page * stride_cp + h * stride_ch + off * stride_cn + j
+    s_off = page * stride_sp + h * stride_sh + off
+    packed, s, z = _quantize_row(xe, xo, ZERO_POINT, SCALE_KIND)
+    tl.store(KC + c_off, packed)
+    tl.store(KS + s_off, s.to(KS.dtype.element_ty))
+    if ZERO_POINT:
+        tl.store(KZ + s_off, z.to(tl.uint8))
+
+    v_row = V + b * stride_vb + h * stride_vh + t * stride_vt
+    ve = tl.load(v_row + de).to(tl.float32)
+    vo = tl.load(v_row + do).to(tl.float32)
+    packed, s, z = _quantize_row(ve, vo, ZERO_POINT, SCALE_KIND)
+    tl.store(VC + c_off, packed)
+    tl.store(VS + s_off, s.to(VS.dtype.element_ty))
+    if ZERO_POINT:
+        tl.store(VZ + s_off, z.to(tl.uint8))
+
+
+def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
+                      crs_k=None, k_zero=None, v_zero=None, interleaved=False):
+    """Launcher (arguments checked by ``lowbit.ops.kv4.kv4_append``); writes the cache in place."""
+    B, Hkv, T, D = k.shape
+    if B * T == 0:
+        return
+    PAGE = k_codes.shape[2]
+    zero_point = k_zero is not None
+    rope = cos is not None
+    scale_kind = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[k_scale.dtype]
+    cos_ = cos if rope else k
+    sin_ = sin if rope else k
+    _kv4_append_kernel[(B * T, Hkv)](
+        k, v, cos_, sin_, crs_k if crs_k is not None else k, page_table, start,
+        k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
+        T,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        cos_.stride(0) if rope else 0, cos_.stride(1) if rope else 0,
+        page_table.stride(0),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
+        HALF=D // 2, PAGE=PAGE, ROPE=rope, INTERLEAVED=interleaved, HAS_CRS=crs_k is not None,
+        ZERO_POINT=zero_point, SCALE_KIND=scale_kind, num_warps=1,
+    )

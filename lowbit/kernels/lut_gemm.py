@@ -1,0 +1,299 @@
+"""Triton lookup-table weight-only GEMM (FLUTE, seed 002, §3), tuned for Hopper.
+
+    Y[m, n] = sum_k X[m, k] * T[c[n, k]] * s[k // G, n]
+
+- X ``[M, K]`` bf16 or fp16 (row stride free, unit K stride), Y ``[M, N]`` in X's dtype.
+- codes: packed as ``lowbit.formats.lut`` documents (4-bit: int32 ``[N, Kp/8]``; 2-bit: int32
+  ``[N, Kp/16]``; 3-bit: int64 low-2-bit plane ``[N, Kp/32]`` + int32 high-bit plane
+  ``[N, Kp/32]``), K-contiguous rows, little-endian in each word. Kp = K padded to the group.
+- scales ``[Kp/G, N]`` bf16/fp16 (group-major); table T float32 ``[2**BITS]``.
+- Accumulation in float32; dot operands in X's dtype (the dequantized weight is rounded once,
+  after the scale multiply, in float32).
+
+One K step reads ``BLOCK_K`` codes of ``BLOCK_N`` rows (``BLOCK_K`` divides G, so the step has a
+single scale per row), unpacks them in registers with shifts and a reshape, and looks the codes
+up (``LOOKUP``):
+
+- ``0`` "load": ``tl.load(T + code)``: a gather from a 64-byte table that lives in L1 (all 32 lanes
+  of a warp hit one 128-byte line, so one wavefront per warp instruction, no bank conflicts:
+  the role of FLUTE's duplicated pair table in shared memory, §3.2);
+- ``1`` "select": the 2**BITS entries in registers and a binary tree of ``tl.where`` on the code
+  bits (2**BITS - 1 selects per weight);
+- ``2`` "affine": ``T[0] + code * (T[1] - T[0])``, exact only for a uniform table (RTN INT).
+
+Two inner products, chosen by ``USE_DOT``:
+
+- FMA path (M = 1 decode): a ``[BLOCK_N, BLOCK_K]`` float32 accumulator of products on CUDA
+  cores, reduced along K once at the end, no tensor-core padding;
+- dot path: ``acc[BLOCK_N, BLOCK_M] += dot(W_tile, X_tile^T)`` ("swap AB": the weight tile is the
+  64-row A operand, the tokens are the narrow N side), so M = 1..16 pads only to 16.
+
+Split-K (FLUTE uses Stream-K, §3.3): the K steps are cut into ``SPLIT_K`` ranges (grid axis 2)
+so that small-N / small-M problems launch enough programs to cover every SM several times.
+Each program writes a float32 partial ``[BLOCK_M, BLOCK_N]`` to a workspace, then increments the
+tile's counter; the program that arrives last sums the ``SPLIT_K`` partials in split order
+(deterministic, float32: FLUTE reduces partials in fp16, we do not) and writes Y, then resets the
+counter to 0 for the next call. One launch, no memset.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import cdiv, interpret_mode
+
+LOOKUPS = {"load": 0, "select": 1, "affine": 2}
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _tab(T, I: tl.constexpr, NT: tl.constexpr):
+    return tl.load(T + (I % NT))
+
+
+@triton.jit
+def _mux2(c, BIT: tl.constexpr, a, b):
+    return tl.where((c & BIT) != 0, b, a)
+
+
+@triton.jit
+def _select_lookup(c, T, BITS: tl.constexpr):
+    """Binary select tree over the code bits; table entries are scalars (registers)."""
+    NT: tl.constexpr = 1 << BITS
+    v0 = _mux2(c, 1, _tab(T, 0, NT), _tab(T, 1, NT))
+    v1 = _mux2(c, 1, _tab(T, 2, NT), _tab(T, 3, NT))
+    r = _mux2(c, 2, v0, v1)
+    if BITS >= 3:
+        v2 = _mux2(c, 1, _tab(T, 4, NT), _tab(T, 5, NT))
+        v3 = _mux2(c, 1, _tab(T, 6, NT), _tab(T, 7, NT))
+        r = _mux2(c, 4, r, _mux2(c, 2, v2, v3))
+        if BITS == 4:
+            v4 = _mux2(c, 1, _tab(T, 8, NT), _tab(T, 9, NT))
+            v5 = _mux2(c, 1, _tab(T, 10, NT), _tab(T, 11, NT))
+            v6 = _mux2(c, 1, _tab(T, 12, NT), _tab(T, 13, NT))
+            v7 = _mux2(c, 1, _tab(T, 14, NT), _tab(T, 15, NT))
+            hi = _mux2(c, 4, _mux2(c, 2, v4, v5), _mux2(c, 2, v6, v7))
+            r = _mux2(c, 8, r, hi)
+    return r
+
+
+@triton.jit
+def _lookup(c, T, BITS: tl.constexpr, LOOKUP: tl.constexpr):
+    if LOOKUP == 0:
+        v = tl.load(T + c)
+    elif LOOKUP == 1:
+        v = _select_lookup(c, T, BITS)
+    else:
+        t0 = tl.load(T)
+        v = t0 + c.to(tl.float32) * (tl.load(T + 1) - t0)
+    return v
+
+
+@triton.jit
+def _load_codes(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn,
+                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Codes of K step ``it`` for rows ``offs_n``: int32 [BLOCK_N, BLOCK_K] in K order."""
+    if BITS == 3:
+        WPB: tl.constexpr = BLOCK_K // 32
+        offs_w = it * WPB + tl.arange(0, WPB)
+        lo = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=n_mask[:, None], other=0)
+        hi = tl.load(QH + offs_n[:, None] * stride_qhn + offs_w[None, :], mask=n_mask[:, None], other=0)
+        j = tl.arange(0, 32)
+        c_lo = ((lo[:, :, None] >> (2 * j).to(tl.int64)[None, None, :]) & 3).to(tl.int32)
+        c_hi = ((hi[:, :, None] >> j[None, None, :]) & 1) << 2
+        c = tl.reshape(c_lo | c_hi, [BLOCK_N, BLOCK_K])
+    else:
+        PER: tl.constexpr = 32 // BITS
+        WPB: tl.constexpr = BLOCK_K // PER
+        offs_w = it * WPB + tl.arange(0, WPB)
+        w = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=n_mask[:, None], other=0)
+        j = tl.arange(0, PER)
+        c = tl.reshape((w[:, :, None] >> (BITS * j)[None, None, :]) & ((1 << BITS) - 1), [BLOCK_N, BLOCK_K])
+    return c
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _lut_gemm_kernel(
+    # pointers
+    X, Q, QH, S, T, Y, WS, LOCKS,
+    # sizes
+    M, N, K, NUM_ITERS, ITERS_PER_SPLIT, SPLIT_K,
+    # strides (unit stride along K for X, Q, QH; along N for S, Y)
+    stride_xm, stride_qn, stride_qhn, stride_sg, stride_ym,
+    # constexpr flags
+    BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr, USE_DOT: tl.constexpr,
+    USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    it0 = pid_k * ITERS_PER_SPLIT
+    it1 = tl.minimum(it0 + ITERS_PER_SPLIT, NUM_ITERS)
+    STEPS_PER_GROUP: tl.constexpr = GROUP // BLOCK_K
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for it in range(it0, it1):
+        c = _load_codes(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS, BLOCK_N, BLOCK_K)
+        s = tl.load(S + (it // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = _lookup(c, T, BITS, LOOKUP) * s[:, None]
+        offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if USE_DOT:
+            x = tl.load(X + offs_m[None, :] * stride_xm + offs_k[:, None],
+                        mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            if DOT_F32:  # interpreter: its bf16 dot is wrong (triton 3.6), same rounding of w in fp32
+                acc = tl.dot(w.to(x.dtype).to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(x.dtype), x, acc)
+        else:
+            x = tl.load(X + pid_m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            acc2 += w * x[None, :]
+    if not USE_DOT:
+        acc = tl.sum(acc2, axis=1, keep_dims=True)  # [BLOCK_N, 1]; BLOCK_M == 1 here
+
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if USE_SPLIT:
+        ws_off = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(WS + pid_k * M * N + ws_off, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tot = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for sk in range(0, SPLIT_K):
+                tot += tl.load(WS + sk * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, tot.to(Y.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _lut_dequant_kernel(
+    Q, QH, S, T, W,
+    N, K,
+    stride_qn, stride_qhn, stride_sg, stride_wn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """W[n, k] = T[c] * s for one [BLOCK_N, BLOCK_K] tile (the large-M path feeds cuBLAS)."""
+    pid_n = tl.program_id(0)
+    it = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    c = _load_codes(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS, BLOCK_N, BLOCK_K)
+    s = tl.load(S + (it // (GROUP // BLOCK_K)) * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    w = _lookup(c, T, BITS, LOOKUP) * s[:, None]
+    offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(W + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(W.dtype.element_ty),
+             mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+# ----------------------------------------------------------------------------- configs
+_WORKSPACE: dict = {}
+LAST_COMPILED: dict = {}  # the last launched compiled kernel (PTX / register reports in benchmarks)
+
+
+def _workspace(device, numel_ws: int, numel_locks: int):
+    """Per-device float32 partials and int32 counters (counters stay zero between calls)."""
+    key = (device.type, device.index)
+    ws, locks = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < numel_ws:
+        ws = torch.empty(max(numel_ws, 1 << 16), device=device, dtype=torch.float32)
+    if locks is None or locks.numel() < numel_locks:
+        locks = torch.zeros(max(numel_locks, 1 << 12), device=device, dtype=torch.int32)
+    _WORKSPACE[key] = (ws, locks)
+    return ws, locks
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(M: int, N: int, K: int, bits: int, group_size: int, device) -> dict:
+    """Launch parameters by problem size (measured on H200, see docs/sections/lut.md)."""
+    fma = M == 1
+    if fma:
+        cfg = dict(use_dot=False, block_m=1, block_n=32, block_k=min(128, group_size), num_warps=4,
+                   num_stages=1, ctas_per_sm=8)
+    else:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        cfg = dict(use_dot=True, block_m=bm, block_n=64, block_k=min(128, group_size), num_warps=4,
+                   num_stages=2, ctas_per_sm=4 if M <= 32 else 2)
+    return cfg
+
+
+def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None,
+                    scales: torch.Tensor, table: torch.Tensor, *, bits: int, group_size: int,
+                    out_features: int, lookup: str = "load", **overrides) -> torch.Tensor:
+    """Launch ``_lut_gemm_kernel``. ``x`` [M, K] bf16/fp16 contiguous; layouts in the module doc.
+    ``overrides`` replace fields of ``default_config`` (benchmarks sweep them)."""
+    M, K = x.shape
+    N = out_features
+    Kp = scales.shape[0] * group_size
+    cfg = default_config(M, N, K, bits, group_size, x.device)
+    cfg.update(overrides)
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    if group_size % bk or bk % 32:
+        raise ValueError(f"block_k={bk} must divide group_size={group_size} and be a multiple of 32")
+    if not cfg["use_dot"] and bm != 1:
+        raise ValueError("the FMA path needs block_m == 1")
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    num_iters = Kp // bk
+    grid_n, grid_m = cdiv(N, bn), cdiv(M, bm)
+    split = cfg.get("split_k")
+    if split is None:
+        target = cfg["ctas_per_sm"] * _sm_count(x.device)
+        split = max(1, min(num_iters, cdiv(target, grid_n * grid_m)))
+    split = max(1, min(int(split), num_iters))
+    per = cdiv(num_iters, split)
+    split = cdiv(num_iters, per)  # no empty ranges
+    if split > 1:
+        ws, locks = _workspace(x.device, split * M * N, grid_n * grid_m)
+    else:
+        ws, locks = y, y  # unused
+    qh = qweight_hi if qweight_hi is not None else qweight
+    LAST_COMPILED["gemm"] = _lut_gemm_kernel[(grid_n, grid_m, split)](
+        x, qweight, qh, scales, table, y, ws, locks,
+        M, N, K, num_iters, per, split,
+        x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
+        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
+        USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=interpret_mode(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def lut_dequant_triton(qweight, qweight_hi, scales, table, *, bits: int, group_size: int, out_features: int,
+                       in_features: int, dtype: torch.dtype, lookup: str = "load") -> torch.Tensor:
+    """Dequantized weight [N, K] in ``dtype`` (the M > max-kernel-M path hands it to cuBLAS)."""
+    N, K = out_features, in_features
+    w = torch.empty((N, K), device=qweight.device, dtype=dtype)
+    if N == 0 or K == 0:
+        return w
+    bk = min(128, group_size)
+    bn = 32
+    qh = qweight_hi if qweight_hi is not None else qweight
+    _lut_dequant_kernel[(cdiv(N, bn), scales.shape[0] * group_size // bk)](
+        qweight, qh, scales, table, w, N, K,
+        qweight.stride(0), qh.stride(0), scales.stride(0), w.stride(0),
+        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+    )
+    return w

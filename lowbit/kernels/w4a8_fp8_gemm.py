@@ -1,0 +1,269 @@
+"""INT4 x FP8 GEMM with FP8 group scales (FireQ §3.1, Fig. 2): ``y = x W^T`` for format ``w4a8-fp8``.
+
+Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
+
+    y[m, n] = sx[m] * inv_delta * sum_k xq[m, k] * FP8(q[n, k] * sigma[n, k // g])  (+ bias[n])
+
+- A operand: ``xq`` FP8 E4M3 ``[M, K]`` (row stride given, K contiguous), per-token scale ``sx``
+  fp32 ``[M]`` from ``lowbit.kernels.act_quant``.
+- B operand: packed codes uint8 ``[N, Kp/2]`` and FP8 scales ``[N, G]``, layout in
+  ``lowbit.formats.w4a8_fp8``: one 64-byte row chunk holds the two 64-column halves of a K=128 tile
+  (low nibbles = columns 0..63, high nibbles = 64..127), offset-binary ``u = q + 8``.
+- Dequantization in registers (the "scaled lookup" of FireQ, done arithmetically): ``u | 0x6400``
+  bit-cast to fp16 is ``1024 + u`` exactly, ``- 1032`` gives ``q`` exactly, ``* sigma`` (fp16, exact:
+  a 4-bit q times a 4-significant-bit sigma fits fp16's 11 bits) and one RNE+satfinite cast gives
+  ``FP8(q * sigma)`` -- the LUT entry, without an int->float conversion instruction.
+- MMA: FP8 x FP8 ``tl.dot`` (wgmma on Hopper) with FP32 accumulation; ``max_num_imprecise_acc=0``
+  makes Triton add every K=64 partial product into a separate full-FP32 accumulator (Hopper's fast
+  FP8 accumulation keeps ~14 mantissa bits; long K would drift otherwise).
+- Epilogue (FP32): ``* sx[m] * inv_delta``, ``+ bias``, then either the output, or with ``SILU_MUL``
+  (fused gate_up weight whose rows are interleaved gate_0, up_0, gate_1, ...) ``silu(gate) * up``
+  with each intermediate rounded to the output dtype like the eager model; ``+ residual`` last.
+- Small M (decode): ``SWAP_AB`` computes the transposed tile ``W_tile @ x_tile^T`` so N fills the
+  64-row wgmma M dimension and M (>= 16 after padding) is the wgmma N; ``SPLIT_K > 1`` splits the K
+  loop over more programs, writing fp32 partials to a workspace that ``_splitk_reduce_kernel`` sums
+  and finishes with the same epilogue.
+
+Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
+Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
+shapes satisfy) let Triton use 16-byte loads. Tile BLOCK_K is fixed at 128 (= the pack block).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import cdiv, check_tensor, interpret_mode
+from lowbit.formats.common import FP8_E4M3
+from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k
+from lowbit.kernels.act_quant import round_to_fp8_e4m3
+
+BLOCK_K = PACK_BLOCK
+HALF_K: tl.constexpr = PACK_BLOCK // 2
+
+
+# ------------------------------------------------------------------------------------ configs
+def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
+    """Tile config by shape (tuned on H200; see benchmarks/device/w4a8_fp8.py)."""
+    k_tiles = cdiv(K, BLOCK_K)
+    if M <= 64:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        bn = 128
+        tiles = cdiv(N, bn) * cdiv(M, bm)
+        split = 1
+        while tiles * split < 2 * n_sm and split * 2 <= max(1, k_tiles // 4):
+            split *= 2
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1)
+    if M <= 256:
+        return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=4,
+                    num_stages=4, GROUP_M=8)
+    return dict(BLOCK_M=128, BLOCK_N=256, SPLIT_K=1, SWAP_AB=False, num_warps=8, num_stages=3, GROUP_M=8)
+
+
+# ------------------------------------------------------------------------------------ kernel
+@triton.jit
+def _dequant_half(p, sig, EMULATE: tl.constexpr):
+    """Nibbles ``p`` (uint8, low 4 bits used; offset-binary) times sigma (fp16) -> FP8 E4M3."""
+    u = (p & 0xF).to(tl.int16) | 0x6400
+    q = u.to(tl.float16, bitcast=True) - 1032.0
+    w = q * sig
+    if EMULATE:  # the interpreter mis-rounds fp->fp8 casts (see act_quant.round_to_fp8_e4m3)
+        w = round_to_fp8_e4m3(tl.minimum(tl.maximum(w.to(tl.float32), -448.0), 448.0))
+    return w.to(tl.float8e4nv)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta,
+              A_scale, Bias, Res, C, stride_rm, stride_cm,
+              BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 of weight rows offs_n -> scaled, activated, stored output."""
+    mask_m = offs_m < M
+    sx = tl.load(A_scale + offs_m, mask=mask_m, other=0.0)
+    y = acc * (sx * inv_delta)[:, None]
+    if HAS_BIAS:
+        b = tl.load(Bias + offs_n, mask=offs_n < N, other=0.0)
+        y += b.to(tl.float32)[None, :]
+    if SILU_MUL:
+        gate, up = tl.split(tl.reshape(y, [y.shape[0], BLOCK_N // 2, 2]))
+        gate = gate.to(C.dtype.element_ty).to(tl.float32)
+        up = up.to(C.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(C.dtype.element_ty).to(tl.float32)
+        y = act * up
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    else:
+        cols = offs_n
+    mask = mask_m[:, None] & (cols < N_OUT)[None, :]
+    if HAS_RES:
+        r = tl.load(Res + offs_m[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=mask, other=0.0)
+        y = y.to(C.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + cols[None, :], y.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w4a8_fp8_gemm_kernel(
+    # pointers
+    A, A_scale, Bq, B_scale, Bias, Res, C, Ws,
+    # sizes / scalars
+    M, N, K, N_OUT, inv_delta,
+    # strides (last dims contiguous)
+    stride_am, stride_bn, stride_sn, stride_rm, stride_cm,
+    # constexpr flags
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU_MUL: tl.constexpr, EMULATE: tl.constexpr,
+):
+    # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    num_m = tl.cdiv(M, BLOCK_M)
+    if GROUP_M > 1:
+        pid_n_all = tl.program_id(1)
+        lin = pid_n_all * num_m + pid
+        num_n = tl.num_programs(1)
+        width = GROUP_M * num_n
+        gid = lin // width
+        first_m = gid * GROUP_M
+        gsz = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (lin % width) % gsz
+        pid_n = (lin % width) // gsz
+    else:
+        pid_m = pid
+        pid_n = tl.program_id(1)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_rows = A + offs_m[:, None].to(tl.int64) * stride_am
+    b_rows = Bq + offs_n[:, None].to(tl.int64) * stride_bn
+    s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
+
+    k_tiles = tl.cdiv(K, 2 * HALF_K)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    kt1 = tl.minimum(kt0 + per, k_tiles)
+
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        k0 = kt * 2 * HALF_K
+        # activations: two 64-wide halves of the K tile (masked beyond K and M)
+        k_lo = k0 + offs_h
+        k_hi = k0 + HALF_K + offs_h
+        a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & (k_lo < K)[None, :], other=0.0)
+        a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & (k_hi < K)[None, :], other=0.0)
+        # packed weights: 64 bytes per row (codes are padded to the 128-block: no K mask)
+        p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0x88)
+        # group scales: one per row per half when GROUP >= 64, else one per element column
+        if GROUP >= HALF_K:
+            s_lo = tl.load(s_rows + k0 // GROUP, mask=mask_n, other=0.0).to(tl.float16)[:, None]
+            s_hi = tl.load(s_rows + (k0 + HALF_K) // GROUP, mask=mask_n, other=0.0).to(tl.float16)[:, None]
+        else:
+            s_lo = tl.load(s_rows[:, None] + (k_lo // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
+            s_hi = tl.load(s_rows[:, None] + (k_hi // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
+        w_lo = _dequant_half(p, s_lo, EMULATE)
+        w_hi = _dequant_half(p >> 4, s_hi, EMULATE)
+        if SWAP_AB:
+            acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=0)
+            acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=0)
+        else:
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc, max_num_imprecise_acc=0)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc, max_num_imprecise_acc=0)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+
+    if SPLIT_K > 1:
+        ws = Ws + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        _epilogue(acc, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, A_scale, Bias, Res, C, stride_rm, stride_cm,
+                  BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    Ws, A_scale, Bias, Res, C,
+    M, N, N_OUT, inv_delta,
+    stride_rm, stride_cm,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptr = Ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(SPLIT_K):
+        acc += tl.load(ptr + s * M * N, mask=mask, other=0.0)
+    _epilogue(acc, offs_m, offs_n, tl.program_id(1), M, N, N_OUT, inv_delta, A_scale, Bias, Res, C,
+              stride_rm, stride_cm, BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
+
+
+# ------------------------------------------------------------------------------------ launcher
+def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  inv_delta: float, k: int, group_size: int, *, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, silu_mul: bool = False,
+                  out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
+                  return_compiled: bool = False):
+    """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8, ``scales [N, G]`` fp8 ->
+    ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``. See the module docstring.
+    ``config`` overrides ``pick_config``; ``return_compiled`` also returns the compiled GEMM kernel
+    (for PTX inspection)."""
+    check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
+    M, K = xq.shape
+    if K != k:
+        raise ValueError(f"xq has K={K} columns but the weight has in_features={k}")
+    check_tensor(sx, "sx", dtype=torch.float32, shape=(M,))
+    check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
+    N = codes.shape[0]
+    if codes.shape[1] != padded_k(k) // 2:
+        raise ValueError(f"codes must have shape [N, {padded_k(k) // 2}] for in_features={k}, got {list(codes.shape)}")
+    check_tensor(scales, "scales", dtype=FP8_E4M3, shape=(N, cdiv(k, group_size)))
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
+    if silu_mul and N % 2:
+        raise ValueError(f"silu_mul needs an even number of (interleaved gate/up) rows, got N={N}")
+    n_out = N // 2 if silu_mul else N
+    if bias is not None:
+        check_tensor(bias, "bias", shape=(N,))
+    if residual is not None:
+        check_tensor(residual, "residual", dtype=out_dtype, shape=(M, n_out))
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    if xq.stride(-1) != 1:
+        xq = xq.contiguous()
+    codes, scales = codes.contiguous(), scales.contiguous()
+    out = torch.empty((M, n_out), dtype=out_dtype, device=xq.device)
+    if M == 0 or N == 0:
+        return (out, None) if return_compiled else out
+    cfg = dict(pick_config(M, N, K) if config is None else config)
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    split = max(1, min(split, cdiv(K, BLOCK_K)))
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=xq.device) if split > 1 else out
+    dummy = sx
+    grid = (cdiv(M, bm), cdiv(N, bn), split)
+    compiled = _w4a8_fp8_gemm_kernel[grid](
+        xq, sx, codes, scales, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        out, ws,
+        M, N, K, n_out, float(inv_delta),
+        xq.stride(0), codes.stride(0), scales.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=cfg["SWAP_AB"],
+        GROUP_M=cfg.get("GROUP_M", 1), HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        SILU_MUL=silu_mul, EMULATE=interpret_mode(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1:
+        rbm, rbn = 16, 128
+        _splitk_reduce_kernel[(cdiv(M, rbm), cdiv(N, rbn))](
+            ws, sx, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+            M, N, n_out, float(inv_delta),
+            residual.stride(0) if residual is not None else 0, out.stride(0),
+            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul, num_warps=4,
+        )
+    return (out, compiled) if return_compiled else out

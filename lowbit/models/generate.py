@@ -1,0 +1,358 @@
+"""Fast generation for (quantized) Llama-family models: a gpt-fast style runner.
+
+``model.generate`` of transformers keeps working on every lowbit model; this runner is the
+throughput path. It reuses the model's own modules (embeddings, RMSNorms, rotary embedding, the
+seven linears of each layer, whatever quantized modules a recipe installed, ``lm_head``) but owns
+the loop, the KV cache and the attention calls, so the decode step is a fixed-shape function
+that is captured once per batch size in a CUDA graph (no Python or launch overhead per token).
+
+Batched requests of different lengths: prompts are right-padded into one ``[B, S]`` prefill
+(causal attention means a real token never sees the padding after it); each request then decodes
+at its own position ``pos[b]`` (writes go to slot ``pos[b]``, attention sees keys ``<= pos[b]``),
+so stale padding slots are overwritten before they are ever attended to.
+
+KV cache backends (chosen from the recipe record ``model.lowbit_recipe``, or ``kv=``):
+
+- ``None``: a static cache in the model's dtype, ``[B, Hkv, S_max, D]`` per layer; decode
+  attention is ``F.scaled_dot_product_attention`` with the G = Hq/Hkv query heads of one KV head
+  as G query rows (no K/V copy for GQA) and a per-request length mask;
+- ``'kv4'`` / ``'kv4-zp'``: the paged INT4 cache of ``lowbit.ops.kv4`` (FireQ / QServe layout:
+  codes ``uint8 [pages, Hkv, PAGE, D/2]``, one scale per token per head, page table ``int32
+  [B, pages_per_seq]``), written with ``kv4_append`` (post-RoPE keys, CRS scales applied there)
+  and read with the split-KV ``decode_kv4`` kernel (CRS inverse on Q inside).
+
+Prefill attention: ``lowbit.attention(q, k, v, scheme=..., causal=True)`` with the recipe's
+prefill scheme ('fp8', 'int8', ... or 'sdpa'), on post-RoPE Q/K/V in the model dtype; only the
+last real token of each request goes through ``lm_head`` (serving convention).
+
+CPU: the same code runs eagerly (no graphs); kernels run under the Triton interpreter or fall
+back to their references, so tests compare the runner's greedy tokens with ``model.generate``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Generator", "generate"]
+
+
+@dataclass
+class _Arch:
+    embed: nn.Module
+    layers: list
+    norm: nn.Module
+    rotary: nn.Module
+    lm_head: nn.Module
+    hq: int
+    hkv: int
+    d: int
+    interleaved: bool
+
+
+def _arch(model) -> _Arch:
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        raise ValueError(f"Generator supports Llama-family *ForCausalLM models, got {type(model).__name__}")
+    cfg = model.config
+    hq = cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    return _Arch(inner.embed_tokens, list(inner.layers), inner.norm, inner.rotary_emb, model.lm_head, hq, hkv, d,
+                 bool(getattr(cfg, "rope_interleave", False)))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [B, H, S, D], cos/sin [B, S, D] (HF layout: the half pattern repeated)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., : x.shape[-1] // 2], sin[..., : x.shape[-1] // 2]
+        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+# ---------------------------------------------------------------------------- KV backends
+class DenseKV:
+    """Static float cache, one ``[B, Hkv, S_max, D]`` K and V per layer."""
+
+    name = "dense"
+
+    def __init__(self, n_layers, batch, hkv, smax, d, dtype, device):
+        self.k = [torch.zeros(batch, hkv, smax, d, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.smax = smax
+        self.keys_pos = torch.arange(smax, device=device)
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write_prefill(self, layer, k, v, lengths):
+        S = k.shape[2]
+        self.k[layer][: k.shape[0], :, :S] = k
+        self.v[layer][: v.shape[0], :, :S] = v
+
+    def decode(self, layer, q, k, v, pos, rows):
+        """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE; writes slot pos[b] then attends."""
+        B, Hq, _, D = q.shape
+        kc, vc = self.k[layer][:B], self.v[layer][:B]
+        kc[rows, :, pos] = k[:, :, 0]
+        vc[rows, :, pos] = v[:, :, 0]
+        hkv = kc.shape[1]
+        qg = q.view(B, hkv, Hq // hkv, D)
+        mask = (self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1))
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
+        return o.reshape(B, Hq, 1, D)
+
+
+class PagedKV4:
+    """Paged INT4 cache through ``lowbit.ops.kv4`` (see module docstring). Request b owns pages
+    ``[b * P, (b + 1) * P)``; ``lengths`` counts cached tokens including the new one."""
+
+    name = "kv4"
+
+    def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, zero_point=False, page=64, crs=None,
+                 scale_dtype=torch.float8_e4m3fn):
+        from lowbit.ops import kv4 as kv4ops  # noqa: F401  (fails early with ImportError)
+
+        self.ops = kv4ops
+        self.page = page
+        self.pages_per_seq = math.ceil(smax / page)
+        self.smax = self.pages_per_seq * page
+        n_pages = batch * self.pages_per_seq
+        self.zero_point = zero_point
+
+        def alloc():
+            codes = torch.zeros(n_pages, hkv, page, d // 2, dtype=torch.uint8, device=device)
+            scale = torch.zeros(n_pages, hkv, page, dtype=scale_dtype, device=device)
+            zero = torch.zeros(n_pages, hkv, page, dtype=torch.uint8, device=device) if zero_point else None
+            return codes, scale, zero
+
+        self.kc, self.ks, self.kz, self.vc, self.vs, self.vz = [], [], [], [], [], []
+        for _ in range(n_layers):
+            c, s, z = alloc()
+            self.kc.append(c), self.ks.append(s), self.kz.append(z)
+            c, s, z = alloc()
+            self.vc.append(c), self.vs.append(s), self.vz.append(z)
+        self.page_table = torch.arange(n_pages, device=device, dtype=torch.int32).view(batch, self.pages_per_seq)
+        # per layer CRS: (crs_k [Hkv, D] multiplies post-RoPE K, crs_q = 1 / crs_k for Q) or None
+        self.crs = crs or [None] * n_layers
+
+    def bytes(self) -> int:
+        ts = [t for t in self.kc + self.ks + self.kz + self.vc + self.vs + self.vz if t is not None]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def _cache_kw(self, layer):
+        kw = dict(k_codes=self.kc[layer], k_scale=self.ks[layer], v_codes=self.vc[layer], v_scale=self.vs[layer])
+        if self.zero_point:
+            kw.update(k_zero=self.kz[layer], v_zero=self.vz[layer])
+        return kw
+
+    def write_prefill(self, layer, k, v, lengths):
+        B = k.shape[0]
+        start = torch.zeros(B, dtype=torch.int32, device=k.device)
+        crs = self.crs[layer]
+        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start,
+                            crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
+
+    def decode(self, layer, q, k, v, pos, rows):
+        B = q.shape[0]
+        crs = self.crs[layer]
+        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=pos.to(torch.int32),
+                            crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
+        lengths = (pos + 1).to(torch.int32)
+        return self.ops.decode_kv4(q, page_table=self.page_table[:B], lengths=lengths, max_len=self.smax,
+                                   crs_q=None if crs is None else crs[1], **self._cache_kw(layer))
+
+
+def _crs_from_recipe(info, n_layers, hkv, d, device):
+    """Per-layer (crs_k, crs_q) tensors from the recipe's RoPE-KV parameters, or None each."""
+    params = (info or {}).get("rope_kv")
+    if not params:
+        return None
+    out = []
+    for p in params:
+        t = None
+        if p is not None:
+            t = p.get("crs_scales") if isinstance(p, dict) else getattr(p, "crs_scales", None)
+        if t is None:
+            out.append(None)
+            continue
+        t = t.to(device=device, dtype=torch.float32).reshape(hkv, d)
+        out.append((t, 1.0 / t))
+    return out if any(o is not None for o in out) else None
+
+
+# ---------------------------------------------------------------------------------- runner
+class Generator:
+    """Prefill + CUDA-graph decode over a static or paged INT4 cache (module docstring).
+
+    ``kv``: 'auto' (from ``model.lowbit_recipe``), None, 'kv4' or 'kv4-zp'. ``prefill``: 'auto'
+    (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
+    ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA.
+    """
+
+    def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
+                 cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None):
+        self.model = model
+        self.a = _arch(model)
+        if layers is not None:
+            self.a.layers = self.a.layers[:layers]
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, self.a.embed.weight.dtype
+        info = getattr(model, "lowbit_recipe", None) or {}
+        self.kv = info.get("kv") if kv == "auto" else kv
+        if self.kv not in (None, "kv4", "kv4-zp"):
+            raise ValueError(f"kv must be 'auto', None, 'kv4' or 'kv4-zp', got {self.kv!r}")
+        scheme = info.get("attention") if prefill == "auto" else prefill
+        self.prefill_scheme = scheme or "sdpa"
+        if self.prefill_scheme == "fp8-kv4":
+            self.prefill_scheme = "fp8"  # the cache is empty before prefill: same math on fresh K/V
+        self.max_batch, self.max_seq = int(max_batch), int(max_seq)
+        if self.max_batch < 1 or self.max_seq < 2:
+            raise ValueError("max_batch must be >= 1 and max_seq >= 2")
+        n = len(self.a.layers)
+        if self.kv is None:
+            self.cache = DenseKV(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device)
+        else:
+            crs = _crs_from_recipe(info, n, self.a.hkv, self.a.d, self.device)
+            self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
+                                  zero_point=self.kv == "kv4-zp", page=page_size, crs=crs)
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        self._graphs: dict[int, tuple] = {}
+        self.rows = torch.arange(self.max_batch, device=self.device)
+        self.sm_scale = self.a.d ** -0.5
+
+    # -------------------------------------------------------------------------- pieces
+    def _qkv(self, layer, h, pos_ids):
+        attn = layer.self_attn
+        B, S, _ = h.shape
+        q = attn.q_proj(h).view(B, S, -1, self.a.d).transpose(1, 2)
+        k = attn.k_proj(h).view(B, S, -1, self.a.d).transpose(1, 2)
+        v = attn.v_proj(h).view(B, S, -1, self.a.d).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self.a.rotary(v, pos_ids)
+        return _rope(q, cos, sin, self.a.interleaved), _rope(k, cos, sin, self.a.interleaved), v
+
+    def _finish(self, layer, x, o):
+        B, S = x.shape[:2]
+        x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _logits(self, h):
+        return self.a.lm_head(self.a.norm(h)).float()
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """ids ``[B, S]`` right-padded, lengths ``[B]``; fills the cache; logits ``[B, V]`` (fp32)
+        of each request's last real token."""
+        import lowbit
+
+        B, S = ids.shape
+        if B > self.max_batch or S > self.max_seq:
+            raise ValueError(f"prefill of [{B}, {S}] exceeds max_batch={self.max_batch} / max_seq={self.max_seq}")
+        ids = ids.to(self.device)
+        lengths = lengths.to(self.device)
+        pos_ids = torch.arange(S, device=self.device).expand(B, S)
+        x = self.a.embed(ids)
+        for i, layer in enumerate(self.a.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), pos_ids)
+            self.cache.write_prefill(i, k, v, lengths)
+            o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
+            x = self._finish(layer, x, o)
+        last = x[self.rows[:B], lengths - 1]
+        return self._logits(last)
+
+    def _step(self, tokens, pos):
+        B = tokens.shape[0]
+        rows = self.rows[:B]
+        x = self.a.embed(tokens.view(B, 1))
+        pos_ids = pos.view(B, 1)
+        for i, layer in enumerate(self.a.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), pos_ids)
+            o = self.cache.decode(i, q, k, v, pos, rows)
+            x = self._finish(layer, x, o)
+        return self._logits(x[:, 0])
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One token per request: tokens ``[B]`` at positions ``pos [B]`` -> logits ``[B, V]``."""
+        B = tokens.shape[0]
+        if not self.cuda_graphs:
+            return self._step(tokens.to(self.device), pos.to(self.device))
+        g = self._graphs.get(B) or self._capture(B)
+        graph, t_buf, p_buf, out = g
+        t_buf.copy_(tokens)
+        p_buf.copy_(pos)
+        graph.replay()
+        return out
+
+    def _capture(self, B: int):
+        t_buf = torch.zeros(B, dtype=torch.long, device=self.device)
+        p_buf = torch.zeros(B, dtype=torch.long, device=self.device)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # warm up: compile / autotune outside the capture
+                self._step(t_buf, p_buf)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._step(t_buf, p_buf)
+        self._graphs[B] = (graph, t_buf, p_buf, out)
+        return self._graphs[B]
+
+    # ------------------------------------------------------------------------ generate
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens: int = 32, *, eos_token_id: int | None = None):
+        """Greedy decoding of a batch of 1-D token tensors (any lengths); returns the new tokens of
+        each request (cut after ``eos_token_id`` when given)."""
+        if isinstance(prompts, torch.Tensor):
+            prompts = list(prompts) if prompts.ndim == 2 else [prompts]
+        if not prompts:
+            raise ValueError("prompts must hold at least one sequence")
+        lens = [int(p.numel()) for p in prompts]
+        if min(lens) < 1:
+            raise ValueError("every prompt needs at least one token")
+        if max(lens) + max_new_tokens > self.max_seq:
+            raise ValueError(f"prompt length {max(lens)} + max_new_tokens {max_new_tokens} exceeds max_seq "
+                             f"{self.max_seq}")
+        B = len(prompts)
+        ids = torch.zeros(B, max(lens), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : lens[b]] = p.reshape(-1).cpu()
+        lengths = torch.tensor(lens, device=self.device)
+        logits = self.prefill(ids, lengths)
+        tok = logits.argmax(-1)
+        out = [tok]
+        pos = lengths.clone()
+        for _ in range(max_new_tokens - 1):
+            logits = self.decode(tok, pos)
+            tok = logits.argmax(-1)
+            out.append(tok)
+            pos = pos + 1
+        new = torch.stack(out, 1).cpu()
+        res = []
+        for b in range(B):
+            t = new[b]
+            if eos_token_id is not None:
+                hit = (t == eos_token_id).nonzero()
+                if hit.numel():
+                    t = t[: int(hit[0]) + 1]
+            res.append(t)
+        return res
+
+
+def generate(model, prompts, max_new_tokens: int = 32, *, eos_token_id: int | None = None, **options):
+    """One-shot helper: build a ``Generator`` sized for ``prompts`` and decode greedily."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = list(prompts) if prompts.ndim == 2 else [prompts]
+    smax = max(int(p.numel()) for p in prompts) + max_new_tokens
+    g = Generator(model, max_batch=len(prompts), max_seq=smax, **options)
+    return g.generate(prompts, max_new_tokens, eos_token_id=eos_token_id)

@@ -1,0 +1,469 @@
+"""Model-level recipes: each joins a linear scheme, PTQ transforms and a KV/attention scheme.
+
+A recipe is ``fn(model, calibration=None, **options) -> model`` (registered in
+``lowbit.registry``, called through ``lowbit.quantize_model``). It works on any Llama-family
+``*ForCausalLM`` of transformers through ``lowbit.models.arch.decoder_layers`` and quantizes
+the seven linears of every decoder layer in place; ``embed_tokens`` and ``lm_head`` stay float.
+
+Common options (every recipe):
+
+- ``linear``: linear scheme name (``lowbit.schemes()``) or ``None`` to keep the linears float;
+- ``kv``: ``'kv4'`` (symmetric INT4, FP8 scales), ``'kv4-zp'`` (INT4 with zero points) or ``None``;
+- ``attention``: prefill attention scheme (``'fp8'``, ``'fp8-kv4'``, ``'int8'``, ``'sdpa'``...) or
+  ``None`` (transformers' own attention);
+- ``group_size``, ``linear_options`` (extra keywords for ``from_linear``), ``skip`` (roles such as
+  ``('down_proj',)`` to keep float);
+- ``seed`` (calibration windows and any randomness), ``n_samples``/``seq_len`` (calibration
+  windows), ``tokenizer`` (needed when ``calibration`` is None or a text file), ``progress``.
+
+``calibration`` is ``None`` (windows of the embedded corpus, ``lowbit.eval.corpus``), a path to a
+UTF-8 text file, or a list of token-id tensors (``[S]`` or ``[B, S]``). Calibration only runs
+when a selected transform needs activations (RPN/CRS, SmoothAttention, SmoothQuant, NF scale
+learning); CAS and PTS are weight-only.
+
+Recipes whose pieces are not installed raise ``NotImplementedError("recipe X needs <module>,
+not available yet")``; everything else keeps working.
+
+Order inside ``fireq`` (FireQ Fig. 1; notes/fireq.md 1.10): float transforms first (CAS folds
+Lambda into the weights and Lambda^-1 into the preceding RMSNorm; RPN/CRS are calibrated on the
+float model and RPN is folded into k_proj/q_proj), then each linear is quantized (PTS chooses
+delta = 2^n inside ``W4A8FP8Linear.from_linear(pts=True)``), then the quantized attention and
+KV cache are installed with the CRS parameters (applied after RoPE, the paper's "merged into
+q_proj" cannot be exact: notes 7.6).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["fireq", "qserve", "flute_nf4", "flute_nf3", "int8_attention", "fp8_mla", "quantize_linears",
+           "calibration_batches", "recipe_info", "is_quantized"]
+
+KV_CHOICES = ("kv4", "kv4-zp", None)
+
+
+# --------------------------------------------------------------------------------- plumbing
+def _need(recipe: str, module: str, attr: str | None = None):
+    """Import ``module`` (and return ``attr`` of it); NotImplementedError naming both if absent."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        # only a missing lowbit piece means "not available yet"; re-raise real import bugs
+        missing = getattr(exc, "name", "") or ""
+        if not (missing == module or module.startswith(missing + ".") or missing.startswith(module)):
+            raise
+        raise NotImplementedError(f"recipe {recipe} needs {module}, not available yet") from None
+    if attr is None:
+        return mod
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        raise NotImplementedError(f"recipe {recipe} needs {module}.{attr}, not available yet")
+    return obj
+
+
+def _call(fn: Callable, *args, **kwargs):
+    """Call ``fn`` passing only the keywords its signature accepts (pieces grow their options)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def is_quantized(model) -> bool:
+    """True when ``model`` already holds a lowbit quantized module or recipe."""
+    from lowbit.nn.base import QuantLinear
+
+    return getattr(model, "lowbit_recipe", None) is not None or any(
+        isinstance(m, QuantLinear) for m in model.modules())
+
+
+def recipe_info(model) -> dict | None:
+    """The recipe record a recipe left on the model (name, options, kv, attention), or None."""
+    return getattr(model, "lowbit_recipe", None)
+
+
+def _json_safe(v: Any):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, (os.PathLike,)):
+        return os.fspath(v)
+    return repr(v)
+
+
+def _auto_tokenizer(model):
+    """Tokenizer of ``model`` from its ``name_or_path`` (a local dir, possibly holding a GGUF)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    src = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    if src:
+        p = Path(src)
+        try:
+            if p.is_dir():
+                ggufs = sorted(p.glob("*.gguf"))
+                if ggufs and not (p / "tokenizer.json").exists() and not (p / "tokenizer_config.json").exists():
+                    return AutoTokenizer.from_pretrained(p, gguf_file=ggufs[0].name)
+                return AutoTokenizer.from_pretrained(p)
+        except Exception:
+            pass
+    raise ValueError("calibration from text needs a tokenizer: pass tokenizer=..., or calibration= a list "
+                     "of token-id tensors")
+
+
+def calibration_batches(model, calibration=None, *, tokenizer=None, n_samples: int = 16, seq_len: int = 512,
+                        seed: int = 0) -> list[torch.Tensor]:
+    """Normalise ``calibration`` into a list of ``[1, S]`` LongTensors (see module docstring)."""
+    if calibration is None or isinstance(calibration, (str, os.PathLike)):
+        from lowbit.eval.corpus import calibration_batches as _windows
+
+        tok = tokenizer if tokenizer is not None else _auto_tokenizer(model)
+        return _windows(tok, n_samples=n_samples, seq_len=seq_len, seed=seed, text_file=calibration)
+    if isinstance(calibration, torch.Tensor):
+        calibration = [calibration]
+    if not isinstance(calibration, (list, tuple)) or not calibration:
+        raise TypeError("calibration must be None, a text file path, or a non-empty list of token-id tensors, "
+                        f"got {type(calibration).__name__}")
+    vocab = getattr(model.config, "vocab_size", None)
+    out = []
+    for i, t in enumerate(calibration):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"calibration[{i}] must be an int64/int32 tensor of token ids")
+        if t.ndim == 1:
+            t = t.unsqueeze(0)
+        if t.ndim != 2 or t.shape[1] < 1:
+            raise ValueError(f"calibration[{i}] must have shape [S] or [B, S], got {list(t.shape)}")
+        if vocab is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise ValueError(f"calibration[{i}] has token ids outside [0, {vocab})")
+        out.extend(row.unsqueeze(0).long() for row in t)
+    return out
+
+
+def _progress(it, desc: str, enabled: bool, total: int | None = None):
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, unit="layer", total=total)
+
+
+def quantize_linears(model, scheme: str, *, skip=(), progress: bool = True, recipe: str = "custom",
+                     **options) -> nn.Module:
+    """Replace the seven linears of every decoder layer by ``lowbit.quantize_linear(lin, scheme,
+    **options)``; embeddings and ``lm_head`` stay float. Returns ``model``."""
+    from lowbit import quantize_linear, registry
+    from lowbit.models.arch import decoder_layers
+
+    entry = registry.get("linear", scheme)
+    mod, _, _ = entry.target.partition(":")
+    _need(recipe, mod)  # clear NotImplementedError while the scheme's module is not written
+    views = decoder_layers(model)
+    bad = set(skip) - {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    if bad:
+        raise ValueError(f"skip has unknown linear roles {sorted(bad)}")
+    for view in _progress(views, f"{recipe}: {scheme} linears", progress, len(views)):
+        for role, lin in view.linears().items():
+            if role in skip or not isinstance(lin, nn.Linear):
+                continue
+            view.set_linear(role, quantize_linear(lin, scheme, **options))
+    return model
+
+
+def _check_common(recipe: str, model, linear, kv, attention):
+    from lowbit import registry
+
+    if is_quantized(model):
+        raise ValueError(f"recipe {recipe}: model is already quantized ({recipe_info(model) or 'QuantLinear modules'}); "
+                         "load the float model again")
+    if linear is not None:
+        registry.get("linear", linear)
+    if kv not in KV_CHOICES:
+        raise ValueError(f"kv must be one of 'kv4', 'kv4-zp' or None, got {kv!r}")
+    if attention is not None:
+        registry.get("attention", attention)
+
+
+def _install_attention(recipe: str, model, *, kv, attention, rope_kv=None, **options):
+    if kv is None and attention is None:
+        return model
+    install = _need(recipe, "lowbit.models.hf_attention", "install_quantized_attention")
+    out = _call(install, model, kv=kv, prefill=attention or "sdpa", rope_kv=rope_kv, **options)
+    return out if out is not None else model
+
+
+def _record(model, recipe: str, options: dict, **extra) -> None:
+    info = {"recipe": recipe, "options": _json_safe(options)}
+    info.update(extra)
+    model.lowbit_recipe = info
+
+
+def _seeded(seed: int):
+    torch.manual_seed(seed)
+
+
+def _linear_opts(group_size, linear_options, **more):
+    opts = dict(linear_options or {})
+    if group_size is not None:
+        opts.setdefault("group_size", group_size)
+    for k, v in more.items():
+        if v is not None:
+            opts.setdefault(k, v)
+    return opts
+
+
+# ----------------------------------------------------------------------------------- recipes
+@torch.no_grad()
+def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str | None = "kv4",
+          attention: str | None = "fp8", group_size: int = 128, cas: bool = True, pts: bool = True,
+          rpn: bool = True, crs: bool = True, alpha: float = 8.0, beta: float = 8.0, top_k: int | None = None,
+          cas_options: dict | None = None, linear_options: dict | None = None, skip=(), seed: int = 0,
+          n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+    """FireQ (seed 000): W4A8-FP linears (INT4 weights, FP8 E4M3 g128 scales, FP8 per-token
+    activations) with CAS + PTS, a post-RoPE INT4 KV cache with RPN + CRS, FP8 prefill attention.
+
+    Ablations are one call each: ``cas=False``, ``pts=False``, ``rpn=False``, ``crs=False``,
+    ``kv=None`` (float KV), ``linear=None`` (float linears). ``alpha``/``beta`` are RPN/CRS's
+    constants (8, App. E); ``top_k`` = CRS outlier pairs per KV head (None = the kv4 area's default:
+    8 for head_dim 128).
+    """
+    _check_common("fireq", model, linear, kv, attention)
+    _seeded(seed)
+    options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, cas=cas, pts=pts, rpn=rpn,
+                   crs=crs, alpha=alpha, beta=beta, top_k=top_k, cas_options=cas_options,
+                   linear_options=linear_options, skip=list(skip), seed=seed, n_samples=n_samples, seq_len=seq_len)
+    needs_rope_kv = kv is not None and (rpn or crs)
+    # resolve every piece first, so a missing one fails before the model is touched
+    apply_cas = _need("fireq", "lowbit.ptq.cas", "apply_cas") if (cas and linear is not None) else None
+    calibrate = _need("fireq", "lowbit.ptq.rope_kv", "calibrate_rpn_crs") if needs_rope_kv else None
+    if linear is not None:
+        from lowbit import registry
+
+        _need("fireq", registry.get("linear", linear).target.partition(":")[0])
+    if kv is not None or attention is not None:
+        _need("fireq", "lowbit.models.hf_attention", "install_quantized_attention")
+
+    batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
+                                   seed=seed) if needs_rope_kv else None)
+    reports: dict = {}
+    if apply_cas is not None:  # weight-only, folds Lambda^-1 into the preceding norms
+        reports["cas"] = _call(apply_cas, model, **(cas_options or {}))
+    rope_kv = None
+    if calibrate is not None:
+        kw = dict(alpha=alpha, beta=beta, top_k=top_k)
+        if not crs:
+            kw["top_k"] = 0  # no outlier pairs: RPN everywhere
+        if _accepts(calibrate, "rpn"):
+            kw["rpn"] = rpn
+        if _accepts(calibrate, "crs"):
+            kw["crs"] = crs
+        if _accepts(calibrate, "progress"):
+            kw["progress"] = progress
+        rope_kv = _call(calibrate, model, batches, **kw)
+        if not rpn and not _accepts(calibrate, "rpn"):
+            rope_kv = _drop_rpn(rope_kv)
+        fold = _optional("lowbit.ptq.rope_kv", ("fold_rpn", "fold_rope_kv", "apply_rpn"))
+        if fold is not None and rope_kv is not None:
+            _call(fold, model, rope_kv)
+    if linear is not None:
+        opts = _linear_opts(group_size, linear_options)
+        if linear == "w4a8-fp8":
+            opts.setdefault("pts", pts)
+        quantize_linears(model, linear, skip=skip, progress=progress, recipe="fireq", **opts)
+    model = _install_attention("fireq", model, kv=kv, attention=attention, rope_kv=rope_kv)
+    _record(model, "fireq", options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
+    return model
+
+
+def _optional(module: str, names) -> Callable | None:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    for n in names:
+        f = getattr(mod, n, None)
+        if callable(f):
+            return f
+    return None
+
+
+def _drop_rpn(params):
+    """Disable the RPN half of RoPE-KV parameters whose calibration has no ``rpn=`` switch: RPN
+    scales become 1 (CRS scales kept)."""
+    if params is None:
+        return None
+    out = []
+    for p in params:
+        if isinstance(p, dict):
+            p = dict(p)
+            for k in list(p):
+                if "rpn" in k and isinstance(p[k], torch.Tensor):
+                    p[k] = torch.ones_like(p[k])
+        elif hasattr(p, "__dataclass_fields__"):
+            import dataclasses
+
+            p = dataclasses.replace(p, **{k: torch.ones_like(getattr(p, k)) for k in p.__dataclass_fields__
+                                         if "rpn" in k and isinstance(getattr(p, k), torch.Tensor)})
+        out.append(p)
+    return out
+
+
+@torch.no_grad()
+def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str | None = "kv4-zp",
+           attention: str | None = "sdpa", group_size: int = 128, smooth: bool = True, smooth_alpha: float = 0.5,
+           smoothquant: bool = False, smoothquant_alpha: float = 0.5, linear_options: dict | None = None, skip=(),
+           seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+    """QServe / QoQ (W4A8KV4): progressive INT4->INT8 g128 weights with INT8 per-token activations,
+    SmoothAttention on keys (``smooth``), optional SmoothQuant on linear inputs (``smoothquant``),
+    INT4 KV cache with zero points. Prefill attention defaults to float SDPA (QServe's own)."""
+    _check_common("qserve", model, linear, kv, attention)
+    _seeded(seed)
+    options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, smooth=smooth,
+                   smooth_alpha=smooth_alpha, smoothquant=smoothquant, smoothquant_alpha=smoothquant_alpha,
+                   linear_options=linear_options, skip=list(skip), seed=seed, n_samples=n_samples, seq_len=seq_len)
+    sa = _need("qserve", "lowbit.ptq.smooth_attention", "apply_smooth_attention") if smooth else None
+    sq = _need("qserve", "lowbit.ptq.smoothquant", "apply_smoothquant") if smoothquant else None
+    if linear is not None:
+        from lowbit import registry
+
+        _need("qserve", registry.get("linear", linear).target.partition(":")[0])
+    if kv is not None or attention is not None:
+        _need("qserve", "lowbit.models.hf_attention", "install_quantized_attention")
+    batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
+                                   seed=seed) if (sa or sq) else None)
+    reports: dict = {}
+    if sa is not None:
+        reports["smooth_attention"] = _call(sa, model, batches, alpha=smooth_alpha)
+    if sq is not None:
+        reports["smoothquant"] = _call(sq, model, batches, alpha=smoothquant_alpha)
+    if linear is not None:
+        quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
+                         **_linear_opts(group_size, linear_options))
+    model = _install_attention("qserve", model, kv=kv, attention=attention)
+    _record(model, "qserve", options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
+    return model
+
+
+def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, group_size, table, learn_scales,
+           lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress):
+    _check_common(name, model, linear, kv, attention)
+    _seeded(seed)
+    options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, bits=bits, table=table,
+                   learn_scales=learn_scales, lr=lr, epochs=epochs, linear_options=linear_options, skip=list(skip),
+                   seed=seed, n_samples=n_samples, seq_len=seq_len)
+    learn = _need(name, "lowbit.ptq.nfl", "learn_nf_scales") if learn_scales else None
+    if linear is not None:
+        from lowbit import registry
+
+        _need(name, registry.get("linear", linear).target.partition(":")[0])
+    if kv is not None or attention is not None:
+        _need(name, "lowbit.models.hf_attention", "install_quantized_attention")
+    if isinstance(table, torch.Tensor):
+        options["table"] = table.tolist()
+    reports: dict = {}
+    if linear is not None:
+        opts = _linear_opts(group_size, linear_options)
+        if linear == "lut":
+            opts.setdefault("bits", bits)
+            opts.setdefault("table", table)
+        quantize_linears(model, linear, skip=skip, progress=progress, recipe=name, **opts)
+    if learn is not None:
+        batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples,
+                                      seq_len=seq_len, seed=seed)
+        reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress)
+    model = _install_attention(name, model, kv=kv, attention=attention)
+    _record(model, name, options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
+    return model
+
+
+@torch.no_grad()
+def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | None = None,
+              attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
+              lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
+              n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+    """FLUTE (seed 001): 4-bit NormalFloat lookup-table weights, g128, activations in the model's
+    float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration)."""
+    with torch.enable_grad():
+        return _flute("flute-nf4", 4, model, calibration, linear=linear, kv=kv, attention=attention,
+                      group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
+                      linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
+                      tokenizer=tokenizer, progress=progress)
+
+
+@torch.no_grad()
+def flute_nf3(model, calibration=None, *, linear: str | None = "lut", kv: str | None = None,
+              attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
+              lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
+              n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+    """FLUTE 3-bit NormalFloat lookup-table weights, g128 (see ``flute_nf4``)."""
+    with torch.enable_grad():
+        return _flute("flute-nf3", 3, model, calibration, linear=linear, kv=kv, attention=attention,
+                      group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
+                      linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
+                      tokenizer=tokenizer, progress=progress)
+
+
+@torch.no_grad()
+def int8_attention(model, calibration=None, *, linear: str | None = None, kv: str | None = None,
+                   attention: str | None = "int8", group_size: int = 128, linear_options: dict | None = None,
+                   skip=(), seed: int = 0, progress: bool = True, **unused_calibration_options):
+    """INT-FlashAttention (seed 002): INT8 prefill attention (per-token Q/K, per-block V scales),
+    weights float unless ``linear=`` names a scheme. Calibration-free."""
+    _check_common("int8-attention", model, linear, kv, attention)
+    _seeded(seed)
+    bad = set(unused_calibration_options) - {"n_samples", "seq_len", "tokenizer"}
+    if bad:
+        raise TypeError(f"int8_attention got unexpected options {sorted(bad)}")
+    options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, linear_options=linear_options,
+                   skip=list(skip), seed=seed)
+    if linear is not None:
+        from lowbit import registry
+
+        _need("int8-attention", registry.get("linear", linear).target.partition(":")[0])
+    if attention is not None:
+        _need("int8-attention", "lowbit.ops.attention_prefill")
+    _need("int8-attention", "lowbit.models.hf_attention", "install_quantized_attention")
+    if linear is not None:
+        quantize_linears(model, linear, skip=skip, progress=progress, recipe="int8-attention",
+                         **_linear_opts(group_size, linear_options))
+    model = _install_attention("int8-attention", model, kv=kv, attention=attention)
+    _record(model, "int8-attention", options, kv=kv, attention=attention, rope_kv=None)
+    return model
+
+
+@torch.no_grad()
+def fp8_mla(model, calibration=None, *, seed: int = 0, progress: bool = True, **options):
+    """SnapMLA (seed 003): DeepSeek MLA models get a per-token FP8 latent cache with a bf16 RoPE
+    part (``lowbit.models.deepseek.install_fp8_mla``). Llama-family models are refused."""
+    mt = getattr(model.config, "model_type", "")
+    if "deepseek" not in str(mt) and not hasattr(model.config, "kv_lora_rank"):
+        raise ValueError(f"recipe fp8-mla needs a DeepSeek MLA model (config.kv_lora_rank), got model_type {mt!r}")
+    if is_quantized(model):
+        raise ValueError("recipe fp8-mla: model is already quantized")
+    _seeded(seed)
+    install = _need("fp8-mla", "lowbit.models.deepseek", "install_fp8_mla")
+    out = _call(install, model, progress=progress, **options)
+    model = out if out is not None else model
+    _record(model, "fp8-mla", dict(options, seed=seed), kv="fp8-mla", attention=None, rope_kv=None)
+    return model

@@ -1,0 +1,104 @@
+"""``LUTLinear``: FLUTE lookup-table weight-only linear layer (scheme ``"lut"``).
+
+Buffers (layouts in ``lowbit.formats.lut``; all registered, so ``state_dict`` round-trips):
+
+- ``qweight``: packed codes, int32 ``[N, Kp*bits/32]`` (2/4-bit) or int64 ``[N, Kp/32]``
+  (3-bit low-2-bit plane);
+- ``qweight_hi``: int32 ``[N, Kp/32]`` (3-bit high-bit plane), ``None`` otherwise;
+- ``scales``: ``[Kp/group_size, N]`` in ``dtype`` (bf16 or fp16), group-major;
+- ``table``: float32 ``[2**bits]``;
+- ``bias``: ``[N]`` in ``dtype`` or ``None``.
+
+``dtype`` is the activation dtype the kernel runs in. A float32 model (the embedded SmolLM2 on
+the CPU) keeps float32 activations: on the CPU they go through the reference (float32 math); on
+CUDA they are cast to ``dtype`` for the kernel and the output cast back.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, pack_codes, packed_shapes, quantize_lut,
+                                table_is_uniform)
+from lowbit.nn.base import QuantLinear
+from lowbit.ops.lut import dequantize_packed, lut_gemm
+
+
+class LUTLinear(QuantLinear):
+    scheme = "lut"
+
+    def __init__(self, in_features: int, out_features: int, *, bits: int = 4, group_size: int = 128,
+                 bias: bool = False, dtype: torch.dtype = torch.bfloat16, table_kind: str = "nf",
+                 lookup: str | None = None, device=None):
+        super().__init__(in_features, out_features, dtype)
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+        if dtype not in SCALE_DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        self.bits = int(bits)
+        self.group_size = int(group_size)
+        self.table_kind = table_kind  # 'nf' | 'int' | 'custom' (informational; the table buffer rules)
+        ng = -(-self.in_features // group_size)
+        qs, qd, hs = packed_shapes(out_features, ng * group_size, bits)
+        self.register_buffer("qweight", torch.zeros(qs, dtype=qd, device=device))
+        self.register_buffer("qweight_hi", torch.zeros(hs, dtype=torch.int32, device=device) if hs else None)
+        self.register_buffer("scales", torch.zeros(ng, out_features, dtype=dtype, device=device))
+        self.register_buffer("table", make_table("int" if table_kind == "int" else "nf", bits).to(device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.lookup = lookup or ("affine" if table_kind == "int" else "load")
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128, table="nf",
+                    dtype: torch.dtype | None = None, scales: torch.Tensor | None = None,
+                    lookup: str | None = None) -> "LUTLinear":
+        """Quantize ``linear`` (RTN to the nearest table entry under absmax group scales, or
+        under ``scales`` [N, ceil(K/group_size)] e.g. learned by ``lowbit.ptq.nfl``).
+        ``table``: 'nf' (NormalFloat), 'int' (uniform RTN) or 2**bits floats.
+        ``dtype``: activation/scale dtype; default the linear's if 16-bit, else bfloat16."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in SCALE_DTYPES else torch.bfloat16
+        q = quantize_lut(w, bits=bits, group_size=group_size, table=table, scale_dtype=dtype, scales=scales)
+        kind = table if isinstance(table, str) else ("int" if table_is_uniform(q.table) else "custom")
+        m = cls(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
+                bias=linear.bias is not None, dtype=dtype, table_kind=kind, lookup=lookup, device=w.device)
+        qw, qh = pack_codes(q.codes, bits)
+        m.qweight.copy_(qw)
+        if qh is not None:
+            m.qweight_hi.copy_(qh)
+        m.scales.copy_(q.scales.t())
+        m.table.copy_(q.table.to(w.device))
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.detach().to(dtype))
+        return m
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, **config) -> "LUTLinear":
+        config = dict(config)
+        config.pop("dtype", None)
+        return cls(in_features, out_features, bias=bias, dtype=dtype, **config)
+
+    def config(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size, "table_kind": self.table_kind,
+                "lookup": self.lookup}
+
+    # --- compute ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xin = x
+        if x.is_cuda and x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        y = lut_gemm(x, self.qweight, self.qweight_hi, self.scales, self.table, bits=self.bits,
+                     group_size=self.group_size, lookup=self.lookup)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(xin.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_packed(self.qweight, self.qweight_hi, self.scales, self.table, self.bits,
+                                 self.group_size, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme='lut', {self.config()}"

@@ -1,0 +1,231 @@
+"""Quantized prefill attention schemes: ``fp8``, ``fp8-kv4``, ``int8`` and ``int8-qk``.
+
+Each public function has the attention-scheme signature of ``lowbit.registry``::
+
+    fn(q, k, v, *, causal=False, sm_scale=None, **options) -> Tensor
+
+q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Skv, D]`` (fp16, bf16 or fp32; Hq a multiple of Hkv),
+output shaped like q in q's dtype; causal masks are bottom-right aligned when Sq < Skv.
+Numerics: ``lowbit.formats.attention_quant`` (formats and the float32 replay of the kernel);
+kernels: ``lowbit.kernels.attention_quant`` (K/V quantization, V transposed) and
+``lowbit.kernels.attention_prefill`` (the attention, Q quantized inside). On CUDA, or on the CPU
+under ``TRITON_INTERPRET=1``, the kernels run; otherwise the float32 replay of the same numerics.
+
+The timed path on the GPU is two launches: one quantizes K and V (its time counts), the second
+is the attention. Both are wrapped as ``torch.library`` ops with fake implementations, so
+``torch.compile(fullgraph=True)`` and CUDA graphs capture them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit._utils import check_tensor, interpret_mode, use_triton, warn_once
+from lowbit.formats.attention_quant import MODES, V_BLOCK, attention_quant_ref, quantize_qkv
+from lowbit.formats.common import FP8_E4M3
+
+__all__ = ["fp8_attention", "fp8_kv4_attention", "int8_attention", "int8_qk_attention", "quant_attention"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_DIMS = (64, 128, 256)
+
+
+def _ref_block_n(mode: str, head_dim: int) -> int:
+    """The BLOCK_N the kernel would use (the reference replays the same blocks)."""
+    from lowbit.kernels.attention_prefill import default_config
+
+    return default_config(mode, head_dim, False, 1)["BLOCK_N"] if _triton_ok() else 128
+
+
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _kernel_dim(d: int) -> int | None:
+    """Head dim the kernel runs at (zero-padded up), or None when it cannot."""
+    if interpret_mode():
+        p = 16
+        while p < d:
+            p *= 2
+        return p
+    for kd in _KERNEL_DIMS:
+        if d <= kd:
+            return kd
+    return None
+
+
+# ------------------------------------------------------------------------------- torch.library ops
+@torch.library.custom_op("lowbit::quant_attention_prefill", mutates_args=())
+def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, causal: bool,
+                     sm_scale: float, v_granularity: str, v_block: int) -> torch.Tensor:
+    D = q.shape[-1]
+    kd = _kernel_dim(D)
+    if use_triton(q, k, v) and kd is not None:
+        from lowbit.kernels.attention_prefill import attention_prefill_triton
+        from lowbit.kernels.attention_quant import quantize_kv_triton
+
+        if kd != D:
+            warn_once(f"quantized attention: head_dim {D} zero-padded to {kd} for the kernel")
+            q, k, v = (F.pad(t, (0, kd - D)) for t in (q, k, v))
+        if mode == "int8-qk":
+            kc, ks, _, _ = quantize_kv_triton(k, None, dtype=torch.int8)
+            vv = v if v.dtype != torch.float32 else v.to(torch.bfloat16)
+            if vv.stride(-1) != 1:
+                vv = vv.contiguous()
+            o = attention_prefill_triton(q, kc, ks, vv, None, mode=mode, causal=causal, sm_scale=sm_scale)
+        else:
+            dt = torch.int8 if mode == "int8" else FP8_E4M3
+            kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, v_granularity=v_granularity, v_block=v_block)
+            o = attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
+                                         v_block=v_block)
+        return o[..., :D] if kd != D else o
+    vq = v if not (mode == "int8-qk" and v.dtype == torch.float32) else v.to(torch.bfloat16)
+    qq = quantize_qkv(q, k, vq, mode=mode, v_granularity=v_granularity, v_block=v_block)
+    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=_ref_block_n(mode, D),
+                               out_dtype=q.dtype)
+
+
+@_quant_attention.register_fake
+def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("lowbit::fp8_kv4_attention_prefill", mutates_args=())
+def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                       v_scale: torch.Tensor, causal: bool, sm_scale: float) -> torch.Tensor:
+    D = q.shape[-1]
+    if use_triton(q, k_codes, v_codes) and _kernel_dim(D) == D:
+        from lowbit.kernels.attention_prefill import attention_prefill_triton
+
+        return attention_prefill_triton(q, k_codes, k_scale, v_codes, v_scale, mode="fp8-kv4",
+                                        causal=causal, sm_scale=sm_scale)
+    if use_triton(q):
+        warn_once(f"fp8-kv4 attention: head_dim {D} has no kernel; using the PyTorch reference")
+    from lowbit.formats.common import quantize_per_token
+
+    qc, qs = quantize_per_token(q, FP8_E4M3)
+    qq = {"mode": "fp8-kv4", "q": qc, "q_scale": qs, "k": k_codes, "k_scale": k_scale,
+          "v": v_codes, "v_scale": v_scale}
+    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=_ref_block_n("fp8-kv4", D),
+                               out_dtype=q.dtype)
+
+
+@_fp8_kv4_attention.register_fake
+def _(q, k_codes, k_scale, v_codes, v_scale, causal, sm_scale):
+    return torch.empty_like(q)
+
+
+# ------------------------------------------------------------------------------- validation
+def _check_qkv(q, k, v, causal):
+    check_tensor(q, "q", dtype=_FLOATS, ndim=4)
+    check_tensor(k, "k", dtype=q.dtype, ndim=4)
+    check_tensor(v, "v", dtype=q.dtype, ndim=4)
+    B, Hq, Sq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {list(k.shape)} and v {list(v.shape)}")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k/v must be [B={B}, Hkv, Skv, D={D}], got {list(k.shape)}")
+    _check_common(q, k.shape[1], k.shape[2], causal)
+
+
+def _check_common(q, hkv, skv, causal):
+    B, Hq, Sq, D = q.shape
+    if hkv == 0 or Hq % hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({hkv})")
+    if causal and Sq > skv:
+        raise ValueError(f"causal attention needs Sq <= Skv, got Sq={Sq}, Skv={skv}")
+    if D > 256:
+        raise ValueError(f"head_dim must be <= 256, got {D}")
+
+
+def _scale(sm_scale, d):
+    s = d ** -0.5 if sm_scale is None else float(sm_scale)
+    if not (s > 0 and s < float("inf")):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+    return s
+
+
+def quant_attention(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | None = None,
+                    v_granularity: str = "block", v_block: int = V_BLOCK) -> torch.Tensor:
+    """Quantized attention with ``mode`` in ``('fp8', 'int8', 'int8-qk', 'fp8-kv4')``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if v_granularity not in ("block", "tensor"):
+        raise ValueError(f"v_granularity must be 'block' or 'tensor', got {v_granularity!r}")
+    if not isinstance(v_block, int) or v_block < 128 or v_block & (v_block - 1):
+        raise ValueError(f"v_block must be a power of two >= 128, got {v_block!r}")
+    if mode == "fp8-kv4":
+        return fp8_kv4_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    _check_qkv(q, k, v, causal)
+    return _quant_attention(q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block)
+
+
+def fp8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+                  v_granularity: str = "block", v_block: int = V_BLOCK) -> torch.Tensor:
+    """Scheme ``fp8`` (FireQ App. D): FP8 E4M3 Q/K per token, V per channel per ``v_block``
+    tokens (or per tensor), FP8 P (x256), FP8 tensor-core dots, fp32 O."""
+    return quant_attention(q, k, v, mode="fp8", causal=causal, sm_scale=sm_scale,
+                           v_granularity=v_granularity, v_block=v_block)
+
+
+def int8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+                   v_granularity: str = "block", v_block: int = V_BLOCK) -> torch.Tensor:
+    """Scheme ``int8`` (INT-FlashAttention Alg. 1, full INT8): INT8 Q/K per token, INT8 V per
+    channel per ``v_block`` tokens (``v_granularity='tensor'``: the paper's per-tensor S_V),
+    INT8 P = round(127 exp(S - m_running)), INT32 dots, l from the quantized P."""
+    return quant_attention(q, k, v, mode="int8", causal=causal, sm_scale=sm_scale,
+                           v_granularity=v_granularity, v_block=v_block)
+
+
+def int8_qk_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+    """Scheme ``int8-qk`` (half-INT8, INT-FlashAttention §4): INT8 Q/K per token for QK^T,
+    P and V in the input's 16-bit dtype (bf16 for fp32 inputs) for PV, fp32 accumulation."""
+    return quant_attention(q, k, v, mode="int8-qk", causal=causal, sm_scale=sm_scale)
+
+
+def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: float | None = None,
+                      kv4: tuple | None = None) -> torch.Tensor:
+    """Scheme ``fp8-kv4`` (FireQ §3.2): FP8 Q per token; K and V in KV4 (``lowbit.formats.kv4``:
+    INT4 codes [B, Hkv, Skv, D/2] uint8, per-token FP8 E4M3 scales [B, Hkv, Skv]) converted to FP8
+    in the kernel (exact); K scale on the columns of S, V scale folded into P.
+
+    Pass either float ``k``/``v`` (quantized to KV4 here) or ``kv4=(k_codes, k_scale, v_codes,
+    v_scale)`` as read from a KV4 cache (then ``k``/``v`` must be None).
+    """
+    check_tensor(q, "q", dtype=_FLOATS, ndim=4)
+    if kv4 is None:
+        if k is None or v is None:
+            raise ValueError("fp8_kv4_attention needs k and v, or kv4=(k_codes, k_scale, v_codes, v_scale)")
+        _check_qkv(q, k, v, causal)
+        if q.shape[-1] % 2:
+            raise ValueError(f"kv4 needs an even head_dim, got {q.shape[-1]}")
+        from lowbit.formats.kv4 import quantize_kv4
+
+        kc, ksc, _ = quantize_kv4(k)
+        vc, vsc, _ = quantize_kv4(v)
+    else:
+        if k is not None or v is not None:
+            raise ValueError("pass either k/v or kv4=(...), not both")
+        if not isinstance(kv4, (tuple, list)) or len(kv4) != 4:
+            raise TypeError("kv4 must be a tuple (k_codes, k_scale, v_codes, v_scale)")
+        kc, ksc, vc, vsc = kv4
+        B, Hq, Sq, D = q.shape
+        check_tensor(kc, "kv4 k_codes", dtype=torch.uint8, ndim=4)
+        hkv, skv = kc.shape[1], kc.shape[2]
+        check_tensor(kc, "kv4 k_codes", shape=(B, hkv, skv, D // 2))
+        check_tensor(vc, "kv4 v_codes", dtype=torch.uint8, shape=(B, hkv, skv, D // 2))
+        scale_dts = (FP8_E4M3, torch.bfloat16, torch.float32)
+        check_tensor(ksc, "kv4 k_scale", dtype=scale_dts, shape=(B, hkv, skv))
+        check_tensor(vsc, "kv4 v_scale", dtype=scale_dts, shape=(B, hkv, skv))
+        _check_common(q, hkv, skv, causal)
+        if D % 2:
+            raise ValueError(f"kv4 needs an even head_dim, got {D}")
+    kc, ksc, vc, vsc = (t.contiguous() for t in (kc, ksc, vc, vsc))
+    for name, t in (("k_codes", kc), ("v_codes", vc)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    return _fp8_kv4_attention(q, kc, ksc, vc, vsc, bool(causal), _scale(sm_scale, q.shape[-1]))

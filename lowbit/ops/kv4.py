@@ -1,0 +1,223 @@
+"""KV4 cache ops: ``lowbit::kv4_append`` (RoPE + CRS + quantize + paged write) and
+``lowbit::decode_kv4`` (decode attention over the paged INT4 cache), with their plain-PyTorch
+references (same numerics, used on CPU and by the tests).
+
+Cache tensors (one layer; see ``lowbit.nn.kv_cache.PagedKVCache``)::
+
+    k_codes, v_codes  uint8 [num_pages, Hkv, PAGE, D/2]   (lowbit.formats.kv4 packing)
+    k_scale, v_scale  [num_pages, Hkv, PAGE]              float8_e4m3fn | bfloat16 | float32
+    k_zero,  v_zero   uint8 [num_pages, Hkv, PAGE] or None (None: symmetric 'kv4'; else 'kv4-zp')
+    page_table        int32 [B, max_pages]                 physical page of each logical page
+    start / lengths   int32 [B]                            tokens cached before the append / after
+
+RoPE: ``x * cos + rotate(x) * sin`` in fp32 with transformers' cos/sin ``[B, T, D]``; ``rotate``
+pairs (i, i + D/2) ("half", Llama) or (2i, 2i+1) ("interleaved"). CRS (FireQ §1.9): keys are
+multiplied by ``crs_k [Hkv, D]`` after RoPE, queries by ``crs_q = 1 / crs_k`` after RoPE (inside
+the decode kernel), so ``q . k`` is unchanged up to quantization.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lowbit._utils import check_tensor, use_triton
+from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
+from lowbit.ops.attention import attention_ref
+
+__all__ = ["rope_ref", "kv4_append", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4"]
+
+
+def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE's rotation partner: half: [-x2, x1]; interleaved: (-x[2i+1], x[2i])."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """x ``[B, H, T, D]``, cos/sin ``[B, T, D]`` -> fp32 ``x * cos + rotate(x) * sin``."""
+    xf = x.float()
+    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    return xf * c + rotate(xf, interleaved) * s
+
+
+def _slots(page_table, start, T, page_size):
+    """[B, T] (page, offset) of the new tokens."""
+    pos = start.long().unsqueeze(1) + torch.arange(T, device=start.device)
+    page = torch.gather(page_table.long(), 1, pos // page_size)
+    return page, pos % page_size
+
+
+def kv4_append_ref(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
+                   crs_k=None, k_zero=None, v_zero=None, interleaved=False) -> None:
+    """Reference of ``kv4_append`` (writes the cache tensors in place)."""
+    B, H, T, D = k.shape
+    kf = rope_ref(k, cos, sin, interleaved=interleaved) if cos is not None else k.float()
+    if crs_k is not None:
+        kf = kf * crs_k.float()[None, :, None, :]
+    zp = k_zero is not None
+    page, off = _slots(page_table, start, T, k_codes.shape[2])  # [B, T]
+    for x, codes, scale, zero in ((kf, k_codes, k_scale, k_zero), (v.float(), v_codes, v_scale, v_zero)):
+        c, s, z = quantize_kv4(x, zero_point=zp, scale_dtype=scale.dtype)  # [B, H, T, ...]
+        pi = page[:, None, :].expand(B, H, T)
+        hi = torch.arange(H, device=k.device)[None, :, None].expand(B, H, T)
+        oi = off[:, None, :].expand(B, H, T)
+        codes[pi, hi, oi] = c
+        scale[pi, hi, oi] = s
+        if zp:
+            zero[pi, hi, oi] = z
+
+
+def gather_kv4(codes, scale, zero, page_table_row, length: int, *, dtype=torch.float32) -> torch.Tensor:
+    """Dequantized ``[Hkv, length, D]`` of one sequence (reference path)."""
+    P = codes.shape[2]
+    pos = torch.arange(length, device=codes.device)
+    page = page_table_row.long()[pos // P]
+    off = pos % P
+    c = codes[page, :, off].transpose(0, 1)  # [H, L, D/2]
+    s = scale[page, :, off].transpose(0, 1)
+    z = zero[page, :, off].transpose(0, 1) if zero is not None else None
+    return dequantize_kv4(c, s, z, dtype=dtype)
+
+
+def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None, v_zero=None,
+                   crs_q=None, sm_scale=None) -> torch.Tensor:
+    """Reference of ``decode_kv4``: dequantize each sequence's pages and run ``attention_ref``
+    (float64, bottom-right causal). Returns q's dtype."""
+    B, Hq, TQ, D = q.shape
+    Hkv = k_codes.shape[1]
+    out = torch.empty_like(q)
+    for b in range(B):
+        L = int(lengths[b])
+        kb = gather_kv4(k_codes, k_scale, k_zero, page_table[b], L, dtype=torch.float64)
+        vb = gather_kv4(v_codes, v_scale, v_zero, page_table[b], L, dtype=torch.float64)
+        qb = q[b].double()
+        if crs_q is not None:
+            qb = qb * crs_q.double().repeat_interleave(Hq // Hkv, dim=0)[:, None, :]
+        out[b] = attention_ref(qb[None], kb[None], vb[None], causal=True, sm_scale=sm_scale)[0].to(q.dtype)
+    return out
+
+
+# ---- torch.library ops --------------------------------------------------------------------------
+
+@torch.library.custom_op("lowbit::kv4_append", mutates_args=("k_codes", "k_scale", "v_codes", "v_scale", "k_zero", "v_zero"))
+def _kv4_append(k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                v_codes: torch.Tensor, v_scale: torch.Tensor, page_table: torch.Tensor, start: torch.Tensor,
+                cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], crs_k: Optional[torch.Tensor],
+                k_zero: Optional[torch.Tensor], v_zero: Optional[torch.Tensor], interleaved: bool) -> None:
+    kw = dict(cos=cos, sin=sin, crs_k=crs_k, k_zero=k_zero, v_zero=v_zero, interleaved=interleaved)
+    if use_triton(k, k_codes):
+        from lowbit.kernels.kv4_append import kv4_append_triton
+
+        kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, **kw)
+    else:
+        kv4_append_ref(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, **kw)
+
+
+@_kv4_append.register_fake
+def _(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs_k, k_zero, v_zero, interleaved):
+    return None
+
+
+@torch.library.custom_op("lowbit::decode_kv4", mutates_args=())
+def _decode_kv4(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
+                v_scale: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+                k_zero: Optional[torch.Tensor], v_zero: Optional[torch.Tensor], crs_q: Optional[torch.Tensor],
+                sm_scale: float, max_len: int, num_splits: int) -> torch.Tensor:
+    kw = dict(k_zero=k_zero, v_zero=v_zero, crs_q=crs_q, sm_scale=sm_scale)
+    if use_triton(q, k_codes):
+        from lowbit.kernels.decode_kv4 import decode_kv4_triton
+
+        return decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths,
+                                 max_len=max_len or page_table.shape[1] * k_codes.shape[2],
+                                 num_splits=num_splits or None, **kw)
+    return decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, **kw)
+
+
+@_decode_kv4.register_fake
+def _(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len, num_splits):
+    return torch.empty_like(q)
+
+
+# ---- public functions ---------------------------------------------------------------------------
+
+def _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, head_dim):
+    check_tensor(k_codes, "k_codes", dtype=torch.uint8, ndim=4, contiguous=True)
+    P, H, PAGE, HALF = k_codes.shape
+    if HALF * 2 != head_dim:
+        raise ValueError(f"k_codes last dim must be head_dim/2 = {head_dim // 2}, got {HALF}")
+    check_tensor(v_codes, "v_codes", dtype=torch.uint8, shape=[P, H, PAGE, HALF], contiguous=True)
+    check_tensor(k_scale, "k_scale", dtype=SCALE_DTYPES, shape=[P, H, PAGE], contiguous=True)
+    check_tensor(v_scale, "v_scale", dtype=k_scale.dtype, shape=[P, H, PAGE], contiguous=True)
+    if (k_zero is None) != (v_zero is None):
+        raise ValueError("k_zero and v_zero must both be given ('kv4-zp') or both be None ('kv4')")
+    if k_zero is not None:
+        check_tensor(k_zero, "k_zero", dtype=torch.uint8, shape=[P, H, PAGE], contiguous=True)
+        check_tensor(v_zero, "v_zero", dtype=torch.uint8, shape=[P, H, PAGE], contiguous=True)
+    if PAGE & (PAGE - 1) or PAGE < 16:
+        raise ValueError(f"page size must be a power of two >= 16, got {PAGE}")
+    return P, H, PAGE
+
+
+def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
+               crs_k=None, k_zero=None, v_zero=None, interleaved=False) -> None:
+    """Quantize new tokens ``k``/``v`` ``[B, Hkv, T, D]`` (k pre-RoPE when cos/sin are given) and
+    write them at positions ``start[b] .. start[b]+T-1`` of each sequence's pages. The pages must
+    already be allocated in ``page_table``."""
+    check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
+    B, H, T, D = k.shape
+    check_tensor(v, "v", dtype=(torch.float16, torch.bfloat16, torch.float32), shape=[B, H, T, D])
+    if D % 2 or D < 16 or D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {D}")
+    _, Hc, PAGE = _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, D)
+    if Hc != H:
+        raise ValueError(f"k has {H} heads but the cache has {Hc}")
+    check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
+    check_tensor(start, "start", dtype=torch.int32, shape=[B])
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must be given together")
+    if cos is not None:
+        check_tensor(cos, "cos", shape=[B, T, D])
+        check_tensor(sin, "sin", shape=[B, T, D])
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if crs_k is not None:
+        check_tensor(crs_k, "crs_k", shape=[H, D])
+        crs_k = crs_k.float().contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    _kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs_k,
+                k_zero, v_zero, bool(interleaved))
+
+
+def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None, v_zero=None,
+               crs_q=None, sm_scale=None, max_len: int = 0, num_splits: int = 0) -> torch.Tensor:
+    """Decode attention of ``q [B, Hq, TQ, D]`` (post-RoPE, TQ in 1..4, causal among the TQ new
+    tokens, which must already be in the cache) over the paged KV4 cache. ``lengths[b]`` counts
+    every cached token of sequence b. ``max_len`` (host int, optional) bounds ``lengths`` and
+    sizes the split-KV grid without a device sync; ``num_splits`` 0 = automatic."""
+    check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
+    B, Hq, TQ, D = q.shape
+    if not 1 <= TQ <= 16:
+        raise ValueError(f"decode_kv4 takes 1..16 query tokens per sequence, got {TQ}")
+    _, Hkv, PAGE = _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, D)
+    if Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
+    check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
+    check_tensor(lengths, "lengths", dtype=torch.int32, shape=[B])
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    if crs_q is not None:
+        check_tensor(crs_q, "crs_q", shape=[Hkv, D])
+        crs_q = crs_q.float().contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    return _decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
+                       sm_scale, int(max_len), int(num_splits))

@@ -1,0 +1,103 @@
+"""Lookup-table weight-only GEMM op: ``lowbit::lut_gemm`` (FLUTE, seed 002).
+
+``lut_gemm(x [..., K], packed weight) -> y [..., N]``, y = x @ W_hat^T with W_hat = T[c] * s
+(layouts: ``lowbit.formats.lut``). Dispatch:
+
+- bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): the Triton kernel
+  ``lowbit.kernels.lut_gemm`` for M <= ``MAX_KERNEL_M`` (= 256) rows; above that, the
+  Triton dequantize kernel + cuBLAS (``F.linear``), which wins once the product is
+  compute-bound (crossover measured by ``lowbit/bench/suites/lut.py``);
+- otherwise (float32 ``x``, CPU without the interpreter): the plain-PyTorch reference
+  ``lut_gemm_ref`` (dequantize in float32, float32 matmul, cast to x's dtype).
+
+All paths accumulate in float32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit._utils import check_tensor, use_triton, warn_once
+from lowbit.formats.lut import BITS, GROUP_SIZES, packed_shapes, unpack_codes
+
+MAX_KERNEL_M = 256
+_ACT = (torch.float16, torch.bfloat16)
+
+
+def dequantize_packed(qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reference: packed buffers -> W_hat [N, K] (float32 math, then ``dtype``)."""
+    codes = unpack_codes(qweight, qweight_hi, bits)
+    s = scales.float().t().repeat_interleave(group_size, dim=1)
+    w = table.to(codes.device, torch.float32)[codes.long()] * s
+    return w[:, :in_features].to(dtype)
+
+
+def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int) -> torch.Tensor:
+    w = dequantize_packed(qweight, qweight_hi, scales, table, bits, group_size, in_features)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+@torch.library.custom_op("lowbit::lut_gemm", mutates_args=())
+def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
+              table: torch.Tensor, bits: int, group_size: int, lookup: str) -> torch.Tensor:
+    N = scales.shape[1]
+    K = x.shape[1]
+    if x.dtype in _ACT and use_triton(x, qweight, scales, table):
+        from lowbit.kernels.lut_gemm import lut_dequant_triton, lut_gemm_triton
+
+        if x.shape[0] <= MAX_KERNEL_M:
+            return lut_gemm_triton(x, qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                                   out_features=N, lookup=lookup)
+        w = lut_dequant_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                               out_features=N, in_features=K, dtype=x.dtype, lookup=lookup)
+        return F.linear(x, w)
+    return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K)
+
+
+@_lut_gemm.register_fake
+def _(x, qweight, qweight_hi, scales, table, bits, group_size, lookup):
+    return x.new_empty((x.shape[0], scales.shape[1]))
+
+
+def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
+             table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto") -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [Kp/G, N]/``table``
+    as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' | 'affine'
+    ('affine' only for uniform tables; 'auto' picks it for them and 'load' otherwise)."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim")
+    check_tensor(scales, "scales", dtype=_ACT, ndim=2)
+    check_tensor(table, "table", dtype=torch.float32, shape=(2 ** bits,))
+    ng, N = scales.shape
+    K = x.shape[-1]
+    if ng * group_size < K or (ng - 1) * group_size >= max(K, 1):
+        raise ValueError(f"x has K={K} columns but scales cover {ng} groups of {group_size}")
+    qshape, qdtype, hshape = packed_shapes(N, ng * group_size, bits)
+    check_tensor(qweight, "qweight", dtype=qdtype, shape=qshape)
+    if hshape is not None:
+        check_tensor(qweight_hi, "qweight_hi", dtype=torch.int32, shape=hshape)
+    elif qweight_hi is not None:
+        raise ValueError(f"qweight_hi must be None for bits={bits}")
+    if lookup == "auto":
+        from lowbit.formats.lut import table_is_uniform
+
+        lookup = "affine" if table_is_uniform(table) else "load"
+    if lookup not in ("load", "select", "affine"):
+        raise ValueError(f"lookup must be 'auto', 'load', 'select' or 'affine', got {lookup!r}")
+    devs = {t.device for t in (x, qweight, scales, table) if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"x, qweight, scales and table must be on one device, got {sorted(map(str, devs))}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
+        x2 = x2.contiguous()
+    if x.dtype not in _ACT and x.is_cuda:
+        warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
+    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, bits, group_size, lookup)
+    return y.reshape(*lead, N)

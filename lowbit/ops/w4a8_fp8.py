@@ -1,0 +1,94 @@
+"""W4A8-FP linear (FireQ §3.1): ``lowbit::w4a8_fp8_gemm`` and ``w4a8_fp8_linear``.
+
+``w4a8_fp8_linear(x, ...)`` = per-token FP8 quantization of ``x`` (``lowbit.ops.quant``; its
+Triton kernel on GPU) followed by the INT4 x FP8 GEMM (``lowbit.kernels.w4a8_fp8_gemm``; the
+float64 reference ``lowbit.formats.w4a8_fp8.reference_gemm`` on a CPU without the interpreter).
+Weight fields and layouts: ``lowbit.formats.w4a8_fp8``. ``inv_delta`` is PTS's 2^-n.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit._utils import cdiv, check_same_device, check_tensor, use_triton
+from lowbit.formats.common import FP8_E4M3
+from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm
+
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype):
+    check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
+    M, K = xq.shape
+    if K != k:
+        raise ValueError(f"xq has {K} columns but the weight has in_features={k}")
+    check_tensor(sx, "sx", dtype=torch.float32, shape=[M])
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
+    N = codes.shape[0]
+    check_tensor(codes, "codes", shape=[N, padded_k(k) // 2])
+    check_tensor(scales, "scales", dtype=FP8_E4M3, shape=[N, cdiv(k, group_size)])
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if silu_mul and N % 2:
+        raise ValueError(f"silu_mul needs an even number of interleaved gate/up rows, got N={N}")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=_OUT_DTYPES, shape=[N])
+    if residual is not None:
+        check_tensor(residual, "residual", dtype=out_dtype, shape=[M, N // 2 if silu_mul else N])
+    check_same_device(xq=xq, sx=sx, codes=codes, scales=scales, bias=bias, residual=residual)
+
+
+@torch.library.custom_op("lowbit::w4a8_fp8_gemm", mutates_args=())
+def _w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   inv_delta: float, k: int, group_size: int, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, silu_mul: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(xq, codes):
+        from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
+
+        return kernel(xq, sx, codes, scales, inv_delta, k, group_size, bias=bias, residual=residual,
+                      silu_mul=silu_mul, out_dtype=out_dtype)
+    return reference_gemm(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual=residual,
+                          silu_mul=silu_mul, out_dtype=out_dtype)
+
+
+@_w4a8_fp8_gemm.register_fake
+def _(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul, out_dtype):
+    n = codes.shape[0] // 2 if silu_mul else codes.shape[0]
+    return xq.new_empty((xq.shape[0], n), dtype=out_dtype)
+
+
+def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  inv_delta: float, k: int, group_size: int = 128, bias: torch.Tensor | None = None, *,
+                  residual: torch.Tensor | None = None, silu_mul: bool = False,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``y = sx[:, None] * inv_delta * (xq @ Weff^T) + bias`` -> ``out_dtype`` ``[M, N]``.
+
+    xq fp8 ``[M, K]``, sx fp32 ``[M]``; codes uint8 ``[N, Kp/2]``, scales fp8 ``[N, ceil(K/g)]``;
+    ``silu_mul``: rows interleaved gate/up, output ``silu(gate) * up`` ``[M, N/2]``; ``residual``
+    added last. FP8 x FP8 products accumulate in FP32.
+    """
+    _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype)
+    return _w4a8_fp8_gemm(xq, sx, codes, scales, float(inv_delta), int(k), int(group_size), bias, residual,
+                          bool(silu_mul), out_dtype)
+
+
+def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
+                    group_size: int = 128, bias: torch.Tensor | None = None, *,
+                    residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """``x [..., K]`` (fp16/bf16/fp32) -> ``[..., N]`` in x's dtype: per-token FP8 quantization of x
+    (its cost included) then ``w4a8_fp8_gemm``."""
+    from lowbit.ops.quant import per_token_quant
+
+    check_tensor(x, "x", dtype=_OUT_DTYPES)
+    if x.ndim < 1:
+        raise ValueError("x must have at least 1 dim")
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight has in_features={k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    xq, sx = per_token_quant(x2, "fp8")
+    res = None if residual is None else residual.reshape(x2.shape[0], -1)
+    y = w4a8_fp8_gemm(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual=res, silu_mul=silu_mul,
+                      out_dtype=x.dtype)
+    return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,92 @@
+"""W4A8 INT8 linear (QServe QoQ): ``lowbit::w4a8_int8_gemm`` and ``w4a8_int8_linear``.
+
+``w4a8_int8_linear(x, ...)`` = per-token INT8 quantization of ``x`` (``lowbit.ops.quant``, its
+Triton kernel when present) followed by the W4A8 GEMM (``lowbit.kernels.w4a8_int8_gemm``; the
+plain-PyTorch reference ``lowbit.formats.w4a8_int8.gemm_ref`` on CPU without the interpreter).
+Weight fields and their layouts: ``lowbit.formats.w4a8_int8`` (the group size is implied by
+the shapes: ``Kp / G`` columns per group, ``Kp = 2 * qweight.shape[1]``).
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit._utils import check_same_device, check_tensor, use_triton, warn_once
+from lowbit.formats.w4a8_int8 import gemm_ref
+
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
+    check_tensor(xq, "xq", dtype=torch.int8, ndim=2)
+    M, K = xq.shape
+    check_tensor(xscale, "xscale", dtype=torch.float32, shape=[M])
+    check_tensor(qweight, "qweight", dtype=torch.uint8, ndim=2)
+    N, kp2 = qweight.shape
+    Kp = 2 * kp2
+    check_tensor(wscale, "wscale", dtype=torch.float32, shape=[N])
+    check_tensor(gscale, "gscale", dtype=torch.uint8, ndim=2)
+    G = gscale.shape[1]
+    check_tensor(gscale, "gscale", dtype=torch.uint8, shape=[N, G])
+    check_tensor(gzs, "gzs", dtype=torch.uint8, shape=[N, G])
+    if G < 1 or Kp % G:
+        raise ValueError(f"gscale has {G} groups, which must divide the padded in_features {Kp}")
+    g = Kp // G
+    if not (K <= Kp < K + max(g, 2)):
+        raise ValueError(f"xq has K={K} columns but qweight holds {Kp} (padded to groups of {g}); "
+                         f"they must match up to the group padding")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=_OUT_DTYPES, shape=[N])
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    check_same_device(xq=xq, xscale=xscale, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
+    return g
+
+
+@torch.library.custom_op("lowbit::w4a8_int8_gemm", mutates_args=())
+def _w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                    gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    Kp = 2 * qweight.shape[1]
+    g = Kp // gscale.shape[1]
+    if use_triton(xq, qweight):
+        from lowbit.kernels.w4a8_int8_gemm import block_k_for, w4a8_int8_gemm_triton
+
+        if gscale.shape[1] == 1 or block_k_for(g, 128) is not None:
+            return w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, xq.shape[1], g, out_dtype)
+        warn_once(f"w4a8-int8: group size {g} has no power-of-two tile >= 32 dividing it; "
+                  "using the PyTorch reference")
+    return gemm_ref(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
+
+
+@_w4a8_int8_gemm.register_fake
+def _(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
+    return xq.new_empty((xq.shape[0], qweight.shape[0]), dtype=out_dtype)
+
+
+def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                   gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``y = (xq @ w8^T) * xscale[:, None] * wscale[None, :] + bias`` -> ``out_dtype`` [M, N].
+
+    xq int8 [M, K] (per-token codes), xscale fp32 [M]; qweight uint8 [N, Kp/2], wscale fp32 [N],
+    gscale/gzs uint8 [N, G] (see ``lowbit.formats.w4a8_int8``); bias [N] or None.
+    INT8 x INT8 products accumulate in INT32; scales apply in fp32 in the epilogue.
+    """
+    _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
+    return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
+
+
+def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
+                     gzs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] (fp16/bf16/fp32) -> [..., N] in x's dtype: per-token INT8 quantization of x
+    (its cost included) then ``w4a8_int8_gemm``."""
+    from lowbit.ops.quant import per_token_quant
+
+    check_tensor(x, "x", dtype=_OUT_DTYPES)
+    if x.ndim < 1:
+        raise ValueError("x must have at least 1 dim")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = per_token_quant(x2, "int8")
+    y = w4a8_int8_gemm(xq, xs, qweight, wscale, gscale, gzs, bias, out_dtype=x.dtype)
+    return y.reshape(*lead, qweight.shape[0])

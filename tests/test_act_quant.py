@@ -1,0 +1,96 @@
+"""Per-token activation quantization kernel (lowbit.kernels.act_quant) vs the reference
+``lowbit.formats.common.quantize_per_token``: bit-exact codes and scales under the interpreter."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from lowbit.formats.common import FP8_E4M3, quantize_per_token
+from lowbit.kernels.act_quant import per_token_quant_triton
+
+DTYPES = (FP8_E4M3, torch.int8)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _assert_same(q, s, qr, sr):
+    assert q.dtype == qr.dtype and q.shape == qr.shape and s.shape == sr.shape
+    assert s.dtype == torch.float32
+    assert torch.equal(s, sr)
+    assert torch.equal(q.view(torch.int8), qr.view(torch.int8))
+
+
+@given(m=st.integers(1, 5), k=st.integers(1, 300), out=st.sampled_from(DTYPES),
+       xdt=st.sampled_from((torch.float16, torch.bfloat16, torch.float32)))
+def test_matches_reference(m, k, out, xdt):
+    dev = DEV
+    torch.manual_seed(k)
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 10).to(xdt).to(dev)
+    q, s = per_token_quant_triton(x, out)
+    _assert_same(q.cpu(), s.cpu(), *quantize_per_token(x.cpu(), out))
+
+
+@pytest.mark.parametrize("out", DTYPES)
+def test_zero_rows_tiny_amax_and_3d(dev, out):
+    x = torch.zeros(2, 3, 37, dtype=torch.bfloat16)
+    x[0, 1] = 1e-30  # bf16 keeps the tiny value; scale must stay finite and > 0
+    x[1, 2, 5] = -3.0
+    q, s = per_token_quant_triton(x.to(dev), out)
+    assert q.shape == x.shape and s.shape == (2, 3)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    _assert_same(q.cpu(), s.cpu(), *quantize_per_token(x, out))
+
+
+@pytest.mark.parametrize("out", DTYPES)
+def test_long_row_chunked_path(dev, out, monkeypatch):
+    import lowbit.kernels.act_quant as aq
+
+    monkeypatch.setattr(aq, "_SINGLE_MAX", 64)  # force the multi-chunk walk on a small row
+    x = torch.randn(3, 4096 + 77, dtype=torch.float16)
+    x[1, 4100] = 80.0  # row max in the last (partial) chunk
+    q, s = aq.per_token_quant_triton(x.to(dev), out)
+    _assert_same(q.cpu(), s.cpu(), *quantize_per_token(x, out))
+
+
+def test_fused_rmsnorm(dev):
+    torch.manual_seed(0)
+    x = torch.randn(4, 96, dtype=torch.bfloat16) * 3
+    w = torch.rand(96, dtype=torch.bfloat16) + 0.5
+    xf = x.float()
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    qr, sr = quantize_per_token(w * h, FP8_E4M3)
+    q, s = per_token_quant_triton(x.to(dev), FP8_E4M3, fuse="rmsnorm", weight=w.to(dev), eps=1e-5)
+    # rstd's reduction order may flip a bf16 rounding of the row max, which shifts the scale by
+    # one bf16 ulp and some codes by one FP8 step: judge by the error against the float value,
+    # which must be that of FP8 quantization itself (the reference's own error ~2.5%)
+    torch.testing.assert_close(s.cpu(), sr, rtol=1e-2, atol=0)
+    v = (w * h).float()
+    err = (q.cpu().float() * s.cpu()[:, None] - v).norm() / v.norm()
+    err_ref = (qr.float() * sr[:, None] - v).norm() / v.norm()
+    assert err < 1.2 * err_ref + 1e-3
+
+
+def test_fused_silu_mul(dev):
+    torch.manual_seed(1)
+    g = torch.randn(3, 130, dtype=torch.float16) * 2
+    u = torch.randn(3, 130, dtype=torch.float16)
+    v = torch.nn.functional.silu(g) * u
+    qr, sr = quantize_per_token(v, torch.int8)
+    q, s = per_token_quant_triton(g.to(dev), torch.int8, fuse="silu_mul", up=u.to(dev))
+    torch.testing.assert_close(s.cpu(), sr, rtol=1e-2, atol=0)
+    assert (q.cpu().int() - qr.int()).abs().max() <= 1
+
+
+def test_bad_args(dev):
+    with pytest.raises(TypeError, match="x"):
+        per_token_quant_triton(torch.zeros(2, 4, dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="dtype"):
+        per_token_quant_triton(torch.zeros(2, 4, device=dev), torch.float16)
+    with pytest.raises(ValueError, match="weight"):
+        per_token_quant_triton(torch.zeros(2, 4, device=dev), fuse="rmsnorm", weight=torch.ones(3, device=dev))
+
+
+def test_op_dispatches_to_kernel(dev):
+    from lowbit.ops.quant import per_token_quant
+
+    x = torch.randn(5, 33, dtype=torch.bfloat16, device=dev)
+    q, s = per_token_quant(x, "fp8")
+    _assert_same(q.cpu(), s.cpu(), *quantize_per_token(x.cpu(), FP8_E4M3))
