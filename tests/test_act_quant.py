@@ -94,3 +94,18 @@ def test_op_dispatches_to_kernel(dev):
     x = torch.randn(5, 33, dtype=torch.bfloat16, device=dev)
     q, s = per_token_quant(x, "fp8")
     _assert_same(q.cpu(), s.cpu(), *quantize_per_token(x.cpu(), FP8_E4M3))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_nan_inf_rows_give_nan_scale(dev, chunked, monkeypatch):
+    import lowbit.kernels.act_quant as aq
+
+    if chunked:
+        monkeypatch.setattr(aq, "_SINGLE_MAX", 16)
+    x = torch.randn(3, 40)
+    x[0, 7] = float("nan")
+    x[1, 39] = float("inf")
+    q, s = aq.per_token_quant_triton(x.to(dev), FP8_E4M3)
+    _, sr = quantize_per_token(x, FP8_E4M3)
+    assert torch.isnan(s[0]) and not torch.isfinite(s[1]) and torch.isfinite(s[2])
+    assert not torch.isfinite(sr[0]) and not torch.isfinite(sr[1])

@@ -28,7 +28,7 @@ os.makedirs(args.out, exist_ok=True)
 
 import torch  # noqa: E402
 
-from lowbit.formats.lut import dequantize_lut, pack_codes, quantize_lut  # noqa: E402
+from lowbit.formats.lut import dequantize_lut, pack_lut, pair_table, quantize_lut  # noqa: E402
 from lowbit.kernels.lut_gemm import LAST_COMPILED, lut_gemm_triton  # noqa: E402
 from lowbit.ops.lut import lut_gemm  # noqa: E402
 
@@ -66,14 +66,16 @@ def case(M, N, K, bits, G, dtype, lookup, table="nf", **cfg):
     def run():
         w = torch.randn(N, K, device=DEV)
         q = quantize_lut(w, bits=bits, group_size=G, table=table, scale_dtype=dtype)
-        qw, qh = pack_codes(q.codes, bits)
+        qw, qh, st = pack_lut(q)
         x = torch.randn(M, K, device=DEV, dtype=dtype)
         ref = x.double() @ dequantize_lut(q).double().t()
+        if lookup == "pair":
+            cfg["pairs"] = pair_table(q.table, bits, dtype).to(DEV)
         if cfg:
-            y = lut_gemm_triton(x, qw, qh, q.scales.t().contiguous(), q.table.to(DEV), bits=bits, group_size=G,
+            y = lut_gemm_triton(x, qw, qh, st, q.table.to(DEV), bits=bits, group_size=G,
                                 out_features=N, lookup=lookup, **cfg)
         else:
-            y = lut_gemm(x, qw, qh, q.scales.t().contiguous(), q.table.to(DEV), bits=bits, group_size=G, lookup=lookup)
+            y = lut_gemm(x, qw, qh, st, q.table.to(DEV), bits=bits, group_size=G, lookup=lookup)
         assert y.dtype == dtype and y.shape == (M, N)
         assert torch.isfinite(y).all(), "non-finite output"
         return rel(y, ref)
@@ -81,31 +83,34 @@ def case(M, N, K, bits, G, dtype, lookup, table="nf", **cfg):
 
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+BF, FP = torch.bfloat16, torch.float16
 if args.cpu_smoke:
-    shapes = [(1, 40, 200), (5, 33, 96)]
+    main_shapes = [(1, 40, 200), (5, 33, 96)]
+    one, odd, big = (1, 64, 256), (5, 33, 96), (2, 48, 512)
 else:
-    shapes = [(1, 4096, 4096), (1, 1000, 1000), (7, 3000, 1111), (16, 28672, 4096), (33, 4096, 14336), (300, 2048, 4096)]
+    main_shapes = [(1, 4096, 4096), (7, 3000, 1111), (16, 28672, 4096), (32, 4096, 14336)]
+    one, odd, big = (1, 1000, 1000), (7, 3000, 1111), (300, 2048, 4096)
 for bits in (4, 3, 2):
-    for (M, N, K) in shapes:
-        for dtype in (torch.bfloat16, torch.float16):
-            if dtype == torch.float16 and (M, N, K) not in shapes[:2]:
-                continue
-            G = 128 if K % 64 else 64 if bits == 2 else 128
-            check(f"bits={bits} M={M} N={N} K={K} g{G} {str(dtype)[6:]} load", case(M, N, K, bits, G, dtype, "load"), TOL[dtype])
-    check(f"bits={bits} select M=1", case(1, 512, 512, bits, 128, torch.bfloat16, "select"), 1e-2)
-    check(f"bits={bits} int-table affine M=3", case(3, 512, 512, bits, 128, torch.bfloat16, "affine", table="int"), 1e-2)
-    check(f"bits={bits} dot path at M=1", case(1, 512, 1024, bits, 128, torch.bfloat16, "load", use_dot=True, block_m=16), 1e-2)
-for G in (32, 64, 256):
-    check(f"bits=4 g{G} M=2", case(2, 768, 1536, 4, G, torch.bfloat16, "load"), 1e-2)
+    for (M, N, K) in (main_shapes if bits != 2 else main_shapes[:2]):
+        check(f"bits={bits} M={M} N={N} K={K} g128 bf16 load", case(M, N, K, bits, 128, BF, "load"), TOL[BF])
+    check(f"bits={bits} pair M=1", case(*one, bits, 128, BF, "pair", block_n=32), TOL[BF])
+check("bits=4 fp16 M=1 odd", case(*one, 4, 128, FP, "load"), TOL[FP])
+check("bits=4 fp16 M=7 odd", case(*odd, 4, 128, FP, "load"), TOL[FP])
+check("bits=4 M>256 dequant+cuBLAS", case(*big, 4, 128, BF, "load"), TOL[BF])
+check("bits=4 select M=1", case(*one, 4, 128, BF, "select"), TOL[BF])
+check("bits=4 int-table affine M=7", case(*odd, 4, 128, BF, "affine", table="int"), TOL[BF])
+check("bits=4 dot path at M=1", case(*one, 4, 128, BF, "load", use_dot=True, block_m=16), TOL[BF])
+check("bits=4 pair dot M=7", case(*odd, 4, 128, BF, "pair", block_m=16), TOL[BF])
+for G in (32, 256):
+    check(f"bits=4 g{G} M=2", case(2, 768, 1536, 4, G, BF, "load"), TOL[BF])
 
 
 def split_det():
     N, K = (64, 512) if args.cpu_smoke else (4096, 14336)
     w = torch.randn(N, K, device=DEV)
     q = quantize_lut(w, bits=4, group_size=128)
-    qw, _ = pack_codes(q.codes, 4)
+    qw, _, s = pack_lut(q)
     x = torch.randn(1, K, device=DEV, dtype=torch.bfloat16)
-    s = q.scales.t().contiguous()
     t = q.table.to(DEV)
     ys = [lut_gemm_triton(x, qw, None, s, t, bits=4, group_size=128, out_features=N, split_k=8) for _ in range(3)]
     y1 = lut_gemm_triton(x, qw, None, s, t, bits=4, group_size=128, out_features=N, split_k=1)
@@ -124,10 +129,10 @@ def zero_groups():
     out = []
     for dtype in (torch.float16, torch.bfloat16):
         q = quantize_lut(w, bits=4, group_size=128, scale_dtype=dtype)
-        qw, _ = pack_codes(q.codes, 4)
+        qw, _, st = pack_lut(q)
         x = torch.randn(2, K, device=DEV, dtype=dtype)
         x[:, 128:] = 0
-        y = lut_gemm(x, qw, None, q.scales.t().contiguous(), q.table.to(DEV), bits=4, group_size=128)
+        y = lut_gemm(x, qw, None, st, q.table.to(DEV), bits=4, group_size=128)
         assert torch.isfinite(y).all() and (y == 0).all(), "zero groups must give exact zeros"
         out.append(0.0)
     return max(out)
@@ -146,8 +151,8 @@ def ptx_report():
     w = torch.randn(N, K, device=DEV)
     for bits in (4, 3):
         q = quantize_lut(w, bits=bits, group_size=128)
-        qw, qh = pack_codes(q.codes, bits)
-        s, t = q.scales.t().contiguous(), q.table.to(DEV)
+        qw, qh, s = pack_lut(q)
+        t = q.table.to(DEV)
         for M in (1, 16):
             x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
             lut_gemm_triton(x, qw, qh, s, t, bits=bits, group_size=128, out_features=N)
@@ -161,6 +166,9 @@ def ptx_report():
                 "ld.global (all)": ptx.count("ld.global"),
                 "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync"),
                 "local": ptx.count(".local"), "shared_bytes": k.metadata.shared,
+                "st.shared": ptx.count("st.shared"), "ld.shared": ptx.count("ld.shared"),
+                "bar.sync": ptx.count("bar.sync"), "shfl": ptx.count("shfl.sync"),
+                "ld.global.b32-gathers (approx)": ptx.count("ld.global.b32") + ptx.count("ld.global.nc.b32"),
             }
             lines.append(f"{name}: {json.dumps(info)}")
             with open(os.path.join(args.out, f"lut_gemm_bits{bits}_M{M}.ptx"), "w") as f:
@@ -193,36 +201,43 @@ def extra(name, ws, packs, xs, case_):
         return
     M, N, K = case_["M"], case_["N"], case_["K"]
     fl = harness.gemm_flops(M, N, K)
-    byts = suite.lut_bytes(M, N, K, 4, 128)
-    variants = []
+    variants = []  # (label, bits, lookup, cfg)
     if M == 1:
         for bn in (16, 32, 64):
             for cps in (4, 8, 16):
-                variants.append((f"fma bn{bn} cps{cps}", dict(block_n=bn, ctas_per_sm=cps)))
-        variants.append(("fma bn32 cps8 st3", dict(block_n=32, ctas_per_sm=8, num_stages=3)))
-        variants.append(("dot bm16 bn64 cps4", dict(use_dot=True, block_m=16, block_n=64, ctas_per_sm=4, num_stages=2)))
-        variants.append(("select bn32 cps8", dict(block_n=32, ctas_per_sm=8, lookup="select")))
+                variants.append((f"fma bn{bn} cps{cps}", 4, "load", dict(block_n=bn, ctas_per_sm=cps)))
+        variants.append(("fma bn32 cps8 st3", 4, "load", dict(block_n=32, ctas_per_sm=8, num_stages=3)))
+        variants.append(("dot bm16 bn64 cps4", 4, "load", dict(use_dot=True, block_m=16, block_n=64, ctas_per_sm=4, num_stages=2)))
+        variants.append(("select bn32 cps8", 4, "select", dict(block_n=32, ctas_per_sm=8)))
+        variants.append(("pair bn32 cps8", 4, "pair", dict(block_n=32, ctas_per_sm=8)))
+        variants.append(("lut3 load bn64 cps8", 3, "load", dict(block_n=64, ctas_per_sm=8)))
+        variants.append(("lut3 pair bn32 cps8", 3, "pair", dict(block_n=32, ctas_per_sm=8)))
+        variants.append(("lut3 pair bn64 cps8", 3, "pair", dict(block_n=64, ctas_per_sm=8)))
+        variants.append(("lut3 select bn32 cps8", 3, "select", dict(block_n=32, ctas_per_sm=8)))
     elif M == 16:
         for bn in (64, 128):
             for cps in (2, 4, 8):
-                variants.append((f"dot bn{bn} cps{cps}", dict(block_n=bn, ctas_per_sm=cps)))
-        variants.append(("dot bn64 cps4 w8", dict(block_n=64, ctas_per_sm=4, num_warps=8)))
-        variants.append(("dot bn64 cps4 st3", dict(block_n=64, ctas_per_sm=4, num_stages=3)))
-        variants.append(("select dot bn64 cps4", dict(block_n=64, ctas_per_sm=4, lookup="select")))
-    for label, cfg in variants:
-        cfg = dict(cfg)
-        lookup = cfg.pop("lookup", "load")
-        fns = [suite.lut_fn(p, lookup=lookup, **cfg) for p in packs[4]]
-        suite._try(sweep, case_, label, lambda: suite._time(sweep, case_, label, fns, xs, flops=fl, byts=byts, reps=50))
-    if M == 1:  # 3-bit select and 2-bit affine/select variants
-        for b in (3,):
-            fns = [suite.lut_fn(p, lookup="select") for p in packs[b]]
-            suite._try(sweep, case_, f"lut{b} select", lambda: suite._time(sweep, case_, f"lut{b} select", fns, xs, flops=fl,
-                                                                          byts=suite.lut_bytes(M, N, K, b, 128), reps=50))
+                variants.append((f"dot bn{bn} cps{cps}", 4, "load", dict(block_n=bn, ctas_per_sm=cps)))
+        variants.append(("dot bn64 cps4 w8", 4, "load", dict(block_n=64, ctas_per_sm=4, num_warps=8)))
+        variants.append(("dot bn64 cps4 st3", 4, "load", dict(block_n=64, ctas_per_sm=4, num_stages=3)))
+        variants.append(("pair dot bn64 cps4", 4, "pair", dict(block_n=64, ctas_per_sm=4)))
+        variants.append(("lut3 pair dot bn64 cps4", 3, "pair", dict(block_n=64, ctas_per_sm=4)))
+    for label, b, lookup, cfg in variants:
+        if elapsed() > 62:
+            break
+        fns = [suite.lut_fn(p, lookup=lookup, **cfg) for p in packs[b]]
+        suite._try(sweep, case_, label, lambda: suite._time(sweep, case_, label, fns, xs, flops=fl,
+                                                           byts=suite.lut_bytes(M, N, K, b, 128), reps=50))
+
+
+def shape_done(name):
+    for r in (rec, sweep):
+        r.write(args.out, baseline="cublas-bf16")
+    log(f"shape {name} done")
 
 
 try:
-    suite.target_rows(rec, False, extra=extra)
+    suite.target_rows(rec, False, extra=extra, on_shape_done=shape_done)
 except Exception:
     traceback.print_exc()
 log("target rows done")

@@ -96,7 +96,10 @@ def ptx():
     from lowbit.kernels.w4a8_int8_gemm import launch
 
     lines = []
-    for M, N, K in [(1, 4096, 4096), (16, 28672, 4096), (64, 4096, 14336), (128, 6144, 4096), (4096, 4096, 4096)]:
+    shapes = [(1, 4096, 4096), (16, 28672, 4096), (64, 4096, 14336), (128, 6144, 4096), (4096, 4096, 4096)]
+    if args.cpu_smoke:
+        shapes = [(1, 64, 256)]
+    for M, N, K in shapes:
         try:
             w = torch.randn(N, K, device=DEV)
             qw = fmt.quantize(w, 128)

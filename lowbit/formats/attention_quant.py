@@ -51,12 +51,13 @@ from lowbit.formats.common import FP8_E4M3, FP8_E4M3_MAX, INT8_MAX, QMAX, quanti
 
 __all__ = [
     "MODES", "V_BLOCK", "P_SCALE_FP8", "P_SCALE_INT8", "LOG2E",
-    "quantize_qk", "quantize_v", "dequantize_v", "quantize_p_int8", "quantize_p_fp8",
+    "quantize_qk", "quantize_k_block", "quantize_v", "dequantize_v", "quantize_p_int8", "quantize_p_fp8",
     "quantize_qkv", "attention_quant_ref", "mre",
 ]
 
 MODES = ("fp8", "int8", "int8-qk", "fp8-kv4")
 V_BLOCK = 128  # tokens per V scale block (default)
+V_GRANULARITIES = ("channel", "block", "tensor")
 P_SCALE_FP8 = 256.0  # P in FP8 is stored as 256 * exp(S - m)  (2^8: exact, <= 448)
 P_SCALE_INT8 = INT8_MAX  # R = 127
 LOG2E = 1.4426950408889634
@@ -72,14 +73,27 @@ def quantize_qk(x: torch.Tensor, dtype: torch.dtype):
     return quantize_per_token(x, dtype)
 
 
-def quantize_v(v: torch.Tensor, dtype: torch.dtype, *, granularity: str = "block", block: int = V_BLOCK):
-    """V [B, H, S, D] -> (codes [B, H, S, D], scale float32 [B, H, cdiv(S, block), D]).
+def quantize_k_block(x: torch.Tensor, dtype: torch.dtype, block: int):
+    """One scale per block of ``block`` tokens per head: x [B, H, S, D] -> (codes, scale [B, H, cdiv(S, block)])."""
+    B, H, S, D = x.shape
+    nb = -(-S // block)
+    xf = x.float()
+    pad = nb * block - S
+    xp = torch.nn.functional.pad(xf, (0, 0, 0, pad)) if pad else xf
+    scale = safe_scale(xp.abs().reshape(B, H, nb, block * D).amax(dim=-1), QMAX[dtype])
+    full = scale.repeat_interleave(block, dim=2)[:, :, :S]
+    return round_to(xf / full.unsqueeze(-1), dtype), scale
 
-    ``granularity``: ``"block"`` (per channel per ``block`` tokens) or ``"tensor"`` (per batch and
-    head, the paper's S_V, broadcast into the same layout).
+
+def quantize_v(v: torch.Tensor, dtype: torch.dtype, *, granularity: str = "channel", block: int = V_BLOCK):
+    """V [B, H, S, D] -> (codes [B, H, S, D], scale float32).
+
+    ``granularity``: ``"channel"`` (per channel per ``block`` tokens, scale ``[B, H, NB, D]``),
+    ``"block"`` (one scale per ``block`` tokens, ``[B, H, NB]``) or ``"tensor"`` (one per batch and
+    head, the paper's S_V, written into every block: ``[B, H, NB]``); NB = cdiv(S, block).
     """
-    if granularity not in ("block", "tensor"):
-        raise ValueError(f"v_granularity must be 'block' or 'tensor', got {granularity!r}")
+    if granularity not in V_GRANULARITIES:
+        raise ValueError(f"v_granularity must be one of {V_GRANULARITIES}, got {granularity!r}")
     if dtype not in QMAX:
         raise ValueError(f"dtype must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
     if block <= 0:
@@ -90,16 +104,21 @@ def quantize_v(v: torch.Tensor, dtype: torch.dtype, *, granularity: str = "block
     pad = nb * block - S
     vp = torch.nn.functional.pad(vf, (0, 0, 0, pad)) if pad else vf
     amax = vp.abs().reshape(B, H, nb, block, D).amax(dim=3)  # [B, H, nb, D]
-    if granularity == "tensor":
-        amax = amax.amax(dim=(2, 3), keepdim=True).expand(B, H, nb, D)
+    if granularity == "block":
+        amax = amax.amax(dim=3)
+    elif granularity == "tensor":
+        amax = amax.amax(dim=(2, 3), keepdim=True)[..., 0].expand(B, H, nb)
     scale = safe_scale(amax, QMAX[dtype]).contiguous()
     full = scale.repeat_interleave(block, dim=2)[:, :, :S]
+    if full.ndim == 3:
+        full = full.unsqueeze(-1)
     return round_to(vf / full, dtype), scale
 
 
 def dequantize_v(codes: torch.Tensor, scale: torch.Tensor, *, block: int = V_BLOCK) -> torch.Tensor:
     S = codes.shape[2]
-    return codes.float() * scale.repeat_interleave(block, dim=2)[:, :, :S]
+    full = scale.repeat_interleave(block, dim=2)[:, :, :S]
+    return codes.float() * (full if full.ndim == 4 else full.unsqueeze(-1))
 
 
 def quantize_p_int8(p127: torch.Tensor) -> torch.Tensor:
@@ -112,8 +131,13 @@ def quantize_p_fp8(p256: torch.Tensor) -> torch.Tensor:
     return p256.to(FP8_E4M3)
 
 
-def quantize_qkv(q, k, v, *, mode: str, v_granularity: str = "block", v_block: int = V_BLOCK):
-    """Quantize the three operands as the kernels do. Returns a dict of codes and scales."""
+def quantize_qkv(q, k, v, *, mode: str, v_granularity: str = "channel", v_block: int = V_BLOCK,
+                 k_block: int | None = None):
+    """Quantize the three operands as the kernels do. Returns a dict of codes and scales.
+
+    ``k_block``: one K scale per block of ``k_block`` keys (must equal the kernel's BLOCK_N)
+    instead of one per key; the kernel then folds it into the per-row Q scale.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     dt = _code_dtype(mode)
@@ -125,7 +149,11 @@ def quantize_qkv(q, k, v, *, mode: str, v_granularity: str = "block", v_block: i
         out["k"], out["k_scale"], _ = quantize_kv4(k)
         out["v"], out["v_scale"], _ = quantize_kv4(v)
         return out
-    out["k"], out["k_scale"] = quantize_qk(k, dt)
+    if k_block:
+        out["k"], out["k_scale"] = quantize_k_block(k, dt, k_block)
+        out["k_block"] = k_block
+    else:
+        out["k"], out["k_scale"] = quantize_qk(k, dt)
     if mode == "int8-qk":
         out["v"], out["v_scale"] = v, None
     else:
@@ -169,7 +197,14 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
         raise ValueError(f"block_n ({block_n}) must divide v_block ({v_block})")
     qk_scale = (qs.float() * (sm_scale * LOG2E)).unsqueeze(-1)  # [B, H, Sq, 1]
     dots = torch.matmul(qc.float(), kf.transpose(-1, -2))  # exact for int8 codes (|sum| < 2^24)
-    s2 = dots * ks.unsqueeze(-2) * qk_scale
+    k_block = qq.get("k_block")
+    if k_block:  # kernel: (q_scale * k_scale_block) first, then times the dot
+        if k_block != block_n:
+            raise ValueError(f"k_block ({k_block}) must equal block_n ({block_n})")
+        row_blk = qk_scale * ks.unsqueeze(-2)  # [B, H, Sq, NB]
+        s2 = dots * row_blk.repeat_interleave(k_block, dim=-1)[..., :Skv]
+    else:
+        s2 = dots * ks.unsqueeze(-2) * qk_scale
     if causal:
         i = torch.arange(Sq, device=qc.device).unsqueeze(1)
         j = torch.arange(Skv, device=qc.device).unsqueeze(0)
@@ -177,6 +212,7 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
     m = torch.full((B, Hq, Sq), float("-inf"), device=qc.device)
     l = torch.zeros((B, Hq, Sq), device=qc.device)
     acc = torch.zeros((B, Hq, Sq, D), device=qc.device)
+    c_acc = torch.ones((), device=qc.device)  # scaled accumulator: acc holds O / c_acc
     for n0 in range(0, Skv, block_n):
         s = s2[..., n0:n0 + block_n]
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -186,25 +222,33 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
         if mode == "int8":
             p = quantize_p_int8(torch.exp2(s - (m_use - math.log2(P_SCALE_INT8)).unsqueeze(-1)))
             l = l * alpha + p.sum(-1)
-            pv = torch.matmul(p, vb) * vsc[:, :, n0 // v_block].unsqueeze(-2)
+            pv = torch.matmul(p, vb)
         elif mode == "fp8":
             p = torch.exp2(s - (m_use - 8.0).unsqueeze(-1))
             l = l * alpha + p.sum(-1)
-            pv = torch.matmul(quantize_p_fp8(p).float(), vb) * vsc[:, :, n0 // v_block].unsqueeze(-2)
+            pv = torch.matmul(quantize_p_fp8(p).float(), vb)
         elif mode == "fp8-kv4":
             p = torch.exp2(s - (m_use - 8.0).unsqueeze(-1))
             l = l * alpha + p.sum(-1)
             sv = vtok[..., n0:n0 + block_n]
             svmax = sv.amax(dim=-1, keepdim=True).clamp_min(1e-30)
             r = sv * (1.0 / svmax)
-            pv = torch.matmul(quantize_p_fp8(p * r.unsqueeze(-2)).float(), vb) * svmax.unsqueeze(-1)
+            pv = torch.matmul(quantize_p_fp8(p * r.unsqueeze(-2)).float(), vb)
         else:  # int8-qk
             p = torch.exp2(s - m_use.unsqueeze(-1))
             l = l * alpha + p.sum(-1)
             pv = torch.matmul(p.to(vb.dtype).float(), vb.float())
-        acc = acc * alpha.unsqueeze(-1) + pv
+        # the kernel's accumulator update, per V scale kind (see the module docstring)
+        if mode == "fp8-kv4" or (vsc is not None and vsc.ndim == 3):
+            sb = svmax.unsqueeze(-1) if mode == "fp8-kv4" else vsc[:, :, n0 // v_block].reshape(B, Hq, 1, 1)
+            acc = acc * (alpha.unsqueeze(-1) * (c_acc / sb)) + pv
+            c_acc = sb
+        elif vsc is not None:
+            acc = acc * alpha.unsqueeze(-1) + pv * vsc[:, :, n0 // v_block].unsqueeze(-2)
+        else:
+            acc = acc * alpha.unsqueeze(-1) + pv
         m = m_new
-    return (acc / l.unsqueeze(-1)).to(out_dtype)
+    return (acc * (c_acc / l.unsqueeze(-1))).to(out_dtype)
 
 
 def mre(out: torch.Tensor, ref: torch.Tensor, *, last: int | None = None, eps: float = 1e-5) -> float:

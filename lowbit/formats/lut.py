@@ -25,22 +25,29 @@ tensor-level table ``T`` of ``2**bits`` floats, and dequantizes as
   ``torch.round``'s half-to-even only on exact ties.
 - K is zero-padded to ``Kp = ceil(K / group_size) * group_size``; padded codes are those of 0.
 
-Packed layout (kernel side, "offline restructuring", FLUTE §3.1). Rows are output channels; each
-row holds its Kp codes in K order, little-endian inside a word, so one 16-byte load carries 32
-(4-bit), 42.7 (3-bit) or 64 (2-bit) codes and every plane row starts 16-byte aligned when
-``Kp % 128 == 0``:
+Packed layout (kernel side, "offline restructuring", FLUTE §3.1). Rows are output channels.
+K is cut into packing blocks of ``PB = 16 * PER`` codes (``PER`` = codes per word: 8 at 4-bit,
+16 at 2-bit, 32 at 3-bit), and K is zero-padded to ``Kq = ceil(K / PB) * PB`` (padded codes
+are 0; the kernel masks x there). Inside a block the codes are stored *planar*: word ``w``
+(0..15) of the block holds, in its slot ``j`` (0..PER-1), the code of
 
-- 4-bit: ``qweight`` int32 ``[N, Kp/8]``, code of k in bits ``4*(k%8)`` of word ``k//8``.
-- 2-bit: ``qweight`` int32 ``[N, Kp/16]``, code of k in bits ``2*(k%16)`` of word ``k//16``.
-- 3-bit: bit-sliced 1 + 2 (as FLUTE, after FP6-LLM): ``qweight`` int64 ``[N, Kp/32]`` holds
-  the low 2 bits (code of k in bits ``2*(k%32)`` of word ``k//32``) and ``qweight_hi`` int32
-  ``[N, Kp/32]`` the high bit (bit ``k%32`` of word ``k//32``). Two planes, each read with its
-  own wide load and recombined in registers: 3.0 bits per weight, no padding.
-- scales: ``[Kp/group_size, N]`` (group-major, transposed from the reference layout), so the
-  ``BLOCK_N`` scales one K step needs are one contiguous load.
+    k = block * PB + j * 16 + w
 
-FLUTE's further permutation into tensor-core fragment order is not needed: the Triton kernel
-unpacks with a reshape and lets the compiler place the dequantized tile in the dot operand layout.
+so slot ``j`` of the block's 16 words is the contiguous K slice ``[j*16, j*16 + 16)``. The kernel
+loads the 16 words of a row as one 64-byte segment (16-byte vector loads), and extracting slot
+``j`` with one shift and mask gives a ``[BLOCK_N, 16]`` tile of codes *in the layout of the load*:
+no reshape, no shared-memory round trip, and each 16-wide slice meets x[k0 + 16j : k0 + 16j + 16]
+(a K = 16 tensor-core step on the dot path). This plays the role of FLUTE's reorder into MMA
+fragment order, for Triton.
+
+- 4-bit: ``qweight`` int32 ``[N, Kq/8]``, slot j = bits ``4j..4j+3``.
+- 2-bit: ``qweight`` int32 ``[N, Kq/16]``, slot j = bits ``2j..2j+1``.
+- 3-bit: bit-sliced 1 + 2 (as FLUTE, after FP6-LLM): ``qweight`` int64 ``[N, Kq/32]`` holds the
+  low 2 bits (slot j = bits ``2j..2j+1`` of the 64-bit word) and ``qweight_hi`` int32
+  ``[N, Kq/32]`` the high bit (slot j = bit j). Two planes of the same [N, Kq/32] shape, each read
+  with its own wide load and recombined in registers: 3.0 bits per weight, no padding inside.
+- scales: ``[ceil(K / group_size), N]`` (group-major, transposed from the reference layout), so
+  the ``BLOCK_N`` scales of one group are one contiguous load.
 """
 from __future__ import annotations
 
@@ -59,7 +66,7 @@ NF_DELTA = 0.5 * (1.0 / 30.0 + 1.0 / 32.0)
 __all__ = [
     "BITS", "GROUP_SIZES", "SCALE_DTYPES", "nf_table", "int_table", "make_table", "table_is_uniform",
     "LUTWeight", "quantize_lut", "dequantize_lut", "nearest_codes", "pack_codes", "unpack_codes",
-    "packed_shapes", "bits_per_weight",
+    "packed_shapes", "packed_k", "pack_lut", "pair_table", "pack_block", "codes_per_word", "bits_per_weight",
 ]
 
 
@@ -194,54 +201,115 @@ def dequantize_lut(q: LUTWeight, dtype: torch.dtype = torch.float32) -> torch.Te
 
 
 # ----------------------------------------------------------------------------- packing
-def packed_shapes(n: int, kp: int, bits: int) -> tuple[tuple, torch.dtype, tuple | None]:
-    """(qweight shape, qweight dtype, qweight_hi shape or None) for ``Kp = kp`` padded columns."""
-    bits = _check_bits(bits)
+WORDS_PER_BLOCK = 16
+
+
+def codes_per_word(bits: int) -> int:
+    return 32 if _check_bits(bits) == 3 else 32 // bits
+
+
+def pack_block(bits: int) -> int:
+    """Codes per packing block (PB): 128 at 4-bit, 256 at 2-bit, 512 at 3-bit."""
+    return WORDS_PER_BLOCK * codes_per_word(bits)
+
+
+def packed_k(k: int, bits: int) -> int:
+    """Kq: K rounded up to the packing block."""
+    pb = pack_block(bits)
+    return -(-k // pb) * pb
+
+
+def packed_shapes(n: int, k: int, bits: int) -> tuple[tuple, torch.dtype, tuple | None]:
+    """(qweight shape, qweight dtype, qweight_hi shape or None) for ``k`` = in_features."""
+    kq = packed_k(k, bits)
     if bits == 4:
-        return (n, kp // 8), torch.int32, None
+        return (n, kq // 8), torch.int32, None
     if bits == 2:
-        return (n, kp // 16), torch.int32, None
-    return (n, kp // 32), torch.int64, (n, kp // 32)
+        return (n, kq // 16), torch.int32, None
+    return (n, kq // 32), torch.int64, (n, kq // 32)
 
 
-def _pack_words(vals: torch.Tensor, width: int) -> torch.Tensor:
-    """vals int64 [..., 32 // width * ...] grouped as [..., per] -> int32 words (wrapping)."""
-    per = 32 // width
-    shifts = torch.arange(per, device=vals.device, dtype=torch.int64) * width
-    words = (vals.reshape(*vals.shape[:-1], -1, per) << shifts).sum(-1)
+def _planar(c: torch.Tensor, per: int) -> torch.Tensor:
+    """[N, Kq] -> [N, Kq/PB, PER, 16]: slot j, word w of each block."""
+    n, kq = c.shape
+    return c.reshape(n, kq // (per * WORDS_PER_BLOCK), per, WORDS_PER_BLOCK)
+
+
+def _or_slots(planes: torch.Tensor, width: int, first: int, count: int) -> torch.Tensor:
+    """int64 OR of slots [first, first+count) shifted by width*(j-first) -> int32 (wrapping) [N, nb*16]."""
+    n, nb = planes.shape[:2]
+    shifts = (torch.arange(count, device=planes.device, dtype=torch.int64) * width).view(1, 1, count, 1)
+    words = (planes[:, :, first:first + count] << shifts).sum(2)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)
-    return words.to(torch.int32)
+    return words.to(torch.int32).reshape(n, nb * WORDS_PER_BLOCK)
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """uint8 codes [N, Kp] (Kp % 32 == 0) -> (qweight, qweight_hi or None), module docstring layout."""
+def pack_codes(codes: torch.Tensor, bits: int, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """uint8 codes [N, >= K] (reference layout, K order) -> (qweight, qweight_hi or None) in the
+    planar layout of the module docstring. ``k`` (default: codes.shape[1]) = in_features; codes
+    beyond ``k`` are dropped and the tail is padded with code 0 up to Kq."""
     bits = _check_bits(bits)
-    if codes.ndim != 2 or codes.shape[1] % 32:
-        raise ValueError(f"codes must be [N, Kp] with Kp % 32 == 0, got {list(codes.shape)}")
-    c = codes.to(torch.int64)
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be [N, K], got {list(codes.shape)}")
+    k = codes.shape[1] if k is None else int(k)
+    c = codes[:, :k].to(torch.int64)
     if c.numel() and (c.min() < 0 or c.max() >= 2 ** bits):
         raise ValueError(f"codes must lie in [0, {2 ** bits - 1}]")
+    c = torch.nn.functional.pad(c, (0, packed_k(k, bits) - k))
+    per = codes_per_word(bits)
     if bits in (2, 4):
-        return _pack_words(c, bits).contiguous(), None
-    lo = _pack_words(c & 3, 2)  # [N, Kp/16] int32; two consecutive words = one int64 (little endian)
-    hi = _pack_words((c >> 2) & 1, 1)  # [N, Kp/32]
-    return lo.contiguous().view(torch.int64), hi.contiguous()
+        return _or_slots(_planar(c, per), bits, 0, per).contiguous(), None
+    lo = _planar(c & 3, per)
+    lo_words = torch.stack([_or_slots(lo, 2, 0, 16), _or_slots(lo, 2, 16, 16)], dim=-1)  # little endian
+    hi = _or_slots(_planar((c >> 2) & 1, per), 1, 0, 32)
+    return lo_words.contiguous().view(torch.int64).squeeze(-1), hi.contiguous()
 
 
-def _unpack_words(words: torch.Tensor, width: int) -> torch.Tensor:
-    per = 32 // width
-    shifts = torch.arange(per, device=words.device, dtype=torch.int64) * width
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    return ((w.unsqueeze(-1) >> shifts) & (2 ** width - 1)).flatten(-2)
+def _slots(words: torch.Tensor, width: int, count: int, first: int = 0) -> torch.Tensor:
+    """int words [N, nb*16] -> int64 [N, nb, count, 16] slot values."""
+    n = words.shape[0]
+    w = (words.to(torch.int64) & 0xFFFFFFFF).reshape(n, -1, 1, WORDS_PER_BLOCK)
+    shifts = (torch.arange(count, device=words.device, dtype=torch.int64) * width).view(1, 1, count, 1)
+    return (w >> shifts) & (2 ** width - 1)
 
 
-def unpack_codes(qweight: torch.Tensor, qweight_hi: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """Inverse of ``pack_codes``: -> uint8 codes [N, Kp]."""
+def unpack_codes(qweight: torch.Tensor, qweight_hi: torch.Tensor | None, bits: int,
+                 k: int | None = None) -> torch.Tensor:
+    """Inverse of ``pack_codes``: -> uint8 codes [N, k] in K order (default k = Kq)."""
     bits = _check_bits(bits)
+    n = qweight.shape[0]
     if bits in (2, 4):
-        return _unpack_words(qweight, bits).to(torch.uint8)
-    if qweight_hi is None:
-        raise ValueError("3-bit codes need qweight_hi (the 1-bit plane)")
-    lo = _unpack_words(qweight.contiguous().view(torch.int32), 2)
-    hi = _unpack_words(qweight_hi, 1)
-    return (lo | (hi << 2)).to(torch.uint8)
+        c = _slots(qweight, bits, 32 // bits)
+    else:
+        if qweight_hi is None:
+            raise ValueError("3-bit codes need qweight_hi (the 1-bit plane)")
+        pair = qweight.contiguous().view(torch.int32).reshape(n, -1, 2)
+        lo = torch.cat([_slots(pair[..., 0], 2, 16), _slots(pair[..., 1], 2, 16)], dim=2)
+        c = lo | (_slots(qweight_hi, 1, 32) << 2)
+    c = c.reshape(n, -1)
+    return (c if k is None else c[:, :k]).to(torch.uint8)
+
+
+def pack_lut(q: LUTWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``LUTWeight`` -> (qweight, qweight_hi or None, scales [ceil(K/G), N]): the kernel's buffers."""
+    qw, qh = pack_codes(q.codes, q.bits, q.in_features)
+    return qw, qh, q.scales.t().contiguous()
+
+
+def pair_table(table: torch.Tensor, bits: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """FLUTE's vectorized table (§3.2): int32 [2**(2*bits)], entry i = two ``dtype`` values
+    (low half = first code, high half = second code) for a pair of codes of adjacent planar
+    slots (j, j+1). The pair index is the bits the kernel extracts in one shift + mask:
+    4/2-bit: ``c_j | c_{j+1} << bits``; 3-bit: ``lo_j | lo_{j+1} << 2 | hi_j << 4 | hi_{j+1} << 5``."""
+    bits = _check_bits(bits)
+    if dtype not in SCALE_DTYPES:
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    i = torch.arange(2 ** (2 * bits), dtype=torch.int64)
+    if bits == 3:
+        c0 = (i & 3) | (((i >> 4) & 1) << 2)
+        c1 = ((i >> 2) & 3) | (((i >> 5) & 1) << 2)
+    else:
+        c0, c1 = i & (2 ** bits - 1), i >> bits
+    t = table.detach().to("cpu", torch.float32).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    v = t[c0] | (t[c1] << 16)
+    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)

@@ -10,15 +10,19 @@ Weights ``W [N, K]`` (N = out_features, K = in_features), after CAS and PTS (``l
     sigma = FP8_E4M3( max(amax, AMAX_EPS) / 7 )   RNE, clamped to 448; a sigma that underflows to
                                                   0 (amax < 7 * 2^-10) zeroes its group (FireQ
                                                   Lemma B.1) -- codes 0, never 0/0
-    q     = clamp(round_half_even(W' / sigma), -8, 7)   divided by the *FP8-rounded* sigma, so the
-                                                  rounding of sigma is compensated in q; -8 occurs
-                                                  only when sigma was rounded down
+    q     = clamp(round_half_even(W' / sigma), -7, 7)   divided by the *FP8-rounded* sigma, so the
+                                                  rounding of sigma is compensated in q; symmetric
+                                                  [-7, 7] (|W'|/sigma <= 7/(1 - 2^-4) < 7.5 for a
+                                                  normal sigma, so -8 could only appear for a
+                                                  subnormal sigma rounded down; we clip it to -7)
     Weff  = FP8_E4M3(q * sigma)                   the dequantized weight is the FP8 rounding of
-                                                  q*sigma: FireQ's lookup table holds FP8(q*sigma)
-                                                  (16 entries per group), so the kernel multiplies
-                                                  FP8 x FP8 on the tensor cores. q*sigma has up to
-                                                  7 significant bits, E4M3 keeps 4: the rounding is
-                                                  part of the format, not a kernel error.
+                                                  q*sigma: FireQ's lookup table holds FP8(q*sigma),
+                                                  so the kernel multiplies FP8 x FP8 on the tensor
+                                                  cores. q*sigma has up to 7 significant bits, E4M3
+                                                  keeps 4: the rounding is part of the format, not a
+                                                  kernel error. FP8(-x) = -FP8(x) (RNE is
+                                                  symmetric), so 8 magnitudes FP8(k*sigma), k = 0..7,
+                                                  and a sign bit give every entry.
 
 Activations: ``xq, sx = quantize_per_token(x, FP8_E4M3)`` (``lowbit.formats.common``).
 
@@ -28,11 +32,19 @@ Output::
 
 Storage (every field a tensor; ``Kp = ceil(K / 128) * 128``):
 
-- ``codes`` uint8 ``[N, Kp / 2]``: offset-binary nibbles ``u = q + 8`` in [0, 15], packed by
-  ``lowbit.formats.int4.pack_int4`` after an offline column reorder inside each 128-column block:
-  byte ``b*64 + i`` holds column ``b*128 + i`` in its low nibble and column ``b*128 + 64 + i`` in its
-  high nibble. The kernel unpacks a 64-byte row chunk into the two 64-wide halves of its K=128 tile
-  with one AND and one shift, no interleaving shuffle. Columns K..Kp-1 are padding (code 8 = 0).
+- ``codes`` uint8 ``[N, Kp / 2]``: 4 bits per weight, sign-magnitude, laid out for a byte-permute
+  (``prmt``) lookup. Per row, each 128-column block is 64 bytes = 16 little-endian 32-bit words;
+  word ``w`` holds the 8 weights ``lo_i`` = column ``4w + i`` and ``hi_i`` = column ``64 + 4w + i``
+  (i = 0..3) of the block as::
+
+      bits 4i .. 4i+2      |q(lo_i)|        bit 8i+7   sign(lo_i)
+      bits 16+4i .. 16+4i+2 |q(hi_i)|       bit 8i+3   sign(hi_i)
+
+  so ``prmt(LUT, word & 0x7777) ^ (word & 0x80808080)`` yields the four FP8 values of the lo
+  columns and ``prmt(LUT, (word >> 16) & 0x7777) ^ ((word << 4) & 0x80808080)`` those of the hi
+  columns, LUT = the 8 bytes FP8(k*sigma), k = 0..7 (one AND, one PRMT, one XOR per 4 weights).
+  This is not nibble-per-weight packing (``lowbit.formats.int4``): sign bits are scattered so the
+  sign lands on each FP8 byte's bit 7 with one mask. Columns K..Kp-1 are padding (q = 0).
 - ``scales`` float8_e4m3fn ``[N, ceil(K / group_size)]``: sigma per (row, group).
 - ``inv_delta`` float32 scalar ``[]``: 2^-n, applied in the epilogue.
 
@@ -47,7 +59,6 @@ from __future__ import annotations
 import torch
 
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token
-from lowbit.formats.int4 import pack_int4, unpack_int4
 
 GROUP_SIZES = (32, 64, 128)
 PACK_BLOCK = 128  # columns per reorder block (= the kernel's BLOCK_K)
@@ -71,17 +82,30 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_E4M3).float()
 
 
-def _reorder(codes: torch.Tensor) -> torch.Tensor:
-    """[N, Kp] -> [N, Kp] with columns of each 128-block interleaved (i, 64 + i) for pack_int4."""
-    n, kp = codes.shape
-    c = codes.reshape(n, kp // PACK_BLOCK, 2, PACK_BLOCK // 2)
-    return c.transpose(-1, -2).reshape(n, kp)
+_I = torch.arange(4)
 
 
-def _unreorder(codes: torch.Tensor) -> torch.Tensor:
-    n, kp = codes.shape
-    c = codes.reshape(n, kp // PACK_BLOCK, PACK_BLOCK // 2, 2)
-    return c.transpose(-1, -2).reshape(n, kp)
+def encode_codes(q: torch.Tensor) -> torch.Tensor:
+    """int q ``[N, Kp]`` in [-7, 7] (Kp a multiple of 128) -> uint8 ``[N, Kp/2]`` (layout above)."""
+    n, kp = q.shape
+    q = q.to(torch.int64).reshape(n, kp // PACK_BLOCK, 2, 16, 4)  # [row, block, half, word, i]
+    mag, sgn = q.abs(), (q < 0).to(torch.int64)
+    i = _I.to(q.device)
+    word = ((mag[:, :, 0] << (4 * i)) | (sgn[:, :, 0] << (8 * i + 7))
+            | (mag[:, :, 1] << (16 + 4 * i)) | (sgn[:, :, 1] << (8 * i + 3))).sum(-1)  # [row, block, 16]
+    byts = (word[..., None] >> (8 * i)) & 0xFF  # little-endian bytes
+    return byts.reshape(n, kp // 2).to(torch.uint8)
+
+
+def decode_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, Kp/2]`` -> int8 q ``[N, Kp]`` (inverse of ``encode_codes``)."""
+    n, kp2 = codes.shape
+    i = _I.to(codes.device)
+    b = codes.to(torch.int64).reshape(n, kp2 // 64, 16, 4)
+    word = (b << (8 * i)).sum(-1)[..., None]  # [row, block, 16, 1]
+    lo = ((word >> (4 * i)) & 7) * (1 - 2 * ((word >> (8 * i + 7)) & 1))
+    hi = ((word >> (16 + 4 * i)) & 7) * (1 - 2 * ((word >> (8 * i + 3)) & 1))
+    return torch.stack((lo, hi), dim=2).reshape(n, 2 * kp2).to(torch.int8)
 
 
 def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
@@ -103,19 +127,18 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
     amax = wg.abs().amax(-1)
     sigma = fp8_round(amax.clamp_min(AMAX_EPS) / INT4_MAX)  # [N, G], may be 0 (underflow)
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
-    q = torch.round(wg / safe.unsqueeze(-1)).clamp(-8, 7)
+    q = torch.round(wg / safe.unsqueeze(-1)).clamp(-7, 7)
     q = torch.where(sigma.unsqueeze(-1) > 0, q, torch.zeros_like(q))
     q = q.reshape(n, kg)[:, :k]
-    u = torch.full((n, padded_k(k)), 8, dtype=torch.int16, device=w.device)
-    u[:, :k] = q.to(torch.int16) + 8
-    codes = pack_int4(_reorder(u))
+    qp = torch.zeros((n, padded_k(k)), dtype=torch.int16, device=w.device)
+    qp[:, :k] = q.to(torch.int16)
+    codes = encode_codes(qp)
     return codes, sigma.to(FP8_E4M3), torch.tensor(2.0 ** -pts_exp, dtype=torch.float32, device=w.device)
 
 
 def unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:
-    """codes uint8 [N, Kp/2] -> signed int8 q [N, K] (undoes the reorder and offset)."""
-    u = unpack_int4(codes, signed=False)
-    return (_unreorder(u.to(torch.int16)) - 8)[:, :k].to(torch.int8)
+    """codes uint8 [N, Kp/2] -> signed int8 q [N, K]."""
+    return decode_codes(codes)[:, :k]
 
 
 def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int = 128) -> torch.Tensor:

@@ -19,6 +19,9 @@ with the PyTorch reference bit for bit.
 - ``2`` SiLU-mul: ``v = (silu(g).to(dtype) * u).to(dtype)``, i.e. ``quantize(act(gate) * up)``
   as HF's ``LlamaMLP`` computes it before ``down_proj``.
 
+NaN or Inf anywhere in a row gives that row a NaN scale, so the row's GEMM output is NaN (the GPU's
+``max`` would otherwise skip NaN silently); the reference propagates NaN/Inf the same way.
+
 Layout: rows are the flattened leading dims (row stride given, last dim contiguous); any K (not
 only powers of two) and any number of rows. One program per row. A row of up to ``_SINGLE_MAX``
 elements is held in registers (one read of HBM); longer rows are walked in chunks (the second and
@@ -110,7 +113,10 @@ def _per_token_quant_kernel(
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         v = _fused_value(Xr, Gr, W, offs, mask, rstd, FUSE)
         amax = tl.max(tl.abs(v), axis=0)
-        scale = tl.maximum(amax, amax_eps) / QMAX
+        # max() ignores NaN on the GPU: make a NaN/Inf row give a NaN scale (-> NaN output row)
+        bad = tl.max(((tl.abs(v) == float("inf")) | (v != v)).to(tl.int32), axis=0)
+        amax = tl.where(bad > 0, float("nan"), amax)
+        scale = tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL) / QMAX
         _quant_store(Qr, offs, mask, v, scale, QMAX, IS_INT8)
     else:
         rstd = 1.0
@@ -122,11 +128,14 @@ def _per_token_quant_kernel(
                 acc += x * x
             rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
         amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
+        bad_v = tl.zeros([BLOCK_K], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
             v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
             amax_v = tl.maximum(amax_v, tl.abs(v))
-        scale = tl.maximum(tl.max(amax_v, axis=0), amax_eps) / QMAX
+            bad_v = bad_v | ((tl.abs(v) == float("inf")) | (v != v)).to(tl.int32)
+        amax = tl.where(tl.max(bad_v, axis=0) > 0, float("nan"), tl.max(amax_v, axis=0))
+        scale = tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL) / QMAX
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
             v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)

@@ -75,24 +75,67 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """uint8 [ROWS, COLS/2] (element 2i in the low nibble, two's complement) -> FP8 [ROWS, COLS]
-    (INT4 values are exact in E4M3)."""
-    lo = (packed & 0xF).to(tl.int8)
-    hi = ((packed >> 4) & 0xF).to(tl.int8)
-    lo = lo - ((lo & 8) << 1)
-    hi = hi - ((hi & 8) << 1)
-    x = tl.reshape(tl.join(lo, hi), [ROWS, COLS])
-    return x.to(tl.float16).to(tl.float8e4nv)
+def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: tl.constexpr):
+    """uint8 [ROWS, COLS/2] (element 2i in the low nibble of byte i, two's complement) -> FP8 E4M3
+    [ROWS, COLS] (INT4 values are exact in E4M3).
+
+    On the GPU, 8 codes per 32-bit word go through the fp16 magic-number trick: a nibble n placed
+    in the mantissa of 1024.0 (``0x6400 | (n ^ 8)``) minus 1032.0 is n as an fp16, and one
+    ``cvt.rn.satfinite.e4m3x2.f16x2`` packs two of them; ~2 integer/half ops per code instead of
+    a sign extension plus an I2F (quarter rate) per code.
+    """
+    if INTERPRET:
+        lo = (packed & 0xF).to(tl.int8)
+        hi = ((packed >> 4) & 0xF).to(tl.int8)
+        lo = (lo - ((lo & 8) << 1)).to(tl.float16).to(tl.float8e4nv)
+        hi = (hi - ((hi & 8) << 1)).to(tl.float16).to(tl.float8e4nv)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a0, a1, a2, a3, c, q0, q1;
+            .reg .b16 h0, h1, h2, h3;
+            mov.b32 c, 0x64086408;
+            and.b32 a0, $2, 0x000F000F;
+            shr.u32 a1, $2, 8;
+            and.b32 a1, a1, 0x000F000F;
+            shr.u32 a2, $2, 4;
+            and.b32 a2, a2, 0x000F000F;
+            shr.u32 a3, $2, 12;
+            and.b32 a3, a3, 0x000F000F;
+            xor.b32 a0, a0, c;
+            xor.b32 a1, a1, c;
+            xor.b32 a2, a2, c;
+            xor.b32 a3, a3, c;
+            sub.f16x2 a0, a0, c;
+            sub.f16x2 a1, a1, c;
+            sub.f16x2 a2, a2, c;
+            sub.f16x2 a3, a3, c;
+            cvt.rn.satfinite.e4m3x2.f16x2 h0, a0;
+            cvt.rn.satfinite.e4m3x2.f16x2 h1, a1;
+            cvt.rn.satfinite.e4m3x2.f16x2 h2, a2;
+            cvt.rn.satfinite.e4m3x2.f16x2 h3, a3;
+            mov.b32 q0, {h0, h1};
+            mov.b32 q1, {h2, h3};
+            prmt.b32 $0, q0, q0, 0x3120;
+            prmt.b32 $1, q1, q1, 0x3120;
+            }""",
+            constraints="=r,=r,r",
+            args=[packed],
+            dtype=(tl.float8e4nv, tl.float8e4nv),
+            is_pure=True,
+            pack=4,
+        )
+    return tl.reshape(tl.join(lo, hi), [ROWS, COLS])
 
 
 @triton.jit
-def _attn_blocks(acc, l_i, m_i, q, qs, offs_m, lo, hi,  #
+def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
                  Kb, KSb, Vb, VSb,  #
                  Skv, causal_off,  #
                  stride_kn, stride_vr, stride_vsn,  #
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
+                 K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
                  INTERPRET: tl.constexpr):
     """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -109,24 +152,32 @@ def _attn_blocks(acc, l_i, m_i, q, qs, offs_m, lo, hi,  #
                 kp = tl.load(kp_ptr, mask=nmask[:, None], other=0.0)
             else:
                 kp = tl.load(kp_ptr)
-            k = _int4_to_fp8(kp, BLOCK_N, HEAD_DIM)
+            k = _int4_to_fp8(kp, BLOCK_N, HEAD_DIM, INTERPRET)
         else:
             k_ptr = Kb + offs_n[:, None] * stride_kn + offs_d[None, :]
             if MASK:
                 k = tl.load(k_ptr, mask=nmask[:, None], other=0.0)
             else:
                 k = tl.load(k_ptr)
-        if MASK:
-            ks = tl.load(KSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        d = tl.dot(q, tl.trans(k))
+        if MODE != 0:  # exact INT32 -> fp32 on the integer ALU (|d| < 2^22): no I2F (quarter rate)
+            d = (d + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        if K_PER_BLOCK:  # one K scale per block of BLOCK_N keys: folded into the per-row scale
+            qsb = qs * tl.load(KSb + start_n // BLOCK_N)
+            t = d
         else:
-            ks = tl.load(KSb + offs_n).to(tl.float32)
-        t = tl.dot(q, tl.trans(k)).to(tl.float32) * ks[None, :]
+            if MASK:
+                ks = tl.load(KSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            else:
+                ks = tl.load(KSb + offs_n).to(tl.float32)
+            qsb = qs
+            t = d * ks[None, :]
         if MASK:
             valid = nmask[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
             t = tl.where(valid, t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(t, 1) * qs)
+        m_new = tl.maximum(m_i, tl.max(t, 1) * qsb)
         if MASK:  # a row with no visible key yet keeps m = -inf; subtract 0 instead (no inf - inf)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
@@ -138,11 +189,26 @@ def _attn_blocks(acc, l_i, m_i, q, qs, offs_m, lo, hi,  #
             sub = m_use - 8.0  # P = 256 * exp(S - m) in [0, 256]
         else:
             sub = m_use
-        p = tl.math.exp2(t * qs[:, None] - sub[:, None])
+        if EXP16:  # FireQ-style half-precision softmax numerator: ex2.approx.f16x2, two per op
+            x16 = (t * qsb[:, None] - sub[:, None]).to(tl.float16)
+            if INTERPRET:
+                p16 = tl.math.exp2(x16.to(tl.float32)).to(tl.float16)
+            else:
+                p16 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x16], dtype=tl.float16,
+                                                is_pure=True, pack=2)
+            p = p16
+        else:
+            p = tl.math.exp2(t * qsb[:, None] - sub[:, None])
         if MODE == 1:
-            p = (p + 12582912.0) - 12582912.0  # round to nearest even integer in [0, 127]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+            # round to nearest even integer in [0, 127]: the low byte of (p + 1.5 * 2^23)'s bits is
+            # the INT8 code (no F2I), and subtracting 1.5 * 2^23 again gives it as a float for l
+            pm = p + 12582912.0
+            p8 = pm.to(tl.int32, bitcast=True).to(tl.int8)
+            p = pm - 12582912.0
+        if EXP16:
+            l_i = l_i * alpha + tl.sum(p, 1).to(tl.float32)
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         # ---- O += P V (block)
         if MODE == 2:
             v_ptr = Vb + offs_n[:, None] * stride_vr + offs_d[None, :]
@@ -150,6 +216,7 @@ def _attn_blocks(acc, l_i, m_i, q, qs, offs_m, lo, hi,  #
                 v = tl.load(v_ptr, mask=nmask[:, None], other=0.0)
             else:
                 v = tl.load(v_ptr)
+            acc = acc * alpha[:, None]
             if INTERPRET:  # Triton 3.6's interpreter multiplies bf16 bit patterns: go through fp32
                 acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
             else:
@@ -162,25 +229,34 @@ def _attn_blocks(acc, l_i, m_i, q, qs, offs_m, lo, hi,  #
             else:
                 vp = tl.load(vp_ptr)
                 sv = tl.load(VSb + offs_n).to(tl.float32)
-            v = _int4_to_fp8(vp, BLOCK_N, HEAD_DIM)
+            v = _int4_to_fp8(vp, BLOCK_N, HEAD_DIM, INTERPRET)
             svmax = tl.maximum(tl.max(sv, 0), 1e-30)
             r = sv * (1.0 / svmax)
             pv = tl.dot(_to_fp8(p * r[None, :], INTERPRET), v)
-            acc = acc + pv * svmax
+            # scaled accumulator: acc holds O / c_acc, c_acc = the last block's scale, so one FFMA
+            # per element updates it (the per-row factor carries alpha and the scale change)
+            acc = acc * (alpha * (c_acc / svmax))[:, None] + pv
+            c_acc = svmax
         else:
             vt_ptr = Vb + offs_d[:, None] * stride_vr + offs_n[None, :]
             if MASK:
                 vt = tl.load(vt_ptr, mask=nmask[None, :], other=0.0)
             else:
                 vt = tl.load(vt_ptr)
-            vs = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn + offs_d)
             if MODE == 1:
-                pv = tl.dot(p.to(tl.int8), tl.trans(vt)).to(tl.float32)
+                pv = tl.dot(p8, tl.trans(vt))
+                pv = (pv + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
             else:
                 pv = tl.dot(_to_fp8(p, INTERPRET), tl.trans(vt))
-            acc = acc + pv * vs[None, :]
+            if V_CHANNEL:  # per-channel scales of this block: acc * alpha + pv * s_v
+                vs = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn + offs_d)
+                acc = acc * alpha[:, None] + pv * vs[None, :]
+            else:  # one scale per block: scaled accumulator as above
+                vsb = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn)
+                acc = acc * (alpha * (c_acc / vsb))[:, None] + pv
+                c_acc = vsb
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, c_acc
 
 
 # ----------------------------------------------------------------------------------------- kernel
@@ -195,7 +271,8 @@ def _attn_fwd(
     stride_vsb, stride_vsh, stride_vsn,  #
     stride_ob, stride_oh, stride_om,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
-    MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr,  #
+    MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, K_PER_BLOCK: tl.constexpr,  #
+    V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -237,22 +314,24 @@ def _attn_fwd(
     else:
         hi = Skv
         n_full = (Skv // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, qs, offs_m, 0, n_full,  #
+    c_acc = 1.0
+    acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, 0, n_full,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off,  #
                                  stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, INTERPRET)
-    acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q, qs, offs_m, n_full, hi,  #
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL, EXP16, INTERPRET)
+    acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, n_full, hi,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off,  #
                                  stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, INTERPRET)
-    out = acc / l_i[:, None]
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16, INTERPRET)
+    out = acc * (c_acc / l_i)[:, None]
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
 
 
 # ----------------------------------------------------------------------------------------- launcher
 def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal: bool, sm_scale: float,
-                             v_block: int = 128, config: dict | None = None,
+                             v_block: int = 128, k_block: int | None = None, exp16: bool = False,
+                             config: dict | None = None,
                              out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel on pre-quantized K/V (layouts in the module docstring); Q is quantized
     inside. ``config`` overrides ``default_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -272,6 +351,10 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
     kv4 = mode == "fp8-kv4"
     if mode in ("fp8", "int8") and v_block % BN:
         raise ValueError(f"BLOCK_N ({BN}) must divide v_block ({v_block})")
+    if exp16 and not mode.startswith("fp8"):
+        raise ValueError("exp16 (FP16 softmax numerator) applies to the fp8 modes only")
+    if k_block is not None and k_block != BN:
+        raise ValueError(f"per-block K scales need k_block == BLOCK_N, got {k_block} and {BN}")
     if out is None:
         out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     if B * Hq * Sq == 0:
@@ -296,7 +379,9 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         *svs,
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, V_BLOCK=v_block,
-        MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), INTERPRET=interpret_mode(),
+        MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), K_PER_BLOCK=k_block is not None,
+        V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16),
+        INTERPRET=interpret_mode(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -2,11 +2,12 @@
 
 Numerics: ``lowbit.formats.attention_quant`` (the reference this kernel must match bit for bit):
 
-- K: symmetric per token per head, ``scale = max(amax, AMAX_EPS) / QMAX`` (fp32),
+- K: symmetric per token per head (``K_PER_BLOCK``: per block of BLOCK_T keys), ``scale = max(amax, AMAX_EPS) / QMAX`` (fp32),
   ``code = cast(clamp(k / scale))`` with IEEE division (``tl.div_rn``), INT8 codes rounded to
   nearest even, FP8 codes by the RNE cast.
-- V: symmetric per channel per block of ``V_BLOCK`` tokens (``V_GIVEN``: the scales were computed
-  beforehand, e.g. the per-tensor option, and are only read).
+- V: symmetric, per channel per block of ``V_BLOCK`` tokens (``V_CHANNEL``, scales
+  ``[B, H, NB, D]``) or one scale per block (``[B, H, NB]``; ``V_GIVEN``: precomputed, e.g. the
+  per-tensor option, and only read).
 
 Layouts written (all contiguous):
 
@@ -15,7 +16,7 @@ Layouts written (all contiguous):
   8-bit tensor-core MMAs on Hopper (wgmma with e4m3 / s8 operands) need the B operand K-major,
   and in ``P V`` the reduction runs over tokens, so V must be token-contiguous. Doing the
   transpose here costs nothing extra (this pass reads and writes V anyway);
-- ``vs [B, H, cdiv(S, V_BLOCK), D]`` fp32.
+- ``vs [B, H, cdiv(S, V_BLOCK), D]`` (``channel``) or ``[B, H, cdiv(S, V_BLOCK)]`` fp32.
 
 The Q quantization is not here: the attention kernel quantizes its Q tile in registers
 (Q is read exactly once there, so that saves a full pass over Q).
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
-from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
+from lowbit.formats.common import AMAX_EPS, QMAX
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
@@ -55,8 +56,9 @@ def _kv_quant_kernel(
     stride_vb, stride_vh, stride_vn,  # V input (last dim contiguous)
     stride_vtd, S_al, n_vblk,  # V^T row stride, padded length, V scale blocks
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, V_BLOCK: tl.constexpr,
-    QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_GIVEN: tl.constexpr,
-    EXACT_FP8: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
+    V_GIVEN: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = tl.program_id(1)
@@ -69,11 +71,16 @@ def _kv_quant_kernel(
         x = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
                     + offs_t[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
                     mask=tmask[:, None], other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAX
-        codes = _quant_tile(x, scale[:, None], QMAX, IS_INT8, EXACT_FP8)
         row = bh.to(tl.int64) * S + offs_t
+        if K_PER_BLOCK:  # one scale for the BLOCK_T keys of this program
+            scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps) / QMAX
+            codes = _quant_tile(x, scale, QMAX, IS_INT8, EXACT_FP8)
+            tl.store(KS + bh.to(tl.int64) * n_kprog + pid, scale)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAX
+            codes = _quant_tile(x, scale[:, None], QMAX, IS_INT8, EXACT_FP8)
+            tl.store(KS + row, scale, mask=tmask)
         tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=tmask[:, None])
-        tl.store(KS + row, scale, mask=tmask)
     elif QUANT_V:
         blk = pid - n_kprog
         offs_t = blk * V_BLOCK + tl.arange(0, V_BLOCK)
@@ -81,22 +88,29 @@ def _kv_quant_kernel(
         x = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
                     + offs_t[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
                     mask=tmask[:, None], other=0.0).to(tl.float32)
-        vs_ptr = VS + (bh.to(tl.int64) * n_vblk + blk) * HEAD_DIM + offs_d
-        if V_GIVEN:
-            scale = tl.load(vs_ptr)
-        else:
+        if V_CHANNEL:  # one scale per channel of this block
+            vs_ptr = VS + (bh.to(tl.int64) * n_vblk + blk) * HEAD_DIM + offs_d
             scale = tl.maximum(tl.max(tl.abs(x), 0), amax_eps) / QMAX
             tl.store(vs_ptr, scale)
-        codes = _quant_tile(x, scale[None, :], QMAX, IS_INT8, EXACT_FP8)
+            codes = _quant_tile(x, scale[None, :], QMAX, IS_INT8, EXACT_FP8)
+        else:  # one scale for the block (V_GIVEN: precomputed, e.g. per tensor)
+            vs_ptr = VS + bh.to(tl.int64) * n_vblk + blk
+            if V_GIVEN:
+                scale = tl.load(vs_ptr)
+            else:
+                scale = tl.maximum(tl.max(tl.max(tl.abs(x), 0), 0), amax_eps) / QMAX
+                tl.store(vs_ptr, scale)
+            codes = _quant_tile(x, scale, QMAX, IS_INT8, EXACT_FP8)
         # transposed store: element (t, d) -> VT[b, h, d, t]
         vt_ptr = VT + bh.to(tl.int64) * HEAD_DIM * stride_vtd + offs_d[None, :] * stride_vtd + offs_t[:, None]
         tl.store(vt_ptr, codes, mask=tmask[:, None])
 
 
 def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype,
-                       v_granularity: str = "block", v_block: int = 128):
+                       v_granularity: str = "channel", v_block: int = 128, k_block: int | None = None):
     """K [B, H, S, D] (and V, or None to quantize K only) -> (kc, ks, vt, vs) in the layouts of
-    the module docstring (vt, vs None when ``v`` is None)."""
+    the module docstring (vt, vs None when ``v`` is None). ``k_block``: one K scale per block of
+    that many keys (``ks [B, H, cdiv(S, k_block)]``) instead of one per key."""
     B, H, S, D = k.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -105,9 +119,9 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
     qmax = QMAX[dtype]
     dev = k.device
     kc = torch.empty((B, H, S, D), dtype=dtype, device=dev)
-    ks = torch.empty((B, H, S), dtype=torch.float32, device=dev)
-    block_t = 128 if D <= 128 else 64
+    block_t = k_block or (128 if D <= 128 else 64)
     n_kprog = cdiv(S, block_t)
+    ks = torch.empty((B, H, n_kprog) if k_block else (B, H, S), dtype=torch.float32, device=dev)
     vt = vs = None
     n_vblk, s_al, given = cdiv(S, v_block), -(-S // 16) * 16, False
     if v is not None:
@@ -116,10 +130,12 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
             vt[..., S:].zero_()
         if v_granularity == "tensor":
             amax = v.abs().amax(dim=(2, 3)).float()
-            vs = (amax.clamp_min(AMAX_EPS) / qmax)[:, :, None, None].expand(B, H, n_vblk, D).contiguous()
+            vs = (amax.clamp_min(AMAX_EPS) / qmax)[:, :, None].expand(B, H, n_vblk).contiguous()
             given = True
-        else:
+        elif v_granularity == "channel":
             vs = torch.empty((B, H, n_vblk, D), dtype=torch.float32, device=dev)
+        else:
+            vs = torch.empty((B, H, n_vblk), dtype=torch.float32, device=dev)
     if B * H == 0 or S == 0:
         return kc, ks, vt, vs
     grid = (n_kprog + (n_vblk if v is not None else 0), B * H)
@@ -131,7 +147,7 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         vv.stride(0), vv.stride(1), vv.stride(2),
         s_al, s_al, n_vblk,
         HEAD_DIM=D, BLOCK_T=block_t, V_BLOCK=v_block, QMAX=qmax, IS_INT8=dtype == torch.int8,
-        QUANT_V=v is not None, V_GIVEN=given, EXACT_FP8=interpret_mode(),
+        QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=given, K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(),
         num_warps=8 if D >= 128 else 4,
     )
     return kc, ks, vt, vs

@@ -3,30 +3,36 @@
     Y[m, n] = sum_k X[m, k] * T[c[n, k]] * s[k // G, n]
 
 - X ``[M, K]`` bf16 or fp16 (row stride free, unit K stride), Y ``[M, N]`` in X's dtype.
-- codes: packed as ``lowbit.formats.lut`` documents (4-bit: int32 ``[N, Kp/8]``; 2-bit: int32
-  ``[N, Kp/16]``; 3-bit: int64 low-2-bit plane ``[N, Kp/32]`` + int32 high-bit plane
-  ``[N, Kp/32]``), K-contiguous rows, little-endian in each word. Kp = K padded to the group.
-- scales ``[Kp/G, N]`` bf16/fp16 (group-major); table T float32 ``[2**BITS]``.
-- Accumulation in float32; dot operands in X's dtype (the dequantized weight is rounded once,
-  after the scale multiply, in float32).
+- codes: the planar packed layout of ``lowbit.formats.lut`` (4-bit: int32 ``[N, Kq/8]``; 2-bit:
+  int32 ``[N, Kq/16]``; 3-bit: int64 low-2-bit plane ``[N, Kq/32]`` + int32 high-bit plane
+  ``[N, Kq/32]``; Kq = K rounded up to the packing block).
+- scales ``[ceil(K/G), N]`` bf16/fp16 (group-major); table T float32 ``[2**BITS]``.
+- Accumulation in float32 (FMA path: products in float32; dot path: operands in X's dtype).
 
-One K step reads ``BLOCK_K`` codes of ``BLOCK_N`` rows (``BLOCK_K`` divides G, so the step has a
-single scale per row), unpacks them in registers with shifts and a reshape, and looks the codes
-up (``LOOKUP``):
+One loop step reads one packing block (``16 * PER`` codes, 64 bytes per row and plane) of
+``BLOCK_N`` rows with 16-byte loads. The planar layout puts the codes of the K slice
+``[16 j, 16 j + 16)`` in slot ``j`` of the block's 16 words, so each slot is one shift and mask
+away, in the layout of the load (no reshape, no shared memory). Codes are looked up (``LOOKUP``):
 
 - ``0`` "load": ``tl.load(T + code)``: a gather from a 64-byte table that lives in L1 (all 32 lanes
-  of a warp hit one 128-byte line, so one wavefront per warp instruction, no bank conflicts:
+  of a warp hit one 128-byte line, so one wavefront per warp instruction and no bank conflicts:
   the role of FLUTE's duplicated pair table in shared memory, §3.2);
 - ``1`` "select": the 2**BITS entries in registers and a binary tree of ``tl.where`` on the code
   bits (2**BITS - 1 selects per weight);
 - ``2`` "affine": ``T[0] + code * (T[1] - T[0])``, exact only for a uniform table (RTN INT).
 
+Scales are not multiplied per weight: the products of one group (or one block, if the group
+is longer) are summed first and the sum is scaled once (``acc += part * s``), in float32.
+
 Two inner products, chosen by ``USE_DOT``:
 
-- FMA path (M = 1 decode): a ``[BLOCK_N, BLOCK_K]`` float32 accumulator of products on CUDA
-  cores, reduced along K once at the end, no tensor-core padding;
-- dot path: ``acc[BLOCK_N, BLOCK_M] += dot(W_tile, X_tile^T)`` ("swap AB": the weight tile is the
-  64-row A operand, the tokens are the narrow N side), so M = 1..16 pads only to 16.
+- FMA path (M = 1 decode): a ``[BLOCK_N, 16]`` float32 accumulator on CUDA cores, reduced along
+  K once at the end; no tensor-core padding;
+- dot path: ``part[BLOCK_N, BLOCK_M] = sum_j dot(T[c_j], X_j^T)`` over the slots of a group,
+  K = 16 per dot ("swap AB": the looked-up tile is the 64-row A operand in the activation dtype,
+  the tokens are the narrow side, so M = 1..16 pads only to 16), then ``acc += part * s``.
+  The table values are rounded to the activation dtype (bf16: 8 bits of mantissa) before the
+  dot; the reference rounds nothing, the difference is inside the bf16 tolerance.
 
 Split-K (FLUTE uses Stream-K, §3.3): the K steps are cut into ``SPLIT_K`` ranges (grid axis 2)
 so that small-N / small-M problems launch enough programs to cover every SM several times.
@@ -42,8 +48,9 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
+from lowbit.formats.lut import pack_block, packed_k
 
-LOOKUPS = {"load": 0, "select": 1, "affine": 2}
+LOOKUPS = {"load": 0, "select": 1, "affine": 2, "pair": 3}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -91,41 +98,88 @@ def _lookup(c, T, BITS: tl.constexpr, LOOKUP: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn,
-                BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Codes of K step ``it`` for rows ``offs_n``: int32 [BLOCK_N, BLOCK_K] in K order."""
+def _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS: tl.constexpr):
+    """The 16 words of packing block ``it`` for rows ``offs_n``: (wa, wb) [BLOCK_N, 16]
+    (3-bit: wa = int64 low-2-bit plane, wb = int32 high-bit plane; else wb is wa)."""
+    offs_w = it * 16 + tl.arange(0, 16)
+    wa = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=n_mask[:, None], other=0)
     if BITS == 3:
-        WPB: tl.constexpr = BLOCK_K // 32
-        offs_w = it * WPB + tl.arange(0, WPB)
-        lo = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=n_mask[:, None], other=0)
-        hi = tl.load(QH + offs_n[:, None] * stride_qhn + offs_w[None, :], mask=n_mask[:, None], other=0)
-        j = tl.arange(0, 32)
-        c_lo = ((lo[:, :, None] >> (2 * j).to(tl.int64)[None, None, :]) & 3).to(tl.int32)
-        c_hi = ((hi[:, :, None] >> j[None, None, :]) & 1) << 2
-        c = tl.reshape(c_lo | c_hi, [BLOCK_N, BLOCK_K])
+        wb = tl.load(QH + offs_n[:, None] * stride_qhn + offs_w[None, :], mask=n_mask[:, None], other=0)
     else:
-        PER: tl.constexpr = 32 // BITS
-        WPB: tl.constexpr = BLOCK_K // PER
-        offs_w = it * WPB + tl.arange(0, WPB)
-        w = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=n_mask[:, None], other=0)
-        j = tl.arange(0, PER)
-        c = tl.reshape((w[:, :, None] >> (BITS * j)[None, None, :]) & ((1 << BITS) - 1), [BLOCK_N, BLOCK_K])
+        wb = wa
+    return wa, wb
+
+
+@triton.jit
+def _slot_codes(wa, wb, J: tl.constexpr, BITS: tl.constexpr):
+    """Codes of slot J (K slice [16 J, 16 J + 16) of the block), int32 [BLOCK_N, 16]."""
+    if BITS == 3:
+        c = ((wa >> (2 * J)) & 3).to(tl.int32) | (((wb >> J) & 1) << 2)
+    else:
+        c = (wa >> (BITS * J)) & ((1 << BITS) - 1)
     return c
+
+
+@triton.jit
+def _pair_lookup(wa, wb, J: tl.constexpr, T2, BITS: tl.constexpr, IS_BF16: tl.constexpr):
+    """Slots J and J+1 with one 32-bit load from the pair table (``formats.lut.pair_table``)."""
+    if BITS == 3:
+        idx = ((wa >> (2 * J)) & 15).to(tl.int32) | (((wb >> J) & 3) << 4)
+    else:
+        idx = (wa >> (BITS * J)) & ((1 << (2 * BITS)) - 1)
+    r = tl.load(T2 + idx)
+    if IS_BF16:  # bf16 -> fp32 is a 16-bit shift
+        v0 = (r << 16).to(tl.float32, bitcast=True)
+        v1 = (r & -65536).to(tl.float32, bitcast=True)
+    else:
+        v0 = (r & 65535).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        v1 = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v0, v1
+
+
+@triton.jit
+def _slot_product(part, v, X, offs_m, m_mask, pid_m, stride_xm, k0, K,
+                  FIRST: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    """part (+)= T[c] (x) X[:, k0:k0+16] for one slot: dot [BLOCK_N, BLOCK_M] or FMA [BLOCK_N, 16]."""
+    offs_k = k0 + tl.arange(0, 16)
+    k_mask = offs_k < K
+    if USE_DOT:
+        x = tl.load(X + offs_m[None, :] * stride_xm + offs_k[:, None],
+                    mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        if DOT_F32:  # interpreter: its bf16 dot is wrong (triton 3.6); same rounding of T
+            vx = v.to(x.dtype).to(tl.float32)
+            x = x.to(tl.float32)
+            if FIRST:
+                part = tl.dot(vx, x, input_precision="ieee")
+            else:
+                part = tl.dot(vx, x, part, input_precision="ieee")
+        else:
+            if FIRST:
+                part = tl.dot(v.to(x.dtype), x)
+            else:
+                part = tl.dot(v.to(x.dtype), x, part)
+    else:
+        x = tl.load(X + pid_m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if FIRST:
+            part = v * x[None, :]
+        else:
+            part += v * x[None, :]
+    return part
 
 
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _lut_gemm_kernel(
     # pointers
-    X, Q, QH, S, T, Y, WS, LOCKS,
+    X, Q, QH, S, T, T2, Y, WS, LOCKS,
     # sizes
     M, N, K, NUM_ITERS, ITERS_PER_SPLIT, SPLIT_K,
     # strides (unit stride along K for X, Q, QH; along N for S, Y)
     stride_xm, stride_qn, stride_qhn, stride_sg, stride_ym,
     # constexpr flags
     BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr, USE_DOT: tl.constexpr,
-    USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr, IS_BF16: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -136,30 +190,36 @@ def _lut_gemm_kernel(
     m_mask = offs_m < M
     it0 = pid_k * ITERS_PER_SPLIT
     it1 = tl.minimum(it0 + ITERS_PER_SPLIT, NUM_ITERS)
-    STEPS_PER_GROUP: tl.constexpr = GROUP // BLOCK_K
+    PER: tl.constexpr = 32 if BITS == 3 else 32 // BITS  # slots per word
+    PB: tl.constexpr = 16 * PER  # codes per packing block (one loop step)
+    FLUSH: tl.constexpr = GROUP if GROUP < PB else PB  # codes per scale multiply
+    SPF: tl.constexpr = FLUSH // 16  # slots per flush
+    NG = tl.cdiv(K, GROUP)
+    offs_s = tl.arange(0, 16)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for it in range(it0, it1):
-        c = _load_codes(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS, BLOCK_N, BLOCK_K)
-        s = tl.load(S + (it // STEPS_PER_GROUP) * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        w = _lookup(c, T, BITS, LOOKUP) * s[:, None]
-        offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if USE_DOT:
-            x = tl.load(X + offs_m[None, :] * stride_xm + offs_k[:, None],
-                        mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-            if DOT_F32:  # interpreter: its bf16 dot is wrong (triton 3.6), same rounding of w in fp32
-                acc = tl.dot(w.to(x.dtype).to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w.to(x.dtype), x, acc)
-        else:
-            x = tl.load(X + pid_m * stride_xm + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            acc2 += w * x[None, :]
+        wa, wb = _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS)
+        for f in tl.static_range(PB // FLUSH):
+            part = acc  # placeholder, replaced by the first slot (FIRST=True ignores it)
+            for p in tl.static_range(SPF // 2):
+                j = f * SPF + 2 * p
+                if LOOKUP == 3:
+                    v0, v1 = _pair_lookup(wa, wb, j, T2, BITS, IS_BF16)
+                else:
+                    v0 = _lookup(_slot_codes(wa, wb, j, BITS), T, BITS, LOOKUP)
+                    v1 = _lookup(_slot_codes(wa, wb, j + 1, BITS), T, BITS, LOOKUP)
+                k0 = it * PB + j * 16
+                part = _slot_product(part, v0, X, offs_m, m_mask, pid_m, stride_xm, k0, K, p == 0, USE_DOT, DOT_F32)
+                part = _slot_product(part, v1, X, offs_m, m_mask, pid_m, stride_xm, k0 + 16, K, False, USE_DOT, DOT_F32)
+            g = (it * PB + f * FLUSH) // GROUP
+            s = tl.load(S + g * stride_sg + offs_n, mask=n_mask & (g < NG), other=0.0).to(tl.float32)
+            acc += part * s[:, None]
     if not USE_DOT:
-        acc = tl.sum(acc2, axis=1, keep_dims=True)  # [BLOCK_N, 1]; BLOCK_M == 1 here
+        acc = tl.sum(acc, axis=1, keep_dims=True)  # [BLOCK_N, 1]; BLOCK_M == 1 here
 
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
@@ -184,20 +244,23 @@ def _lut_dequant_kernel(
     Q, QH, S, T, W,
     N, K,
     stride_qn, stride_qhn, stride_sg, stride_wn,
-    BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """W[n, k] = T[c] * s for one [BLOCK_N, BLOCK_K] tile (the large-M path feeds cuBLAS)."""
+    """W[n, k] = T[c] * s for one [BLOCK_N, packing block] tile (the large-M path feeds cuBLAS)."""
     pid_n = tl.program_id(0)
     it = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    c = _load_codes(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS, BLOCK_N, BLOCK_K)
-    s = tl.load(S + (it // (GROUP // BLOCK_K)) * stride_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    w = _lookup(c, T, BITS, LOOKUP) * s[:, None]
-    offs_k = it * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(W + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(W.dtype.element_ty),
-             mask=n_mask[:, None] & (offs_k < K)[None, :])
+    PER: tl.constexpr = 32 if BITS == 3 else 32 // BITS
+    PB: tl.constexpr = 16 * PER
+    wa, wb = _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS)
+    for j in tl.static_range(PER):
+        offs_k = it * PB + j * 16 + tl.arange(0, 16)
+        g = (it * PB + j * 16) // GROUP
+        s = tl.load(S + g * stride_sg + offs_n, mask=n_mask & (g < tl.cdiv(K, GROUP)), other=0.0).to(tl.float32)
+        w = _lookup(_slot_codes(wa, wb, j, BITS), T, BITS, LOOKUP) * s[:, None]
+        tl.store(W + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(W.dtype.element_ty),
+                 mask=n_mask[:, None] & (offs_k < K)[None, :])
 
 
 # ----------------------------------------------------------------------------- configs
@@ -224,31 +287,27 @@ def _sm_count(device) -> int:
 
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int, device) -> dict:
-    """Launch parameters by problem size (measured on H200, see docs/sections/lut.md)."""
-    fma = M == 1
-    if fma:
-        cfg = dict(use_dot=False, block_m=1, block_n=32, block_k=min(128, group_size), num_warps=4,
-                   num_stages=1, ctas_per_sm=8)
-    else:
-        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        cfg = dict(use_dot=True, block_m=bm, block_n=64, block_k=min(128, group_size), num_warps=4,
-                   num_stages=2, ctas_per_sm=4 if M <= 32 else 2)
-    return cfg
+    """Launch parameters by problem size (measured on H200, see docs/sections/lut.md).
+    ``ctas_per_sm`` sets split-K: enough programs for that many per SM."""
+    if M == 1:
+        return dict(use_dot=False, block_m=1, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=8)
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    return dict(use_dot=True, block_m=bm, block_n=64, num_warps=4, num_stages=2,
+                ctas_per_sm=4 if M <= 32 else 2)
 
 
 def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None,
                     scales: torch.Tensor, table: torch.Tensor, *, bits: int, group_size: int,
-                    out_features: int, lookup: str = "load", **overrides) -> torch.Tensor:
-    """Launch ``_lut_gemm_kernel``. ``x`` [M, K] bf16/fp16 contiguous; layouts in the module doc.
-    ``overrides`` replace fields of ``default_config`` (benchmarks sweep them)."""
+                    out_features: int, lookup: str = "load", pairs: torch.Tensor | None = None,
+                    **overrides) -> torch.Tensor:
+    """Launch ``_lut_gemm_kernel``. ``x`` [M, K] bf16/fp16 with unit K stride; layouts in
+    ``lowbit.formats.lut``. ``overrides`` replace fields of ``default_config`` (benchmarks sweep
+    them; ``split_k`` fixes the split)."""
     M, K = x.shape
     N = out_features
-    Kp = scales.shape[0] * group_size
     cfg = default_config(M, N, K, bits, group_size, x.device)
     cfg.update(overrides)
-    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    if group_size % bk or bk % 32:
-        raise ValueError(f"block_k={bk} must divide group_size={group_size} and be a multiple of 32")
+    bm, bn = cfg["block_m"], cfg["block_n"]
     if not cfg["use_dot"] and bm != 1:
         raise ValueError("the FMA path needs block_m == 1")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -256,7 +315,7 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
         return y
     if K == 0:
         return y.zero_()
-    num_iters = Kp // bk
+    num_iters = packed_k(K, bits) // pack_block(bits)
     grid_n, grid_m = cdiv(N, bn), cdiv(M, bm)
     split = cfg.get("split_k")
     if split is None:
@@ -270,12 +329,15 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
     else:
         ws, locks = y, y  # unused
     qh = qweight_hi if qweight_hi is not None else qweight
+    if lookup == "pair" and (pairs is None or pairs.numel() != 4 ** bits):
+        raise ValueError(f"lookup='pair' needs pairs = formats.lut.pair_table(table, {bits}, x.dtype)")
     LAST_COMPILED["gemm"] = _lut_gemm_kernel[(grid_n, grid_m, split)](
-        x, qweight, qh, scales, table, y, ws, locks,
+        x, qweight, qh, scales, table, pairs if pairs is not None else table, y, ws, locks,
         M, N, K, num_iters, per, split,
         x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
         BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
-        USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_F32=interpret_mode(),
+        USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=interpret_mode(),
+        IS_BF16=x.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -283,17 +345,16 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
 
 def lut_dequant_triton(qweight, qweight_hi, scales, table, *, bits: int, group_size: int, out_features: int,
                        in_features: int, dtype: torch.dtype, lookup: str = "load") -> torch.Tensor:
-    """Dequantized weight [N, K] in ``dtype`` (the M > max-kernel-M path hands it to cuBLAS)."""
+    """Dequantized weight [N, K] in ``dtype`` (the M > MAX_KERNEL_M path hands it to cuBLAS)."""
     N, K = out_features, in_features
     w = torch.empty((N, K), device=qweight.device, dtype=dtype)
     if N == 0 or K == 0:
         return w
-    bk = min(128, group_size)
     bn = 32
     qh = qweight_hi if qweight_hi is not None else qweight
-    _lut_dequant_kernel[(cdiv(N, bn), scales.shape[0] * group_size // bk)](
+    _lut_dequant_kernel[(cdiv(N, bn), packed_k(K, bits) // pack_block(bits))](
         qweight, qh, scales, table, w, N, K,
         qweight.stride(0), qh.stride(0), scales.stride(0), w.stride(0),
-        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], BLOCK_N=bn, num_warps=4,
     )
     return w

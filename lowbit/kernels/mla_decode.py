@@ -214,7 +214,8 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
                       imprecise: int = 128, return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
-    [B, Sq*H, Dc] in ``out_dtype`` (and the (num_splits, chunk, block_n) plan if asked).
+    [B, Sq*H, Dc] in ``out_dtype`` (and, with ``return_plan``, a dict: splits, chunk, block_n,
+    block_m and the compiled decode kernel, for the reference's emulation and for PTX checks).
     Arguments are validated by ``lowbit.ops.mla.mla_decode``."""
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
@@ -240,7 +241,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         o_arg, so, sos, sls = out.view(B * ROWS, DC), DC, 0, 0
     num_warps = 8 if (not interp and DC >= 256) else 4
     dummy = kc.new_empty(1, dtype=torch.float32) if qs is None else None
-    _mla_decode_kernel[(row_blocks, splits, B)](
+    kernel = _mla_decode_kernel[(row_blocks, splits, B)](
         qc2, qr2, qs if qs is not None else dummy, kc, kr, ks if ks is not None else dummy,
         page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
@@ -255,5 +256,5 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
             DC=DC, SPLITS_P2=max(2, triton.next_power_of_2(splits)), INTERPRET=interpret_mode(), num_warps=4,
         )
     if return_plan:
-        return out, (splits, chunk, block_n)
+        return out, {"splits": splits, "chunk": chunk, "block_n": block_n, "block_m": block_m, "kernel": kernel}
     return out

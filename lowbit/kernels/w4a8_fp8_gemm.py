@@ -63,14 +63,81 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
 
 # ------------------------------------------------------------------------------------ kernel
 @triton.jit
-def _dequant_half(p, sig, EMULATE: tl.constexpr):
-    """Nibbles ``p`` (uint8, low 4 bits used; offset-binary) times sigma (fp16) -> FP8 E4M3."""
-    u = (p & 0xF).to(tl.int16) | 0x6400
-    q = u.to(tl.float16, bitcast=True) - 1032.0
-    w = q * sig
-    if EMULATE:  # the interpreter mis-rounds fp->fp8 casts (see act_quant.round_to_fp8_e4m3)
-        w = round_to_fp8_e4m3(tl.minimum(tl.maximum(w.to(tl.float32), -448.0), 448.0))
-    return w.to(tl.float8e4nv)
+def _fp8_lut(sig):
+    """sigma (fp16, any shape) -> the 8-byte LUT FP8(k * sigma), k = 0..7, as two int32 words
+    (bytes 0..3 = k 0..3, bytes 4..7 = k 4..7). k*sigma is exact in fp16 (<= 7 significant bits,
+    <= 3136); ``cvt.rn.satfinite`` rounds to nearest even and clamps to 448 like the reference."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s2, k, m;
+        .reg .b16 c0, c1, c2, c3;
+        mov.b32 s2, {$2, $2};
+        mov.b32 k, 0x3C000000;
+        mul.rn.f16x2 m, s2, k;
+        cvt.rn.satfinite.e4m3x2.f16x2 c0, m;
+        mov.b32 k, 0x42004000;
+        mul.rn.f16x2 m, s2, k;
+        cvt.rn.satfinite.e4m3x2.f16x2 c1, m;
+        mov.b32 k, 0x45004400;
+        mul.rn.f16x2 m, s2, k;
+        cvt.rn.satfinite.e4m3x2.f16x2 c2, m;
+        mov.b32 k, 0x47004600;
+        mul.rn.f16x2 m, s2, k;
+        cvt.rn.satfinite.e4m3x2.f16x2 c3, m;
+        mov.b32 $0, {c0, c1};
+        mov.b32 $1, {c2, c3};
+        }""",
+        constraints="=r,=r,h",
+        args=[sig],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _fp8_lookup(p, l0, l1, HI: tl.constexpr):
+    """Packed code bytes ``p`` (uint8, 4 per asm instance = one 32-bit word of 8 weights) -> the 4
+    FP8 weights of its lo (``HI=False``) or hi columns: PRMT over the LUT {l1:l0} with the 3-bit
+    magnitudes as selectors, then XOR in the sign bits (layout in lowbit.formats.w4a8_fp8)."""
+    if HI:
+        asm = """{
+        .reg .b32 sel, d, sg;
+        shr.b32 sel, $1, 16;
+        and.b32 sel, sel, 0x7777;
+        prmt.b32 d, $2, $6, sel;
+        shl.b32 sg, $1, 4;
+        and.b32 sg, sg, 0x80808080;
+        xor.b32 $0, d, sg;
+        }"""
+    else:
+        asm = """{
+        .reg .b32 sel, d, sg;
+        and.b32 sel, $1, 0x7777;
+        prmt.b32 d, $2, $6, sel;
+        and.b32 sg, $1, 0x80808080;
+        xor.b32 $0, d, sg;
+        }"""
+    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r,r", [p, l0, l1], dtype=tl.float8e4nv,
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _dequant_emulated(words, sig, HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Interpreter path, same numerics as the LUT: int32 words [BLOCK_N, 16] -> FP8 [BLOCK_N, 64]."""
+    i = tl.arange(0, 4)[None, None, :]
+    wd = words[:, :, None]
+    if HI:
+        mag = (wd >> (16 + 4 * i)) & 7
+        neg = (wd >> (8 * i + 3)) & 1
+    else:
+        mag = (wd >> (4 * i)) & 7
+        neg = (wd >> (8 * i + 7)) & 1
+    mag = tl.reshape(mag, [BLOCK_N, 64]).to(tl.float32)
+    neg = tl.reshape(neg, [BLOCK_N, 64])
+    v = round_to_fp8_e4m3(tl.minimum(mag * sig.to(tl.float32), 448.0))
+    v = tl.where(neg != 0, -v, v)
+    return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -138,6 +205,7 @@ def _w4a8_fp8_gemm_kernel(
     mask_n = offs_n < N
     a_rows = A + offs_m[:, None].to(tl.int64) * stride_am
     b_rows = Bq + offs_n[:, None].to(tl.int64) * stride_bn
+    w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
 
     k_tiles = tl.cdiv(K, 2 * HALF_K)
@@ -156,8 +224,6 @@ def _w4a8_fp8_gemm_kernel(
         k_hi = k0 + HALF_K + offs_h
         a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & (k_lo < K)[None, :], other=0.0)
         a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & (k_hi < K)[None, :], other=0.0)
-        # packed weights: 64 bytes per row (codes are padded to the 128-block: no K mask)
-        p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0x88)
         # group scales: one per row per half when GROUP >= 64, else one per element column
         if GROUP >= HALF_K:
             s_lo = tl.load(s_rows + k0 // GROUP, mask=mask_n, other=0.0).to(tl.float16)[:, None]
@@ -165,8 +231,20 @@ def _w4a8_fp8_gemm_kernel(
         else:
             s_lo = tl.load(s_rows[:, None] + (k_lo // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
             s_hi = tl.load(s_rows[:, None] + (k_hi // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
-        w_lo = _dequant_half(p, s_lo, EMULATE)
-        w_hi = _dequant_half(p >> 4, s_hi, EMULATE)
+        # packed weights: 64 bytes per row (codes are padded to the 128-block: no K mask)
+        if EMULATE:
+            wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
+            w_lo = _dequant_emulated(wrd, s_lo, False, BLOCK_N)
+            w_hi = _dequant_emulated(wrd, s_hi, True, BLOCK_N)
+        else:
+            p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
+            l0, l1 = _fp8_lut(s_lo)
+            w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
+            if GROUP > HALF_K:  # same group for both halves: reuse the LUT
+                w_hi = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), True)
+            else:
+                h0, h1 = _fp8_lut(s_hi)
+                w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
         if SWAP_AB:
             acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=0)
             acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, pack_codes, packed_shapes, quantize_lut,
+from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, pack_lut, packed_shapes, quantize_lut,
                                 table_is_uniform)
 from lowbit.nn.base import QuantLinear
 from lowbit.ops.lut import dequantize_packed, lut_gemm
@@ -39,7 +39,7 @@ class LUTLinear(QuantLinear):
         self.group_size = int(group_size)
         self.table_kind = table_kind  # 'nf' | 'int' | 'custom' (informational; the table buffer rules)
         ng = -(-self.in_features // group_size)
-        qs, qd, hs = packed_shapes(out_features, ng * group_size, bits)
+        qs, qd, hs = packed_shapes(out_features, self.in_features, bits)
         self.register_buffer("qweight", torch.zeros(qs, dtype=qd, device=device))
         self.register_buffer("qweight_hi", torch.zeros(hs, dtype=torch.int32, device=device) if hs else None)
         self.register_buffer("scales", torch.zeros(ng, out_features, dtype=dtype, device=device))
@@ -65,11 +65,11 @@ class LUTLinear(QuantLinear):
         kind = table if isinstance(table, str) else ("int" if table_is_uniform(q.table) else "custom")
         m = cls(linear.in_features, linear.out_features, bits=bits, group_size=group_size,
                 bias=linear.bias is not None, dtype=dtype, table_kind=kind, lookup=lookup, device=w.device)
-        qw, qh = pack_codes(q.codes, bits)
+        qw, qh, st = pack_lut(q)
         m.qweight.copy_(qw)
         if qh is not None:
             m.qweight_hi.copy_(qh)
-        m.scales.copy_(q.scales.t())
+        m.scales.copy_(st)
         m.table.copy_(q.table.to(w.device))
         if linear.bias is not None:
             m.bias.copy_(linear.bias.detach().to(dtype))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit._utils import check_tensor, interpret_mode, use_triton, warn_once
-from lowbit.formats.attention_quant import MODES, V_BLOCK, attention_quant_ref, quantize_qkv
+from lowbit.formats.attention_quant import MODES, V_BLOCK, V_GRANULARITIES, attention_quant_ref, quantize_qkv
 from lowbit.formats.common import FP8_E4M3
 
 __all__ = ["fp8_attention", "fp8_kv4_attention", "int8_attention", "int8_qk_attention", "quant_attention"]
@@ -61,9 +61,11 @@ def _kernel_dim(d: int) -> int | None:
 # ------------------------------------------------------------------------------- torch.library ops
 @torch.library.custom_op("lowbit::quant_attention_prefill", mutates_args=())
 def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, causal: bool,
-                     sm_scale: float, v_granularity: str, v_block: int) -> torch.Tensor:
+                     sm_scale: float, v_granularity: str, v_block: int, k_granularity: str) -> torch.Tensor:
     D = q.shape[-1]
     kd = _kernel_dim(D)
+    bn = _ref_block_n(mode, kd or D)
+    k_block = bn if k_granularity == "block" else None
     if use_triton(q, k, v) and kd is not None:
         from lowbit.kernels.attention_prefill import attention_prefill_triton
         from lowbit.kernels.attention_quant import quantize_kv_triton
@@ -72,25 +74,26 @@ def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
             warn_once(f"quantized attention: head_dim {D} zero-padded to {kd} for the kernel")
             q, k, v = (F.pad(t, (0, kd - D)) for t in (q, k, v))
         if mode == "int8-qk":
-            kc, ks, _, _ = quantize_kv_triton(k, None, dtype=torch.int8)
+            kc, ks, _, _ = quantize_kv_triton(k, None, dtype=torch.int8, k_block=k_block)
             vv = v if v.dtype != torch.float32 else v.to(torch.bfloat16)
             if vv.stride(-1) != 1:
                 vv = vv.contiguous()
-            o = attention_prefill_triton(q, kc, ks, vv, None, mode=mode, causal=causal, sm_scale=sm_scale)
+            o = attention_prefill_triton(q, kc, ks, vv, None, mode=mode, causal=causal, sm_scale=sm_scale,
+                                         k_block=k_block)
         else:
             dt = torch.int8 if mode == "int8" else FP8_E4M3
-            kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, v_granularity=v_granularity, v_block=v_block)
+            kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, v_granularity=v_granularity, v_block=v_block,
+                                                k_block=k_block)
             o = attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
-                                         v_block=v_block)
+                                         v_block=v_block, k_block=k_block)
         return o[..., :D] if kd != D else o
     vq = v if not (mode == "int8-qk" and v.dtype == torch.float32) else v.to(torch.bfloat16)
-    qq = quantize_qkv(q, k, vq, mode=mode, v_granularity=v_granularity, v_block=v_block)
-    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=_ref_block_n(mode, D),
-                               out_dtype=q.dtype)
+    qq = quantize_qkv(q, k, vq, mode=mode, v_granularity=v_granularity, v_block=v_block, k_block=k_block)
+    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=bn, out_dtype=q.dtype)
 
 
 @_quant_attention.register_fake
-def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block):
+def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_granularity):
     return torch.empty_like(q)
 
 
@@ -149,42 +152,64 @@ def _scale(sm_scale, d):
     return s
 
 
+# per-mode defaults: FP8 keeps ~2^-4 relative precision at any scale, so one scale per KV block
+# loses nothing measurable and saves a multiply per score (K) and per output element (V); INT8
+# codes are absolute, so int8 keeps the papers' per-token K and per-channel V scales.
+DEFAULT_K = {"fp8": "block", "int8": "token", "int8-qk": "token"}
+DEFAULT_V = {"fp8": "block", "int8": "channel"}
+
+
 def quant_attention(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | None = None,
-                    v_granularity: str = "block", v_block: int = V_BLOCK) -> torch.Tensor:
-    """Quantized attention with ``mode`` in ``('fp8', 'int8', 'int8-qk', 'fp8-kv4')``."""
+                    v_granularity: str | None = None, v_block: int = V_BLOCK,
+                    k_granularity: str | None = None) -> torch.Tensor:
+    """Quantized attention with ``mode`` in ``('fp8', 'int8', 'int8-qk', 'fp8-kv4')``.
+
+    ``k_granularity``: ``'token'`` (one K scale per key, the papers') or ``'block'`` (one per
+    kernel KV block, folded into the per-row Q scale: one multiply per score less).
+    ``v_granularity``: ``'channel'`` (per channel per ``v_block`` tokens), ``'block'`` (one scale
+    per ``v_block`` tokens) or ``'tensor'`` (per batch and head, INT-FlashAttention's S_V).
+    Defaults per mode: ``DEFAULT_K`` / ``DEFAULT_V``.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if v_granularity not in ("block", "tensor"):
-        raise ValueError(f"v_granularity must be 'block' or 'tensor', got {v_granularity!r}")
+    k_granularity = k_granularity or DEFAULT_K.get(mode, "token")
+    v_granularity = v_granularity or DEFAULT_V.get(mode, "channel")
+    if v_granularity not in V_GRANULARITIES:
+        raise ValueError(f"v_granularity must be one of {V_GRANULARITIES}, got {v_granularity!r}")
     if not isinstance(v_block, int) or v_block < 128 or v_block & (v_block - 1):
         raise ValueError(f"v_block must be a power of two >= 128, got {v_block!r}")
+    if k_granularity not in ("token", "block"):
+        raise ValueError(f"k_granularity must be 'token' or 'block', got {k_granularity!r}")
     if mode == "fp8-kv4":
         return fp8_kv4_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     _check_qkv(q, k, v, causal)
-    return _quant_attention(q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block)
+    return _quant_attention(q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block,
+                            k_granularity)
 
 
 def fp8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                  v_granularity: str = "block", v_block: int = V_BLOCK) -> torch.Tensor:
-    """Scheme ``fp8`` (FireQ App. D): FP8 E4M3 Q/K per token, V per channel per ``v_block``
-    tokens (or per tensor), FP8 P (x256), FP8 tensor-core dots, fp32 O."""
+                  v_granularity: str | None = None, v_block: int = V_BLOCK, k_granularity: str | None = None) -> torch.Tensor:
+    """Scheme ``fp8`` (FireQ App. D): FP8 E4M3 Q per token, K and V one scale per KV block by
+    default (``k_granularity='token'`` / ``v_granularity='channel'`` for finer scales), FP8 P
+    (x256), FP8 tensor-core dots, fp32 O."""
     return quant_attention(q, k, v, mode="fp8", causal=causal, sm_scale=sm_scale,
-                           v_granularity=v_granularity, v_block=v_block)
+                           v_granularity=v_granularity, v_block=v_block, k_granularity=k_granularity)
 
 
 def int8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                   v_granularity: str = "block", v_block: int = V_BLOCK) -> torch.Tensor:
+                   v_granularity: str | None = None, v_block: int = V_BLOCK, k_granularity: str | None = None) -> torch.Tensor:
     """Scheme ``int8`` (INT-FlashAttention Alg. 1, full INT8): INT8 Q/K per token, INT8 V per
     channel per ``v_block`` tokens (``v_granularity='tensor'``: the paper's per-tensor S_V),
     INT8 P = round(127 exp(S - m_running)), INT32 dots, l from the quantized P."""
     return quant_attention(q, k, v, mode="int8", causal=causal, sm_scale=sm_scale,
-                           v_granularity=v_granularity, v_block=v_block)
+                           v_granularity=v_granularity, v_block=v_block, k_granularity=k_granularity)
 
 
-def int8_qk_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None) -> torch.Tensor:
+def int8_qk_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+                      k_granularity: str | None = None) -> torch.Tensor:
     """Scheme ``int8-qk`` (half-INT8, INT-FlashAttention §4): INT8 Q/K per token for QK^T,
     P and V in the input's 16-bit dtype (bf16 for fp32 inputs) for PV, fp32 accumulation."""
-    return quant_attention(q, k, v, mode="int8-qk", causal=causal, sm_scale=sm_scale)
+    return quant_attention(q, k, v, mode="int8-qk", causal=causal, sm_scale=sm_scale, k_granularity=k_granularity)
 
 
 def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: float | None = None,

@@ -182,9 +182,11 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must be given together")
     if cos is not None:
-        check_tensor(cos, "cos", shape=[B, T, D])
-        check_tensor(sin, "sin", shape=[B, T, D])
-        cos, sin = cos.contiguous(), sin.contiguous()
+        check_tensor(cos, "cos", shape=[None, T, D])
+        check_tensor(sin, "sin", shape=list(cos.shape))
+        if cos.shape[0] not in (1, B):
+            raise ValueError(f"cos/sin batch dim must be 1 or {B}, got {cos.shape[0]}")
+        cos, sin = cos.contiguous().expand(B, T, D), sin.contiguous().expand(B, T, D)
     if crs_k is not None:
         check_tensor(crs_k, "crs_k", shape=[H, D])
         crs_k = crs_k.float().contiguous()

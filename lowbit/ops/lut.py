@@ -27,10 +27,10 @@ _ACT = (torch.float16, torch.bfloat16)
 def dequantize_packed(qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference: packed buffers -> W_hat [N, K] (float32 math, then ``dtype``)."""
-    codes = unpack_codes(qweight, qweight_hi, bits)
-    s = scales.float().t().repeat_interleave(group_size, dim=1)
+    codes = unpack_codes(qweight, qweight_hi, bits, in_features)
+    s = scales.float().t().repeat_interleave(group_size, dim=1)[:, :in_features]
     w = table.to(codes.device, torch.float32)[codes.long()] * s
-    return w[:, :in_features].to(dtype)
+    return w.to(dtype)
 
 
 def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     K = x.shape[-1]
     if ng * group_size < K or (ng - 1) * group_size >= max(K, 1):
         raise ValueError(f"x has K={K} columns but scales cover {ng} groups of {group_size}")
-    qshape, qdtype, hshape = packed_shapes(N, ng * group_size, bits)
+    qshape, qdtype, hshape = packed_shapes(N, K, bits)
     check_tensor(qweight, "qweight", dtype=qdtype, shape=qshape)
     if hshape is not None:
         check_tensor(qweight_hi, "qweight_hi", dtype=torch.int32, shape=hshape)

@@ -56,6 +56,15 @@ def underflow_groups(w: torch.Tensor, group_size: int = 128) -> int:
     return int(((wg > 0) & (wg < UNDERFLOW)).sum().item())
 
 
+def subnormal_groups(w: torch.Tensor, group_size: int = 128) -> int:
+    """Number of nonzero groups whose FP8 scale max/7 is subnormal in E4M3 (< 2^-6: fewer than 3
+    mantissa bits; includes the underflowing ones)."""
+    n, k = w.shape
+    g = -(-k // group_size)
+    wg = torch.nn.functional.pad(w.float().abs(), (0, g * group_size - k)).reshape(n, g, group_size).amax(-1)
+    return int(((wg > 0) & (wg / 7 < 2.0 ** -6)).sum().item())
+
+
 def pts_exponent(w: torch.Tensor, group_size: int = 128) -> int:
     """PTS's ``n`` (delta = 2^n) for weight ``w`` by the rule in the module docstring.
 

@@ -108,3 +108,119 @@ def run(rec, quick: bool):
     decode_rows(rec, quick)
     decode_rows(rec, quick, lengths=[32768] if quick else [32768, 131072], batches=(1,))
     append_rows(rec, quick)
+
+
+# ---- accuracy on the embedded model (FireQ Table 3 layout, KV4 only; no linear quantization) -------
+
+KV_CONFIGS = [  # name, kv numerics, rpn, crs, convention
+    ("kv4", "kv4", False, False, "code"),
+    ("kv4 +RPN", "kv4", True, False, "code"),
+    ("kv4 +CRS", "kv4", False, True, "code"),
+    ("kv4 +RPN+CRS", "kv4", True, True, "code"),
+    ("kv4 +RPN+CRS (paper 1/alpha scale)", "kv4", True, True, "paper"),
+    ("kv4-zp (QServe)", "kv4-zp", False, False, "code"),
+]
+
+
+@torch.no_grad()
+def _capture_qkv(model, ids):
+    """Post-RoPE q [Hq, S, D], k, v [Hkv, S, D] (fp32) of every layer for one batch ``ids [1, S]``."""
+    from lowbit.models.arch import decoder_layers
+    from lowbit.ops.kv4 import rope_ref
+    from lowbit.ptq.calibration import hooks
+
+    views = decoder_layers(model)
+    got = {}
+    mods = {}
+    for v in views:
+        for role in ("q_proj", "k_proj", "v_proj"):
+            mods[f"{v.index}.{role}"] = getattr(v, role)
+    with hooks(mods, lambda n, m, i, o: got.__setitem__(n, o.detach().float())):
+        model(input_ids=ids, use_cache=False)
+    S = ids.shape[1]
+    pos = torch.arange(S, device=ids.device)[None]
+    cos, sin = model.model.rotary_emb(torch.empty(1, device=ids.device), pos)
+    out = []
+    for v in views:
+        D = v.head_dim
+        q = got[f"{v.index}.q_proj"].view(1, S, -1, D).transpose(1, 2)
+        k = got[f"{v.index}.k_proj"].view(1, S, -1, D).transpose(1, 2)
+        val = got[f"{v.index}.v_proj"].view(1, S, -1, D).transpose(1, 2)
+        inter = v.rope_pairing == "interleaved"
+        out.append((rope_ref(q, cos, sin, interleaved=inter)[0], rope_ref(k, cos, sin, interleaved=inter)[0], val[0]))
+    return out
+
+
+def attention_error_rows(qkv, params_by_cfg):
+    """Relative L2 of the attention output (causal, float64) with KV4 K/V vs unquantized, per layer."""
+    from lowbit.formats.kv4 import dequantize_kv4, quantize_kv4
+    from lowbit.ops.attention import attention_ref
+
+    rows = {}
+    for name, (numerics, params) in params_by_cfg.items():
+        errs = []
+        for i, (q, k, v) in enumerate(qkv):
+            ref = attention_ref(q[None], k[None], v[None], causal=True)
+            qs, ks = q, k
+            p = params[i] if params is not None else None
+            G = q.shape[0] // k.shape[0]
+            if p is not None and p.rpn is not None:
+                r = p.rpn.to(k.device)[:, None, :]
+                ks, qs = ks * r, qs / r.repeat_interleave(G, 0)
+            if p is not None and p.crs_k is not None:
+                c = p.crs_k.to(k.device)[:, None, :]
+                ks, qs = ks * c, qs / c.repeat_interleave(G, 0)
+            zp = numerics == "kv4-zp"
+            kq = dequantize_kv4(*quantize_kv4(ks, zero_point=zp))
+            vq = dequantize_kv4(*quantize_kv4(v, zero_point=zp))
+            o = attention_ref(qs[None], kq[None], vq[None], causal=True)
+            errs.append(((o - ref).norm() / ref.norm()).item())
+        rows[name] = errs
+    return rows
+
+
+def accuracy_tables(device="cuda", quick=False, log=print):
+    """Perplexity of the embedded model with each KV configuration (no linear quantization) and
+    the per-layer attention-output error on its real Q/K/V. Returns a dict with a markdown table."""
+    from lowbit.eval.corpus import calibration_batches, load_text, tokenize
+    from lowbit.eval.perplexity import perplexity
+    from lowbit.models.hf_attention import install_quantized_attention, uninstall_quantized_attention
+    from lowbit.models.loading import load_model
+    from lowbit.ptq.rope_kv import calibrate_rpn_crs
+
+    model, tok = load_model(None, device=device)
+    log("model loaded")
+    ids = tokenize(tok, load_text())
+    calib = calibration_batches(tok, n_samples=4 if quick else 16, seq_len=512)
+    max_tokens = 2048 if quick else 8192
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    doc = {"model": "SmolLM2-135M-Instruct (embedded, FP32)", "max_tokens": max_tokens,
+           "calibration": f"{len(calib)} x 512 tokens", "ppl": {}, "attn_err": {}}
+    base = perplexity(model, ids, max_tokens=max_tokens).perplexity
+    doc["ppl"]["fp32 (no KV quantization)"] = base
+    log(f"ppl fp32 {base:.4f}")
+    params = {}
+    for name, kv, rpn, crs, conv in KV_CONFIGS:
+        p = calibrate_rpn_crs(model, calib, rpn=rpn, crs=crs, convention=conv) if (rpn or crs) else None
+        params[name] = (kv, [x.to("cpu") for x in p] if p is not None else None)
+        install_quantized_attention(model, kv=kv, rope_kv=p)
+        doc["ppl"][name] = perplexity(model, ids, max_tokens=max_tokens).perplexity
+        log(f"ppl {name} {doc['ppl'][name]:.4f}")
+        uninstall_quantized_attention(model)
+        model.load_state_dict(state)
+    qkv = _capture_qkv(model, calib[0].to(device))
+    doc["attn_err"] = attention_error_rows(qkv, params)
+    names = list(doc["attn_err"])
+    md = [f"### KV4 perplexity, {doc['model']}, first {max_tokens} tokens of the eval text "
+          f"(calibration {doc['calibration']}; linears unquantized)", "",
+          "| KV cache | PPL | delta vs fp32 |", "|---|---|---|"]
+    for n, v in doc["ppl"].items():
+        md.append(f"| {n} | {v:.4f} | {v - base:+.4f} |")
+    md += ["", "### Attention-output rel-L2 vs unquantized K/V, per layer (real Q/K/V, 512 tokens, causal)", "",
+           "| layer | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    L = len(doc["attn_err"][names[0]])
+    for i in range(L):
+        md.append(f"| {i} | " + " | ".join(f"{doc['attn_err'][n][i]:.4f}" for n in names) + " |")
+    md.append("| mean | " + " | ".join(f"{sum(doc['attn_err'][n]) / L:.4f}" for n in names) + " |")
+    doc["markdown"] = "\n".join(md) + "\n"
+    return doc

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lowbit.bench import peers
 from lowbit.bench.harness import gemm_flops, rotating_inputs, time_cuda
-from lowbit.formats.lut import pack_codes, quantize_lut
+from lowbit.formats.lut import pack_lut, pair_table, quantize_lut
 
 BASELINE = "cublas-bf16"
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "8192sq": (8192, 8192), "qkv": (6144, 4096)}
@@ -25,9 +25,9 @@ SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "8192sq": (8192, 8192
 def make_packed(w: torch.Tensor, bits: int, group_size: int = 128, table="nf") -> dict:
     """Quantize + pack ``w`` [N, K] on its device: the tensors ``lowbit.ops.lut.lut_gemm`` takes."""
     q = quantize_lut(w, bits=bits, group_size=group_size, table=table, scale_dtype=torch.bfloat16)
-    qw, qh = pack_codes(q.codes, bits)
-    return {"qweight": qw, "qweight_hi": qh, "scales": q.scales.t().contiguous(),
-            "table": q.table.to(w.device), "bits": bits, "group_size": group_size}
+    qw, qh, st = pack_lut(q)
+    return {"qweight": qw, "qweight_hi": qh, "scales": st, "table": q.table.to(w.device), "bits": bits,
+            "group_size": group_size, "pairs": pair_table(q.table, bits, torch.bfloat16).to(w.device)}
 
 
 def lut_bytes(M: int, N: int, K: int, bits: int, group_size: int) -> float:
@@ -44,7 +44,8 @@ def lut_fn(p: dict, lookup: str = "load", **cfg):
                                   group_size=p["group_size"], lookup=lookup)
     N = p["scales"].shape[1]
     return lambda x: lut_gemm_triton(x, p["qweight"], p["qweight_hi"], p["scales"], p["table"], bits=p["bits"],
-                                     group_size=p["group_size"], out_features=N, lookup=lookup, **cfg)
+                                     group_size=p["group_size"], out_features=N, lookup=lookup,
+                                     pairs=p["pairs"] if lookup == "pair" else None, **cfg)
 
 
 def dequant_cublas_fn(p: dict, K: int):
@@ -79,7 +80,7 @@ def _try(rec, case, provider, thunk):
 
 
 def target_rows(rec, quick: bool, shapes=("gate_up", "down", "8192sq"), ms=(1, 16, 32), bits_list=(4, 3),
-                peers_on=True, extra=None):
+                peers_on=True, extra=None, on_shape_done=None):
     """The issue's table: every M in ``ms`` on ``shapes``; ``extra(name, ws, packs, xs, case)`` adds rows."""
     for name in shapes:
         N, K = SHAPES[name]
@@ -110,6 +111,8 @@ def target_rows(rec, quick: bool, shapes=("gate_up", "down", "8192sq"), ms=(1, 1
                 extra(name, ws, packs, xs, case)
         del ws, packs, bf, tg, bn
         torch.cuda.empty_cache()
+        if on_shape_done is not None:
+            on_shape_done(name)
 
 
 def crossover_rows(rec, quick: bool, name="gate_up", ms=(64, 128, 256, 512, 1024)):

@@ -1,0 +1,244 @@
+"""Device script for area mla (SnapMLA: FP8 MLA decode over a RoPE-aware per-token FP8 latent cache).
+
+(1) correctness on the GPU: decode kernel (bf16 and FP8, 1-4 query tokens, mixed lengths, splits)
+vs the float64 reference (FP8: also vs the reference that emulates the per-block P quantization),
+append / q-quant bit-exact vs the format reference, gather+dequant; (2) what Triton generated for
+the decode kernel (wgmma/QGMMA, 16-byte loads, spills, registers); (3) the ``mla`` suite (bmm path of
+ANCHORS vs lowbit bf16 vs lowbit FP8); (4) the Table-2 accuracy study. ``--cpu-smoke`` runs tiny
+shapes of (1) under TRITON_INTERPRET=1.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--cpu-smoke", action="store_true")
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--skip", default="", help="comma list of sections to skip: check,asm,sweep,suite,acc")
+a = ap.parse_args()
+if a.cpu_smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+os.makedirs(a.out, exist_ok=True)
+T0 = time.time()
+
+import torch  # noqa: E402
+
+DEV = "cpu" if a.cpu_smoke else "cuda"
+SUMMARY = []
+RESULTS = {}
+
+
+def stamp(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def section(name, fn):
+    if name in a.skip.split(","):
+        return
+    stamp(f"== {name}")
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
+        SUMMARY.append(f"{name}: EXCEPTION {traceback.format_exc().strip().splitlines()[-1]}")
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+
+
+def build(B, L_list, dc, dr, page, fp8, seed=0, rope_range=4.0):
+    from lowbit.nn.mla_cache import PagedMLACache
+
+    torch.manual_seed(seed)
+    c = PagedMLACache(1, B, max(L_list), dc, dr, fp8=fp8, page_size=page, device=DEV, shuffle_pages=True, seed=seed)
+    kv = torch.randn(B, max(L_list), dc + dr, device=DEV, dtype=torch.bfloat16)
+    kv[..., dc:] *= rope_range
+    c.append(0, kv)
+    c.lengths[0] = list(L_list)
+    c._seq_lens[0] = None
+    return c
+
+
+# ------------------------------------------------------------------------------------- (1) checks
+def checks():
+    from lowbit.formats.mla_fp8 import quantize_latent
+    from lowbit.kernels.mla_decode import mla_decode_triton
+    from lowbit.ops.mla import mla_decode, mla_decode_ref, mla_gather, mla_quantize_q
+
+    res = []
+
+    def log(name, e, ok):
+        res.append((name, e, ok))
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {e if isinstance(e, str) else f'rel-L2 {e:.2e}'}", flush=True)
+
+    cases = [  # B, H, Sq, lens, dc, dr, page, splits
+        (3, 128, 1, [5000, 777, 64], 512, 64, 64, None),
+        (2, 128, 2, [3001, 129], 512, 64, 64, 3),
+        (2, 128, 4, [1000, 4], 512, 64, 64, None),
+        (4, 16, 3, [300, 17, 64, 65], 512, 64, 64, 1),
+        (2, 64, 1, [20000, 9000], 512, 64, 64, None),
+    ]
+    if a.cpu_smoke:
+        cases = [(3, 4, 2, [37, 5, 70], 64, 16, 16, 2), (2, 8, 1, [20, 33], 64, 16, 16, None)]
+    for (B, H, Sq, lens, dc, dr, page, ns) in cases:
+        for fp8 in (False, True):
+            name = f"decode fp8={fp8} B={B} H={H} Sq={Sq} L={lens} splits={ns}"
+            try:
+                c = build(B, lens, dc, dr, page, fp8)
+                q = torch.randn(B, Sq, H, dc + dr, device=DEV, dtype=torch.bfloat16)
+                q[..., dc:] *= 3
+                cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+                o = mla_decode(q, cache, pt, sl, num_splits=ns)
+                r = mla_decode_ref(q, cache, pt, sl)
+                e = rel(o, r)
+                tol = 1e-2 if not fp8 else 4e-2
+                log(name + " vs f64", e, e < tol)
+                if fp8:
+                    from lowbit.kernels.mla_quant import latent_quant_triton
+                    q3 = q.reshape(B * Sq * H, dc + dr)
+                    qc, qs, qr = latent_quant_triton(q3, dc)
+                    o2, plan = mla_decode_triton(
+                        qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                        cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl, num_heads=H, sm_scale=(dc + dr) ** -0.5,
+                        max_seq_len=max(lens), page_size=page, fp8=True, num_splits=ns, return_plan=True)
+                    re_ = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"]))
+                    e2 = rel(o2.view(B, Sq, H, dc), re_)
+                    log(name + f" vs emulated-P ref (plan {plan['splits']}x{plan['chunk']})", e2, e2 < 8e-3)
+            except Exception as exc:
+                traceback.print_exc()
+                log(name, f"{type(exc).__name__}: {exc}"[:200], False)
+    # append / q-quant: bit-exact against the format reference
+    for dc, dr in ((512, 64),) if not a.cpu_smoke else ((64, 16),):
+        name = f"append+qquant dc={dc} dr={dr}"
+        try:
+            x = torch.randn(257, dc + dr, device=DEV, dtype=torch.bfloat16) * 3
+            x[0] = 0
+            x[1, :dc] *= 1e-20
+            x[2, dc:] *= 1000
+            c8, s8, r8 = mla_quantize_q(x, dc)
+            c0, s0, r0 = quantize_latent(x, dc)
+            bad = int((c8.view(torch.uint8) != c0.view(torch.uint8)).sum() + (s8 != s0).sum() + (r8 != r0).sum())
+            log(name + " q-quant differing values", f"{bad}", bad == 0)
+            c = build(2, [100, 100], dc, dr, 16, True)
+            g = mla_gather(c.layers[0], c.page_table, c.seq_lens(0), 100, dtype=torch.float32)
+            from lowbit.ops.mla import _gather_ref
+            r = torch.stack([_gather_ref(*c.layers[0], c.page_table, c.seq_lens(0), b, torch.float32) for b in range(2)])
+            e = rel(g, r)
+            log(name + " gather+dequant", e, e < 1e-6)
+        except Exception as exc:
+            traceback.print_exc()
+            log(name, f"{type(exc).__name__}: {exc}"[:200], False)
+    RESULTS["checks"] = [{"case": n, "err": e, "pass": ok} for n, e, ok in res]
+    SUMMARY.append(f"checks: {sum(ok for *_, ok in res)}/{len(res)} PASS")
+
+
+# ------------------------------------------------------------------------------------- (2) asm
+def asm():
+    from lowbit.bench.suites.mla import make_caches
+    from lowbit.kernels.mla_decode import mla_decode_triton
+    from lowbit.kernels.mla_quant import latent_quant_triton
+
+    lines = []
+    B, H, L = 32, 128, 4096
+    caches = make_caches(B, L, fp8=True, bf16=True)
+    q = torch.randn(B, H, 576, device="cuda", dtype=torch.bfloat16)
+    for fp8 in (False, True):
+        if fp8:
+            qc, qs, qr = latent_quant_triton(q.view(-1, 576), 512)
+            qc, qs, qr = qc.view(B, H, 512), qs.view(B, H), qr.view(B, H, 64)
+            cache = caches["fp8"]
+        else:
+            qc, qs, qr = q[..., :512], None, q[..., 512:]
+            cache = caches["bf16"]
+        _, plan = mla_decode_triton(qc, qr, qs, cache[0].flatten(0, 1), cache[1].flatten(0, 1),
+                                    cache[2].flatten(0, 1) if fp8 else None, caches["page_table"], caches["seq_lens"],
+                                    num_heads=H, sm_scale=576 ** -0.5, max_seq_len=L, page_size=64, fp8=fp8,
+                                    return_plan=True)
+        k = plan["kernel"]
+        ptx = k.asm.get("ptx", "")
+        try:
+            k._init_handles()
+        except Exception:
+            pass
+        info = {
+            "fp8": fp8, "splits": plan["splits"], "block_n": plan["block_n"],
+            "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+            "shared_bytes": getattr(k.metadata, "shared", None),
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma.sync": len(re.findall(r"\bmma\.sync", ptx)),
+            "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*e4m3", ptx)),
+            "ld.global.v4": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "cp.async": len(re.findall(r"cp\.async\.c", ptx)),
+            "local": len(re.findall(r"\.local", ptx)), "ld.local": len(re.findall(r"ld\.local", ptx)),
+        }
+        lines.append(json.dumps(info))
+        print(info, flush=True)
+        with open(os.path.join(a.out, f"mla_decode_{'fp8' if fp8 else 'bf16'}.ptx"), "w") as f:
+            f.write(ptx)
+        with open(os.path.join(a.out, f"mla_decode_{'fp8' if fp8 else 'bf16'}.ttgir"), "w") as f:
+            f.write(k.asm.get("ttgir", ""))
+    with open(os.path.join(a.out, "asm.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    RESULTS["asm"] = [json.loads(x) for x in lines]
+    del caches
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------- (3) suite
+def suite():
+    from lowbit.bench import harness
+    from lowbit.bench.suites import mla as mla_suite
+
+    ceil = harness.measure_ceilings()
+    print({k: round(v, 2) for k, v in ceil.items()}, flush=True)
+    rec = harness.Recorder("mla", ceilings=ceil)
+    budget = 95 - (time.time() - T0)
+    cases = mla_suite.CASES_QUICK if (a.quick or budget < 45) else mla_suite.CASES_FULL
+    mla_suite.run(rec, quick=a.quick, cases=cases)
+    path = rec.write(a.out, baseline=mla_suite.BASELINE, command=" ".join(sys.argv))
+    print(open(path.with_suffix(".md")).read(), flush=True)
+    cell = {}
+    for r in rec.rows:
+        if "median_ms" in r:
+            cell[(tuple(r["case"].values()), r["provider"])] = r
+    for key in dict.fromkeys(k for k, _ in cell):
+        b, f, m = cell.get((key, "lowbit-bf16")), cell.get((key, "lowbit-fp8")), cell.get((key, "bmm-bf16"))
+        s = f"B,H,Sq,L={key}:"
+        if b and f:
+            s += f" fp8/bf16 {b['median_ms'] / f['median_ms']:.2f}x"
+        if b and m:
+            s += f" bf16/bmm {m['median_ms'] / b['median_ms']:.2f}x"
+        if b:
+            s += f" bf16 {b.get('TFLOPs', 0):.0f} TF/s {b.get('TBps', 0):.2f} TB/s"
+        if f:
+            s += f" fp8 {f.get('TFLOPs', 0):.0f} TF/s {f.get('TBps', 0):.2f} TB/s"
+        SUMMARY.append(s)
+
+
+# ------------------------------------------------------------------------------------- (4) accuracy
+def acc():
+    from lowbit.eval.mla_accuracy import run_study
+
+    res = run_study(device=DEV, quick=a.cpu_smoke or a.quick)
+    RESULTS["accuracy"] = res
+    with open(os.path.join(a.out, "mla_accuracy.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for row in res["rows"]:
+        SUMMARY.append(f"acc {row['config']}: rel-L2 {row['rel_l2']:.2e} cos-diff {row['cos_diff']:.2e} rmse {row['rmse']:.2e}")
+
+
+section("check", checks)
+if not a.cpu_smoke:
+    section("asm", asm)
+    section("suite", suite)
+section("acc", acc)
+with open(os.path.join(a.out, "mla_results.json"), "w") as f:
+    json.dump(RESULTS, f, indent=1, default=str)
+stamp("summary")
+for s in SUMMARY:
+    print(s)

@@ -1,0 +1,331 @@
+"""Device script for area w4a8_fp8 (FireQ linear, issue 3). Run on one H100/H200:
+
+    python3 benchmarks/device/w4a8_fp8.py --out DIR [--budget 95]
+    TRITON_INTERPRET=1 python3 benchmarks/device/w4a8_fp8.py --out /tmp/x --cpu-smoke
+
+(1) kernel vs float64 reference on the GPU (rel-L2, PASS/FAIL per case); (2) what Triton generated
+for the GEMM (wgmma, 16-byte loads, spills, registers) -> ptx_report.txt; (3) timings vs peers
+(suite ``lowbit.bench.suites.w4a8_fp8``) -> w4a8_fp8.json/md/png; (4) perplexity of the embedded
+model with all decoder linears w4a8-fp8: neither / PTS / CAS / both -> accuracy.json/md.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+T0 = time.time()
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--budget", type=float, default=95.0, help="seconds of wall time for the whole script")
+ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (interpreter), no timing")
+ap.add_argument("--skip", default="", help="comma list of phases to skip: check,ptx,bench,ffn,acc,sweep")
+args = ap.parse_args()
+OUT = Path(args.out)
+OUT.mkdir(parents=True, exist_ok=True)
+SKIP = set(filter(None, args.skip.split(",")))
+DEV = "cpu" if args.cpu_smoke else "cuda"
+SUMMARY: list[str] = []
+
+
+def left() -> float:
+    return args.budget - (time.time() - T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------- (1) correctness
+def check():
+    from lowbit.formats.common import FP8_E4M3, quantize_per_token
+    from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm
+    from lowbit.kernels.act_quant import per_token_quant_triton
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+    cases = [  # M, N, K, g, flags
+        (1, 4096, 4096, 128, {}), (3, 200, 576, 128, {"bias": True}), (16, 1536, 576, 64, {}),
+        (17, 576, 1536, 32, {}), (64, 1000, 4096, 128, {"res": True}), (200, 4096, 1000, 128, {}),
+        (1024, 4096, 4096, 128, {}), (4, 2 * 1536, 576, 128, {"silu": True}),
+        (300, 2 * 640, 576, 128, {"silu": True, "res": True, "bias": True}),
+    ]
+    if args.cpu_smoke:
+        cases = [(3, 72, 200, 128, {"bias": True}), (17, 64, 160, 32, {"silu": True, "res": True})]
+    rows = []
+    for M, N, K, g, fl in cases:
+        name = f"M={M} N={N} K={K} g={g} {','.join(fl) or 'plain'}"
+        try:
+            torch.manual_seed(M + N + K)
+            w = torch.randn(N, K, device=DEV) * 0.02
+            w[0, :g] = 0.0  # an all-zero group
+            if fl.get("silu"):
+                w = interleave_rows(w[: N // 2], w[N // 2:])
+            codes, sc, invd = quantize_weight(w, g, 6)
+            x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+            xq, sx = per_token_quant_triton(x, FP8_E4M3)
+            xq_r, sx_r = quantize_per_token(x, FP8_E4M3)
+            aq_ok = torch.equal(xq.view(torch.int8), xq_r.view(torch.int8)) and torch.equal(sx, sx_r)
+            bias = torch.randn(N, device=DEV, dtype=torch.bfloat16) if fl.get("bias") else None
+            nout = N // 2 if fl.get("silu") else N
+            res = torch.randn(M, nout, device=DEV, dtype=torch.bfloat16) if fl.get("res") else None
+            y = w4a8_fp8_gemm(xq, sx, codes, sc, invd.item(), K, g, bias=bias, residual=res,
+                              silu_mul=bool(fl.get("silu")), out_dtype=torch.bfloat16)
+            ref = reference_gemm(xq_r, sx_r, codes, sc, invd.item(), K, g, bias, residual=res,
+                                 silu_mul=bool(fl.get("silu")), out_dtype=torch.bfloat16)
+            e = rel(y, ref)
+            finite = bool(torch.isfinite(y).all())
+            ok = e < 1e-2 and finite and aq_ok
+            rows.append({"case": name, "rel_l2": e, "act_quant_bitexact": aq_ok, "pass": ok})
+            log(f"check {name}: rel-L2 {e:.2e} act_quant bit-exact {aq_ok} {'PASS' if ok else 'FAIL'}")
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
+            log(f"check {name}: FAIL {type(exc).__name__}: {exc}")
+    # a long-K case for FP8 accumulation (max_num_imprecise_acc): all-positive products
+    if not args.cpu_smoke:
+        try:
+            K = 14336
+            w = torch.rand(256, K, device=DEV) * 0.02
+            codes, sc, invd = quantize_weight(w, 128, 8)
+            x = torch.rand(8, K, device=DEV, dtype=torch.bfloat16)
+            xq, sx = per_token_quant_triton(x, FP8_E4M3)
+            y = w4a8_fp8_gemm(xq, sx, codes, sc, invd.item(), K, 128, out_dtype=torch.float32)
+            ref = reference_gemm(xq, sx, codes, sc, invd.item(), K, 128, out_dtype=torch.float32)
+            e = rel(y, ref)
+            rows.append({"case": "long-K all-positive fp32 out", "rel_l2": e, "pass": e < 1e-5})
+            log(f"check long-K accumulation: rel-L2 {e:.2e} {'PASS' if e < 1e-5 else 'FAIL'}")
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"case": "long-K", "error": str(exc)[:300], "pass": False})
+    (OUT / "check.json").write_text(json.dumps(rows, indent=1))
+    n_ok = sum(r["pass"] for r in rows)
+    SUMMARY.append(f"correctness: {n_ok}/{len(rows)} PASS")
+
+
+# ------------------------------------------------------------------------- (2) PTX report
+def ptx_report_impl():
+    from lowbit.bench.suites.w4a8_fp8 import random_packed
+    from lowbit.formats.common import FP8_E4M3
+    from lowbit.kernels.act_quant import per_token_quant_triton
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    lines = []
+    for M, N, K in [(16, 28672, 4096), (1024, 28672, 4096)]:
+        codes, sc = random_packed(N, K)
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        xq, sx = per_token_quant_triton(x, FP8_E4M3)
+        cfg = pick_config(M, N, K)
+        _, ker = w4a8_fp8_gemm(xq, sx, codes, sc, 1.0, K, 128, return_compiled=True)
+        ptx = ker.asm.get("ptx", "")
+        n_regs = getattr(ker, "n_regs", None)
+        n_spills = getattr(ker, "n_spills", None)
+        lines.append(f"== M={M} N={N} K={K} config={cfg}")
+        lines.append(f"n_regs={n_regs} n_spills={n_spills} shared={getattr(ker, 'shared', None)}")
+        for pat in ("wgmma.mma_async", "mma.sync", "ld.global.v4", "ld.global.nc.v4", "cp.async.cg", "cp.async.bulk",
+                    "ld.local", "st.local", "cvt.rn.satfinite.e4m3x2", "cvt.rn.f16", "ex2.approx"):
+            lines.append(f"  {pat:28s} {len(re.findall(re.escape(pat), ptx))}")
+        wg = sorted(set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)))
+        lines.append("  wgmma variants: " + ", ".join(wg[:6]))
+        (OUT / f"gemm_M{M}.ptx").write_text(ptx)
+        SUMMARY.append(f"PTX M={M}: wgmma={len(re.findall('wgmma.mma_async', ptx))} "
+                       f"ld.v4={len(re.findall(r'ld.global(.nc)?.v4', ptx))} regs={n_regs} spills={n_spills}")
+    (OUT / "ptx_report.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+# ------------------------------------------------------------------------- (3) timing
+def bench(phases):
+    from lowbit.bench import harness
+    from lowbit.bench.suites import w4a8_fp8 as suite
+
+    rec = harness.Recorder("w4a8_fp8", ceilings={"hbm_TBps": 4.15, "bf16_TFLOPs": 719.0, "fp8_TFLOPs": 1223.0})
+    rec.note("ceilings: ANCHORS.md values (H200), not re-measured in this run")
+    deadline = T0 + args.budget - 55  # keep time for the sweep and accuracy
+    try:
+        if "bench" in phases:
+            suite.linear_rows(rec, models=("llama3-8b",), ms=[1, 16, 64, 128, 1024, 8192], deadline=deadline)
+            suite.linear_rows(rec, models=("llama2-7b",), layers=("gate_up", "down"), ms=[1, 16, 128, 4096],
+                              deadline=deadline)
+        if "ffn" in phases and time.time() < deadline:
+            suite.ffn_rows(rec, ms=(1, 16, 1024))
+    except Exception:
+        traceback.print_exc()
+        rec.note("bench aborted: " + traceback.format_exc().strip().splitlines()[-1])
+    path = rec.write(OUT, baseline=suite.BASELINE, command=" ".join(sys.argv))
+    md = path.with_suffix(".md").read_text()
+    print(md, flush=True)
+    # summary: speedups vs bf16 and ratios of interest
+    by = {}
+    for r in rec.rows:
+        if "median_ms" in r:
+            by[(tuple(sorted(r["case"].items())), r["provider"])] = r["median_ms"]
+    cases = sorted({k[0] for k in by}, key=lambda c: (dict(c)["model"], dict(c)["layer"], dict(c)["M"]))
+    SUMMARY.append("| model | layer | M | lowbit ms | x bf16 | x tinygemm | lowbit / fp8-rowwise(no q) |")
+    for c in cases:
+        lb = by.get((c, "lowbit-w4a8fp8"))
+        if lb is None:
+            continue
+        bf, tg, f8 = by.get((c, "cublas-bf16")), by.get((c, "tinygemm-int4")), by.get((c, "scaled_mm-fp8-rowwise"))
+        d = dict(c)
+        SUMMARY.append(f"| {d['model']} | {d['layer']} | {d['M']} | {lb:.4f} | {bf / lb if bf else float('nan'):.2f} | "
+                       f"{tg / lb if tg else float('nan'):.2f} | {lb / f8 if f8 else float('nan'):.2f} |")
+
+
+# ------------------------------------------------------------------------- (3b) config sweep
+SWEEP = [  # (N, K, M, configs)
+    (28672, 4096, 16, [dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=sk, SWAP_AB=True, num_warps=4, num_stages=st, GROUP_M=1)
+                       for bn, sk, st in [(128, 1, 4), (128, 2, 4), (64, 1, 4), (256, 1, 3), (128, 4, 4)]]),
+    (4096, 14336, 16, [dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=sk, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1)
+                       for bn, sk in [(128, 4), (128, 8), (64, 8), (128, 16)]]),
+    (28672, 4096, 1024, [dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, SWAP_AB=False, num_warps=w, num_stages=st, GROUP_M=8)
+                         for bm, bn, w, st in [(128, 256, 8, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 256, 4, 3),
+                                               (256, 128, 8, 3)]]),
+]
+
+
+def sweep(until: float):
+    from lowbit.bench.harness import time_cuda
+    from lowbit.bench.suites.w4a8_fp8 import random_packed
+    from lowbit.formats.common import FP8_E4M3
+    from lowbit.kernels.act_quant import per_token_quant_triton
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+
+    rows = []
+    for N, K, M, cfgs in SWEEP:
+        sets = [random_packed(N, K) for _ in range(3)]
+        xq, sx = per_token_quant_triton(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), FP8_E4M3)
+        for cfg in cfgs:
+            if time.time() > until:
+                rows.append({"N": N, "K": K, "M": M, "config": cfg, "skipped": "time"})
+                continue
+            try:
+                t = time_cuda(lambda c, s: w4a8_fp8_gemm(xq, sx, c, s, 1.0, K, 128, config=cfg), sets,
+                              warmup=3, reps=20 if M <= 64 else 10)
+                rows.append({"N": N, "K": K, "M": M, "config": cfg, "median_ms": t["median_ms"]})
+                log(f"sweep N={N} K={K} M={M} {cfg}: {t['median_ms']:.4f} ms")
+            except Exception as exc:
+                rows.append({"N": N, "K": K, "M": M, "config": cfg, "error": str(exc)[:300]})
+                log(f"sweep N={N} K={K} M={M} {cfg}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        del sets
+    (OUT / "sweep.json").write_text(json.dumps(rows, indent=1))
+    for N, K, M, _ in SWEEP:
+        ok = [r for r in rows if r["N"] == N and r["M"] == M and "median_ms" in r]
+        if ok:
+            b = min(ok, key=lambda r: r["median_ms"])
+            SUMMARY.append(f"sweep best N={N} K={K} M={M}: {b['median_ms']:.4f} ms {b['config']}")
+
+
+# ------------------------------------------------------------------------- (4) accuracy
+def accuracy():
+    from lowbit.eval.corpus import load_text, tokenize
+    from lowbit.eval.perplexity import perplexity
+    from lowbit.models.arch import decoder_layers
+    from lowbit.models.loading import load_model
+    from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
+    from lowbit.ptq.pts import pts_exponent, subnormal_groups, underflow_groups
+
+    t = time.time()
+    model, tok = load_model(None, device=DEV)
+    log(f"acc: model loaded in {time.time() - t:.1f}s")
+    ids = tokenize(tok, load_text()).to(DEV)
+    max_tokens = 8192 if not args.cpu_smoke else 256
+    rows = []
+
+    def quantize_all(m, pts):
+        stats = {"underflow_groups": 0, "subnormal_groups": 0, "groups": 0, "pts_exp": []}
+        for view in decoder_layers(m):
+            for role, lin in view.linears().items():
+                w = lin.weight.detach()
+                scaled = w.float() * 2.0 ** (pts_exponent(w) if pts else 0)
+                stats["underflow_groups"] += underflow_groups(scaled, 128)
+                stats["subnormal_groups"] += subnormal_groups(scaled, 128)
+                stats["groups"] += w.shape[0] * -(-w.shape[1] // 128)
+                q = W4A8FP8Linear.from_linear(lin, group_size=128, pts=pts)
+                stats["pts_exp"].append(q.pts_exp)
+                view.set_linear(role, q)
+        return stats
+
+    def cas(m, projections):
+        try:
+            from lowbit.ptq.cas import apply_cas
+        except ImportError:
+            return None
+        return apply_cas(m, projections=projections)
+
+    t = time.time()
+    r = perplexity(model, ids, max_tokens=max_tokens)
+    rows.append({"row": "FP32 (float model)", "ppl": r.perplexity})
+    log(f"acc FP32 ppl {r.perplexity:.3f} ({time.time() - t:.1f}s)")
+    gu_d, every = ("gate_up", "down"), ("qkv", "o", "gate_up", "down")
+    for label, use_cas, pts in [("W4A8 neither", None, False), ("W4A8 + PTS", None, True),
+                                ("W4A8 + CAS(gate_up,down)", gu_d, False), ("W4A8 + CAS(gate_up,down) + PTS", gu_d, True),
+                                ("W4A8 + CAS(all)", every, False), ("W4A8 + CAS(all) + PTS", every, True)]:
+        if left() < 8:
+            rows.append({"row": label, "skipped": "time budget"})
+            continue
+        try:
+            t = time.time()
+            m = copy.deepcopy(model)
+            info = None
+            if use_cas:
+                info = cas(m, use_cas)
+                if info is None:
+                    rows.append({"row": label, "skipped": "lowbit.ptq.cas not available"})
+                    continue
+            st = quantize_all(m, pts)
+            r = perplexity(m, ids, max_tokens=max_tokens)
+            rows.append({"row": label, "ppl": r.perplexity, "underflow_groups": st["underflow_groups"],
+                         "subnormal_groups": st["subnormal_groups"],
+                         "groups": st["groups"], "pts_exp_min": min(st["pts_exp"]), "pts_exp_max": max(st["pts_exp"])})
+            log(f"acc {label}: ppl {r.perplexity:.3f} underflow groups {st['underflow_groups']}/{st['groups']} "
+                f"subnormal-scale groups {st['subnormal_groups']} "
+                f"pts n in [{min(st['pts_exp'])}, {max(st['pts_exp'])}] ({time.time() - t:.1f}s)")
+            del m
+            (OUT / "accuracy.json").write_text(json.dumps({"max_tokens": max_tokens, "rows": rows}, indent=1))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"row": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    (OUT / "accuracy.json").write_text(json.dumps({"max_tokens": max_tokens, "window": 1024, "rows": rows}, indent=1))
+    md = ["| linears w4a8-fp8 (g128), no KV quant | perplexity | groups with underflowing / subnormal FP8 scale |",
+          "|---|---|---|"]
+    for r in rows:
+        cnt = f"{r['underflow_groups']} / {r['subnormal_groups']} of {r['groups']}" if "groups" in r else ""
+        md.append(f"| {r['row']} | {r.get('ppl', float('nan')):.3f} | {cnt} |")
+    (OUT / "accuracy.md").write_text("\n".join(md) + "\n")
+    SUMMARY.extend(md)
+
+
+def main():
+    log(f"torch {torch.__version__}, device {DEV}, {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}")
+    phases = {"check", "ptx", "bench", "ffn", "sweep", "acc"} - SKIP
+    if args.cpu_smoke:
+        phases -= {"ptx", "bench", "ffn", "sweep"}
+    for name, fn in [("check", check), ("ptx", ptx_report_impl), ("bench", lambda: bench(phases)),
+                     ("sweep", lambda: sweep(T0 + args.budget - 38)), ("acc", accuracy)]:
+        if name in phases or (name == "bench" and "ffn" in phases):
+            try:
+                fn()
+            except Exception:
+                traceback.print_exc()
+                SUMMARY.append(f"{name}: aborted ({traceback.format_exc().strip().splitlines()[-1]})")
+            log(f"phase {name} done")
+    print("\n==== SUMMARY ====")
+    print("\n".join(SUMMARY))
+    (OUT / "summary.txt").write_text("\n".join(SUMMARY) + "\n")
+
+
+if __name__ == "__main__":
+    main()

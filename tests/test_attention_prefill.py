@@ -1,0 +1,201 @@
+"""Quantized prefill attention (fp8, int8, int8-qk, fp8-kv4): kernels under the interpreter vs the
+float32 replay of the same numerics, accuracy vs float64, the paper decisions, bad inputs."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lowbit.formats import attention_quant as aq
+from lowbit.ops import attention_prefill as ap
+from lowbit.ops.attention import attention_ref
+from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+MODES = ("fp8", "int8", "int8-qk", "fp8-kv4")
+# error vs float64 on N(0,1) data, small shapes (bf16-level is ~4e-3): loose ceilings per mode
+ACC = {"fp8": 0.08, "int8": 0.03, "int8-qk": 0.02, "fp8-kv4": 0.25}
+
+
+def _qkv(B, Hq, Hkv, Sq, Skv, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Hq, Sq, D, generator=g).to(dtype), torch.randn(B, Hkv, Skv, D, generator=g).to(dtype),
+            torch.randn(B, Hkv, Skv, D, generator=g).to(dtype))
+
+
+def _same_numerics(q, k, v, mode, causal, **kw):
+    from lowbit.kernels.attention_prefill import default_config
+
+    bn = default_config(mode, q.shape[-1], causal, q.shape[2])["BLOCK_N"]
+    kb = bn if kw.pop("k_granularity", ap.DEFAULT_K.get(mode, "token")) == "block" else None
+    if mode in ap.DEFAULT_V:
+        kw.setdefault("v_granularity", ap.DEFAULT_V[mode])
+    vq = v.to(torch.bfloat16) if mode == "int8-qk" and v.dtype == torch.float32 else v
+    qq = aq.quantize_qkv(q, k, vq, mode=mode, k_block=kb, **kw)
+    return aq.attention_quant_ref(qq, causal=causal, sm_scale=q.shape[-1] ** -0.5, block_n=bn)
+
+
+# ------------------------------------------------------------------ kernel vs reference (interpreter)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_matches_same_numerics(mode, causal, dev):
+    # S not a multiple of the block, GQA 4/2, causal with Sq < Skv (bottom-right mask)
+    # int8-qk in fp16: its P/V are 16-bit, and the interpreter's fp32->bf16 cast truncates
+    dt = torch.float16 if mode == "int8-qk" else torch.float32
+    q, k, v = _qkv(1, 4, 2, 19, 37, 32, dtype=dt)
+    out = ap.quant_attention(q.to(dev), k.to(dev), v.to(dev), mode=mode, causal=causal).cpu()
+    ref = _same_numerics(q, k, v, mode, causal)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < (1e-5 if dt == torch.float32 else KERNEL_VS_REF[dt])
+    assert rel_l2(out, attention_ref(q, k, v, causal=causal)) < ACC[mode]
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_head_dim_64_and_block_k_scales(mode, dev):
+    q, k, v = _qkv(1, 2, 1, 24, 40, 64, seed=1)
+    for kg in ("token", "block"):
+        out = ap.quant_attention(q.to(dev), k.to(dev), v.to(dev), mode=mode, causal=True, k_granularity=kg).cpu()
+        assert rel_l2(out, _same_numerics(q, k, v, mode, True, k_granularity=kg)) < 1e-5
+
+
+@pytest.mark.parametrize("mode,vg", [("int8", "tensor"), ("int8", "block"), ("fp8", "channel"), ("fp8", "tensor")])
+def test_v_scale_granularities_match_reference(mode, vg, dev):
+    q, k, v = _qkv(1, 2, 2, 20, 150, 32, seed=2)  # 150 keys: two V scale blocks
+    out = ap.quant_attention(q.to(dev), k.to(dev), v.to(dev), mode=mode, v_granularity=vg).cpu()
+    assert rel_l2(out, _same_numerics(q, k, v, mode, False, v_granularity=vg)) < 1e-5
+
+
+@settings(max_examples=4, deadline=None)
+@given(sq=st.integers(1, 40), extra=st.integers(0, 20), rep=st.sampled_from([1, 2]),
+       mode=st.sampled_from(["fp8", "int8"]), causal=st.booleans())
+def test_shapes_hypothesis(sq, extra, rep, mode, causal):
+    q, k, v = _qkv(1, 2 * rep, 2, sq, sq + extra, 16, seed=sq)
+    out = ap.quant_attention(q, k, v, mode=mode, causal=causal)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert rel_l2(out, _same_numerics(q, k, v, mode, causal)) < 1e-5
+
+
+def test_bf16_inputs(dev):
+    q, k, v = _qkv(1, 2, 2, 17, 17, 32, dtype=torch.bfloat16, seed=3)
+    for mode in ("int8", "int8-qk"):
+        out = ap.quant_attention(q.to(dev), k.to(dev), v.to(dev), mode=mode).cpu()
+        assert out.dtype == torch.bfloat16
+        assert rel_l2(out, attention_ref(q, k, v)) < ACC[mode]
+
+
+# ------------------------------------------------------------------ numerics that bit peers
+def test_zero_inputs_give_zero_not_nan(dev):
+    z = torch.zeros(1, 2, 20, 32, device=dev)
+    for mode in MODES:
+        out = ap.quant_attention(z, z, z, mode=mode, causal=True)
+        assert torch.isfinite(out).all() and (out == 0).all(), mode
+
+
+def test_fp8_softmax_values_cannot_overflow(dev):
+    # P = 256 * exp(S - m_running) <= 256 < 448 for any scores: huge logits stay finite
+    s = torch.tensor([[0.0, -1e-30, -3.0, -200.0]])
+    p = aq.quantize_p_fp8(torch.exp2(s - s.amax(-1, keepdim=True) + 8.0)).float()
+    assert p.max().item() == 256.0 and torch.isfinite(p).all()
+    q, k, v = _qkv(1, 2, 2, 16, 16, 32, seed=4)
+    out = ap.fp8_attention((q * 1e4).to(dev), (k * 1e4).to(dev), v.to(dev)).cpu()
+    assert torch.isfinite(out).all()
+    # scores ~1e8: one ulp of a score moves exp() visibly, so only a loose match
+    assert rel_l2(out, _same_numerics(q * 1e4, k * 1e4, v, "fp8", False)) < 1e-2
+
+
+def test_int8_p_scale_is_127_and_l_from_quantized_p():
+    # R = 127 (not the paper's 256): the max P code is 127 and fits INT8
+    assert aq.quantize_p_int8(torch.tensor([127.0, 126.5, 0.5, 1.5])).tolist() == [127.0, 126.0, 0.0, 2.0]
+    # l summed from the quantized P: with equal scores every P is 127 and O is exactly mean(V_dequant)
+    q = torch.zeros(1, 1, 3, 32)
+    k, v = _qkv(1, 1, 1, 50, 50, 32, seed=5)[1:]
+    out = ap.int8_attention(q, k, v)
+    qq = aq.quantize_qkv(q, k, v, mode="int8", v_granularity="channel")
+    vd = aq.dequantize_v(qq["v"], qq["v_scale"])
+    torch.testing.assert_close(out[0, 0, 0], vd[0, 0].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_block_v_scales_beat_tensor_scales_with_outlier_channel():
+    q, k, v = _qkv(1, 2, 2, 64, 300, 32, seed=6)
+    v[..., 200:, 3] *= 40.0  # one outlier channel in late tokens: per-tensor S_V is dominated by it
+    ref = attention_ref(q, k, v)
+    e_blk = rel_l2(aq.attention_quant_ref(aq.quantize_qkv(q, k, v, mode="int8", v_granularity="channel"),
+                                          causal=False, sm_scale=32 ** -0.5), ref)
+    e_ten = rel_l2(aq.attention_quant_ref(aq.quantize_qkv(q, k, v, mode="int8", v_granularity="tensor"),
+                                          causal=False, sm_scale=32 ** -0.5), ref)
+    assert e_blk < e_ten
+
+
+def test_sm_scale_is_folded_in():
+    q, k, v = _qkv(1, 2, 2, 16, 16, 32, seed=7)
+    out = ap.int8_qk_attention(q, k, v, sm_scale=0.05)
+    assert rel_l2(out, attention_ref(q, k, v, sm_scale=0.05)) < 0.02
+
+
+def test_mre_all_vs_last4():
+    ref = torch.tensor([1.0, 2.0, 4.0, 8.0, 16.0])
+    out = ref * 1.1
+    assert math.isclose(aq.mre(out, ref), 0.1, rel_tol=1e-4)
+    assert math.isclose(aq.mre(out, ref, last=4), 0.1, rel_tol=1e-4)
+
+
+# ------------------------------------------------------------------ fp8-kv4 with cache tensors
+def test_fp8_kv4_prequantized_matches_float_path(dev):
+    from lowbit.formats.kv4 import quantize_kv4
+
+    q, k, v = _qkv(1, 4, 2, 9, 33, 32, seed=8)
+    kc, ks, _ = quantize_kv4(k)
+    vc, vs, _ = quantize_kv4(v)
+    a = ap.fp8_kv4_attention(q.to(dev), causal=True, kv4=tuple(t.to(dev) for t in (kc, ks, vc, vs))).cpu()
+    b = ap.fp8_kv4_attention(q.to(dev), k.to(dev), v.to(dev), causal=True).cpu()
+    torch.testing.assert_close(a, b)
+
+
+# ------------------------------------------------------------------ errors, registration
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = _qkv(1, 4, 2, 8, 8, 32)
+    with pytest.raises(ValueError, match="mode"):
+        ap.quant_attention(q, k, v, mode="int4")
+    with pytest.raises(TypeError, match="k must have dtype"):
+        ap.int8_attention(q, k.half(), v)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        ap.fp8_attention(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="Sq <= Skv"):
+        ap.int8_attention(q, k[:, :, :4], v[:, :, :4], causal=True)
+    with pytest.raises(ValueError, match="head_dim must be <= 256"):
+        ap.fp8_attention(*(torch.zeros(1, 1, 4, 512) for _ in range(3)))
+    with pytest.raises(ValueError, match="v_granularity"):
+        ap.int8_attention(q, k, v, v_granularity="row")
+    with pytest.raises(ValueError, match="k_granularity"):
+        ap.int8_attention(q, k, v, k_granularity="row")
+    with pytest.raises(ValueError, match="sm_scale"):
+        ap.int8_attention(q, k, v, sm_scale=float("nan"))
+    with pytest.raises(ValueError, match="not both"):
+        ap.fp8_kv4_attention(q, k, v, kv4=(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="kv4 v_codes"):
+        kc = torch.zeros(1, 2, 8, 16, dtype=torch.uint8)
+        ap.fp8_kv4_attention(q, kv4=(kc, torch.ones(1, 2, 8), kc[..., :8], torch.ones(1, 2, 8)))
+
+
+def test_scheme_dispatch_through_api():
+    import lowbit
+
+    q, k, v = _qkv(1, 2, 1, 8, 8, 32)
+    for scheme in MODES:
+        out = lowbit.api.attention(q, k, v, scheme=scheme, causal=True)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_opcheck_and_compile():
+    q, k, v = _qkv(1, 2, 1, 8, 8, 16)
+    torch.library.opcheck(torch.ops.lowbit.quant_attention_prefill.default,
+                          (q, k, v, "int8", True, 0.25, "channel", 128, "token"),
+                          test_utils=("test_schema", "test_faketensor"))
+    from lowbit.formats.kv4 import quantize_kv4
+
+    kc, ks, _ = quantize_kv4(k, scale_dtype=torch.float32)  # schema check cannot compare fp8 tensors
+    vc, vs, _ = quantize_kv4(v, scale_dtype=torch.float32)
+    torch.library.opcheck(torch.ops.lowbit.fp8_kv4_attention_prefill.default, (q, kc, ks, vc, vs, False, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+    f = torch.compile(lambda a, b, c: ap.fp8_attention(a, b, c, causal=True), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q, k, v), ap.fp8_attention(q, k, v, causal=True))
