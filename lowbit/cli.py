@@ -76,7 +76,7 @@ def _load_and_quantize(args, device, dtype, console):
     if recipe:
         if loaded.quantized:
             raise CLIError(f"{args.model} is already quantized ({loaded.quantized}); drop --recipe")
-        why = pipeline.recipe_unavailable(recipe, device)
+        why = pipeline.recipe_unavailable(recipe, device, loaded.model)
         if why:
             raise CLIError(f"recipe {recipe!r} is not available: {why}")
         t0 = time.perf_counter()
@@ -105,7 +105,7 @@ def _cmd_demo(args) -> int:
     rows = demo.run(model=args.model, recipes=recipes, device=device, dtype=dtype, max_tokens=args.max_tokens,
                     window=args.window, prompt=args.prompt, new_tokens=args.new_tokens,
                     calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
-                    budget_s=args.budget, text_file=args.text_file, console=console)
+                    budget_s=args.budget, gen_time=args.gen_seconds, text_file=args.text_file, console=console)
     from rich.console import Console
 
     demo.render(rows, max_tokens=args.max_tokens, window=args.window, prompt=args.prompt, console=Console())
@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="calibration seed (default 0)")
     d.add_argument("--budget", type=float, default=150.0,
                    help="seconds after which remaining recipes are skipped (default 150)")
+    d.add_argument("--gen-seconds", type=float, default=30.0,
+                   help="stop each answer after this many seconds (slow CPU reference paths; default 30)")
     d.add_argument("--json", default=None, help="also write the rows to this JSON file")
     d.set_defaults(func=_cmd_demo)
 

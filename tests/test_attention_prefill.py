@@ -23,7 +23,7 @@ def _qkv(B, Hq, Hkv, Sq, Skv, D, dtype=torch.float32, seed=0):
             torch.randn(B, Hkv, Skv, D, generator=g).to(dtype))
 
 
-def _same_numerics(q, k, v, mode, causal, **kw):
+def _same_numerics(q, k, v, mode, causal, fused=False, **kw):
     from lowbit.kernels.attention_prefill import default_config
 
     bn = default_config(mode, q.shape[-1], causal, q.shape[2])["BLOCK_N"]
@@ -32,6 +32,9 @@ def _same_numerics(q, k, v, mode, causal, **kw):
         kw.setdefault("v_granularity", ap.DEFAULT_V[mode])
     vq = v.to(torch.bfloat16) if mode == "int8-qk" and v.dtype == torch.float32 else v
     qq = aq.quantize_qkv(q, k, vq, mode=mode, k_block=kb, **kw)
+    if mode == "fp8-kv4" and not fused:  # default path: KV4 -> FP8 blocks, then the fp8 kernel
+        qq = {"mode": "fp8", "q": qq["q"], "q_scale": qq["q_scale"],
+              **aq.kv4_to_fp8_blocks(qq["k"], qq["k_scale"], qq["v"], qq["v_scale"], block=bn)}
     return aq.attention_quant_ref(qq, causal=causal, sm_scale=q.shape[-1] ** -0.5, block_n=bn)
 
 
@@ -140,6 +143,20 @@ def test_mre_all_vs_last4():
 
 
 # ------------------------------------------------------------------ fp8-kv4 with cache tensors
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_kv4_fused_kernel_matches_reference(causal, dev):
+    from lowbit.formats.kv4 import quantize_kv4
+
+    q, k, v = _qkv(1, 4, 2, 19, 37, 32, seed=9)
+    kv = tuple(t.to(dev) for t in (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2]))
+    out = ap.fp8_kv4_attention(q.to(dev), causal=causal, kv4=kv, fused=True).cpu()
+    assert rel_l2(out, _same_numerics(q, k, v, "fp8-kv4", causal, fused=True)) < 1e-5
+    # the default (KV4 -> FP8 blocks) path is as accurate as the fused one
+    ref = attention_ref(q, k, v, causal=causal)
+    e_def = rel_l2(ap.fp8_kv4_attention(q.to(dev), causal=causal, kv4=kv).cpu(), ref)
+    assert e_def < 1.2 * rel_l2(out, ref) + 0.01
+
+
 def test_fp8_kv4_prequantized_matches_float_path(dev):
     from lowbit.formats.kv4 import quantize_kv4
 
@@ -195,7 +212,7 @@ def test_opcheck_and_compile():
 
     kc, ks, _ = quantize_kv4(k, scale_dtype=torch.float32)  # schema check cannot compare fp8 tensors
     vc, vs, _ = quantize_kv4(v, scale_dtype=torch.float32)
-    torch.library.opcheck(torch.ops.lowbit.fp8_kv4_attention_prefill.default, (q, kc, ks, vc, vs, False, 0.25),
+    torch.library.opcheck(torch.ops.lowbit.fp8_kv4_attention_prefill.default, (q, kc, ks, vc, vs, False, 0.25, False),
                           test_utils=("test_schema", "test_faketensor"))
     f = torch.compile(lambda a, b, c: ap.fp8_attention(a, b, c, causal=True), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q, k, v), ap.fp8_attention(q, k, v, causal=True))

@@ -49,9 +49,10 @@ def test_pair_table_layout():
     t = nf_table(3)
     p = pair_table(t, 3, torch.bfloat16)
     i = 0b101110  # lo_j = 2, lo_j+1 = 3, hi_j = 0, hi_j+1 = 1 -> codes 2 and 7
-    lo, hi = int(p[i]) & 0xFFFF, (int(p[i]) >> 16) & 0xFFFF
-    as_bf16 = torch.tensor([lo, hi], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    assert torch.equal(as_bf16, t[[2, 7]].bfloat16().float())
+    assert p.shape == (64, 2) and p.dtype == torch.bfloat16
+    assert torch.equal(p[i].float(), t[[2, 7]].bfloat16().float())
+    word = int(p.view(torch.int32)[i])  # the kernel's 32-bit read: low half = first code
+    assert (word & 0xFFFF) == int(p[i, :1].view(torch.int16)) & 0xFFFF
 
 
 @pytest.mark.parametrize("use_dot", [False, True])
@@ -130,10 +131,10 @@ def test_bad_inputs_name_the_argument():
 def test_opcheck_and_compile():
     q, qw, qh, s, t = _packed(16, 64, 3, 32)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.lowbit.lut_gemm.default, (x, qw, qh, s, t, 3, 32, "load"),
+    torch.library.opcheck(torch.ops.lowbit.lut_gemm.default, (x, qw, qh, s, t, None, 3, 32, "load"),
                           test_utils=("test_schema", "test_faketensor"))
     xf = x.float()
-    torch.library.opcheck(torch.ops.lowbit.lut_gemm.default, (xf, qw, qh, s, t, 3, 32, "load"))
+    torch.library.opcheck(torch.ops.lowbit.lut_gemm.default, (xf, qw, qh, s, t, None, 3, 32, "load"))
     f = torch.compile(lambda a: lut_gemm(a, qw, qh, s, t, bits=3, group_size=32, lookup="load"),
                       fullgraph=True, backend="eager")
     assert rel_l2(f(xf), lut_gemm_ref(xf, qw, qh, s, t, 3, 32, 64)) < 1e-6

@@ -75,3 +75,13 @@ def test_quantized_model_generates():
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 10)
     assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.parametrize("lookup", ["pair", "load", "select"])
+def test_module_lookups_agree_on_kernel_path(lookup):
+    lin = nn.Linear(96, 40)
+    m = LUTLinear.from_linear(lin, bits=3, group_size=32, lookup=lookup)
+    assert m.pairs.shape == (64, 2) and m.pairs.dtype == torch.bfloat16
+    x = torch.randn(2, 96, dtype=torch.bfloat16)  # bf16: the Triton kernel (interpreter on CPU)
+    ref = nn.functional.linear(x.double(), m.dequantize().double(), lin.bias.double())
+    assert rel_l2(m(x), ref) < 1e-2

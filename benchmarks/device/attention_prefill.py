@@ -71,10 +71,8 @@ def dump():
 
 # ------------------------------------------------------------------------------------- (1) checks
 def checks():
-    from lowbit.formats.attention_quant import attention_quant_ref, quantize_qkv
-    from lowbit.kernels.attention_prefill import default_config
     from lowbit.ops.attention import attention_ref
-    from lowbit.ops.attention_prefill import fp8_kv4_attention, quant_attention
+    from lowbit.ops.attention_prefill import fp8_kv4_attention, quant_attention, reference
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     if DEV == "cuda":
@@ -86,7 +84,8 @@ def checks():
     else:
         base = [(1, 2, 2, 40, 40, 32)]
         extra = [("fp8", True, (1, 4, 2, 20, 45, 32)), ("int8", True, (1, 4, 2, 20, 45, 32))]
-    cases = [(m, c, s) for s in base for m in ("fp8", "int8", "int8-qk", "fp8-kv4") for c in (False, True)] + extra
+    cases = [(m, c, s) for s in base for m in ("fp8", "int8", "int8-qk", "fp8-kv4", "fp8-kv4-fused")
+             for c in (False, True)] + extra
     rows = []
     for mode, causal, (B, Hq, Hkv, Sq, Skv, D) in cases:
         tag = f"{mode:8s} causal={int(causal)} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Skv={Skv} D={D}"
@@ -95,18 +94,24 @@ def checks():
             q = torch.randn(B, Hq, Sq, D, device=DEV, dtype=dt)
             k = torch.randn(B, Hkv, Skv, D, device=DEV, dtype=dt)
             v = torch.randn(B, Hkv, Skv, D, device=DEV, dtype=dt)
-            o = quant_attention(q, k, v, mode=mode, causal=causal)
+            fused = mode == "fp8-kv4-fused"
+            m = "fp8-kv4" if fused else mode
+            if fused:
+                from lowbit.formats.kv4 import quantize_kv4
+
+                kv = (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2])
+                o = fp8_kv4_attention(q, causal=causal, kv4=kv, fused=True)
+            else:
+                o = quant_attention(q, k, v, mode=m, causal=causal)
             if DEV == "cuda":
                 torch.cuda.synchronize()
-            qq = quantize_qkv(q, k, v, mode=mode)
-            bn = default_config(mode, D, causal, Sq)["BLOCK_N"]
-            r = attention_quant_ref(qq, causal=causal, sm_scale=D ** -0.5, block_n=bn)
+            r = reference(q, k, v, mode=m, causal=causal, fused=fused)
             f = attention_ref(q, k, v, causal=causal)
             e_same, e64, eref = rel(o, r), rel(o, f), rel(r, f)
             ok = bool(torch.isfinite(o).all()) and e_same < 1.5e-2 and e64 < eref * 1.2 + 2e-3
             rows.append({"case": tag, "vs_same_numerics": e_same, "vs_fp64": e64, "ref_vs_fp64": eref, "pass": ok})
             print(f"{'PASS' if ok else 'FAIL'} {tag}  vs-same-numerics {e_same:.2e}  vs-fp64 {e64:.3e}  (ref vs fp64 {eref:.3e})", flush=True)
-            del q, k, v, o, r, f, qq
+            del q, k, v, o, r, f
         except Exception as exc:
             traceback.print_exc()
             rows.append({"case": tag, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
@@ -182,28 +187,35 @@ def sweep():
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fl = attention_flops(B, H, S, S, D, False)
     rows = []
-    cfgs = [(dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3), True),
-            (dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), False),
-            (dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3), False),
-            (dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), False)]
-    for mode, dt in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
-        for cfg, kblk in cfgs:
-            if left() < 40:
-                break
-            try:
-                kb = cfg["BLOCK_N"] if kblk else None
-                kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, k_block=kb)
-                fn = lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=False, sm_scale=D ** -0.5,
-                                                      config=cfg, k_block=kb)
-                fn()
-                t = time_cuda(lambda: fn(), [()], warmup=3, reps=20)
-                tf = fl / t["median_ms"] / 1e9
-                rows.append({"mode": mode, **cfg, "k_block": kb, "ms": t["median_ms"], "TFLOPs": tf})
-                print(f"sweep {mode} {cfg} k_block={kb}: {t['median_ms']:.3f} ms {tf:.0f} TFLOP/s", flush=True)
-                SUMMARY.append(f"sweep S=4096 attn-only {mode} {cfg} k_block={kb}: {tf:.0f} TFLOP/s")
-            except Exception as exc:
-                rows.append({"mode": mode, **cfg, "error": str(exc)[:200]})
-                print(f"sweep {mode} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    base = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    variants = [  # (mode, config, per-block K scale, V granularity, exp16)
+        ("fp8", dict(base, num_stages=2), True, "block", False),
+        ("fp8", dict(base, BLOCK_N=64), True, "block", False),
+        ("fp8", base, True, "block", True),
+        ("fp8", base, False, "channel", False),
+        ("int8", base, True, "channel", False),
+        ("int8", dict(base, num_stages=2), False, "channel", False),
+        ("int8", base, False, "block", False),
+    ]
+    for mode, cfg, kblk, vg, e16 in variants:
+        if left() < 12:
+            break
+        dt = torch.float8_e4m3fn if mode == "fp8" else torch.int8
+        try:
+            kb = cfg["BLOCK_N"] if kblk else None
+            kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg)
+            fn = lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=False, sm_scale=D ** -0.5,
+                                                  config=cfg, k_block=kb, exp16=e16)
+            fn()
+            t = time_cuda(lambda: fn(), [()], warmup=3, reps=20)
+            tf = fl / t["median_ms"] / 1e9
+            label = f"{mode} {cfg} k_block={kb} v={vg} exp16={int(e16)}"
+            rows.append({"mode": mode, **cfg, "k_block": kb, "v": vg, "exp16": e16, "ms": t["median_ms"], "TFLOPs": tf})
+            print(f"sweep {label}: {t['median_ms']:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+            SUMMARY.append(f"sweep S=4096 attn-only {label}: {tf:.0f} TFLOP/s")
+        except Exception as exc:
+            rows.append({"mode": mode, **cfg, "error": str(exc)[:200]})
+            print(f"sweep {mode} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     RESULTS["sweep"] = rows
     dump()
 
@@ -346,8 +358,8 @@ section("check", checks)
 if DEV == "cuda":
     section("asm", asm)
     section("suite", suite, need=30)
+    section("sweep", sweep, need=15)
     section("mre", mre_tables, need=15)
-    section("sweep", sweep, need=45)
     section("model", model, need=25)
 print("\n==== summary ====")
 for s in SUMMARY:

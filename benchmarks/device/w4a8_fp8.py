@@ -94,25 +94,59 @@ def check():
             traceback.print_exc()
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
             log(f"check {name}: FAIL {type(exc).__name__}: {exc}")
-    # a long-K case for FP8 accumulation (max_num_imprecise_acc): all-positive products
+    # a long-K case for FP8 accumulation (promotion every K=64 vs fast accumulation): all-positive
+    if not args.cpu_smoke:
+        for fast in (False, True):
+            try:
+                K = 14336
+                w = torch.rand(256, K, device=DEV) * 0.02
+                codes, sc, invd = quantize_weight(w, 128, 8)
+                x = torch.rand(8, K, device=DEV, dtype=torch.bfloat16)
+                xq, sx = per_token_quant_triton(x, FP8_E4M3)
+                cfg = dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=3, GROUP_M=1,
+                           FAST_ACC=fast)
+                y = w4a8_fp8_gemm(xq, sx, codes, sc, invd.item(), K, 128, out_dtype=torch.float32, config=cfg)
+                ref = reference_gemm(xq, sx, codes, sc, invd.item(), K, 128, out_dtype=torch.float32)
+                e = rel(y, ref)
+                lim = 1e-3 if fast else 1e-5
+                rows.append({"case": f"long-K all-positive fp32 out FAST_ACC={fast}", "rel_l2": e, "pass": e < lim})
+                log(f"check long-K accumulation FAST_ACC={fast}: rel-L2 {e:.2e} {'PASS' if e < lim else 'FAIL'}")
+            except Exception as exc:
+                traceback.print_exc()
+                rows.append({"case": f"long-K FAST_ACC={fast}", "error": str(exc)[:300], "pass": False})
+    # the arithmetic dequant path (LUT=False) on one case, and the LUT fallback switch
     if not args.cpu_smoke:
         try:
-            K = 14336
-            w = torch.rand(256, K, device=DEV) * 0.02
-            codes, sc, invd = quantize_weight(w, 128, 8)
-            x = torch.rand(8, K, device=DEV, dtype=torch.bfloat16)
-            xq, sx = per_token_quant_triton(x, FP8_E4M3)
-            y = w4a8_fp8_gemm(xq, sx, codes, sc, invd.item(), K, 128, out_dtype=torch.float32)
-            ref = reference_gemm(xq, sx, codes, sc, invd.item(), K, 128, out_dtype=torch.float32)
-            e = rel(y, ref)
-            rows.append({"case": "long-K all-positive fp32 out", "rel_l2": e, "pass": e < 1e-5})
-            log(f"check long-K accumulation: rel-L2 {e:.2e} {'PASS' if e < 1e-5 else 'FAIL'}")
+            args_ = _lut_false_case()
+            rows.append(args_)
+            log(f"check LUT=False path: rel-L2 {args_['rel_l2']:.2e} {'PASS' if args_['pass'] else 'FAIL'}")
         except Exception as exc:
             traceback.print_exc()
-            rows.append({"case": "long-K", "error": str(exc)[:300], "pass": False})
+            rows.append({"case": "LUT=False", "error": str(exc)[:300], "pass": False})
+        lut_errors = [r for r in rows if "error" in r and r["case"] != "LUT=False"]
+        if lut_errors and len(lut_errors) == len([r for r in rows if r["case"] != "LUT=False"]):
+            os.environ["LOWBIT_W4A8_LUT"] = "0"
+            SUMMARY.append("every LUT case failed: LOWBIT_W4A8_LUT=0 (arithmetic dequant) for the rest of the run")
     (OUT / "check.json").write_text(json.dumps(rows, indent=1))
     n_ok = sum(r["pass"] for r in rows)
     SUMMARY.append(f"correctness: {n_ok}/{len(rows)} PASS")
+
+
+def _lut_false_case():
+    from lowbit.formats.common import FP8_E4M3, quantize_per_token
+    from lowbit.formats.w4a8_fp8 import quantize_weight, reference_gemm
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    torch.manual_seed(7)
+    M, N, K = 40, 1536, 576
+    w = torch.randn(N, K, device=DEV) * 0.02
+    codes, sc, invd = quantize_weight(w, 128, 6)
+    xq, sx = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), FP8_E4M3)
+    cfg = dict(pick_config(M, N, K), LUT=False)
+    y = w4a8_fp8_gemm(xq, sx, codes, sc, invd.item(), K, 128, config=cfg)
+    ref = reference_gemm(xq, sx, codes, sc, invd.item(), K, 128)
+    e = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    return {"case": "LUT=False", "rel_l2": e, "pass": e < 1e-2}
 
 
 # ------------------------------------------------------------------------- (2) PTX report
@@ -187,12 +221,16 @@ def bench(phases):
 # ------------------------------------------------------------------------- (3b) config sweep
 SWEEP = [  # (N, K, M, configs)
     (28672, 4096, 16, [dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=sk, SWAP_AB=True, num_warps=4, num_stages=st, GROUP_M=1)
-                       for bn, sk, st in [(128, 1, 4), (128, 2, 4), (64, 1, 4), (256, 1, 3), (128, 4, 4)]]),
+                       for bn, sk, st in [(128, 1, 4), (128, 2, 4), (64, 1, 4), (256, 1, 3), (128, 4, 4)]]
+     + [dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=2, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1, LUT=False),
+        dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=2, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1, FAST_ACC=True)]),
     (4096, 14336, 16, [dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=sk, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1)
                        for bn, sk in [(128, 4), (128, 8), (64, 8), (128, 16)]]),
-    (28672, 4096, 1024, [dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, SWAP_AB=False, num_warps=w, num_stages=st, GROUP_M=8)
-                         for bm, bn, w, st in [(128, 256, 8, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 256, 4, 3),
-                                               (256, 128, 8, 3)]]),
+    (28672, 4096, 1024, [dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, SWAP_AB=False, num_warps=w, num_stages=st, GROUP_M=8,
+                              FAST_ACC=fa, LUT=lut)
+                         for bm, bn, w, st, fa, lut in [(128, 256, 8, 3, True, True), (128, 128, 8, 3, False, True),
+                                                        (128, 128, 4, 4, True, True), (128, 256, 8, 4, True, True),
+                                                        (256, 128, 8, 3, True, True), (128, 256, 8, 3, True, False)]]),
 ]
 
 

@@ -36,20 +36,24 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def _measure(row: Row, model, tok, ids, *, max_tokens: int, window: int, prompt: str, new_tokens: int) -> None:
+def _measure(row: Row, model, tok, ids, *, max_tokens: int, window: int, prompt: str, new_tokens: int,
+             gen_time: float) -> None:
     from lowbit.eval.perplexity import perplexity
 
     r = perplexity(model, ids, max_tokens=max_tokens, window=window, progress=True)
     row.perplexity, row.tokens_scored = r.perplexity, r.tokens_scored
     row.weight_bytes = pipeline.weight_bytes(model)
     row.kv_bytes_per_token = pipeline.kv_bytes_per_token(model)
-    row.answer = pipeline.answer(model, tok, prompt, max_new_tokens=new_tokens)
+    t0 = time.perf_counter()
+    row.answer = pipeline.answer(model, tok, prompt, max_new_tokens=new_tokens, max_time=gen_time)
+    if time.perf_counter() - t0 >= gen_time:
+        row.answer += f" [stopped after {gen_time:.0f} s]"
 
 
 def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dtype=torch.float32,
         max_tokens: int = DEMO_MAX_TOKENS, window: int = 1024, prompt: str = DEMO_PROMPT, new_tokens: int = 40,
         calib_samples: int = 8, calib_seq_len: int = 256, seed: int = 0, budget_s: float = 150.0,
-        text_file=None, console=None) -> list[Row]:
+        gen_time: float = 30.0, text_file=None, console=None) -> list[Row]:
     """Run the demo and return its rows (the first is the unquantized model)."""
     from lowbit import registry
     from lowbit.eval.corpus import load_text, tokenize
@@ -73,7 +77,8 @@ def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dt
     rows = []
     row = Row(str(dtype).replace("torch.", "") + " (unquantized)")
     t0 = time.perf_counter()
-    _measure(row, base, tok, ids, max_tokens=max_tokens, window=window, prompt=prompt, new_tokens=new_tokens)
+    _measure(row, base, tok, ids, max_tokens=max_tokens, window=window, prompt=prompt, new_tokens=new_tokens,
+             gen_time=gen_time)
     row.seconds = time.perf_counter() - t0
     rows.append(row)
     say(f"{row.name}: perplexity {row.perplexity:.3f} ({row.seconds:.1f} s)")
@@ -82,7 +87,7 @@ def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dt
     for name in recipes:
         row = Row(name)
         rows.append(row)
-        why = pipeline.recipe_unavailable(name, device)
+        why = pipeline.recipe_unavailable(name, device, base)
         if why:
             row.status = f"not available: {why}"
             say(f"{name}: {row.status}")
@@ -100,7 +105,7 @@ def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dt
                                              text_file=text_file)
             qmodel = pipeline.quantize(copy.deepcopy(base), name, calibration=calib)
             _measure(row, qmodel, tok, ids, max_tokens=max_tokens, window=window, prompt=prompt,
-                     new_tokens=new_tokens)
+                     new_tokens=new_tokens, gen_time=gen_time)
         except NotImplementedError as exc:
             row.status = f"not available: {exc}"
         except Exception as exc:  # one recipe's failure must not stop the demo

@@ -46,14 +46,17 @@ def check_recipe(name: str) -> None:
     registry.get("recipe", name)
 
 
-def recipe_unavailable(name: str, device: str) -> str | None:
-    """Why recipe ``name`` cannot run here (its module is missing, or not on this device), or None."""
+def recipe_unavailable(name: str, device: str, model=None) -> str | None:
+    """Why recipe ``name`` cannot run here (its module is missing, not on this device, or not for
+    ``model``'s architecture), or None."""
     from lowbit import registry
 
     entry = registry.get("recipe", name)
     dev = "cuda" if device.startswith("cuda") else device
     if dev not in entry.devices:
         return f"needs {' or '.join(entry.devices)}"
+    if name == "fp8-mla" and model is not None and not hasattr(model.config, "kv_lora_rank"):
+        return f"needs a DeepSeek MLA model (this one is {getattr(model.config, 'model_type', '?')})"
     try:
         entry.load()
     except (ImportError, AttributeError, NotImplementedError) as exc:
@@ -104,10 +107,8 @@ def load_checkpoint(path, *, device: str):
         except Exception as exc:
             raise ValueError(f"checkpoint {path} has no tokenizer files; re-save it with `lowbit quantize` "
                              f"(which saves the tokenizer beside the weights)") from exc
-    recipe = None
-    meta = getattr(model, "lowbit_metadata", None) or {}
-    if isinstance(meta, dict):
-        recipe = meta.get("recipe")
+    info = getattr(model, "lowbit_recipe", None) or {}
+    recipe = info.get("recipe") if isinstance(info, dict) else None
     model.eval()
     return model, tok, recipe
 
@@ -154,6 +155,8 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     as an int or a method); else it is read from ``model.lowbit_kv`` ('kv4' / 'kv4-zp': packed
     INT4 codes + one FP8 scale [+ one zero] per token per head, ``lowbit.formats.kv4``); else the
     cache holds K and V in the model's dtype."""
+    from lowbit.formats.kv4 import kv4_bytes_per_row
+
     declared = getattr(model, "lowbit_kv_bytes_per_token", None)
     if callable(declared):
         declared = declared()
@@ -164,9 +167,10 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
     nh = cfg.num_attention_heads
     nkv = getattr(cfg, "num_key_value_heads", None) or nh
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
-    kv = getattr(model, "lowbit_kv", None) or getattr(cfg, "lowbit_kv", None)
+    info = getattr(model, "lowbit_recipe", None)  # left by lowbit.models.recipes
+    kv = info.get("kv") if isinstance(info, dict) else None
     if kv in ("kv4", "kv4-zp"):
-        row = hd // 2 + 1 + (1 if kv == "kv4-zp" else 0)
+        row = kv4_bytes_per_row(hd, zero_point=(kv == "kv4-zp"))
     else:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         row = hd * torch.empty((), dtype=dtype).element_size()
@@ -194,11 +198,13 @@ def chat_ids(tokenizer, prompt: str, *, chat: bool = True) -> torch.Tensor:
 
 
 @torch.no_grad()
-def answer(model, tokenizer, prompt: str, *, max_new_tokens: int = 40, chat: bool = True, streamer=None) -> str:
-    """Greedy answer (``do_sample=False``) of at most ``max_new_tokens`` tokens, special tokens removed."""
+def answer(model, tokenizer, prompt: str, *, max_new_tokens: int = 40, chat: bool = True, streamer=None,
+           max_time: float | None = None) -> str:
+    """Greedy answer (``do_sample=False``) of at most ``max_new_tokens`` tokens, special tokens removed.
+    ``max_time`` (seconds) stops generation early (transformers' ``MaxTimeCriteria``)."""
     device = next(model.parameters()).device
     ids = chat_ids(tokenizer, prompt, chat=chat).to(device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=pad, streamer=streamer)
+                         do_sample=False, pad_token_id=pad, streamer=streamer, max_time=max_time)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()

@@ -52,7 +52,7 @@ from lowbit.formats.common import FP8_E4M3, FP8_E4M3_MAX, INT8_MAX, QMAX, quanti
 __all__ = [
     "MODES", "V_BLOCK", "P_SCALE_FP8", "P_SCALE_INT8", "LOG2E",
     "quantize_qk", "quantize_k_block", "quantize_v", "dequantize_v", "quantize_p_int8", "quantize_p_fp8",
-    "quantize_qkv", "attention_quant_ref", "mre",
+    "quantize_qkv", "kv4_to_fp8_blocks", "attention_quant_ref", "mre",
 ]
 
 MODES = ("fp8", "int8", "int8-qk", "fp8-kv4")
@@ -159,6 +159,19 @@ def quantize_qkv(q, k, v, *, mode: str, v_granularity: str = "channel", v_block:
     else:
         out["v"], out["v_scale"] = quantize_v(v, dt, granularity=v_granularity, block=v_block)
     return out
+
+
+def kv4_to_fp8_blocks(k_codes, k_scale, v_codes, v_scale, *, block: int = 128) -> dict:
+    """``fp8-kv4`` default path: dequantize KV4 (code * scale, fp32) and requantize K and V to
+    FP8 with one scale per ``block`` keys (the ``fp8`` scheme's operands). Returns the K/V
+    entries of a ``quantize_qkv`` dict (V codes [B, H, S, D], scales [B, H, NB])."""
+    from lowbit.formats.kv4 import dequantize_kv4
+
+    k = dequantize_kv4(k_codes, k_scale, dtype=torch.float32)
+    v = dequantize_kv4(v_codes, v_scale, dtype=torch.float32)
+    kc, ks = quantize_k_block(k, FP8_E4M3, block)
+    vc, vs = quantize_v(v, FP8_E4M3, granularity="block", block=block)
+    return {"k": kc, "k_scale": ks, "k_block": block, "v": vc, "v_scale": vs, "v_block": block}
 
 
 def _expand(t: torch.Tensor, hq: int) -> torch.Tensor:

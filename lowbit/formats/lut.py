@@ -297,8 +297,8 @@ def pack_lut(q: LUTWeight) -> tuple[torch.Tensor, torch.Tensor | None, torch.Ten
 
 
 def pair_table(table: torch.Tensor, bits: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """FLUTE's vectorized table (§3.2): int32 [2**(2*bits)], entry i = two ``dtype`` values
-    (low half = first code, high half = second code) for a pair of codes of adjacent planar
+    """FLUTE's vectorized table (§3.2): ``dtype`` [2**(2*bits), 2], row i = the values of a pair
+    of codes (first, second; the kernel reads a row as one 32-bit word) of adjacent planar
     slots (j, j+1). The pair index is the bits the kernel extracts in one shift + mask:
     4/2-bit: ``c_j | c_{j+1} << bits``; 3-bit: ``lo_j | lo_{j+1} << 2 | hi_j << 4 | hi_{j+1} << 5``."""
     bits = _check_bits(bits)
@@ -312,4 +312,4 @@ def pair_table(table: torch.Tensor, bits: int, dtype: torch.dtype = torch.bfloat
         c0, c1 = i & (2 ** bits - 1), i >> bits
     t = table.detach().to("cpu", torch.float32).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
     v = t[c0] | (t[c1] << 16)
-    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
+    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32).view(dtype).reshape(-1, 2)

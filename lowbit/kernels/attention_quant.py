@@ -42,10 +42,12 @@ def _quant_tile(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, EXACT_FP8: 
     y = tl.div_rn(x, scale)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if IS_INT8:
-        return ((y + 12582912.0) - 12582912.0).to(tl.int8)
-    if EXACT_FP8:  # the interpreter's fp32->fp8 cast mis-rounds across binades
-        y = round_to_fp8_e4m3(y)
-    return y.to(tl.float8e4nv)
+        c = ((y + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        if EXACT_FP8:  # the interpreter's fp32->fp8 cast mis-rounds across binades
+            y = round_to_fp8_e4m3(y)
+        c = y.to(tl.float8e4nv)
+    return c
 
 
 @triton.jit
@@ -150,4 +152,80 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=given, K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(),
         num_warps=8 if D >= 128 else 4,
     )
+    return kc, ks, vt, vs
+
+
+# ------------------------------------------------------------------------------- KV4 -> FP8 blocks
+@triton.jit
+def _kv4_to_fp8_kernel(
+    KC, KS, VC, VS, OK, OKS, OVT, OVS,  # pointers: KV4 codes/scales in, FP8 codes/scales out
+    S, n_blk, S_al,  # sizes
+    stride_kb, stride_kh, stride_kn, stride_ksb, stride_ksh,  # KV4 K (codes last dim contiguous)
+    stride_vb, stride_vh, stride_vn, stride_vsb, stride_vsh,  # KV4 V
+    H, amax_eps,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_FP8: tl.constexpr,
+):
+    """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
+    (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    is_v = pid >= n_blk
+    blk = tl.where(is_v, pid - n_blk, pid)
+    offs_t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.arange(0, HEAD_DIM // 2)
+    tmask = offs_t < S
+    if is_v:
+        packed = tl.load(VC + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+                         + offs_t[:, None].to(tl.int64) * stride_vn + offs_h[None, :], mask=tmask[:, None], other=0)
+        sc = tl.load(VS + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh + offs_t,
+                     mask=tmask, other=0.0).to(tl.float32)
+    else:
+        packed = tl.load(KC + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+                         + offs_t[:, None].to(tl.int64) * stride_kn + offs_h[None, :], mask=tmask[:, None], other=0)
+        sc = tl.load(KS + b.to(tl.int64) * stride_ksb + h.to(tl.int64) * stride_ksh + offs_t,
+                     mask=tmask, other=0.0).to(tl.float32)
+    lo = (packed & 0xF).to(tl.int8)
+    hi = ((packed >> 4) & 0xF).to(tl.int8)
+    lo = (lo - ((lo & 8) << 1)).to(tl.float32)
+    hi = (hi - ((hi & 8) << 1)).to(tl.float32)
+    x = tl.reshape(tl.join(lo, hi), [BLOCK_T, HEAD_DIM]) * sc[:, None]
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps) / 448.0
+    codes = _quant_tile(x, scale, 448.0, False, EXACT_FP8)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if is_v:
+        tl.store(OVS + bh.to(tl.int64) * n_blk + blk, scale)
+        vt_ptr = OVT + bh.to(tl.int64) * HEAD_DIM * S_al + offs_d[None, :] * S_al + offs_t[:, None]
+        tl.store(vt_ptr, codes, mask=tmask[:, None])
+    else:
+        tl.store(OKS + bh.to(tl.int64) * n_blk + blk, scale)
+        row = bh.to(tl.int64) * S + offs_t
+        tl.store(OK + row[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=tmask[:, None])
+
+
+def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128):
+    """KV4 K/V (codes ``[B, H, S, D/2]`` uint8, scales ``[B, H, S]``) -> the ``fp8`` scheme's
+    operands with one scale per ``block`` keys: (kc ``[B, H, S, D]``, ks ``[B, H, NB]``,
+    vt ``[B, H, D, S_al]`` transposed, vs ``[B, H, NB]``); numerics of
+    ``quantize_k_block(dequantize_kv4(...), fp8, block)``."""
+    B, H, S, D2 = k_codes.shape
+    D = 2 * D2
+    dev = k_codes.device
+    nb, s_al = cdiv(S, block), -(-S // 16) * 16
+    kc = torch.empty((B, H, S, D), dtype=torch.float8_e4m3fn, device=dev)
+    vt = torch.empty((B, H, D, s_al), dtype=torch.float8_e4m3fn, device=dev)
+    if s_al != S:
+        vt[..., S:].zero_()
+    ks = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
+    vs = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
+    if B * H and S:
+        _kv4_to_fp8_kernel[(2 * nb, B * H)](
+            k_codes, k_scale, v_codes, v_scale, kc, ks, vt, vs,
+            S, nb, s_al,
+            k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
+            v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),
+            H, AMAX_EPS,
+            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), num_warps=8 if D >= 128 else 4,
+        )
     return kc, ks, vt, vs

@@ -329,8 +329,10 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
     else:
         ws, locks = y, y  # unused
     qh = qweight_hi if qweight_hi is not None else qweight
-    if lookup == "pair" and (pairs is None or pairs.numel() != 4 ** bits):
-        raise ValueError(f"lookup='pair' needs pairs = formats.lut.pair_table(table, {bits}, x.dtype)")
+    if lookup == "pair":
+        if pairs is None or pairs.shape != (4 ** bits, 2) or pairs.dtype != x.dtype:
+            raise ValueError(f"lookup='pair' needs pairs = formats.lut.pair_table(table, {bits}, x.dtype)")
+        pairs = pairs.contiguous().view(torch.int32)
     LAST_COMPILED["gemm"] = _lut_gemm_kernel[(grid_n, grid_m, split)](
         x, qweight, qh, scales, table, pairs if pairs is not None else table, y, ws, locks,
         M, N, K, num_iters, per, split,

@@ -71,7 +71,7 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "SQ", "ROWS", "chunk"])  # one compile for every Sq, H, plan
 def _mla_decode_kernel(
     # pointers
     QC, QR, QS, KC, KR, KS, PT, SEQ, O, LSE,
@@ -211,7 +211,8 @@ def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device,
 def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                       max_seq_len: int, page_size: int, fp8: bool, out_dtype=torch.bfloat16,
                       num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-                      imprecise: int = 128, return_plan: bool = False):
+                      imprecise: int = 128, num_warps: int | None = None, num_stages: int = 2,
+                      return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
     [B, Sq*H, Dc] in ``out_dtype`` (and, with ``return_plan``, a dict: splits, chunk, block_n,
@@ -239,7 +240,8 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     else:
         ow = lse = None
         o_arg, so, sos, sls = out.view(B * ROWS, DC), DC, 0, 0
-    num_warps = 8 if (not interp and DC >= 256) else 4
+    if num_warps is None:
+        num_warps = 8 if (not interp and DC >= 256) else 4
     dummy = kc.new_empty(1, dtype=torch.float32) if qs is None else None
     kernel = _mla_decode_kernel[(row_blocks, splits, B)](
         qc2, qr2, qs if qs is not None else dummy, kc, kr, ks if ks is not None else dummy,
@@ -247,7 +249,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), kc.stride(0), kr.stride(0), page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
-        IMPRECISE=min(imprecise, DC), INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=2,
+        IMPRECISE=min(imprecise, DC), INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_combine_kernel[(B * ROWS,)](

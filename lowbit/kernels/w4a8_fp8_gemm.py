@@ -7,15 +7,18 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
 - A operand: ``xq`` FP8 E4M3 ``[M, K]`` (row stride given, K contiguous), per-token scale ``sx``
   fp32 ``[M]`` from ``lowbit.kernels.act_quant``.
 - B operand: packed codes uint8 ``[N, Kp/2]`` and FP8 scales ``[N, G]``, layout in
-  ``lowbit.formats.w4a8_fp8``: one 64-byte row chunk holds the two 64-column halves of a K=128 tile
-  (low nibbles = columns 0..63, high nibbles = 64..127), offset-binary ``u = q + 8``.
-- Dequantization in registers (the "scaled lookup" of FireQ, done arithmetically): ``u | 0x6400``
-  bit-cast to fp16 is ``1024 + u`` exactly, ``- 1032`` gives ``q`` exactly, ``* sigma`` (fp16, exact:
-  a 4-bit q times a 4-significant-bit sigma fits fp16's 11 bits) and one RNE+satfinite cast gives
-  ``FP8(q * sigma)`` -- the LUT entry, without an int->float conversion instruction.
-- MMA: FP8 x FP8 ``tl.dot`` (wgmma on Hopper) with FP32 accumulation; ``max_num_imprecise_acc=0``
-  makes Triton add every K=64 partial product into a separate full-FP32 accumulator (Hopper's fast
-  FP8 accumulation keeps ~14 mantissa bits; long K would drift otherwise).
+  ``lowbit.formats.w4a8_fp8``: the 64 bytes of one row of a K=128 tile are 16 words of 8 weights
+  (sign-magnitude, bit-scattered), giving the tile's two 64-column halves (lo / hi).
+- Dequantization in registers through FireQ's scaled lookup table: per (row, group) the 8 bytes
+  FP8(k * sigma), k = 0..7, built with 4 ``mul.f16x2`` + 4 ``cvt.rn.satfinite.e4m3x2.f16x2``
+  (``_fp8_lut``); then per 4 weights one AND, one ``prmt.b32`` byte-permute over the LUT and one
+  XOR of the sign bits (``_fp8_lookup``, ``tl.inline_asm_elementwise``). ``LUT=False`` (and the
+  interpreter, which cannot run PTX) decodes arithmetically with identical numerics.
+- MMA: FP8 x FP8 ``tl.dot`` (wgmma on Hopper) with FP32 accumulation. ``max_num_imprecise_acc=64``
+  (= each dot's K) makes Triton add every K=64 partial product into a separate full-FP32
+  accumulator (Hopper's fast FP8 accumulation keeps ~14 mantissa bits). Note: in Triton 3.6 a value
+  below 32 (the wgmma K of FP8), e.g. 0, silently falls back to ``mma.sync`` -- no wgmma at all.
+  Config ``FAST_ACC=True`` skips the promotion (see ``pick_config``).
 - Epilogue (FP32): ``* sx[m] * inv_delta``, ``+ bias``, then either the output, or with ``SILU_MUL``
   (fused gate_up weight whose rows are interleaved gate_0, up_0, gate_1, ...) ``silu(gate) * up``
   with each intermediate rounded to the output dtype like the eager model; ``+ residual`` last.
@@ -30,6 +33,8 @@ shapes satisfy) let Triton use 16-byte loads. Tile BLOCK_K is fixed at 128 (= th
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,12 +45,18 @@ from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 
 BLOCK_K = PACK_BLOCK
-HALF_K: tl.constexpr = PACK_BLOCK // 2
+HALF_K = tl.constexpr(PACK_BLOCK // 2)
 
 
 # ------------------------------------------------------------------------------------ configs
 def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
-    """Tile config by shape (tuned on H200; see benchmarks/device/w4a8_fp8.py)."""
+    """Tile config by shape (see benchmarks/device/w4a8_fp8.py for the sweep behind it).
+
+    ``FAST_ACC``: accumulate the whole K in the wgmma accumulator (Hopper's reduced-precision FP8
+    accumulation) instead of promoting every K=64 into FP32 registers; promotion serializes the
+    wgmmas and doubles the accumulator registers (a 128x256 tile then spills), so the large-M
+    tiles use fast accumulation and the small-M ones (memory-bound) the precise path.
+    """
     k_tiles = cdiv(K, BLOCK_K)
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
@@ -58,7 +69,8 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
     if M <= 256:
         return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=4,
                     num_stages=4, GROUP_M=8)
-    return dict(BLOCK_M=128, BLOCK_N=256, SPLIT_K=1, SWAP_AB=False, num_warps=8, num_stages=3, GROUP_M=8)
+    return dict(BLOCK_M=128, BLOCK_N=256, SPLIT_K=1, SWAP_AB=False, num_warps=8, num_stages=3, GROUP_M=8,
+                FAST_ACC=True)
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -101,30 +113,32 @@ def _fp8_lookup(p, l0, l1, HI: tl.constexpr):
     FP8 weights of its lo (``HI=False``) or hi columns: PRMT over the LUT {l1:l0} with the 3-bit
     magnitudes as selectors, then XOR in the sign bits (layout in lowbit.formats.w4a8_fp8)."""
     if HI:
-        asm = """{
-        .reg .b32 sel, d, sg;
-        shr.b32 sel, $1, 16;
-        and.b32 sel, sel, 0x7777;
-        prmt.b32 d, $2, $6, sel;
-        shl.b32 sg, $1, 4;
-        and.b32 sg, sg, 0x80808080;
-        xor.b32 $0, d, sg;
-        }"""
+        out = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 sel, d, sg;
+            shr.b32 sel, $1, 16;
+            and.b32 sel, sel, 0x7777;
+            prmt.b32 d, $2, $6, sel;
+            shl.b32 sg, $1, 4;
+            and.b32 sg, sg, 0x80808080;
+            xor.b32 $0, d, sg;
+            }""", "=r,r,r,r,r,r,r,r,r,r", [p, l0, l1], dtype=tl.float8e4nv, is_pure=True, pack=4)
     else:
-        asm = """{
-        .reg .b32 sel, d, sg;
-        and.b32 sel, $1, 0x7777;
-        prmt.b32 d, $2, $6, sel;
-        and.b32 sg, $1, 0x80808080;
-        xor.b32 $0, d, sg;
-        }"""
-    return tl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r,r", [p, l0, l1], dtype=tl.float8e4nv,
-                                     is_pure=True, pack=4)
+        out = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 sel, d, sg;
+            and.b32 sel, $1, 0x7777;
+            prmt.b32 d, $2, $6, sel;
+            and.b32 sg, $1, 0x80808080;
+            xor.b32 $0, d, sg;
+            }""", "=r,r,r,r,r,r,r,r,r,r", [p, l0, l1], dtype=tl.float8e4nv, is_pure=True, pack=4)
+    return out
 
 
 @triton.jit
 def _dequant_emulated(words, sig, HI: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Interpreter path, same numerics as the LUT: int32 words [BLOCK_N, 16] -> FP8 [BLOCK_N, 64]."""
+    """Arithmetic path, same numerics as the LUT (used by the interpreter, which cannot run inline
+    PTX, and as config ``LUT=False``): int32 words [BLOCK_N, 16] -> FP8 [BLOCK_N, 64]."""
     i = tl.arange(0, 4)[None, None, :]
     wd = words[:, :, None]
     if HI:
@@ -178,7 +192,7 @@ def _w4a8_fp8_gemm_kernel(
     # constexpr flags
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_MUL: tl.constexpr, EMULATE: tl.constexpr,
+    SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr,
 ):
     # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles)
     pid = tl.program_id(0)
@@ -232,7 +246,7 @@ def _w4a8_fp8_gemm_kernel(
             s_lo = tl.load(s_rows[:, None] + (k_lo // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
             s_hi = tl.load(s_rows[:, None] + (k_hi // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
         # packed weights: 64 bytes per row (codes are padded to the 128-block: no K mask)
-        if EMULATE:
+        if not LUT:
             wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
             w_lo = _dequant_emulated(wrd, s_lo, False, BLOCK_N)
             w_hi = _dequant_emulated(wrd, s_hi, True, BLOCK_N)
@@ -246,11 +260,11 @@ def _w4a8_fp8_gemm_kernel(
                 h0, h1 = _fp8_lut(s_hi)
                 w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
         if SWAP_AB:
-            acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=0)
-            acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=0)
+            acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=IMPRECISE)
+            acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=IMPRECISE)
         else:
-            acc = tl.dot(a_lo, tl.trans(w_lo), acc, max_num_imprecise_acc=0)
-            acc = tl.dot(a_hi, tl.trans(w_hi), acc, max_num_imprecise_acc=0)
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc, max_num_imprecise_acc=IMPRECISE)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc, max_num_imprecise_acc=IMPRECISE)
     if SWAP_AB:
         acc = tl.trans(acc)
 
@@ -332,7 +346,8 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
         residual.stride(0) if residual is not None else 0, out.stride(0),
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=cfg["SWAP_AB"],
         GROUP_M=cfg.get("GROUP_M", 1), HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        SILU_MUL=silu_mul, EMULATE=interpret_mode(),
+        SILU_MUL=silu_mul, LUT=cfg.get("LUT", os.environ.get("LOWBIT_W4A8_LUT", "1") != "0") and not interpret_mode(),
+        IMPRECISE=None if cfg.get("FAST_ACC", False) else HALF_K.value,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:

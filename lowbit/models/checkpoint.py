@@ -432,6 +432,22 @@ def load_quantized(path, device: str | torch.device | None = None):
                                   f"{want[name]['dtype']} {want[name]['shape']}")
 
     model = _build_model(meta)
+    if device is not None:
+        model.to(device)  # before the attention install, which keeps device tensors (CRS) of its own
+    with safe_open(str(wpath), framework="pt", device="cpu") as f:
+        tensors = {n: f.get_tensor(n) for n in header}
+    recipe = dict(meta["recipe"])
+    rope_kv = _decode(meta["rope_kv"], tensors, "rope_kv") if meta.get("rope_kv") is not None else None
+    if device is not None and isinstance(rope_kv, list):
+        rope_kv = [p.to(device) if hasattr(p, "to") else p for p in rope_kv]
+    if recipe.get("kv") is not None or recipe.get("attention") is not None:
+        # installed on the float skeleton, as the recipes do (RPN is already folded in the saved
+        # weights: rope_kv carries rpn_applied=True, so nothing is folded twice)
+        from lowbit.models import recipes
+
+        name = recipe.get("recipe", "checkpoint")
+        model = recipes._install_attention(name, model, kv=recipe.get("kv"), attention=recipe.get("attention"),
+                                           rope_kv=rope_kv) or model
     for name, m in meta["modules"].items():
         cls = _resolve_class(m["class"], f"module {name!r}")
         try:
@@ -440,17 +456,6 @@ def load_quantized(path, device: str | torch.device | None = None):
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"module {name!r}: {cls.__name__}.empty rejected the saved config ({exc})") from None
         _set_module(model, name, q)
-
-    with safe_open(str(wpath), framework="pt", device="cpu") as f:
-        tensors = {n: f.get_tensor(n) for n in header}
-    recipe = dict(meta["recipe"])
-    rope_kv = _decode(meta["rope_kv"], tensors, "rope_kv") if meta.get("rope_kv") is not None else None
-    if recipe.get("kv") is not None or recipe.get("attention") is not None:
-        from lowbit.models import recipes
-
-        name = recipe.get("recipe", "checkpoint")
-        model = recipes._install_attention(name, model, kv=recipe.get("kv"), attention=recipe.get("attention"),
-                                           rope_kv=rope_kv) or model
     if recipe:
         recipe["rope_kv"] = rope_kv
         model.lowbit_recipe = recipe

@@ -160,6 +160,28 @@ class PagedKV4:
         self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start,
                             crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
 
+    def read_prefill(self, layer, q, S):
+        """(q, k, v) for prefill attention from the cache itself: K/V dequantized from INT4 (CRS-scaled
+        keys, so q gets the CRS inverse), i.e. what ``install_quantized_attention``'s HF path attends."""
+        from lowbit.formats.kv4 import dequantize_kv4
+
+        B = q.shape[0]
+        pt = self.page_table[:B].long()
+
+        def gather(codes, scale, zero):
+            c = codes[pt].permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :S]
+            s_ = scale[pt].permute(0, 2, 1, 3).flatten(2, 3)[:, :, :S]
+            z = None if zero is None else zero[pt].permute(0, 2, 1, 3).flatten(2, 3)[:, :, :S]
+            return dequantize_kv4(c, s_, z, dtype=q.dtype)
+
+        k = gather(self.kc[layer], self.ks[layer], self.kz[layer])
+        v = gather(self.vc[layer], self.vs[layer], self.vz[layer])
+        crs = self.crs[layer]
+        if crs is not None:
+            G = q.shape[1] // crs[1].shape[0]
+            q = (q.float() * crs[1].repeat_interleave(G, 0)[None, :, None, :]).to(q.dtype)
+        return q, k, v
+
     def decode(self, layer, q, k, v, pos, rows):
         B = q.shape[0]
         crs = self.crs[layer]
@@ -170,21 +192,17 @@ class PagedKV4:
                                    crs_q=None if crs is None else crs[1], **self._cache_kw(layer))
 
 
-def _crs_from_recipe(info, n_layers, hkv, d, device):
-    """Per-layer (crs_k, crs_q) tensors from the recipe's RoPE-KV parameters, or None each."""
-    params = (info or {}).get("rope_kv")
-    if not params:
-        return None
+def _attn_configs(layers):
+    """The per-layer config ``install_quantized_attention`` left on each ``self_attn`` (or None)."""
+    return [getattr(layer.self_attn, "_lowbit", None) for layer in layers]
+
+
+def _crs(cfgs, device):
+    """Per-layer (crs_k, crs_q) fp32 ``[Hkv, D]`` from the installed attention, or None each."""
     out = []
-    for p in params:
-        t = None
-        if p is not None:
-            t = p.get("crs_scales") if isinstance(p, dict) else getattr(p, "crs_scales", None)
-        if t is None:
-            out.append(None)
-            continue
-        t = t.to(device=device, dtype=torch.float32).reshape(hkv, d)
-        out.append((t, 1.0 / t))
+    for c in cfgs:
+        k = getattr(c, "crs_k", None) if c is not None else None
+        out.append(None if k is None else (k.to(device, torch.float32), 1.0 / k.to(device, torch.float32)))
     return out if any(o is not None for o in out) else None
 
 
@@ -195,10 +213,15 @@ class Generator:
     ``kv``: 'auto' (from ``model.lowbit_recipe``), None, 'kv4' or 'kv4-zp'. ``prefill``: 'auto'
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
     ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA.
+    ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
+    (the semantics of ``install_quantized_attention``'s transformers path and of perplexity with a
+    KV4 cache) instead of the fresh float K/V (default; FireQ App. D prefills from unquantized
+    (FP8) K/V and it saves a dequantization pass).
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
-                 cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None):
+                 cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
+                 prefill_from_cache: bool = False):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -206,10 +229,17 @@ class Generator:
         p = next(model.parameters())
         self.device, self.dtype = p.device, self.a.embed.weight.dtype
         info = getattr(model, "lowbit_recipe", None) or {}
-        self.kv = info.get("kv") if kv == "auto" else kv
+        cfgs = _attn_configs(self.a.layers)
+        installed = cfgs[0] if cfgs else None
+        if kv == "auto":
+            kv = installed.kv if installed is not None else info.get("kv")
+        self.kv = None if kv == "bf16" else kv
         if self.kv not in (None, "kv4", "kv4-zp"):
-            raise ValueError(f"kv must be 'auto', None, 'kv4' or 'kv4-zp', got {self.kv!r}")
-        scheme = info.get("attention") if prefill == "auto" else prefill
+            raise ValueError(f"kv must be 'auto', None, 'bf16', 'kv4' or 'kv4-zp', got {kv!r}")
+        if prefill == "auto":
+            scheme = installed.prefill if installed is not None else info.get("attention")
+        else:
+            scheme = prefill
         self.prefill_scheme = scheme or "sdpa"
         if self.prefill_scheme == "fp8-kv4":
             self.prefill_scheme = "fp8"  # the cache is empty before prefill: same math on fresh K/V
@@ -220,9 +250,10 @@ class Generator:
         if self.kv is None:
             self.cache = DenseKV(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device)
         else:
-            crs = _crs_from_recipe(info, n, self.a.hkv, self.a.d, self.device)
+            crs = _crs(cfgs, self.device)
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
                                   zero_point=self.kv == "kv4-zp", page=page_size, crs=crs)
+        self.prefill_from_cache = bool(prefill_from_cache) and self.kv is not None
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)
@@ -264,6 +295,8 @@ class Generator:
         for i, layer in enumerate(self.a.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(x), pos_ids)
             self.cache.write_prefill(i, k, v, lengths)
+            if self.prefill_from_cache:
+                q, k, v = self.cache.read_prefill(i, q, S)
             o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
             x = self._finish(layer, x, o)
         last = x[self.rows[:B], lengths - 1]

@@ -175,13 +175,14 @@ def _file_lock(path: Path):
         yield
 
 
-def cached_gguf(gguf_path: str | os.PathLike, *, convert: Callable[[Path, Path], None] = _convert_gguf,
+def cached_gguf(gguf_path: str | os.PathLike, *, convert: Callable[[Path, Path], None] | None = None,
                 progress: bool = True) -> Path | None:
     """The HF folder converted from ``gguf_path`` (converting it on first use), or None when the
     cache is off or cannot be written (the caller then loads the GGUF directly).
 
     ``convert(gguf_path, dest)`` writes the folder; it runs once per GGUF content hash."""
     gguf_path = Path(gguf_path)
+    convert = convert or _convert_gguf
     dest = gguf_cache_dir(gguf_path)
     if dest is None:
         return None

@@ -109,7 +109,9 @@ def _json_safe(v: Any):
         return str(v).replace("torch.", "")
     if isinstance(v, (os.PathLike,)):
         return os.fspath(v)
-    return repr(v)
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else f"tensor{list(v.shape)}"
+    return repr(v)[:200]
 
 
 def _auto_tokenizer(model):
@@ -286,12 +288,13 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
         fold = _optional("lowbit.ptq.rope_kv", ("fold_rpn", "fold_rope_kv", "apply_rpn"))
         if fold is not None and rope_kv is not None:
             _call(fold, model, rope_kv)
+    # attention first: install_quantized_attention folds / reads the float q/k projections
+    model = _install_attention("fireq", model, kv=kv, attention=attention, rope_kv=rope_kv)
     if linear is not None:
         opts = _linear_opts(group_size, linear_options)
         if linear == "w4a8-fp8":
             opts.setdefault("pts", pts)
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="fireq", **opts)
-    model = _install_attention("fireq", model, kv=kv, attention=attention, rope_kv=rope_kv)
     _record(model, "fireq", options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
 
@@ -357,10 +360,10 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
         reports["smooth_attention"] = _call(sa, model, batches, alpha=smooth_alpha)
     if sq is not None:
         reports["smoothquant"] = _call(sq, model, batches, alpha=smoothquant_alpha)
+    model = _install_attention("qserve", model, kv=kv, attention=attention)
     if linear is not None:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
                          **_linear_opts(group_size, linear_options))
-    model = _install_attention("qserve", model, kv=kv, attention=attention)
     _record(model, "qserve", options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
     return model
 
@@ -382,6 +385,7 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     if isinstance(table, torch.Tensor):
         options["table"] = table.tolist()
     reports: dict = {}
+    model = _install_attention(name, model, kv=kv, attention=attention)
     if linear is not None:
         opts = _linear_opts(group_size, linear_options)
         if linear == "lut":
@@ -392,7 +396,6 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
         batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples,
                                       seq_len=seq_len, seed=seed)
         reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress)
-    model = _install_attention(name, model, kv=kv, attention=attention)
     _record(model, name, options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
     return model
 
@@ -444,10 +447,10 @@ def int8_attention(model, calibration=None, *, linear: str | None = None, kv: st
     if attention is not None:
         _need("int8-attention", "lowbit.ops.attention_prefill")
     _need("int8-attention", "lowbit.models.hf_attention", "install_quantized_attention")
+    model = _install_attention("int8-attention", model, kv=kv, attention=attention)
     if linear is not None:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="int8-attention",
                          **_linear_opts(group_size, linear_options))
-    model = _install_attention("int8-attention", model, kv=kv, attention=attention)
     _record(model, "int8-attention", options, kv=kv, attention=attention, rope_kv=None)
     return model
 

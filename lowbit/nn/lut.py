@@ -7,6 +7,7 @@ Buffers (layouts in ``lowbit.formats.lut``; all registered, so ``state_dict`` ro
 - ``qweight_hi``: int32 ``[N, Kp/32]`` (3-bit high-bit plane), ``None`` otherwise;
 - ``scales``: ``[Kp/group_size, N]`` in ``dtype`` (bf16 or fp16), group-major;
 - ``table``: float32 ``[2**bits]``;
+- ``pairs``: ``dtype`` ``[4**bits, 2]``, the pair table derived from ``table`` (FLUTE §3.2);
 - ``bias``: ``[N]`` in ``dtype`` or ``None``.
 
 ``dtype`` is the activation dtype the kernel runs in. A float32 model (the embedded SmolLM2 on
@@ -18,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, pack_lut, packed_shapes, quantize_lut,
-                                table_is_uniform)
+from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, pack_lut, packed_shapes, pair_table,
+                                quantize_lut, table_is_uniform)
 from lowbit.nn.base import QuantLinear
 from lowbit.ops.lut import dequantize_packed, lut_gemm
 
@@ -44,6 +45,8 @@ class LUTLinear(QuantLinear):
         self.register_buffer("qweight_hi", torch.zeros(hs, dtype=torch.int32, device=device) if hs else None)
         self.register_buffer("scales", torch.zeros(ng, out_features, dtype=dtype, device=device))
         self.register_buffer("table", make_table("int" if table_kind == "int" else "nf", bits).to(device))
+        # FLUTE's vectorized pair table (derived from ``table``; used by lookup='pair')
+        self.register_buffer("pairs", pair_table(self.table, bits, dtype).to(device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.lookup = lookup or ("affine" if table_kind == "int" else "load")
 
@@ -71,6 +74,7 @@ class LUTLinear(QuantLinear):
             m.qweight_hi.copy_(qh)
         m.scales.copy_(st)
         m.table.copy_(q.table.to(w.device))
+        m.pairs.copy_(pair_table(q.table, bits, dtype).to(w.device))
         if linear.bias is not None:
             m.bias.copy_(linear.bias.detach().to(dtype))
         return m
@@ -91,7 +95,7 @@ class LUTLinear(QuantLinear):
         if x.is_cuda and x.dtype != self.dtype:
             x = x.to(self.dtype)
         y = lut_gemm(x, self.qweight, self.qweight_hi, self.scales, self.table, bits=self.bits,
-                     group_size=self.group_size, lookup=self.lookup)
+                     group_size=self.group_size, lookup=self.lookup, pairs=self.pairs)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(xin.dtype)

@@ -24,7 +24,8 @@ from lowbit._utils import check_tensor, interpret_mode, use_triton, warn_once
 from lowbit.formats.attention_quant import MODES, V_BLOCK, V_GRANULARITIES, attention_quant_ref, quantize_qkv
 from lowbit.formats.common import FP8_E4M3
 
-__all__ = ["fp8_attention", "fp8_kv4_attention", "int8_attention", "int8_qk_attention", "quant_attention"]
+__all__ = ["fp8_attention", "fp8_kv4_attention", "int8_attention", "int8_qk_attention", "quant_attention",
+           "reference"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_DIMS = (64, 128, 256)
@@ -87,9 +88,31 @@ def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
             o = attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
                                          v_block=v_block, k_block=k_block)
         return o[..., :D] if kd != D else o
+    return _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn)
+
+
+def _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn, fused=False):
     vq = v if not (mode == "int8-qk" and v.dtype == torch.float32) else v.to(torch.bfloat16)
     qq = quantize_qkv(q, k, vq, mode=mode, v_granularity=v_granularity, v_block=v_block, k_block=k_block)
+    if mode == "fp8-kv4" and not fused:
+        from lowbit.formats.attention_quant import kv4_to_fp8_blocks
+
+        qq = {"mode": "fp8", "q": qq["q"], "q_scale": qq["q_scale"],
+              **kv4_to_fp8_blocks(qq["k"], qq["k_scale"], qq["v"], qq["v_scale"], block=bn)}
     return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=bn, out_dtype=q.dtype)
+
+
+def reference(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | None = None,
+              v_granularity: str | None = None, v_block: int = V_BLOCK, k_granularity: str | None = None,
+              fused: bool = False) -> torch.Tensor:
+    """The float32 replay of exactly what ``quant_attention`` (or ``fp8_kv4_attention`` with
+    ``fused``) computes with the same options, on any device: what the kernels are checked against."""
+    D = q.shape[-1]
+    kd = _kernel_dim(D) or D
+    bn = _ref_block_n("fp8" if mode == "fp8-kv4" else mode, kd)
+    kg = k_granularity or DEFAULT_K.get(mode, "token")
+    vg = v_granularity or DEFAULT_V.get(mode, "channel")
+    return _reference(q, k, v, mode, causal, _scale(sm_scale, D), vg, v_block, bn if kg == "block" else None, bn, fused)
 
 
 @_quant_attention.register_fake
@@ -99,26 +122,36 @@ def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_granularity):
 
 @torch.library.custom_op("lowbit::fp8_kv4_attention_prefill", mutates_args=())
 def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
-                       v_scale: torch.Tensor, causal: bool, sm_scale: float) -> torch.Tensor:
+                       v_scale: torch.Tensor, causal: bool, sm_scale: float, fused: bool) -> torch.Tensor:
     D = q.shape[-1]
+    bn = _ref_block_n("fp8", D)
     if use_triton(q, k_codes, v_codes) and _kernel_dim(D) == D:
         from lowbit.kernels.attention_prefill import attention_prefill_triton
 
-        return attention_prefill_triton(q, k_codes, k_scale, v_codes, v_scale, mode="fp8-kv4",
-                                        causal=causal, sm_scale=sm_scale)
+        if fused:
+            return attention_prefill_triton(q, k_codes, k_scale, v_codes, v_scale, mode="fp8-kv4",
+                                            causal=causal, sm_scale=sm_scale)
+        from lowbit.kernels.attention_quant import kv4_to_fp8_triton
+
+        kc, ks, vt, vs = kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, block=bn)
+        return attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
+                                        v_block=bn, k_block=bn)
     if use_triton(q):
         warn_once(f"fp8-kv4 attention: head_dim {D} has no kernel; using the PyTorch reference")
+    from lowbit.formats.attention_quant import kv4_to_fp8_blocks
     from lowbit.formats.common import quantize_per_token
 
     qc, qs = quantize_per_token(q, FP8_E4M3)
-    qq = {"mode": "fp8-kv4", "q": qc, "q_scale": qs, "k": k_codes, "k_scale": k_scale,
-          "v": v_codes, "v_scale": v_scale}
-    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=_ref_block_n("fp8-kv4", D),
-                               out_dtype=q.dtype)
+    if fused:
+        qq = {"mode": "fp8-kv4", "q": qc, "q_scale": qs, "k": k_codes, "k_scale": k_scale,
+              "v": v_codes, "v_scale": v_scale}
+    else:
+        qq = {"mode": "fp8", "q": qc, "q_scale": qs, **kv4_to_fp8_blocks(k_codes, k_scale, v_codes, v_scale, block=bn)}
+    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=bn, out_dtype=q.dtype)
 
 
 @_fp8_kv4_attention.register_fake
-def _(q, k_codes, k_scale, v_codes, v_scale, causal, sm_scale):
+def _(q, k_codes, k_scale, v_codes, v_scale, causal, sm_scale, fused):
     return torch.empty_like(q)
 
 
@@ -213,10 +246,16 @@ def int8_qk_attention(q, k, v, *, causal: bool = False, sm_scale: float | None =
 
 
 def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: float | None = None,
-                      kv4: tuple | None = None) -> torch.Tensor:
+                      kv4: tuple | None = None, fused: bool = False) -> torch.Tensor:
     """Scheme ``fp8-kv4`` (FireQ §3.2): FP8 Q per token; K and V in KV4 (``lowbit.formats.kv4``:
-    INT4 codes [B, Hkv, Skv, D/2] uint8, per-token FP8 E4M3 scales [B, Hkv, Skv]) converted to FP8
-    in the kernel (exact); K scale on the columns of S, V scale folded into P.
+    INT4 codes [B, Hkv, Skv, D/2] uint8, per-token FP8 E4M3 scales [B, Hkv, Skv]).
+
+    Default (``fused=False``): one memory-bound pass dequantizes the KV4 blocks and requantizes
+    them to FP8 with one scale per KV block (V transposed), then the ``fp8`` kernel runs: every
+    query block of a head reuses the converted tiles, where the fused kernel redoes the INT4
+    unpacking in every query block (2.4x the loop's instructions, see the kernel docstring).
+    ``fused=True``: the attention kernel reads the INT4 codes itself (exact in FP8), K scale on
+    the columns of S, V scale folded into P.
 
     Pass either float ``k``/``v`` (quantized to KV4 here) or ``kv4=(k_codes, k_scale, v_codes,
     v_scale)`` as read from a KV4 cache (then ``k``/``v`` must be None).
@@ -253,4 +292,4 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
     for name, t in (("k_codes", kc), ("v_codes", vc)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
-    return _fp8_kv4_attention(q, kc, ksc, vc, vsc, bool(causal), _scale(sm_scale, q.shape[-1]))
+    return _fp8_kv4_attention(q, kc, ksc, vc, vsc, bool(causal), _scale(sm_scale, q.shape[-1]), bool(fused))

@@ -40,31 +40,37 @@ def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: i
 
 @torch.library.custom_op("lowbit::lut_gemm", mutates_args=())
 def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
-              table: torch.Tensor, bits: int, group_size: int, lookup: str) -> torch.Tensor:
+              table: torch.Tensor, pairs: torch.Tensor | None, bits: int, group_size: int, lookup: str) -> torch.Tensor:
     N = scales.shape[1]
     K = x.shape[1]
     if x.dtype in _ACT and use_triton(x, qweight, scales, table):
+        if lookup == "pair" and (pairs is None or pairs.dtype != x.dtype):
+            lookup = "load"
         from lowbit.kernels.lut_gemm import lut_dequant_triton, lut_gemm_triton
 
         if x.shape[0] <= MAX_KERNEL_M:
             return lut_gemm_triton(x, qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
-                                   out_features=N, lookup=lookup)
+                                   out_features=N, lookup=lookup, pairs=pairs)
         w = lut_dequant_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
-                               out_features=N, in_features=K, dtype=x.dtype, lookup=lookup)
+                               out_features=N, in_features=K, dtype=x.dtype,
+                               lookup="load" if lookup == "pair" else lookup)
         return F.linear(x, w)
     return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K)
 
 
 @_lut_gemm.register_fake
-def _(x, qweight, qweight_hi, scales, table, bits, group_size, lookup):
+def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup):
     return x.new_empty((x.shape[0], scales.shape[1]))
 
 
 def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
-             table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto") -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [Kp/G, N]/``table``
-    as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' | 'affine'
-    ('affine' only for uniform tables; 'auto' picks it for them and 'load' otherwise)."""
+             table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto",
+             pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [ceil(K/G), N]/
+    ``table`` as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' |
+    'affine' | 'pair' ('affine' only for uniform tables; 'pair' needs ``pairs`` =
+    ``formats.lut.pair_table(table, bits, x.dtype)``; 'auto' picks 'affine' for uniform tables,
+    else 'load'). Float32 ``x`` always runs the reference."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:
@@ -88,8 +94,15 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         from lowbit.formats.lut import table_is_uniform
 
         lookup = "affine" if table_is_uniform(table) else "load"
-    if lookup not in ("load", "select", "affine"):
-        raise ValueError(f"lookup must be 'auto', 'load', 'select' or 'affine', got {lookup!r}")
+    if lookup not in ("load", "select", "affine", "pair"):
+        raise ValueError(f"lookup must be 'auto', 'load', 'select', 'affine' or 'pair', got {lookup!r}")
+    if lookup == "pair":
+        check_tensor(pairs, "pairs", shape=(4 ** bits, 2))
+        if x.dtype in _ACT and pairs.dtype != x.dtype:
+            raise TypeError(f"pairs must have x's dtype {x.dtype} (build with pair_table(table, bits, x.dtype)), "
+                            f"got {pairs.dtype}")
+    else:
+        pairs = None
     devs = {t.device for t in (x, qweight, scales, table) if t is not None}
     if len(devs) > 1:
         raise ValueError(f"x, qweight, scales and table must be on one device, got {sorted(map(str, devs))}")
@@ -99,5 +112,5 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         x2 = x2.contiguous()
     if x.dtype not in _ACT and x.is_cuda:
         warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, bits, group_size, lookup)
+    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup)
     return y.reshape(*lead, N)

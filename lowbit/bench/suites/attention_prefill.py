@@ -85,18 +85,20 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
             for name, fn in lowbit_fns().items():
                 timed(name, lambda q, k, v, fn=fn: fn(q, k, v, causal), sets,
                       peak="fp8" if "fp8" in name else "int8")
-            if want("lowbit-fp8-kv4"):
+            if want("lowbit-fp8-kv4") or want("lowbit-fp8-kv4-fused"):
                 kv = [tuple(t for t in (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2])) for _, k, v in sets]
                 qs = [(s[0], kv[i]) for i, s in enumerate(sets)]
                 timed("lowbit-fp8-kv4", lambda q, kv4: fp8_kv4_attention(q, causal=causal, kv4=kv4), qs, peak="fp8")
+                timed("lowbit-fp8-kv4-fused", lambda q, kv4: fp8_kv4_attention(q, causal=causal, kv4=kv4, fused=True),
+                      qs, peak="fp8")
                 del kv, qs
-            for mode, dt in (("fp8", torch.float8_e4m3fn), ("int8", torch.int8)):
+            for mode, dt, kb, vg in (("fp8", torch.float8_e4m3fn, 128, "block"), ("int8", torch.int8, None, "channel")):
                 name = f"lowbit-{mode}-attn-only"
                 if not want(name):
                     continue
-                pre = [(q, *quantize_kv_triton(k, v, dtype=dt)) for q, k, v in sets]
-                timed(name, lambda q, kc, ks, vt, vs, mode=mode: attention_prefill_triton(
-                    q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5), pre,
+                pre = [(q, *quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg)) for q, k, v in sets]
+                timed(name, lambda q, kc, ks, vt, vs, mode=mode, kb=kb: attention_prefill_triton(
+                    q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5, k_block=kb), pre,
                     peak="fp8" if mode == "fp8" else "int8")
                 del pre
             if want("sageattention-1.0.6"):

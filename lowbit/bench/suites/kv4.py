@@ -179,7 +179,7 @@ def attention_error_rows(qkv, params_by_cfg):
     return rows
 
 
-def accuracy_tables(device="cuda", quick=False, log=print):
+def accuracy_tables(device="cuda", quick=False, log=print, deadline=None):
     """Perplexity of the embedded model with each KV configuration (no linear quantization) and
     the per-layer attention-output error on its real Q/K/V. Returns a dict with a markdown table."""
     from lowbit.eval.corpus import calibration_batches, load_text, tokenize
@@ -200,7 +200,12 @@ def accuracy_tables(device="cuda", quick=False, log=print):
     doc["ppl"]["fp32 (no KV quantization)"] = base
     log(f"ppl fp32 {base:.4f}")
     params = {}
+    import time
+
     for name, kv, rpn, crs, conv in KV_CONFIGS:
+        if deadline is not None and time.time() > deadline:
+            log(f"time budget reached: {name} and later rows skipped")
+            break
         p = calibrate_rpn_crs(model, calib, rpn=rpn, crs=crs, convention=conv) if (rpn or crs) else None
         params[name] = (kv, [x.to("cpu") for x in p] if p is not None else None)
         install_quantized_attention(model, kv=kv, rope_kv=p)
@@ -209,7 +214,7 @@ def accuracy_tables(device="cuda", quick=False, log=print):
         uninstall_quantized_attention(model)
         model.load_state_dict(state)
     qkv = _capture_qkv(model, calib[0].to(device))
-    doc["attn_err"] = attention_error_rows(qkv, params)
+    doc["attn_err"] = attention_error_rows(qkv, params) if params else {}
     names = list(doc["attn_err"])
     md = [f"### KV4 perplexity, {doc['model']}, first {max_tokens} tokens of the eval text "
           f"(calibration {doc['calibration']}; linears unquantized)", "",
@@ -218,9 +223,10 @@ def accuracy_tables(device="cuda", quick=False, log=print):
         md.append(f"| {n} | {v:.4f} | {v - base:+.4f} |")
     md += ["", "### Attention-output rel-L2 vs unquantized K/V, per layer (real Q/K/V, 512 tokens, causal)", "",
            "| layer | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    L = len(doc["attn_err"][names[0]])
+    L = len(doc["attn_err"][names[0]]) if names else 0
     for i in range(L):
         md.append(f"| {i} | " + " | ".join(f"{doc['attn_err'][n][i]:.4f}" for n in names) + " |")
-    md.append("| mean | " + " | ".join(f"{sum(doc['attn_err'][n]) / L:.4f}" for n in names) + " |")
+    if L:
+        md.append("| mean | " + " | ".join(f"{sum(doc['attn_err'][n]) / L:.4f}" for n in names) + " |")
     doc["markdown"] = "\n".join(md) + "\n"
     return doc

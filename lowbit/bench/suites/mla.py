@@ -75,7 +75,12 @@ CASES_FULL = [  # (B, H, Sq, L)
 CASES_QUICK = [(32, 128, 1, 4096), (32, 128, 1, 16384), (32, 128, 2, 16384), (128, 16, 1, 16384)]
 
 
-def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf16", "lowbit-fp8"), reps=None):
+def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf16", "lowbit-fp8"), reps=None,
+        after_case=None, deadline=None):
+    """Time every case; ``after_case()`` runs after each (e.g. to write partial results) and cases
+    starting after ``deadline`` (a time.time() value) are skipped with a note."""
+    import time
+
     from lowbit.ops.mla import mla_decode
 
     cases = cases or (CASES_QUICK if quick else CASES_FULL)
@@ -84,6 +89,9 @@ def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf1
     equiv = (DC / 2 + DR + DC / 2) / (2 * DC + DR)
     for (B, H, Sq, L) in cases:
         case = {"B": B, "H": H, "Sq": Sq, "L": L}
+        if deadline is not None and time.time() > deadline:
+            rec.note(f"{case}: skipped (time budget)")
+            continue
         fl = flops(B, H, Sq, L)
         n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, True))))
         try:
@@ -120,3 +128,5 @@ def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf1
                 rec.record(case, prov, None, note=f"{type(exc).__name__}: {exc}"[:200])
         del sets
         torch.cuda.empty_cache()
+        if after_case is not None:
+            after_case()

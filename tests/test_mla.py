@@ -1,0 +1,248 @@
+"""SnapMLA: FP8 latent format, Fused-K-Append / Fused-Q-Quant / Fetch-Dequant kernels, the MLA decode
+kernel (bf16 and FP8) against float64 references, the paged cache, errors and torch.library ops.
+Kernels run under the Triton interpreter on the CPU (latent 64 + RoPE 16, pages of 16)."""
+import pytest
+import torch
+
+from lowbit.formats.mla_fp8 import bytes_per_token, dequantize_latent, quantize_latent
+from lowbit.nn.mla_cache import PagedMLACache
+from lowbit.ops.mla import (mla_append, mla_decode, mla_decode_ref, mla_gather, mla_prefill, mla_quantize_q)
+from tests.tolerances import rel_l2
+
+DC, DR, PAGE = 64, 16, 16
+
+
+def make_cache(lens, fp8, dev, *, H=None, seed=0, rope_range=6.0, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    B = len(lens)
+    c = PagedMLACache(1, B, max(lens), DC, DR, fp8=fp8, page_size=PAGE, device=dev, shuffle_pages=True, seed=seed,
+                      dtype=dtype)
+    kv = torch.randn(B, max(lens), DC + DR, device=dev, dtype=dtype)
+    kv[..., DC:] *= rope_range
+    c.append(0, kv)
+    c.lengths[0] = list(lens)
+    c._seq_lens[0] = None
+    return c, kv
+
+
+# ------------------------------------------------------------------------------------------ format
+def test_format_roundtrip_zero_tiny_and_rope_range():
+    x = torch.randn(6, DC + DR) * 0.05
+    x[:, DC:] *= 400  # RoPE part much wider than the content part
+    x[1] = 0.0  # all-zero token: codes 0, finite scale, dequant exactly 0
+    x[2, :DC] = 1e-30  # tiny amax: scale floor keeps 1/s finite, RoPE/s finite in bf16
+    c, s, r = quantize_latent(x, DC)
+    assert c.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and r.dtype == torch.bfloat16
+    assert torch.isfinite(s).all() and (s > 0).all() and torch.isfinite(r.float()).all()
+    y = dequantize_latent(c, s, r)
+    assert torch.equal(y[1], torch.zeros(DC + DR))
+    # RoPE kept to bf16 precision (plus one re-rounding), content to FP8 precision
+    assert rel_l2(y[:, DC:], x[:, DC:]) < 2 ** -7
+    keep = [0, 3, 4, 5]
+    assert rel_l2(y[keep, :DC], x[keep, :DC]) < 0.04
+    # scale covers the content only: the RoPE outliers do not coarsen the content
+    assert torch.allclose(s[0], x[0, :DC].abs().max() / 448)
+
+
+def test_bytes_per_token():
+    assert bytes_per_token(512, 64, fp8=True) == 644
+    assert bytes_per_token(512, 64, fp8=False) == 1152
+    c = PagedMLACache(1, 1, 64, 512, 64, fp8=True)
+    assert c.bytes_per_token() == 644
+    assert PagedMLACache(1, 1, 64, 512, 64, fp8=False).bytes_per_token() == 1152
+
+
+def test_rope_quantized_too_is_worse():
+    """Decision test (SnapMLA §3.1): quantizing RoPE with the content (config A) loses the content
+    when the RoPE range is much wider; keeping RoPE bf16 does not."""
+    from lowbit.eval.mla_accuracy import quantize_config
+
+    x = torch.cat([torch.randn(64, 512) * 0.01, torch.randn(64, 64) * 2000], -1)
+    ours = quantize_config(x, "ours")
+    a = quantize_config(x, "A")
+    err_ours = rel_l2(ours[:, :512], x[:, :512])
+    err_a = rel_l2(a[:, :512], x[:, :512])
+    assert err_ours < 0.04 and err_a > 3 * err_ours
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_q_kernel_matches_reference(dev, dtype):
+    torch.manual_seed(1)
+    x = (torch.randn(37, DC + DR) * 3).to(dtype).to(dev)
+    x[0] = 0
+    x[1, :DC] *= 1e-20
+    x[2, DC:] *= 1000
+    c, s, r = mla_quantize_q(x, DC)
+    c0, s0, r0 = quantize_latent(x, DC)
+    assert torch.equal(c.float(), c0.float()) and torch.equal(s, s0) and torch.equal(r.float(), r0.float())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_append_kernel_and_gather_dequant(dev, fp8):
+    c, kv = make_cache([40, 7], fp8, dev)
+    # compare the stored fields with the format reference, slot by slot
+    content, rope, scale = c.layers[0]
+    pt = c.page_table.cpu().long()
+    for b in range(2):
+        pos = torch.arange(40)
+        slots = pt[b, pos // PAGE] * PAGE + pos % PAGE
+        if fp8:
+            c0, s0, r0 = quantize_latent(kv[b], DC)
+            assert torch.equal(content.flatten(0, 1)[slots].float(), c0.float())
+            assert torch.equal(scale.flatten(0, 1)[slots], s0)
+            assert torch.equal(rope.flatten(0, 1)[slots].float(), r0.float())
+        else:
+            assert torch.equal(content.flatten(0, 1)[slots], kv[b, :, :DC])
+    g = c.gather(0, dtype=torch.float32)  # lengths 40 and 7: rows past the length are zero
+    assert g.shape == (2, 40, DC + DR)
+    ref = dequantize_latent(*quantize_latent(kv, DC)) if fp8 else kv.float()
+    assert torch.allclose(g[0], ref[0], rtol=0, atol=0)
+    assert torch.allclose(g[1, :7], ref[1, :7]) and torch.equal(g[1, 7:], torch.zeros(33, DC + DR))
+
+
+DECODE_CASES = [  # lens (not multiples of page or block), heads, Sq, splits
+    ([37, 5, 70], 4, 2, 2),
+    ([20, 33], 8, 1, None),
+    ([50, 4], 2, 4, 3),
+    ([19], 3, 3, 1),
+]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("lens,H,Sq,splits", DECODE_CASES)
+def test_decode_kernel_vs_float64(dev, fp8, lens, H, Sq, splits):
+    c, _ = make_cache(lens, fp8, dev, seed=len(lens) + H)
+    q = torch.randn(len(lens), Sq, H, DC + DR, device=dev, dtype=torch.bfloat16)
+    q[..., DC:] *= 2
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    out = mla_decode(q, cache, pt, sl, num_splits=splits, max_seq_len=max(lens))
+    assert out.shape == (len(lens), Sq, H, DC) and out.dtype == torch.bfloat16
+    ref = mla_decode_ref(q, cache, pt, sl)  # float64 on the same quantized q / cache
+    assert rel_l2(out, ref) < (1e-2 if not fp8 else 3e-2)
+    # the unquantized-query float64 reference: the whole FP8 error stays small
+    ref_unq = mla_decode_ref(q, cache, pt, sl, quantize_query=False)
+    assert rel_l2(out, ref_unq) < (1e-2 if not fp8 else 4e-2)
+
+
+@pytest.mark.parametrize("lens,H,Sq,splits", DECODE_CASES[:2])
+def test_fp8_decode_matches_emulated_p_quantization(dev, lens, H, Sq, splits):
+    """Same numerics: the reference emulating the kernel's per-block FP8 P (monotone block scale,
+    block scale folded into the online softmax) agrees to bf16 output rounding."""
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    c, _ = make_cache(lens, True, dev, seed=3)
+    B = len(lens)
+    q = torch.randn(B, Sq, H, DC + DR, device=dev, dtype=torch.bfloat16)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    qc, qs, qr = quantize_latent(q.reshape(-1, DC + DR), DC)
+    out, plan = mla_decode_triton(qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H),
+                                  cache[0].flatten(0, 1), cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl,
+                                  num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE,
+                                  fp8=True, num_splits=splits, return_plan=True)
+    emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"]))
+    assert rel_l2(out.view(B, Sq, H, DC), emu) < 4e-3
+
+
+def test_fp8_decode_extreme_ranges_stay_finite(dev):
+    """All-zero tokens (scale at the floor, RoPE/s ~ 1e14), a huge-score first block followed by
+    blocks whose scores lie ~100 below the max (the block scale would shrink by e^-100 without
+    the monotone rule), and 448-saturating content."""
+    lens = [70]
+    c, kv = make_cache(lens, True, dev, rope_range=1.0)
+    kvn = kv.clone()
+    kvn[0, :16] *= 0.0  # zero tokens
+    kvn[0, 20] *= 50.0  # a dominant token
+    kvn[0, 40:] *= 1e-3  # tiny late tokens
+    c.reset()
+    c.append(0, kvn)
+    q = kvn[0, 20].view(1, 1, 1, DC + DR).repeat(1, 2, 3, 1) * 0.2
+    out = mla_decode(q.to(torch.bfloat16), c.layers[0], c.page_table, c.seq_lens(0), num_splits=2)
+    assert torch.isfinite(out.float()).all()
+    ref = mla_decode_ref(q.to(torch.bfloat16), c.layers[0], c.page_table, c.seq_lens(0))
+    assert rel_l2(out, ref) < 3e-2
+
+
+def test_fp16_bf16_cache_dtypes(dev):
+    c, _ = make_cache([21, 9], False, dev, dtype=torch.float16)
+    q = torch.randn(2, 1, 4, DC + DR, device=dev, dtype=torch.float16)
+    out = mla_decode(q, c.layers[0], c.page_table, c.seq_lens(0))
+    assert out.dtype == torch.float16
+    assert rel_l2(out, mla_decode_ref(q, c.layers[0], c.page_table, c.seq_lens(0))) < 5e-3
+
+
+def test_cache_attend_prefill_path_matches_decode(dev):
+    """Chunked prefill (fetch-dequant + bf16 attention) agrees with the float64 reference; the last
+    token of the chunk equals decode of that token."""
+    torch.manual_seed(5)
+    c = PagedMLACache(1, 2, 40, DC, DR, fp8=True, page_size=PAGE, device=dev)
+    c.append(0, torch.randn(2, 30, DC + DR, device=dev, dtype=torch.bfloat16))
+    chunk = torch.randn(2, 6, DC + DR, device=dev, dtype=torch.bfloat16)
+    c.append(0, chunk)
+    q = torch.randn(2, 6, 4, DC + DR, device=dev, dtype=torch.bfloat16)
+    out = c.attend(0, q)  # 6 tokens: prefill path
+    ref = mla_decode_ref(q, c.layers[0], c.page_table, c.seq_lens(0), quantize_query=False)
+    assert rel_l2(out, ref) < 1e-2
+    last = c.attend(0, q[:, 2:])  # 4 tokens: decode kernel (MTP)
+    assert rel_l2(last, ref[:, 2:]) < 4e-2
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_bad_inputs_raise_clear_errors(dev):
+    c, _ = make_cache([20], True, dev)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    q = torch.randn(1, 1, 4, DC + DR, device=dev, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="query tokens"):
+        mla_decode(torch.randn(1, 5, 4, DC + DR, dtype=torch.bfloat16, device=dev), cache, pt, sl)
+    with pytest.raises(ValueError, match="latent"):
+        mla_decode(torch.randn(1, 1, 4, DC + DR + 2, dtype=torch.bfloat16, device=dev), cache, pt, sl)
+    with pytest.raises(ValueError, match="fp8=False"):
+        mla_decode(q, cache, pt, sl, fp8=False)
+    with pytest.raises(TypeError, match="q must have dtype"):
+        mla_decode(q.to(torch.int32), cache, pt, sl)
+    with pytest.raises(TypeError, match="page_table"):
+        mla_decode(q, cache, pt.long(), sl)
+    with pytest.raises(TypeError, match="tuple"):
+        mla_decode(q, cache[0], pt, sl)
+    with pytest.raises(ValueError, match="scale"):
+        mla_decode(q, (cache[0], cache[1], None), pt, sl)
+    with pytest.raises(ValueError, match="seq_len must be >= Sq"):
+        mla_decode(torch.randn(1, 3, 4, DC + DR, dtype=torch.bfloat16, device=dev), cache, pt,
+                   torch.tensor([2], dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="exceeds the page table"):
+        mla_decode(q, cache, pt, sl, max_seq_len=10_000)
+    with pytest.raises(ValueError, match="slots"):
+        mla_append(torch.randn(2, DC + DR, device=dev), cache, torch.tensor([0, 10_000], device=dev))
+    with pytest.raises(ValueError, match="cache full"):
+        c.append(0, torch.randn(1, 100, DC + DR, device=dev))
+    b16, _ = make_cache([20], False, dev)
+    with pytest.raises(TypeError, match="must match"):
+        mla_decode(q.half(), b16.layers[0], pt, sl)
+
+
+def test_non_power_of_two_widths_fall_back(dev):
+    """Widths the kernel cannot tile (latent 48 + RoPE 8) warn once and use the reference."""
+    c = PagedMLACache(1, 1, 20, 48, 8, fp8=True, page_size=8, device=dev)
+    with pytest.warns(UserWarning, match="power-of-two"):
+        c.append(0, torch.randn(1, 20, 56, device=dev, dtype=torch.bfloat16))
+    q = torch.randn(1, 1, 2, 56, device=dev, dtype=torch.bfloat16)
+    out = c.attend(0, q)
+    assert torch.isfinite(out.float()).all() and out.shape == (1, 1, 2, 48)
+
+
+# ------------------------------------------------------------------------------------------ torch.library
+def test_opcheck(dev):
+    c, kv = make_cache([18, 5], True, dev)
+    content, rope, scale = c.layers[0]
+    q = torch.randn(2, 1, 2, DC + DR, device=dev, dtype=torch.bfloat16)
+    args = (q, content, rope, scale, c.page_table, c.seq_lens(0), (DC + DR) ** -0.5, 18, 0)
+    torch.library.opcheck(torch.ops.lowbit.mla_decode.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    # fp8 outputs: SchemaCheckMode cannot compare them on the CPU, so fake-tensor checks only
+    torch.library.opcheck(torch.ops.lowbit.mla_quantize_q.default, (q.view(-1, DC + DR), DC),
+                          test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.lowbit.mla_gather.default,
+                          (content, rope, scale, c.page_table, c.seq_lens(0), 18, torch.bfloat16))
+    torch.library.opcheck(torch.ops.lowbit.mla_append.default,
+                          (kv[0, :3].contiguous(), torch.tensor([0, 1, 2], device=dev), content.clone(), rope.clone(),
+                           scale.clone()), test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,86 @@
+"""lowbit::w4a8_int8_gemm op (opcheck, fake, compile), argument errors, and W4A8INT8Linear."""
+import pytest
+import torch
+
+import lowbit
+from lowbit.formats import w4a8_int8 as fmt
+from lowbit.formats.common import quantize_per_token
+from lowbit.nn.w4a8_int8 import W4A8INT8Linear
+from lowbit.ops.w4a8_int8 import _w4a8_int8_gemm, w4a8_int8_gemm, w4a8_int8_linear
+from tolerances import KERNEL_VS_REF, rel_l2
+
+
+def _args(M=3, N=24, K=136, g=128, dev="cpu", dtype=torch.float16, bias=True):
+    torch.manual_seed(0)
+    qw = fmt.quantize(torch.randn(N, K, device=dev), g)
+    xq, xs = quantize_per_token(torch.randn(M, K, device=dev, dtype=dtype), torch.int8)
+    b = torch.randn(N, device=dev, dtype=dtype) if bias else None
+    return xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b
+
+
+def test_opcheck(dev):
+    a = _args(dev=dev)
+    torch.library.opcheck(_w4a8_int8_gemm, (*a, torch.float16),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    a = _args(dev=dev, bias=False, dtype=torch.bfloat16)
+    torch.library.opcheck(_w4a8_int8_gemm, (*a, torch.bfloat16), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_op_matches_reference(dev):
+    a = _args(dev=dev)
+    y = w4a8_int8_gemm(*a, out_dtype=torch.float16)
+    r = fmt.gemm_ref(*a, torch.float16)
+    assert rel_l2(y, r) <= KERNEL_VS_REF[torch.float16]
+
+
+def test_bad_arguments_named():
+    xq, xs, qw, ws, gs, gz, b = _args()
+    with pytest.raises(TypeError, match="xq"):
+        w4a8_int8_gemm(xq.float(), xs, qw, ws, gs, gz, b)
+    with pytest.raises(ValueError, match="xscale"):
+        w4a8_int8_gemm(xq, xs[:1], qw, ws, gs, gz, b)
+    with pytest.raises(ValueError, match="K=100"):
+        w4a8_int8_gemm(xq[:, :100], xs, qw, ws, gs, gz, b)
+    with pytest.raises(ValueError, match="gzs"):
+        w4a8_int8_gemm(xq, xs, qw, ws, gs, gz[:, :1], b)
+    with pytest.raises(ValueError, match="bias"):
+        w4a8_int8_gemm(xq, xs, qw, ws, gs, gz, b[:3])
+    with pytest.raises(TypeError, match="out_dtype"):
+        w4a8_int8_gemm(xq, xs, qw, ws, gs, gz, b, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="x must"):
+        w4a8_int8_linear(xq, qw, ws, gs, gz, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_module_from_linear(dtype, dev):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(200, 48, bias=True).to(dev, dtype)
+    q = lowbit.quantize_linear(lin, "w4a8-int8", group_size=128)
+    assert isinstance(q, W4A8INT8Linear) and q.scheme == "w4a8-int8"
+    x = torch.randn(2, 5, 200, device=dev, dtype=dtype)
+    y = q(x)
+    assert y.shape == (2, 5, 48) and y.dtype == dtype
+    assert rel_l2(y.float(), lin(x).float()) < 0.15
+    # the dequantized weight reproduces the GEMM up to activation quantization
+    assert rel_l2(q.dequantize(), lin.weight.float()) < 0.15
+    with pytest.raises(ValueError, match="features"):
+        q(torch.randn(3, 199, device=dev, dtype=dtype))
+
+
+def test_empty_config_state_dict_roundtrip():
+    lin = torch.nn.Linear(136, 24, bias=False)
+    q = W4A8INT8Linear.from_linear(lin, group_size=-1)
+    e = W4A8INT8Linear.empty(136, 24, False, q.dtype, **q.config())
+    e.load_state_dict(q.state_dict())
+    x = torch.randn(3, 136)
+    assert torch.equal(e(x), q(x))
+    assert set(dict(q.named_buffers())) == {"qweight", "wscale", "gscale", "gzs"}
+    assert q.weight_bytes() < 136 * 24
+
+
+def test_torch_compile_fullgraph():
+    lin = torch.nn.Linear(128, 16)
+    q = W4A8INT8Linear.from_linear(lin)
+    f = torch.compile(q, fullgraph=True, backend="eager")
+    x = torch.randn(2, 128)
+    assert torch.equal(f(x), q(x))
