@@ -32,6 +32,8 @@ def quantize_linear(linear: torch.nn.Linear, scheme: str, **options) -> torch.nn
         raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
     if linear.weight.dtype not in FLOAT_DTYPES:
         raise TypeError(f"linear.weight must be float16, bfloat16 or float32, got {linear.weight.dtype}")
+    if linear.weight.device.type not in entry.devices:
+        raise ValueError(f"linear is on {linear.weight.device}; scheme {scheme!r} runs on {', '.join(entry.devices)}")
     return entry.load().from_linear(linear, **options)
 
 
@@ -60,6 +62,8 @@ def attention(q, k, v, *, scheme: str, causal: bool = False, sm_scale: float | N
         raise ValueError(f"causal attention needs Sq <= Skv, got Sq={Sq}, Skv={k.shape[2]}")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type not in entry.devices:
+        raise ValueError(f"q, k, v are on {q.device}; scheme {scheme!r} runs on {', '.join(entry.devices)}")
     if sm_scale is None:
         sm_scale = D ** -0.5
     return entry.load()(q, k, v, causal=causal, sm_scale=float(sm_scale), **options)
@@ -68,6 +72,8 @@ def attention(q, k, v, *, scheme: str, causal: bool = False, sm_scale: float | N
 def quantize_model(model, recipe: str, calibration=None, **options):
     """Quantize a transformers causal LM in place with ``recipe`` (see ``recipes()``); returns it."""
     entry = registry.get("recipe", recipe)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers *ForCausalLM), got {type(model).__name__}")
     return entry.load()(model, calibration=calibration, **options)
 
 

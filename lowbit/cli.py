@@ -106,9 +106,8 @@ def _cmd_demo(args) -> int:
                     window=args.window, prompt=args.prompt, new_tokens=args.new_tokens,
                     calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
                     budget_s=args.budget, gen_time=args.gen_seconds, text_file=args.text_file, console=console)
-    from rich.console import Console
-
-    demo.render(rows, max_tokens=args.max_tokens, window=args.window, prompt=args.prompt, console=Console())
+    name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model
+    demo.render(rows, max_tokens=args.max_tokens, window=args.window, prompt=args.prompt, model_name=name)
     if args.json:
         demo.to_json(rows, args.json, model=args.model, device=device, dtype=str(dtype), max_tokens=args.max_tokens,
                      window=args.window, prompt=args.prompt, new_tokens=args.new_tokens)
@@ -238,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(d, checkpoint=False)
     d.add_argument("--recipes", default=None,
                    help="comma-separated recipes to show (default: all; 'none' for the FP32 model only)")
-    d.add_argument("--max-tokens", type=int, default=2048,
-                   help="tokens of the corpus scored for perplexity (default 2048, to stay fast; eval uses 8192)")
+    d.add_argument("--max-tokens", type=int, default=1024,
+                   help="tokens of the corpus scored for perplexity (default 1024 = one window, to stay fast on "
+                        "the CPU; eval uses 8192)")
     d.add_argument("--window", type=int, default=1024, help="perplexity window (default 1024)")
     d.add_argument("--prompt", default=None, help="chat prompt (default: a fixed question)")
     d.add_argument("--new-tokens", type=int, default=40, help="greedy tokens to generate (default 40)")
@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
     d.add_argument("--seed", type=int, default=0, help="calibration seed (default 0)")
     d.add_argument("--budget", type=float, default=150.0,
-                   help="seconds after which remaining recipes are skipped (default 150)")
+                   help="time budget in seconds from the start: later recipes are skipped, a running one is "
+                        "stopped between perplexity windows (default 150)")
     d.add_argument("--gen-seconds", type=float, default=30.0,
                    help="stop each answer after this many seconds (slow CPU reference paths; default 30)")
     d.add_argument("--json", default=None, help="also write the rows to this JSON file")

@@ -129,6 +129,18 @@ def test_block_v_scales_beat_tensor_scales_with_outlier_channel():
     assert e_blk < e_ten
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_int8_block_p_scale(causal, dev):
+    from lowbit.ops.attention_prefill import reference
+
+    q, k, v = _qkv(1, 2, 1, 30, 170, 32, seed=11)
+    k[:, :, 0] *= 6.0  # an attention sink: later blocks sit far below the running max
+    out = ap.int8_attention(q.to(dev), k.to(dev), v.to(dev), causal=causal, p_scale="block").cpu()
+    assert rel_l2(out, reference(q, k, v, mode="int8", causal=causal, p_scale="block")) < 1e-5
+    ref = attention_ref(q, k, v, causal=causal)
+    assert rel_l2(out, ref) <= rel_l2(ap.int8_attention(q, k, v, causal=causal), ref) * 1.05
+
+
 def test_sm_scale_is_folded_in():
     q, k, v = _qkv(1, 2, 2, 16, 16, 32, seed=7)
     out = ap.int8_qk_attention(q, k, v, sm_scale=0.05)
@@ -206,7 +218,7 @@ def test_scheme_dispatch_through_api():
 def test_opcheck_and_compile():
     q, k, v = _qkv(1, 2, 1, 8, 8, 16)
     torch.library.opcheck(torch.ops.lowbit.quant_attention_prefill.default,
-                          (q, k, v, "int8", True, 0.25, "channel", 128, "token"),
+                          (q, k, v, "int8", True, 0.25, "channel", 128, "token", False),
                           test_utils=("test_schema", "test_faketensor"))
     from lowbit.formats.kv4 import quantize_kv4
 

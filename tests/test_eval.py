@@ -191,3 +191,12 @@ def test_recipe_unavailable_on_device():
     for e in registry.entries("recipe"):
         if "cpu" not in e.devices:
             assert "needs" in pipeline.recipe_unavailable(e.name, "cpu")
+
+
+def test_perplexity_deadline_never_returns_a_partial_result(model):
+    import time
+
+    ids = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(TimeoutError, match="after 0 of 4 perplexity windows"):
+        perplexity(model, ids, window=25, deadline=time.perf_counter() - 1)
+    assert perplexity(model, ids, window=25, deadline=time.perf_counter() + 60).windows == 4

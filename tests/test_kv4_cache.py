@@ -10,6 +10,16 @@ from tests.tolerances import rel_l2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _reference_ops_on_cpu(monkeypatch):
+    """The kernels are checked against the references in test_kv4_kernels; here the cache logic
+    is tested, so on CPU the ops take their (fast) reference path instead of the interpreter."""
+    if DEV == "cpu":
+        import lowbit.ops.kv4 as ops
+
+        monkeypatch.setattr(ops, "use_triton", lambda *t: False)
+
+
 def _rope(B, T, D, offset=0):
     pos = torch.arange(offset, offset + T, dtype=torch.float32)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))

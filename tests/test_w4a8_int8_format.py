@@ -27,7 +27,7 @@ def test_protective_range_keeps_int8_exhaustive():
     assert int(s2.max()) <= fmt.GSCALE_MAX and int(s2.min()) >= 1
     assert int(zs.max()) <= 240
     assert int((q4.to(torch.int32) * s2.to(torch.int32)[:, :1]).max()) <= 240  # fits one unsigned byte
-    w8 = fmt.dequantize_int8(fmt.pack_int4(q4), s2, zs).to(torch.int32)
+    w8 = fmt.dequantize_int8(fmt.pack_codes(q4), s2, zs).to(torch.int32)
     assert w8.min() >= -127 and w8.max() <= 127
     assert (w8 - q8.to(torch.int32)).abs().max() <= 8  # rounding error <= s2 / 2 <= 8
     # without the protective range: a group spanning [-100, 127] -> s2 = 16, 127 rounds up to 128
@@ -49,6 +49,7 @@ def test_quantize_properties(n, k, g, mag):
     assert qw.gscale.shape == (n, G) and qw.gzs.shape == (n, G)
     w8 = fmt.dequantize_int8(qw.qweight, qw.gscale, qw.gzs).to(torch.int32)
     assert w8.min() >= -127 and w8.max() <= 127
+    assert kp % 128 == 0 and kp - k < (128 if g == -1 else max(g, 128))
     assert (w8[:, k:] == 0).all()  # padded columns are zero weights
     # zero points are integers in [0, 15]: zs = z * s2
     z = qw.gzs.to(torch.int32) // qw.gscale.to(torch.int32)
@@ -86,12 +87,19 @@ def test_scale_rounds_up_no_clipping():
     assert (w8 - q8).abs().max() <= 1
 
 
-def test_packing_layout_is_lowbit_int4():
-    w = torch.randn(3, 64)
+def test_packing_layout_chunk_reordered():
+    """Byte j of each 128-column chunk: column j low nibble, column 64 + j high nibble
+    (lowbit.formats.int4 packing of the permuted codes)."""
+    w = torch.randn(3, 300)
     qw = fmt.quantize(w, 32)
-    q4 = unpack_int4(qw.qweight, signed=False)
-    assert q4.min() >= 0 and q4.max() <= 15
-    assert torch.equal(fmt.pack_int4(q4), qw.qweight)
+    assert qw.padded_in_features == 384
+    codes = fmt.unpack_codes(qw.qweight).to(torch.int32)
+    raw = qw.qweight.to(torch.int32)
+    assert torch.equal(raw[:, 64 + 5] & 0xF, codes[:, 128 + 5])
+    assert torch.equal(raw[:, 64 + 5] >> 4, codes[:, 128 + 64 + 5])
+    stored = unpack_int4(qw.qweight, signed=False)
+    assert torch.equal(fmt.pack_int4(stored), qw.qweight)
+    assert torch.equal(fmt.pack_codes(codes.to(torch.uint8)), qw.qweight)
 
 
 def test_group_size_validation():

@@ -189,6 +189,8 @@ def sweep():
     rows = []
     base = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     variants = [  # (mode, config, per-block K scale, V granularity, exp16)
+        ("fp8", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), True, "block", False),
+        ("int8", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), False, "channel", False),
         ("fp8", dict(base, num_stages=2), True, "block", False),
         ("fp8", dict(base, BLOCK_N=64), True, "block", False),
         ("fp8", base, True, "block", True),

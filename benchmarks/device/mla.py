@@ -84,6 +84,7 @@ def checks():
         (2, 128, 4, [1000, 4], 512, 64, 64, None),
         (4, 16, 3, [300, 17, 64, 65], 512, 64, 64, 1),
         (2, 64, 1, [20000, 9000], 512, 64, 64, None),
+        (1, 128, 1, [32768], 512, 64, 64, 1),  # one split: 1024 blocks accumulated in the wgmma accumulator
     ]
     if a.cpu_smoke:
         cases = [(3, 4, 2, [37, 5, 70], 64, 16, 16, 2), (2, 8, 1, [20, 33], 64, 16, 16, None)]
@@ -240,8 +241,9 @@ def sweep():
     qc8, qs8, qr8 = latent_quant_triton(q.view(-1, 576), 512)
     fl = 2.0 * B * H * L * (2 * 512 + 64)
     rows = []
-    for fp8, bn, warps, stages in ((False, 32, 8, 2), (False, 64, 8, 2), (False, 32, 8, 3), (True, 32, 8, 2),
-                                   (True, 64, 8, 2), (True, 128, 8, 2)):
+    for fp8, bn, warps, stages, promote in ((False, 32, 8, 2, False), (False, 64, 8, 2, False), (False, 32, 8, 3, False),
+                                            (True, 32, 8, 2, False), (True, 64, 8, 2, False), (True, 32, 8, 3, False),
+                                            (True, 32, 8, 2, True)):
         if time.time() - T0 > 55:
             break
         try:
@@ -254,16 +256,16 @@ def sweep():
             def fn():
                 return mla_decode_triton(*args, caches["page_table"], caches["seq_lens"], num_heads=H, sm_scale=576 ** -0.5,
                                          max_seq_len=L, page_size=64, fp8=fp8, block_n=bn, num_warps=warps,
-                                         num_stages=stages)
+                                         num_stages=stages, pv_promote=promote)
             t = time_cuda(fn, [()], warmup=3, reps=20)
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "ms": t["median_ms"],
+            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "ms": t["median_ms"],
                  "TFLOPs": fl / t["median_ms"] / 1e9}
         except Exception as exc:
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "error": f"{type(exc).__name__}: {exc}"[:300]}
         print(r, flush=True)
         rows.append(r)
     RESULTS["sweep"] = rows
-    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} "
+    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} pr={r['promote']} "
                                          + (f"{r['TFLOPs']:.0f} TF/s" if "ms" in r else "ERR") for r in rows))
     del caches
     torch.cuda.empty_cache()

@@ -61,8 +61,8 @@ def correctness():
              (1, 4096, 4096, -1, False), (77, 512, 768, 64, False), (4096, 1024, 1024, 128, False)]
     if args.cpu_smoke:
         cases = [(1, 40, 200, 128, True), (17, 72, 130, -1, False)]
-    for M, N, K, g, bias in cases:
-        for dt in (torch.bfloat16, torch.float16):
+    for ci, (M, N, K, g, bias) in enumerate(cases):
+        for dt in ((torch.bfloat16, torch.float16) if ci in (0, 2) else (torch.bfloat16,)):
             name = f"M={M} N={N} K={K} g={g} bias={bias} {str(dt)[6:]}"
             try:
                 torch.manual_seed(0)
@@ -74,17 +74,28 @@ def correctness():
                 y = w4a8_int8_gemm(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, out_dtype=dt)
                 r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, dt)
                 e = rel(y, r)
+                y2 = w4a8_int8_gemm(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, out_dtype=dt)
+                repeat_ok = bool(torch.equal(y, y2))  # split-K counters re-armed, deterministic
                 yl = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b)
                 yf = x.float() @ w.t() + (b.float() if b is not None else 0)
                 eq = rel(yl, yf)
                 tol = 1e-2 if dt == torch.bfloat16 else 2e-3
-                ok = e <= tol and eq < 0.2
-                RESULTS["correctness"].append({"case": name, "rel_l2_vs_ref": e, "rel_l2_vs_float": eq, "pass": ok})
-                log(f"{'PASS' if ok else 'FAIL'} {name}: kernel vs ref rel-L2 {e:.2e}, w4a8 vs float {eq:.3f}")
+                ok = e <= tol and eq < 0.2 and repeat_ok
+                RESULTS["correctness"].append({"case": name, "rel_l2_vs_ref": e, "rel_l2_vs_float": eq,
+                                               "repeat_equal": repeat_ok, "pass": ok})
+                log(f"{'PASS' if ok else 'FAIL'} {name}: kernel vs ref rel-L2 {e:.2e}, w4a8 vs float {eq:.3f}, "
+                    f"repeat equal {repeat_ok}")
             except Exception as exc:
                 RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
                 log(f"FAIL {name}: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
+    if not args.cpu_smoke and not any(c["pass"] for c in RESULTS["correctness"]) and \
+            os.environ.get("LOWBIT_W4A8_INT8_NO_ASM") != "1":
+        log("every case failed with the PTX dequantization: retrying with LOWBIT_W4A8_INT8_NO_ASM=1")
+        os.environ["LOWBIT_W4A8_INT8_NO_ASM"] = "1"
+        RESULTS["correctness"].clear()
+        SUMMARY.append("PTX (4-lane) dequantization FAILED; the rest of this run uses the one-lane path")
+        return correctness()
     n_ok = sum(c["pass"] for c in RESULTS["correctness"])
     SUMMARY.append(f"correctness: {n_ok}/{len(RESULTS['correctness'])} PASS")
 
@@ -157,9 +168,10 @@ def ratios(rec):
             if b:
                 lin[f"{case['layer']} M={case['M']}"] = b / v
         if "ffn" in case and p in ("w4a8-int8", "w4a8-int8-fused"):
-            f8 = med.get((c, "w4a8-fp8"))
-            if f8:
-                RESULTS["ffn_ratio"][f"M={case['M']} fp8/{p}"] = v / f8
+            for fp in ("w4a8-fp8", "w4a8-fp8-fused"):
+                f8 = med.get((c, fp))
+                if f8 and fp.endswith("fused") == p.endswith("fused"):
+                    RESULTS["ffn_ratio"][f"M={case['M']} {p} / {fp}"] = v / f8
     RESULTS["linear_speedup_vs_bf16"] = lin
     small = [v for k, v in lin.items() if int(k.split("M=")[1]) <= 16]
     big = [v for k, v in lin.items() if int(k.split("M=")[1]) >= 1024]
@@ -178,12 +190,14 @@ def sweep():
     from lowbit.bench.harness import rotating_inputs, time_cuda
     from lowbit.kernels.w4a8_int8_gemm import launch
 
+    # (BLOCK_M, BLOCK_N, SPLIT_K (0 = auto), warps, stages, USE_ASM, SWAP_AB)
     cfgs = {
-        1: [(16, 64, 128, 0, 4, 4), (16, 32, 256, 0, 4, 4), (16, 64, 256, 0, 4, 3), (16, 128, 128, 0, 4, 4), (16, 32, 128, 1, 4, 6)],
-        16: [(16, 64, 128, 0, 4, 4), (16, 64, 256, 0, 4, 3), (16, 128, 256, 0, 4, 3)],
-        128: [(64, 128, 128, 0, 4, 4), (128, 128, 128, 0, 8, 3), (64, 64, 128, 0, 4, 4), (64, 128, 256, 0, 4, 3)],
-        4096: [(128, 128, 128, 1, 8, 3), (128, 256, 128, 1, 8, 3), (128, 128, 256, 1, 8, 3), (128, 128, 128, 1, 4, 4),
-               (128, 256, 64, 1, 8, 4)],
+        1: [(16, 64, 0, 4, 4, True, True), (16, 64, 0, 4, 4, True, False), (16, 64, 0, 4, 4, False, True),
+            (16, 128, 0, 4, 4, True, True), (16, 64, 1, 4, 6, True, True), (16, 128, 0, 8, 4, True, True)],
+        16: [(16, 64, 0, 4, 4, True, True), (16, 128, 0, 4, 3, True, True)],
+        128: [(64, 128, 0, 4, 4, True, True), (128, 128, 1, 8, 3, True, True), (64, 128, 0, 4, 4, True, False)],
+        4096: [(128, 128, 1, 8, 3, True, True), (128, 128, 1, 8, 3, True, False), (128, 128, 1, 8, 3, False, True),
+               (128, 256, 1, 8, 3, True, True), (256, 128, 1, 8, 3, True, True), (128, 128, 1, 4, 4, True, True)],
     }
     for (N, K) in [(28672, 4096), (4096, 14336), (4096, 4096)]:
         sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
@@ -193,13 +207,14 @@ def sweep():
             for c in cl:
                 if left() < 8:
                     return
-                bm, bn, bk, split, warps, stages = c
+                bm, bn, split, warps, stages, asm, swap = c
                 if split == 0:
                     from lowbit._utils import cdiv
 
                     tiles = cdiv(M, bm) * cdiv(N, bn)
-                    split = max(1, min(264 // max(tiles, 1), cdiv(K, bk) // 4, 16))
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                    split = max(1, min(264 // max(tiles, 1), cdiv(K, 128) // 4, 16))
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, USE_ASM=asm,
+                           SWAP_AB=swap)
                 try:
                     t = time_cuda(lambda *w: launch(xq, xs, *w, None, K, 128, torch.bfloat16, config=cfg)[0],
                                   sets, reps=30 if M >= 4096 else 50, warmup=3)

@@ -7,7 +7,9 @@ Method (one place, every suite uses it):
 - the stream is kept full (a ``torch.cuda._sleep`` ahead of each chunk of calls), so the events
   measure GPU time per call without host launch gaps, as under CUDA graphs (``mode="gpu"``, the
   default); ``mode="wall"`` records the events around back-to-back calls without that padding, so
-  host launch overhead shows where it exceeds the GPU time (the method of ANCHORS.md);
+  host launch overhead shows where it exceeds the GPU time; ``mode="sync"`` synchronizes before
+  each call, so every call also pays the launch latency (~12-16 us for a cuBLAS call here): the
+  method ANCHORS.md's numbers match;
 - median, min and max in milliseconds; throughput from counted FLOPs and the fewest bytes moved;
   ``roofline`` = max(FLOPs / peak, bytes / bandwidth) with the ceilings measured in the same run
   (``measure_ceilings``), and ``frac_roofline`` = roofline / median.
@@ -93,8 +95,8 @@ def rotating_inputs(make: Callable[[], tuple], *, min_sets: int = 3, min_total_b
 def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps: int = 100,
               chunk: int = 25, mode: str = "gpu") -> dict:
     """Median/min/max ms per call of ``fn(*args)``, cycling through ``arg_sets`` (see module doc)."""
-    if mode not in ("gpu", "wall"):
-        raise ValueError(f"mode must be 'gpu' or 'wall', got {mode!r}")
+    if mode not in ("gpu", "wall", "sync"):
+        raise ValueError(f"mode must be 'gpu', 'wall' or 'sync', got {mode!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("time_cuda needs a CUDA device")
     n = len(arg_sets)
@@ -115,6 +117,8 @@ def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps
             # keep the queue ahead of the GPU: sleep for ~1.5x the host time to enqueue this chunk
             torch.cuda._sleep(int(min(1.5 * host_s * (c1 - c0), 0.2) * clock_hz))
         for i in range(c0, c1):
+            if mode == "sync":
+                torch.cuda.synchronize()
             starts[i].record()
             fn(*arg_sets[i % n])
             ends[i].record()

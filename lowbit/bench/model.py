@@ -41,7 +41,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
 FULL_LAYERS = 32
-RECIPES = ("fireq", "qserve", "flute-nf4", "flute-nf3", "int8-attention")
+RECIPES = ("fireq", "fireq+fused", "qserve", "flute-nf4", "flute-nf3", "int8-attention")
+VARIANTS = {"fireq+fused": ("fireq", {"fuse_mlp": True})}  # provider -> (recipe, options)
 BASELINE = "bf16"
 
 
@@ -94,7 +95,8 @@ def _quantize(model, recipe: str, *, linear_only: bool = False):
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     calib = [torch.randint(0, vocab, (1, 128), generator=g) for _ in range(2)]
-    opts = dict(progress=False)
+    recipe, extra = VARIANTS.get(recipe, (recipe, {}))
+    opts = dict(progress=False, **extra)
     if linear_only:
         opts.update(kv=None, attention=None)
         if recipe == "fireq":

@@ -9,6 +9,7 @@ predicted tokens. FP32 SmolLM2-135M-Instruct, first 8192 tokens, window 1024: 13
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,11 @@ def windowing(max_tokens: int | None, window: int) -> str:
 
 @torch.no_grad()
 def perplexity(model, input_ids: torch.Tensor, *, max_tokens: int | None = 8192, window: int = 1024,
-               progress: bool = False) -> PerplexityResult:
-    """``input_ids``: 1-D LongTensor of the whole text (see ``corpus.tokenize``)."""
+               progress: bool = False, deadline: float | None = None) -> PerplexityResult:
+    """``input_ids``: 1-D LongTensor of the whole text (see ``corpus.tokenize``).
+
+    ``deadline`` (a ``time.perf_counter()`` value): raise ``TimeoutError`` instead of starting a
+    window after it (the demo's time budget); a partial perplexity is never returned."""
     if input_ids.ndim != 1:
         raise ValueError(f"input_ids must be 1-D, got shape {list(input_ids.shape)}")
     if window < 2:
@@ -56,7 +60,9 @@ def perplexity(model, input_ids: torch.Tensor, *, max_tokens: int | None = 8192,
 
         it = tqdm(starts, desc="perplexity", unit="window")
     total_nll, total_n = 0.0, 0
-    for s in it:
+    for i, s in enumerate(it):
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TimeoutError(f"time budget spent after {i} of {len(starts)} perplexity windows")
         chunk = ids[s:s + window]
         n = chunk.numel() - 1
         if n < 1:

@@ -25,7 +25,10 @@ Operand formats (every tensor keeps the attention layout ``[B, H, S, D]``)
   Rounding is to nearest even (the fp32 adder with 1.5*2^23, as everywhere in lowbit).
   ``l`` is summed from the **quantized** P (Algorithm 1 line 13; their Triton code sums the
   float P instead): numerator and denominator then carry the same rounding and the factor R
-  cancels in O = acc / l.
+  cancels in O = acc / l. Option ``p_block`` (not the paper): P against the *block's* row max
+  ``m_b`` instead, ``P = round(127 exp(S - m_b))``, and the block's P V and row sum are multiplied
+  by ``beta = exp(m_b - m) <= 1`` in fp32: a block far below the running max (e.g. after an
+  attention sink) keeps 7 bits instead of rounding to zero.
 * FP8 (``mode="fp8"``): ``P = fp8(256 * exp(S - m))``: 256 = 2^8 is exact, keeps P <= 256 < 448
   (no overflow, the running max makes exp(S - m) <= 1), and moves the small probabilities out of
   E4M3's subnormal range (down to 2^-17 of the row max instead of 2^-9). ``l`` is summed from the
@@ -180,7 +183,7 @@ def _expand(t: torch.Tensor, hq: int) -> torch.Tensor:
 
 
 def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int = 128,
-                        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.float32, p_block: bool = False) -> torch.Tensor:
     """Replay the kernel's numerics in float32 on operands from ``quantize_qkv``.
 
     Loop over KV blocks of ``block_n`` keys with the running max ``m``, ``alpha = exp2(m_old - m)``,
@@ -211,44 +214,69 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
     qk_scale = (qs.float() * (sm_scale * LOG2E)).unsqueeze(-1)  # [B, H, Sq, 1]
     dots = torch.matmul(qc.float(), kf.transpose(-1, -2))  # exact for int8 codes (|sum| < 2^24)
     k_block = qq.get("k_block")
+    # t = the dot in the kernel's form; score (log2 units) = (t - c) * qsb. INT8 dots arrive as
+    # fp32 bit patterns of 1.5*2^23 + dot (exact, no I2F); with per-block K scales the offset c
+    # stays in t and folds into the exp2 argument, per-key K scales fold it per column.
+    if mode in ("int8", "int8-qk"):
+        t2 = dots + _RNE_MAGIC
+    else:
+        t2 = dots
+    c = 0.0
     if k_block:  # kernel: (q_scale * k_scale_block) first, then times the dot
         if k_block != block_n:
             raise ValueError(f"k_block ({k_block}) must equal block_n ({block_n})")
-        row_blk = qk_scale * ks.unsqueeze(-2)  # [B, H, Sq, NB]
-        s2 = dots * row_blk.repeat_interleave(k_block, dim=-1)[..., :Skv]
+        qsb2 = (qk_scale * ks.unsqueeze(-2)).repeat_interleave(k_block, dim=-1)[..., :Skv]  # [B, H, Sq, Skv]
+        if mode in ("int8", "int8-qk"):
+            c = _RNE_MAGIC
     else:
-        s2 = dots * ks.unsqueeze(-2) * qk_scale
+        ksr = ks.unsqueeze(-2)
+        t2 = t2 * ksr - _RNE_MAGIC * ksr if mode in ("int8", "int8-qk") else t2 * ksr
+        qsb2 = qk_scale.expand(B, Hq, Sq, Skv)
     if causal:
         i = torch.arange(Sq, device=qc.device).unsqueeze(1)
         j = torch.arange(Skv, device=qc.device).unsqueeze(0)
-        s2 = s2.masked_fill(j > i + (Skv - Sq), float("-inf"))
+        t2 = t2.masked_fill(j > i + (Skv - Sq), float("-inf"))
     m = torch.full((B, Hq, Sq), float("-inf"), device=qc.device)
     l = torch.zeros((B, Hq, Sq), device=qc.device)
     acc = torch.zeros((B, Hq, Sq, D), device=qc.device)
     c_acc = torch.ones((), device=qc.device)  # scaled accumulator: acc holds O / c_acc
     for n0 in range(0, Skv, block_n):
-        s = s2[..., n0:n0 + block_n]
-        m_new = torch.maximum(m, s.amax(dim=-1))
+        t = t2[..., n0:n0 + block_n]
+        qsb = qsb2[..., n0:n0 + block_n]
+        qsb_row = qsb[..., 0]
+        mb = (t.amax(dim=-1) - c) * qsb_row
+        m_new = torch.maximum(m, mb)
         m_use = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp2(m - m_use)
+
+        def arg(sub):  # the exp2 argument as the kernel forms it
+            return t * qsb - (c * qsb_row + sub).unsqueeze(-1)
+
         vb = vf[:, :, n0:n0 + block_n]
         if mode == "int8":
-            p = quantize_p_int8(torch.exp2(s - (m_use - math.log2(P_SCALE_INT8)).unsqueeze(-1)))
-            l = l * alpha + p.sum(-1)
-            pv = torch.matmul(p, vb)
+            if p_block:  # P against the block's row max, block rescaled by beta = exp2(m_block - m)
+                mb_use = torch.where(torch.isinf(mb), m_use, mb)
+                beta = torch.exp2(mb_use - m_use)
+                p = quantize_p_int8(torch.exp2(arg(mb_use - math.log2(P_SCALE_INT8))))
+                l = l * alpha + p.sum(-1) * beta
+                pv = torch.matmul(p, vb) * beta.unsqueeze(-1)
+            else:
+                p = quantize_p_int8(torch.exp2(arg(m_use - math.log2(P_SCALE_INT8))))
+                l = l * alpha + p.sum(-1)
+                pv = torch.matmul(p, vb)
         elif mode == "fp8":
-            p = torch.exp2(s - (m_use - 8.0).unsqueeze(-1))
+            p = torch.exp2(arg(m_use - 8.0))
             l = l * alpha + p.sum(-1)
             pv = torch.matmul(quantize_p_fp8(p).float(), vb)
         elif mode == "fp8-kv4":
-            p = torch.exp2(s - (m_use - 8.0).unsqueeze(-1))
+            p = torch.exp2(arg(m_use - 8.0))
             l = l * alpha + p.sum(-1)
             sv = vtok[..., n0:n0 + block_n]
             svmax = sv.amax(dim=-1, keepdim=True).clamp_min(1e-30)
             r = sv * (1.0 / svmax)
             pv = torch.matmul(quantize_p_fp8(p * r.unsqueeze(-2)).float(), vb)
         else:  # int8-qk
-            p = torch.exp2(s - m_use.unsqueeze(-1))
+            p = torch.exp2(arg(m_use))
             l = l * alpha + p.sum(-1)
             pv = torch.matmul(p.to(vb.dtype).float(), vb.float())
         # the kernel's accumulator update, per V scale kind (see the module docstring)

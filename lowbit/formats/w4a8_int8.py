@@ -36,26 +36,37 @@ Decisions where the sources leave room (each has a test):
   by the scale (round-to-nearest would clip up to 7 INT8 units of a group of range 22).
 - the group range is widened to contain 0, so ``z`` fits UINT4 and all-zero groups give
   s2 = 1, z = 0, codes 0 and dequantize to exactly 0.
-- K not a multiple of the group (or odd): the weight is padded with zero columns up to a multiple
-  of ``group_size`` (of 2 for per-channel); the padded columns are zero weights, the activation
-  is never padded (kernels mask k >= K), ``in_features`` keeps the true K.
+- K not a multiple of the group or of the 128-column chunk: the weight is padded with zero columns
+  up to a multiple of lcm(group_size, 128) (of 128 for per-channel); the padded columns are zero
+  weights, the activation is never padded (kernels mask k >= K), ``in_features`` keeps the true K.
+
+Compute-aware weight reorder (QServe §5's idea, our layout): the codes are stored in chunks of
+``CHUNK = 128`` columns; byte ``j`` (0..63) of a chunk holds column ``j`` in its low nibble and
+column ``64 + j`` in its high nibble (``lowbit.formats.int4`` packing applied to the codes permuted
+by ``chunk_permutation``). A kernel tile of 128 columns then splits into two *contiguous* halves by
+one AND and one shift, with no register shuffle, and four codes of one row sit in each 32-bit
+register, so the dequantization runs on four INT8 lanes per instruction (QServe's register-level
+parallelism; ``q4 * s2 + 128 - zs`` stays in [1, 255] per byte, so lanes never carry).
 
 Stored fields (all plain tensors, row = output channel ``n``, layout ``[N, ...]``):
 
 ========== ======================== ======== =====================================================
 name       shape                    dtype    meaning
 ========== ======================== ======== =====================================================
-qweight    [N, Kp / 2]              uint8    q4, two codes per byte along k (``lowbit.formats.int4``:
-                                             k = 2i low nibble, k = 2i + 1 high nibble)
+qweight    [N, Kp / 2]              uint8    q4, two codes per byte, chunk-reordered (see above): in
+                                             chunk c, byte 64c + j = k 128c + j (low nibble) and
+                                             k 128c + 64 + j (high nibble)
 wscale     [N]                      float32  s1, per-channel level-1 scale
 gscale     [N, Kp / group_size]     uint8    s2 in [1, 16]
 gzs        [N, Kp / group_size]     uint8    zs = z * s2 in [0, 240] (z = gzs / gscale)
 ========== ======================== ======== =====================================================
 
 ``Kp`` = K padded as above; per-channel (``group_size=-1``) has one group of Kp columns.
+All-zero chunks/groups cost nothing special: s2 = 1, zs = 0, codes 0.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +77,7 @@ from lowbit.formats.int4 import pack_int4, unpack_int4
 PROTECTIVE_RANGE = 119  # level-1 INT8 range [-119, 119]; see module docstring for why
 UINT4_MAX = 15
 GSCALE_MAX = 16  # ceil(2 * 119 / 15)
+CHUNK = 128  # columns per reorder chunk (= the kernel's BLOCK_K)
 
 
 @dataclass
@@ -89,9 +101,31 @@ class QoQWeight:
 
 
 def padded_k(k: int, group_size: int) -> int:
-    """K rounded up to a multiple of ``group_size`` (per-channel ``-1``: of 2)."""
-    mult = 2 if group_size == -1 else group_size
+    """K rounded up to a multiple of lcm(group_size, CHUNK) (per-channel ``-1``: of CHUNK)."""
+    mult = CHUNK if group_size == -1 else math.lcm(group_size, CHUNK)
     return -(-k // mult) * mult
+
+
+def chunk_permutation(kp: int, device=None) -> torch.Tensor:
+    """Index ``perm`` [Kp] with ``stored[..., i] = codes[..., perm[i]]`` before nibble packing:
+    positions (2j, 2j + 1) of chunk c hold columns (128c + j, 128c + 64 + j)."""
+    half = CHUNK // 2
+    j = torch.arange(half, device=device)
+    one = torch.stack((j, j + half), dim=-1).reshape(CHUNK)
+    return (torch.arange(kp // CHUNK, device=device)[:, None] * CHUNK + one[None, :]).reshape(kp)
+
+
+def pack_codes(q4: torch.Tensor) -> torch.Tensor:
+    """q4 [N, Kp] in natural column order -> qweight uint8 [N, Kp / 2] (chunk-reordered)."""
+    return pack_int4(q4[:, chunk_permutation(q4.shape[1], q4.device)])
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_codes``: uint8 [N, Kp / 2] -> codes uint8-valued int8 [N, Kp], natural order."""
+    stored = unpack_int4(qweight, signed=False)
+    out = torch.empty_like(stored)
+    out[:, chunk_permutation(stored.shape[1], stored.device)] = stored
+    return out
 
 
 def check_group_size(group_size: int) -> int:
@@ -139,13 +173,13 @@ def quantize(w: torch.Tensor, group_size: int = 128) -> QoQWeight:
     if Kp != K:
         q8 = torch.nn.functional.pad(q8, (0, Kp - K))
     q4, s2, zs = quantize_uint4_groups(q8, group_size)
-    return QoQWeight(pack_int4(q4), s1, s2, zs, K, group_size)
+    return QoQWeight(pack_codes(q4), s1, s2, zs, K, group_size)
 
 
 def dequantize_int8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor,
                     in_features: int | None = None) -> torch.Tensor:
     """The runtime INT8 weight ``w8 = q4 * s2 - zs`` as int8 [N, in_features] (all of Kp if None)."""
-    q4 = unpack_int4(qweight, signed=False).to(torch.int32)
+    q4 = unpack_codes(qweight).to(torch.int32)
     N, Kp = q4.shape
     G = gscale.shape[1]
     g = Kp // G

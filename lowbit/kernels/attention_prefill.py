@@ -60,7 +60,7 @@ def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
     if interpret_mode():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if head_dim > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     if mode == "int8-qk":
         return {"BLOCK_M": 128, "BLOCK_N": 64 if head_dim > 64 else 128, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
@@ -139,11 +139,12 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
                  K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
-                 INTERPRET: tl.constexpr):
+                 P_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, HEAD_DIM // 2)
     offs_nb = tl.arange(0, BLOCK_N)
+    ones = tl.full([BLOCK_N, 16], 1, tl.int8)  # int8: row sums of P on the tensor cores
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_nb
@@ -163,37 +164,52 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
             else:
                 k = tl.load(k_ptr)
         d = tl.dot(q, tl.trans(k))
-        if MODE != 0:  # exact INT32 -> fp32 on the integer ALU (|d| < 2^22): no I2F (quarter rate)
-            d = (d + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        # score (log2 units) = (t - c) * qsb. INT8: the INT32 dot becomes the fp32 bit pattern of
+        # 1.5*2^23 + d (exact for |d| < 2^22) with one integer add, no I2F (quarter rate); the
+        # 1.5*2^23 offset c then folds into the exp2 argument (per-block K scale) or into one FFMA
+        # per score with the per-key K scale.
+        c = 0.0
+        if MODE != 0:
+            d = (d + 0x4B400000).to(tl.float32, bitcast=True)
         if K_PER_BLOCK:  # one K scale per block of BLOCK_N keys: folded into the per-row scale
             qsb = qs * tl.load(KSb + start_n // BLOCK_N)
             t = d
+            if MODE != 0:
+                c = 12582912.0
         else:
             if MASK:
                 ks = tl.load(KSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
             else:
                 ks = tl.load(KSb + offs_n).to(tl.float32)
             qsb = qs
-            t = d * ks[None, :]
+            if MODE != 0:
+                t = d * ks[None, :] - (12582912.0 * ks)[None, :]
+            else:
+                t = d * ks[None, :]
         if MASK:
             valid = nmask[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
             t = tl.where(valid, t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(t, 1) * qsb)
+        mb = (tl.max(t, 1) - c) * qsb  # this block's row max (log2 units)
+        m_new = tl.maximum(m_i, mb)
         if MASK:  # a row with no visible key yet keeps m = -inf; subtract 0 instead (no inf - inf)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
         alpha = tl.math.exp2(m_i - m_use)
-        if MODE == 1:
+        if MODE == 1 and P_BLOCK:  # P against this block's max: 127 * exp(S - m_block)
+            mb_use = tl.where(mb == float("-inf"), m_use, mb)
+            beta = tl.math.exp2(mb_use - m_use)  # <= 1, rescales the block's P V and row sum
+            sub = mb_use - 6.988684686772166
+        elif MODE == 1:
             sub = m_use - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
         elif MODE == 0:
             sub = m_use - 8.0  # P = 256 * exp(S - m) in [0, 256]
         else:
             sub = m_use
         if EXP16:  # FireQ-style half-precision softmax numerator: ex2.approx.f16x2, two per op
-            x16 = (t * qsb[:, None] - sub[:, None]).to(tl.float16)
+            x16 = (t * qsb[:, None] - (c * qsb + sub)[:, None]).to(tl.float16)
             if INTERPRET:
                 p16 = tl.math.exp2(x16.to(tl.float32)).to(tl.float16)
             else:
@@ -201,14 +217,21 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
                                                 is_pure=True, pack=2)
             p = p16
         else:
-            p = tl.math.exp2(t * qsb[:, None] - sub[:, None])
+            p = tl.math.exp2(t * qsb[:, None] - (c * qsb + sub)[:, None])
         if MODE == 1:
             # round to nearest even integer in [0, 127]: the low byte of (p + 1.5 * 2^23)'s bits is
             # the INT8 code (no F2I), and subtracting 1.5 * 2^23 again gives it as a float for l
             pm = p + 12582912.0
             p8 = pm.to(tl.int32, bitcast=True).to(tl.int8)
-            p = pm - 12582912.0
-        if EXP16:
+        # row sums l. int8: the tensor cores add the quantized P exactly (P . ones, a 16-wide INT8
+        # MMA beside the P V one), which frees two ALU ops per score (the float copy of the
+        # rounded P and its add); for fp8 the same trick measured slower (extra register moves)
+        if MODE == 1:
+            rs = tl.max(tl.dot(p8, ones), 1).to(tl.float32)
+            if P_BLOCK:
+                rs = rs * beta
+            l_i = l_i * alpha + rs
+        elif EXP16:
             l_i = l_i * alpha + tl.sum(p, 1).to(tl.float32)
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -249,6 +272,8 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
             if MODE == 1:
                 pv = tl.dot(p8, tl.trans(vt))
                 pv = (pv + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+                if P_BLOCK:
+                    pv = pv * beta[:, None]
             else:
                 pv = tl.dot(_to_fp8(p, INTERPRET), tl.trans(vt))
             if V_CHANNEL:  # per-channel scales of this block: acc * alpha + pv * s_v
@@ -275,7 +300,7 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
     MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, K_PER_BLOCK: tl.constexpr,  #
-    V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, INTERPRET: tl.constexpr,  #
+    V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -321,11 +346,11 @@ def _attn_fwd(
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, 0, n_full,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off,  #
                                  stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL, EXP16, INTERPRET)
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL, EXP16, P_BLOCK, INTERPRET)
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, n_full, hi,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off,  #
                                  stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16, INTERPRET)
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16, P_BLOCK, INTERPRET)
     out = acc * (c_acc / l_i)[:, None]
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
@@ -334,6 +359,7 @@ def _attn_fwd(
 # ----------------------------------------------------------------------------------------- launcher
 def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal: bool, sm_scale: float,
                              v_block: int = 128, k_block: int | None = None, exp16: bool = False,
+                             p_block: bool = False,
                              config: dict | None = None,
                              out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the kernel on pre-quantized K/V (layouts in the module docstring); Q is quantized
@@ -354,6 +380,8 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
     kv4 = mode == "fp8-kv4"
     if mode in ("fp8", "int8") and v_block % BN:
         raise ValueError(f"BLOCK_N ({BN}) must divide v_block ({v_block})")
+    if p_block and mode != "int8":
+        raise ValueError("p_block (INT8 P against the block max) applies to mode 'int8' only")
     if exp16 and not mode.startswith("fp8"):
         raise ValueError("exp16 (FP16 softmax numerator) applies to the fp8 modes only")
     if k_block is not None and k_block != BN:
@@ -383,7 +411,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, V_BLOCK=v_block,
         MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), K_PER_BLOCK=k_block is not None,
-        V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16),
+        V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block),
         INTERPRET=interpret_mode(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -29,8 +29,11 @@ and tokens with scales ``s_k``:
   and row with ``σ = rowmax(P̃) / 448`` to ``P̂ = FP8(P̃ / σ)``; the fp32 accumulator and the
   softmax denominator both live in the "divided by σ" domain, so σ is folded into the online
   softmax rescale factor ``r = e^(m_old - m_new) * σ_old / σ_new`` and never applied explicitly
-  (digest 2.5's reconstruction of Appendix B). Each block's ``P̂ · ĉ`` is a fresh fp8 dot added to
-  the rescaled accumulator in fp32 (no imprecise accumulation across blocks).
+  (digest 2.5's reconstruction of Appendix B). ``P̂ · ĉ`` accumulates into the rescaled accumulator
+  inside the fp8 wgmma (``acc = dot(P̂, ĉ, acc * r)``). Adding each block's product in a fresh fp32
+  tile instead (``PV_PROMOTE=True``, DeepSeek-V3's promotion) keeps a second 64 x 512 fp32 tile
+  live: 2 x 128 registers per thread, which spills; the device check compares both against the
+  emulating reference at L = 32k in one split (``benchmarks/device/mla.py``).
 - Decision (digest 2.5 / App. C hazard): σ is made monotone, ``σ_new = max(rowmax(P̃)/448,
   σ_old e^(m_old - m_new))``, so every rescale factor is <= 1: the accumulator's scale only moves
   one way (no division by a ratio that could overflow). Without it a late block whose scores lie
@@ -58,7 +61,7 @@ from lowbit.kernels.mla_quant import _cast
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
-PV_BLOCK_N = {False: 64, True: 64}  # tokens per KV block on the GPU (bf16, fp8)
+PV_BLOCK_N = {False: 32, True: 32}  # tokens per KV block on the GPU (bf16, fp8): no register spills at 32
 
 
 @triton.jit
@@ -82,7 +85,7 @@ def _mla_decode_kernel(
     # constexpr
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PV_PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -142,7 +145,10 @@ def _mla_decode_kernel(
             # registers into the k-major layout fp8 wgmma needs for V (SnapMLA §3.3, layer 3)
             vc = tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=tok_ok[:, None], other=0.0,
                          eviction_policy="evict_first")
-            acc = acc * r[:, None] + tl.dot(p8, vc)
+            if PV_PROMOTE:  # each block's P̂·ĉ in a fresh fp32 tile: exact fp32 sum, 2x acc registers
+                acc = acc * r[:, None] + tl.dot(p8, vc)
+            else:  # accumulate in the wgmma accumulator (tensor-core fp8 accumulation, see docstring)
+                acc = tl.dot(p8, vc, acc * r[:, None])
             sig_i = sig_new
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -211,7 +217,7 @@ def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device,
 def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                       max_seq_len: int, page_size: int, fp8: bool, out_dtype=torch.bfloat16,
                       num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-                      imprecise: int = 128, num_warps: int | None = None, num_stages: int = 2,
+                      imprecise: int = 128, pv_promote: bool = False, num_warps: int | None = None, num_stages: int = 2,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
@@ -249,7 +255,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), kc.stride(0), kr.stride(0), page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
-        IMPRECISE=min(imprecise, DC), INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
+        IMPRECISE=min(imprecise, DC), PV_PROMOTE=pv_promote, INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_combine_kernel[(B * ROWS,)](

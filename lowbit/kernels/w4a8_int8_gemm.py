@@ -13,48 +13,90 @@ INT32 cannot overflow for K < 2^31 / 127^2 = 133,143.
 
 Layouts:
 - x8 ``[M, K]`` int8, any strides; sx ``[M]`` fp32 (per-token scale, ``lowbit.ops.quant``);
-- qweight ``[N, Kp/2]`` uint8, row-major, two k per byte (k = 2i low nibble); Kp >= K is the
-  padded K (a multiple of the group; the kernel masks x at k >= K, so padded columns add 0);
+- qweight ``[N, Kp/2]`` uint8, row-major, chunk-reordered: in each 128-column chunk byte j holds
+  column j (low nibble) and column 64 + j (high nibble); Kp >= K is the padded K (a multiple of
+  lcm(group, 128); the kernel masks x at k >= K, so padded columns add 0);
 - s1 ``[N]`` fp32; s2, zs ``[N, G]`` uint8 (G = Kp / GROUP_SIZE groups along k);
-- out ``[M, N]`` fp16/bf16 (or an fp32 workspace with SPLIT_K > 1, reduced by atomic adds).
+- out ``[M, N]`` fp16/bf16/fp32.
 
 Tiling: a program computes a BLOCK_M x BLOCK_N tile over a K range (SPLIT_K > 1 splits K over a
-second grid axis so small M still fills the 132 SMs). A tile of packed weights is loaded as
-``[BLOCK_N, BLOCK_K/2]`` bytes (k contiguous: 16-byte loads), split into nibbles, interleaved
-back to ``[BLOCK_N, BLOCK_K]``, dequantized with one group scale per row and k-group, cast to int8
-and fed to ``tl.dot`` transposed (k-major B, which Hopper's int8 wgmma needs). BLOCK_K may span
-several groups (reshaped to ``[BLOCK_N, BLOCK_K/GROUP, GROUP]``) or lie inside one.
+second grid axis so small M still fills the 132 SMs; the last split of a tile to finish sums the
+INT32 partial tiles exactly and runs the epilogue, in the same launch: no memset, no cast kernel). BLOCK_K = 128 = one reorder chunk: the packed tile is loaded as
+``[BLOCK_N, 64]`` bytes (16-byte loads), its low nibbles are the tile's first 64 columns and its
+high nibbles the last 64, so the x tile is loaded as two contiguous halves and the product is two
+``tl.dot`` of K = 64 (B transposed: k-major, as Hopper's int8 wgmma wants). Dequantization on the
+GPU is the 4-lanes-per-register PTX below (7 instructions per 8 weights); under the interpreter
+the same integers one lane at a time. Groups that are a multiple of 128 (g128, per-channel) load
+one (s2, zs) per row and tile; smaller or odd groups gather a group index per column.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv
+from lowbit._utils import cdiv, interpret_mode
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K or 0 = auto, num_warps, num_stages), by M bucket.
-# Chosen from the device sweeps (benchmarks/device/w4a8_int8.py, --sweep); see docs/sections/w4a8_int8.md.
+# (BLOCK_M, BLOCK_N, SPLIT_K or 0 = auto, num_warps, num_stages) by M bucket; BLOCK_K = CHUNK = 128.
+# Chosen from the device sweeps (benchmarks/device/w4a8_int8.py); see docs/sections/w4a8_int8.md.
 CONFIGS = {
-    16: (16, 64, 256, 0, 4, 4),
-    64: (64, 64, 128, 0, 4, 4),
-    128: (64, 128, 128, 0, 4, 4),
-    1 << 62: (128, 128, 128, 1, 8, 3),
+    16: (16, 64, 0, 4, 4),
+    64: (64, 64, 0, 4, 4),
+    128: (64, 128, 0, 4, 4),
+    1 << 62: (128, 128, 1, 8, 3),
 }
+
+# Four INT8 lanes per 32-bit register (QServe's register-level parallelism). $2 holds 4 bytes of
+# one weight row (8 codes): low nibbles = columns j..j+3 of the tile's first half, high nibbles =
+# the same j of the second half. Per lane, q * s2 + (128 - zs) lies in [1, 255] (tested bound
+# |w8| <= 127), so one 32-bit multiply-add with c = (128 - zs) * 0x01010101 never carries between
+# lanes; XOR 0x80 per byte then subtracts 128, giving the int8 two's complement w8 = q * s2 - zs.
+_DEQUANT_ASM = tl.constexpr("""
+{
+.reg .b32 t;
+and.b32 t, $2, 0x0F0F0F0F;
+mad.lo.u32 t, t, $3, $7;
+xor.b32 $0, t, 0x80808080;
+shr.u32 t, $2, 4;
+and.b32 t, t, 0x0F0F0F0F;
+mad.lo.u32 t, t, $3, $7;
+xor.b32 $1, t, 0x80808080;
+}
+""")
+
+
+@triton.jit
+def _dequant_halves(b, s2, zs, USE_ASM: tl.constexpr):
+    """Packed codes b uint8 [BN, 64] + per-element s2, zs (int32, broadcast) -> (w8 of the first
+    64 columns, w8 of the last 64), int8 [BN, 64] each: w8 = q4 * s2 - zs."""
+    if USE_ASM:
+        c = (128 - zs) * 0x01010101
+        lo, hi = tl.inline_asm_elementwise(_DEQUANT_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [b, s2, c],
+                                           dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:  # same integers, one lane per op (interpreter: no inline PTX)
+        bi = b.to(tl.int32)
+        lo = ((bi & 0xF) * s2 - zs).to(tl.int8)
+        hi = ((bi >> 4) * s2 - zs).to(tl.int8)
+    return lo, hi
 
 
 @triton.jit
 def _w4a8_int8_gemm_kernel(
     # pointers
-    X, XS, W, WS, GS, GZS, BIAS, OUT,
+    X, XS, W, WS, GS, GZS, BIAS, OUT, PART, CNT,
     # sizes
-    M, N, K, KP, NUM_GROUPS, TILES_PER_SPLIT,
+    M, N, K, KP, NUM_GROUPS, TILES_PER_SPLIT, NSPLIT,
     # strides (elements; W in bytes)
     stride_xm, stride_xk, stride_wn, stride_gn, stride_om, stride_on,
     # constexpr flags / tiles
-    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
+    BLOCK_K: tl.constexpr = 128  # = lowbit.formats.w4a8_int8.CHUNK
+    HALF: tl.constexpr = 64
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # grouped ordering of output tiles: GROUP_M row-tiles share the weight tiles they read (L2 reuse)
@@ -73,84 +115,108 @@ def _w4a8_int8_gemm_kernel(
     # main-loop loads need no M/N masks
     rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_h = tl.arange(0, HALF)
+    x_ptrs = X + rm[:, None] * stride_xm + offs_h[None, :] * stride_xk
+    w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
 
     t0 = pid_k * TILES_PER_SPLIT  # the last split may run past KP: its loads are masked off
-
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 2)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    # SWAP_AB: compute the transposed tile W x^T ([BLOCK_N, BLOCK_M]) so the dequantized weights are
+    # the MMA's A operand, which Hopper's wgmma reads from registers (no shared-memory round trip),
+    # and the tokens are its N dimension (wgmma N can be 8..256: small M wastes nothing)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for i in range(0, TILES_PER_SPLIT):
         k0 = (t0 + i) * BLOCK_K
-        kk = k0 + offs_k
-        a = tl.load(X + rm[:, None] * stride_xm + kk[None, :] * stride_xk, mask=kk[None, :] < K, other=0)
-        kb = k0 // 2 + offs_kb
-        b = tl.load(W + rn[:, None] * stride_wn + kb[None, :], mask=kb[None, :] < KP // 2, other=0)
-        b = b.to(tl.int32)
-        q = tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_N, BLOCK_K))  # k = 2i low, 2i + 1 high
-        if BLOCK_K <= GROUP_SIZE:  # the whole tile lies in one k-group
+        a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
+        a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
+        b = tl.load(w_ptrs + k0 // 2, mask=k0 < KP, other=0)  # [BN, 64] bytes, 16-byte loads
+        if GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
             g = k0 // GROUP_SIZE
-            s2 = tl.load(GS + rn * stride_gn + g).to(tl.int32)
-            zs = tl.load(GZS + rn * stride_gn + g).to(tl.int32)
-            w8 = q * s2[:, None] - zs[:, None]
-        else:  # BLOCK_K // GROUP_SIZE groups per tile
-            NG: tl.constexpr = BLOCK_K // GROUP_SIZE
-            gg = k0 // GROUP_SIZE + tl.arange(0, NG)
-            gm = gg[None, :] < NUM_GROUPS
-            s2 = tl.load(GS + rn[:, None] * stride_gn + gg[None, :], mask=gm, other=0).to(tl.int32)
-            zs = tl.load(GZS + rn[:, None] * stride_gn + gg[None, :], mask=gm, other=0).to(tl.int32)
-            q3 = tl.reshape(q, (BLOCK_N, NG, GROUP_SIZE))
-            w8 = tl.reshape(q3 * s2[:, :, None] - zs[:, :, None], (BLOCK_N, BLOCK_K))
-        acc = tl.dot(a, tl.trans(w8.to(tl.int8)), acc, out_dtype=tl.int32)
+            gm = g < NUM_GROUPS
+            s2 = tl.load(GS + rn * stride_gn + g, mask=gm, other=1).to(tl.int32)
+            zs = tl.load(GZS + rn * stride_gn + g, mask=gm, other=0).to(tl.int32)
+            s2b = tl.broadcast_to(s2[:, None], (BLOCK_N, HALF))
+            zsb = tl.broadcast_to(zs[:, None], (BLOCK_N, HALF))
+            w_lo, w_hi = _dequant_halves(b, s2b, zsb, USE_ASM)
+        else:  # groups smaller than the tile (or not dividing it): gather each column's group
+            g_lo = (k0 + offs_h) // GROUP_SIZE
+            g_hi = (k0 + HALF + offs_h) // GROUP_SIZE
+            base = rn[:, None] * stride_gn
+            m_lo = g_lo[None, :] < NUM_GROUPS
+            m_hi = g_hi[None, :] < NUM_GROUPS
+            s_lo = tl.load(GS + base + g_lo[None, :], mask=m_lo, other=1).to(tl.int32)
+            z_lo = tl.load(GZS + base + g_lo[None, :], mask=m_lo, other=0).to(tl.int32)
+            s_hi = tl.load(GS + base + g_hi[None, :], mask=m_hi, other=1).to(tl.int32)
+            z_hi = tl.load(GZS + base + g_hi[None, :], mask=m_hi, other=0).to(tl.int32)
+            bi = b.to(tl.int32)
+            w_lo = ((bi & 0xF) * s_lo - z_lo).to(tl.int8)
+            w_hi = ((bi >> 4) * s_hi - z_hi).to(tl.int8)
+        if SWAP_AB:
+            acc = tl.dot(w_lo, tl.trans(a_lo), acc, out_dtype=tl.int32)
+            acc = tl.dot(w_hi, tl.trans(a_hi), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc, out_dtype=tl.int32)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc, out_dtype=tl.int32)
 
-    # epilogue: per-token activation scale x per-channel weight scale (+ bias once)
+    if SPLIT:
+        # split-K fixup in the same launch: every split stores its INT32 partial tile, the last one to
+        # arrive (per-tile counter) sums them exactly, applies the epilogue and re-arms the counter
+        if SWAP_AB:
+            offs_t = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        else:
+            offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_base = pid.to(tl.int64) * NSPLIT * (BLOCK_M * BLOCK_N)
+        tl.store(PART + tile_base + pid_k * (BLOCK_M * BLOCK_N) + offs_t, acc, cache_modifier=".cg")
+        tl.debug_barrier()  # all of this program's stores precede its release below
+        count = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
+        if count == NSPLIT - 1:
+            acc = tl.zeros_like(acc)
+            for s in range(0, NSPLIT):
+                acc += tl.load(PART + tile_base + s * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
+            tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
+            _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
+    else:
+        _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
+
+
+@triton.jit
+def _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on,
+              HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr):
+    """y = float32(acc) * sx[m] * s1[n] (+ bias[n]) -> OUT's dtype, masked to [M, N]
+    (acc is [BLOCK_N, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_N])."""
     sx = tl.load(XS + rm)
     s1 = tl.load(WS + rn)
-    y = acc.to(tl.float32) * sx[:, None] * s1[None, :]
-    if HAS_BIAS:
-        bias = tl.load(BIAS + rn).to(tl.float32)
-        if ATOMIC:  # split-K: only the first split adds the bias
-            y += tl.where(pid_k == 0, 1.0, 0.0) * bias[None, :]
-        else:
-            y += bias[None, :]
-    out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, y, mask=mask, sem="relaxed")
+    if SWAP_AB:
+        y = acc.to(tl.float32) * s1[:, None] * sx[None, :]
+        if HAS_BIAS:
+            y += tl.load(BIAS + rn).to(tl.float32)[:, None]
+        out_ptrs = OUT + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
     else:
-        tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=mask)
+        y = acc.to(tl.float32) * sx[:, None] * s1[None, :]
+        if HAS_BIAS:
+            y += tl.load(BIAS + rn).to(tl.float32)[None, :]
+        out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 PER_CHANNEL_GROUP = 1 << 30  # GROUP_SIZE passed for per-channel weights: every k is in group 0
 
 
-def block_k_for(group_size: int, want: int) -> int | None:
-    """BLOCK_K (a power of two >= 32) compatible with ``group_size``: any multiple of a
-    power-of-two group, or a power of two dividing the group; None when no such size exists
-    (then ``lowbit.ops.w4a8_int8`` falls back to the reference)."""
-    if group_size & (group_size - 1) == 0:  # power of two (incl. PER_CHANNEL_GROUP)
-        return want
-    bk = want
-    while bk >= 32:
-        if group_size % bk == 0:
-            return bk
-        bk //= 2
-    return None
-
-
 def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132) -> dict:
-    """Tile config by M bucket (``CONFIGS``), BLOCK_K fitted to the group, split-K for small M
-    (about two programs per SM, each keeping >= 4 k-tiles)."""
+    """Tile config by M bucket (``CONFIGS``); split-K for small M (about two programs per SM,
+    each keeping >= 4 k-tiles of 128)."""
     for bound in sorted(CONFIGS):
         if M <= bound:
-            bm, bn, bk, split, warps, stages = CONFIGS[bound]
+            bm, bn, split, warps, stages = CONFIGS[bound]
             break
-    bk = block_k_for(group_size, bk)
-    if bk is None:
-        raise ValueError(f"no BLOCK_K fits group_size={group_size}")
     if split == 0:
         tiles = cdiv(M, bm) * cdiv(N, bn)
-        split = max(1, min(2 * num_sms // max(tiles, 1), cdiv(K, bk) // 4, 16))
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+        split = max(1, min(2 * num_sms // max(tiles, 1), cdiv(K, 128) // 4, 16))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
 
 
 def w4a8_int8_gemm_triton(*args, **kwargs) -> torch.Tensor:
@@ -169,7 +235,7 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale
     N, kp2 = qweight.shape
     KP = 2 * kp2
     G = gscale.shape[1]
-    assert K == k and KP >= K, "inconsistent shapes (validate in lowbit.ops)"
+    assert K == k and KP >= K and KP % 128 == 0, "inconsistent shapes (validate in lowbit.ops)"
     if G == 1 and group_size == KP:
         group_size = PER_CHANNEL_GROUP
     if torch.cuda.is_available() and xq.is_cuda:
@@ -177,19 +243,44 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale
     else:
         num_sms = 4
     cfg = dict(config) if config else pick_config(M, N, KP, group_size, num_sms=num_sms)
-    bm, bn, bk, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K"), cfg.pop("SPLIT_K")
-    if split > 1:
-        out = torch.zeros((M, N), device=xq.device, dtype=torch.float32)
-    else:
-        out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
+    bm, bn, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
+    cfg.pop("BLOCK_K", None)
+    bk = 128
+    # the 4-lane PTX dequantization needs a real GPU; LOWBIT_W4A8_INT8_NO_ASM=1 forces the one-lane path
+    use_asm = cfg.pop("USE_ASM", not interpret_mode() and os.environ.get("LOWBIT_W4A8_INT8_NO_ASM", "0") != "1")
+    swap = cfg.pop("SWAP_AB", True)
+    out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
     if M == 0 or N == 0:
-        return out.to(out_dtype), None
-    grid = (cdiv(M, bm) * cdiv(N, bn), split)
+        return out, None
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    if split > 1:
+        part, cnt = _split_workspace(xq.device, tiles * split * bm * bn, tiles)
+    else:
+        part = cnt = xscale  # unused
+    grid = (tiles, split)
     kernel = _w4a8_int8_gemm_kernel[grid](
-        xq, xscale, qweight, wscale, gscale, gzs, bias if bias is not None else wscale, out,
-        M, N, K, KP, G, cdiv(cdiv(KP, bk), split),
+        xq, xscale, qweight, wscale, gscale, gzs, bias if bias is not None else wscale, out, part, cnt,
+        M, N, K, KP, G, cdiv(cdiv(KP, bk), split), split,
         xq.stride(0), xq.stride(1), qweight.stride(0), gscale.stride(0), out.stride(0), out.stride(1),
-        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ATOMIC=split > 1,
-        HAS_BIAS=bias is not None, GROUP_M=8, **cfg,
+        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
+        HAS_BIAS=bias is not None, GROUP_M=8, USE_ASM=use_asm, SWAP_AB=swap, **cfg,
     )
-    return (out if split == 1 else out.to(out_dtype)), kernel
+    return out, kernel
+
+
+_WORKSPACES: dict = {}
+
+
+def _split_workspace(device: torch.device, n_partial: int, n_tiles: int):
+    """INT32 partial tiles and per-tile arrival counters for split-K, one pair per (device, stream),
+    grown on demand. The counters start at 0 and the kernel leaves them at 0 (the last program of a
+    tile re-arms its counter), so no memset launch is needed per call; launches on one stream are
+    ordered, and each stream has its own pair."""
+    key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    part, cnt = _WORKSPACES.get(key, (None, None))
+    if part is None or part.numel() < n_partial:
+        part = torch.empty(max(n_partial, 1 << 20), device=device, dtype=torch.int32)
+    if cnt is None or cnt.numel() < n_tiles:
+        cnt = torch.zeros(max(n_tiles, 4096), device=device, dtype=torch.int32)
+    _WORKSPACES[key] = (part, cnt)
+    return part, cnt

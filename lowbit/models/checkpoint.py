@@ -149,7 +149,7 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor], where: str):
     return {k: _decode(v, tensors, where) for k, v in obj.items()}
 
 
-def _resolve_class(path: str, where: str, *, quant: bool = True) -> type:
+def _resolve_class(path: str, where: str, *, quant: bool = True, kind: type | None = None) -> type:
     from lowbit.nn.base import QuantLinear
 
     if path in _EXTRA_CLASSES:
@@ -168,7 +168,10 @@ def _resolve_class(path: str, where: str, *, quant: bool = True) -> type:
         raise CheckpointError(f"{where}: class {path!r} is not available in this lowbit ({exc})") from None
     if not isinstance(obj, type) or (quant and not issubclass(obj, QuantLinear)):
         raise CheckpointError(f"{where}: {path!r} is not a QuantLinear class")
-    if not quant and not dataclasses.is_dataclass(obj):
+    if kind is not None:
+        if not issubclass(obj, kind):
+            raise CheckpointError(f"{where}: {path!r} is not a {kind.__name__}")
+    elif not quant and not dataclasses.is_dataclass(obj):
         raise CheckpointError(f"{where}: {path!r} is not a dataclass")
     return obj
 
@@ -231,6 +234,9 @@ def save_quantized(model, path, *, tokenizer=None) -> Path:
                          "bias": isinstance(bias, torch.Tensor), "dtype": _dtype_name(m.dtype),
                          "config": _jsonable(m.config(), f"{name}.config()")}
 
+    containers = {n: _class_path(type(m)) for n, m in model.named_modules()
+                  if n and type(m).__module__.startswith("lowbit.") and not hasattr(type(m), "config")
+                  and not getattr(type(m), "_lowbit_swapped", False) and n not in modules}
     info = dict(getattr(model, "lowbit_recipe", None) or {})
     rope_kv = info.pop("rope_kv", None)
     rope_struct = _encode(rope_kv, "rope_kv", tensors) if rope_kv is not None else None
@@ -243,8 +249,11 @@ def save_quantized(model, path, *, tokenizer=None) -> Path:
         "recipe": _jsonable(info, "recipe"),
         "rope_kv": rope_struct,
         "base_config": _jsonable(config.to_dict(), "config"),
+        "generation_config": (_jsonable(model.generation_config.to_dict(), "generation_config")
+                              if getattr(model, "generation_config", None) is not None else None),
         "float_dtype": _dtype_name(_float_dtype(model)),
         "modules": modules,
+        "containers": containers,
         "tied": tied,
         "tensors": {n: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "format": _tensor_format(n, modules)}
                     for n, t in tensors.items()},
@@ -392,6 +401,22 @@ def _build_model(meta: dict):
     return model.eval()
 
 
+def _build_container(path: str, where: str) -> nn.Module:
+    """A lowbit module that only holds quantized children (e.g. ``W4A8FP8MLP``): built with
+    ``nn.Identity`` placeholders for its constructor's module arguments, which the QuantLinear
+    replacement then fills."""
+    import inspect
+
+    cls = _resolve_class(path, f"container {where!r}", quant=False, kind=nn.Module)
+    params = [p for p in inspect.signature(cls.__init__).parameters.values()
+              if p.name != "self" and p.default is inspect.Parameter.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    try:
+        return cls(*[nn.Identity() for _ in params])
+    except Exception as exc:
+        raise CheckpointError(f"container {where!r}: cannot rebuild {path} ({exc})") from None
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -448,6 +473,11 @@ def load_quantized(path, device: str | torch.device | None = None):
         name = recipe.get("recipe", "checkpoint")
         model = recipes._install_attention(name, model, kv=recipe.get("kv"), attention=recipe.get("attention"),
                                            rope_kv=rope_kv) or model
+    containers = meta.get("containers", {})
+    if not isinstance(containers, dict):
+        raise CheckpointError(f"{META}: field 'containers' is not a dict")
+    for name in sorted(containers, key=lambda n: n.count(".")):
+        _set_module(model, name, _build_container(containers[name], name))
     for name, m in meta["modules"].items():
         cls = _resolve_class(m["class"], f"module {name!r}")
         try:
@@ -459,6 +489,13 @@ def load_quantized(path, device: str | torch.device | None = None):
     if recipe:
         recipe["rope_kv"] = rope_kv
         model.lowbit_recipe = recipe
+    if isinstance(meta.get("generation_config"), dict):
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_dict(meta["generation_config"])
+        except Exception as exc:
+            raise CheckpointError(f"{META}: bad generation_config ({exc})") from None
 
     expected = model.state_dict()
     tied = meta["tied"]

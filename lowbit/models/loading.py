@@ -220,11 +220,11 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     ``model``: None or 'smollm2' (the embedded model), a local HF model folder, or a .gguf file.
     GGUF files go through the cache described in the module docstring (``cache=False`` skips it).
     """
+    directory, gguf = resolve(model)  # fail fast (before importing transformers) on a bad path
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
-    directory, gguf = resolve(model)
     if gguf and cache:
         cached = cached_gguf(directory / gguf)
         if cached is not None:

@@ -240,21 +240,25 @@ def _linear_opts(group_size, linear_options, **more):
 def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str | None = "kv4",
           attention: str | None = "fp8", group_size: int = 128, cas: bool = True, pts: bool = True,
           rpn: bool = True, crs: bool = True, alpha: float = 8.0, beta: float = 8.0, top_k: int | None = None,
-          cas_options: dict | None = None, linear_options: dict | None = None, skip=(), seed: int = 0,
-          n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+          cas_options: dict | None = None, linear_options: dict | None = None, skip=(), fuse_mlp: bool = False,
+          seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
     """FireQ (seed 000): W4A8-FP linears (INT4 weights, FP8 E4M3 g128 scales, FP8 per-token
     activations) with CAS + PTS, a post-RoPE INT4 KV cache with RPN + CRS, FP8 prefill attention.
 
     Ablations are one call each: ``cas=False``, ``pts=False``, ``rpn=False``, ``crs=False``,
     ``kv=None`` (float KV), ``linear=None`` (float linears). ``alpha``/``beta`` are RPN/CRS's
     constants (8, App. E); ``top_k`` = CRS outlier pairs per KV head (None = the kv4 area's default:
-    8 for head_dim 128).
+    8 for head_dim 128). ``fuse_mlp=True`` replaces each MLP by ``lowbit.nn.w4a8_fp8.fuse_mlp``'s
+    fused gate_up (SiLU*mul in the GEMM epilogue) + down.
     """
     _check_common("fireq", model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, cas=cas, pts=pts, rpn=rpn,
                    crs=crs, alpha=alpha, beta=beta, top_k=top_k, cas_options=cas_options,
-                   linear_options=linear_options, skip=list(skip), seed=seed, n_samples=n_samples, seq_len=seq_len)
+                   linear_options=linear_options, skip=list(skip), fuse_mlp=fuse_mlp, seed=seed, n_samples=n_samples,
+                   seq_len=seq_len)
+    if fuse_mlp and (linear != "w4a8-fp8" or skip):
+        raise ValueError("fuse_mlp=True needs linear='w4a8-fp8' and no skipped linears")
     needs_rope_kv = kv is not None and (rpn or crs)
     # resolve every piece first, so a missing one fails before the model is touched
     apply_cas = _need("fireq", "lowbit.ptq.cas", "apply_cas") if (cas and linear is not None) else None
@@ -294,7 +298,20 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
         opts = _linear_opts(group_size, linear_options)
         if linear == "w4a8-fp8":
             opts.setdefault("pts", pts)
-        quantize_linears(model, linear, skip=skip, progress=progress, recipe="fireq", **opts)
+        if fuse_mlp:
+            from lowbit.models.arch import decoder_layers
+
+            fuse = _need("fireq", "lowbit.nn.w4a8_fp8", "fuse_mlp")
+            views = decoder_layers(model)
+            for v in views:  # fused gate_up + down first (decoder_layers needs the unfused MLP)
+                _call(fuse, v, group_size=opts.get("group_size", group_size), pts=pts)
+            from lowbit import quantize_linear
+
+            for v in _progress(views, "fireq: w4a8-fp8 attention linears", progress, len(views)):
+                for role in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    v.set_linear(role, quantize_linear(getattr(v, role), linear, **opts))
+        else:
+            quantize_linears(model, linear, skip=skip, progress=progress, recipe="fireq", **opts)
     _record(model, "fireq", options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
 

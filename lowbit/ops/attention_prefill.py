@@ -62,7 +62,8 @@ def _kernel_dim(d: int) -> int | None:
 # ------------------------------------------------------------------------------- torch.library ops
 @torch.library.custom_op("lowbit::quant_attention_prefill", mutates_args=())
 def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, causal: bool,
-                     sm_scale: float, v_granularity: str, v_block: int, k_granularity: str) -> torch.Tensor:
+                     sm_scale: float, v_granularity: str, v_block: int, k_granularity: str,
+                     p_block: bool) -> torch.Tensor:
     D = q.shape[-1]
     kd = _kernel_dim(D)
     bn = _ref_block_n(mode, kd or D)
@@ -86,12 +87,12 @@ def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
             kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, v_granularity=v_granularity, v_block=v_block,
                                                 k_block=k_block)
             o = attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
-                                         v_block=v_block, k_block=k_block)
+                                         v_block=v_block, k_block=k_block, p_block=p_block)
         return o[..., :D] if kd != D else o
-    return _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn)
+    return _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn, p_block=p_block)
 
 
-def _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn, fused=False):
+def _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn, fused=False, p_block=False):
     vq = v if not (mode == "int8-qk" and v.dtype == torch.float32) else v.to(torch.bfloat16)
     qq = quantize_qkv(q, k, vq, mode=mode, v_granularity=v_granularity, v_block=v_block, k_block=k_block)
     if mode == "fp8-kv4" and not fused:
@@ -99,12 +100,12 @@ def _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block,
 
         qq = {"mode": "fp8", "q": qq["q"], "q_scale": qq["q_scale"],
               **kv4_to_fp8_blocks(qq["k"], qq["k_scale"], qq["v"], qq["v_scale"], block=bn)}
-    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=bn, out_dtype=q.dtype)
+    return attention_quant_ref(qq, causal=causal, sm_scale=sm_scale, block_n=bn, out_dtype=q.dtype, p_block=p_block)
 
 
 def reference(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | None = None,
               v_granularity: str | None = None, v_block: int = V_BLOCK, k_granularity: str | None = None,
-              fused: bool = False) -> torch.Tensor:
+              fused: bool = False, p_scale: str = "running") -> torch.Tensor:
     """The float32 replay of exactly what ``quant_attention`` (or ``fp8_kv4_attention`` with
     ``fused``) computes with the same options, on any device: what the kernels are checked against."""
     D = q.shape[-1]
@@ -112,11 +113,12 @@ def reference(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | Non
     bn = _ref_block_n("fp8" if mode == "fp8-kv4" else mode, kd)
     kg = k_granularity or DEFAULT_K.get(mode, "token")
     vg = v_granularity or DEFAULT_V.get(mode, "channel")
-    return _reference(q, k, v, mode, causal, _scale(sm_scale, D), vg, v_block, bn if kg == "block" else None, bn, fused)
+    return _reference(q, k, v, mode, causal, _scale(sm_scale, D), vg, v_block, bn if kg == "block" else None, bn, fused,
+                      p_scale == "block")
 
 
 @_quant_attention.register_fake
-def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_granularity):
+def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_granularity, p_block):
     return torch.empty_like(q)
 
 
@@ -194,14 +196,16 @@ DEFAULT_V = {"fp8": "block", "int8": "channel"}
 
 def quant_attention(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | None = None,
                     v_granularity: str | None = None, v_block: int = V_BLOCK,
-                    k_granularity: str | None = None) -> torch.Tensor:
+                    k_granularity: str | None = None, p_scale: str = "running") -> torch.Tensor:
     """Quantized attention with ``mode`` in ``('fp8', 'int8', 'int8-qk', 'fp8-kv4')``.
 
     ``k_granularity``: ``'token'`` (one K scale per key, the papers') or ``'block'`` (one per
     kernel KV block, folded into the per-row Q scale: one multiply per score less).
     ``v_granularity``: ``'channel'`` (per channel per ``v_block`` tokens), ``'block'`` (one scale
     per ``v_block`` tokens) or ``'tensor'`` (per batch and head, INT-FlashAttention's S_V).
-    Defaults per mode: ``DEFAULT_K`` / ``DEFAULT_V``.
+    Defaults per mode: ``DEFAULT_K`` / ``DEFAULT_V``. ``p_scale`` (int8): ``'running'`` (the
+    paper: P = round(127 exp(S - m_running))) or ``'block'`` (against the block's row max, the block
+    rescaled in fp32; keeps small blocks from rounding to zero).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -211,13 +215,17 @@ def quant_attention(q, k, v, *, mode: str, causal: bool = False, sm_scale: float
         raise ValueError(f"v_granularity must be one of {V_GRANULARITIES}, got {v_granularity!r}")
     if not isinstance(v_block, int) or v_block < 128 or v_block & (v_block - 1):
         raise ValueError(f"v_block must be a power of two >= 128, got {v_block!r}")
+    if p_scale not in ("running", "block"):
+        raise ValueError(f"p_scale must be 'running' or 'block', got {p_scale!r}")
+    if p_scale == "block" and mode != "int8":
+        raise ValueError("p_scale='block' applies to mode 'int8' only")
     if k_granularity not in ("token", "block"):
         raise ValueError(f"k_granularity must be 'token' or 'block', got {k_granularity!r}")
     if mode == "fp8-kv4":
         return fp8_kv4_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     _check_qkv(q, k, v, causal)
     return _quant_attention(q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block,
-                            k_granularity)
+                            k_granularity, p_scale == "block")
 
 
 def fp8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
@@ -230,12 +238,14 @@ def fp8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = Non
 
 
 def int8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                   v_granularity: str | None = None, v_block: int = V_BLOCK, k_granularity: str | None = None) -> torch.Tensor:
+                   v_granularity: str | None = None, v_block: int = V_BLOCK, k_granularity: str | None = None,
+                   p_scale: str = "running") -> torch.Tensor:
     """Scheme ``int8`` (INT-FlashAttention Alg. 1, full INT8): INT8 Q/K per token, INT8 V per
     channel per ``v_block`` tokens (``v_granularity='tensor'``: the paper's per-tensor S_V),
     INT8 P = round(127 exp(S - m_running)), INT32 dots, l from the quantized P."""
     return quant_attention(q, k, v, mode="int8", causal=causal, sm_scale=sm_scale,
-                           v_granularity=v_granularity, v_block=v_block, k_granularity=k_granularity)
+                           v_granularity=v_granularity, v_block=v_block, k_granularity=k_granularity,
+                           p_scale=p_scale)
 
 
 def int8_qk_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,

@@ -8,9 +8,11 @@ the shapes: ``Kp / G`` columns per group, ``Kp = 2 * qweight.shape[1]``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, use_triton, warn_once
+from lowbit._utils import check_same_device, check_tensor, use_triton
 from lowbit.formats.w4a8_int8 import gemm_ref
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,9 +33,9 @@ def _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
     if G < 1 or Kp % G:
         raise ValueError(f"gscale has {G} groups, which must divide the padded in_features {Kp}")
     g = Kp // G
-    if not (K <= Kp < K + max(g, 2)):
-        raise ValueError(f"xq has K={K} columns but qweight holds {Kp} (padded to groups of {g}); "
-                         f"they must match up to the group padding")
+    if Kp % 128 or not (K <= Kp < K + math.lcm(g, 128)):
+        raise ValueError(f"xq has K={K} columns but qweight holds {Kp} (padded to lcm(group {g}, 128)); "
+                         f"they must match up to that padding")
     if bias is not None:
         check_tensor(bias, "bias", dtype=_OUT_DTYPES, shape=[N])
     if out_dtype not in _OUT_DTYPES:
@@ -49,12 +51,9 @@ def _w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tenso
     Kp = 2 * qweight.shape[1]
     g = Kp // gscale.shape[1]
     if use_triton(xq, qweight):
-        from lowbit.kernels.w4a8_int8_gemm import block_k_for, w4a8_int8_gemm_triton
+        from lowbit.kernels.w4a8_int8_gemm import w4a8_int8_gemm_triton
 
-        if gscale.shape[1] == 1 or block_k_for(g, 128) is not None:
-            return w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, xq.shape[1], g, out_dtype)
-        warn_once(f"w4a8-int8: group size {g} has no power-of-two tile >= 32 dividing it; "
-                  "using the PyTorch reference")
+        return w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, xq.shape[1], g, out_dtype)
     return gemm_ref(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
 
 

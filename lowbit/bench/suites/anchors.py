@@ -32,8 +32,8 @@ def linear_rows(rec, quick: bool):
             fns = [peers.cublas_bf16(w) for (w,) in ws]
             t = time_cuda(lambda i, x: fns[i](x), [(i, x) for i, x in enumerate(xs)])
             rec.record(case, "cublas-bf16", t, flops=fl, bytes_moved=byts, peak="bf16")
-            t = time_cuda(lambda i, x: fns[i](x), [(i, x) for i, x in enumerate(xs)], mode="wall")
-            rec.record(case, "cublas-bf16 [wall]", t, flops=fl, bytes_moved=byts, peak="bf16")
+            t = time_cuda(lambda i, x: fns[i](x), [(i, x) for i, x in enumerate(xs)], mode="sync")
+            rec.record(case, "cublas-bf16 [sync]", t, flops=fl, bytes_moved=byts, peak="bf16")
             mm = [peers.scaled_mm_rowwise(w, quantize_x=False) for (w,) in ws]
             xq = [peers.fp8_rowwise_act(x) for x in xs]
             t = time_cuda(lambda i, xq, xs_: mm[i](xq, xs_), [(i, *q) for i, q in enumerate(xq)])
@@ -70,8 +70,8 @@ def prefill_rows(rec, quick: bool):
                     t = time_cuda(lambda q, k, v: fn(q, k, v, causal=causal), sets)
                     rec.record(case, f"sdpa-{name}", t, flops=fl, peak="bf16")
                     if name in ("flash", "cudnn"):
-                        t = time_cuda(lambda q, k, v: fn(q, k, v, causal=causal), sets, mode="wall")
-                        rec.record(case, f"sdpa-{name} [wall]", t, flops=fl, peak="bf16")
+                        t = time_cuda(lambda q, k, v: fn(q, k, v, causal=causal), sets, mode="sync")
+                        rec.record(case, f"sdpa-{name} [sync]", t, flops=fl, peak="bf16")
                 except Exception as exc:
                     rec.record(case, f"sdpa-{name}", None, note=f"{type(exc).__name__}: {exc}"[:200])
             try:
@@ -103,7 +103,7 @@ def decode_rows(rec, quick: bool):
                 else:
                     f = fn
                 f(*sets[0])
-                for mode, suffix in (("gpu", ""), ("wall", " [wall]")):
+                for mode, suffix in (("gpu", ""), ("sync", " [sync]")):
                     t = time_cuda(f, sets, mode=mode)
                     rec.record({"B": B, "L": L, "decode": True}, name + suffix, t, bytes_moved=byts,
                                flops=attention_flops(B, Hq, 1, L, D, False), peak="bf16")
@@ -147,23 +147,23 @@ ANCHOR_TFLOPS = {  # SDPA (S, causal): (flash, cudnn)
 
 
 def anchor_check(rec) -> None:
-    """Note how each re-measured bf16 GEMM / SDPA row compares with ANCHORS.md (both timing modes)."""
+    """Note how each re-measured bf16 GEMM / SDPA row compares with ANCHORS.md (gpu and sync timing modes)."""
     by = {(tuple(sorted(r["case"].items())), r["provider"]): r for r in rec.rows if "median_ms" in r}
     lines = []
     for (layer, M), ref in ANCHOR_MS.items():
         N, K = LLAMA3_8B[layer]
         key = tuple(sorted({"layer": layer, "M": M, "N": N, "K": K}.items()))
-        g, w = by.get((key, "cublas-bf16")), by.get((key, "cublas-bf16 [wall]"))
+        g, w = by.get((key, "cublas-bf16")), by.get((key, "cublas-bf16 [sync]"))
         if g and w:
             lines.append(f"bf16 {layer} M={M}: anchor {ref:.4f} ms, gpu {g['median_ms']:.4f} ({g['median_ms'] / ref - 1:+.0%}), "
-                         f"wall {w['median_ms']:.4f} ({w['median_ms'] / ref - 1:+.0%})")
+                         f"sync {w['median_ms']:.4f} ({w['median_ms'] / ref - 1:+.0%})")
     for (S, causal), (fa, cd) in ANCHOR_TFLOPS.items():
         key = tuple(sorted({"S": S, "causal": causal}.items()))
         for prov, ref in (("sdpa-flash", fa), ("sdpa-cudnn", cd)):
-            g, w = by.get((key, prov)), by.get((key, prov + " [wall]"))
+            g, w = by.get((key, prov)), by.get((key, prov + " [sync]"))
             if g and w:
                 lines.append(f"{prov} S={S} causal={causal}: anchor {ref} TF/s, gpu {g['TFLOPs']:.0f} ({g['TFLOPs'] / ref - 1:+.0%}), "
-                             f"wall {w['TFLOPs']:.0f} ({w['TFLOPs'] / ref - 1:+.0%})")
+                             f"sync {w['TFLOPs']:.0f} ({w['TFLOPs'] / ref - 1:+.0%})")
     for ln in lines:
         rec.note(ln)
 

@@ -143,6 +143,21 @@ def _ffn_fp8(hidden: int, inter: int):
     return ffn
 
 
+def _ffn_fp8_fused(hidden: int, inter: int):
+    """FireQ's own fused MLP: gate/up interleaved in one w4a8-fp8 weight, SiLU*mul in its epilogue."""
+    from lowbit.nn.w4a8_fp8 import W4A8FP8Linear, interleave_rows
+
+    dev = "cuda"
+    g = torch.randn(inter, hidden, device=dev, dtype=torch.bfloat16) * hidden ** -0.5
+    u = torch.randn(inter, hidden, device=dev, dtype=torch.bfloat16) * hidden ** -0.5
+    gu = W4A8FP8Linear.from_weight(interleave_rows(g, u), None, group_size=128, dtype=torch.bfloat16,
+                                   activation="silu_mul")
+    dn = torch.nn.Linear(inter, hidden, bias=False, device=dev, dtype=torch.bfloat16)
+    torch.nn.init.normal_(dn.weight, std=inter ** -0.5)
+    dq = W4A8FP8Linear.from_linear(dn, group_size=128)
+    return lambda x: dq(gu(x))
+
+
 def _ffn_bf16(hidden: int, inter: int):
     dev = "cuda"
     gu = torch.randn(2 * inter, hidden, device=dev, dtype=torch.bfloat16) * hidden ** -0.5
@@ -164,6 +179,7 @@ def ffn_rows(rec, quick: bool = False, ms=None):
                  "w4a8-int8-fused": lambda: _ffn_int8(hidden, inter, fused=True)}
     if fp8_linear_factory() is not None:
         providers["w4a8-fp8"] = lambda: _ffn_fp8(hidden, inter)
+        providers["w4a8-fp8-fused"] = lambda: _ffn_fp8_fused(hidden, inter)
     else:
         rec.note("FFN: lowbit.nn.w4a8_fp8 not present, the FireQ-vs-QServe ratio was not measured")
     # 3 weight sets per provider (> 2x L2 in total for the 4-bit weights: 3 x 67 MB)

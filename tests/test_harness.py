@@ -1,0 +1,128 @@
+"""CPU-testable parts of the benchmark harness: rotated-input sizing (fake L2), FLOP helpers,
+Recorder rows and rooflines, JSON/Markdown output."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lowbit.bench import harness
+
+
+def test_flop_helpers():
+    assert harness.gemm_flops(16, 4096, 4096) == 2.0 * 16 * 4096 * 4096
+    full = harness.attention_flops(2, 32, 1024, 1024, 128, causal=False)
+    assert full == 4.0 * 2 * 32 * 1024 * 1024 * 128
+    assert harness.attention_flops(2, 32, 1024, 1024, 128, causal=True) == full / 2
+
+
+def test_geomean():
+    assert harness.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert harness.geomean([4.0, None, 0.0, 4.0]) == pytest.approx(4.0)  # missing / zero ignored
+    assert math.isnan(harness.geomean([]))
+
+
+def test_nbytes_nested():
+    t = torch.zeros(10, dtype=torch.float16)
+    assert harness._nbytes((t, [t, {"a": t}], 3)) == 60
+
+
+def test_rotating_inputs_exceed_twice_l2(monkeypatch):
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 1000)
+    made = []
+
+    def make():
+        made.append(1)
+        return (torch.zeros(100, dtype=torch.float32),)  # 400 B per set
+
+    sets = harness.rotating_inputs(make)
+    total = sum(harness._nbytes(s) for s in sets)
+    assert total > 2000 and total - 400 <= 2000  # stops at the first set past 2x L2
+    assert len(sets) == 6 and len(made) == 6
+
+
+def test_rotating_inputs_min_and_max_sets(monkeypatch):
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 1)
+    big = harness.rotating_inputs(lambda: (torch.zeros(1000),))
+    assert len(big) == 3  # at least 3 sets even when one set exceeds L2
+    monkeypatch.setattr(harness, "l2_bytes", lambda: 1 << 40)
+    capped = harness.rotating_inputs(lambda: (torch.zeros(1),), max_sets=7)
+    assert len(capped) == 7
+    explicit = harness.rotating_inputs(lambda: (torch.zeros(10),), min_total_bytes=200)  # 40 B per set
+    assert len(explicit) == 6
+
+
+def test_sets_are_fresh_objects():
+    sets = harness.rotating_inputs(lambda: (torch.randn(4),), min_total_bytes=0)
+    assert len({id(s[0]) for s in sets}) == len(sets)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_time_cuda_needs_gpu():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        harness.time_cuda(lambda: None, [()])
+
+
+def _timing(ms):
+    return {"median_ms": ms, "min_ms": ms * 0.9, "max_ms": ms * 1.2, "reps": 100, "input_sets": 3}
+
+
+def test_recorder_rows_and_rooflines():
+    rec = harness.Recorder("unit", ceilings={"bf16_TFLOPs": 800.0, "fp8_TFLOPs": 1600.0, "hbm_TBps": 4.0,
+                                               "int8_TOPs": 1500.0})
+    flops, nbytes = 2e12, 4e9
+    row = rec.record({"M": 16}, "lowbit", _timing(2.0), flops=flops, bytes_moved=nbytes, peak="fp8")
+    assert row["TFLOPs"] == pytest.approx(1000.0)
+    assert row["TBps"] == pytest.approx(2.0)
+    # roofline = max(2e12 / 1.6e15, 4e9 / 4e12) s = max(1.25, 1.0) ms
+    assert row["roofline_ms"] == pytest.approx(1.25)
+    assert row["frac_roofline"] == pytest.approx(1.25 / 2.0)
+    mem = rec.record({"M": 1}, "lowbit", _timing(2.0), bytes_moved=nbytes)
+    assert mem["roofline_ms"] == pytest.approx(1.0) and "TFLOPs" not in mem
+    i8 = rec.record({"M": 2}, "int8", _timing(1.0), flops=3e12, peak="int8")
+    assert i8["roofline_ms"] == pytest.approx(2.0)
+    skipped = rec.record({"M": 16}, "bnb", None, note="bitsandbytes missing")
+    assert skipped == {"case": {"M": 16}, "provider": "bnb", "skipped": "bitsandbytes missing"}
+    plain = rec.record({"M": 4}, "x", _timing(1.0), error=0.01, note="n")
+    assert "roofline_ms" not in plain and plain["error"] == 0.01 and plain["note"] == "n"
+
+
+def test_recorder_writes_json_and_markdown(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "plot", lambda *a, **k: None)  # matplotlib is slow to import
+    rec = harness.Recorder("unit", ceilings={"bf16_TFLOPs": 800.0})
+    rec.record({"M": 16, "N": 4096}, "cublas", _timing(2.0), flops=2e12, peak="bf16")
+    rec.record({"M": 16, "N": 4096}, "lowbit", _timing(1.0), flops=2e12, peak="bf16")
+    rec.record({"M": 16, "N": 4096}, "bnb", None, note="missing")
+    rec.note("a note")
+    path = rec.write(tmp_path, baseline="cublas", command="lowbit bench kernels --suite unit")
+    doc = json.loads(path.read_text())
+    assert doc["suite"] == "unit" and len(doc["rows"]) == 3 and doc["notes"] == ["a note"]
+    assert doc["env"]["command"] == "lowbit bench kernels --suite unit"
+    assert {"torch", "python", "date", "triton"} <= set(doc["env"])
+    assert "warm-up" in doc["method"] and "L2" in doc["method"]
+    md = (tmp_path / "unit.md").read_text()
+    assert "| case | cublas | lowbit | bnb |" in md
+    assert "| M=16 N=4096 | 2.0000 (1000 TF/s) | 1.0000 (2000 TF/s) **2.00x** | skip |" in md
+    assert "Ceilings measured in this run: bf16_TFLOPs 800.00" in md and "- a note" in md
+
+
+def test_plot_failure_never_loses_numbers(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(harness, "plot", broken)
+    rec = harness.Recorder("p")
+    rec.record({"M": 1}, "a", _timing(1.0))
+    path = rec.write(tmp_path)
+    assert path.exists() and (tmp_path / "p.md").exists()
+
+
+def test_env_and_slug_without_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    assert harness.gpu_slug() == "cpu"
+    assert harness.l2_bytes() == 50 << 20
+    info = harness.env_info("cmd")
+    assert info["command"] == "cmd" and "gpu" not in info

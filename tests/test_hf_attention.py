@@ -1,0 +1,109 @@
+"""lowbit.models.hf_attention: transformers' model(...) / generate(...) on the paged KV4 cache."""
+import pytest
+import torch
+
+from lowbit.models.hf_attention import install_quantized_attention, lowbit_cache_class, uninstall_quantized_attention
+from tests.test_rope_kv import batches, tiny_llama
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """Kernels are checked in test_kv4_kernels; the integration tests use the references on CPU
+    (the interpreter would take minutes per generate)."""
+    if not torch.cuda.is_available():
+        import lowbit.ops.kv4 as ops
+
+        monkeypatch.setattr(ops, "use_triton", lambda *t: False)
+
+
+def _gen(m, ids, n=6, **kw):
+    with torch.no_grad():
+        return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, **kw)
+
+
+def test_kv_none_matches_unquantized_exactly(reference_ops):
+    m = tiny_llama(outlier=False)
+    ids = torch.randint(0, 96, (2, 10))
+    ref = _gen(m, ids)
+    with torch.no_grad():
+        lref = m(ids).logits
+    install_quantized_attention(m, kv=None, prefill="sdpa")
+    assert torch.equal(_gen(m, ids), ref)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, lref)
+    install_quantized_attention(m, kv="bf16")  # unquantized paged cache: same greedy tokens
+    assert torch.equal(_gen(m, ids), ref)
+    uninstall_quantized_attention(m)
+    assert torch.equal(_gen(m, ids), ref)
+
+
+@pytest.mark.parametrize("kv", ("kv4", "kv4-zp"))
+def test_generate_uses_paged_cache_and_matches_fake_quant_forward(reference_ops, kv):
+    """generate() builds a LowbitKVCache; each decode step's logits equal those of one full forward
+    over the same tokens with the same KV4 numerics (fake quantization)."""
+    m = tiny_llama()
+    p = None
+    if kv == "kv4":
+        from lowbit.ptq.rope_kv import calibrate_rpn_crs
+
+        p = calibrate_rpn_crs(m, batches(), top_k=2)
+    install_quantized_attention(m, kv=kv, rope_kv=p)
+    ids = torch.randint(0, 96, (2, 9))
+    seen = []
+    orig = m._prepare_cache_for_generation
+
+    def spy(*a, **k):
+        r = orig(*a, **k)
+        seen.append(a[1]["past_key_values"])
+        return r
+
+    m._prepare_cache_for_generation = spy
+    out = _gen(m, ids, n=5, output_logits=True, return_dict_in_generate=True)
+    assert isinstance(seen[0], lowbit_cache_class())
+    cache = seen[0]
+    assert cache.paged.numerics == kv and cache.paged.host_lengths == [13, 13] and cache.bytes() > 0
+    with torch.no_grad():
+        full = m(out.sequences[:, :-1]).logits
+    for step, lg in enumerate(out.logits):
+        pos = 9 + step - 1
+        err = (lg - full[:, pos]).norm() / full[:, pos].norm()
+        assert err < 1e-3, (step, err.item())
+
+
+def test_padded_batch_and_decode_steps_of_4(reference_ops):
+    m = tiny_llama()
+    install_quantized_attention(m, kv="kv4")
+    ids = torch.randint(1, 96, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 12)
+    # a 4-token step through the decode path (causal among the 4 new tokens)
+    cache = lowbit_cache_class()(m.config)
+    with torch.no_grad():
+        a = m(ids[:, :4], past_key_values=cache).logits
+        b = m(ids[:, 4:], past_key_values=cache).logits
+        full = m(ids).logits
+    assert (torch.cat([a, b], 1) - full).norm() / full.norm() < 1e-3
+
+
+def test_install_errors():
+    m = tiny_llama(outlier=False)
+    with pytest.raises(ValueError, match="kv must be"):
+        install_quantized_attention(m, kv="int8")
+    with pytest.raises(ValueError, match="unknown attention"):
+        install_quantized_attention(m, kv="kv4", prefill="nope")
+    with pytest.raises(ValueError, match="rope_kv needs"):
+        install_quantized_attention(m, kv=None, rope_kv=[])
+
+
+@pytest.mark.slow
+def test_generate_with_kernels_interpreter():
+    """The same generate through the Triton kernels (interpreter on CPU, GPU otherwise)."""
+    m = tiny_llama(layers=1)
+    install_quantized_attention(m, kv="kv4")
+    ids = torch.randint(0, 96, (1, 5))
+    out = _gen(m, ids, n=2)
+    assert out.shape == (1, 7)

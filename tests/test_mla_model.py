@@ -1,0 +1,56 @@
+"""install_fp8_mla on a tiny random DeepseekV3ForCausalLM (no download): greedy generation with the FP8
+latent cache matches the bf16 latent cache and transformers' own MLA for 16 steps on a fixed prompt,
+and the logits stay within the stated tolerances."""
+import pytest
+import torch
+
+from tests.tolerances import rel_l2
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 16
+LOGITS_TOL = {"bf16_vs_hf": 1e-2, "fp8_vs_bf16": 5e-2}
+
+
+def tiny_deepseek():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=128, rope_interleave=True)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.slow
+def test_fp8_mla_generation_matches_bf16(monkeypatch):
+    from lowbit.models.deepseek import install_fp8_mla, uninstall_fp8_mla
+
+    if not torch.cuda.is_available():  # CPU: the ops' PyTorch references (the kernels have their own tests)
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = tiny_deepseek().to(dev)
+    prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1)).to(dev)
+    with torch.no_grad():
+        hf = m.generate(prompt, max_new_tokens=STEPS, do_sample=False)
+        l_hf = m(hf).logits
+        install_fp8_mla(m, fp8=False)
+        b = m.generate(prompt, max_new_tokens=STEPS, do_sample=False)
+        l_b = m(hf).logits
+        uninstall_fp8_mla(m)
+        install_fp8_mla(m, fp8=True)
+        f = m.generate(prompt, max_new_tokens=STEPS, do_sample=False)
+        l_f = m(hf).logits
+    assert torch.equal(b, hf)
+    assert torch.equal(f, b)
+    assert rel_l2(l_b, l_hf) < LOGITS_TOL["bf16_vs_hf"]
+    assert rel_l2(l_f, l_b) < LOGITS_TOL["fp8_vs_bf16"]
+
+
+def test_install_errors():
+    from lowbit.models.deepseek import install_fp8_mla
+
+    with pytest.raises(ValueError, match="no MLA attention"):
+        install_fp8_mla(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="unknown options"):
+        install_fp8_mla(torch.nn.Linear(4, 4), bogus=1)
