@@ -57,6 +57,7 @@ def _setup(args):
 
     if getattr(args, "recipe", None):
         pipeline.check_recipe(args.recipe)
+    args.options = _parse_options(getattr(args, "option", None))
     device = pipeline.resolve_device(args.device)
     return device, pipeline.resolve_dtype(args.dtype, device)
 
@@ -84,7 +85,7 @@ def _load_and_quantize(args, device, dtype, console):
                                      seed=args.seed, text_file=args.calib_file)
         console.log(f"calibration: {len(calib)} x {args.calib_seq_len} tokens "
                     f"({args.calib_file or 'pydoc_data.topics, after the eval tokens'}, seed {args.seed})")
-        loaded.model = pipeline.quantize(loaded.model, recipe, calibration=calib, **_parse_options(args.option))
+        loaded.model = pipeline.quantize(loaded.model, recipe, calibration=calib, **args.options)
         loaded.quantized = recipe
         console.log(f"quantized with {recipe} in {time.perf_counter() - t0:.1f} s")
     return loaded
@@ -291,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--suite", action="append", help="suite name (repeatable; 'all' for every suite)")
     b.add_argument("--out", default=None, help="output folder (default benchmarks/results/<gpu>)")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
+    b.add_argument("--layers", type=int, default=None,
+                   help="bench model: decoder layers of the Llama-3-8B-shaped model (default 2)")
     b.set_defaults(func=_cmd_bench)
     return p
 

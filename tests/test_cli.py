@@ -219,3 +219,10 @@ def test_demo_time_budget_skips_recipes(tiny_dir, text_file, tmp_path, capsys):
     assert rows[1]["status"].startswith(("skipped: demo time budget", "not available"))
     if rows[1]["status"].startswith("skipped"):
         assert "lowbit eval --recipe flute-nf4" in rows[1]["status"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("what", ["kernels", "model"])
+def test_bench_without_gpu_says_so(what, capsys):
+    rc, _, err = run(["bench", what, "--quick"], capsys)
+    assert rc == 2 and "needs a CUDA GPU" in err

@@ -37,3 +37,24 @@ def test_eos_and_errors():
         gen.generate([torch.arange(1, 7)], 4)
     with pytest.raises(ValueError, match="kv must be"):
         Generator(model, max_batch=1, max_seq=8, kv="int2")
+
+
+@pytest.mark.parametrize("recipe", ["fireq", "qserve"])
+def test_runner_fuses_quantized_projections(recipe, monkeypatch):
+    import lowbit
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = tiny_llama(head_dim=16)
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randint(0, 128, (1, 16), generator=g) for _ in range(2)]
+    try:
+        lowbit.quantize_model(model, recipe, calibration=calib, progress=False)
+    except NotImplementedError as exc:
+        pytest.skip(str(exc))
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2])]
+    plain = Generator(model, max_batch=2, max_seq=16, fuse=False, prefill_from_cache=True).generate(prompts, 4)
+    gen = Generator(model, max_batch=2, max_seq=16, prefill_from_cache=True)
+    assert all(f.qkv is not None and f.gate_up is not None for f in gen.fused)
+    fused = gen.generate(prompts, 4)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fused))
+    assert torch.equal(fused[0], greedy(model, prompts[0].unsqueeze(0), 4)[0])  # HF path still intact

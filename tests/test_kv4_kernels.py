@@ -131,6 +131,20 @@ def test_decode_kernel_vs_ref(case, sd):
     assert rel_l2(o, r) < 2e-3  # fp16 Q (row-normalised) and fp16 P*v_scale on the tensor-core dots
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]])
+def test_decode_tokens_major_variant(case):
+    """TRANS=True (tokens as the MMA M dimension) computes the same attention."""
+    B, Hq, Hkv, D, TQ, lens, page, bn, zp, splits = case
+    pt, P = _page_table(lens, page, seed=B)
+    kc, ks, vc, vs, kz, vz = _pool(P, Hkv, page, D, zp, FP8, random=True, seed=Hq)
+    q = torch.randn(B, Hq, TQ, D).to(DEV)
+    lengths = torch.tensor(lens, dtype=torch.int32).to(DEV)
+    kw = dict(k_zero=kz, v_zero=vz, num_splits=splits or None, block_n=bn)
+    o = decode_kv4_triton(q, kc, ks, vc, vs, pt, lengths, trans=True, **kw)
+    r = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, k_zero=kz, v_zero=vz)
+    assert rel_l2(o, r) < 2e-3
+
+
 def test_decode_bf16_q_and_split_consistency():
     B, Hq, Hkv, D, TQ, page = 2, 4, 2, 64, 2, 16
     lens = [45, 64]
@@ -206,3 +220,17 @@ def test_decode_gpu_long_split():
     o = ops.decode_kv4(q, **c)
     r = ops.decode_kv4_ref(q, **c)
     assert rel_l2(o, r) < 1e-2
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(monkeypatch):
+    """The ops are opaque custom ops: a compiled decode step traces without graph breaks."""
+    monkeypatch.setattr(ops, "use_triton", lambda *t: False)
+    B, Hq, Hkv, D, page = 1, 2, 1, 32, 16
+    pt, P = _page_table([9], page)
+    kc, ks, vc, vs, _, _ = _pool(P, Hkv, page, D, False, FP8, random=True)
+    q = torch.randn(B, Hq, 1, D).to(DEV)
+    lengths = torch.tensor([9], dtype=torch.int32).to(DEV)
+    f = torch.compile(lambda q: ops.decode_kv4(q, kc, ks, vc, vs, pt, lengths, max_len=9), fullgraph=True,
+                      backend="eager")
+    assert rel_l2(f(q), ops.decode_kv4(q, kc, ks, vc, vs, pt, lengths)) < 1e-6

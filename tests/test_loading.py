@@ -169,3 +169,8 @@ def test_is_quantized_checkpoint(tmp_path):
     assert loading.is_quantized_checkpoint(d)
     assert not loading.is_quantized_checkpoint(tmp_path / "missing")
     assert not loading.is_quantized_checkpoint(None) and not loading.is_quantized_checkpoint("smollm2")
+
+
+def test_cache_folder_is_not_a_checkpoint(cache, fake_gguf):
+    d = loading.cached_gguf(fake_gguf, convert=_fake_convert([]), progress=False)
+    assert (d / loading.CACHE_MARKER).is_file() and not loading.is_quantized_checkpoint(d)

@@ -20,6 +20,8 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--skip", default="", help="comma list: check,asm,sweep,suite,mre,model")
 ap.add_argument("--budget", type=float, default=100.0, help="seconds; later sections shrink or skip")
+ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "tune"), choices=("tune", "final"),
+                help="tune: checks of new paths, config sweep, accuracy first; final: the benchmark suite first")
 a = ap.parse_args()
 if a.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, ".refcode", "int_fa"))
 import torch  # noqa: E402
 
 DEV = "cpu" if a.cpu_smoke else "cuda"
+PLAN = a.plan
 SUMMARY = []
 RESULTS = {}
 
@@ -70,6 +73,34 @@ def dump():
 
 
 # ------------------------------------------------------------------------------------- (1) checks
+def kernel_call(q, k, v, mode, causal, cfg, fused=False):
+    """The op's kernels called directly with a config override (default numerics of ``mode``)."""
+    from lowbit.kernels.attention_prefill import attention_prefill_triton, default_config
+    from lowbit.kernels.attention_quant import kv4_to_fp8_triton, quantize_kv_triton
+
+    D = q.shape[-1]
+    cfg = {**default_config(mode, D, causal, q.shape[2]), **cfg}
+    bn = cfg["BLOCK_N"]
+    sm = D ** -0.5
+    if mode == "fp8-kv4":
+        from lowbit.formats.kv4 import quantize_kv4
+
+        kc, ks, _ = quantize_kv4(k)
+        vc, vs, _ = quantize_kv4(v)
+        if fused:
+            return attention_prefill_triton(q, kc, ks, vc, vs, mode="fp8-kv4", causal=causal, sm_scale=sm, config=cfg)
+        kc, ks, vt, vs = kv4_to_fp8_triton(kc, ks, vc, vs, block=bn)
+        return attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm, config=cfg, k_block=bn)
+    if mode == "int8-qk":
+        kc, ks, _, _ = quantize_kv_triton(k, None, dtype=torch.int8)
+        return attention_prefill_triton(q, kc, ks, v.contiguous(), None, mode=mode, causal=causal, sm_scale=sm, config=cfg)
+    if mode == "fp8":
+        kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=bn, v_granularity="block")
+        return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg, k_block=bn)
+    kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=torch.int8, v_granularity="channel")
+    return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg)
+
+
 def checks():
     from lowbit.ops.attention import attention_ref
     from lowbit.ops.attention_prefill import fp8_kv4_attention, quant_attention, reference
@@ -77,35 +108,44 @@ def checks():
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     if DEV == "cuda":
         base = [(2, 8, 8, 1008, 1008, 128)]
-        extra = [("fp8", True, (1, 8, 2, 496, 1008, 128)), ("int8", True, (1, 8, 2, 496, 1008, 128)),
-                 ("int8", False, (1, 4, 4, 272, 272, 64)), ("fp8", False, (1, 4, 4, 272, 272, 64)),
-                 ("fp8", False, (1, 2, 2, 400, 400, 256)), ("fp8", False, (1, 2, 2, 16384, 16384, 128)),
-                 ("int8", False, (1, 2, 2, 16384, 16384, 128))]
+        cases = [(m, c, base[0], {}) for m in ("fp8", "int8") for c in (False, True)]
+        m64 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, tma=True)
+        cases += [(m, False, base[0], {"tma": True}) for m in ("fp8", "int8", "int8-qk", "fp8-kv4-fused")]
+        cases += [(m, False, base[0], m64) for m in ("fp8", "int8")]
+        cases += [("fp8", True, (1, 8, 2, 496, 1008, 128), {"tma": True}), ("int8", True, (1, 8, 2, 496, 1008, 128), {}),
+                  ("int8", False, (1, 4, 4, 272, 272, 64), {}), ("fp8", False, (1, 2, 2, 400, 400, 256), {}),
+                  ("int8-pblock", True, base[0], {})]
+        if PLAN == "final":
+            cases += [(m, c, base[0], {}) for m in ("int8-qk", "fp8-kv4", "fp8-kv4-fused") for c in (False, True)]
+            cases += [("fp8", False, (1, 2, 2, 16384, 16384, 128), {}), ("int8", False, (1, 2, 2, 16384, 16384, 128), {})]
     else:
         base = [(1, 2, 2, 40, 40, 32)]
-        extra = [("fp8", True, (1, 4, 2, 20, 45, 32)), ("int8", True, (1, 4, 2, 20, 45, 32))]
-    cases = [(m, c, s) for s in base for m in ("fp8", "int8", "int8-qk", "fp8-kv4", "fp8-kv4-fused")
-             for c in (False, True)] + extra
+        cases = [(m, c, base[0], {}) for m in ("fp8", "int8", "int8-qk", "fp8-kv4", "fp8-kv4-fused", "int8-pblock")
+                 for c in (False, True)]
+        cases += [("fp8", True, (1, 4, 2, 20, 45, 32), {}), ("int8", True, (1, 4, 2, 20, 45, 32), {})]
     rows = []
-    for mode, causal, (B, Hq, Hkv, Sq, Skv, D) in cases:
-        tag = f"{mode:8s} causal={int(causal)} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Skv={Skv} D={D}"
+    for mode, causal, (B, Hq, Hkv, Sq, Skv, D), cfg in cases:
+        tag = f"{mode:8s} causal={int(causal)} B={B} Hq={Hq} Hkv={Hkv} Sq={Sq} Skv={Skv} D={D} {cfg or ''}"
         try:
             torch.manual_seed(len(rows))
             q = torch.randn(B, Hq, Sq, D, device=DEV, dtype=dt)
             k = torch.randn(B, Hkv, Skv, D, device=DEV, dtype=dt)
             v = torch.randn(B, Hkv, Skv, D, device=DEV, dtype=dt)
             fused = mode == "fp8-kv4-fused"
-            m = "fp8-kv4" if fused else mode
-            if fused:
+            pblock = mode == "int8-pblock"
+            m = "fp8-kv4" if fused else ("int8" if pblock else mode)
+            if cfg:  # kernel-level call with a config override (TMA path)
+                o = kernel_call(q, k, v, m, causal, cfg, fused=fused)
+            elif fused:
                 from lowbit.formats.kv4 import quantize_kv4
 
                 kv = (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2])
                 o = fp8_kv4_attention(q, causal=causal, kv4=kv, fused=True)
             else:
-                o = quant_attention(q, k, v, mode=m, causal=causal)
+                o = quant_attention(q, k, v, mode=m, causal=causal, p_scale="block" if pblock else "running")
             if DEV == "cuda":
                 torch.cuda.synchronize()
-            r = reference(q, k, v, mode=m, causal=causal, fused=fused)
+            r = reference(q, k, v, mode=m, causal=causal, fused=fused, p_scale="block" if pblock else "running")
             f = attention_ref(q, k, v, causal=causal)
             e_same, e64, eref = rel(o, r), rel(o, f), rel(r, f)
             ok = bool(torch.isfinite(o).all()) and e_same < 1.5e-2 and e64 < eref * 1.2 + 2e-3
@@ -188,16 +228,22 @@ def sweep():
     fl = attention_flops(B, H, S, S, D, False)
     rows = []
     base = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
-    variants = [  # (mode, config, per-block K scale, V granularity, exp16)
-        ("fp8", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), True, "block", False),
-        ("int8", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2), False, "channel", False),
-        ("fp8", dict(base, num_stages=2), True, "block", False),
-        ("fp8", dict(base, BLOCK_N=64), True, "block", False),
-        ("fp8", base, True, "block", True),
-        ("fp8", base, False, "channel", False),
-        ("int8", base, True, "channel", False),
-        ("int8", dict(base, num_stages=2), False, "channel", False),
-        ("int8", base, False, "block", False),
+    t1 = dict(base, tma=True)
+    m64 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, tma=True)  # 2 CTAs per SM
+    variants = [  # (mode, config, per-block K scale, V granularity, exp16), most informative first
+        ("fp8", base, True, "block", False),
+        ("fp8", t1, True, "block", False),
+        ("fp8", m64, True, "block", False),
+        ("fp8", dict(m64, num_stages=3), True, "block", False),
+        ("int8", t1, False, "channel", False),
+        ("int8", m64, False, "channel", False),
+        ("fp8", dict(m64, num_stages=3), False, "channel", False),
+        ("fp8", dict(t1, BLOCK_N=64), True, "block", False),
+        ("int8", base, False, "channel", False),
+        ("fp8", dict(m64, tma=False), True, "block", False),
+        ("fp8", dict(m64, num_stages=3), True, "block", True),
+        ("int8", dict(m64, num_stages=3), True, "block", False),
+        ("fp8", dict(t1, num_stages=2), True, "block", False),
     ]
     for mode, cfg, kblk, vg, e16 in variants:
         if left() < 12:
@@ -206,6 +252,8 @@ def sweep():
         try:
             kb = cfg["BLOCK_N"] if kblk else None
             kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg)
+            if left() < 10:
+                break
             fn = lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=False, sm_scale=D ** -0.5,
                                                   config=cfg, k_block=kb, exp16=e16)
             fn()
@@ -218,6 +266,17 @@ def sweep():
         except Exception as exc:
             rows.append({"mode": mode, **cfg, "error": str(exc)[:200]})
             print(f"sweep {mode} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    for mode, dt, kb, vg in (("fp8", torch.float8_e4m3fn, 128, "block"), ("int8", torch.int8, None, "channel")):
+        for nw in (4, 8):
+            if left() < 8:
+                break
+            fn = lambda: quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, num_warps=nw)
+            fn()
+            t = time_cuda(lambda: fn(), [()], warmup=3, reps=20)
+            gbs = (2 * k.numel() * 2 + 2 * k.numel()) / t["median_ms"] / 1e9
+            rows.append({"mode": f"kv-quant-{mode}", "num_warps": nw, "ms": t["median_ms"], "TBps": gbs / 1e3})
+            print(f"kv quant {mode} warps={nw}: {t['median_ms']:.3f} ms {gbs / 1e3:.2f} TB/s", flush=True)
+            SUMMARY.append(f"K/V quantization S=4096 {mode} warps={nw}: {t['median_ms']:.3f} ms ({gbs / 1e3:.2f} TB/s)")
     RESULTS["sweep"] = rows
     dump()
 
@@ -307,8 +366,8 @@ def mre_tables():
     rows += synthetic_table(provs, seq_lens=lens, B=1, H=4, on_row=show)
     RESULTS["mre"] = rows
     for dist in ("normal", "uniform"):
-        for p in ("lowbit-int8", "lowbit-int8-tensorV", "lowbit-int8-qk", "lowbit-fp8", "int-fa-full-int8",
-                  "sageattention-1.0.6"):
+        for p in ("lowbit-int8", "lowbit-int8-tensorV", "lowbit-int8-pblock", "lowbit-int8-qk", "lowbit-fp8",
+                  "lowbit-fp8-kv4", "int-fa-full-int8", "int-fa-half-int8", "sageattention-1.0.6"):
             r = next((r for r in rows if r["provider"] == p and r["dist"] == dist and r["S"] == 1024 and "mre" in r), None)
             if r:
                 SUMMARY.append(f"MRE {dist} 1k {p}: {100 * r['mre']:.3f}% (last-4 {100 * r['mre_last4']:.3f}%)")
@@ -330,6 +389,7 @@ def model():
     provs = {
         "int8": lambda q, k, v, c, sm: ap.int8_attention(q, k, v, causal=c, sm_scale=sm),
         "int8-tensorV": lambda q, k, v, c, sm: ap.int8_attention(q, k, v, causal=c, sm_scale=sm, v_granularity="tensor"),
+        "int8-pblock": lambda q, k, v, c, sm: ap.int8_attention(q, k, v, causal=c, sm_scale=sm, p_scale="block"),
         "int8-qk": lambda q, k, v, c, sm: ap.int8_qk_attention(q, k, v, causal=c, sm_scale=sm),
         "fp8": lambda q, k, v, c, sm: ap.fp8_attention(q, k, v, causal=c, sm_scale=sm),
         "fp8-kv4": lambda q, k, v, c, sm: ap.fp8_kv4_attention(q, k, v, causal=c, sm_scale=sm),
@@ -357,12 +417,18 @@ def model():
 
 
 section("check", checks)
-if DEV == "cuda":
+if DEV == "cuda" and PLAN == "tune":
     section("asm", asm)
-    section("suite", suite, need=30)
     section("sweep", sweep, need=15)
     section("mre", mre_tables, need=15)
-    section("model", model, need=25)
+    section("model", model, need=30)
+    section("suite", suite, need=30)
+elif DEV == "cuda":
+    section("asm", asm)
+    section("suite", suite, need=30)
+    section("mre", mre_tables, need=15)
+    section("sweep", sweep, need=15)
+    section("model", model, need=30)
 print("\n==== summary ====")
 for s in SUMMARY:
     print(s)

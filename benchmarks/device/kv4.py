@@ -30,6 +30,7 @@ import torch  # noqa: E402
 DEV = "cpu" if a.cpu_smoke else "cuda"
 SUMMARY = []
 RESULTS = {}
+VARIANT_OK = {}
 
 
 def stamp(msg):
@@ -124,40 +125,82 @@ def checks():
                 traceback.print_exc()
                 res.append((name, None, False))
                 print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+    if not a.cpu_smoke:  # kernel variants (tokens-major MMA, packed-asm conversion) vs the reference
+        from lowbit.kernels.decode_kv4 import decode_kv4_triton
+
+        for trans in (False, True):
+            for asm_ in (False, True):
+                for zp in (False, True):
+                    name = f"variant trans={trans} asm={asm_} zp={zp}"
+                    try:
+                        B, Hq, Hkv, D, TQ, L = 3, 32, 8, 128, 2, 700
+                        c = random_cache(B, Hkv, D, L, zero_point=zp, device=DEV)
+                        c["lengths"] = torch.tensor([700, 3, 333], dtype=torch.int32, device=DEV)
+                        q = torch.randn(B, Hq, TQ, D, device=DEV)
+                        crs = torch.rand(Hkv, D, device=DEV) + 0.5
+                        o = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
+                                              c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), crs_q=crs,
+                                              trans=trans, asm=asm_)
+                        r = ops.decode_kv4_ref(q, crs_q=crs, **c)
+                        e = rel(o, r)
+                        ok = e < 5e-3
+                        res.append((name, e, ok))
+                        VARIANT_OK[(trans, asm_)] = VARIANT_OK.get((trans, asm_), True) and ok
+                        print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e:.2e}", flush=True)
+                    except Exception as exc:
+                        traceback.print_exc()
+                        res.append((name, None, False))
+                        VARIANT_OK[(trans, asm_)] = False
+                        print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
     RESULTS["checks"] = [{"case": n, "err": e, "pass": ok} for n, e, ok in res]
     SUMMARY.append(f"checks: {sum(ok for *_, ok in res)}/{len(res)} PASS")
 
 
 # ------------------------------------------------------------------------------------- (2) asm
 def asm():
+    from collections import Counter
+
     from lowbit.bench.suites.kv4 import random_cache
     from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
     lines = []
-    for zp in (False, True):
-        c = random_cache(16, 8, 128, 8192, zero_point=zp)
-        q = torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-        _, k = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
-                                 c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), return_kernel=True)
-        ptx = k.asm.get("ptx", "")
-        sass = k.asm.get("sass", "") if hasattr(k, "asm") else ""
-        info = {
-            "zero_point": zp, "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
-            "mma": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"wgmma", ptx)),
-            "ld.global.v4": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)),
-            "ld.global": len(re.findall(r"ld\.global", ptx)), "local": len(re.findall(r"\.local", ptx)),
-            "cp.async": len(re.findall(r"cp\.async", ptx)), "shared_bytes": getattr(k, "metadata", None) and getattr(k.metadata, "shared", None),
-        }
-        lines.append(json.dumps(info))
-        print(info, flush=True)
-        with open(os.path.join(a.out, f"decode_kv4{'_zp' if zp else ''}.ptx"), "w") as f:
-            f.write(ptx)
-        if sass:
-            with open(os.path.join(a.out, f"decode_kv4{'_zp' if zp else ''}.sass"), "w") as f:
-                f.write(sass)
+    for trans in (False, True):
+        for asm_ in (False, True):
+            if not VARIANT_OK.get((trans, asm_), False):
+                continue
+            for zp in (False,):
+                c = random_cache(16, 8, 128, 8192, zero_point=zp)
+                q = torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+                _, k = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
+                                         c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"),
+                                         trans=trans, asm=asm_, return_kernel=True)
+                ptx = k.asm.get("ptx", "")
+                try:
+                    sass = k.asm["sass"] or ""
+                    with open(os.path.join(a.out, f"decode_kv4_t{int(trans)}a{int(asm_)}.sass"), "w") as f:
+                        f.write(sass)
+                except Exception as exc:  # nvdisasm missing
+                    sass = ""
+                    print("no sass:", exc)
+                tag = f"t{int(trans)}a{int(asm_)}"
+                ops_ = Counter(m.group(1).split(".")[0] for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?P\d\s+)?([A-Z0-9_.]+)", sass, re.M))
+                info = {
+                    "variant": tag, "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                    "mma": len(re.findall(r"\bmma\.sync", ptx)), "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                    "ld.global.v4": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)),
+                    "cp.async": len(re.findall(r"cp\.async\.(ca|cg)", ptx)), "ldmatrix": len(re.findall(r"ldmatrix", ptx)),
+                    "st.shared": len(re.findall(r"st\.shared", ptx)), "ld.shared": len(re.findall(r"ld\.shared", ptx)),
+                    "local": len(re.findall(r"\.local", ptx)), "shared_bytes": getattr(getattr(k, "metadata", None), "shared", None),
+                    "sass_top": ops_.most_common(14),
+                }
+                lines.append(json.dumps(info))
+                print(info, flush=True)
+                for ext in ("ptx", "ttgir"):
+                    with open(os.path.join(a.out, f"decode_kv4_{tag}.{ext}"), "w") as f:
+                        f.write(k.asm.get(ext, ""))
     with open(os.path.join(a.out, "asm_summary.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    SUMMARY.append("asm: " + " | ".join(lines))
+    SUMMARY.append("asm: " + "\n".join(lines))
 
 
 # ------------------------------------------------------------------------------------- (3) sweep + suite
@@ -168,32 +211,47 @@ def sweep():
 
     B, Hq, Hkv, D = 16, 32, 8, 128
     rows = []
+    configs = []
+    for trans in (False, True):
+        for asm_ in (False, True):
+            if VARIANT_OK.get((trans, asm_), False):
+                configs.append((64, 64, 4, 3, None, trans, asm_))
+    best_t = True if VARIANT_OK.get((True, True)) else False
+    configs += [(64, 64, 8, 3, None, best_t, True), (64, 64, 4, 4, None, best_t, True), (128, 128, 4, 3, None, best_t, True),
+                (128, 128, 8, 3, None, best_t, True), (64, 32, 4, 3, None, best_t, True)]
     for L in (8192, 32768):
-        for page, bn, nw, ns, sp in [(64, 64, 4, 3, None), (64, 64, 4, 2, None), (64, 64, 8, 3, None),
-                                     (64, 32, 4, 3, None), (128, 128, 4, 3, None), (128, 128, 8, 3, None),
-                                     (64, 64, 4, 3, 16)]:
-            if L == 32768 and not (nw == 4 and ns == 3 and sp is None and bn != 32):
+        for page, bn, nw, ns, sp, trans, asm_ in configs:
+            if not VARIANT_OK.get((trans, asm_), False):
+                continue
+            if L == 32768 and not (nw == 4 and ns == 3 and bn == 64):
                 continue
             try:
                 sets = rotating_inputs(lambda: (torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16),
                                                 random_cache(B, Hkv, D, L, page=page)))
                 fn = lambda q, c: decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
                                                    c["page_table"], c["lengths"], max_len=L, block_n=bn,
-                                                   num_warps=nw, num_stages=ns, num_splits=sp)
+                                                   num_warps=nw, num_stages=ns, num_splits=sp, trans=trans, asm=asm_)
                 t = time_cuda(fn, sets, reps=30, warmup=5)
                 tb = kv4_bytes(B, Hq, Hkv, D, L, 1, False) / (t["median_ms"] * 1e-3) / 1e12
-                r = {"L": L, "page": page, "block_n": bn, "warps": nw, "stages": ns, "splits": sp,
+                r = {"L": L, "page": page, "block_n": bn, "warps": nw, "stages": ns, "splits": sp, "trans": trans, "asm": asm_,
                      "ms": t["median_ms"], "TBps": tb}
                 rows.append(r)
                 print(r, flush=True)
                 del sets
                 torch.cuda.empty_cache()
             except Exception as exc:
-                print("sweep config failed", page, bn, nw, ns, sp, type(exc).__name__, str(exc)[:300], flush=True)
+                print("sweep config failed", page, bn, nw, ns, sp, trans, asm_, type(exc).__name__, str(exc)[:300], flush=True)
     RESULTS["sweep"] = rows
     if rows:
-        best = min((r for r in rows if r["L"] == 8192), key=lambda r: r["ms"], default=None)
-        SUMMARY.append(f"sweep best @8k: {best}")
+        best = min((r for r in rows if r["L"] == 8192 and r["page"] == 64 and r["block_n"] == 64 and r["splits"] is None),
+                   key=lambda r: r["ms"], default=None)
+        SUMMARY.append(f"sweep best @8k (page 64): {best}")
+        if best is not None:  # the suite below runs the fastest correct variant
+            import lowbit.kernels.decode_kv4 as dk
+
+            dk.DEFAULT_TRANS, dk.DEFAULT_ASM = best["trans"], best["asm"]
+            dk.DEFAULT_WARPS, dk.DEFAULT_STAGES = best["warps"], best["stages"]
+            RESULTS["suite_variant"] = best
 
 
 def suite():

@@ -241,9 +241,10 @@ def sweep():
     qc8, qs8, qr8 = latent_quant_triton(q.view(-1, 576), 512)
     fl = 2.0 * B * H * L * (2 * 512 + 64)
     rows = []
-    for fp8, bn, warps, stages, promote in ((False, 32, 8, 2, False), (False, 64, 8, 2, False), (False, 32, 8, 3, False),
-                                            (True, 32, 8, 2, False), (True, 64, 8, 2, False), (True, 32, 8, 3, False),
-                                            (True, 32, 8, 2, True)):
+    for fp8, bn, warps, stages, promote, pre in (
+            (False, 32, 8, 3, False, True), (False, 32, 8, 4, False, True), (False, 64, 8, 2, False, True),
+            (True, 32, 8, 3, False, True), (True, 32, 8, 2, False, True), (True, 64, 8, 2, False, True),
+            (True, 32, 8, 3, False, False), (True, 32, 8, 3, True, True)):
         if time.time() - T0 > 55:
             break
         try:
@@ -256,16 +257,16 @@ def sweep():
             def fn():
                 return mla_decode_triton(*args, caches["page_table"], caches["seq_lens"], num_heads=H, sm_scale=576 ** -0.5,
                                          max_seq_len=L, page_size=64, fp8=fp8, block_n=bn, num_warps=warps,
-                                         num_stages=stages, pv_promote=promote)
+                                         num_stages=stages, pv_promote=promote, v_prefetch=pre)
             t = time_cuda(fn, [()], warmup=3, reps=20)
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "ms": t["median_ms"],
+            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "ms": t["median_ms"],
                  "TFLOPs": fl / t["median_ms"] / 1e9}
         except Exception as exc:
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "error": f"{type(exc).__name__}: {exc}"[:300]}
         print(r, flush=True)
         rows.append(r)
     RESULTS["sweep"] = rows
-    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} pr={r['promote']} "
+    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} pr={r['promote']} pf={r['prefetch']} "
                                          + (f"{r['TFLOPs']:.0f} TF/s" if "ms" in r else "ERR") for r in rows))
     del caches
     torch.cuda.empty_cache()

@@ -148,11 +148,28 @@ def timings(rec):
             continue
         suite.linear_rows(rec, layers=[layer])
         log(f"linear rows {layer} done")
+    try:
+        act_quant_rows(rec)
+    except Exception:
+        traceback.print_exc()
     if left() > 35:
         suite.ffn_rows(rec)
         log("ffn rows done")
     else:
         rec.note("FFN rows skipped: out of time budget")
+
+
+def act_quant_rows(rec):
+    """The per-token INT8 quantization alone (lowbit.ops.quant, counted in lowbit-w4a8-int8)."""
+    from lowbit.bench.harness import time_cuda
+    from lowbit.ops.quant import per_token_quant
+
+    for K in (4096, 14336):
+        for M in (1, 16, 1024, 4096):
+            xs = [(torch.randn(M, K, device=DEV, dtype=torch.bfloat16),) for _ in range(3)]
+            t = time_cuda(lambda x: per_token_quant(x, "int8"), xs, reps=50)
+            rec.record({"act_quant": "int8", "M": M, "K": K}, "lowbit-per_token_quant", t,
+                       bytes_moved=3 * M * K + 4 * M)
 
 
 def ratios(rec):
@@ -187,38 +204,47 @@ def ratios(rec):
 
 # ---------------------------------------------------------------------------------- 4. sweep
 def sweep():
+    """Configs around the defaults, gemm only (x pre-quantized), rotating weights. Cases are
+    (BLOCK_M, BLOCK_N, split, warps, stages[, PREFETCH]); split 'aN' = auto_split with N programs
+    per SM and >= 2 k-tiles per split; PREFETCH defaults to BLOCK_M <= 64."""
     from lowbit.bench.harness import rotating_inputs, time_cuda
-    from lowbit.kernels.w4a8_int8_gemm import launch
+    from lowbit.kernels.w4a8_int8_gemm import auto_split, launch
 
-    # (BLOCK_M, BLOCK_N, SPLIT_K (0 = auto), warps, stages, USE_ASM, SWAP_AB)
-    cfgs = {
-        1: [(16, 64, 0, 4, 4, True, True), (16, 64, 0, 4, 4, True, False), (16, 64, 0, 4, 4, False, True),
-            (16, 128, 0, 4, 4, True, True), (16, 64, 1, 4, 6, True, True), (16, 128, 0, 8, 4, True, True)],
-        16: [(16, 64, 0, 4, 4, True, True), (16, 128, 0, 4, 3, True, True)],
-        128: [(64, 128, 0, 4, 4, True, True), (128, 128, 1, 8, 3, True, True), (64, 128, 0, 4, 4, True, False)],
-        4096: [(128, 128, 1, 8, 3, True, True), (128, 128, 1, 8, 3, True, False), (128, 128, 1, 8, 3, False, True),
-               (128, 256, 1, 8, 3, True, True), (256, 128, 1, 8, 3, True, True), (128, 128, 1, 4, 4, True, True)],
-    }
-    for (N, K) in [(28672, 4096), (4096, 14336), (4096, 4096)]:
+    small = [(16, 64, "a2", 4, 4), (16, 64, "a4", 4, 4), (16, 64, "a8", 4, 4), (16, 64, "a4", 4, 6),
+             (16, 128, "a4", 8, 4), (16, 64, "a4", 4, 4, False), (16, 128, "a8", 8, 4), (16, 32, "a8", 4, 6)]
+    plan = [  # (N, K, Ms, configs)
+        (4096, 4096, [1, 16], small),
+        (4096, 14336, [1, 16], small),
+        (28672, 4096, [1, 16], small[:6]),
+        (6144, 4096, [1], small[:6]),
+        (22016, 4096, [32], [(64, 64, "a2", 4, 4), (32, 64, "a2", 4, 4), (64, 128, "a2", 8, 3)]),
+        (4096, 11008, [32], [(64, 64, "a2", 4, 4), (32, 64, "a4", 4, 4), (64, 128, "a4", 8, 3)]),
+        (4096, 14336, [64, 128], [(64, 64, "a2", 4, 4), (64, 128, "a2", 8, 3), (128, 128, "a2", 8, 3),
+                                  (128, 128, "a2", 8, 3, True), (64, 128, "a4", 4, 4)]),
+        (28672, 4096, [64, 128], [(64, 64, "a2", 4, 4), (64, 128, "a2", 8, 3), (128, 128, "a2", 8, 3),
+                                  (128, 128, "a2", 8, 3, True)]),
+        (4096, 4096, [128], [(64, 128, "a2", 4, 4), (128, 128, "a2", 8, 3), (128, 128, "a4", 8, 3)]),
+        (4096, 14336, [4096], [(128, 128, 1, 8, 3), (128, 128, 1, 8, 3, True), (128, 128, 1, 8, 4), (64, 128, 1, 4, 4)]),
+        (28672, 4096, [4096], [(128, 128, 1, 8, 3), (128, 128, 1, 8, 3, True)]),
+    ]
+    for N, K, ms, cl in plan:
         sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
                                              for f in ("qweight", "wscale", "gscale", "gzs")))
-        for M, cl in cfgs.items():
+        for M in ms:
             xq, xs = quantize_per_token(torch.randn(M, K, device=DEV), torch.int8)
             for c in cl:
-                if left() < 8:
+                if left() < 6:
                     return
-                bm, bn, split, warps, stages, asm, swap = c
-                if split == 0:
-                    from lowbit._utils import cdiv
-
-                    tiles = cdiv(M, bm) * cdiv(N, bn)
-                    split = max(1, min(264 // max(tiles, 1), cdiv(K, 128) // 4, 16))
-                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, USE_ASM=asm,
-                           SWAP_AB=swap)
+                bm, bn, split, warps, stages = c[:5]
+                if isinstance(split, str):
+                    split = auto_split(M, N, K, bm, bn, 132, int(split[1:]), 2)
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+                if len(c) > 5:
+                    cfg["PREFETCH"] = c[5]
                 try:
                     t = time_cuda(lambda *w: launch(xq, xs, *w, None, K, 128, torch.bfloat16, config=cfg)[0],
                                   sets, reps=30 if M >= 4096 else 50, warmup=3)
-                    row = {"N": N, "K": K, "M": M, "cfg": list(c), "split": split, "ms": t["median_ms"]}
+                    row = {"N": N, "K": K, "M": M, "cfg": list(c), "split": split, "ms": round(t["median_ms"], 5)}
                 except Exception as exc:
                     row = {"N": N, "K": K, "M": M, "cfg": list(c), "error": repr(exc)[:200]}
                 RESULTS["sweep"].append(row)

@@ -41,7 +41,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
 FULL_LAYERS = 32
-RECIPES = ("fireq", "fireq+fused", "qserve", "flute-nf4", "flute-nf3", "int8-attention")
+RECIPES = ("fireq", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "flute-nf3")
 VARIANTS = {"fireq+fused": ("fireq", {"fuse_mlp": True})}  # provider -> (recipe, options)
 BASELINE = "bf16"
 

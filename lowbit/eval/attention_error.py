@@ -64,6 +64,7 @@ def lowbit_providers() -> dict[str, Callable]:
     return {
         "lowbit-int8": lambda q, k, v, c: ap.int8_attention(q, k, v, causal=c),
         "lowbit-int8-tensorV": lambda q, k, v, c: ap.int8_attention(q, k, v, causal=c, v_granularity="tensor"),
+        "lowbit-int8-pblock": lambda q, k, v, c: ap.int8_attention(q, k, v, causal=c, p_scale="block"),
         "lowbit-int8-qk": lambda q, k, v, c: ap.int8_qk_attention(q, k, v, causal=c),
         "lowbit-fp8": lambda q, k, v, c: ap.fp8_attention(q, k, v, causal=c),
         "lowbit-fp8-kv4": lambda q, k, v, c: ap.fp8_kv4_attention(q, k, v, causal=c),

@@ -45,7 +45,9 @@ Storage (every field a tensor; ``Kp = ceil(K / 128) * 128``):
   columns, LUT = the 8 bytes FP8(k*sigma), k = 0..7 (one AND, one PRMT, one XOR per 4 weights).
   This is not nibble-per-weight packing (``lowbit.formats.int4``): sign bits are scattered so the
   sign lands on each FP8 byte's bit 7 with one mask. Columns K..Kp-1 are padding (q = 0).
-- ``scales`` float8_e4m3fn ``[N, ceil(K / group_size)]``: sigma per (row, group).
+- ``scales`` float8_e4m3fn ``[N, Gp]``: sigma per (row, group), ``G = ceil(K / group_size)``
+  groups padded with zeros to ``Gp`` = a multiple of 16 (``scale_cols``) so the kernel fetches them
+  in 16-byte chunks that Triton can pipeline with cp.async.
 - ``inv_delta`` float32 scalar ``[]``: 2^-n, applied in the epilogue.
 
 K that is not a multiple of ``group_size``: the last group of each row is shorter (its sigma comes
@@ -70,6 +72,14 @@ def padded_k(k: int) -> int:
 
 def num_groups(k: int, group_size: int) -> int:
     return -(-k // group_size)
+
+
+SCALE_ALIGN = 16  # scale rows are padded to a multiple of 16 groups (16-byte loads in the kernel)
+
+
+def scale_cols(k: int, group_size: int) -> int:
+    """Stored columns of ``scales``: ceil(K / g) rounded up to a multiple of 16 (zero padding)."""
+    return -(-num_groups(k, group_size) // SCALE_ALIGN) * SCALE_ALIGN
 
 
 def _check_group(group_size: int) -> None:
@@ -109,7 +119,7 @@ def decode_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
-    """``w [N, K]`` float -> (codes uint8 [N, Kp/2], scales fp8 [N, G], inv_delta fp32 []).
+    """``w [N, K]`` float -> (codes uint8 [N, Kp/2], scales fp8 [N, Gp], inv_delta fp32 []).
 
     ``pts_exp`` is PTS's n (delta = 2^n), see ``lowbit.ptq.pts``. CAS, if any, is already folded
     into ``w``. Returns tensors on w's device.
@@ -133,7 +143,9 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
     qp = torch.zeros((n, padded_k(k)), dtype=torch.int16, device=w.device)
     qp[:, :k] = q.to(torch.int16)
     codes = encode_codes(qp)
-    return codes, sigma.to(FP8_E4M3), torch.tensor(2.0 ** -pts_exp, dtype=torch.float32, device=w.device)
+    sig = torch.zeros((n, scale_cols(k, group_size)), dtype=torch.float32, device=w.device)
+    sig[:, :g] = sigma
+    return codes, sig.to(FP8_E4M3), torch.tensor(2.0 ** -pts_exp, dtype=torch.float32, device=w.device)
 
 
 def unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:

@@ -116,7 +116,7 @@ def _per_token_quant_kernel(
         # max() ignores NaN on the GPU: make a NaN/Inf row give a NaN scale (-> NaN output row)
         bad = tl.max(((tl.abs(v) == float("inf")) | (v != v)).to(tl.int32), axis=0)
         amax = tl.where(bad > 0, float("nan"), amax)
-        scale = tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL) / QMAX
+        scale = tl.div_rn(tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL), QMAX)
         _quant_store(Qr, offs, mask, v, scale, QMAX, IS_INT8)
     else:
         rstd = 1.0
@@ -135,7 +135,7 @@ def _per_token_quant_kernel(
             amax_v = tl.maximum(amax_v, tl.abs(v))
             bad_v = bad_v | ((tl.abs(v) == float("inf")) | (v != v)).to(tl.int32)
         amax = tl.where(tl.max(bad_v, axis=0) > 0, float("nan"), tl.max(amax_v, axis=0))
-        scale = tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL) / QMAX
+        scale = tl.div_rn(tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL), QMAX)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
             v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)

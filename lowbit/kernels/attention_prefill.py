@@ -75,6 +75,14 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _above(m):
+    """m plus 2 ulp: the exp2 argument of the row max, fused into one FFMA while the max itself was
+    rounded, may exceed 0 by half an ulp of |S|; with this margin P never exceeds its format's top
+    (127 / 256) even for absurd logits (|S| ~ 1e9), and it changes P by < 1e-6 otherwise."""
+    return m + tl.abs(m) * 2.384185791015625e-07
+
+
+@triton.jit
 def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: tl.constexpr):
     """uint8 [ROWS, COLS/2] (element 2i in the low nibble of byte i, two's complement) -> FP8 E4M3
     [ROWS, COLS] (INT4 values are exact in E4M3).
@@ -134,12 +142,12 @@ def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: tl.c
 @triton.jit
 def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
                  Kb, KSb, Vb, VSb,  #
-                 Skv, causal_off,  #
+                 Skv, causal_off, krow, vrow,  #
                  stride_kn, stride_vr, stride_vsn,  #
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
                  K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
-                 P_BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+                 P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, HEAD_DIM // 2)
@@ -150,7 +158,13 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         offs_n = start_n + offs_nb
         nmask = offs_n < Skv
         # ---- S = Q K^T (block), in log2 units after the two scales
-        if KV4:
+        if USE_TMA:  # 2-D descriptors over [B * H * S, D]: rows past Skv belong to the next head or
+            # are zero-filled; their scores are masked to -inf below and their P is 0
+            if KV4:
+                k = _int4_to_fp8(Kb.load([krow + start_n, 0]), BLOCK_N, HEAD_DIM, INTERPRET)
+            else:
+                k = Kb.load([krow + start_n, 0])
+        elif KV4:
             kp_ptr = Kb + offs_n[:, None] * stride_kn + offs_h[None, :]
             if MASK:
                 kp = tl.load(kp_ptr, mask=nmask[:, None], other=0.0)
@@ -201,13 +215,13 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         if MODE == 1 and P_BLOCK:  # P against this block's max: 127 * exp(S - m_block)
             mb_use = tl.where(mb == float("-inf"), m_use, mb)
             beta = tl.math.exp2(mb_use - m_use)  # <= 1, rescales the block's P V and row sum
-            sub = mb_use - 6.988684686772166
+            sub = _above(mb_use) - 6.988684686772166
         elif MODE == 1:
-            sub = m_use - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
+            sub = _above(m_use) - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
         elif MODE == 0:
-            sub = m_use - 8.0  # P = 256 * exp(S - m) in [0, 256]
+            sub = _above(m_use) - 8.0  # P = 256 * exp(S - m) in [0, 256]
         else:
-            sub = m_use
+            sub = _above(m_use)
         if EXP16:  # FireQ-style half-precision softmax numerator: ex2.approx.f16x2, two per op
             x16 = (t * qsb[:, None] - (c * qsb + sub)[:, None]).to(tl.float16)
             if INTERPRET:
@@ -237,23 +251,31 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
             l_i = l_i * alpha + tl.sum(p, 1)
         # ---- O += P V (block)
         if MODE == 2:
-            v_ptr = Vb + offs_n[:, None] * stride_vr + offs_d[None, :]
-            if MASK:
-                v = tl.load(v_ptr, mask=nmask[:, None], other=0.0)
+            if USE_TMA:
+                v = Vb.load([vrow + start_n, 0])
             else:
-                v = tl.load(v_ptr)
+                v_ptr = Vb + offs_n[:, None] * stride_vr + offs_d[None, :]
+                if MASK:
+                    v = tl.load(v_ptr, mask=nmask[:, None], other=0.0)
+                else:
+                    v = tl.load(v_ptr)
             acc = acc * alpha[:, None]
             if INTERPRET:  # Triton 3.6's interpreter multiplies bf16 bit patterns: go through fp32
                 acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc)
             else:
                 acc = tl.dot(p.to(v.dtype), v, acc)
         elif KV4:
-            vp_ptr = Vb + offs_n[:, None] * stride_vr + offs_h[None, :]
+            if USE_TMA:
+                vp = Vb.load([vrow + start_n, 0])
+            else:
+                vp_ptr = Vb + offs_n[:, None] * stride_vr + offs_h[None, :]
+                if MASK:
+                    vp = tl.load(vp_ptr, mask=nmask[:, None], other=0.0)
+                else:
+                    vp = tl.load(vp_ptr)
             if MASK:
-                vp = tl.load(vp_ptr, mask=nmask[:, None], other=0.0)
                 sv = tl.load(VSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
             else:
-                vp = tl.load(vp_ptr)
                 sv = tl.load(VSb + offs_n).to(tl.float32)
             v = _int4_to_fp8(vp, BLOCK_N, HEAD_DIM, INTERPRET)
             svmax = tl.maximum(tl.max(sv, 0), 1e-30)
@@ -264,11 +286,14 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
             acc = acc * (alpha * (c_acc / svmax))[:, None] + pv
             c_acc = svmax
         else:
-            vt_ptr = Vb + offs_d[:, None] * stride_vr + offs_n[None, :]
-            if MASK:
-                vt = tl.load(vt_ptr, mask=nmask[None, :], other=0.0)
+            if USE_TMA:  # V^T rows are (head, channel); columns past S_al are zero-filled
+                vt = Vb.load([vrow, start_n])
             else:
-                vt = tl.load(vt_ptr)
+                vt_ptr = Vb + offs_d[:, None] * stride_vr + offs_n[None, :]
+                if MASK:
+                    vt = tl.load(vt_ptr, mask=nmask[None, :], other=0.0)
+                else:
+                    vt = tl.load(vt_ptr)
             if MODE == 1:
                 pv = tl.dot(p8, tl.trans(vt))
                 pv = (pv + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
@@ -300,7 +325,8 @@ def _attn_fwd(
     stride_ob, stride_oh, stride_om,  #
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
     MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, K_PER_BLOCK: tl.constexpr,  #
-    V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,  #
+    V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr,  #
+    INTERPRET: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -332,10 +358,21 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    Kb = K + b64 * stride_kb + hk64 * stride_kh
     KSb = KS + b64 * stride_ksb + hk64 * stride_ksh
-    Vb = V + b64 * stride_vb + hk64 * stride_vh
     VSb = VS + b64 * stride_vsb + hk64 * stride_vsh
+    bhk = b * (Hq // n_rep) + hk
+    krow = bhk * Skv  # first row of this head in the 2-D [B * Hkv * Skv, D] descriptors
+    if USE_TMA:
+        Kb = K
+        Vb = V
+        if MODE == 2 or KV4:
+            vrow = krow
+        else:
+            vrow = bhk * HEAD_DIM  # V^T: [B * Hkv * D, S_al]
+    else:
+        Kb = K + b64 * stride_kb + hk64 * stride_kh
+        Vb = V + b64 * stride_vb + hk64 * stride_vh
+        vrow = krow
     if CAUSAL:
         hi = tl.minimum(Skv, m0 + BLOCK_M + causal_off)
         n_full = tl.minimum(((m0 + causal_off + 1) // BLOCK_N) * BLOCK_N, (Skv // BLOCK_N) * BLOCK_N)
@@ -344,19 +381,31 @@ def _attn_fwd(
         n_full = (Skv // BLOCK_N) * BLOCK_N
     c_acc = 1.0
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, 0, n_full,  #
-                                 Kb, KSb, Vb, VSb, Skv, causal_off,  #
+                                 Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow,  #
                                  stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL, EXP16, P_BLOCK, INTERPRET)
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL, EXP16,
+                                 P_BLOCK, USE_TMA, INTERPRET)
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, n_full, hi,  #
-                                 Kb, KSb, Vb, VSb, Skv, causal_off,  #
+                                 Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow,  #
                                  stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16, P_BLOCK, INTERPRET)
+                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16,
+                                 P_BLOCK, USE_TMA, INTERPRET)
     out = acc * (c_acc / l_i)[:, None]
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
 
 
 # ----------------------------------------------------------------------------------------- launcher
+def _tma_ok(k, v, mode) -> bool:
+    """TMA descriptors need contiguous operands with 16-byte rows (our quantized K/V always are;
+    a strided KV4 cache view falls back to pointer loads). Off under the interpreter."""
+    if interpret_mode() or not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+        return False
+    return all(t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (k, v))
+
+
+
 def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal: bool, sm_scale: float,
                              v_block: int = 128, k_block: int | None = None, exp16: bool = False,
                              p_block: bool = False,
@@ -400,8 +449,21 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
     else:
         vsp, svs = vs, (vs.stride(0), vs.stride(1), vs.stride(2))
         sv_r = v.stride(2)  # V^T [B, H, D, S_al]: row (channel) stride
+    use_tma = bool(cfg.get("tma", False)) and _tma_ok(k, v, mode)
+    kk, vv = k, v
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kw = k.shape[-1]
+        kk = TensorDescriptor(k, [B * Hkv * Skv, kw], [kw, 1], [BN, kw])
+        if mode == "int8-qk" or kv4:
+            vw = v.shape[-1]
+            vv = TensorDescriptor(v, [B * Hkv * Skv, vw], [vw, 1], [BN, vw])
+        else:  # V^T [B, Hkv, D, S_al]
+            s_al = v.shape[-1]
+            vv = TensorDescriptor(v, [B * Hkv * D, s_al], [s_al, 1], [D, BN])
     _attn_fwd[(n_mblk, B * Hq)](
-        q, k, ks, v, vsp, out,
+        q, kk, ks, vv, vsp, out,
         sm_scale * LOG2E, AMAX_EPS, Sq, Skv, Skv - Sq, Hq, Hq // Hkv, n_mblk,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -411,7 +473,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, V_BLOCK=v_block,
         MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), K_PER_BLOCK=k_block is not None,
-        V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block),
+        V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
         INTERPRET=interpret_mode(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -68,48 +68,49 @@ def _kv_quant_kernel(
     h = bh % H
     offs_d = tl.arange(0, HEAD_DIM)
     if pid < n_kprog:
-        offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = offs_t < S
-        x = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-                    + offs_t[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-                    mask=tmask[:, None], other=0.0).to(tl.float32)
-        row = bh.to(tl.int64) * S + offs_t
+        koffs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        ktmask = koffs_t < S
+        kx = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+                    + koffs_t[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                    mask=ktmask[:, None], other=0.0).to(tl.float32)
+        row = bh.to(tl.int64) * S + koffs_t
         if K_PER_BLOCK:  # one scale for the BLOCK_T keys of this program
-            scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps) / QMAX
-            codes = _quant_tile(x, scale, QMAX, IS_INT8, EXACT_FP8)
-            tl.store(KS + bh.to(tl.int64) * n_kprog + pid, scale)
+            kscale = tl.maximum(tl.max(tl.max(tl.abs(kx), 1), 0), amax_eps) / QMAX
+            kcodes = _quant_tile(kx, kscale, QMAX, IS_INT8, EXACT_FP8)
+            tl.store(KS + bh.to(tl.int64) * n_kprog + pid, kscale)
         else:
-            scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAX
-            codes = _quant_tile(x, scale[:, None], QMAX, IS_INT8, EXACT_FP8)
-            tl.store(KS + row, scale, mask=tmask)
-        tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=tmask[:, None])
+            kscale = tl.maximum(tl.max(tl.abs(kx), 1), amax_eps) / QMAX
+            kcodes = _quant_tile(kx, kscale[:, None], QMAX, IS_INT8, EXACT_FP8)
+            tl.store(KS + row, kscale, mask=ktmask)
+        tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], kcodes, mask=ktmask[:, None])
     elif QUANT_V:
-        blk = pid - n_kprog
-        offs_t = blk * V_BLOCK + tl.arange(0, V_BLOCK)
-        tmask = offs_t < S
-        x = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-                    + offs_t[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-                    mask=tmask[:, None], other=0.0).to(tl.float32)
+        vblk = pid - n_kprog
+        voffs_t = vblk * V_BLOCK + tl.arange(0, V_BLOCK)
+        vtmask = voffs_t < S
+        vx = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+                    + voffs_t[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+                    mask=vtmask[:, None], other=0.0).to(tl.float32)
         if V_CHANNEL:  # one scale per channel of this block
-            vs_ptr = VS + (bh.to(tl.int64) * n_vblk + blk) * HEAD_DIM + offs_d
-            scale = tl.maximum(tl.max(tl.abs(x), 0), amax_eps) / QMAX
-            tl.store(vs_ptr, scale)
-            codes = _quant_tile(x, scale[None, :], QMAX, IS_INT8, EXACT_FP8)
+            vvs_ptr = VS + (bh.to(tl.int64) * n_vblk + vblk) * HEAD_DIM + offs_d
+            vscale = tl.maximum(tl.max(tl.abs(vx), 0), amax_eps) / QMAX
+            tl.store(vvs_ptr, vscale)
+            vcodes = _quant_tile(vx, vscale[None, :], QMAX, IS_INT8, EXACT_FP8)
         else:  # one scale for the block (V_GIVEN: precomputed, e.g. per tensor)
-            vs_ptr = VS + bh.to(tl.int64) * n_vblk + blk
+            vvs_ptr = VS + bh.to(tl.int64) * n_vblk + vblk
             if V_GIVEN:
-                scale = tl.load(vs_ptr)
+                vscale = tl.load(vvs_ptr)
             else:
-                scale = tl.maximum(tl.max(tl.max(tl.abs(x), 0), 0), amax_eps) / QMAX
-                tl.store(vs_ptr, scale)
-            codes = _quant_tile(x, scale, QMAX, IS_INT8, EXACT_FP8)
+                vscale = tl.maximum(tl.max(tl.max(tl.abs(vx), 0), 0), amax_eps) / QMAX
+                tl.store(vvs_ptr, vscale)
+            vcodes = _quant_tile(vx, vscale, QMAX, IS_INT8, EXACT_FP8)
         # transposed store: element (t, d) -> VT[b, h, d, t]
-        vt_ptr = VT + bh.to(tl.int64) * HEAD_DIM * stride_vtd + offs_d[None, :] * stride_vtd + offs_t[:, None]
-        tl.store(vt_ptr, codes, mask=tmask[:, None])
+        vvt_ptr = VT + bh.to(tl.int64) * HEAD_DIM * stride_vtd + offs_d[None, :] * stride_vtd + voffs_t[:, None]
+        tl.store(vvt_ptr, vcodes, mask=vtmask[:, None])
 
 
 def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype,
-                       v_granularity: str = "channel", v_block: int = 128, k_block: int | None = None):
+                       v_granularity: str = "channel", v_block: int = 128, k_block: int | None = None,
+                       num_warps: int | None = None):
     """K [B, H, S, D] (and V, or None to quantize K only) -> (kc, ks, vt, vs) in the layouts of
     the module docstring (vt, vs None when ``v`` is None). ``k_block``: one K scale per block of
     that many keys (``ks [B, H, cdiv(S, k_block)]``) instead of one per key."""
@@ -150,7 +151,7 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         s_al, s_al, n_vblk,
         HEAD_DIM=D, BLOCK_T=block_t, V_BLOCK=v_block, QMAX=qmax, IS_INT8=dtype == torch.int8,
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=given, K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(),
-        num_warps=8 if D >= 128 else 4,
+        num_warps=num_warps or (8 if D >= 128 else 4),
     )
     return kc, ks, vt, vs
 

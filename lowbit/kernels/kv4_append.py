@@ -26,7 +26,7 @@ import triton.language as tl
 
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to an integer, ties to even
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to an integer, ties to even
 
 
 @triton.jit

@@ -61,7 +61,10 @@ from lowbit.kernels.mla_quant import _cast
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
-PV_BLOCK_N = {False: 32, True: 32}  # tokens per KV block on the GPU (bf16, fp8): no register spills at 32
+# GPU defaults per path (bf16, fp8): tokens per KV block and pipeline depth (smem: Q 72/40 KB +
+# stages x the KV tile, under 227 KB; registers: 32-token blocks do not spill)
+PV_BLOCK_N = {False: 32, True: 32}
+PV_STAGES = {False: 3, True: 3}
 
 
 @triton.jit
@@ -72,6 +75,35 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
             a = a.to(tl.float32)
             b = b.to(tl.float32)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _load_page(ptr, INTERPRET: tl.constexpr):
+    """One page-table entry. On the GPU a plain ``ld.global.nc`` through inline PTX: Triton's
+    pipeliner turns a ``tl.load`` here into an async copy in the same group as the KV tiles, whose
+    address depends on it, and then waits for the whole group at the top of every iteration
+    (``async_wait num=0``, no prefetch at all); hidden from it, the KV copies run a stage ahead.
+    The entry is tiny and shared by consecutive blocks, so the load mostly hits L1."""
+    if INTERPRET:
+        return tl.load(ptr)
+    return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _slots(PT, b, stride_pt, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Cache slots of the BLOCK_N tokens from ``n0`` (-1 past ``end``)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    ok = offs_n < end
+    page = tl.load(PT + b * stride_pt + offs_n // PAGE, mask=ok, other=0)
+    return tl.where(ok, page.to(tl.int64) * PAGE + offs_n % PAGE, -1)
+
+
+@triton.jit
+def _v_rows(KC, stride_kc, slot, offs_c):
+    """The content rows at ``slot`` (zeros where slot < 0), loaded to registers."""
+    return tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=slot[:, None] >= 0, other=0.0,
+                   eviction_policy="evict_first")
 
 
 @triton.jit(do_not_specialize=["H", "SQ", "ROWS", "chunk"])  # one compile for every Sq, H, plan
@@ -85,7 +117,7 @@ def _mla_decode_kernel(
     # constexpr
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
-    PV_PROMOTE: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_PROMOTE: tl.constexpr, V_PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -109,11 +141,24 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     sig_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    if FP8:
+        if V_PREFETCH:  # V rows one block ahead, their page ids two blocks ahead
+            vc_next = _v_rows(KC, stride_kc, _slots(PT, b, stride_pt, start, end, BLOCK_N, PAGE), offs_c)
+            vslot_next = _slots(PT, b, stride_pt, start + BLOCK_N, end, BLOCK_N, PAGE)
     for n0 in range(start, end, BLOCK_N):  # monotone block order (SnapMLA App. C)
+        if FP8:
+            if V_PREFETCH:  # this block's V rows (loaded one iteration ahead); issue the next block's
+                vc = vc_next
+                vc_next = _v_rows(KC, stride_kc, vslot_next, offs_c)
+                vslot_next = _slots(PT, b, stride_pt, n0 + 2 * BLOCK_N, end, BLOCK_N, PAGE)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
-        page = tl.load(PT + b * stride_pt + offs_n // PAGE, mask=tok_ok, other=0)
-        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        if PAGE % BLOCK_N == 0:  # the block lies in one page: one scalar page-table load
+            page = _load_page(PT + b * stride_pt + n0 // PAGE, INTERPRET).to(tl.int64)
+            slot = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N)
+        else:
+            page = tl.load(PT + b * stride_pt + offs_n // PAGE, mask=tok_ok, other=0)
+            slot = page.to(tl.int64) * PAGE + offs_n % PAGE
         kc = tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=tok_ok[:, None], other=0.0,
                      eviction_policy="evict_last")
         kr = tl.load(KR + slot[:, None] * stride_kr + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
@@ -142,9 +187,11 @@ def _mla_decode_kernel(
             l_i = l_i * r + tl.sum(p, 1) * inv_sig
             # V = the same content rows, loaded a second time (an L2 hit) so that the K tile can stay
             # in its async-copied K-major smem buffer while this one is transposed through
-            # registers into the k-major layout fp8 wgmma needs for V (SnapMLA §3.3, layer 3)
-            vc = tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=tok_ok[:, None], other=0.0,
-                         eviction_policy="evict_first")
+            # registers into the k-major layout fp8 wgmma needs for V (SnapMLA §3.3, layer 3).
+            # V_PREFETCH: this block's rows were loaded one iteration ahead (by hand: Triton does
+            # not pipeline a load whose consumer is a register-to-smem transpose)
+            if not V_PREFETCH:
+                vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c)
             if PV_PROMOTE:  # each block's P̂·ĉ in a fresh fp32 tile: exact fp32 sum, 2x acc registers
                 acc = acc * r[:, None] + tl.dot(p8, vc)
             else:  # accumulate in the wgmma accumulator (tensor-core fp8 accumulation, see docstring)
@@ -217,7 +264,8 @@ def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device,
 def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                       max_seq_len: int, page_size: int, fp8: bool, out_dtype=torch.bfloat16,
                       num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-                      imprecise: int = 128, pv_promote: bool = False, num_warps: int | None = None, num_stages: int = 2,
+                      imprecise: int = 128, pv_promote: bool = False, v_prefetch: bool = True, num_warps: int | None = None,
+                      num_stages: int | None = None,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
@@ -248,6 +296,8 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         o_arg, so, sos, sls = out.view(B * ROWS, DC), DC, 0, 0
     if num_warps is None:
         num_warps = 8 if (not interp and DC >= 256) else 4
+    if num_stages is None:
+        num_stages = PV_STAGES[fp8] if not interp else 1
     dummy = kc.new_empty(1, dtype=torch.float32) if qs is None else None
     kernel = _mla_decode_kernel[(row_blocks, splits, B)](
         qc2, qr2, qs if qs is not None else dummy, kc, kr, ks if ks is not None else dummy,
@@ -255,7 +305,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), kc.stride(0), kr.stride(0), page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
-        IMPRECISE=min(imprecise, DC), PV_PROMOTE=pv_promote, INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
+        IMPRECISE=min(imprecise, DC), PV_PROMOTE=pv_promote, V_PREFETCH=v_prefetch, INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_combine_kernel[(B * ROWS,)](

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, check_tensor, interpret_mode
 from lowbit.formats.common import FP8_E4M3
-from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k
+from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 
 BLOCK_K = PACK_BLOCK
@@ -49,28 +49,37 @@ HALF_K = tl.constexpr(PACK_BLOCK // 2)
 
 
 # ------------------------------------------------------------------------------------ configs
-def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
-    """Tile config by shape (see benchmarks/device/w4a8_fp8.py for the sweep behind it).
+def _split_k(tiles: int, k_tiles: int, target: int) -> int:
+    """Smallest power-of-two split with tiles * split >= target, keeping >= 4 K tiles per split."""
+    split = 1
+    while tiles * split < target and split * 2 <= max(1, k_tiles // 4):
+        split *= 2
+    return split
 
-    ``FAST_ACC``: accumulate the whole K in the wgmma accumulator (Hopper's reduced-precision FP8
-    accumulation) instead of promoting every K=64 into FP32 registers; promotion serializes the
-    wgmmas and doubles the accumulator registers (a 128x256 tile then spills), so the large-M
-    tiles use fast accumulation and the small-M ones (memory-bound) the precise path.
+
+def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
+    """Tile config by shape (the sweep behind it: benchmarks/device/w4a8_fp8.py, H200).
+
+    - M <= 64 (decode): SWAP_AB (the weight tile is the 64-row wgmma A operand, x^T the N=16..64
+      operand), BLOCK_N = 64 weight rows, split-K until >= 2 programs per SM: memory-bound, the
+      goal is many 4 KB tiles in flight.
+    - 64 < M <= 256: BLOCK_M = 64/128 x BLOCK_N = 128, split-K until one wave.
+    - larger M: 128 x 128 tiles, 8 warps.
+    Accumulation is precise everywhere (FP32 promotion every K = 64, see the module docstring);
+    ``FAST_ACC=True`` / ``ACC_TILE=True`` are options for experiments: fast accumulation lost 22%
+    (rel-L2) on an all-positive K = 14336 product on the H200.
     """
     k_tiles = cdiv(K, BLOCK_K)
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        bn = 128
-        tiles = cdiv(N, bn) * cdiv(M, bm)
-        split = 1
-        while tiles * split < 2 * n_sm and split * 2 <= max(1, k_tiles // 4):
-            split *= 2
+        bn = 64
+        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1)
     if M <= 256:
-        return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=4,
-                    num_stages=4, GROUP_M=8)
-    return dict(BLOCK_M=128, BLOCK_N=256, SPLIT_K=1, SWAP_AB=False, num_warps=8, num_stages=3, GROUP_M=8,
-                FAST_ACC=True)
+        bm = 64 if M <= 128 else 128
+        split = _split_k(cdiv(N, 128) * cdiv(M, bm), k_tiles, n_sm)
+        return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=False, num_warps=4, num_stages=4, GROUP_M=8)
+    return dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=8, num_stages=4, GROUP_M=8)
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -182,6 +191,42 @@ def _epilogue(acc, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta,
 
 
 @triton.jit
+def _load_scales(s_rows, kt, mask_n, offs_h, GROUP: tl.constexpr):
+    """FP8 group scales of K tile ``kt`` as fp16, for the lo and hi halves: ``[BLOCK_N, 1]`` when
+    GROUP >= 64, per column ``[BLOCK_N, 64]`` for GROUP = 32.
+
+    The scales are loaded as one 16-byte chunk per row (16 consecutive groups; rows are padded to a
+    multiple of 16 groups) and the wanted group picked in registers: a 1- or 2-byte load cannot go
+    through cp.async, so Triton would not pipeline it and every iteration would stall on it.
+    """
+    j = tl.arange(0, 16)[None, :]
+    if GROUP == 128:
+        g = kt
+    elif GROUP == 64:
+        g = 2 * kt
+    else:
+        g = 4 * kt
+    c = (g // 16) * 16
+    chunk = tl.load(s_rows[:, None] + c + j, mask=mask_n[:, None], other=0.0).to(tl.float32)
+    r = g % 16
+    if GROUP == 128:
+        s_lo = tl.sum(tl.where(j == r, chunk, 0.0), axis=1).to(tl.float16)[:, None]
+        s_hi = s_lo
+    elif GROUP == 64:
+        s_lo = tl.sum(tl.where(j == r, chunk, 0.0), axis=1).to(tl.float16)[:, None]
+        s_hi = tl.sum(tl.where(j == r + 1, chunk, 0.0), axis=1).to(tl.float16)[:, None]
+    else:  # GROUP == 32: the tile's 4 groups; columns 0-31 / 32-63 of each half
+        s0 = tl.sum(tl.where(j == r, chunk, 0.0), axis=1)[:, None]
+        s1 = tl.sum(tl.where(j == r + 1, chunk, 0.0), axis=1)[:, None]
+        s2 = tl.sum(tl.where(j == r + 2, chunk, 0.0), axis=1)[:, None]
+        s3 = tl.sum(tl.where(j == r + 3, chunk, 0.0), axis=1)[:, None]
+        first = (offs_h < 32)[None, :]
+        s_lo = tl.where(first, s0, s1).to(tl.float16)
+        s_hi = tl.where(first, s2, s3).to(tl.float16)
+    return s_lo, s_hi
+
+
+@triton.jit
 def _w4a8_fp8_gemm_kernel(
     # pointers
     A, A_scale, Bq, B_scale, Bias, Res, C, Ws,
@@ -192,7 +237,7 @@ def _w4a8_fp8_gemm_kernel(
     # constexpr flags
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr,
+    SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
 ):
     # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles)
     pid = tl.program_id(0)
@@ -232,34 +277,36 @@ def _w4a8_fp8_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kt in range(kt0, kt1):
+        s_lo0, s_hi0 = _load_scales(s_rows, kt, mask_n, offs_h, GROUP)
         k0 = kt * 2 * HALF_K
         # activations: two 64-wide halves of the K tile (masked beyond K and M)
         k_lo = k0 + offs_h
         k_hi = k0 + HALF_K + offs_h
         a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & (k_lo < K)[None, :], other=0.0)
         a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & (k_hi < K)[None, :], other=0.0)
-        # group scales: one per row per half when GROUP >= 64, else one per element column
-        if GROUP >= HALF_K:
-            s_lo = tl.load(s_rows + k0 // GROUP, mask=mask_n, other=0.0).to(tl.float16)[:, None]
-            s_hi = tl.load(s_rows + (k0 + HALF_K) // GROUP, mask=mask_n, other=0.0).to(tl.float16)[:, None]
-        else:
-            s_lo = tl.load(s_rows[:, None] + (k_lo // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
-            s_hi = tl.load(s_rows[:, None] + (k_hi // GROUP)[None, :], mask=mask_n[:, None], other=0.0).to(tl.float16)
         # packed weights: 64 bytes per row (codes are padded to the 128-block: no K mask)
         if not LUT:
             wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
-            w_lo = _dequant_emulated(wrd, s_lo, False, BLOCK_N)
-            w_hi = _dequant_emulated(wrd, s_hi, True, BLOCK_N)
+            w_lo = _dequant_emulated(wrd, s_lo0, False, BLOCK_N)
+            w_hi = _dequant_emulated(wrd, s_hi0, True, BLOCK_N)
         else:
             p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
-            l0, l1 = _fp8_lut(s_lo)
+            l0, l1 = _fp8_lut(s_lo0)
             w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
             if GROUP > HALF_K:  # same group for both halves: reuse the LUT
                 w_hi = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), True)
             else:
-                h0, h1 = _fp8_lut(s_hi)
+                h0, h1 = _fp8_lut(s_hi0)
                 w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
-        if SWAP_AB:
+        if ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
+            if SWAP_AB:
+                part = tl.dot(w_lo, tl.trans(a_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                part = tl.dot(w_hi, tl.trans(a_hi), part)
+            else:
+                part = tl.dot(a_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                part = tl.dot(a_hi, tl.trans(w_hi), part)
+            acc += part
+        elif SWAP_AB:
             acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=IMPRECISE)
             acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=IMPRECISE)
         else:
@@ -314,7 +361,7 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
     N = codes.shape[0]
     if codes.shape[1] != padded_k(k) // 2:
         raise ValueError(f"codes must have shape [N, {padded_k(k) // 2}] for in_features={k}, got {list(codes.shape)}")
-    check_tensor(scales, "scales", dtype=FP8_E4M3, shape=(N, cdiv(k, group_size)))
+    check_tensor(scales, "scales", dtype=FP8_E4M3, shape=(N, scale_cols(k, group_size)))
     if group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
     if silu_mul and N % 2:
@@ -347,7 +394,7 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=cfg["SWAP_AB"],
         GROUP_M=cfg.get("GROUP_M", 1), HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU_MUL=silu_mul, LUT=cfg.get("LUT", os.environ.get("LOWBIT_W4A8_LUT", "1") != "0") and not interpret_mode(),
-        IMPRECISE=None if cfg.get("FAST_ACC", False) else HALF_K.value,
+        IMPRECISE=None if cfg.get("FAST_ACC", False) else HALF_K.value, ACC_TILE=cfg.get("ACC_TILE", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:

@@ -224,7 +224,10 @@ def save_quantized(model, path, *, tokenizer=None) -> Path:
             continue
         if key is not None:
             seen[key] = name
-        tensors[name] = t.detach().contiguous().cpu()
+        t = t.detach().cpu()
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.contiguous().clone()  # a view (e.g. of a fused runner projection): own storage
+        tensors[name] = t
 
     modules = {}
     for name, m in _quant_modules(model).items():

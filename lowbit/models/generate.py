@@ -77,6 +77,95 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
     return x * cos + rot * sin
 
 
+
+# ------------------------------------------------------------------------------ fusion
+def _fuse_rows(mods):
+    """One module computing ``cat([m(x) for m in mods], -1)``, or None when the modules cannot be
+    stacked exactly. ``nn.Linear``: weights concatenated. ``QuantLinear``: same class, same
+    ``config()`` (e.g. the same PTS exponent), every buffer either row-major (dim 0 = that
+    module's out_features: concatenated) or identical across modules (shared, e.g. a table);
+    the fused module comes from ``cls.empty``. The originals' tensors become views of the fused
+    ones, so no memory is duplicated and the transformers path keeps working."""
+    from lowbit.nn.base import QuantLinear
+
+    if all(type(m) is nn.Linear for m in mods):
+        if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in mods}) != 1:
+            return None
+        w = torch.cat([m.weight.detach() for m in mods], 0)
+        f = nn.Linear(mods[0].in_features, w.shape[0], bias=mods[0].bias is not None, device=w.device,
+                      dtype=w.dtype)
+        f.weight = nn.Parameter(w, requires_grad=False)
+        if f.bias is not None:
+            f.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods], 0), requires_grad=False)
+        a = 0
+        for m in mods:
+            b = a + m.out_features
+            m.weight = nn.Parameter(f.weight[a:b], requires_grad=False)
+            if f.bias is not None:
+                m.bias = nn.Parameter(f.bias[a:b], requires_grad=False)
+            a = b
+        return f
+    cls = type(mods[0])
+    if not isinstance(mods[0], QuantLinear) or any(type(m) is not cls for m in mods):
+        return None
+    try:
+        cfgs = [m.config() for m in mods]
+    except NotImplementedError:
+        return None
+    m0 = mods[0]
+    if any(c != cfgs[0] for c in cfgs) or len({(m.in_features, m.dtype) for m in mods}) != 1:
+        return None
+    names = [n for n, _ in m0.named_buffers(recurse=False)]
+    plan = {}
+    for n in names:
+        ts = [dict(m.named_buffers(recurse=False)).get(n) for m in mods]
+        if any(t is None for t in ts):
+            return None
+        if all(t.ndim >= 1 and t.shape[0] == m.out_features and t.shape[1:] == ts[0].shape[1:]
+               for t, m in zip(ts, mods)):
+            plan[n] = ("rows", torch.cat(ts, 0))
+        elif all(t.shape == ts[0].shape and torch.equal(t, ts[0]) for t in ts):
+            plan[n] = ("shared", ts[0])
+        else:
+            return None
+    out = sum(m.out_features for m in mods)
+    try:
+        f = cls.empty(m0.in_features, out, "bias" in plan, m0.dtype, **cfgs[0])
+    except Exception:
+        return None
+    fb = dict(f.named_buffers(recurse=False))
+    if set(fb) != set(plan):
+        return None
+    for n, (_, t) in plan.items():
+        if fb[n].shape != t.shape or fb[n].dtype != t.dtype:
+            return None
+    f = f.to(plan[names[0]][1].device)
+    for n, (_, t) in plan.items():
+        f._buffers[n] = t
+    a = 0
+    for m in mods:
+        b = a + m.out_features
+        for n, (kind, t) in plan.items():
+            if kind == "rows":
+                m._buffers[n] = t[a:b]
+        a = b
+    return f
+
+
+class _FusedLayer:
+    """Per-layer fused projections for the runner (qkv, gate_up), None where not fusable."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features) \
+            if self.qkv is not None else None
+        self.gate_up = None
+        if all(hasattr(mlp, r) for r in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            self.gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+            self.inter = mlp.gate_proj.out_features
+            self.act, self.down = mlp.act_fn, mlp.down_proj
+
 # ---------------------------------------------------------------------------- KV backends
 class DenseKV:
     """Static float cache, one ``[B, Hkv, S_max, D]`` K and V per layer."""
@@ -84,6 +173,7 @@ class DenseKV:
     name = "dense"
 
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device):
+        smax = -(-smax // 64) * 64  # aligned key length: SDPA's memory-efficient kernel takes the mask
         self.k = [torch.zeros(batch, hkv, smax, d, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.smax = smax
@@ -213,6 +303,8 @@ class Generator:
     ``kv``: 'auto' (from ``model.lowbit_recipe``), None, 'kv4' or 'kv4-zp'. ``prefill``: 'auto'
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
     ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA.
+    ``fuse``: run q/k/v as one projection and gate/up as one where the modules stack exactly
+    (``_fuse_rows``; the original modules then share the fused storage).
     ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
     (the semantics of ``install_quantized_attention``'s transformers path and of perplexity with a
     KV4 cache) instead of the fresh float K/V (default; FireQ App. D prefills from unquantized
@@ -221,7 +313,7 @@ class Generator:
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
-                 prefill_from_cache: bool = False):
+                 prefill_from_cache: bool = False, fuse: bool = True):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -254,27 +346,38 @@ class Generator:
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
                                   zero_point=self.kv == "kv4-zp", page=page_size, crs=crs)
         self.prefill_from_cache = bool(prefill_from_cache) and self.kv is not None
+        self.fused = [_FusedLayer(layer) if fuse else None for layer in self.a.layers]
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)
         self.sm_scale = self.a.d ** -0.5
 
     # -------------------------------------------------------------------------- pieces
-    def _qkv(self, layer, h, pos_ids):
+    def _qkv(self, i, layer, h, pos_ids):
         attn = layer.self_attn
         B, S, _ = h.shape
-        q = attn.q_proj(h).view(B, S, -1, self.a.d).transpose(1, 2)
-        k = attn.k_proj(h).view(B, S, -1, self.a.d).transpose(1, 2)
-        v = attn.v_proj(h).view(B, S, -1, self.a.d).transpose(1, 2)
+        fz = self.fused[i]
+        if fz is not None and fz.qkv is not None:
+            q, k, v = fz.qkv(h).split(fz.split, dim=-1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q = q.reshape(B, S, -1, self.a.d).transpose(1, 2)
+        k = k.reshape(B, S, -1, self.a.d).transpose(1, 2)
+        v = v.reshape(B, S, -1, self.a.d).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self.a.rotary(v, pos_ids)
         return _rope(q, cos, sin, self.a.interleaved), _rope(k, cos, sin, self.a.interleaved), v
 
-    def _finish(self, layer, x, o):
+    def _finish(self, i, layer, x, o):
         B, S = x.shape[:2]
         x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        h = layer.post_attention_layernorm(x)
+        fz = self.fused[i]
+        if fz is not None and fz.gate_up is not None:
+            g, u = fz.gate_up(h).split(fz.inter, dim=-1)
+            return x + fz.down(fz.act(g) * u)
+        return x + layer.mlp(h)
 
     def _logits(self, h):
         return self.a.lm_head(self.a.norm(h)).float()
@@ -293,12 +396,12 @@ class Generator:
         pos_ids = torch.arange(S, device=self.device).expand(B, S)
         x = self.a.embed(ids)
         for i, layer in enumerate(self.a.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), pos_ids)
+            q, k, v = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
             self.cache.write_prefill(i, k, v, lengths)
             if self.prefill_from_cache:
                 q, k, v = self.cache.read_prefill(i, q, S)
             o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
-            x = self._finish(layer, x, o)
+            x = self._finish(i, layer, x, o)
         last = x[self.rows[:B], lengths - 1]
         return self._logits(last)
 
@@ -308,9 +411,9 @@ class Generator:
         x = self.a.embed(tokens.view(B, 1))
         pos_ids = pos.view(B, 1)
         for i, layer in enumerate(self.a.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), pos_ids)
+            q, k, v = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
             o = self.cache.decode(i, q, k, v, pos, rows)
-            x = self._finish(layer, x, o)
+            x = self._finish(i, layer, x, o)
         return self._logits(x[:, 0])
 
     @torch.no_grad()
@@ -328,7 +431,9 @@ class Generator:
 
     def _capture(self, B: int):
         t_buf = torch.zeros(B, dtype=torch.long, device=self.device)
-        p_buf = torch.zeros(B, dtype=torch.long, device=self.device)
+        # warm-up steps really run: point them at the last cache slot, which holds no prompt token
+        # yet (a later step at that position overwrites it before attending to it)
+        p_buf = torch.full((B,), self.max_seq - 1, dtype=torch.long, device=self.device)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

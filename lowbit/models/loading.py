@@ -75,25 +75,25 @@ def resolve(model: str | os.PathLike | None) -> tuple[Path, str | None]:
 # ---- lowbit checkpoints (written by lowbit.save_quantized) -------------------------------------
 
 def is_quantized_checkpoint(path: str | os.PathLike | None) -> bool:
-    """True when ``path`` is a folder written by ``lowbit.save_quantized``.
-
-    Asks ``lowbit.models.checkpoint.is_checkpoint`` when that module provides it; otherwise a
-    folder holding a top-level ``*.json`` whose name contains 'lowbit' (the versioned metadata)
-    counts as one. A plain HF folder (config.json, model.safetensors) does not."""
+    """True when ``path`` is a folder written by ``lowbit.save_quantized``: it holds the versioned
+    metadata file ``lowbit.json`` (``lowbit.models.checkpoint.META``). A plain HF folder, or a
+    converted-GGUF cache folder, does not."""
     if path is None or str(path) == EMBEDDED:
         return False
     p = Path(path).expanduser()
     if not p.is_dir():
         return False
+    meta = "lowbit.json"
     try:
         from lowbit.models import checkpoint as _ckpt
 
         fn = getattr(_ckpt, "is_checkpoint", None)
         if callable(fn):
             return bool(fn(p))
+        meta = getattr(_ckpt, "META", meta)
     except ImportError:
         pass
-    return any("lowbit" in f.name.lower() for f in p.glob("*.json"))
+    return (p / meta).is_file()
 
 
 # ---- GGUF -> HF folder cache --------------------------------------------------------------------

@@ -241,6 +241,7 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
           attention: str | None = "fp8", group_size: int = 128, cas: bool = True, pts: bool = True,
           rpn: bool = True, crs: bool = True, alpha: float = 8.0, beta: float = 8.0, top_k: int | None = None,
           cas_options: dict | None = None, linear_options: dict | None = None, skip=(), fuse_mlp: bool = False,
+          pts_scope: str = "fused",
           seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
     """FireQ (seed 000): W4A8-FP linears (INT4 weights, FP8 E4M3 g128 scales, FP8 per-token
     activations) with CAS + PTS, a post-RoPE INT4 KV cache with RPN + CRS, FP8 prefill attention.
@@ -249,14 +250,20 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     ``kv=None`` (float KV), ``linear=None`` (float linears). ``alpha``/``beta`` are RPN/CRS's
     constants (8, App. E); ``top_k`` = CRS outlier pairs per KV head (None = the kv4 area's default:
     8 for head_dim 128). ``fuse_mlp=True`` replaces each MLP by ``lowbit.nn.w4a8_fp8.fuse_mlp``'s
-    fused gate_up (SiLU*mul in the GEMM epilogue) + down.
+    fused gate_up (SiLU*mul in the GEMM epilogue) + down. ``pts_scope='fused'`` (default) gives
+    q/k/v one PTS exponent and gate/up one, as FireQ's code where QKV and gate_up are single
+    matrices (Def. 3.2 is per weight matrix); ``'tensor'`` = one per projection. The shared
+    exponent also lets ``lowbit.models.generate`` run q/k/v (and gate/up) as one GEMM.
     """
     _check_common("fireq", model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, cas=cas, pts=pts, rpn=rpn,
                    crs=crs, alpha=alpha, beta=beta, top_k=top_k, cas_options=cas_options,
-                   linear_options=linear_options, skip=list(skip), fuse_mlp=fuse_mlp, seed=seed, n_samples=n_samples,
+                   linear_options=linear_options, skip=list(skip), fuse_mlp=fuse_mlp, pts_scope=pts_scope, seed=seed,
+                   n_samples=n_samples,
                    seq_len=seq_len)
+    if pts_scope not in ("fused", "tensor"):
+        raise ValueError(f"pts_scope must be 'fused' or 'tensor', got {pts_scope!r}")
     if fuse_mlp and (linear != "w4a8-fp8" or skip):
         raise ValueError("fuse_mlp=True needs linear='w4a8-fp8' and no skipped linears")
     needs_rope_kv = kv is not None and (rpn or crs)
@@ -310,10 +317,32 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
             for v in _progress(views, "fireq: w4a8-fp8 attention linears", progress, len(views)):
                 for role in ("q_proj", "k_proj", "v_proj", "o_proj"):
                     v.set_linear(role, quantize_linear(getattr(v, role), linear, **opts))
+        elif linear == "w4a8-fp8" and pts and pts_scope == "fused" and "pts_exp" not in opts:
+            _quantize_shared_pts(model, opts, skip=skip, progress=progress)
         else:
             quantize_linears(model, linear, skip=skip, progress=progress, recipe="fireq", **opts)
     _record(model, "fireq", options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
+
+
+def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -> None:
+    """w4a8-fp8 linears with one PTS exponent per fused matrix (q/k/v; gate/up)."""
+    from lowbit import quantize_linear
+    from lowbit.models.arch import decoder_layers
+    from lowbit.ptq.pts import pts_exponent
+
+    views = decoder_layers(model)
+    g = opts.get("group_size", 128)
+    for v in _progress(views, "fireq: w4a8-fp8 linears", progress, len(views)):
+        lins = v.linears()
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)):
+            roles = [r for r in group if r not in skip and isinstance(lins[r], nn.Linear)]
+            if not roles:
+                continue
+            w = torch.cat([lins[r].weight.detach() for r in roles], 0)
+            e = pts_exponent(w, g)
+            for r in roles:
+                v.set_linear(r, quantize_linear(lins[r], "w4a8-fp8", pts_exp=e, **opts))
 
 
 def _optional(module: str, names) -> Callable | None:

@@ -1,7 +1,7 @@
 """``W4A8FP8Linear``: FireQ's W4A8-FP linear layer (scheme ``w4a8-fp8``), and ``fuse_mlp``.
 
 Buffers (see ``lowbit.formats.w4a8_fp8`` for the layouts): ``codes`` uint8 ``[N, Kp/2]``,
-``scales`` float8_e4m3fn ``[N, ceil(K/g)]``, optional ``bias`` ``[N]``. Config: ``group_size``,
+``scales`` float8_e4m3fn ``[N, Gp]`` (groups padded to 16), optional ``bias`` ``[N]``. Config: ``group_size``,
 ``pts_exp`` (PTS's n; delta^-1 = 2^-n is applied in the epilogue) and ``activation``
 (``None``, or ``"silu_mul"`` for a fused gate_up weight with interleaved rows whose output is
 ``silu(gate) * up``, ``out_features = N / 2``).
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lowbit.formats.common import FP8_E4M3
-from lowbit.formats.w4a8_fp8 import (GROUP_SIZES, dequantize_weight, interleave_rows, num_groups, padded_k,
+from lowbit.formats.w4a8_fp8 import (GROUP_SIZES, dequantize_weight, interleave_rows, padded_k, scale_cols,
                                      quantize_weight)
 from lowbit.nn.base import QuantLinear
 
@@ -40,7 +40,7 @@ class W4A8FP8Linear(QuantLinear):
         rows = 2 * out_features if activation == "silu_mul" else out_features
         self.register_buffer("codes", torch.full((rows, padded_k(in_features) // 2), 0x88, dtype=torch.uint8,
                                                  device=device))
-        self.register_buffer("scales", torch.zeros((rows, num_groups(in_features, group_size)), dtype=FP8_E4M3,
+        self.register_buffer("scales", torch.zeros((rows, scale_cols(in_features, group_size)), dtype=FP8_E4M3,
                                                    device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(rows, dtype=dtype, device=device))

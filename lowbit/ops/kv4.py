@@ -132,7 +132,7 @@ def _decode_kv4(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v
         from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
         return decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths,
-                                 max_len=max_len or page_table.shape[1] * k_codes.shape[2],
+                                 max_len=min(max_len or cap, cap) if (cap := page_table.shape[1] * k_codes.shape[2]) else 0,
                                  num_splits=num_splits or None, **kw)
     return decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, **kw)
 

@@ -130,12 +130,13 @@ def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int):
     """The kernel's online softmax with per-block FP8 P (see lowbit.kernels.mla_decode), float64
     apart from the FP8 rounding of P; splits merged by log-sum-exp."""
     R, L = s.shape
+    dev = s.device
     outs, lses = [], []
     for c0 in range(0, max(L, 1), chunk):
-        m = torch.full((R,), float("-inf"), dtype=torch.float64)
-        l = torch.zeros(R, dtype=torch.float64)
-        sig = torch.zeros(R, dtype=torch.float64)
-        acc = torch.zeros(R, c_hat.shape[1], dtype=torch.float64)
+        m = torch.full((R,), float("-inf"), dtype=torch.float64, device=dev)
+        l = torch.zeros(R, dtype=torch.float64, device=dev)
+        sig = torch.zeros(R, dtype=torch.float64, device=dev)
+        acc = torch.zeros(R, c_hat.shape[1], dtype=torch.float64, device=dev)
         for n0 in range(c0, min(c0 + chunk, L), block_n):
             n1 = min(n0 + block_n, L, c0 + chunk)
             sb = s[:, n0:n1]

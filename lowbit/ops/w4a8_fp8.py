@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import cdiv, check_same_device, check_tensor, use_triton
+from lowbit._utils import check_same_device, check_tensor, use_triton
 from lowbit.formats.common import FP8_E4M3
-from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm
+from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, scale_cols
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -27,7 +27,7 @@ def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_d
     check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
     N = codes.shape[0]
     check_tensor(codes, "codes", shape=[N, padded_k(k) // 2])
-    check_tensor(scales, "scales", dtype=FP8_E4M3, shape=[N, cdiv(k, group_size)])
+    check_tensor(scales, "scales", dtype=FP8_E4M3, shape=[N, scale_cols(k, group_size)])
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if silu_mul and N % 2:
@@ -64,7 +64,7 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``y = sx[:, None] * inv_delta * (xq @ Weff^T) + bias`` -> ``out_dtype`` ``[M, N]``.
 
-    xq fp8 ``[M, K]``, sx fp32 ``[M]``; codes uint8 ``[N, Kp/2]``, scales fp8 ``[N, ceil(K/g)]``;
+    xq fp8 ``[M, K]``, sx fp32 ``[M]``; codes uint8 ``[N, Kp/2]``, scales fp8 ``[N, Gp]`` (``formats.w4a8_fp8.scale_cols``);
     ``silu_mul``: rows interleaved gate/up, output ``silu(gate) * up`` ``[M, N/2]``; ``residual``
     added last. FP8 x FP8 products accumulate in FP32.
     """

@@ -105,6 +105,10 @@ def append_rows(rec, quick: bool):
 
 
 def run(rec, quick: bool):
+    import lowbit.kernels.decode_kv4 as dk
+
+    rec.note(f"decode kernel variant: trans={dk.DEFAULT_TRANS} asm={dk.DEFAULT_ASM} warps={dk.DEFAULT_WARPS} "
+             f"stages={dk.DEFAULT_STAGES}, page 64, BLOCK_N 64")
     decode_rows(rec, quick)
     decode_rows(rec, quick, lengths=[32768] if quick else [32768, 131072], batches=(1,))
     append_rows(rec, quick)
@@ -179,7 +183,7 @@ def attention_error_rows(qkv, params_by_cfg):
     return rows
 
 
-def accuracy_tables(device="cuda", quick=False, log=print, deadline=None):
+def accuracy_tables(device="cuda", quick=False, log=print, deadline=None, max_tokens=None, n_calib=None):
     """Perplexity of the embedded model with each KV configuration (no linear quantization) and
     the per-layer attention-output error on its real Q/K/V. Returns a dict with a markdown table."""
     from lowbit.eval.corpus import calibration_batches, load_text, tokenize
@@ -191,8 +195,8 @@ def accuracy_tables(device="cuda", quick=False, log=print, deadline=None):
     model, tok = load_model(None, device=device)
     log("model loaded")
     ids = tokenize(tok, load_text())
-    calib = calibration_batches(tok, n_samples=4 if quick else 16, seq_len=512)
-    max_tokens = 2048 if quick else 8192
+    calib = calibration_batches(tok, n_samples=n_calib or (4 if quick else 16), seq_len=512)
+    max_tokens = max_tokens or (2048 if quick else 8192)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     doc = {"model": "SmolLM2-135M-Instruct (embedded, FP32)", "max_tokens": max_tokens,
            "calibration": f"{len(calib)} x 512 tokens", "ppl": {}, "attn_err": {}}

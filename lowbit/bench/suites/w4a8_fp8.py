@@ -39,10 +39,10 @@ def _reps(M: int) -> int:
 
 def random_packed(N: int, K: int, dev="cuda"):
     """Random w4a8-fp8 weight fields (timing does not depend on the values)."""
-    from lowbit.formats.w4a8_fp8 import num_groups, padded_k
+    from lowbit.formats.w4a8_fp8 import padded_k, scale_cols
 
     codes = torch.randint(0, 256, (N, padded_k(K) // 2), dtype=torch.uint8, device=dev)
-    scales = (torch.rand(N, num_groups(K, GROUP), device=dev) * 4 + 1).to(torch.float8_e4m3fn)
+    scales = (torch.rand(N, scale_cols(K, GROUP), device=dev) * 4 + 1).to(torch.float8_e4m3fn)
     return codes, scales
 
 
