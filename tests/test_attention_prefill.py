@@ -78,6 +78,40 @@ def test_shapes_hypothesis(sq, extra, rep, mode, causal):
     assert rel_l2(out, _same_numerics(q, k, v, mode, causal)) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fp8", "int8", "int8-qk", "fp8-kv4"])
+def test_tma_descriptor_path(mode):
+    """The TMA (tensor descriptor) load path, run by the interpreter: rows past a head's Skv come
+    from the next head and must be masked out."""
+    from lowbit.formats.kv4 import quantize_kv4
+    from lowbit.kernels.attention_prefill import attention_prefill_triton, default_config
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+    from lowbit.ops.attention_prefill import reference
+
+    if not ap._triton_ok() or not __import__("lowbit._utils", fromlist=["x"]).interpret_mode():
+        pytest.skip("interpreter only (the GPU script checks TMA on the device)")
+    q, k, v = _qkv(2, 4, 2, 21, 37, 32, dtype=torch.float16 if mode == "int8-qk" else torch.float32, seed=12)
+    cfg = {**default_config(mode, 32, True, 21), "tma": True}
+    bn = cfg["BLOCK_N"]
+    if mode == "fp8-kv4":
+        kc, ks, _ = quantize_kv4(k)
+        vc, vs, _ = quantize_kv4(v)
+        out = attention_prefill_triton(q, kc, ks, vc, vs, mode=mode, causal=True, sm_scale=32 ** -0.5, config=cfg)
+        ref = reference(q, k, v, mode=mode, causal=True, fused=True)
+    elif mode == "int8-qk":
+        kc, ks, _, _ = quantize_kv_triton(k, None, dtype=torch.int8)
+        out = attention_prefill_triton(q, kc, ks, v, None, mode=mode, causal=True, sm_scale=32 ** -0.5, config=cfg)
+        ref = reference(q, k, v, mode=mode, causal=True)
+    else:
+        kb = bn if ap.DEFAULT_K[mode] == "block" else None
+        kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=torch.int8 if mode == "int8" else torch.float8_e4m3fn,
+                                            k_block=kb, v_granularity=ap.DEFAULT_V[mode])
+        out = attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=True, sm_scale=32 ** -0.5, config=cfg,
+                                       k_block=kb)
+        ref = reference(q, k, v, mode=mode, causal=True)
+    assert rel_l2(out, ref) < (KERNEL_VS_REF[torch.float16] if mode == "int8-qk" else 1e-5)
+
+
 def test_bf16_inputs(dev):
     q, k, v = _qkv(1, 2, 2, 17, 17, 32, dtype=torch.bfloat16, seed=3)
     for mode in ("int8", "int8-qk"):

@@ -226,3 +226,15 @@ def test_demo_time_budget_skips_recipes(tiny_dir, text_file, tmp_path, capsys):
 def test_bench_without_gpu_says_so(what, capsys):
     rc, _, err = run(["bench", what, "--quick"], capsys)
     assert rc == 2 and "needs a CUDA GPU" in err
+
+
+def test_demo_table_prints_answers_verbatim(capsys):
+    """Answers and errors may contain brackets: they must print as text, not as rich markup."""
+    from lowbit.eval import demo
+
+    rows = [demo.Row("float32 (unquantized)", perplexity=12.7, tokens_scored=1023, weight_bytes=1 << 20,
+                     kv_bytes_per_token=46080, answer="Paris [stopped after 30 s]", seconds=3.0),
+            demo.Row("fireq", status="failed: ValueError: bad [bold]x[/bold]")]
+    demo.render(rows, max_tokens=1024, window=1024, prompt="Q?")
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "[stopped after 30 s]" in flat and "[bold]x[/bold]" in flat and "45.0 KiB" in flat

@@ -126,7 +126,12 @@ def main():
     # (3) model throughput
     from lowbit.bench import model as bm
 
-    bench_budget = max(10.0, left() - 30.0)
+    try:
+        import gguf  # noqa: F401
+        have_gguf = True
+    except ImportError:
+        have_gguf = False
+    bench_budget = max(10.0, left() - (30.0 if have_gguf else 6.0))
     print(f"== bench model (budget {bench_budget:.0f}s)", flush=True)
     try:
         bm.run(a.out, quick=True, layers=2, time_budget_s=bench_budget,
@@ -134,11 +139,7 @@ def main():
     except Exception:
         traceback.print_exc()
     # (4) ablation (needs the embedded model: gguf must be importable on this machine)
-    try:
-        import gguf  # noqa: F401
-        have_gguf = True
-    except ImportError:
-        have_gguf = False
+    if not have_gguf:
         SUMMARY.append("SKIP  ablation: the gguf package is not installed here (embedded model cannot load)")
     if have_gguf and left() > 25:
         print(f"== ablation (budget {left() - 5:.0f}s)", flush=True)

@@ -76,15 +76,17 @@ def correctness():
                 e = rel(y, r)
                 y2 = w4a8_int8_gemm(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, out_dtype=dt)
                 repeat_ok = bool(torch.equal(y, y2))  # split-K counters re-armed, deterministic
-                yl = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b)
+                yl = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, fuse_quant=False)
+                yfq = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, fuse_quant=True)
+                efq = rel(yfq, yl)
                 yf = x.float() @ w.t() + (b.float() if b is not None else 0)
                 eq = rel(yl, yf)
                 tol = 1e-2 if dt == torch.bfloat16 else 2e-3
-                ok = e <= tol and eq < 0.2 and repeat_ok
+                ok = e <= tol and eq < 0.2 and repeat_ok and efq <= tol
                 RESULTS["correctness"].append({"case": name, "rel_l2_vs_ref": e, "rel_l2_vs_float": eq,
-                                               "repeat_equal": repeat_ok, "pass": ok})
+                                               "repeat_equal": repeat_ok, "fused_quant_vs_separate": efq, "pass": ok})
                 log(f"{'PASS' if ok else 'FAIL'} {name}: kernel vs ref rel-L2 {e:.2e}, w4a8 vs float {eq:.3f}, "
-                    f"repeat equal {repeat_ok}")
+                    f"repeat equal {repeat_ok}, fused-quant vs separate {efq:.1e}")
             except Exception as exc:
                 RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
                 log(f"FAIL {name}: {type(exc).__name__}: {exc}")

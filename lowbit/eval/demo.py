@@ -132,6 +132,7 @@ def render(rows: list[Row], *, max_tokens: int, window: int, prompt: str, consol
            model_name: str = "SmolLM2-135M-Instruct") -> None:
     """The side-by-side table (rich; 120 columns when the output is not a terminal)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from lowbit.eval.perplexity import windowing
@@ -151,9 +152,10 @@ def render(rows: list[Row], *, max_tokens: int, window: int, prompt: str, consol
     for r in rows:
         if r.status == "ok":
             t.add_row(r.name, f"{r.perplexity:.3f}", pipeline.human_bytes(r.weight_bytes),
-                      pipeline.human_bytes(r.kv_bytes_per_token), f"{r.seconds:.0f} s", r.answer or "")
-        else:
-            t.add_row(r.name, "-", "-", "-", f"{r.seconds:.0f} s" if r.seconds else "-", f"[dim]{r.status}[/dim]")
+                      pipeline.human_bytes(r.kv_bytes_per_token), f"{r.seconds:.0f} s", escape(r.answer or ""))
+        else:  # answers and errors are text, never rich markup ("[stopped after 30 s]")
+            t.add_row(r.name, "-", "-", "-", f"{r.seconds:.0f} s" if r.seconds else "-",
+                      f"[dim]{escape(r.status)}[/dim]")
     console.print(t)
     scored = rows[0].tokens_scored if rows else None
     console.print(f"Perplexity: {windowing(max_tokens, window)}; {scored} tokens scored. The demo uses "

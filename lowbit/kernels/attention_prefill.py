@@ -3,7 +3,7 @@ Triton kernel selected by constexpr flags.
 
 Math (FlashAttention-2 forward, one program per ``BLOCK_M`` queries of one (batch, query head))::
 
-    q_code, q_scale = quantize_per_token(Q_tile)          # in registers (Q is read once)
+    q_code, q_scale = quantize_qk(Q_tile)                 # in registers (Q is read once)
     for each KV block of BLOCK_N keys:
         t     = (q_code . k_code^T) * k_scale             # INT32 -> fp32, or fp32 from FP8 MMA
         S2    = t * (q_scale * sm_scale * log2 e)         # scores in log2 units (exp2 softmax)
@@ -346,7 +346,7 @@ def _attn_fwd(
                 + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
     QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
     q_scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAXV
-    y = tl.div_rn(x, q_scale[:, None])
+    y = x * tl.div_rn(q_scale * 0.0 + 1.0, q_scale)[:, None]  # reciprocal once per row (as the reference)
     y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
     if MODE == 0:
         q = _to_fp8(y, INTERPRET)
@@ -398,8 +398,10 @@ def _attn_fwd(
 # ----------------------------------------------------------------------------------------- launcher
 def _tma_ok(k, v, mode) -> bool:
     """TMA descriptors need contiguous operands with 16-byte rows (our quantized K/V always are;
-    a strided KV4 cache view falls back to pointer loads). Off under the interpreter."""
-    if interpret_mode() or not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+    a strided KV4 cache view falls back to pointer loads)."""
+    if interpret_mode():
+        pass  # the interpreter emulates descriptors (tests exercise this path on the CPU)
+    elif not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
         return False
     return all(t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (k, v))

@@ -3,7 +3,7 @@
 Numerics: ``lowbit.formats.attention_quant`` (the reference this kernel must match bit for bit):
 
 - K: symmetric per token per head (``K_PER_BLOCK``: per block of BLOCK_T keys), ``scale = max(amax, AMAX_EPS) / QMAX`` (fp32),
-  ``code = cast(clamp(k / scale))`` with IEEE division (``tl.div_rn``), INT8 codes rounded to
+  ``code = cast(clamp(k * (1 / scale)))`` (reciprocal IEEE-rounded once per scale), INT8 codes rounded to
   nearest even, FP8 codes by the RNE cast.
 - V: symmetric, per channel per block of ``V_BLOCK`` tokens (``V_CHANNEL``, scales
   ``[B, H, NB, D]``) or one scale per block (``[B, H, NB]``; ``V_GIVEN``: precomputed, e.g. the
@@ -38,8 +38,9 @@ _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties t
 
 @triton.jit
 def _quant_tile(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, EXACT_FP8: tl.constexpr):
-    """fp32 tile / scale (broadcast) -> INT8 or FP8 E4M3 codes (clamped, RNE)."""
-    y = tl.div_rn(x, scale)
+    """fp32 tile * (1 / scale) (broadcast; the reciprocal IEEE-rounded once per scale) -> INT8 or
+    FP8 E4M3 codes (clamped, RNE)."""
+    y = x * tl.div_rn(scale * 0.0 + 1.0, scale)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if IS_INT8:
         c = ((y + 12582912.0) - 12582912.0).to(tl.int8)

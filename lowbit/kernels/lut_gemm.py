@@ -50,7 +50,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.lut import pack_block, packed_k
 
-LOOKUPS = {"load": 0, "select": 1, "affine": 2, "pair": 3}
+LOOKUPS = {"global": 0, "select": 1, "affine": 2, "pair": 3, "smem": 4}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -125,6 +125,55 @@ _NF4_WORD_ASM = tl.constexpr("""{
 }""")
 
 
+_SMEM_WORD_ASM = tl.constexpr("""{
+ .reg .b32 lo, hi, c, z, b;
+ mov.b32 z, 0;
+ mov.u32 b, global_smem;
+ shl.b32 lo, $8, 2;
+ and.b32 lo, lo, 0x3C3C3C3C;
+ shr.u32 hi, $8, 2;
+ and.b32 hi, hi, 0x3C3C3C3C;
+ prmt.b32 c, lo, z, 0x4440; add.u32 c, c, b; ld.shared.f32 $0, [c];
+ prmt.b32 c, hi, z, 0x4440; add.u32 c, c, b; ld.shared.f32 $1, [c];
+ prmt.b32 c, lo, z, 0x4441; add.u32 c, c, b; ld.shared.f32 $2, [c];
+ prmt.b32 c, hi, z, 0x4441; add.u32 c, c, b; ld.shared.f32 $3, [c];
+ prmt.b32 c, lo, z, 0x4442; add.u32 c, c, b; ld.shared.f32 $4, [c];
+ prmt.b32 c, hi, z, 0x4442; add.u32 c, c, b; ld.shared.f32 $5, [c];
+ prmt.b32 c, lo, z, 0x4443; add.u32 c, c, b; ld.shared.f32 $6, [c];
+ prmt.b32 c, hi, z, 0x4443; add.u32 c, c, b; ld.shared.f32 $7, [c];
+}""")
+
+
+@triton.jit
+def _smem_table_store(T, BITS: tl.constexpr):
+    """Copy the 2**BITS table entries to the first 64 bytes of the kernel's shared memory
+    (``global_smem``, Triton's dynamic shared buffer; FMA path only, where Triton itself uses
+    shared memory only after the main loop). 16 fp32 entries sit in 16 distinct banks: lanes
+    reading different entries never conflict, lanes reading the same entry are broadcast, the
+    answer FLUTE gets from duplicating its pair table (§3.2)."""
+    i = tl.arange(0, 16)
+    t = tl.load(T + i, mask=i < (1 << BITS), other=0.0)
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; mov.b32 $0, 0; }",
+        "=r,r,f", [i * 4, t], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _smem_lookup(c):
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 a, b; mov.u32 b, global_smem; shl.b32 a, $1, 2; add.u32 a, a, b; ld.shared.f32 $0, [a]; }",
+        "=f,r", [c], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _smem_word4(wa):
+    return tl.inline_asm_elementwise(
+        _SMEM_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [wa],
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=True, pack=1)
+
+
 @triton.jit
 def _lookup_word4(wa, tbase):
     """All 8 slots of each 4-bit word at once: masks split even/odd slots into byte lanes,
@@ -137,9 +186,32 @@ def _lookup_word4(wa, tbase):
 
 
 @triton.jit
+def _pick8(J: tl.constexpr, s0, s1, s2, s3, s4, s5, s6, s7):
+    if J == 0:
+        r = s0
+    elif J == 1:
+        r = s1
+    elif J == 2:
+        r = s2
+    elif J == 3:
+        r = s3
+    elif J == 4:
+        r = s4
+    elif J == 5:
+        r = s5
+    elif J == 6:
+        r = s6
+    else:
+        r = s7
+    return r
+
+
+@triton.jit
 def _lookup(c, T, tbase, BITS: tl.constexpr, LOOKUP: tl.constexpr, INTERPRET: tl.constexpr):
-    if LOOKUP == 0:
+    if LOOKUP == 0 or (LOOKUP == 4 and INTERPRET):
         v = _gather(T, tbase, c, True, INTERPRET)
+    elif LOOKUP == 4:
+        v = _smem_lookup(c)
     elif LOOKUP == 1:
         v = _select_lookup(c, T, BITS)
     else:
@@ -252,6 +324,9 @@ def _lut_gemm_kernel(
     tbase = (T.to(tl.int64, bitcast=True) + (offs_n * ZERO).to(tl.int64))[:, None]
     t2base = (T2.to(tl.int64, bitcast=True) + (offs_n * ZERO).to(tl.int64))[:, None]
     WORD4: tl.constexpr = BITS == 4 and LOOKUP == 0 and not DOT_F32
+    SWORD4: tl.constexpr = BITS == 4 and LOOKUP == 4 and not DOT_F32
+    if LOOKUP == 4 and not DOT_F32:
+        _smem_table_store(T, BITS)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -260,14 +335,16 @@ def _lut_gemm_kernel(
     for it in range(it0, it1):
         wa, wb = _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS)
         if WORD4:
-            vals = _lookup_word4(wa, tbase)
+            s0, s1, s2, s3, s4, s5, s6, s7 = _lookup_word4(wa, tbase)
+        elif SWORD4:
+            s0, s1, s2, s3, s4, s5, s6, s7 = _smem_word4(wa)
         for f in tl.static_range(PB // FLUSH):
             part = acc  # placeholder, replaced by the first slot (FIRST=True ignores it)
             for p in tl.static_range(SPF // 2):
                 j = f * SPF + 2 * p
-                if WORD4:
-                    v0 = vals[j]
-                    v1 = vals[j + 1]
+                if WORD4 or SWORD4:
+                    v0 = _pick8(j, s0, s1, s2, s3, s4, s5, s6, s7)
+                    v1 = _pick8(j + 1, s0, s1, s2, s3, s4, s5, s6, s7)
                 elif LOOKUP == 3:
                     v0, v1 = _pair_lookup(wa, wb, j, T2, t2base, BITS, IS_BF16, DOT_F32)
                 else:
@@ -279,6 +356,8 @@ def _lut_gemm_kernel(
             g = (it * PB + f * FLUSH) // GROUP
             s = tl.load(S + g * stride_sg + offs_n, mask=n_mask & (g < NG), other=0.0).to(tl.float32)
             acc += part * s[:, None]
+    if LOOKUP == 4:
+        tl.debug_barrier()  # the table's bytes are Triton's scratch from here on
     if not USE_DOT:
         acc = tl.sum(acc, axis=1, keep_dims=True)  # [BLOCK_N, 1]; BLOCK_M == 1 here
 
@@ -352,7 +431,7 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, device) -
     """Launch parameters by problem size (measured on H200, see docs/sections/lut.md).
     ``ctas_per_sm`` sets split-K: enough programs for that many per SM."""
     if M == 1:
-        return dict(use_dot=False, block_m=1, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=8)
+        return dict(use_dot=False, block_m=1, block_n=64, num_warps=4, num_stages=1, ctas_per_sm=8)
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     return dict(use_dot=True, block_m=bm, block_n=64, num_warps=4, num_stages=2,
                 ctas_per_sm=4 if M <= 32 else 2)
@@ -372,6 +451,10 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
     bm, bn = cfg["block_m"], cfg["block_n"]
     if not cfg["use_dot"] and bm != 1:
         raise ValueError("the FMA path needs block_m == 1")
+    if lookup == "load":  # the best table for the path: shared memory (FMA), L1 (dot)
+        lookup = "smem" if not cfg["use_dot"] and cfg["num_stages"] == 1 else "global"
+    if lookup == "smem" and (cfg["use_dot"] or cfg["num_stages"] != 1):
+        lookup = "global"  # the shared-memory table is only safe where Triton uses no smem in the loop
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
@@ -419,6 +502,7 @@ def lut_dequant_triton(qweight, qweight_hi, scales, table, *, bits: int, group_s
     _lut_dequant_kernel[(cdiv(N, bn), packed_k(K, bits) // pack_block(bits))](
         qweight, qh, scales, table, w, N, K,
         qweight.stride(0), qh.stride(0), scales.stride(0), w.stride(0),
-        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], BLOCK_N=bn, INTERPRET=interpret_mode(), num_warps=4,
+        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS["global" if lookup in ("load", "smem", "pair") else lookup],
+        BLOCK_N=bn, INTERPRET=interpret_mode(), num_warps=4,
     )
     return w

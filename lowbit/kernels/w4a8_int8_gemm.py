@@ -87,12 +87,18 @@ def _dequant_halves(b, s2, zs, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(xf, sx):
-    """Per-token INT8 codes of a float tile [BLOCK_M, n] with row scales sx [BLOCK_M]: IEEE
-    division, clamp to +-127, round half to even (``lowbit.formats.common.quantize_per_token``)."""
-    y = tl.div_rn(xf.to(tl.float32), sx[:, None])
+def _quantize_rows(xf, inv_sx, ON_GPU: tl.constexpr):
+    """Per-token INT8 codes of a float tile [BLOCK_M, n]: ``x * (1 / sx)``, clamp to +-127, round
+    half to even. Multiplying by the row's reciprocal (not dividing, as the two-kernel path does)
+    keeps the in-GEMM quantization cheap; a code can differ by one unit where x / sx lands within
+    an ulp of a .5 tie (tested against the two-kernel path within the kernel tolerance)."""
+    y = xf.to(tl.float32) * inv_sx[:, None]
     y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-    return libdevice.rint(y).to(tl.int8)
+    if ON_GPU:
+        r = libdevice.rint(y)
+    else:  # the interpreter lacks rint: adding and subtracting 1.5 * 2^23 rounds half to even too
+        r = (y + 12582912.0) - 12582912.0
+    return r.to(tl.int8)
 
 
 @triton.jit
@@ -150,7 +156,8 @@ def _w4a8_int8_gemm_kernel(
             xv = tl.load(X + rm[:, None] * stride_xm + (kq + offs_q)[None, :] * stride_xk,
                          mask=(kq + offs_q)[None, :] < K, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(xv.to(tl.float32)), axis=1))
-        sx = tl.maximum(amax, AMAX_EPS) / 127.0
+        sx = tl.div_rn(tl.maximum(amax, AMAX_EPS), tl.full([BLOCK_M], 127.0, tl.float32))
+        inv_sx = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sx)
     else:
         sx = tl.load(XS + rm)
     if GROUP_SIZE % BLOCK_K == 0 and PREFETCH:
@@ -170,8 +177,8 @@ def _w4a8_int8_gemm_kernel(
             a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
             a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
         if FUSE_QUANT:
-            a_lo = _quantize_rows(a_lo, sx)
-            a_hi = _quantize_rows(a_hi, sx)
+            a_lo = _quantize_rows(a_lo, inv_sx, USE_ASM)
+            a_hi = _quantize_rows(a_hi, inv_sx, USE_ASM)
         b = tl.load(w_ptrs + k0 // 2)  # [BN, 64] bytes, 16-byte loads
         if GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
             if PREFETCH:

@@ -71,7 +71,7 @@ def _w4a8_fp8_tensors(mod, pack):
     if k % g:
         raise ExportError(f"in_features {k} is not a multiple of group_size {g}")
     q = unpack_codes(mod.codes, k).to(torch.int8)  # [-7, 7]
-    scale = mod.scales.float() * mod.inv_delta  # exact: E4M3 value x 2^-n
+    scale = mod.scales[:, : k // g].float() * mod.inv_delta  # exact: E4M3 value x 2^-n (drop padded groups)
     ours = dequantize_weight(mod.codes, mod.scales, k, g) * mod.inv_delta
     theirs = q.float() * scale.repeat_interleave(g, 1)
     same = ours == theirs

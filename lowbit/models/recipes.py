@@ -309,14 +309,14 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
             from lowbit.models.arch import decoder_layers
 
             fuse = _need("fireq", "lowbit.nn.w4a8_fp8", "fuse_mlp")
-            views = decoder_layers(model)
-            for v in views:  # fused gate_up + down first (decoder_layers needs the unfused MLP)
+            views = decoder_layers(model)  # taken before the MLPs change shape
+            mlp_roles = ("gate_proj", "up_proj", "down_proj")
+            if pts and pts_scope == "fused" and "pts_exp" not in opts:
+                _quantize_shared_pts(model, opts, skip=mlp_roles, progress=progress)
+            else:
+                quantize_linears(model, linear, skip=mlp_roles, progress=progress, recipe="fireq", **opts)
+            for v in views:  # fused gate_up (SiLU*mul epilogue, one PTS exponent) + down
                 _call(fuse, v, group_size=opts.get("group_size", group_size), pts=pts)
-            from lowbit import quantize_linear
-
-            for v in _progress(views, "fireq: w4a8-fp8 attention linears", progress, len(views)):
-                for role in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    v.set_linear(role, quantize_linear(getattr(v, role), linear, **opts))
         elif linear == "w4a8-fp8" and pts and pts_scope == "fused" and "pts_exp" not in opts:
             _quantize_shared_pts(model, opts, skip=skip, progress=progress)
         else:

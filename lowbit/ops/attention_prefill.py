@@ -140,10 +140,9 @@ def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Te
                                         v_block=bn, k_block=bn)
     if use_triton(q):
         warn_once(f"fp8-kv4 attention: head_dim {D} has no kernel; using the PyTorch reference")
-    from lowbit.formats.attention_quant import kv4_to_fp8_blocks
-    from lowbit.formats.common import quantize_per_token
+    from lowbit.formats.attention_quant import kv4_to_fp8_blocks, quantize_qk
 
-    qc, qs = quantize_per_token(q, FP8_E4M3)
+    qc, qs = quantize_qk(q, FP8_E4M3)
     if fused:
         qq = {"mode": "fp8-kv4", "q": qc, "q_scale": qs, "k": k_codes, "k_scale": k_scale,
               "v": v_codes, "v_scale": v_scale}

@@ -53,7 +53,7 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
                                    out_features=N, lookup=lookup, pairs=pairs)
         w = lut_dequant_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
                                out_features=N, in_features=K, dtype=x.dtype,
-                               lookup="load" if lookup == "pair" else lookup)
+                               lookup=lookup)
         return F.linear(x, w)
     return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K)
 
