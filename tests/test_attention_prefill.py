@@ -140,6 +140,14 @@ def test_fp8_softmax_values_cannot_overflow(dev):
     assert rel_l2(out, _same_numerics(q * 1e4, k * 1e4, v, "fp8", False)) < 1e-2
 
 
+def test_absurd_logits_stay_finite(dev):
+    # scores ~1e9 (log2 units): fp32 cannot resolve them, but P must never wrap INT8 nor l hit 0/0
+    q, k, v = _qkv(1, 1, 1, 24, 24, 32, seed=13)
+    for mode in ("int8", "fp8", "int8-qk"):
+        out = ap.quant_attention((q * 3e3).to(dev), (k * 3e3).to(dev), v.to(dev), mode=mode).cpu()
+        assert torch.isfinite(out).all(), mode
+
+
 def test_int8_p_scale_is_127_and_l_from_quantized_p():
     # R = 127 (not the paper's 256): the max P code is 127 and fits INT8
     assert aq.quantize_p_int8(torch.tensor([127.0, 126.5, 0.5, 1.5])).tolist() == [127.0, 126.0, 0.0, 2.0]

@@ -138,3 +138,12 @@ def test_opcheck_and_compile():
     f = torch.compile(lambda a: lut_gemm(a, qw, qh, s, t, bits=3, group_size=32, lookup="load"),
                       fullgraph=True, backend="eager")
     assert rel_l2(f(xf), lut_gemm_ref(xf, qw, qh, s, t, 3, 32, 64)) < 1e-6
+
+
+@pytest.mark.parametrize("bits,g", [(4, 32), (3, 128), (2, 64)])
+def test_joined_group_dot_matches(bits, g, dev):
+    """join=True: one dot per scale group over the joined slot tiles, X rows bit-reverse permuted."""
+    q, qw, qh, s, t = _packed(24, 300, bits, g, dev=dev)
+    x = torch.randn(5, 300, device=dev, dtype=torch.bfloat16)
+    y = lut_gemm_triton(x, qw, qh, s, t, bits=bits, group_size=g, out_features=24, join=True)
+    assert rel_l2(y, _ref(x, q)) < KERNEL_VS_REF[torch.bfloat16]

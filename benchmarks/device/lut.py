@@ -203,25 +203,25 @@ def extra(name, ws, packs, xs, case_):
     fl = harness.gemm_flops(M, N, K)
     variants = []  # (label, bits, lookup, cfg)
     if M == 1:
-        for bn in (16, 32, 64):
-            for cps in (4, 8, 16):
-                variants.append((f"fma bn{bn} cps{cps}", 4, "load", dict(block_n=bn, ctas_per_sm=cps)))
-        variants.append(("fma bn32 cps8 st3", 4, "load", dict(block_n=32, ctas_per_sm=8, num_stages=3)))
-        variants.append(("dot bm16 bn64 cps4", 4, "load", dict(use_dot=True, block_m=16, block_n=64, ctas_per_sm=4, num_stages=2)))
-        variants.append(("select bn32 cps8", 4, "select", dict(block_n=32, ctas_per_sm=8)))
-        variants.append(("pair bn32 cps8", 4, "pair", dict(block_n=32, ctas_per_sm=8)))
-        variants.append(("lut3 load bn64 cps8", 3, "load", dict(block_n=64, ctas_per_sm=8)))
-        variants.append(("lut3 pair bn32 cps8", 3, "pair", dict(block_n=32, ctas_per_sm=8)))
+        for bn in (32, 64, 128):
+            variants.append((f"smem bn{bn} cps8", 4, "smem", dict(block_n=bn, ctas_per_sm=8)))
+        variants.append(("smem bn128 cps4", 4, "smem", dict(block_n=128, ctas_per_sm=4)))
+        variants.append(("smem bn128 cps16", 4, "smem", dict(block_n=128, ctas_per_sm=16)))
+        variants.append(("smem bn64 cps16", 4, "smem", dict(block_n=64, ctas_per_sm=16)))
+        variants.append(("global bn128 cps8", 4, "global", dict(block_n=128, ctas_per_sm=8)))
+        variants.append(("dot bm16 bn64 cps4", 4, "global", dict(use_dot=True, block_m=16, block_n=64, ctas_per_sm=4, num_stages=2)))
+        variants.append(("lut3 smem bn64 cps8", 3, "smem", dict(block_n=64, ctas_per_sm=8)))
+        variants.append(("lut3 smem bn128 cps8", 3, "smem", dict(block_n=128, ctas_per_sm=8)))
         variants.append(("lut3 pair bn64 cps8", 3, "pair", dict(block_n=64, ctas_per_sm=8)))
-        variants.append(("lut3 select bn32 cps8", 3, "select", dict(block_n=32, ctas_per_sm=8)))
+        variants.append(("lut3 global bn64 cps8", 3, "global", dict(block_n=64, ctas_per_sm=8)))
     elif M == 16:
-        for bn in (64, 128):
-            for cps in (2, 4, 8):
-                variants.append((f"dot bn{bn} cps{cps}", 4, "load", dict(block_n=bn, ctas_per_sm=cps)))
-        variants.append(("dot bn64 cps4 w8", 4, "load", dict(block_n=64, ctas_per_sm=4, num_warps=8)))
-        variants.append(("dot bn64 cps4 st3", 4, "load", dict(block_n=64, ctas_per_sm=4, num_stages=3)))
-        variants.append(("pair dot bn64 cps4", 4, "pair", dict(block_n=64, ctas_per_sm=4)))
-        variants.append(("lut3 pair dot bn64 cps4", 3, "pair", dict(block_n=64, ctas_per_sm=4)))
+        variants.append(("dot bn64 cps4", 4, "global", dict(block_n=64, ctas_per_sm=4)))
+        variants.append(("dot bn64 cps8", 4, "global", dict(block_n=64, ctas_per_sm=8)))
+        variants.append(("dot bn128 cps4", 4, "global", dict(block_n=128, ctas_per_sm=4)))
+        variants.append(("dot bn64 cps4 w8", 4, "global", dict(block_n=64, ctas_per_sm=4, num_warps=8)))
+        variants.append(("dot bn64 cps4 st1", 4, "global", dict(block_n=64, ctas_per_sm=4, num_stages=1)))
+        variants.append(("dot bn64 cps4 st3", 4, "global", dict(block_n=64, ctas_per_sm=4, num_stages=3)))
+        variants.append(("lut3 dot bn64 cps4", 3, "global", dict(block_n=64, ctas_per_sm=4)))
     for label, b, lookup, cfg in variants:
         if elapsed() > 62:
             break

@@ -186,12 +186,6 @@ def kv4_to_fp8_blocks(k_codes, k_scale, v_codes, v_scale, *, block: int = 128) -
     return {"k": kc, "k_scale": ks, "k_block": block, "v": vc, "v_scale": vs, "v_block": block}
 
 
-def _above(m: torch.Tensor) -> torch.Tensor:
-    """m + 2 ulp (2^-22 |m|): the kernel subtracts this from the exp2 argument so that P never
-    exceeds 127 / 256 even when the fused exp2 argument of the row max rounds up (|S| ~ 1e9)."""
-    return m + m.abs() * 2.0 ** -22
-
-
 def _expand(t: torch.Tensor, hq: int) -> torch.Tensor:
     rep = hq // t.shape[1]
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
@@ -272,26 +266,26 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
             if p_block:  # P against the block's row max, block rescaled by beta = exp2(m_block - m)
                 mb_use = torch.where(torch.isinf(mb), m_use, mb)
                 beta = torch.exp2(mb_use - m_use)
-                p = quantize_p_int8(torch.exp2(arg(_above(mb_use) - math.log2(P_SCALE_INT8))))
+                p = quantize_p_int8(torch.exp2(arg(mb_use - math.log2(P_SCALE_INT8))).clamp(max=P_SCALE_INT8))
                 l = l * alpha + p.sum(-1) * beta
                 pv = torch.matmul(p, vb) * beta.unsqueeze(-1)
             else:
-                p = quantize_p_int8(torch.exp2(arg(_above(m_use) - math.log2(P_SCALE_INT8))))
+                p = quantize_p_int8(torch.exp2(arg(m_use - math.log2(P_SCALE_INT8))).clamp(max=P_SCALE_INT8))
                 l = l * alpha + p.sum(-1)
                 pv = torch.matmul(p, vb)
         elif mode == "fp8":
-            p = torch.exp2(arg(_above(m_use) - 8.0))
+            p = torch.exp2(arg(m_use - 8.0))
             l = l * alpha + p.sum(-1)
             pv = torch.matmul(quantize_p_fp8(p).float(), vb)
         elif mode == "fp8-kv4":
-            p = torch.exp2(arg(_above(m_use) - 8.0))
+            p = torch.exp2(arg(m_use - 8.0))
             l = l * alpha + p.sum(-1)
             sv = vtok[..., n0:n0 + block_n]
             svmax = sv.amax(dim=-1, keepdim=True).clamp_min(1e-30)
             r = sv * (1.0 / svmax)
             pv = torch.matmul(quantize_p_fp8(p * r.unsqueeze(-2)).float(), vb)
         else:  # int8-qk
-            p = torch.exp2(arg(_above(m_use)))
+            p = torch.exp2(arg(m_use))
             l = l * alpha + p.sum(-1)
             pv = torch.matmul(p.to(vb.dtype).float(), vb.float())
         # the kernel's accumulator update, per V scale kind (see the module docstring)
@@ -304,7 +298,7 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
         else:
             acc = acc * alpha.unsqueeze(-1) + pv
         m = m_new
-    return (acc * (c_acc / l.unsqueeze(-1))).to(out_dtype)
+    return (acc * (c_acc / l.clamp_min(1e-30).unsqueeze(-1))).to(out_dtype)
 
 
 def mre(out: torch.Tensor, ref: torch.Tensor, *, last: int | None = None, eps: float = 1e-5) -> float:

@@ -75,14 +75,6 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _above(m):
-    """m plus 2 ulp: the exp2 argument of the row max, fused into one FFMA while the max itself was
-    rounded, may exceed 0 by half an ulp of |S|; with this margin P never exceeds its format's top
-    (127 / 256) even for absurd logits (|S| ~ 1e9), and it changes P by < 1e-6 otherwise."""
-    return m + tl.abs(m) * 2.384185791015625e-07
-
-
-@triton.jit
 def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: tl.constexpr):
     """uint8 [ROWS, COLS/2] (element 2i in the low nibble of byte i, two's complement) -> FP8 E4M3
     [ROWS, COLS] (INT4 values are exact in E4M3).
@@ -215,13 +207,13 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         if MODE == 1 and P_BLOCK:  # P against this block's max: 127 * exp(S - m_block)
             mb_use = tl.where(mb == float("-inf"), m_use, mb)
             beta = tl.math.exp2(mb_use - m_use)  # <= 1, rescales the block's P V and row sum
-            sub = _above(mb_use) - 6.988684686772166
+            sub = mb_use - 6.988684686772166
         elif MODE == 1:
-            sub = _above(m_use) - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
+            sub = m_use - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
         elif MODE == 0:
-            sub = _above(m_use) - 8.0  # P = 256 * exp(S - m) in [0, 256]
+            sub = m_use - 8.0  # P = 256 * exp(S - m) in [0, 256]
         else:
-            sub = _above(m_use)
+            sub = m_use
         if EXP16:  # FireQ-style half-precision softmax numerator: ex2.approx.f16x2, two per op
             x16 = (t * qsb[:, None] - (c * qsb + sub)[:, None]).to(tl.float16)
             if INTERPRET:
@@ -233,6 +225,9 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         else:
             p = tl.math.exp2(t * qsb[:, None] - (c * qsb + sub)[:, None])
         if MODE == 1:
+            # the row max's exp2 argument is one FFMA while m was rounded: for absurd scores (|S| >
+            # 2^17 in log2 units) it can exceed log2(127); clamp so the code never wraps
+            p = tl.minimum(p, 127.0)
             # round to nearest even integer in [0, 127]: the low byte of (p + 1.5 * 2^23)'s bits is
             # the INT8 code (no F2I), and subtracting 1.5 * 2^23 again gives it as a float for l
             pm = p + 12582912.0
@@ -390,7 +385,7 @@ def _attn_fwd(
                                  stride_kn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16,
                                  P_BLOCK, USE_TMA, INTERPRET)
-    out = acc * (c_acc / l_i)[:, None]
+    out = acc * (c_acc / tl.maximum(l_i, 1e-30))[:, None]  # l > 0 unless scores are absurd (> 2^17)
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
 

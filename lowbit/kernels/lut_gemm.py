@@ -291,6 +291,59 @@ def _slot_product(part, v, X, offs_m, m_mask, pid_m, stride_xm, k0, K,
     return part
 
 
+@triton.jit
+def _slot_value(J: tl.constexpr, wa, wb, T, tbase, BITS: tl.constexpr, LOOKUP: tl.constexpr, WORDV: tl.constexpr,
+                INTERPRET: tl.constexpr, s0, s1, s2, s3, s4, s5, s6, s7):
+    if WORDV:
+        v = _pick8(J, s0, s1, s2, s3, s4, s5, s6, s7)
+    else:
+        v = _lookup(_slot_codes(wa, wb, J, BITS), T, tbase, BITS, LOOKUP, INTERPRET)
+    return v
+
+
+@triton.jit
+def _flush_dot(J0: tl.constexpr, SPF: tl.constexpr, wa, wb, T, tbase, X, offs_m, m_mask, stride_xm, kb, K,
+               BITS: tl.constexpr, LOOKUP: tl.constexpr, WORDV: tl.constexpr, INTERPRET: tl.constexpr,
+               s0, s1, s2, s3, s4, s5, s6, s7):
+    """One dot over the SPF slots of a scale group: the slot tiles are joined in registers into
+    one [BLOCK_N, 16 * SPF] A operand (one layout conversion and one K = 16 * SPF wgmma chain
+    per group instead of SPF). ``tl.join`` nests the slots, so column c of the tile holds word
+    w = c // SPF of slot bitreverse(c % SPF); X rows are loaded in that order."""
+    v0 = _slot_value(J0, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+    v1 = _slot_value(J0 + 1, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+    BN: tl.constexpr = v0.shape[0]
+    if SPF == 2:
+        tile = tl.reshape(tl.join(v0, v1), [BN, 32])
+    else:
+        v2 = _slot_value(J0 + 2, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+        v3 = _slot_value(J0 + 3, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+        if SPF == 4:
+            tile = tl.reshape(tl.join(tl.join(v0, v1), tl.join(v2, v3)), [BN, 64])
+        else:
+            v4 = _slot_value(J0 + 4, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+            v5 = _slot_value(J0 + 5, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+            v6 = _slot_value(J0 + 6, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+            v7 = _slot_value(J0 + 7, wa, wb, T, tbase, BITS, LOOKUP, WORDV, INTERPRET, s0, s1, s2, s3, s4, s5, s6, s7)
+            tile = tl.reshape(tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)),
+                                      tl.join(tl.join(v4, v5), tl.join(v6, v7))), [BN, 128])
+    c = tl.arange(0, SPF * 16)
+    r = c % SPF
+    if SPF == 2:
+        slot = r
+    elif SPF == 4:
+        slot = ((r & 1) << 1) | (r >> 1)
+    else:
+        slot = ((r & 1) << 2) | (r & 2) | (r >> 2)
+    offs_k = kb + (J0 + slot) * 16 + c // SPF
+    x = tl.load(X + offs_m[None, :] * stride_xm + offs_k[:, None],
+                mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+    if INTERPRET:  # the interpreter's bf16 dot is wrong (triton 3.6); same rounding of T
+        part = tl.dot(tile.to(x.dtype).to(tl.float32), x.to(tl.float32), input_precision="ieee")
+    else:
+        part = tl.dot(tile.to(x.dtype), x)
+    return part
+
+
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _lut_gemm_kernel(
@@ -303,7 +356,7 @@ def _lut_gemm_kernel(
     # constexpr flags
     BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr, USE_DOT: tl.constexpr,
     USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, IS_BF16: tl.constexpr,
+    DOT_F32: tl.constexpr, IS_BF16: tl.constexpr, JOIN_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -324,6 +377,7 @@ def _lut_gemm_kernel(
     tbase = (T.to(tl.int64, bitcast=True) + (offs_n * ZERO).to(tl.int64))[:, None]
     t2base = (T2.to(tl.int64, bitcast=True) + (offs_n * ZERO).to(tl.int64))[:, None]
     WORD4: tl.constexpr = BITS == 4 and LOOKUP == 0 and not DOT_F32
+    JOIN: tl.constexpr = JOIN_K and USE_DOT and LOOKUP != 3 and (SPF == 2 or SPF == 4 or SPF == 8)
     SWORD4: tl.constexpr = BITS == 4 and LOOKUP == 4 and not DOT_F32
     if LOOKUP == 4 and not DOT_F32:
         _smem_table_store(T, BITS)
@@ -338,21 +392,29 @@ def _lut_gemm_kernel(
             s0, s1, s2, s3, s4, s5, s6, s7 = _lookup_word4(wa, tbase)
         elif SWORD4:
             s0, s1, s2, s3, s4, s5, s6, s7 = _smem_word4(wa)
+        else:  # unused placeholders
+            s0, s1, s2, s3, s4, s5, s6, s7 = wa, wa, wa, wa, wa, wa, wa, wa
         for f in tl.static_range(PB // FLUSH):
             part = acc  # placeholder, replaced by the first slot (FIRST=True ignores it)
-            for p in tl.static_range(SPF // 2):
-                j = f * SPF + 2 * p
-                if WORD4 or SWORD4:
-                    v0 = _pick8(j, s0, s1, s2, s3, s4, s5, s6, s7)
-                    v1 = _pick8(j + 1, s0, s1, s2, s3, s4, s5, s6, s7)
-                elif LOOKUP == 3:
-                    v0, v1 = _pair_lookup(wa, wb, j, T2, t2base, BITS, IS_BF16, DOT_F32)
-                else:
-                    v0 = _lookup(_slot_codes(wa, wb, j, BITS), T, tbase, BITS, LOOKUP, DOT_F32)
-                    v1 = _lookup(_slot_codes(wa, wb, j + 1, BITS), T, tbase, BITS, LOOKUP, DOT_F32)
-                k0 = it * PB + j * 16
-                part = _slot_product(part, v0, X, offs_m, m_mask, pid_m, stride_xm, k0, K, p == 0, USE_DOT, DOT_F32)
-                part = _slot_product(part, v1, X, offs_m, m_mask, pid_m, stride_xm, k0 + 16, K, False, USE_DOT, DOT_F32)
+            if JOIN:
+                part = _flush_dot(f * SPF, SPF, wa, wb, T, tbase, X, offs_m, m_mask, stride_xm, it * PB, K,
+                                  BITS, LOOKUP, WORD4 or SWORD4, DOT_F32, s0, s1, s2, s3, s4, s5, s6, s7)
+            else:
+                for p in tl.static_range(SPF // 2):
+                    j = f * SPF + 2 * p
+                    if WORD4 or SWORD4:
+                        v0 = _pick8(j, s0, s1, s2, s3, s4, s5, s6, s7)
+                        v1 = _pick8(j + 1, s0, s1, s2, s3, s4, s5, s6, s7)
+                    elif LOOKUP == 3:
+                        v0, v1 = _pair_lookup(wa, wb, j, T2, t2base, BITS, IS_BF16, DOT_F32)
+                    else:
+                        v0 = _lookup(_slot_codes(wa, wb, j, BITS), T, tbase, BITS, LOOKUP, DOT_F32)
+                        v1 = _lookup(_slot_codes(wa, wb, j + 1, BITS), T, tbase, BITS, LOOKUP, DOT_F32)
+                    k0 = it * PB + j * 16
+                    part = _slot_product(part, v0, X, offs_m, m_mask, pid_m, stride_xm, k0, K, p == 0, USE_DOT,
+                                         DOT_F32)
+                    part = _slot_product(part, v1, X, offs_m, m_mask, pid_m, stride_xm, k0 + 16, K, False, USE_DOT,
+                                         DOT_F32)
             g = (it * PB + f * FLUSH) // GROUP
             s = tl.load(S + g * stride_sg + offs_n, mask=n_mask & (g < NG), other=0.0).to(tl.float32)
             acc += part * s[:, None]
@@ -484,7 +546,7 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
         x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
         BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
         USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=interpret_mode(),
-        IS_BF16=x.dtype == torch.bfloat16,
+        IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

@@ -394,12 +394,19 @@ class Generator:
         ids = ids.to(self.device)
         lengths = lengths.to(self.device)
         pos_ids = torch.arange(S, device=self.device).expand(B, S)
+        # padding rows are zeroed before attention: schemes with per-block scales (INT8 V, block
+        # FP8) must not see them, and zeros never raise an absmax
+        pad = None
+        if int(lengths.min()) < S:
+            pad = (pos_ids < lengths[:, None]).to(self.dtype)[:, None, :, None]
         x = self.a.embed(ids)
         for i, layer in enumerate(self.a.layers):
             q, k, v = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
             self.cache.write_prefill(i, k, v, lengths)
             if self.prefill_from_cache:
                 q, k, v = self.cache.read_prefill(i, q, S)
+            if pad is not None:
+                q, k, v = q * pad, k * pad, v * pad
             o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
             x = self._finish(i, layer, x, o)
         last = x[self.rows[:B], lengths - 1]

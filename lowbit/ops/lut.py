@@ -94,8 +94,9 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         from lowbit.formats.lut import table_is_uniform
 
         lookup = "affine" if table_is_uniform(table) else "load"
-    if lookup not in ("load", "select", "affine", "pair"):
-        raise ValueError(f"lookup must be 'auto', 'load', 'select', 'affine' or 'pair', got {lookup!r}")
+    if lookup not in ("load", "global", "smem", "select", "affine", "pair"):
+        raise ValueError(f"lookup must be 'auto', 'load', 'global', 'smem', 'select', 'affine' or 'pair', "
+                         f"got {lookup!r}")
     if lookup == "pair":
         check_tensor(pairs, "pairs", shape=(4 ** bits, 2))
         if x.dtype in _ACT and pairs.dtype != x.dtype:
