@@ -171,3 +171,13 @@ def test_float_model_roundtrip(tmp_path):
     loaded = ck.load_quantized(tmp_path / "f")
     prompt = torch.tensor([[3, 4, 5]])
     assert torch.equal(greedy(model, prompt, 4), greedy(loaded, prompt, 4))
+
+
+def test_bf16_cast_model_keeps_its_rope_buffers(tmp_path):
+    # a model cast with .to(bf16) holds RoPE inv_freq (a non-persistent buffer) in bf16: saved too
+    model = toy_quantize(tiny_llama(head_dim=16, dtype=torch.bfloat16))
+    ck.save_quantized(model, tmp_path / "b")
+    loaded = ck.load_quantized(tmp_path / "b")
+    assert loaded.model.rotary_emb.inv_freq.dtype == model.model.rotary_emb.inv_freq.dtype
+    prompt = torch.tensor([[2, 4, 6, 8]])
+    assert torch.equal(greedy(model, prompt, 6), greedy(loaded, prompt, 6))

@@ -120,6 +120,8 @@ def test_decode_kernel_vs_float64(dev, fp8, lens, H, Sq, splits):
     assert out.shape == (len(lens), Sq, H, DC) and out.dtype == torch.bfloat16
     ref = mla_decode_ref(q, cache, pt, sl)  # float64 on the same quantized q / cache
     assert rel_l2(out, ref) < (1e-2 if not fp8 else 3e-2)
+    if fp8:  # the bf16-PV variant (FP8 QK, no P quantization)
+        assert rel_l2(mla_decode(q, cache, pt, sl, num_splits=splits, pv_fp8=False), ref) < 1e-2
     # the unquantized-query float64 reference: the whole FP8 error stays small
     ref_unq = mla_decode_ref(q, cache, pt, sl, quantize_query=False)
     assert rel_l2(out, ref_unq) < (1e-2 if not fp8 else 4e-2)

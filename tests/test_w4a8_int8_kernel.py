@@ -38,13 +38,12 @@ def test_kernel_matches_reference(M, dtype, dev):
     assert rel_l2(y, r) <= KERNEL_VS_REF[dtype]
 
 
-@pytest.mark.parametrize("g,split,prefetch,swap", [(128, 3, True, True), (256, 2, False, True), (64, 1, True, False),
-                                                  (128, 1, False, False)])
-def test_kernel_groups_and_split_k(g, split, prefetch, swap, dev):
-    """split-K (3 splits over 4 tiles: the last split is shorter), g256 (2 tiles per group), g64
-    (2 groups per tile: gathered); group-scale prefetch on/off; swap-AB on/off."""
+@pytest.mark.parametrize("g,split,swap", [(128, 3, True), (256, 2, True), (64, 1, False), (128, 1, False)])
+def test_kernel_groups_and_split_k(g, split, swap, dev):
+    """split-K (3 splits over 4 tiles: the last split runs past Kp, masked), g256 (2 tiles per
+    group), g64 (2 groups per tile: gathered); swap-AB on/off."""
     qw, xq, xs, b = _case(5, 24, 392, g, torch.float16, dev, bias=True)
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=2, PREFETCH=prefetch, SWAP_AB=swap)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=2, SWAP_AB=swap)
     y, r = _run(qw, xq, xs, b, torch.float16, config=cfg)
     assert rel_l2(y, r) <= KERNEL_VS_REF[torch.float16]
     y2, _ = _run(qw, xq, xs, b, torch.float16, config=cfg)  # split-K counters were re-armed

@@ -197,33 +197,29 @@ sweep = harness.Recorder("lut_sweep", ceilings=ceil)
 
 def extra(name, ws, packs, xs, case_):
     """Launch-config and lookup variants for the sweep table (4-bit unless said)."""
-    if name == "8192sq" or elapsed() > 60:
+    if name == "8192sq" or elapsed() > 50:
         return
     M, N, K = case_["M"], case_["N"], case_["K"]
     fl = harness.gemm_flops(M, N, K)
     variants = []  # (label, bits, lookup, cfg)
     if M == 1:
-        for bn in (32, 64, 128):
-            variants.append((f"smem bn{bn} cps8", 4, "smem", dict(block_n=bn, ctas_per_sm=8)))
-        variants.append(("smem bn128 cps4", 4, "smem", dict(block_n=128, ctas_per_sm=4)))
-        variants.append(("smem bn128 cps16", 4, "smem", dict(block_n=128, ctas_per_sm=16)))
-        variants.append(("smem bn64 cps16", 4, "smem", dict(block_n=64, ctas_per_sm=16)))
-        variants.append(("global bn128 cps8", 4, "global", dict(block_n=128, ctas_per_sm=8)))
-        variants.append(("dot bm16 bn64 cps4", 4, "global", dict(use_dot=True, block_m=16, block_n=64, ctas_per_sm=4, num_stages=2)))
-        variants.append(("lut3 smem bn64 cps8", 3, "smem", dict(block_n=64, ctas_per_sm=8)))
-        variants.append(("lut3 smem bn128 cps8", 3, "smem", dict(block_n=128, ctas_per_sm=8)))
-        variants.append(("lut3 pair bn64 cps8", 3, "pair", dict(block_n=64, ctas_per_sm=8)))
-        variants.append(("lut3 global bn64 cps8", 3, "global", dict(block_n=64, ctas_per_sm=8)))
+        variants.append(("smem bn64 cps16 no-prefetch", 4, "smem", dict(block_n=64, ctas_per_sm=16, prefetch=False)))
+        variants.append(("smem bn64 cps8 prefetch", 4, "smem", dict(block_n=64, ctas_per_sm=8)))
+        variants.append(("smem bn128 cps8 prefetch", 4, "smem", dict(block_n=128, ctas_per_sm=8)))
+        variants.append(("global bn64 cps16 prefetch", 4, "global", dict(block_n=64, ctas_per_sm=16)))
+        variants.append(("lut3 pair bn64 cps8 no-prefetch", 3, "pair", dict(block_n=64, ctas_per_sm=8, prefetch=False)))
+        variants.append(("lut3 pair bn32 cps16 prefetch", 3, "pair", dict(block_n=32, ctas_per_sm=16)))
+        variants.append(("lut3 smem bn64 cps8 prefetch", 3, "smem", dict(block_n=64, ctas_per_sm=8)))
     elif M == 16:
-        variants.append(("dot bn64 cps4", 4, "global", dict(block_n=64, ctas_per_sm=4)))
-        variants.append(("dot bn64 cps8", 4, "global", dict(block_n=64, ctas_per_sm=8)))
-        variants.append(("dot bn128 cps4", 4, "global", dict(block_n=128, ctas_per_sm=4)))
-        variants.append(("dot bn64 cps4 w8", 4, "global", dict(block_n=64, ctas_per_sm=4, num_warps=8)))
-        variants.append(("dot bn64 cps4 st1", 4, "global", dict(block_n=64, ctas_per_sm=4, num_stages=1)))
-        variants.append(("dot bn64 cps4 st3", 4, "global", dict(block_n=64, ctas_per_sm=4, num_stages=3)))
-        variants.append(("lut3 dot bn64 cps4", 3, "global", dict(block_n=64, ctas_per_sm=4)))
+        variants.append(("dot bn64 cps8 no-join", 4, "global", dict(block_n=64, ctas_per_sm=8, join=False)))
+        variants.append(("dot bn128 cps4 join", 4, "global", dict(block_n=128, ctas_per_sm=4)))
+        variants.append(("dot bn64 cps4 join", 4, "global", dict(block_n=64, ctas_per_sm=4)))
+        variants.append(("lut3 dot bn64 cps8 no-join", 3, "global", dict(block_n=64, ctas_per_sm=8, join=False)))
+    elif M == 32:
+        variants.append(("dot bm32 bn64 cps4 no-join", 4, "global", dict(block_n=64, ctas_per_sm=4, join=False)))
+        variants.append(("dot bm32 bn128 cps4 join", 4, "global", dict(block_n=128, ctas_per_sm=4)))
     for label, b, lookup, cfg in variants:
-        if elapsed() > 62:
+        if elapsed() > 50:
             break
         fns = [suite.lut_fn(p, lookup=lookup, **cfg) for p in packs[b]]
         suite._try(sweep, case_, label, lambda: suite._time(sweep, case_, label, fns, xs, flops=fl,
@@ -241,9 +237,9 @@ try:
 except Exception:
     traceback.print_exc()
 log("target rows done")
-if elapsed() < 70:
+if elapsed() < 58:
     try:
-        suite.crossover_rows(rec, False)
+        suite.crossover_rows(rec, False, ms=(64, 128, 256, 512))
     except Exception:
         traceback.print_exc()
     log("crossover rows done")

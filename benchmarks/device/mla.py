@@ -102,6 +102,9 @@ def checks():
                 tol = 1e-2 if not fp8 else 4e-2
                 log(name + " vs f64", e, e < tol)
                 if fp8:
+                    e3 = rel(mla_decode(q, cache, pt, sl, num_splits=ns, pv_fp8=False), r)
+                    log(name + " bf16-PV variant vs f64", e3, e3 < 2e-2)
+                if fp8:
                     from lowbit.kernels.mla_quant import latent_quant_triton
                     q3 = q.reshape(B * Sq * H, dc + dr)
                     qc, qs, qr = latent_quant_triton(q3, dc)
@@ -215,9 +218,12 @@ def suite():
             cell[(tuple(r["case"].values()), r["provider"])] = r
     for key in dict.fromkeys(k for k, _ in cell):
         b, f, m = cell.get((key, "lowbit-bf16")), cell.get((key, "lowbit-fp8")), cell.get((key, "bmm-bf16"))
+        f2 = cell.get((key, "lowbit-fp8-bf16pv"))
         s = f"B,H,Sq,L={key}:"
         if b and f:
             s += f" fp8/bf16 {b['median_ms'] / f['median_ms']:.2f}x"
+        if b and f2:
+            s += f" fp8(bf16 PV)/bf16 {b['median_ms'] / f2['median_ms']:.2f}x"
         if b and m:
             s += f" bf16/bmm {m['median_ms'] / b['median_ms']:.2f}x"
         if b:
@@ -241,10 +247,10 @@ def sweep():
     qc8, qs8, qr8 = latent_quant_triton(q.view(-1, 576), 512)
     fl = 2.0 * B * H * L * (2 * 512 + 64)
     rows = []
-    for fp8, bn, warps, stages, promote, pre in (
-            (False, 32, 8, 3, False, True), (False, 32, 8, 4, False, True), (False, 64, 8, 2, False, True),
-            (True, 32, 8, 3, False, True), (True, 32, 8, 2, False, True), (True, 64, 8, 2, False, True),
-            (True, 32, 8, 3, False, False), (True, 32, 8, 3, True, True)):
+    for fp8, bn, warps, stages, promote, pre, pvf in (
+            (False, 64, 8, 2, False, True, True), (False, 32, 8, 3, False, True, True),
+            (True, 32, 8, 2, False, True, True), (True, 32, 8, 2, False, True, False), (True, 32, 8, 3, False, True, False),
+            (True, 64, 8, 2, False, True, False), (True, 32, 8, 2, False, False, False)):
         if time.time() - T0 > 55:
             break
         try:
@@ -257,16 +263,16 @@ def sweep():
             def fn():
                 return mla_decode_triton(*args, caches["page_table"], caches["seq_lens"], num_heads=H, sm_scale=576 ** -0.5,
                                          max_seq_len=L, page_size=64, fp8=fp8, block_n=bn, num_warps=warps,
-                                         num_stages=stages, pv_promote=promote, v_prefetch=pre)
+                                         num_stages=stages, pv_promote=promote, v_prefetch=pre, pv_fp8=pvf)
             t = time_cuda(fn, [()], warmup=3, reps=20)
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "ms": t["median_ms"],
+            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "pv_fp8": pvf, "ms": t["median_ms"],
                  "TFLOPs": fl / t["median_ms"] / 1e9}
         except Exception as exc:
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "pv_fp8": pvf, "error": f"{type(exc).__name__}: {exc}"[:300]}
         print(r, flush=True)
         rows.append(r)
     RESULTS["sweep"] = rows
-    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} pr={r['promote']} pf={r['prefetch']} "
+    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} pr={r['promote']} pf={r['prefetch']} pvfp8={r['pv_fp8']} "
                                          + (f"{r['TFLOPs']:.0f} TF/s" if "ms" in r else "ERR") for r in rows))
     del caches
     torch.cuda.empty_cache()

@@ -134,7 +134,7 @@ def main():
     bench_budget = max(10.0, left() - (30.0 if have_gguf else 6.0))
     print(f"== bench model (budget {bench_budget:.0f}s)", flush=True)
     try:
-        bm.run(a.out, quick=True, layers=2, time_budget_s=bench_budget,
+        bm.run(a.out, quick=True, layers=2, time_budget_s=bench_budget, profile=True,
                command="benchmarks/device/model.py (lowbit.bench.model.run quick, 2 layers scaled to 32)")
     except Exception:
         traceback.print_exc()

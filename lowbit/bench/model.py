@@ -111,7 +111,8 @@ def _prefill_fn(gen, B, S, vocab, dev):
 
 
 def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode_batches, decode_ctx,
-                     deadline: _Deadline, memory: dict, note: str | None = None, hf: bool = False) -> None:
+                     deadline: _Deadline, memory: dict, note: str | None = None, hf: bool = False,
+                     profile_dir=None) -> None:
     from lowbit.bench.harness import time_cuda
     from lowbit.models.generate import Generator
 
@@ -178,6 +179,39 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
                 rec.record(case, name, None, note=f"error: {type(exc).__name__}: {str(exc)[:300]}")
                 traceback.print_exc()
             torch.cuda.empty_cache()
+    if profile_dir is not None and not deadline.out():
+        try:
+            profile_provider(name, model, profile_dir, layers=layers)
+        except Exception as exc:
+            print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
+
+
+def profile_provider(name: str, model, out_dir, *, layers: int) -> None:
+    """Kernel-time tables (torch.profiler, CUDA activity) of one eager decode step (batch 1, ctx
+    1024) and one prefill (16 x 1024) of the ``layers``-layer model: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lowbit.models.generate import Generator
+
+    dev = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = Generator(model, max_batch=1, max_seq=1025, layers=layers, cuda_graphs=False)
+    tok = torch.randint(0, vocab, (1,), device=dev)
+    pos = torch.full((1,), 1024, device=dev)
+    runs = [("decode B=1 ctx=1024 (eager, one step)", lambda: gen._step(tok, pos))]
+    gp = Generator(model, max_batch=16, max_seq=1024, layers=layers, cuda_graphs=False)
+    runs.append(("prefill B=16 S=1024", _prefill_fn(gp, 16, 1024, vocab, dev)))
+    with open(Path(out_dir) / f"profile_{name}.txt", "w") as f:
+        for label, fn in runs:
+            with torch.no_grad():
+                fn()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    fn()
+                    torch.cuda.synchronize()
+            f.write(f"== {name}: {label}, {layers} layers\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22) + "\n")
+    del gen, gp
 
 
 def _hf_prefill_row(rec, model, B, S, layers, deadline):
@@ -195,7 +229,8 @@ def _hf_prefill_row(rec, model, B, S, layers, deadline):
 
 
 def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefill_seqs=None, decode_batches=None,
-        decode_ctx=None, time_budget_s: float | None = None, command: str | None = None) -> Path:
+        decode_ctx=None, time_budget_s: float | None = None, command: str | None = None,
+        profile: bool = False) -> Path:
     """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``."""
     from lowbit.bench.harness import Recorder
 
@@ -211,7 +246,8 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
     model = build_model(layers)
     print("== bf16", flush=True)
     measure_provider(rec, "bf16", model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
-                     decode_ctx=decode_ctx, deadline=deadline, memory=memory, hf=True)
+                     decode_ctx=decode_ctx, deadline=deadline, memory=memory, hf=True,
+                     profile_dir=out_dir if profile else None)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -247,7 +283,8 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
             continue
         rec.note(f"{name}: quantized {layers} layers in {time.time() - t0:.1f} s")
         measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
-                         decode_ctx=decode_ctx, deadline=deadline, memory=memory, note=note)
+                         decode_ctx=decode_ctx, deadline=deadline, memory=memory, note=note,
+                         profile_dir=out_dir if (profile and name == "fireq") else None)
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -279,7 +316,8 @@ def summarize(doc: dict, memory: dict) -> str:
             if r is None:
                 vals.append("-")
                 continue
-            s = f"{r['tokens_per_s'] / 1e3:.1f}k"
+            t = r["tokens_per_s"]
+            s = f"{t / 1e3:.1f}k" if t >= 1e4 else f"{t:.0f}"
             if base is not None and p != BASELINE:
                 s += f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
             vals.append(s)

@@ -48,7 +48,10 @@ def quantize_latent(kv: torch.Tensor, kv_lora_rank: int):
     """``kv [..., Dc + Dr]`` (content then RoPE) -> (content fp8 [..., Dc], scale fp32 [...],
     rope bf16 [..., Dr] pre-divided by the scale). Plain-PyTorch reference of Fused-K-Append."""
     c, r = _split(kv.float(), kv_lora_rank)
-    s = safe_scale(c.abs().amax(dim=-1), FP8_E4M3_MAX)
+    # safe_scale's rule, max(amax, AMAX_EPS) / 448, computed as a multiply by the fp32 constant 1/448:
+    # CUDA PyTorch divides by a Python scalar that way and CPU PyTorch divides exactly, so the
+    # multiply is what every device (and the Triton kernels) rounds alike
+    s = safe_scale(c.abs().amax(dim=-1), 1.0) * (1.0 / FP8_E4M3_MAX)
     inv = 1.0 / s.unsqueeze(-1)
     return round_to(c * inv, FP8_E4M3), s, (r * inv).to(torch.bfloat16)
 

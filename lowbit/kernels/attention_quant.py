@@ -152,7 +152,7 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         s_al, s_al, n_vblk,
         HEAD_DIM=D, BLOCK_T=block_t, V_BLOCK=v_block, QMAX=qmax, IS_INT8=dtype == torch.int8,
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=given, K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(),
-        num_warps=num_warps or (8 if D >= 128 else 4),
+        num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
     )
     return kc, ks, vt, vs
 

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-DEFAULT_TRANS = False  # tokens as the MMA M dimension (see _decode_tokens_major)
-DEFAULT_ASM = False  # packed PTX nibble conversion (GPU only)
+DEFAULT_TRANS = True  # tokens as the MMA M dimension (see _decode_tokens_major); fastest in R2
+DEFAULT_ASM = True  # packed PTX nibble conversion (GPU only; the interpreter uses the int16 path)
 DEFAULT_WARPS, DEFAULT_STAGES = 4, 3
 
 
@@ -359,10 +359,10 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_splits(batch: int, hkv: int, max_len: int, block_n: int, sms: int) -> int:
-    """Enough programs to fill the GPU twice over (B*Hkv*splits >= 2*SMs... 4*SMs), but every split
-    keeps at least 4 key blocks."""
-    want = math.ceil(4 * sms / max(1, batch * hkv))
+def choose_splits(batch: int, hkv: int, max_len: int, block_n: int, sms: int, num_warps: int = 4) -> int:
+    """Enough programs for ~16 resident warps per SM (B*Hkv*splits >= 16/num_warps * SMs, i.e.
+    >= 4 * SMs programs of 4 warps), but every split keeps at least 4 key blocks."""
+    want = math.ceil(16 // max(1, min(num_warps, 16)) * sms / max(1, batch * hkv))
     most = max(1, math.ceil(max_len / (4 * block_n)))
     return max(1, min(want, most, 64))
 
@@ -383,7 +383,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
     if num_splits is None:
-        num_splits = choose_splits(B, Hkv, max_len, block_n, _num_sms(q.device))
+        num_splits = choose_splits(B, Hkv, max_len, block_n, _num_sms(q.device), num_warps or DEFAULT_WARPS)
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     out = torch.empty_like(q)

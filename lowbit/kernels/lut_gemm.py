@@ -221,13 +221,14 @@ def _lookup(c, T, tbase, BITS: tl.constexpr, LOOKUP: tl.constexpr, INTERPRET: tl
 
 
 @triton.jit
-def _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS: tl.constexpr):
+def _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS: tl.constexpr, valid=True):
     """The 16 words of packing block ``it`` for rows ``offs_n``: (wa, wb) [BLOCK_N, 16]
     (3-bit: wa = int64 low-2-bit plane, wb = int32 high-bit plane; else wb is wa)."""
     offs_w = it * 16 + tl.arange(0, 16)
-    wa = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=n_mask[:, None], other=0)
+    mask = n_mask[:, None] & valid
+    wa = tl.load(Q + offs_n[:, None] * stride_qn + offs_w[None, :], mask=mask, other=0)
     if BITS == 3:
-        wb = tl.load(QH + offs_n[:, None] * stride_qhn + offs_w[None, :], mask=n_mask[:, None], other=0)
+        wb = tl.load(QH + offs_n[:, None] * stride_qhn + offs_w[None, :], mask=mask, other=0)
     else:
         wb = wa
     return wa, wb
@@ -356,7 +357,7 @@ def _lut_gemm_kernel(
     # constexpr flags
     BITS: tl.constexpr, GROUP: tl.constexpr, LOOKUP: tl.constexpr, USE_DOT: tl.constexpr,
     USE_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, IS_BF16: tl.constexpr, JOIN_K: tl.constexpr,
+    DOT_F32: tl.constexpr, IS_BF16: tl.constexpr, JOIN_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -386,8 +387,14 @@ def _lut_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if PREFETCH:  # registers double buffer: block it+1 is in flight while block it is computed
+        na, nb = _load_block(Q, QH, offs_n, n_mask, it0, stride_qn, stride_qhn, BITS, it0 < it1)
     for it in range(it0, it1):
-        wa, wb = _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS)
+        if PREFETCH:
+            wa, wb = na, nb
+            na, nb = _load_block(Q, QH, offs_n, n_mask, it + 1, stride_qn, stride_qhn, BITS, it + 1 < it1)
+        else:
+            wa, wb = _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS)
         if WORD4:
             s0, s1, s2, s3, s4, s5, s6, s7 = _lookup_word4(wa, tbase)
         elif SWORD4:
@@ -490,13 +497,14 @@ def _sm_count(device) -> int:
 
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int, device) -> dict:
-    """Launch parameters by problem size (measured on H200, see docs/sections/lut.md).
-    ``ctas_per_sm`` sets split-K: enough programs for that many per SM."""
+    """Launch parameters by problem size (chosen from the H200 sweeps of rounds r2/r3, see
+    docs/sections/lut.md). ``ctas_per_sm`` sets split-K: enough programs for that many per SM."""
     if M == 1:
-        return dict(use_dot=False, block_m=1, block_n=64, num_warps=4, num_stages=1, ctas_per_sm=8)
+        return dict(use_dot=False, block_m=1, block_n=64, num_warps=4, num_stages=1,
+                    ctas_per_sm=16 if bits == 4 else 8, prefetch=True)
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     return dict(use_dot=True, block_m=bm, block_n=64, num_warps=4, num_stages=2,
-                ctas_per_sm=4 if M <= 32 else 2)
+                ctas_per_sm=8 if M <= 16 else 4, join=True)
 
 
 def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None,
@@ -513,8 +521,13 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
     bm, bn = cfg["block_m"], cfg["block_n"]
     if not cfg["use_dot"] and bm != 1:
         raise ValueError("the FMA path needs block_m == 1")
-    if lookup == "load":  # the best table for the path: shared memory (FMA), L1 (dot)
-        lookup = "smem" if not cfg["use_dot"] and cfg["num_stages"] == 1 else "global"
+    if lookup == "load":  # the best table for the path (measured): shared memory (FMA, 4-bit),
+        # pair table in L1 (FMA, 2/3-bit), L1 (dot)
+        fma = not cfg["use_dot"] and cfg["num_stages"] == 1
+        if fma and bits != 4 and pairs is not None and pairs.dtype == x.dtype:
+            lookup = "pair"
+        else:
+            lookup = "smem" if fma else "global"
     if lookup == "smem" and (cfg["use_dot"] or cfg["num_stages"] != 1):
         lookup = "global"  # the shared-memory table is only safe where Triton uses no smem in the loop
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -546,7 +559,7 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
         x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
         BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
         USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=interpret_mode(),
-        IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", False),
+        IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", True), PREFETCH=cfg.get("prefetch", not cfg["use_dot"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

@@ -42,6 +42,12 @@ and tokens with scales ``s_k``:
   are below 2^-9 of what the accumulator already holds. Because the block that sets a new max
   always contains a P = 1 entry, σ >= s_k,min / 448 >= 5e-18 and l <= L / σ stays finite.
 
+Variant ``PV_FP8=False`` (FP8 caches): FP8 QK as above, then ``P * s_k`` in bf16 times the FP8
+latent upcast to bf16 (exact) in a bf16 wgmma: no P quantization and no V transpose (bf16 wgmma
+takes the MN-major V tile as it is). Measured next to the SnapMLA path because Triton lowers the
+register-to-smem transpose of the FP8 V tile to single-byte shared stores (64 STS.U8 per thread
+per 32-token block in SASS), which dominates the FP8 PV path's time (docs/sections/mla.md).
+
 Layouts (all row-major, last dim contiguous):
     q content  [B * Sq * H, Dc]   bf16/fp16 (or fp8 with FP8), row stride ``stride_qc``
     q rope     [B * Sq * H, Dr]   bf16/fp16 (pre-divided by s_q with FP8)
@@ -63,8 +69,8 @@ LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 # GPU defaults per path (bf16, fp8): tokens per KV block and pipeline depth (smem: Q 72/40 KB +
 # stages x the KV tile, under 227 KB; registers: 32-token blocks do not spill)
-PV_BLOCK_N = {False: 32, True: 32}
-PV_STAGES = {False: 3, True: 3}
+PV_BLOCK_N = {False: 64, True: 32}
+PV_STAGES = {False: 2, True: 2}
 
 
 @triton.jit
@@ -117,7 +123,7 @@ def _mla_decode_kernel(
     # constexpr
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
-    PV_PROMOTE: tl.constexpr, V_PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_PROMOTE: tl.constexpr, V_PREFETCH: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -178,7 +184,13 @@ def _mla_decode_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
-        if FP8:
+        if FP8 and not PV_FP8:  # variant: FP8 QK, bf16 PV on the exactly upcast FP8 latent
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if not V_PREFETCH:
+                vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c)
+            pvb = _cast(p * ks[None, :], tl.bfloat16, INTERPRET)
+            acc = _dot(pvb, vc.to(tl.bfloat16), acc * alpha[:, None], INTERPRET)
+        elif FP8:
             pv = p * ks[None, :]  # value scale fused into P (Key Step 2)
             sig_new = tl.maximum(tl.max(pv, 1) / 448.0, sig_i * alpha)  # monotone block scale
             inv_sig = tl.where(sig_new > 0, 1.0 / sig_new, 0.0)
@@ -206,7 +218,7 @@ def _mla_decode_kernel(
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     out = acc * inv_l[:, None]
     if SPLIT:
-        ell = l_i * sig_i if FP8 else l_i
+        ell = l_i * sig_i if (FP8 and PV_FP8) else l_i
         lse = tl.where(l_i > 0, m_i + tl.log2(ell), float("-inf"))
         tl.store(LSE + pid_s * stride_ls + rows, lse, mask=row_ok)
         tl.store(O + pid_s * stride_os + rows[:, None] * stride_o + offs_c[None, :], out, mask=row_ok[:, None])
@@ -264,7 +276,7 @@ def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device,
 def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                       max_seq_len: int, page_size: int, fp8: bool, out_dtype=torch.bfloat16,
                       num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-                      imprecise: int = 128, pv_promote: bool = False, v_prefetch: bool = True, num_warps: int | None = None,
+                      imprecise: int = 128, pv_promote: bool = False, v_prefetch: bool = True, pv_fp8: bool = True, num_warps: int | None = None,
                       num_stages: int | None = None,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
@@ -305,7 +317,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), kc.stride(0), kr.stride(0), page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
-        IMPRECISE=min(imprecise, DC), PV_PROMOTE=pv_promote, V_PREFETCH=v_prefetch, INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
+        IMPRECISE=min(imprecise, DC), PV_PROMOTE=pv_promote, V_PREFETCH=v_prefetch, PV_FP8=pv_fp8, INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_combine_kernel[(B * ROWS,)](

@@ -36,19 +36,16 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from lowbit._utils import cdiv, interpret_mode
-from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
-
-AMAX_EPS = tl.constexpr(_AMAX_EPS)
 
 # (BLOCK_M, BLOCK_N, SPLIT_K or 0 = auto, num_warps, num_stages) by M bucket; BLOCK_K = CHUNK = 128.
 # Chosen from the device sweeps (benchmarks/device/w4a8_int8.py); see docs/sections/w4a8_int8.md.
 CONFIGS = {
     16: (16, 64, 0, 4, 4),
+    32: (32, 64, 0, 4, 4),
     64: (64, 64, 0, 4, 4),
-    128: (128, 128, 0, 8, 3),
+    128: (64, 128, 0, 4, 4),
     1 << 62: (128, 128, 1, 8, 3),
 }
 
@@ -87,21 +84,6 @@ def _dequant_halves(b, s2, zs, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(xf, inv_sx, ON_GPU: tl.constexpr):
-    """Per-token INT8 codes of a float tile [BLOCK_M, n]: ``x * (1 / sx)``, clamp to +-127, round
-    half to even. Multiplying by the row's reciprocal (not dividing, as the two-kernel path does)
-    keeps the in-GEMM quantization cheap; a code can differ by one unit where x / sx lands within
-    an ulp of a .5 tie (tested against the two-kernel path within the kernel tolerance)."""
-    y = xf.to(tl.float32) * inv_sx[:, None]
-    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-    if ON_GPU:
-        r = libdevice.rint(y)
-    else:  # the interpreter lacks rint: adding and subtracting 1.5 * 2^23 rounds half to even too
-        r = (y + 12582912.0) - 12582912.0
-    return r.to(tl.int8)
-
-
-@triton.jit
 def _w4a8_int8_gemm_kernel(
     # pointers
     X, XS, W, WS, GS, GZS, BIAS, OUT, PART, CNT,
@@ -112,7 +94,7 @@ def _w4a8_int8_gemm_kernel(
     # constexpr flags / tiles
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, FUSE_QUANT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128  # = lowbit.formats.w4a8_int8.CHUNK
     HALF: tl.constexpr = 64
@@ -138,8 +120,7 @@ def _w4a8_int8_gemm_kernel(
     x_ptrs = X + rm[:, None] * stride_xm + offs_h[None, :] * stride_xk
     w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
 
-    t0 = pid_k * TILES_PER_SPLIT
-    n_tiles = tl.minimum(TILES_PER_SPLIT, tl.cdiv(KP, BLOCK_K) - t0)  # the last split may be shorter
+    t0 = pid_k * TILES_PER_SPLIT  # the last split may run past KP: its loads are masked off
     # SWAP_AB: compute the transposed tile W x^T ([BLOCK_N, BLOCK_M]) so the dequantized weights are
     # the MMA's A operand, which Hopper's wgmma reads from registers (no shared-memory round trip),
     # and the tokens are its N dimension (wgmma N can be 8..256: small M wastes nothing)
@@ -147,49 +128,16 @@ def _w4a8_int8_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    if FUSE_QUANT:
-        # X is the float activation: per-token INT8 scale from the whole row (each program reads the
-        # few rows from L2), codes made on the fly below (numerics of lowbit.ops.quant)
-        offs_q = tl.arange(0, 512)
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for kq in range(0, K, 512):
-            xv = tl.load(X + rm[:, None] * stride_xm + (kq + offs_q)[None, :] * stride_xk,
-                         mask=(kq + offs_q)[None, :] < K, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(xv.to(tl.float32)), axis=1))
-        sx = tl.div_rn(tl.maximum(amax, AMAX_EPS), tl.full([BLOCK_M], 127.0, tl.float32))
-        inv_sx = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), sx)
-    else:
-        sx = tl.load(XS + rm)
-    if GROUP_SIZE % BLOCK_K == 0 and PREFETCH:
-        # (s2, zs) of the first tile's group; inside the loop the next tile's pair is fetched one
-        # iteration ahead, so these small loads do not stall the MMA chain (the compiler pipelines
-        # the tiles, not these byte loads). Costs a register-layout round trip through shared
-        # memory for the weights, so it is a flag (chosen per M bucket from the sweeps).
-        g0 = tl.minimum((t0 * BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1)
-        s2_next = tl.load(GS + rn * stride_gn + g0)
-        zs_next = tl.load(GZS + rn * stride_gn + g0)
-    for i in range(0, n_tiles):
+    for i in range(0, TILES_PER_SPLIT):
         k0 = (t0 + i) * BLOCK_K
-        if EVEN_K:
-            a_lo = tl.load(x_ptrs + k0 * stride_xk)
-            a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk)
-        else:
-            a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
-            a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
-        if FUSE_QUANT:
-            a_lo = _quantize_rows(a_lo, inv_sx, USE_ASM)
-            a_hi = _quantize_rows(a_hi, inv_sx, USE_ASM)
-        b = tl.load(w_ptrs + k0 // 2)  # [BN, 64] bytes, 16-byte loads
+        a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
+        a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
+        b = tl.load(w_ptrs + k0 // 2, mask=k0 < KP, other=0)  # [BN, 64] bytes, 16-byte loads
         if GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
-            if PREFETCH:
-                s2 = s2_next.to(tl.int32)
-                zs = zs_next.to(tl.int32)
-                gn = tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1)
-                s2_next = tl.load(GS + rn * stride_gn + gn)
-                zs_next = tl.load(GZS + rn * stride_gn + gn)
-            else:
-                s2 = tl.load(GS + rn * stride_gn + k0 // GROUP_SIZE).to(tl.int32)
-                zs = tl.load(GZS + rn * stride_gn + k0 // GROUP_SIZE).to(tl.int32)
+            g = k0 // GROUP_SIZE
+            gm = g < NUM_GROUPS
+            s2 = tl.load(GS + rn * stride_gn + g, mask=gm, other=1).to(tl.int32)
+            zs = tl.load(GZS + rn * stride_gn + g, mask=gm, other=0).to(tl.int32)
             s2b = tl.broadcast_to(s2[:, None], (BLOCK_N, HALF))
             zsb = tl.broadcast_to(zs[:, None], (BLOCK_N, HALF))
             w_lo, w_hi = _dequant_halves(b, s2b, zsb, USE_ASM)
@@ -229,16 +177,17 @@ def _w4a8_int8_gemm_kernel(
             for s in range(0, NSPLIT):
                 acc += tl.load(PART + tile_base + s * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
             tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
-            _epilogue(acc, sx, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
+            _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
     else:
-        _epilogue(acc, sx, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
+        _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
 
 
 @triton.jit
-def _epilogue(acc, sx, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on,
+def _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on,
               HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr):
     """y = float32(acc) * sx[m] * s1[n] (+ bias[n]) -> OUT's dtype, masked to [M, N]
     (acc is [BLOCK_N, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_N])."""
+    sx = tl.load(XS + rm)
     s1 = tl.load(WS + rn)
     if SWAP_AB:
         y = acc.to(tl.float32) * s1[:, None] * sx[None, :]
@@ -258,7 +207,7 @@ def _epilogue(acc, sx, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, s
 PER_CHANNEL_GROUP = 1 << 30  # GROUP_SIZE passed for per-channel weights: every k is in group 0
 
 
-CTAS_PER_SM = 2  # split-K target: programs per SM when the output tiles alone are too few
+CTAS_PER_SM = 4  # split-K target: programs per SM when the output tiles alone are too few
 MIN_TILES_PER_SPLIT = 4
 
 
@@ -289,10 +238,8 @@ def w4a8_int8_gemm_triton(*args, **kwargs) -> torch.Tensor:
 def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
            gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, k: int,
            group_size: int, out_dtype: torch.dtype, config: dict | None = None):
-    """Launch the kernel. ``xq`` int8 [M, K] with ``xscale`` fp32 [M], or ``xq`` float [M, K]
-    with ``xscale`` None: the per-token INT8 quantization then runs inside the GEMM (FUSE_QUANT,
-    for small M: one launch instead of two). Weight fields as in ``lowbit.formats.w4a8_int8``;
-    ``group_size`` = columns per group (per-channel: Kp).
+    """Launch the kernel. ``xq`` int8 [M, K], ``xscale`` fp32 [M]; weight fields as in
+    ``lowbit.formats.w4a8_int8``; ``group_size`` = columns per group (per-channel: Kp).
     Arguments are validated by ``lowbit.ops.w4a8_int8``. Returns ``(out, compiled_kernel)``
     (the compiled kernel for PTX inspection; None when nothing was launched)."""
     M, K = xq.shape
@@ -313,10 +260,6 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale
     # the 4-lane PTX dequantization needs a real GPU; LOWBIT_W4A8_INT8_NO_ASM=1 forces the one-lane path
     use_asm = cfg.pop("USE_ASM", not interpret_mode() and os.environ.get("LOWBIT_W4A8_INT8_NO_ASM", "0") != "1")
     swap = cfg.pop("SWAP_AB", True)
-    fuse_quant = xscale is None
-    if fuse_quant:
-        xscale = wscale  # unused pointer
-    prefetch = cfg.pop("PREFETCH", bm <= 64)
     out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out, None
@@ -331,7 +274,7 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale
         M, N, K, KP, G, cdiv(cdiv(KP, bk), split), split,
         xq.stride(0), xq.stride(1), qweight.stride(0), gscale.stride(0), out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, GROUP_M=8, USE_ASM=use_asm, SWAP_AB=swap, EVEN_K=K % 128 == 0, PREFETCH=prefetch, FUSE_QUANT=fuse_quant, **cfg,
+        HAS_BIAS=bias is not None, GROUP_M=8, USE_ASM=use_asm, SWAP_AB=swap, **cfg,
     )
     return out, kernel
 

@@ -240,6 +240,11 @@ def save_quantized(model, path, *, tokenizer=None) -> Path:
     containers = {n: _class_path(type(m)) for n, m in model.named_modules()
                   if n and type(m).__module__.startswith("lowbit.") and not hasattr(type(m), "config")
                   and not getattr(type(m), "_lowbit_swapped", False) and n not in modules}
+    # non-persistent buffers (e.g. RoPE inv_freq, which a model cast with .to(bf16) holds in bf16)
+    keys = set(state)
+    for n, b in model.named_buffers():
+        if n not in keys and b is not None and f"{_RESERVED}buffers.{n}" not in tensors:
+            tensors[f"{_RESERVED}buffers.{n}"] = b.detach().cpu().contiguous().clone()
     info = dict(getattr(model, "lowbit_recipe", None) or {})
     rope_kv = info.pop("rope_kv", None)
     rope_struct = _encode(rope_kv, "rope_kv", tensors) if rope_kv is not None else None
@@ -276,6 +281,8 @@ def save_quantized(model, path, *, tokenizer=None) -> Path:
 
 
 def _tensor_format(name: str, modules: dict) -> str:
+    if name.startswith(_RESERVED + "buffers."):
+        return "buffer"
     if name.startswith(_RESERVED):
         return "rope_kv"
     mod, _, buf = name.rpartition(".")
@@ -520,6 +527,15 @@ def load_quantized(path, device: str | torch.device | None = None):
     for alias, target in tied.items():
         sd[alias] = tensors[target]
     model.load_state_dict(sd, strict=True)
+    extra = {n[len(_RESERVED) + len("buffers."):]: t for n, t in tensors.items() if n.startswith(_RESERVED + "buffers.")}
+    if extra:
+        owned = dict(model.named_buffers())
+        for n, t in extra.items():
+            if n not in owned or owned[n] is None or tuple(owned[n].shape) != tuple(t.shape):
+                raise CheckpointError(f"buffer {n!r} does not fit the rebuilt model")
+            mod_name, _, bname = n.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            mod._buffers[bname] = t.to(owned[n].device)
     if device is not None:
         model.to(device)
     return model.eval()

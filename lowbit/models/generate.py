@@ -171,6 +171,7 @@ class DenseKV:
     """Static float cache, one ``[B, Hkv, S_max, D]`` K and V per layer."""
 
     name = "dense"
+    rope_in_append = False
 
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device):
         smax = -(-smax // 64) * 64  # aligned key length: SDPA's memory-efficient kernel takes the mask
@@ -182,12 +183,12 @@ class DenseKV:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write_prefill(self, layer, k, v, lengths):
+    def write_prefill(self, layer, k, v, lengths, cos=None, sin=None):
         S = k.shape[2]
         self.k[layer][: k.shape[0], :, :S] = k
         self.v[layer][: v.shape[0], :, :S] = v
 
-    def decode(self, layer, q, k, v, pos, rows):
+    def decode(self, layer, q, k, v, pos, rows, cos=None, sin=None):
         """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE; writes slot pos[b] then attends."""
         B, Hq, _, D = q.shape
         kc, vc = self.k[layer][:B], self.v[layer][:B]
@@ -243,11 +244,13 @@ class PagedKV4:
             kw.update(k_zero=self.kz[layer], v_zero=self.vz[layer])
         return kw
 
-    def write_prefill(self, layer, k, v, lengths):
+    rope_in_append = True  # keys arrive pre-RoPE; kv4_append rotates them in fp32 (as the HF path)
+
+    def write_prefill(self, layer, k, v, lengths, cos=None, sin=None):
         B = k.shape[0]
         start = torch.zeros(B, dtype=torch.int32, device=k.device)
         crs = self.crs[layer]
-        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start,
+        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
                             crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
 
     def read_prefill(self, layer, q, S):
@@ -272,10 +275,10 @@ class PagedKV4:
             q = (q.float() * crs[1].repeat_interleave(G, 0)[None, :, None, :]).to(q.dtype)
         return q, k, v
 
-    def decode(self, layer, q, k, v, pos, rows):
+    def decode(self, layer, q, k, v, pos, rows, cos=None, sin=None):
         B = q.shape[0]
         crs = self.crs[layer]
-        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=pos.to(torch.int32),
+        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=pos.to(torch.int32), cos=cos, sin=sin,
                             crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
         lengths = (pos + 1).to(torch.int32)
         return self.ops.decode_kv4(q, page_table=self.page_table[:B], lengths=lengths, max_len=self.smax,
@@ -367,7 +370,10 @@ class Generator:
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = self.a.rotary(v, pos_ids)
-        return _rope(q, cos, sin, self.a.interleaved), _rope(k, cos, sin, self.a.interleaved), v
+        q = _rope(q, cos, sin, self.a.interleaved)
+        if not self.cache.rope_in_append:
+            k = _rope(k, cos, sin, self.a.interleaved)
+        return q, k, v, cos, sin
 
     def _finish(self, i, layer, x, o):
         B, S = x.shape[:2]
@@ -401,10 +407,12 @@ class Generator:
             pad = (pos_ids < lengths[:, None]).to(self.dtype)[:, None, :, None]
         x = self.a.embed(ids)
         for i, layer in enumerate(self.a.layers):
-            q, k, v = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
-            self.cache.write_prefill(i, k, v, lengths)
+            q, k, v, cos, sin = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
+            self.cache.write_prefill(i, k, v, lengths, cos, sin)
             if self.prefill_from_cache:
                 q, k, v = self.cache.read_prefill(i, q, S)
+            elif self.cache.rope_in_append:
+                k = _rope(k, cos, sin, self.a.interleaved)
             if pad is not None:
                 q, k, v = q * pad, k * pad, v * pad
             o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
@@ -418,8 +426,8 @@ class Generator:
         x = self.a.embed(tokens.view(B, 1))
         pos_ids = pos.view(B, 1)
         for i, layer in enumerate(self.a.layers):
-            q, k, v = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
-            o = self.cache.decode(i, q, k, v, pos, rows)
+            q, k, v, cos, sin = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
+            o = self.cache.decode(i, q, k, v, pos, rows, cos, sin)
             x = self._finish(i, layer, x, o)
         return self._logits(x[:, 0])
 

@@ -168,7 +168,7 @@ def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int):
 @torch.library.custom_op("lowbit::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, scale: torch.Tensor | None,
                    page_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int,
-                   num_splits: int) -> torch.Tensor:
+                   num_splits: int, pv_fp8: bool = True) -> torch.Tensor:
     B, Sq, H, D = q.shape
     dc = content.shape[-1]
     dr = D - dc
@@ -186,15 +186,15 @@ def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, s
         out = mla_decode_triton(qc, qr, qs, _rows(content), _rows(rope), _rows(scale) if fp8 else None,
                                 page_table, seq_lens, num_heads=H, sm_scale=sm_scale, max_seq_len=max_seq_len,
                                 page_size=content.shape[1], fp8=fp8, out_dtype=q.dtype,
-                                num_splits=num_splits or None)
+                                num_splits=num_splits or None, pv_fp8=pv_fp8)
         return out.view(B, Sq, H, dc)
-    p_block = (64, 1 << 30) if fp8 else None
+    p_block = (64, 1 << 30) if (fp8 and pv_fp8) else None
     return mla_decode_ref(q, (content, rope, scale), page_table, seq_lens, sm_scale=sm_scale,
                           p_block=p_block).to(q.dtype)
 
 
 @_mla_decode_op.register_fake
-def _(q, content, rope, scale, page_table, seq_lens, sm_scale, max_seq_len, num_splits):
+def _(q, content, rope, scale, page_table, seq_lens, sm_scale, max_seq_len, num_splits, pv_fp8=True):
     B, Sq, H, _ = q.shape
     return q.new_empty(B, Sq, H, content.shape[-1])
 
@@ -279,7 +279,7 @@ def _check_tables(page_table, seq_lens, B, P):
 
 def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
                sm_scale: float | None = None, fp8: bool | None = None, max_seq_len: int | None = None,
-               num_splits: int | None = None) -> torch.Tensor:
+               num_splits: int | None = None, pv_fp8: bool = True) -> torch.Tensor:
     """Absorbed-MLA decode of ``Sq`` (1-4, MTP) query tokens per sequence over a paged latent cache.
 
     q ``[B, Sq, H, Dc + Dr]`` (bf16/fp16; the absorbed query ``[q_C W_UK | q_R]``, RoPE applied),
@@ -289,6 +289,8 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
     output in latent space (multiply by W_UV per head for the value projection).
     ``fp8``: None follows the cache; True/False must match it. ``max_seq_len``: host-side bound on
     ``seq_lens`` (avoids a device sync). ``sm_scale`` defaults to ``(Dc + Dr) ** -0.5``.
+    ``pv_fp8`` (FP8 caches): True = SnapMLA's FP8 PV with per-block re-quantized P; False = FP8 QK
+    with a bf16 PV on the exactly upcast latent (P * s_k in bf16; no P quantization).
     """
     content, rope, scale = _unpack_cache(cache)
     check_tensor(q, "q", dtype=_FLOATS, ndim=4)
@@ -317,7 +319,7 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
         raise ValueError(f"every seq_len must be >= Sq ({Sq}): append the query tokens' latents first")
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     return _mla_decode_op(q.contiguous(), content, rope, scale, page_table, seq_lens, sm_scale, int(max_seq_len),
-                          int(num_splits or 0))
+                          int(num_splits or 0), bool(pv_fp8))
 
 
 def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:

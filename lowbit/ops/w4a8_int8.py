@@ -13,7 +13,6 @@ import math
 import torch
 
 from lowbit._utils import check_same_device, check_tensor, use_triton
-from lowbit.formats.common import quantize_per_token
 from lowbit.formats.w4a8_int8 import gemm_ref
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,35 +80,12 @@ def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor
     return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
 
 
-@torch.library.custom_op("lowbit::w4a8_int8_linear_fused", mutates_args=())
-def _w4a8_int8_linear_fused(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
-                            gzs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    Kp = 2 * qweight.shape[1]
-    g = Kp // gscale.shape[1]
-    if use_triton(x, qweight):
-        from lowbit.kernels.w4a8_int8_gemm import w4a8_int8_gemm_triton
-
-        return w4a8_int8_gemm_triton(x, None, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype)
-    xq, xs = quantize_per_token(x, torch.int8)
-    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, x.dtype)
-
-
-@_w4a8_int8_linear_fused.register_fake
-def _(x, qweight, wscale, gscale, gzs, bias):
-    return x.new_empty((x.shape[0], qweight.shape[0]))
-
-
-# rows up to which the per-token quantization runs inside the GEMM (every program re-reads the
-# rows' absmax from L2, so it pays only while the activation is tiny; chosen from device sweeps)
-FUSED_QUANT_MAX_M = 4
-
-
 def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
-                     gzs: torch.Tensor, bias: torch.Tensor | None = None, *, fuse_quant: bool | None = None) -> torch.Tensor:
+                     gzs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] (fp16/bf16/fp32) -> [..., N] in x's dtype: per-token INT8 quantization of x
-    (its cost included) then the W4A8 GEMM. ``fuse_quant`` (default: rows <= FUSED_QUANT_MAX_M)
-    quantizes inside the GEMM kernel (one launch); otherwise ``lowbit.ops.quant.per_token_quant``
-    then ``w4a8_int8_gemm``. Both give the same codes and scales."""
+    (``lowbit.ops.quant.per_token_quant``, its cost included) then ``w4a8_int8_gemm``.
+    (Quantizing inside the GEMM for small M was measured 2-4x slower on the H200: every program
+    re-reads the rows for their absmax; see docs/sections/w4a8_int8.md.)"""
     from lowbit.ops.quant import per_token_quant
 
     check_tensor(x, "x", dtype=_OUT_DTYPES)
@@ -117,13 +93,6 @@ def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
         raise ValueError("x must have at least 1 dim")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if fuse_quant is None:
-        fuse_quant = x2.shape[0] <= FUSED_QUANT_MAX_M
-    if fuse_quant:
-        _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x")
-        check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
-        y = _w4a8_int8_linear_fused(x2.contiguous(), qweight, wscale, gscale, gzs, bias)
-    else:
-        xq, xs = per_token_quant(x2, "int8")
-        y = w4a8_int8_gemm(xq, xs, qweight, wscale, gscale, gzs, bias, out_dtype=x.dtype)
+    xq, xs = per_token_quant(x2, "int8")
+    y = w4a8_int8_gemm(xq, xs, qweight, wscale, gscale, gzs, bias, out_dtype=x.dtype)
     return y.reshape(*lead, qweight.shape[0])

@@ -80,6 +80,8 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
                     rec.record(case, name, None, note=f"{type(exc).__name__}: {exc}"[:300])
 
             for be in ("cudnn", "flash"):
+                if not want(f"sdpa-{be}"):
+                    continue
                 fn = peers.sdpa(be)
                 timed(f"sdpa-{be}", lambda q, k, v: fn(q, k, v, causal=causal), sets)
             for name, fn in lowbit_fns().items():

@@ -75,7 +75,8 @@ CASES_FULL = [  # (B, H, Sq, L)
 CASES_QUICK = [(32, 128, 1, 4096), (32, 128, 1, 16384), (32, 128, 2, 16384), (128, 16, 1, 16384)]
 
 
-def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf16", "lowbit-fp8"), reps=None,
+def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf16", "lowbit-fp8", "lowbit-fp8-bf16pv"),
+        reps=None,
         after_case=None, deadline=None):
     """Time every case; ``after_case()`` runs after each (e.g. to write partial results) and cases
     starting after ``deadline`` (a time.time() value) are skipped with a note."""
@@ -95,7 +96,7 @@ def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf1
         fl = flops(B, H, Sq, L)
         n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, True))))
         try:
-            sets = _sets(B, L, Sq, H, "lowbit-fp8" in providers, True, n)
+            sets = _sets(B, L, Sq, H, any(p.startswith("lowbit-fp8") for p in providers), True, n)
         except torch.OutOfMemoryError as exc:
             rec.note(f"{case}: out of memory building caches ({exc})"[:200])
             torch.cuda.empty_cache()
@@ -111,12 +112,13 @@ def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf1
                     byts = cache_bytes(B, L, False)
                     rec.record(case, prov, t, flops=fl, bytes_moved=byts, peak="bf16")
                     continue
-                fp8 = prov == "lowbit-fp8"
+                fp8 = prov.startswith("lowbit-fp8")
+                pv_fp8 = prov == "lowbit-fp8"
                 key = "fp8" if fp8 else "bf16"
                 args = [(s["q"], s[key], s["page_table"], s["seq_lens"]) for s in sets]
 
                 def fn(q, cache, pt, sl):
-                    return mla_decode(q, cache, pt, sl, max_seq_len=L)
+                    return mla_decode(q, cache, pt, sl, max_seq_len=L, pv_fp8=pv_fp8)
                 t = time_cuda(fn, args, warmup=5, reps=r)
                 byts = cache_bytes(B, L, fp8) + B * Sq * H * (DC + DR + DC) * 2
                 row = rec.record(case, prov, t, flops=fl, bytes_moved=byts, peak="bf16" if not fp8 else None)

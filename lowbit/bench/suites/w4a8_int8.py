@@ -82,12 +82,6 @@ def linear_rows(rec, quick: bool = False, ms=None, layers=None):
                 t = time_cuda(lambda x, *w: w4a8_int8_linear(x, *w), [(xs[i], *w) for i, w in enumerate(wq)], reps=reps)
                 rec.record(case, "lowbit-w4a8-int8", t, flops=fl, peak="int8",
                            bytes_moved=2 * M * K + _weight_bytes(N, K) + 2 * M * N)
-                if M <= 16:  # both activation-quantization paths (default: fused up to FUSED_QUANT_MAX_M rows)
-                    for fq in (True, False):
-                        t = time_cuda(lambda x, *w: w4a8_int8_linear(x, *w, fuse_quant=fq),
-                                      [(xs[i], *w) for i, w in enumerate(wq)], reps=reps)
-                        rec.record(case, "w4a8-int8-quant-" + ("fused" if fq else "separate"), t, flops=fl, peak="int8",
-                                   bytes_moved=2 * M * K + _weight_bytes(N, K) + 2 * M * N)
                 xq = [per_token_quant(xs[i], "int8") for i in range(len(wq))]
                 t = time_cuda(lambda a, s, *w: w4a8_int8_gemm(a, s, *w, out_dtype=torch.bfloat16),
                               [(*xq[i], *w) for i, w in enumerate(wq)], reps=reps)
