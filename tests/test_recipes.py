@@ -143,3 +143,24 @@ def test_calibration_from_text_file(tmp_path):
     assert len(b) == 3 and all(x.shape == (1, 16) for x in b)
     b2 = recipes.calibration_batches(m, str(tok_text), tokenizer=Tok(), n_samples=3, seq_len=16, seed=1)
     assert all(torch.equal(x, y) for x, y in zip(b, b2))
+
+
+def test_fp8_mla_deepseek_roundtrip(tmp_path):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                           q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+                           max_position_embeddings=128)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    m.generation_config.eos_token_id = None
+    try:
+        lowbit.quantize_model(m, "fp8-mla")
+    except NotImplementedError as exc:
+        pytest.skip(str(exc))
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    ref = greedy(m, prompt, 4)
+    lowbit.save_quantized(m, tmp_path / "mla")
+    assert torch.equal(greedy(lowbit.load_quantized(tmp_path / "mla"), prompt, 4), ref)

@@ -14,12 +14,23 @@ One loop step reads one packing block (``16 * PER`` codes, 64 bytes per row and 
 ``[16 j, 16 j + 16)`` in slot ``j`` of the block's 16 words, so each slot is one shift and mask
 away, in the layout of the load (no reshape, no shared memory). Codes are looked up (``LOOKUP``):
 
-- ``0`` "load": ``tl.load(T + code)``: a gather from a 64-byte table that lives in L1 (all 32 lanes
-  of a warp hit one 128-byte line, so one wavefront per warp instruction and no bank conflicts:
-  the role of FLUTE's duplicated pair table in shared memory, §3.2);
-- ``1`` "select": the 2**BITS entries in registers and a binary tree of ``tl.where`` on the code
-  bits (2**BITS - 1 selects per weight);
+- ``0`` "global": an inline-PTX ``ld.global.nc`` gather from the 64-byte fp32 table (L1-resident;
+  all lanes hit one 128-byte line). 4-bit words are decoded 8 codes at a time: two masks put
+  even/odd slots in byte lanes and one ``prmt`` per code extracts it;
+- ``4`` "smem": the table copied to the first 64 bytes of the kernel's shared memory
+  (``global_smem``) and read with ``ld.shared``: 16 fp32 entries in 16 banks, so lanes never
+  conflict (same entry = broadcast) -- FLUTE's bank-conflict answer (§3.2) without duplication --
+  and the address is ``code * 4`` folded into the LDS immediate. FMA path only (Triton uses no
+  shared memory inside that loop; a barrier separates the table from Triton's epilogue scratch);
+- ``3`` "pair": FLUTE's vectorized table (§3.2): one 32-bit load returns the values of two
+  adjacent slots (bf16/fp16 pair), from ``formats.lut.pair_table``; best for 3-bit (64 entries,
+  2 L1 lines), not for 4-bit (256 entries, 8 lines: 8 wavefronts per warp load);
+- ``1`` "select": the 2**BITS entries in registers and a binary tree of ``tl.where``;
 - ``2`` "affine": ``T[0] + code * (T[1] - T[0])``, exact only for a uniform table (RTN INT).
+``lookup="load"`` (the default) picks smem (FMA, 4-bit), pair (FMA, 2/3-bit) or global (dot).
+Why inline PTX: a plain ``tl.load(T + code)`` gets its own layout from Triton's coalescing pass
+and the 64-bit pointers were converted to it through shared memory with two barriers per slot
+(measured 2x slower than cuBLAS bf16 at M = 1).
 
 Scales are not multiplied per weight: the products of one group (or one block, if the group
 is longer) are summed first and the sum is scaled once (``acc += part * s``), in float32.
@@ -27,10 +38,13 @@ is longer) are summed first and the sum is scaled once (``acc += part * s``), in
 Two inner products, chosen by ``USE_DOT``:
 
 - FMA path (M = 1 decode): a ``[BLOCK_N, 16]`` float32 accumulator on CUDA cores, reduced along
-  K once at the end; no tensor-core padding;
-- dot path: ``part[BLOCK_N, BLOCK_M] = sum_j dot(T[c_j], X_j^T)`` over the slots of a group,
-  K = 16 per dot ("swap AB": the looked-up tile is the 64-row A operand in the activation dtype,
-  the tokens are the narrow side, so M = 1..16 pads only to 16), then ``acc += part * s``.
+  K once at the end; no tensor-core padding; the next block's codes are loaded into registers
+  while the current block is looked up (``PREFETCH``);
+- dot path: ``part[BLOCK_N, BLOCK_M] = dot(T[c], X^T)`` over one scale group ("swap AB": the
+  looked-up tile is the 64-row A operand in the activation dtype, the tokens are the narrow
+  side, so M = 1..16 pads only to 16), then ``acc += part * s``. With ``JOIN_K`` the group's
+  16-wide slot tiles are joined in registers into one A operand (X rows loaded in the matching
+  bit-reversed order): one layout conversion and 2 barriers per step instead of 17.
   The table values are rounded to the activation dtype (bf16: 8 bits of mantissa) before the
   dot; the reference rounds nothing, the difference is inside the bf16 tolerance.
 

@@ -475,7 +475,13 @@ def load_quantized(path, device: str | torch.device | None = None):
     rope_kv = _decode(meta["rope_kv"], tensors, "rope_kv") if meta.get("rope_kv") is not None else None
     if device is not None and isinstance(rope_kv, list):
         rope_kv = [p.to(device) if hasattr(p, "to") else p for p in rope_kv]
-    if recipe.get("kv") is not None or recipe.get("attention") is not None:
+    if recipe.get("recipe") == "fp8-mla":
+        from lowbit.models import recipes
+
+        install = recipes._need("fp8-mla", "lowbit.models.deepseek", "install_fp8_mla")
+        opts = {k: v for k, v in (recipe.get("options") or {}).items() if k != "seed"}
+        model = recipes._call(install, model, **opts) or model
+    elif recipe.get("kv") is not None or recipe.get("attention") is not None:
         # installed on the float skeleton, as the recipes do (RPN is already folded in the saved
         # weights: rope_kv carries rpn_applied=True, so nothing is folded twice)
         from lowbit.models import recipes

@@ -512,7 +512,7 @@ def fp8_mla(model, calibration=None, *, seed: int = 0, progress: bool = True, **
         raise ValueError("recipe fp8-mla: model is already quantized")
     _seeded(seed)
     install = _need("fp8-mla", "lowbit.models.deepseek", "install_fp8_mla")
-    out = _call(install, model, progress=progress, **options)
+    out = install(model, **options)
     model = out if out is not None else model
     _record(model, "fp8-mla", dict(options, seed=seed), kv="fp8-mla", attention=None, rope_kv=None)
     return model
