@@ -515,10 +515,10 @@ def default_config(M: int, N: int, K: int, bits: int, group_size: int, device) -
     docs/sections/lut.md). ``ctas_per_sm`` sets split-K: enough programs for that many per SM."""
     if M == 1:
         return dict(use_dot=False, block_m=1, block_n=64, num_warps=4, num_stages=1,
-                    ctas_per_sm=16 if bits == 4 else 8, prefetch=True)
+                    ctas_per_sm=16 if bits == 4 else 8, prefetch=False)
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     return dict(use_dot=True, block_m=bm, block_n=64, num_warps=4, num_stages=2,
-                ctas_per_sm=8 if M <= 16 else 4, join=True)
+                ctas_per_sm=8 if M <= 16 else 4, join=False)
 
 
 def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None,
@@ -573,7 +573,7 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
         x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
         BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
         USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=interpret_mode(),
-        IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", True), PREFETCH=cfg.get("prefetch", not cfg["use_dot"]),
+        IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", False), PREFETCH=cfg.get("prefetch", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

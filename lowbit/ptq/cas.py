@@ -34,7 +34,7 @@ Exceptions: FireQ's code disables CAS for qkv and o (and the paper sets its Lamb
 quantization stability"). ``projections`` selects which groups get CAS. The default is all four:
 on the embedded SmolLM2-135M (all linears w4a8-fp8, 8192 tokens, H200) CAS on all four gave
 perplexity 19.53 versus 19.77 with FireQ's (gate_up, down) only and 22.34 without CAS
-(``benchmarks/results/h200/accuracy.json``); pass ``projections=("gate_up", "down")`` for FireQ's
+(``benchmarks/results/h200/w4a8_fp8_accuracy.json``); pass ``projections=("gate_up", "down")`` for FireQ's
 choice.
 """
 from __future__ import annotations
