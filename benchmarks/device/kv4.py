@@ -23,31 +23,23 @@ a = ap.parse_args()
 if a.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 os.makedirs(a.out, exist_ok=True)
-T0 = time.time()
 
 import torch  # noqa: E402
 
+from lowbit.bench.device import Sections  # noqa: E402
+
 DEV = "cpu" if a.cpu_smoke else "cuda"
-SUMMARY = []
 RESULTS = {}
 VARIANT_OK = {}
 
 
-def stamp(msg):
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-def section(name, fn):
-    if name in a.skip.split(","):
-        return
-    stamp(f"== {name}")
-    try:
-        fn()
-    except Exception:
-        traceback.print_exc()
-        SUMMARY.append(f"{name}: EXCEPTION {traceback.format_exc().strip().splitlines()[-1]}")
+def _dump():
     with open(os.path.join(a.out, "kv4_device.json"), "w") as f:  # after every section: a timeout keeps the rest
         json.dump(RESULTS, f, indent=1, default=str)
+
+
+_S = Sections(skip=a.skip, after=_dump)
+T0, SUMMARY, stamp, section = _S.t0, _S.summary, _S.stamp, _S.run
 
 
 def rel(x, y):

@@ -24,28 +24,17 @@ a = ap.parse_args()
 if a.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
 os.makedirs(a.out, exist_ok=True)
-T0 = time.time()
 
 import torch  # noqa: E402
 
+from lowbit.bench.device import Sections  # noqa: E402
+
 DEV = "cpu" if a.cpu_smoke else "cuda"
-SUMMARY = []
 RESULTS = {}
 
 
-def stamp(msg):
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-def section(name, fn):
-    if name in a.skip.split(","):
-        return
-    stamp(f"== {name}")
-    try:
-        fn()
-    except Exception:
-        traceback.print_exc()
-        SUMMARY.append(f"{name}: EXCEPTION {traceback.format_exc().strip().splitlines()[-1]}")
+_S = Sections(skip=a.skip)
+T0, SUMMARY, stamp, section = _S.t0, _S.summary, _S.stamp, _S.run
 
 
 def rel(x, y):
