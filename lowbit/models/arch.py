@@ -69,3 +69,13 @@ def decoder_layers(model) -> list[LayerView]:
                                attn.o_proj, layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj,
                                mlp.down_proj, nh, nkv, hd, pairing))
     return views
+
+
+def select_layers(model, layers=None) -> tuple[list[LayerView], list[int]]:
+    """(all LayerViews, the chosen indices): ``layers`` = None for all, else indices checked in range."""
+    views = decoder_layers(model)
+    idx = list(range(len(views))) if layers is None else list(layers)
+    for i in idx:
+        if not 0 <= i < len(views):
+            raise ValueError(f"layer index {i} out of range (model has {len(views)} layers)")
+    return views, idx

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from lowbit._utils import warn_once
-from lowbit.models.arch import decoder_layers
+from lowbit.models.arch import select_layers
 from lowbit.ptq.calibration import reduce_stats
 
 LAMBDA_EPS = 1e-5  # channels whose absmax stays below this keep λ = 1 (nothing to move)
@@ -80,11 +80,7 @@ def apply_smooth_attention(model, batches, layers=None, alpha: float = 0.5) -> d
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    views = decoder_layers(model)
-    idx = list(range(len(views))) if layers is None else list(layers)
-    for i in idx:
-        if not 0 <= i < len(views):
-            raise ValueError(f"layer index {i} out of range (model has {len(views)} layers)")
+    views, idx = select_layers(model, layers)
     todo, skipped = [], []
     for i in idx:
         attn = views[i].layer.self_attn

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.models.arch import decoder_layers
+from lowbit.models.arch import select_layers
 from lowbit.ptq.calibration import reduce_stats
 
 SCALE_MIN, SCALE_MAX = 1e-2, 1e2  # clamp s so a dead channel cannot blow up a weight column
@@ -45,11 +45,8 @@ def apply_smoothquant(model, batches, layers=None, alpha: float = 0.5) -> dict:
     Must run before the linears are quantized (they must still be float ``nn.Linear``)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    views = decoder_layers(model)
-    idx = list(range(len(views))) if layers is None else list(layers)
+    views, idx = select_layers(model, layers)
     for i in idx:
-        if not 0 <= i < len(views):
-            raise ValueError(f"layer index {i} out of range (model has {len(views)} layers)")
         for role in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
             w = getattr(getattr(views[i], role), "weight", None)
             if not isinstance(w, torch.Tensor) or not w.is_floating_point():
