@@ -1,28 +1,79 @@
-"""Tiny random Llama models and a toy QuantLinear for the models-area tests (no download)."""
+"""Tiny random Llama models, a word-level tokenizer, a toy QuantLinear: the test fixtures of the
+foundation and models areas, built in-process (no download)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lowbit.nn.base import QuantLinear
 
+WORDS = ("the a of and to in is it that for on with as was at by an be this are from or have not "
+         "python class def return import module function value list dict string object type name").split()
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
-def tiny_llama(*, head_dim: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-               vocab: int = 128, seed: int = 0, dtype=torch.float32, tie: bool = False):
+
+def tiny_llama(*, head_dim: int | None = None, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+               vocab: int = 128, seed: int = 0, dtype=torch.float32, tie: bool = False, init_std: float | None = 0.2,
+               eos_token_id: int | None = None):
+    """A random ``LlamaForCausalLM`` (eval mode, SDPA attention). ``init_std`` redraws every matrix from
+    N(0, init_std) (larger than HF's 0.02 so greedy tokens vary; ``None`` keeps HF's init).
+    ``eos_token_id=None`` makes greedy generation run the full length."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      max_position_embeddings=256, tie_word_embeddings=tie, attn_implementation="sdpa")
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim or hidden // heads,
+                      max_position_embeddings=512, tie_word_embeddings=tie, attn_implementation="sdpa",
+                      bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     m = LlamaForCausalLM(cfg).to(dtype).eval()
-    m.generation_config.eos_token_id = None  # greedy runs the full length
+    m.generation_config.eos_token_id = eos_token_id
     m.generation_config.bos_token_id = None
-    with torch.no_grad():  # larger weights than the 0.02 init so greedy tokens vary
-        for p in m.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.2)
+    if init_std is not None:
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.ndim == 2:
+                    p.normal_(0, init_std)
     return m
+
+
+def tiny_tokenizer():
+    """Word-level tokenizer over ``WORDS`` with ChatML-like specials and a chat template."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    tk = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", additional_special_tokens=specials[1:])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def foundation_llama(vocab: int = 64, *, tie: bool = True):
+    """The CLI/eval model: hidden 32 (head_dim 8), HF init, eos = pad = 2 (``<|im_end|>``)."""
+    return tiny_llama(vocab=vocab, hidden=32, tie=tie, init_std=None, eos_token_id=2)
+
+
+def tiny_hf_folder(path: Path) -> Path:
+    """Write config + safetensors + tokenizer of the tiny model into ``path``; returns it."""
+    path = Path(path)
+    tok = tiny_tokenizer()
+    foundation_llama(vocab=len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tiny_text(n_words: int = 400, seed: int = 0) -> str:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(WORDS), (n_words,), generator=g).tolist()
+    return " ".join(WORDS[i] for i in idx)
 
 
 class ToyInt8Linear(QuantLinear):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from _foundation_fixtures import tiny_hf_folder, tiny_text
+from tests._tiny_models import tiny_hf_folder, tiny_text
 from lowbit import cli
 
 COMMANDS = ["demo", "eval", "quantize", "generate", "bench"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _foundation_fixtures import tiny_llama
+from tests._tiny_models import foundation_llama
 from lowbit.eval import corpus, pipeline
 from lowbit.eval.perplexity import perplexity, windowing
 
@@ -85,7 +85,7 @@ def test_calibration_batches_short_text(tmp_path):
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama(vocab=64)
+    return foundation_llama(vocab=64)
 
 
 def _reference_ppl(model, ids, window):
@@ -117,7 +117,7 @@ def test_perplexity_matches_reference_windowing(model, max_tokens, window):
 
 
 def test_perplexity_of_uniform_model_is_vocab_size():
-    m = tiny_llama(vocab=64)
+    m = foundation_llama(vocab=64)
     with torch.no_grad():
         m.lm_head.weight.zero_()  # tied: the embedding is zero too, logits all 0 -> uniform
     ids = torch.randint(0, 64, (100,), generator=torch.Generator().manual_seed(1))
@@ -142,14 +142,14 @@ def test_windowing_text_documents_the_method():
 # ---- memory / devices ----------------------------------------------------------------------------------
 
 def test_weight_bytes_counts_tied_storage_once():
-    tied, untied = tiny_llama(vocab=64, tie=True), tiny_llama(vocab=64, tie=False)
+    tied, untied = foundation_llama(vocab=64, tie=True), foundation_llama(vocab=64, tie=False)
     n_params = sum(p.numel() for p in tied.parameters())  # parameters() already dedups tied
     assert pipeline.weight_bytes(tied) == 4 * n_params
     assert pipeline.weight_bytes(untied) == pipeline.weight_bytes(tied) + 4 * 64 * 32
 
 
 def test_kv_bytes_per_token_float_and_kv4():
-    m = tiny_llama(vocab=64)  # 2 layers, 2 kv heads, head_dim 8
+    m = foundation_llama(vocab=64)  # 2 layers, 2 kv heads, head_dim 8
     assert pipeline.kv_bytes_per_token(m) == 2 * 2 * 2 * 8 * 4
     m.lowbit_recipe = {"recipe": "fireq", "kv": "kv4"}
     assert pipeline.kv_bytes_per_token(m) == 2 * 2 * 2 * (8 // 2 + 1)  # INT4 codes + one FP8 scale

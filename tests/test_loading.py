@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from _foundation_fixtures import tiny_hf_folder
+from tests._tiny_models import tiny_hf_folder
 from lowbit.models import loading
 
 
