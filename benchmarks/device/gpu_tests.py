@@ -13,12 +13,19 @@ a = ap.parse_args()
 os.makedirs(a.out, exist_ok=True)
 env = dict(os.environ, PYTHONUNBUFFERED="1")
 env.pop("TRITON_INTERPRET", None)
-cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "60",
+cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "60",
        f"--junitxml={a.out}/gpu_tests.xml", "tests"]
-r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=float(os.environ.get("GPU_TESTS_LIMIT", 70)))
-open(f"{a.out}/gpu_tests.txt", "w").write(r.stdout + r.stderr)
-print(r.stdout[-4000:], r.stderr[-2000:])
-rc = r.returncode
+# pytest writes straight into the log file (line by line with -rA), so a run cut by the time limit
+# still says which tests passed and which one hung.
+log = f"{a.out}/gpu_tests.txt"
+with open(log, "w") as f:
+    try:
+        rc = subprocess.run(cmd[:4] + ["-rA", "--durations=15"] + cmd[4:], env=env, stdout=f, stderr=subprocess.STDOUT,
+                            timeout=float(os.environ.get("GPU_TESTS_LIMIT", 70))).returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+        f.write("\n[gpu_tests] time limit reached\n")
+print(open(log).read()[-6000:])
 if a.sanitize and shutil.which("compute-sanitizer"):
     scmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3"] + cmd[:-1] + ["-x", "tests"]
     try:
