@@ -28,7 +28,7 @@ if [ ${#areas[@]} -eq 0 ]; then
 fi
 for a in "${areas[@]}"; do
   lim=${LIMIT:-110}
-  case "$a" in anchors) lim=${ANCHORS_LIMIT:-170};; model) lim=${MODEL_LIMIT:-$lim};; esac
+  case "$a" in anchors) lim=${ANCHORS_LIMIT:-170};; model) lim=${MODEL_LIMIT:-$lim};; gpu_tests) lim=${GPU_LIMIT:-$lim};; esac
   mkdir -p "$W/$a"
   echo "=== $a (limit ${lim}s)"
   start=$(date +%s)
