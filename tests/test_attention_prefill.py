@@ -78,6 +78,39 @@ def test_shapes_hypothesis(sq, extra, rep, mode, causal):
     assert rel_l2(out, _same_numerics(q, k, v, mode, causal)) < 1e-5
 
 
+@pytest.mark.parametrize("mode,vg,causal,chunk", [("fp8", "block", True, None), ("int8", "channel", False, 8),
+                                                   ("int8", "tensor", True, None), ("int8-qk", None, True, 8)])
+def test_fused_kv_prologue_equals_two_launches(mode, vg, causal, chunk):
+    """K/V quantized by the attention launch's first programs (FUSE_KV) give bit-identical output to
+    the separate quantization pass + attention, and match the float32 replay: GQA 4/2, S not a
+    multiple of the blocks, causal bottom-right (Sq < Skv), the chunked (``kv_chunk``) walk."""
+    from lowbit._utils import interpret_mode
+    from lowbit.kernels.attention_prefill import quant_attention_triton
+
+    if not ap._triton_ok() or not interpret_mode():
+        pytest.skip("interpreter only (the GPU script checks the fused path on the device)")
+    dt = torch.float16 if mode == "int8-qk" else torch.float32
+    q, k, v = _qkv(1, 4, 2, 19, 37, 32, dtype=dt, seed=21)
+    kw = dict(mode=mode, causal=causal, sm_scale=32 ** -0.5, v_granularity=vg or "channel",
+              k_per_block=ap.DEFAULT_K[mode] == "block", config={"kv_chunk": chunk} if chunk else None)
+    fused = quant_attention_triton(q, k, v, fuse_kv=True, **kw)
+    split = quant_attention_triton(q, k, v, fuse_kv=False, **kw)
+    assert torch.equal(fused, split)
+    ref = _same_numerics(q, k, v, mode, causal, **({"v_granularity": vg} if vg else {}))
+    assert rel_l2(fused, ref) < (KERNEL_VS_REF[dt] if mode == "int8-qk" else 1e-5)
+
+
+def test_fused_kv_writes_v_padding_zero():
+    """The V^T buffer's columns S..S_al (16-byte rows for TMA) are written as code 0 by the
+    quantization itself (no separate zero fill)."""
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    k = torch.randn(1, 2, 21, 16)
+    for dt in (torch.int8, torch.float8_e4m3fn):
+        _, _, vt, _ = quantize_kv_triton(k, k * 3, dtype=dt)
+        assert vt.shape[-1] == 32 and (vt[..., 21:].float() == 0).all()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp8", "int8", "int8-qk", "fp8-kv4"])
 def test_tma_descriptor_path(mode):
@@ -158,6 +191,22 @@ def test_int8_p_scale_is_127_and_l_from_quantized_p():
     qq = aq.quantize_qkv(q, k, v, mode="int8", v_granularity="channel")
     vd = aq.dequantize_v(qq["v"], qq["v_scale"])
     torch.testing.assert_close(out[0, 0, 0], vd[0, 0].mean(0), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.floats(-1e6, 1e6), qs=st.floats(1e-6, 10.0), cq=st.sampled_from([0.0, 1.0]))
+def test_int8_p_margin_keeps_codes_below_128(t, qs, cq):
+    """No clamp per score: with the row margin of ``_int8_sub``, the max score's one-FFMA exp2
+    argument (emulated exactly: fp64 product, one rounding to fp32) stays <= log2(127.5)."""
+    t32, qs32 = torch.tensor(t, dtype=torch.float32), torch.tensor(qs, dtype=torch.float32)
+    c = 12582912.0 * cq  # the per-block-K form carries the 1.5 * 2^23 offset in t
+    tt = (t32.double() + c).float()
+    m = ((tt.double() - c).float() * qs32)  # the kernel's (max t - c) * q_s, fp32
+    sub = aq._int8_sub(m, torch.tensor(c, dtype=torch.float32) * qs32)
+    cst = (torch.tensor(c, dtype=torch.float32) * qs32 + sub).double()  # c q_s + sub (FFMA: one rounding)
+    arg = (tt.double() * qs32.double() - cst).float()
+    assert arg.item() <= math.log2(127.5)
+    assert aq.quantize_p_int8(torch.exp2(arg)).item() <= 127.0
 
 
 def test_block_v_scales_beat_tensor_scales_with_outlier_channel():

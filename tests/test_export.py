@@ -13,6 +13,9 @@ from tests._tiny_models import tiny_llama  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _references(monkeypatch):
+    from tests.test_models_fastpath import import_kernels
+
+    import_kernels()  # before the env flips: @triton.jit picks interpreter/compiler at import
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
@@ -87,3 +90,14 @@ def test_lut_refused_or_dense(tmp_path):
     t = load_file(str(tmp_path / "n" / "model.safetensors"))
     w = m.model.layers[0].mlp.up_proj.dequantize()
     assert torch.equal(t["model.layers.0.mlp.up_proj.weight"].float(), w.to(t["model.layers.0.mlp.up_proj.weight"].dtype).float())
+
+
+def test_quantized_lm_head_exports(tmp_path):
+    """lm_head=True: the head is one more W4A8 int module (not in `ignore`), verified like the rest."""
+    m = _model("qserve", kv=None, attention=None, smooth=False, lm_head=True)
+    export_compressed_tensors(m, tmp_path / "h")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" not in cfg.get("ignore", [])
+    assert any("lm_head" in g["targets"] for g in cfg["config_groups"].values())
+    res = verify_export(tmp_path / "h", m)
+    assert len(res) == 15 and res["lm_head"][1] < 1e-6

@@ -132,18 +132,44 @@ def test_decode_kernel_vs_ref(case, sd):
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]])
-def test_decode_queries_major_variant(case):
-    """TRANS=False (query rows as the MMA M dimension; the default is tokens-major) computes the
-    same attention."""
+def test_decode_tokens_major_variant(case):
+    """TRANS=True (tokens as the MMA M dimension; the default is queries-major) and the eager
+    rescale (lazy=False) compute the same attention."""
     B, Hq, Hkv, D, TQ, lens, page, bn, zp, splits = case
     pt, P = _page_table(lens, page, seed=B)
     kc, ks, vc, vs, kz, vz = _pool(P, Hkv, page, D, zp, FP8, random=True, seed=Hq)
     q = torch.randn(B, Hq, TQ, D).to(DEV)
     lengths = torch.tensor(lens, dtype=torch.int32).to(DEV)
     kw = dict(k_zero=kz, v_zero=vz, num_splits=splits or None, block_n=bn)
-    o = decode_kv4_triton(q, kc, ks, vc, vs, pt, lengths, trans=False, **kw)
+    o = decode_kv4_triton(q, kc, ks, vc, vs, pt, lengths, trans=True, lazy=False, **kw)
     r = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, k_zero=kz, v_zero=vz)
     assert rel_l2(o, r) < 2e-3
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]])
+def test_decode_qk_int8(case):
+    """QK8 (INT8 Q per row x INT8 16*code K, int32 accumulation) matches its reference exactly up to
+    P's fp16 rounding, and INT8 Q costs < 2% relative error against fp16 Q on random data."""
+    B, Hq, Hkv, D, TQ, lens, page, bn, zp, splits = case
+    pt, P = _page_table(lens, page, seed=B)
+    kc, ks, vc, vs, kz, vz = _pool(P, Hkv, page, D, zp, FP8, random=True, seed=Hq)
+    q = torch.randn(B, Hq, TQ, D).to(DEV)
+    crs = (torch.rand(Hkv, D) + 0.5).to(DEV)
+    lengths = torch.tensor(lens, dtype=torch.int32).to(DEV)
+    kw = dict(k_zero=kz, v_zero=vz, crs_q=crs)
+    r8 = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, q_int8=True, **kw)
+    r = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, **kw)
+    for trans in (False, True):
+        o = decode_kv4_triton(q, kc, ks, vc, vs, pt, lengths, num_splits=splits or None, block_n=bn, qk_int8=True,
+                              trans=trans, **kw)
+        assert rel_l2(o, r8) < 2e-3
+    assert rel_l2(r8, r) < 2e-2
+
+
+def test_q_int8_default_in_sync():
+    from lowbit.kernels.decode_kv4 import DEFAULT_QK8
+
+    assert ops.Q_INT8_DEFAULT == DEFAULT_QK8
 
 
 def test_decode_bf16_q_and_split_consistency():
@@ -166,6 +192,14 @@ def test_choose_splits():
     assert choose_splits(16, 8, 8192, 64, 132, num_warps=1) > choose_splits(16, 8, 8192, 64, 132)
     assert choose_splits(1, 8, 128, 64, 132) == 1  # short: one split
     assert choose_splits(64, 8, 32768, 64, 132) == 2
+    # with the compiled kernel's occupancy: >= one full wave, and the last wave nearly full
+    from lowbit.kernels.decode_kv4 import _splits_used
+
+    for B, L, occ in ((16, 8192, 8), (1, 32768, 8), (16, 32768, 12), (4, 100000, 5)):
+        s = choose_splits(B, 8, L, 32, 132, 1, ctas_per_sm=occ)
+        n = B * 8 * _splits_used(L, s, 32)
+        assert n >= 0.95 * 132 * occ
+        assert n / (-(-n // (132 * occ)) * 132 * occ) >= 0.9
 
 
 # ---- ops ----------------------------------------------------------------------------------------
@@ -203,7 +237,7 @@ def test_opcheck():
     q = torch.randn(B, Hq, 1, D).to(DEV)
     lengths = torch.tensor([9], dtype=torch.int32).to(DEV)
     torch.library.opcheck(torch.ops.lowbit.decode_kv4.default,
-                          (q, kc, ks, vc, vs, pt, lengths, None, None, None, D ** -0.5, 0, 0),
+                          (q, kc, ks, vc, vs, pt, lengths, None, None, None, D ** -0.5, 0, 0, False),
                           test_utils=("test_schema", "test_faketensor"))
     k = torch.randn(B, Hkv, 3, D).to(DEV)
     start = torch.tensor([2], dtype=torch.int32).to(DEV)

@@ -85,3 +85,36 @@ def test_module_lookups_agree_on_kernel_path(lookup):
     x = torch.randn(2, 96, dtype=torch.bfloat16)  # bf16: the Triton kernel (interpreter on CPU)
     ref = nn.functional.linear(x.double(), m.dequantize().double(), lin.bias.double())
     assert rel_l2(m(x), ref) < 1e-2
+
+
+@pytest.mark.parametrize("bits,g", [(4, 64), (3, 128)])
+def test_mma_layout_module(bits, g, monkeypatch):
+    """layout='mma' (tensor-core fragment order): same weights as 'planar', kernel path (interpreter)
+    and reference agree, config round trip, codes() readable, large-M dequant path."""
+    from lowbit.ops import lut as lut_ops
+
+    torch.manual_seed(bits)
+    lin = nn.Linear(200, 40)
+    a = LUTLinear.from_linear(lin, bits=bits, group_size=g, layout="mma")
+    b = LUTLinear.from_linear(lin, bits=bits, group_size=g, layout="planar")
+    assert a.layout == "mma" and a.config()["layout"] == "mma"
+    assert torch.equal(a.codes(), b.codes()) and torch.equal(a.dequantize(), b.dequantize())
+    x = torch.randn(3, 200, dtype=torch.bfloat16)
+    ref = nn.functional.linear(x.double(), a.dequantize().double(), lin.bias.double())
+    assert rel_l2(a(x), ref) < 1e-2
+    monkeypatch.setattr(lut_ops, "MAX_KERNEL_M", 2)  # M = 3 -> dequantize kernel + matmul
+    assert rel_l2(a(x), ref) < 1e-2
+    m2 = LUTLinear.empty(200, 40, True, a.dtype, **a.config())
+    m2.load_state_dict(a.state_dict())
+    assert torch.equal(m2.qweight, a.qweight) and m2.layout == "mma"
+    with pytest.raises(ValueError, match="layout"):
+        LUTLinear.from_linear(lin, bits=3, group_size=64, layout="mma")
+
+
+def test_old_checkpoint_config_without_layout_is_planar():
+    lin = nn.Linear(128, 16)
+    m = LUTLinear.from_linear(lin, bits=4, group_size=128, layout="planar")
+    cfg = {k: v for k, v in m.config().items() if k != "layout"}  # session-1 config
+    m2 = LUTLinear.empty(128, 16, True, m.dtype, **cfg)
+    m2.load_state_dict(m.state_dict())
+    assert m2.layout == "planar" and torch.equal(m2.qweight, m.qweight)

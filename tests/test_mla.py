@@ -144,6 +144,52 @@ def test_fp8_decode_matches_emulated_p_quantization(dev, lens, H, Sq, splits):
                                   fp8=True, num_splits=splits, return_plan=True)
     emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"]))
     assert rel_l2(out.view(B, Sq, H, DC), emu) < 4e-3
+    # decision test (V transpose): the in-register byte transpose of V (default) only changes how
+    # the FP8 V tile reaches shared memory, never a value: bit-equal to Triton's own transpose
+    assert plan["v_prmt"]
+    out2 = mla_decode_triton(qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H),
+                             cache[0].flatten(0, 1), cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl,
+                             num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE,
+                             fp8=True, num_splits=splits, v_prmt=False)
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_loop_orders_bit_equal(dev, fp8):
+    """Decision test (S_AHEAD): computing the scores of block j beside P·V of block j-1 (the default
+    loop order on the GPU, which keeps Triton from duplicating QK in both warpgroups) changes no
+    value: bit-equal to the plain loop, with empty splits and a ragged last block."""
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    lens, H, Sq = [3, 90], 4, 2
+    c, _ = make_cache(lens, fp8, dev, seed=5)
+    B = len(lens)
+    q = torch.randn(B, Sq, H, DC + DR, device=dev, dtype=torch.bfloat16)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    if fp8:
+        qc, qs, qr = quantize_latent(q.reshape(-1, DC + DR), DC)
+        args = (qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                cache[1].flatten(0, 1), cache[2].flatten(0, 1))
+    else:
+        q3 = q.view(B, Sq * H, DC + DR)
+        args = (q3[..., :DC], q3[..., DC:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None)
+    outs = [mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
+                              page_size=PAGE, fp8=fp8, num_splits=4, s_ahead=sa) for sa in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+    ref = mla_decode_ref(q, cache, pt, sl)
+    assert rel_l2(outs[1].view(B, Sq, H, DC), ref) < (1e-2 if not fp8 else 3e-2)
+    # lazy running max (tau = 8: P <= 2^8, the rescale skipped while no row's max moves by more)
+    lazy, plan = mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
+                                   page_size=PAGE, fp8=fp8, num_splits=1, tau=8.0, return_plan=True)
+    assert rel_l2(lazy.view(B, Sq, H, DC), ref) < (1e-2 if not fp8 else 3e-2)
+    if fp8:  # and its reference emulation (lazy max, P scale grown with headroom) agrees to output rounding
+        emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 8.0))
+        assert rel_l2(lazy.view(B, Sq, H, DC), emu) < 4e-3
+        # fp16-PV variant: SnapMLA's P scaling, P rounded to fp16, V upcast to fp16: its emulation
+        h, plan = mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
+                                    page_size=PAGE, fp8=True, num_splits=2, pv16=True, return_plan=True)
+        emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0, torch.float16))
+        assert rel_l2(h.view(B, Sq, H, DC), emu) < 4e-3 and rel_l2(h.view(B, Sq, H, DC), ref) < 1e-2
 
 
 def test_fp8_decode_extreme_ranges_stay_finite(dev):

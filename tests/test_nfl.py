@@ -63,3 +63,21 @@ def test_frozen_codes_mode_on_lut_model():
     q = model.model.layers[1].self_attn.q_proj
     assert info["mode"] == "frozen-codes" and isinstance(q, LUTLinear)
     assert torch.equal(q.qweight, codes) and not torch.equal(q.scales, before)
+
+
+def test_flute_recipe_learned_scales_runs_ste():
+    """The learned-NF recipe trains through the STE on the float weights (not frozen codes),
+    seeded, with the recipe's bits/group/skip; same seed -> same scales."""
+    from lowbit.models.recipes import flute_nf3
+
+    models = []
+    for _ in range(2):
+        m = _tiny_llama()
+        flute_nf3(m, _batches(n=3), learn_scales=True, lr=1e-3, group_size=32, seed=5, progress=False,
+                  skip=("down_proj",))
+        models.append(m)
+    rep = models[0].lowbit_recipe["reports"]["nfl"]
+    assert rep["mode"] == "ste" and rep["bits"] == 3 and rep["group_size"] == 32 and rep["linears"] == 12
+    a, b = (m.model.layers[1].self_attn.q_proj for m in models)
+    assert isinstance(a, LUTLinear) and a.bits == 3 and torch.equal(a.scales, b.scales)
+    assert isinstance(models[0].model.layers[0].mlp.down_proj, torch.nn.Linear)

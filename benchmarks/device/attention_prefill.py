@@ -19,9 +19,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--skip", default="", help="comma list: check,asm,sweep,suite,mre,model")
-ap.add_argument("--budget", type=float, default=100.0, help="seconds; later sections shrink or skip")
-ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "final"), choices=("tune", "final"),
-                help="tune: checks of new paths, config sweep, accuracy first; final: the benchmark suite first")
+ap.add_argument("--budget", type=float, default=86.0, help="seconds; later sections shrink or skip")
+ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "final"), choices=("split", "tune", "final"),
+                help="split: fused-K/V checks, the quantization/attention split, config sweep at 1k (session 2); "
+                     "tune: checks of new paths, config sweep, accuracy first; final: the benchmark suite first")
 a = ap.parse_args()
 if a.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -34,6 +35,24 @@ sys.path.insert(0, os.path.join(ROOT, ".refcode", "int_fa"))
 import torch  # noqa: E402
 
 DEV = "cpu" if a.cpu_smoke else "cuda"
+
+
+def _watchdog():  # a hung kernel must not eat the round: write what we have and leave
+    import threading
+
+    def run():
+        time.sleep(max(a.budget, 5.0))
+        print(f"[watchdog] {a.budget:.0f}s reached: writing results and exiting", flush=True)
+        try:
+            dump()
+        finally:
+            os._exit(3)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+if not a.cpu_smoke:
+    _watchdog()
 PLAN = a.plan
 SUMMARY = []
 RESULTS = {}
@@ -106,11 +125,13 @@ def checks():
     from lowbit.ops.attention_prefill import fp8_kv4_attention, quant_attention, reference
 
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
-    if DEV == "cuda" and PLAN == "final":  # the default paths only (their kernels are the suite's)
+    if DEV == "cuda" and PLAN == "split":  # default (fused K/V) paths: GQA, D 64/256, odd S, causal
         base = [(2, 8, 8, 1008, 1008, 128)]
-        cases = [(m, c, base[0], {}) for m in ("fp8", "int8") for c in (False, True)]
-        cases += [("int8-qk", False, base[0], {}), ("fp8-kv4", True, base[0], {}),
-                  ("fp8", True, (1, 8, 2, 496, 1008, 128), {})]
+        cases = [("fp8", False, base[0], {}), ("int8", False, base[0], {})]
+    elif DEV == "cuda" and PLAN == "final":  # the default paths only (their kernels are the suite's)
+        base = [(2, 8, 8, 1008, 1008, 128)]
+        cases = [("fp8", False, base[0], {}), ("int8", True, base[0], {}), ("int8-qk", False, base[0], {}),
+                 ("fp8-kv4", True, base[0], {}), ("fp8", True, (1, 8, 2, 496, 1008, 128), {})]
     elif DEV == "cuda":
         base = [(2, 8, 8, 1008, 1008, 128)]
         cases = [(m, c, base[0], {}) for m in ("fp8", "int8") for c in (False, True)]
@@ -158,8 +179,26 @@ def checks():
             traceback.print_exc()
             rows.append({"case": tag, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
             print(f"FAIL {tag} {type(exc).__name__}: {exc}", flush=True)
+    # the fused K/V prologue writes the codes of the separate pass: identical outputs
+    for mode in () if DEV == "cuda" else ("fp8", "int8", "int8-qk"):  # GPU: R4 (max |diff| 0)
+        try:
+            from lowbit.kernels.attention_prefill import quant_attention_triton
+
+            torch.manual_seed(7)
+            q, k, v = (torch.randn(2, 8, 1000, 128, device=DEV, dtype=dt) if DEV == "cuda" else
+                       torch.randn(1, 2, 40, 32, dtype=dt) for _ in range(3))
+            kw = dict(mode=mode, causal=True, sm_scale=0.1, v_granularity="block" if mode == "fp8" else "channel",
+                      k_per_block=mode == "fp8")
+            o1 = quant_attention_triton(q, k, v, fuse_kv=True, **kw)
+            o2 = quant_attention_triton(q, k, v, fuse_kv=False, **kw)
+            ok = bool(torch.equal(o1, o2))
+            rows.append({"case": f"{mode} fused K/V == two launches", "pass": ok, "max_abs_diff": (o1 - o2).abs().max().item()})
+            print(f"{'PASS' if ok else 'FAIL'} {mode} fused K/V == two launches (max |diff| {(o1 - o2).abs().max().item():.3g})", flush=True)
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"case": f"{mode} fused == 2 launches", "error": str(exc)[:300], "pass": False})
     # zero inputs and huge logits stay finite
-    for mode in ("fp8", "int8"):
+    for mode in () if DEV == "cuda" and PLAN == "split" else ("fp8", "int8"):
         try:
             z = torch.zeros(1, 2, 300, 128 if DEV == "cuda" else 32, device=DEV, dtype=dt)
             o = quant_attention(z, z, z, mode=mode, causal=True)
@@ -294,11 +333,15 @@ def suite():
 
     ceil = {}
     rec = harness.Recorder("attention_prefill", ceilings=ceil)
-    big = left() > 62
+    big = left() > 48
     provs = None
+    if PLAN == "split":
+        provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-fp8-attn-only", "lowbit-int8", "lowbit-int8-attn-only"}
+        big = False
     if PLAN == "final":
         provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-int8", "lowbit-int8-qk", "lowbit-fp8-kv4", "lowbit-fp8-attn-only",
-                 "lowbit-int8-attn-only", "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
+                 "lowbit-int8-attn-only", "lowbit-fp8-kvquant-only", "lowbit-int8-kvquant-only",
+                 "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
     s.run(rec, quick=False, seq_lens=[1024, 4096, 16384] if big else [1024, 4096],
           causals=(False, True), providers=provs)
     path = rec.write(a.out, baseline=s.BASELINE, command="benchmarks/device/attention_prefill.py")
@@ -435,8 +478,138 @@ def model():
     dump()
 
 
+# ------------------------------------------------------------------------------------- (3c) 1k / causal sweep
+def sweep_split():
+    """Fused fp8 / int8 (quantization included) per config at S=1k (causal and not) and 4k causal."""
+    from lowbit.bench.harness import attention_flops, time_cuda
+    from lowbit.kernels.attention_prefill import quant_attention_triton
+
+    B, H, D = 4, 32, 128
+    m64 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, tma=True)
+    variants = [  # (S, causal, mode, config), most informative first (two launches: fuse_kv=False)
+        (1024, False, "fp8", dict(m64, num_stages=2, maxnreg=168)),  # 3 CTAs per SM (74 KB smem, 168 regs)
+        (1024, False, "fp8", m64),  # the default, same run
+        (1024, True, "fp8", dict(m64, num_stages=2, maxnreg=168)),
+        (4096, False, "fp8", dict(m64, num_stages=2, maxnreg=168)),
+        (4096, True, "fp8", dict(m64, num_stages=2, maxnreg=168)),
+        (4096, False, "int8", m64),
+        (4096, False, "int8", dict(m64, i8opt=0)),  # R3's int8 loop (clamp, FADD + FMUL), same run
+        (4096, False, "int8", dict(m64, i8opt=1)),
+        (4096, False, "int8", dict(m64, i8opt=2)),
+        (4096, False, "int8", dict(m64, num_stages=2, maxnreg=168)),
+        (1024, False, "fp8", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True)),
+        (1024, False, "fp8", dict(m64, BLOCK_N=64)),
+    ]
+    data = {}
+    rows = []
+    for S, causal, mode, cfg in variants:
+        if left() < 32:  # keep ~30 s for the suite
+            break
+        if S not in data:
+            data.clear()
+            data[S] = [tuple(torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                       for _ in range(2)]
+        sets = data[S]
+        fl = attention_flops(B, H, S, S, D, causal)
+        try:
+            kw = dict(mode=mode, causal=causal, sm_scale=D ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
+                      k_per_block=mode == "fp8", config=cfg, fuse_kv=False)
+            fn = lambda q, k, v: quant_attention_triton(q, k, v, **kw)
+            fn(*sets[0])
+            t = time_cuda(fn, sets, warmup=3, reps=30 if S == 1024 else 10)
+            tf = fl / t["median_ms"] / 1e9
+            label = f"S={S} causal={int(causal)} {mode} {cfg}"
+            rows.append({"S": S, "causal": causal, "mode": mode, **cfg, "ms": t["median_ms"], "TFLOPs": tf})
+            print(f"sweep-split {label}: {t['median_ms']:.4f} ms {tf:.0f} TFLOP/s", flush=True)
+            SUMMARY.append(f"sweep fused {label}: {t['median_ms']:.4f} ms {tf:.0f} TF/s")
+        except Exception as exc:
+            rows.append({"S": S, "mode": mode, **cfg, "error": str(exc)[:200]})
+            print(f"sweep-split {S} {mode} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+    RESULTS["sweep_split"] = rows
+    data.clear()
+    dump()
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _ws_fp8_attn(desc_q, desc_k, desc_v, Out, qk_scale, N_CTX,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
+    """Probe only (not lowbit's kernel): plain FP8 attention, no scales, for the WS timing."""
+    start_m = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    qo = off_hz * N_CTX + start_m * BLOCK_M
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    q = desc_q.load([qo, 0])
+    off = off_hz * N_CTX
+    for start_n in tl.range(0, N_CTX, BLOCK_N, warp_specialize=WS):
+        qk = tl.dot(q, desc_k.load([off, 0]).T)
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        vt = desc_v.load([off_hz * HEAD_DIM, start_n])
+        acc = tl.dot(p.to(tl.float8e4nv), vt.T, acc)
+        m_i = m_ij
+        off += BLOCK_N
+    acc = acc / l_i[:, None]
+    offs_m = qo + tl.arange(0, BLOCK_M)
+    tl.store(Out + offs_m[:, None].to(tl.int64) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], acc.to(tl.bfloat16))
+
+
+def ws_fp8_attention(q, k, vt, out, BH, S, D, BM, BN, ws, stages):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    dq = TensorDescriptor(q, list(q.shape), [D, 1], [BM, D])
+    dk = TensorDescriptor(k, list(k.shape), [D, 1], [BN, D])
+    dv = TensorDescriptor(vt, list(vt.shape), [S, 1], [D, BN])
+    _ws_fp8_attn[(S // BM, BH)](dq, dk, dv, out, 0.1, S, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, WS=ws,
+                  num_warps=4, num_stages=stages)
+
+
+def ws_experiment():
+    """Triton 3.6's Hopper automatic warp specialization (``tl.range(warp_specialize=True)``) on a
+    plain FP8 attention (pre-quantized Q/K/V^T, no scales; timing only): 1 TMA producer warpgroup
+    + 2 consumer warpgroups of 64 rows each (BLOCK_M=128, num_warps=4 -> 12 warps)."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from lowbit.bench.harness import attention_flops, time_cuda
+
+    B, H, S, D = 4, 32, 4096, 128
+    q, k = (torch.randn(B * H * S, D, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+    vt = torch.randn(B * H * D, S, device="cuda").to(torch.float8_e4m3fn)
+    fl = attention_flops(B, H, S, S, D, False)
+    rows = []
+    for ws, BM, st in ((True, 128, 2), (False, 64, 3), (True, 128, 3)):
+        if left() < 8:
+            break
+        try:
+            out = torch.empty(B * H * S, D, device="cuda", dtype=torch.bfloat16)
+            fn = lambda: ws_fp8_attention(q, k, vt, out, B * H, S, D, BM, 128, ws, st)
+            fn()
+            t = time_cuda(lambda: fn(), [()], warmup=3, reps=15)
+            tf = fl / t["median_ms"] / 1e9
+            rows.append({"ws": ws, "BLOCK_M": BM, "stages": st, "ms": t["median_ms"], "TFLOPs": tf})
+            print(f"ws-probe ws={ws} BM={BM} stages={st}: {t['median_ms']:.3f} ms {tf:.0f} TFLOP/s", flush=True)
+            SUMMARY.append(f"WS probe (plain fp8, S=4k, no scales) ws={ws} BM={BM} st={st}: {tf:.0f} TF/s")
+        except Exception as exc:
+            rows.append({"ws": ws, "BLOCK_M": BM, "error": str(exc)[:300]})
+            print(f"ws-probe ws={ws} BM={BM}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    RESULTS["ws_probe"] = rows
+    dump()
+
+
 section("check", checks)
-if DEV == "cuda" and PLAN == "tune":
+if DEV == "cuda" and PLAN == "split":
+    section("sweep_split", sweep_split, need=15)
+    section("suite", suite, need=25)
+elif DEV == "cuda" and PLAN == "tune":
     section("asm", asm)
     section("sweep", sweep, need=15)
     section("mre", mre_tables, need=15)

@@ -18,6 +18,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--quick", action="store_true")
+ap.add_argument("--accuracy", action="store_true", help="also the model accuracy tables (~35 s; numerics unchanged since R3)")
 ap.add_argument("--skip", default="", help="comma list of sections to skip: check,asm,sweep,suite,acc")
 a = ap.parse_args()
 if a.cpu_smoke:
@@ -31,6 +32,9 @@ from lowbit.bench.device import Sections  # noqa: E402
 DEV = "cpu" if a.cpu_smoke else "cuda"
 RESULTS = {}
 VARIANT_OK = {}
+# (trans, num_warps, BLOCK_N, lazy) checked on the GPU; the sweep times only variants that passed
+VARIANTS = [(False, 1, 16, True, False), (False, 1, 16, True, True), (False, 1, 32, True, True), (True, 4, 64, True, True),
+            (False, 1, 32, True, False)]
 
 
 def _dump():
@@ -84,9 +88,29 @@ def checks():
             traceback.print_exc()
             res.append((name, None, False))
             print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
+    # numerics of the default QK8 decode (INT8 Q per row) against the fp16-Q float64 reference and
+    # against its own reference, Q with outlier channels (x20 on 4 channels)
+    try:
+        import lowbit.kernels.decode_kv4 as dk
+
+        c = random_cache(2, 8, 128, 4096, device=DEV) if not a.cpu_smoke else random_cache(2, 2, 64, 40, page=16, device=DEV)
+        Hq = 32 if not a.cpu_smoke else 8
+        q = torch.randn(2, Hq, 1, c["k_codes"].shape[-1] * 2, device=DEV)
+        q[..., :4] *= 20
+        o = ops.decode_kv4(q, q_int8=True, **c)
+        e16 = rel(o, ops.decode_kv4_ref(q, q_int8=False, **c))
+        e8 = rel(o, ops.decode_kv4_ref(q, q_int8=True, **c))
+        ok = e8 < 5e-3  # e16 is the cost of INT8 Q (a measurement, reported)
+        res.append(("decode QK8 numerics (vs its own reference)", e8, ok))
+        RESULTS["qk8_error"] = {"vs_fp16_q_ref": e16, "vs_q8_ref": e8, "qk_int8_default": dk.DEFAULT_QK8}
+        print(f"{'PASS' if ok else 'FAIL'} decode qk_int8=True, Q with outlier channels: vs fp16-Q reference rel-L2 {e16:.2e}, "
+              f"vs its INT8-Q reference {e8:.2e}", flush=True)
+    except Exception as exc:
+        traceback.print_exc()
+        res.append(("decode QK8 numerics (vs its own reference)", None, False))
     # append: kernel vs reference bit-exact
-    for zp in (False, True):
-        for sd in (torch.float8_e4m3fn, torch.bfloat16):
+    for zp, sd in ((False, torch.float8_e4m3fn), (True, torch.bfloat16)):  # append unchanged since R3 (4 combos there)
+        if True:
             name = f"append zp={zp} scale={str(sd)[6:]}"
             try:
                 B, H, T, D, page = (3, 8, 37, 128, 16) if not a.cpu_smoke else (3, 2, 3, 64, 16)
@@ -117,33 +141,32 @@ def checks():
                 traceback.print_exc()
                 res.append((name, None, False))
                 print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-    if not a.cpu_smoke:  # kernel variants (tokens-major MMA, packed-asm conversion) vs the reference
+    if not a.cpu_smoke:  # kernel variants (loop orientation, warps, BLOCK_N, lazy rescale) vs the reference
         from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
-        for trans in (False, True):
-            for asm_ in (True,):
-                for zp in (False, True):
-                    name = f"variant trans={trans} asm={asm_} zp={zp}"
-                    try:
-                        B, Hq, Hkv, D, TQ, L = 3, 32, 8, 128, 2, 700
-                        c = random_cache(B, Hkv, D, L, zero_point=zp, device=DEV)
-                        c["lengths"] = torch.tensor([700, 3, 333], dtype=torch.int32, device=DEV)
-                        q = torch.randn(B, Hq, TQ, D, device=DEV)
-                        crs = torch.rand(Hkv, D, device=DEV) + 0.5
-                        o = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
-                                              c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), crs_q=crs,
-                                              trans=trans, asm=asm_)
-                        r = ops.decode_kv4_ref(q, crs_q=crs, **c)
-                        e = rel(o, r)
-                        ok = e < 5e-3
-                        res.append((name, e, ok))
-                        VARIANT_OK[(trans, asm_)] = VARIANT_OK.get((trans, asm_), True) and ok
-                        print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e:.2e}", flush=True)
-                    except Exception as exc:
-                        traceback.print_exc()
-                        res.append((name, None, False))
-                        VARIANT_OK[(trans, asm_)] = False
-                        print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
+        for trans, nw, bn, lazy, q8 in VARIANTS:
+            for zp in ((False, True) if (trans, nw, bn, lazy, q8) in VARIANTS[:2] else (False,)):
+                name = f"variant trans={trans} warps={nw} bn={bn} lazy={lazy} qk_int8={q8} zp={zp}"
+                try:
+                    # TQ=1, bf16 Q, no CRS: the same compiled kernel as the sweep's (compilation is the budget)
+                    B, Hq, Hkv, D, TQ, L = 3, 32, 8, 128, 1, 700
+                    c = random_cache(B, Hkv, D, L, zero_point=zp, device=DEV)
+                    c["lengths"] = torch.tensor([700, 3, 333], dtype=torch.int32, device=DEV)
+                    q = torch.randn(B, Hq, TQ, D, device=DEV, dtype=torch.bfloat16)
+                    o = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
+                                          c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"),
+                                          trans=trans, num_warps=nw, block_n=bn, lazy=lazy, num_splits=3, qk_int8=q8)
+                    r = ops.decode_kv4_ref(q, q_int8=q8, **c)
+                    e = rel(o, r)
+                    ok = e < 5e-3
+                    res.append((name, e, ok))
+                    VARIANT_OK[(trans, nw, bn, lazy, q8)] = VARIANT_OK.get((trans, nw, bn, lazy, q8), True) and ok
+                    print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e:.2e}", flush=True)
+                except Exception as exc:
+                    traceback.print_exc()
+                    res.append((name, None, False))
+                    VARIANT_OK[(trans, nw, bn, lazy, q8)] = False
+                    print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
     RESULTS["checks"] = [{"case": n, "err": e, "pass": ok} for n, e, ok in res]
     SUMMARY.append(f"checks: {sum(ok for *_, ok in res)}/{len(res)} PASS")
 
@@ -156,25 +179,26 @@ def asm():
     from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
     lines = []
-    for trans in (False, True):
-        for asm_ in (False, True):
-            if not VARIANT_OK.get((trans, asm_), False):
-                continue
+    for trans, nw, bn, lazy, q8 in VARIANTS[:2] + [v for v in VARIANTS if v[0]][:1]:
+        if not VARIANT_OK.get((trans, nw, bn, lazy, q8), False):
+            continue
+        asm_ = True
+        if True:
             for zp in (False,):
                 c = random_cache(16, 8, 128, 8192, zero_point=zp)
                 q = torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
                 _, k = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
                                          c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"),
-                                         trans=trans, asm=asm_, return_kernel=True)
+                                         trans=trans, num_warps=nw, block_n=bn, lazy=lazy, qk_int8=q8, return_kernel=True)
                 ptx = k.asm.get("ptx", "")
                 try:
                     sass = k.asm["sass"] or ""
-                    with open(os.path.join(a.out, f"decode_kv4_t{int(trans)}a{int(asm_)}.sass"), "w") as f:
+                    with open(os.path.join(a.out, f"decode_kv4_t{int(trans)}w{nw}n{bn}q{int(q8)}.sass"), "w") as f:
                         f.write(sass)
                 except Exception as exc:  # nvdisasm missing
                     sass = ""
                     print("no sass:", exc)
-                tag = f"t{int(trans)}a{int(asm_)}"
+                tag = f"t{int(trans)}w{nw}n{bn}q{int(q8)}"
                 ops_ = Counter(m.group(1).split(".")[0] for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?P\d\s+)?([A-Z0-9_.]+)", sass, re.M))
                 info = {
                     "variant": tag, "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
@@ -196,62 +220,106 @@ def asm():
 
 
 # ------------------------------------------------------------------------------------- (3) sweep + suite
+def _time(fn, sets):
+    """time_cuda on the GPU; under --cpu-smoke one call (the sweep's code path is still exercised)."""
+    from lowbit.bench.harness import time_cuda
+
+    if a.cpu_smoke:
+        t0 = time.time()
+        fn(*sets[0])
+        return {"median_ms": (time.time() - t0) * 1e3}
+    return time_cuda(fn, sets, reps=20, warmup=3)
+
+
 def sweep():
-    from lowbit.bench.harness import rotating_inputs, time_cuda
+    from lowbit.bench.harness import rotating_inputs
     from lowbit.bench.suites.kv4 import kv4_bytes, random_cache
+    import lowbit.kernels.decode_kv4 as dk
     from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
-    B, Hq, Hkv, D = 16, 32, 8, 128
+    Hq, Hkv, D = (32, 8, 128) if not a.cpu_smoke else (8, 2, 64)
+    MIN_WAVES0 = dk.DEFAULT_MIN_WAVES
     rows = []
-    configs = []  # (page, block_n, warps, stages, splits, trans, asm)
-    for nw, ns in ((1, 3), (2, 3), (4, 3)):
-        configs.append((64, 64, nw, ns, None, False, True))
-    for nw, ns in ((1, 2), (1, 3), (2, 2), (2, 3), (4, 3)):
-        configs.append((64, 64, nw, ns, None, True, True))
-    configs += [(64, 64, 1, 3, 64, True, True), (64, 32, 1, 3, None, True, True)]
-    # each config is checked on a small ragged case before it is timed
-    from lowbit.ops.kv4 import decode_kv4_ref
-
-    sc = random_cache(3, Hkv, D, 700, page=64)
-    sc["lengths"] = torch.tensor([700, 5, 333], dtype=torch.int32, device="cuda")
-    sq = torch.randn(3, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
-    sref = decode_kv4_ref(sq, **sc)
-    for L in (8192, 32768):
-        for page, bn, nw, ns, sp, trans, asm_ in configs:
-            if L == 32768 and not (ns == 3 and bn == 64 and sp is None and asm_):
-                continue
-            try:
-                if page == 64:
-                    so = decode_kv4_triton(sq, sc["k_codes"], sc["k_scale"], sc["v_codes"], sc["v_scale"], sc["page_table"],
-                                           sc["lengths"], block_n=bn, num_warps=nw, num_stages=ns, trans=trans, asm=asm_)
-                    if not rel(so, sref) < 1e-2:
-                        print("sweep config WRONG", page, bn, nw, ns, trans, asm_, rel(so, sref), flush=True)
-                        continue
-                sets = rotating_inputs(lambda: (torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16),
-                                                random_cache(B, Hkv, D, L, page=page)))
-                fn = lambda q, c: decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
-                                                   c["page_table"], c["lengths"], max_len=L, block_n=bn,
-                                                   num_warps=nw, num_stages=ns, num_splits=sp, trans=trans, asm=asm_)
-                t = time_cuda(fn, sets, reps=20, warmup=3)
-                tb = kv4_bytes(B, Hq, Hkv, D, L, 1, False) / (t["median_ms"] * 1e-3) / 1e12
-                r = {"L": L, "page": page, "block_n": bn, "warps": nw, "stages": ns, "splits": sp, "trans": trans, "asm": asm_,
-                     "ms": t["median_ms"], "TBps": tb}
-                rows.append(r)
-                print(r, flush=True)
-                del sets
-                torch.cuda.empty_cache()
-            except Exception as exc:
-                print("sweep config failed", page, bn, nw, ns, sp, trans, asm_, type(exc).__name__, str(exc)[:300], flush=True)
+    # (B, L, trans, warps, block_n, stages, splits, lazy, qk_int8); splits None = choose_splits,
+    # ("w", x) = choose_splits with min_waves x; lazy ("maxnreg", n) = register cap n (default: kernel default)
+    D0 = ("maxnreg", dk.DEFAULT_MAXNREG)
+    configs = [(16, 8192, False, 1, 16, 3, None, D0, True), (16, 8192, False, 1, 16, 3, ("w", 0.95), D0, True),
+               (16, 8192, False, 1, 16, 3, ("w", 2.9), D0, True), (16, 8192, False, 1, 16, 3, None, D0, False),
+               (16, 8192, False, 1, 32, 3, None, ("maxnreg", 168), True), (16, 8192, True, 4, 64, 2, None, True, True),
+               (16, 8192, False, 1, 16, 3, ("w", 0.95), D0, False), (16, 8192, False, 1, 32, 3, None, ("maxnreg", 168), False),
+               (16, 8192, False, 1, 16, 3, None, ("maxnreg", 0), False), (16, 8192, False, 1, 32, 3, None, ("maxnreg", 0), False),
+               (16, 8192, False, 1, 16, 4, None, D0, True), (16, 8192, False, 1, 16, 2, None, D0, True)]
+    configs += [(16, 32768, False, 1, 16, 3, None, D0, True), (16, 32768, False, 1, 16, 3, ("w", 0.95), D0, True),
+                (16, 32768, True, 4, 64, 2, None, True, True)]
+    configs += [(1, 32768, False, 1, 16, 3, None, D0, True), (1, 32768, False, 1, 16, 3, ("w", 0.95), D0, True),
+                (1, 32768, True, 4, 64, 2, None, True, True)]
+    if a.cpu_smoke:  # the code path only, on tiny shapes
+        configs = [(2, 40, False, 1, 16, 3, None, True, False), (2, 40, False, 1, 16, 3, ("w", 0.95), ("maxnreg", 128), True)]
+    cache = {}
+    for (B, L, trans, nw, bn, ns, sp, lazy, q8) in configs:
+        mr = 0  # 0 = no cap (the launcher's None means the kernel default)
+        if isinstance(lazy, tuple):  # ("maxnreg", n): register cap (occupancy of 1-warp programs)
+            mr, lazy = lazy[1], True
+        waves = dk.DEFAULT_MIN_WAVES
+        if isinstance(sp, tuple):
+            waves, sp = sp[1], None
+        key = (trans, nw, bn, lazy, q8)
+        if not a.cpu_smoke and not VARIANT_OK.get(key, key not in VARIANTS):
+            continue
+        try:
+            if (B, L) not in cache:
+                cache.clear()
+                if a.cpu_smoke:
+                    cache[(B, L)] = [(torch.randn(B, Hq, 1, D, dtype=torch.bfloat16),
+                                      random_cache(B, Hkv, D, L, page=16, device="cpu"))]
+                else:
+                    torch.cuda.empty_cache()
+                    cache[(B, L)] = rotating_inputs(lambda: (torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16),
+                                                             random_cache(B, Hkv, D, L)))
+            sets = cache[(B, L)]
+            dk.DEFAULT_MIN_WAVES = waves
+            fn = lambda q, c: decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
+                                               c["page_table"], c["lengths"], max_len=L, block_n=bn, num_warps=nw,
+                                               num_stages=ns, num_splits=sp, trans=trans, lazy=lazy, maxnreg=mr,
+                                               qk_int8=q8)
+            if mr:  # a register cap may spill: check it too
+                so = fn(*sets[0])
+                c0 = sets[0][1]
+                from lowbit.ops.kv4 import decode_kv4_ref
+                q0 = sets[0][0][:2]
+                c2 = dict(c0, lengths=c0["lengths"][:2], page_table=c0["page_table"][:2])
+                e = rel(so[:2], decode_kv4_ref(q0, q_int8=q8, **c2))
+                if not e < 5e-3:
+                    print("maxnreg config WRONG", mr, e, flush=True)
+                    continue
+            t = _time(fn, sets)
+            tb = kv4_bytes(B, Hq, Hkv, D, L, 1, False) / (t["median_ms"] * 1e-3) / 1e12
+            nsp = dk.LAST_LAUNCH.get("num_splits")
+            r = {"B": B, "L": L, "trans": trans, "warps": nw, "block_n": bn, "stages": ns, "splits": sp, "splits_used": nsp,
+                 "lazy": lazy, "qk_int8": q8, "maxnreg": mr or None, "min_waves": waves, "ms": t["median_ms"], "TBps": tb}
+            rows.append(r)
+            print(r, flush=True)
+        except Exception as exc:
+            print("sweep config failed", B, L, trans, nw, bn, ns, sp, lazy, q8, type(exc).__name__, str(exc)[:300], flush=True)
+    dk.DEFAULT_MIN_WAVES = MIN_WAVES0
+    cache.clear()
+    if not a.cpu_smoke:
+        torch.cuda.empty_cache()
     RESULTS["sweep"] = rows
     if rows:
-        best = min((r for r in rows if r["L"] == 8192 and r["page"] == 64 and r["block_n"] == 64 and r["splits"] is None),
-                   key=lambda r: r["ms"], default=None)
-        SUMMARY.append(f"sweep best @8k (page 64): {best}")
+        best = min((r for r in rows if r["L"] == 8192 and r["B"] == 16 and r["splits"] is None and not r["qk_int8"]),
+                   key=lambda r: r["ms"], default=None)  # the default stays fp16 Q (accuracy); QK8 is its own provider
+        SUMMARY.append(f"sweep best @B=16 8k: {best}")
+        for r in sorted(rows, key=lambda r: (r["B"], r["L"], r["ms"])):
+            SUMMARY.append(f"  sweep {r}")
         if best is not None:  # the suite below runs the fastest correct variant
-            import lowbit.kernels.decode_kv4 as dk
+            dk.DEFAULT_TRANS, dk.DEFAULT_WARPS, dk.DEFAULT_STAGES = best["trans"], best["warps"], best["stages"]
+            dk.DEFAULT_BLOCK_N, dk.DEFAULT_LAZY = best["block_n"], best["lazy"]
+            dk.DEFAULT_MAXNREG = best["maxnreg"]
+            dk.DEFAULT_MIN_WAVES = best["min_waves"]
+            import lowbit.ops.kv4 as okv
 
-            dk.DEFAULT_TRANS, dk.DEFAULT_ASM = best["trans"], best["asm"]
-            dk.DEFAULT_WARPS, dk.DEFAULT_STAGES = best["warps"], best["stages"]
+            assert not best["qk_int8"] and not okv.Q_INT8_DEFAULT
             RESULTS["suite_variant"] = best
 
 
@@ -292,9 +360,11 @@ def accuracy():
 section("check", checks)
 if not a.cpu_smoke:
     section("asm", asm)
-    section("sweep", sweep)
+section("sweep", sweep)
+if not a.cpu_smoke:
     section("suite", suite)
-section("acc", accuracy)
+if a.accuracy:
+    section("acc", accuracy)
 
 with open(os.path.join(a.out, "kv4_device.json"), "w") as f:
     json.dump(RESULTS, f, indent=1, default=str)

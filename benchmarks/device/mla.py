@@ -70,11 +70,11 @@ def checks():
     cases = [  # B, H, Sq, lens, dc, dr, page, splits
         (3, 128, 1, [5000, 777, 64], 512, 64, 64, None),
         (2, 128, 2, [3001, 129], 512, 64, 64, 3),
-        (2, 128, 4, [1000, 4], 512, 64, 64, None),
         (4, 16, 3, [300, 17, 64, 65], 512, 64, 64, 1),
-        (2, 64, 1, [20000, 9000], 512, 64, 64, None),
-        (1, 128, 1, [32768], 512, 64, 64, 1),  # one split: 1024 blocks accumulated in the wgmma accumulator
     ]
+    if os.environ.get("MLA_CHECK_ALL", "0") == "1":
+        cases += [(2, 128, 4, [1000, 4], 512, 64, 64, None), (2, 64, 1, [20000, 9000], 512, 64, 64, None),
+                  (1, 128, 1, [32768], 512, 64, 64, 1)]  # one split: 1024 blocks in the wgmma accumulator
     if a.cpu_smoke:
         cases = [(3, 4, 2, [37, 5, 70], 64, 16, 16, 2), (2, 8, 1, [20, 33], 64, 16, 16, None)]
     for (B, H, Sq, lens, dc, dr, page, ns) in cases:
@@ -93,6 +93,8 @@ def checks():
                 if fp8:
                     e3 = rel(mla_decode(q, cache, pt, sl, num_splits=ns, pv_fp8=False), r)
                     log(name + " bf16-PV variant vs f64", e3, e3 < 2e-2)
+                    e4 = rel(mla_decode(q, cache, pt, sl, num_splits=ns, pv16=True), r)
+                    log(name + " fp16-PV variant vs f64", e4, e4 < 2e-2)
                 if fp8:
                     from lowbit.kernels.mla_quant import latent_quant_triton
                     q3 = q.reshape(B * Sq * H, dc + dr)
@@ -104,6 +106,20 @@ def checks():
                     re_ = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"]))
                     e2 = rel(o2.view(B, Sq, H, dc), re_)
                     log(name + f" vs emulated-P ref (plan {plan['splits']}x{plan['chunk']})", e2, e2 < 8e-3)
+                    # the prmt V transpose (default) must be bit-equal to Triton's byte transpose
+                    o3 = mla_decode_triton(
+                        qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                        cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl, num_heads=H, sm_scale=(dc + dr) ** -0.5,
+                        max_seq_len=max(lens), page_size=page, fp8=True, num_splits=ns, v_prmt=False)
+                    nd = int((o2.float() != o3.float()).sum())
+                    log(name + f" prmt-V (v_prmt={plan.get('v_prmt')}) vs byte-V: differing elements", f"{nd}", nd == 0)
+                    o4, plan4 = mla_decode_triton(
+                        qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                        cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl, num_heads=H, sm_scale=(dc + dr) ** -0.5,
+                        max_seq_len=max(lens), page_size=page, fp8=True, num_splits=ns, pv16=True, return_plan=True)
+                    re4 = mla_decode_ref(q, cache, pt, sl, p_block=(plan4["block_n"], plan4["chunk"], 0.0, torch.float16))
+                    e5 = rel(o4.view(B, Sq, H, dc), re4)
+                    log(name + " fp16-PV vs its emulated-P ref", e5, e5 < 8e-3)
             except Exception as exc:
                 traceback.print_exc()
                 log(name, f"{type(exc).__name__}: {exc}"[:200], False)
@@ -137,6 +153,28 @@ def checks():
 
 
 # ------------------------------------------------------------------------------------- (2) asm
+def asm_info(k):
+    """What Triton generated: wgmma kinds, shared-store widths, spills, registers."""
+    from collections import Counter
+
+    ptx = k.asm.get("ptx", "")
+    try:
+        k._init_handles()
+    except Exception:
+        pass
+    return {
+        "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+        "shared_bytes": getattr(k.metadata, "shared", None),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma.sync": len(re.findall(r"\bmma\.sync", ptx)),
+        "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*e4m3", ptx)),
+        "wgmma_bf16": len(re.findall(r"wgmma\.mma_async\S*bf16", ptx)),
+        "st.shared": dict(Counter(re.findall(r"(st\.shared[\w\.:]*)", ptx))),
+        "prmt": len(re.findall(r"\bprmt", ptx)),
+        "ld.global.v4": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "cp.async": len(re.findall(r"cp\.async\.c", ptx)),
+        "ld.local": len(re.findall(r"ld\.local", ptx)),
+    }
+
+
 def asm():
     from lowbit.bench.suites.mla import make_caches
     from lowbit.kernels.mla_decode import mla_decode_triton
@@ -160,19 +198,8 @@ def asm():
                                     return_plan=True)
         k = plan["kernel"]
         ptx = k.asm.get("ptx", "")
-        try:
-            k._init_handles()
-        except Exception:
-            pass
-        info = {
-            "fp8": fp8, "splits": plan["splits"], "block_n": plan["block_n"],
-            "n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
-            "shared_bytes": getattr(k.metadata, "shared", None),
-            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "mma.sync": len(re.findall(r"\bmma\.sync", ptx)),
-            "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*e4m3", ptx)),
-            "ld.global.v4": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)), "cp.async": len(re.findall(r"cp\.async\.c", ptx)),
-            "local": len(re.findall(r"\.local", ptx)), "ld.local": len(re.findall(r"ld\.local", ptx)),
-        }
+        info = {"fp8": fp8, "splits": plan["splits"], "block_n": plan["block_n"], "v_prmt": plan.get("v_prmt"),
+                **asm_info(k)}
         lines.append(json.dumps(info))
         print(info, flush=True)
         with open(os.path.join(a.out, f"mla_decode_{'fp8' if fp8 else 'bf16'}.ptx"), "w") as f:
@@ -194,11 +221,11 @@ def suite():
     ceil = harness.measure_ceilings()
     print({k: round(v, 2) for k, v in ceil.items()}, flush=True)
     rec = harness.Recorder("mla", ceilings=ceil)
-    budget = 95 - (time.time() - T0)
+    budget = 85 - (time.time() - T0)
     cases = mla_suite.CASES_QUICK if (a.quick or budget < 45) else mla_suite.CASES_FULL
     def save():
         return rec.write(a.out, baseline=mla_suite.BASELINE, command=" ".join(sys.argv))
-    mla_suite.run(rec, quick=a.quick, cases=cases, after_case=save, deadline=T0 + 88)
+    mla_suite.run(rec, quick=a.quick, cases=cases, after_case=save, deadline=T0 + 78)
     path = save()
     print(open(path.with_suffix(".md")).read(), flush=True)
     cell = {}
@@ -208,11 +235,14 @@ def suite():
     for key in dict.fromkeys(k for k, _ in cell):
         b, f, m = cell.get((key, "lowbit-bf16")), cell.get((key, "lowbit-fp8")), cell.get((key, "bmm-bf16"))
         f2 = cell.get((key, "lowbit-fp8-bf16pv"))
+        f3 = cell.get((key, "lowbit-fp8-f16pv"))
         s = f"B,H,Sq,L={key}:"
         if b and f:
             s += f" fp8/bf16 {b['median_ms'] / f['median_ms']:.2f}x"
         if b and f2:
             s += f" fp8(bf16 PV)/bf16 {b['median_ms'] / f2['median_ms']:.2f}x"
+        if b and f3:
+            s += f" fp8(fp16 PV)/bf16 {b['median_ms'] / f3['median_ms']:.2f}x"
         if b and m:
             s += f" bf16/bmm {m['median_ms'] / b['median_ms']:.2f}x"
         if b:
@@ -223,8 +253,19 @@ def suite():
 
 
 # ------------------------------------------------------------------------------------- sweep
+SWEEP = [  # name, fp8, block_n, warps, stages, launcher options (R6: the defaults and their nearest rivals)
+    ("fp8 prmt-V(lanes on tokens) ahead bn64 imp512 (default)", True, 64, 8, 2, dict(v_prmt=2, s_ahead=True)),
+    ("fp8 prmt-V(lanes on tokens) bn64 imp512", True, 64, 8, 2, dict(v_prmt=2, s_ahead=False)),
+    ("fp8 prmt-V(lanes on tokens) ahead bn32 imp512", True, 32, 8, 2, dict(v_prmt=2, s_ahead=True)),
+    ("fp8 f16-PV (K tile reused) bn32 st3 imp512", True, 32, 8, 3, dict(pv16=True, s_ahead=False)),
+    ("bf16 bn64 st2 (default)", False, 64, 8, 2, dict(s_ahead=False)),
+    ("bf16 bn64 st2 tau8", False, 64, 8, 2, dict(s_ahead=False, tau=8.0)),
+]
+
+
 def sweep():
-    """A few kernel configs on one compute-heavy shape (B=32, H=128, L=16384, Sq=1)."""
+    """The FP8 V-path variants and a few bf16 configs on one compute-heavy shape (B=32, H=128,
+    L=16384, Sq=1), each with what Triton generated (wgmma kinds, st.shared widths, spills)."""
     from lowbit.bench.harness import time_cuda
     from lowbit.bench.suites.mla import make_caches
     from lowbit.kernels.mla_decode import mla_decode_triton
@@ -236,12 +277,10 @@ def sweep():
     qc8, qs8, qr8 = latent_quant_triton(q.view(-1, 576), 512)
     fl = 2.0 * B * H * L * (2 * 512 + 64)
     rows = []
-    for fp8, bn, warps, stages, promote, pre, pvf in (
-            (False, 64, 8, 2, False, True, True), (False, 32, 8, 3, False, True, True),
-            (True, 32, 8, 2, False, True, True), (True, 32, 8, 2, False, True, False), (True, 32, 8, 3, False, True, False),
-            (True, 64, 8, 2, False, True, False), (True, 32, 8, 2, False, False, False)):
-        if time.time() - T0 > 55:
+    for name, fp8, bn, warps, stages, opts in SWEEP:
+        if time.time() - T0 > float(os.environ.get("MLA_SWEEP_UNTIL", "45")):
             break
+        r = {"name": name, "fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, **opts}
         try:
             if fp8:
                 args = (qc8.view(B, H, 512), qr8.view(B, H, 64), qs8.view(B, H), *(x.flatten(0, 1) for x in caches["fp8"]))
@@ -249,20 +288,24 @@ def sweep():
                 kv = caches["bf16"]
                 args = (q[..., :512], q[..., 512:], None, kv[0].flatten(0, 1), kv[1].flatten(0, 1), None)
 
-            def fn():
+            def fn(plan=False):
                 return mla_decode_triton(*args, caches["page_table"], caches["seq_lens"], num_heads=H, sm_scale=576 ** -0.5,
                                          max_seq_len=L, page_size=64, fp8=fp8, block_n=bn, num_warps=warps,
-                                         num_stages=stages, pv_promote=promote, v_prefetch=pre, pv_fp8=pvf)
+                                         num_stages=stages, return_plan=plan, **opts)
+            _, plan = fn(True)
             t = time_cuda(fn, [()], warmup=3, reps=20)
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "pv_fp8": pvf, "ms": t["median_ms"],
-                 "TFLOPs": fl / t["median_ms"] / 1e9}
+            r.update(ms=t["median_ms"], TFLOPs=fl / t["median_ms"] / 1e9, splits=plan["splits"],
+                     v_prmt=plan.get("v_prmt"), **asm_info(plan["kernel"]))
         except Exception as exc:
-            r = {"fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, "promote": promote, "prefetch": pre, "pv_fp8": pvf, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            r["error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(r, flush=True)
         rows.append(r)
     RESULTS["sweep"] = rows
-    SUMMARY.append("sweep: " + "; ".join(f"fp8={r['fp8']} bn={r['block_n']} w={r['warps']} st={r['stages']} pr={r['promote']} pf={r['prefetch']} pvfp8={r['pv_fp8']} "
-                                         + (f"{r['TFLOPs']:.0f} TF/s" if "ms" in r else "ERR") for r in rows))
+    SUMMARY.append("sweep (B=32 H=128 L=16k):")
+    for r in rows:
+        SUMMARY.append(f"  {r['name']}: " + (f"{r['ms']:.4f} ms {r['TFLOPs']:.0f} TF/s regs {r['n_regs']} spills {r['n_spills']} "
+                                             f"smem {r['shared_bytes']} wgmma e4m3/bf16 {r['wgmma_e4m3']}/{r['wgmma_bf16']} "
+                                             f"st.shared {r['st.shared']}" if "ms" in r else f"ERR {r['error']}"))
     del caches
     torch.cuda.empty_cache()
 
@@ -282,14 +325,11 @@ def acc():
 
 section("check", checks)
 if not a.cpu_smoke:
+    section("sweep", sweep)
     section("asm", asm)
-    if os.environ.get("MLA_SWEEP_FIRST", "1") == "1":
-        section("sweep", sweep)
-        section("suite", suite)
-    else:
-        section("suite", suite)
-        section("sweep", sweep)
-section("acc", acc)
+    section("suite", suite)
+if a.cpu_smoke or os.environ.get("MLA_ACC", "1") == "1":  # cheap (~2 s); the kernel row uses the defaults
+    section("acc", acc)
 with open(os.path.join(a.out, "mla_results.json"), "w") as f:
     json.dump(RESULTS, f, indent=1, default=str)
 stamp("summary")

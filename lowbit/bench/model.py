@@ -41,8 +41,10 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
 FULL_LAYERS = 32
-RECIPES = ("fireq", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "flute-nf3")
-VARIANTS = {"fireq+fused": ("fireq", {"fuse_mlp": True})}  # provider -> (recipe, options)
+RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3")
+# provider -> (recipe, options): "+head" = lm_head quantized too (recipe option lm_head=True)
+VARIANTS = {"fireq+fused": ("fireq", {"fuse_mlp": True}), "fireq+head": ("fireq", {"lm_head": True}),
+            "qserve+head": ("qserve", {"lm_head": True})}
 BASELINE = "bf16"
 
 
@@ -112,7 +114,7 @@ def _prefill_fn(gen, B, S, vocab, dev):
 
 def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode_batches, decode_ctx,
                      deadline: _Deadline, memory: dict, note: str | None = None, hf: bool = False,
-                     profile_dir=None) -> None:
+                     profile_dir=None, profiles: dict | None = None) -> None:
     from lowbit.bench.harness import time_cuda
     from lowbit.models.generate import Generator
 
@@ -120,6 +122,12 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
     vocab = model.config.vocab_size
     wb = weight_bytes(model, layers)
     memory.setdefault(name, {}).update(weights=wb)
+    if profile_dir is not None and profiles is not None and not deadline.out():
+        try:  # first: the profile is what the next round's work is chosen from
+            profiles[name] = profile_provider(name, model, profile_dir, layers=layers)
+        except Exception as exc:
+            traceback.print_exc()
+            print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
     scale_note = f"measured with {layers} of 32 layers + head-only step, scaled to 32 layers"
     full_note = scale_note + (f"; {note}" if note else "")
     B = 16
@@ -179,39 +187,127 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
                 rec.record(case, name, None, note=f"error: {type(exc).__name__}: {str(exc)[:300]}")
                 traceback.print_exc()
             torch.cuda.empty_cache()
-    if profile_dir is not None and not deadline.out():
-        try:
-            profile_provider(name, model, profile_dir, layers=layers)
-        except Exception as exc:
-            print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
 
 
-def profile_provider(name: str, model, out_dir, *, layers: int) -> None:
-    """Kernel-time tables (torch.profiler, CUDA activity) of one eager decode step (batch 1, ctx
-    1024) and one prefill (16 x 1024) of the ``layers``-layer model: where the time goes."""
+SECTIONS = ("embed+rope tables", "norm+qkv", "rope", "kv write", "attention", "kv write+attention", "o_proj+mlp",
+            "norm+lm_head")
+
+
+def _kernel_class(name: str) -> str:
+    """Coarse class of a CUDA kernel name (for the per-kernel half of the profile)."""
+    n = name.lower()
+    for key, cls in (("w4a8_fp8_gemm", "w4a8-fp8 GEMM"), ("w4a8_int8", "w4a8-int8 GEMM"), ("lut", "LUT GEMM"),
+                     ("splitk", "split-K reduce"), ("per_token_quant", "act quant"), ("kv4_append", "kv4 append"),
+                     ("decode_kv4", "kv4 decode attn"), ("combine", "kv4 decode attn"), ("attn", "attention"),
+                     ("sdpa", "attention"), ("flash", "attention"), ("fmha", "attention"), ("kv_quant", "attention"),
+                     ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"), ("cutlass", "cuBLAS GEMM"),
+                     ("reduce_kernel", "torch reduce (norm)"), ("cat", "torch cat/copy"), ("copy", "torch cat/copy"),
+                     ("index", "torch index/gather"), ("gather", "torch index/gather"),
+                     ("elementwise", "torch elementwise")):
+        if key in n:
+            return cls
+    return "other"
+
+
+def profile_step(gen, fn, *, graph_fn=None) -> dict:
+    """Profile one call of ``fn`` (eager) with the runner's section labels: GPU time per section,
+    per kernel class, kernel count; ``graph_fn`` (the CUDA-graph version) is timed beside it."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from lowbit.bench.harness import time_cuda
+
+    gen.profile_sections = True
+    try:
+        with torch.no_grad():
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+    finally:
+        gen.profile_sections = False
+    sections, spans, classes, n_kernels, total = {}, {}, {}, 0, 0.0
+    for e in prof.events():  # raw events: CPU labels (kernels of their children) and CUDA kernels
+        if e.name in SECTIONS:
+            if e.device_type == DeviceType.CPU:
+                sections[e.name] = sections.get(e.name, 0.0) + e.device_time_total
+            else:  # the GPU-side copy of a label: its span on the GPU
+                spans[e.name] = spans.get(e.name, 0.0) + e.device_time_total
+        elif e.device_type == DeviceType.CUDA:
+            c = _kernel_class(e.name)
+            classes[c] = classes.get(c, 0.0) + e.device_time_total
+            n_kernels += 1
+            total += e.device_time_total
+    out = {"sections_us": sections, "section_spans_us": spans, "kernel_classes_us": classes, "kernels": n_kernels,
+           "gpu_sum_us": total,
+           "top_kernels": prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14)}
+    t_eager = time_cuda(fn, [()], warmup=2, reps=10, chunk=10)
+    out["eager_us"] = t_eager["median_ms"] * 1e3
+    if graph_fn is not None:
+        t = time_cuda(graph_fn, [()], warmup=3, reps=30)
+        out["graph_us"] = t["median_ms"] * 1e3
+    return out
+
+
+def profile_provider(name: str, model, out_dir, *, layers: int, decode_batch: int = 1, ctx: int = 1024,
+                     prefill: bool = True, extra_decode_batches=(64,)) -> dict:
+    """Per-section and per-kernel-class GPU time of one decode step (batch ``decode_batch``, ``ctx``
+    cached; eager with labels, plus the CUDA-graph step time) and of one prefill (16 x 1024) of the
+    ``layers``-layer model. Writes ``profile_<name>.txt``; returns the numbers."""
     from lowbit.models.generate import Generator
 
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
-    gen = Generator(model, max_batch=1, max_seq=1025, layers=layers, cuda_graphs=False)
-    tok = torch.randint(0, vocab, (1,), device=dev)
-    pos = torch.full((1,), 1024, device=dev)
-    runs = [("decode B=1 ctx=1024 (eager, one step)", lambda: gen._step(tok, pos))]
-    gp = Generator(model, max_batch=16, max_seq=1024, layers=layers, cuda_graphs=False)
-    runs.append(("prefill B=16 S=1024", _prefill_fn(gp, 16, 1024, vocab, dev)))
+    res = {}
+    for bd in (decode_batch, *extra_decode_batches):
+        gen = Generator(model, max_batch=bd, max_seq=ctx + 1, layers=layers)
+        tok = torch.randint(0, vocab, (bd,), device=dev)
+        pos = torch.full((bd,), ctx, device=dev)
+        gen.decode(tok, pos)  # capture
+        key = "decode" if bd == decode_batch else f"decode B={bd}"
+        res[key] = profile_step(gen, lambda: gen._step(tok, pos), graph_fn=lambda: gen.decode(tok, pos))
+        del gen
+    if prefill:
+        gp = Generator(model, max_batch=16, max_seq=1024, layers=layers, cuda_graphs=False)
+        res["prefill"] = profile_step(gp, _prefill_fn(gp, 16, 1024, vocab, dev))
+        del gp
     with open(Path(out_dir) / f"profile_{name}.txt", "w") as f:
-        for label, fn in runs:
-            with torch.no_grad():
-                fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    fn()
-                    torch.cuda.synchronize()
-            f.write(f"== {name}: {label}, {layers} layers\n")
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22) + "\n")
-    del gen, gp
+        for k, r in res.items():
+            f.write(f"== {name}: {k} ({layers} layers)\n{r['top_kernels']}\n")
+    for r in res.values():
+        r.pop("top_kernels")
+    torch.cuda.empty_cache()
+    return res
+
+
+def profile_table(profiles: dict, layers: int) -> str:
+    """Markdown table: providers side by side, per section and kernel class, us per step (raw,
+    ``layers`` layers + head; not scaled)."""
+    lines = []
+    phases = list(dict.fromkeys(k for p in profiles for k in profiles[p]))
+    for phase in phases:
+        provs = [p for p in profiles if phase in profiles[p]]
+        if not provs:
+            continue
+        lines += [f"### {phase} ({layers} layers + head, us, eager with labels)", "",
+                  "| section / kernel class | " + " | ".join(provs) + " |", "|---|" + "---|" * len(provs)]
+        keys = list(dict.fromkeys(k for p in provs for k in profiles[p][phase]["sections_us"]))
+        for k in keys:
+            lines.append(f"| section: {k} | " + " | ".join(
+                f"{profiles[p][phase]['sections_us'].get(k, 0):.1f} "
+                f"(span {profiles[p][phase]['section_spans_us'].get(k, 0):.1f})" for p in provs) + " |")
+        keys = sorted(dict.fromkeys(k for p in provs for k in profiles[p][phase]["kernel_classes_us"]))
+        for k in keys:
+            lines.append(f"| kernels: {k} | " + " | ".join(
+                f"{profiles[p][phase]['kernel_classes_us'].get(k, 0):.1f}" for p in provs) + " |")
+        for k, lab in (("kernels", "kernel launches"), ("gpu_sum_us", "sum of kernel times"),
+                       ("eager_us", "eager wall per call"), ("graph_us", "CUDA-graph wall per call")):
+            lines.append(f"| {lab} | " + " | ".join(
+                (f"{profiles[p][phase][k]:.1f}" if isinstance(profiles[p][phase].get(k), float)
+                 else str(profiles[p][phase].get(k, "-"))) for p in provs) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _hf_prefill_row(rec, model, B, S, layers, deadline):
@@ -230,8 +326,10 @@ def _hf_prefill_row(rec, model, B, S, layers, deadline):
 
 def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefill_seqs=None, decode_batches=None,
         decode_ctx=None, time_budget_s: float | None = None, command: str | None = None,
-        profile: bool = False) -> Path:
-    """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``."""
+        profile=False) -> Path:
+    """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``.
+    ``profile``: False, True (bf16 and fireq) or a tuple of provider names to profile first
+    (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
     from lowbit.bench.harness import Recorder
 
     prefill_seqs = prefill_seqs or ([1024, 4096] if quick else [1024, 2048, 4096])
@@ -240,6 +338,8 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
     rec = Recorder("model")
     deadline = _Deadline(time_budget_s)
     memory: dict = {}
+    profiles: dict = {}
+    prof_set = set(("bf16", "fireq") if profile is True else (profile or ()))
     rec.note(f"Llama-3-8B shapes, random bf16 weights, {layers} decoder layers measured and scaled to 32 "
              "(t_32 = t_head + 32/layers * (t_layers - t_head)); prefill = 16 x seq tokens, lm_head on the last "
              "token only; decode = one token per request with ctx tokens cached, CUDA graphs")
@@ -247,7 +347,7 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
     print("== bf16", flush=True)
     measure_provider(rec, "bf16", model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
                      decode_ctx=decode_ctx, deadline=deadline, memory=memory, hf=True,
-                     profile_dir=out_dir if profile else None)
+                     profile_dir=out_dir if "bf16" in prof_set else None, profiles=profiles)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -284,13 +384,17 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
         rec.note(f"{name}: quantized {layers} layers in {time.time() - t0:.1f} s")
         measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
                          decode_ctx=decode_ctx, deadline=deadline, memory=memory, note=note,
-                         profile_dir=out_dir if (profile and name == "fireq") else None)
+                         profile_dir=out_dir if name in prof_set else None, profiles=profiles)
         del model
         gc.collect()
         torch.cuda.empty_cache()
     path = rec.write(out_dir, baseline=BASELINE, command=command)
     out = Path(out_dir)
     (out / "model_memory.json").write_text(json.dumps(memory, indent=1))
+    if profiles:
+        (out / "model_profile.json").write_text(json.dumps(profiles, indent=1))
+        (out / "model_profile.md").write_text(profile_table(profiles, layers))
+        print(profile_table(profiles, layers), flush=True)
     summary = summarize(json.loads(path.read_text()), memory)
     (out / "model_summary.md").write_text(summary)
     try:

@@ -12,17 +12,22 @@ Operand formats (every tensor keeps the attention layout ``[B, H, S, D]``)
     codes  [B, H, S, D]
     scale  float32 [B, H, cdiv(S, v_block), D]
 
-  ``v_granularity="block"`` (default; the authors' stated future work, and what their CUDA code
-  does): amax over the ``v_block`` tokens of each channel. ``"tensor"`` (the paper's Algorithm 1):
-  one amax per (batch, head) over all tokens and channels, written into every entry so both share
-  one layout. A per-channel scale factors out of the sum over tokens in ``P V``, so the kernel
+  ``v_granularity="channel"`` (the int8 default; the authors' stated future work, and what their
+  CUDA code does): amax over the ``v_block`` tokens of each channel. ``"block"``: one scale per ``v_block`` tokens (the fp8 default, ``[B, H, NB]``).
+  ``"tensor"`` (the paper's Algorithm 1): one amax per (batch, head) over all tokens and
+  channels, written into every entry so both share one layout. A per-channel scale factors out
+  of the sum over tokens in ``P V``, so the kernel
   multiplies the ``[BLOCK_M, D]`` block product once per KV block (``BLOCK_N`` divides ``v_block``).
 
 ``P`` (the softmax numerator, always taken against the **running** row max ``m``, Algorithm 1):
 
 * INT8 (``mode="int8"``): ``P = round(127 * exp(S - m))`` in [0, 127], i.e. the fixed scale
   S_P = 1/R with R = 127 (the paper's "R = 256" in §3.2 would overflow INT8; the digest §1.3).
-  Rounding is to nearest even (the fp32 adder with 1.5*2^23, as everywhere in lowbit).
+  Rounding is to nearest even (the fp32 adder with 1.5*2^23, as everywhere in lowbit). The exp2
+  argument is ``S2 - (m - log2 127) - (|m| + c q_s) 2^-21``: the small margin (< 2^-11 for
+  |m| < 1024, and it cancels in O = acc / l) bounds the fp32 rounding of m and of the one-FFMA
+  argument, so the row max never rounds to 128 (which would wrap) and no per-score clamp is
+  needed; c q_s is the offset of the per-block-K form (0 with per-token K).
   ``l`` is summed from the **quantized** P (Algorithm 1 line 13; their Triton code sums the
   float P instead): numerator and denominator then carry the same rounding and the factor R
   cancels in O = acc / l. Option ``p_block`` (not the paper): P against the *block's* row max
@@ -191,6 +196,12 @@ def _expand(t: torch.Tensor, hq: int) -> torch.Tensor:
     return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
+def _int8_sub(s0: torch.Tensor, cq) -> torch.Tensor:
+    """The INT8 P's row constant: ``(s0 - log2 127) + (|s0| + c q_s) 2^-21`` (fp32), the rounding
+    margin that keeps every code <= 127 without a clamp (module docstring)."""
+    return (s0 - math.log2(P_SCALE_INT8)) + (s0.abs() + cq) * 2.0 ** -21
+
+
 def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int = 128,
                         out_dtype: torch.dtype = torch.float32, p_block: bool = False) -> torch.Tensor:
     """Replay the kernel's numerics in float32 on operands from ``quantize_qkv``.
@@ -266,11 +277,11 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
             if p_block:  # P against the block's row max, block rescaled by beta = exp2(m_block - m)
                 mb_use = torch.where(torch.isinf(mb), m_use, mb)
                 beta = torch.exp2(mb_use - m_use)
-                p = quantize_p_int8(torch.exp2(arg(mb_use - math.log2(P_SCALE_INT8))).clamp(max=P_SCALE_INT8))
+                p = quantize_p_int8(torch.exp2(arg(_int8_sub(mb_use, c * qsb_row))))
                 l = l * alpha + p.sum(-1) * beta
                 pv = torch.matmul(p, vb) * beta.unsqueeze(-1)
             else:
-                p = quantize_p_int8(torch.exp2(arg(m_use - math.log2(P_SCALE_INT8))).clamp(max=P_SCALE_INT8))
+                p = quantize_p_int8(torch.exp2(arg(_int8_sub(m_use, c * qsb_row))))
                 l = l * alpha + p.sum(-1)
                 pv = torch.matmul(p, vb)
         elif mode == "fp8":

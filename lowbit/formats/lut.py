@@ -67,6 +67,7 @@ __all__ = [
     "BITS", "GROUP_SIZES", "SCALE_DTYPES", "nf_table", "int_table", "make_table", "table_is_uniform",
     "LUTWeight", "quantize_lut", "dequantize_lut", "nearest_codes", "pack_codes", "unpack_codes",
     "packed_shapes", "packed_k", "pack_lut", "pair_table", "pack_block", "codes_per_word", "bits_per_weight",
+    "MMA_CHUNK", "mma_shapes", "mma_packed_shapes", "mma_layout_ok", "pack_codes_mma", "unpack_codes_mma",
 ]
 
 
@@ -313,3 +314,115 @@ def pair_table(table: torch.Tensor, bits: int, dtype: torch.dtype = torch.bfloat
     t = table.detach().to("cpu", torch.float32).to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
     v = t[c0] | (t[c1] << 16)
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32).view(dtype).reshape(-1, 2)
+
+
+# ----------------------------------------------------------------------------- MMA fragment layout
+MMA_CHUNK = {4: 64, 3: 128}  # K codes per row tile per loop step of the fragment kernel (4 / 8 mma k-steps)
+
+
+def mma_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[int, int]:
+    """(row tiles NRT = ceil(N/16), chunks NC = Kp/chunk) of the fragment layout; Kp = K padded to
+    the group size (the reference padding), so no chunk straddles a scale group."""
+    if _check_bits(bits) not in MMA_CHUNK:
+        raise ValueError(f"the fragment layout is implemented for bits 3 and 4, got {bits}")
+    kp = -(-k // group_size) * group_size
+    if kp % MMA_CHUNK[bits]:
+        raise ValueError(f"group_size must be a multiple of {MMA_CHUNK[bits]} for the {bits}-bit fragment layout")
+    return -(-n // 16), kp // MMA_CHUNK[bits]
+
+
+def mma_layout_ok(bits: int, group_size: int) -> bool:
+    """Whether the fragment layout exists for (bits, group_size): 4-bit g >= 64, 3-bit g >= 128."""
+    return bits in MMA_CHUNK and group_size % MMA_CHUNK[bits] == 0
+
+
+def mma_packed_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[tuple, torch.dtype, tuple | None]:
+    """(qweight shape, dtype, qweight_hi shape or None) of the fragment layout."""
+    nrt, nc = mma_shapes(n, k, bits, group_size)
+    return (nrt, nc * 128), torch.int32, ((nrt, nc * 64) if bits == 3 else None)
+
+
+def _words(c: torch.Tensor, width: int) -> torch.Tensor:
+    """int64 [..., n] fields of ``width`` bits (first = least significant) -> int32 [...]."""
+    shifts = torch.arange(c.shape[-1], device=c.device, dtype=torch.int64) * width
+    words = (c << shifts).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_codes_mma(codes: torch.Tensor, bits: int, group_size: int,
+                   k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """uint8 codes [N, >= K] -> (qweight int32 ``[NRT, NC * 128]``, qweight_hi int32 ``[NRT, NC * 64]``
+    or None) in tensor-core fragment order (FLUTE §3.1's offline restructuring, for
+    ``mma.sync.m16n8k16``; used by ``kernels.lut_gemm._lut_mma_kernel``).
+
+    Lane ``lane = 4 g + t`` of row tile ``rt`` (16 rows), chunk ``c`` (64 K at 4-bit, 128 K at
+    3-bit), k-step ``s`` holds the A fragment: register ``a_b`` (b = 0..3) = one code pair (h = 0, 1)
+    of
+
+        row = 16 rt + g + 8 (b & 1),   K = CK c + (CK / 4) t + 4 s + 2 (b >> 1) + h
+
+    i.e. the mma position ``kk = 2 t + h + 8 (b >> 1)`` of k-step ``s`` stands for that K: the K
+    order inside a chunk is permuted so that the activations lane ``t`` needs (its B fragments)
+    are the contiguous ``x[CK c + (CK/4) t : + CK/4]`` (16-byte loads). A pair is an index into
+    ``pair_table`` (low code first). Rows beyond N and K beyond the input are padded with code 0.
+
+    - 4-bit: word ``((rt * NC + c) * 32 + lane) * 4 + s`` (one 16-byte load per lane per chunk),
+      byte ``b`` = the pair (low nibble = h 0).
+    - 3-bit (bit-sliced 2 + 1, as FLUTE after FP6-LLM): low-2-bit plane word
+      ``((rt * NC + c) * 32 + lane) * 4 + e`` holds k-steps ``2 e`` (low nibble of byte b) and
+      ``2 e + 1`` (high nibble); a nibble = the pair's low bits (h 0 at bits 0-1, h 1 at 2-3).
+      High-bit plane word ``((rt * NC + c) * 32 + lane) * 2 + q`` covers k-steps ``4 q .. 4 q + 3``:
+      byte b holds the pair's high bits (h 0 then h 1) of k-steps ``4q + 2, 4q + 3, 4q, 4q + 1`` at
+      bits 0-1, 2-3, 4-5, 6-7, so one shift and one select (``lop3``) put a k-step's 6-bit pair
+      index into each byte. 3 bits per weight, no padding inside."""
+    bits = _check_bits(bits)
+    if codes.ndim != 2:
+        raise ValueError(f"codes must be [N, K], got {list(codes.shape)}")
+    k = codes.shape[1] if k is None else int(k)
+    n = codes.shape[0]
+    nrt, nc = mma_shapes(n, k, bits, group_size)
+    ck = MMA_CHUNK[bits]
+    ks = ck // 16
+    c = codes[:, :k].to(torch.int64)
+    c = torch.nn.functional.pad(c, (0, nc * ck - k, 0, nrt * 16 - n))
+    # row = 16 rt + 8 rh + g; K = ck c + (ck/4) t + 4 s + 2 bh + h  ->  [rt, c, g, t, s, bh, rh, h]
+    c = c.reshape(nrt, 2, 8, nc, 4, ks, 2, 2).permute(0, 3, 2, 4, 5, 6, 1, 7)
+    if bits == 4:
+        return _words(c.reshape(nrt, nc * 128, 8), 4).contiguous(), None
+    lo = c & 3
+    hi = c >> 2
+    # lo word e: [s = 2e + so (nibble), b = bh*2 + rh (byte), h] -> field order (b, so, h), 2 bits each
+    lo = lo.reshape(nrt, nc, 32, 4, 2, 2, 2, 2)  # [.., e, so, bh, rh, h]
+    lo = lo.permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(nrt, nc * 128, 16)
+    # hi word q: k-step s = 4q + j, byte b, bit pair position (j + 2) % 4, h
+    hi = hi.reshape(nrt, nc, 32, 2, 4, 2, 2, 2)  # [.., q, j, bh, rh, h]
+    hi = hi[:, :, :, :, [2, 3, 0, 1]]  # bit-pair position p holds k-step j = (p + 2) % 4
+    hi = hi.permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(nrt, nc * 64, 32)  # fields (b, p, h), 1 bit each
+    return _words(lo, 2).contiguous(), _words(hi, 1).contiguous()
+
+
+def unpack_codes_mma(qweight: torch.Tensor, qweight_hi: torch.Tensor | None, n: int, k: int, bits: int,
+                     group_size: int) -> torch.Tensor:
+    """Inverse of ``pack_codes_mma`` -> uint8 codes [n, k]."""
+    bits = _check_bits(bits)
+    nrt, nc = mma_shapes(n, k, bits, group_size)
+
+    def fields(w, width, count):
+        w = w.to(torch.int64).unsqueeze(-1) & 0xFFFFFFFF
+        shifts = torch.arange(count, device=w.device, dtype=torch.int64) * width
+        return (w >> shifts) & (2 ** width - 1)
+
+    if bits == 4:
+        c = fields(qweight.reshape(nrt, nc * 128), 4, 8).reshape(nrt, nc, 8, 4, 4, 2, 2, 2)
+    else:
+        if qweight_hi is None:
+            raise ValueError("3-bit codes need qweight_hi (the 1-bit plane)")
+        lo = fields(qweight.reshape(nrt, nc * 128), 2, 16).reshape(nrt, nc, 32, 4, 2, 2, 2, 2)  # e, bh, rh, so, h
+        lo = lo.permute(0, 1, 2, 3, 6, 4, 5, 7).reshape(nrt, nc, 8, 4, 8, 2, 2, 2)  # g, t, s, bh, rh, h
+        hi = fields(qweight_hi.reshape(nrt, nc * 64), 1, 32).reshape(nrt, nc, 32, 2, 2, 2, 4, 2)  # q, bh, rh, p, h
+        hi = hi.permute(0, 1, 2, 3, 6, 4, 5, 7)[:, :, :, :, [2, 3, 0, 1]]  # p -> j
+        hi = hi.reshape(nrt, nc, 8, 4, 8, 2, 2, 2)
+        c = lo | (hi << 2)
+    ks = MMA_CHUNK[bits] // 16
+    c = c.reshape(nrt, nc, 8, 4, ks, 2, 2, 2).permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(nrt * 16, nc * MMA_CHUNK[bits])
+    return c[:n, :k].to(torch.uint8)

@@ -37,6 +37,11 @@ from lowbit.formats.common import FP8_E4M3, FP8_E4M3_MAX, round_to, safe_scale
 
 __all__ = ["quantize_latent", "dequantize_latent", "quantize_q", "dequantize_q", "bytes_per_token"]
 
+# Decode numerics shared by the kernel and its reference emulation (lowbit.kernels.mla_decode,
+# lowbit.ops.mla): in the lazy online softmax a P scale that must grow is set this many times past
+# the need, so that it moves again only rarely (the FP8 P then peaks at 448 / 4 = 112).
+P_SCALE_HEADROOM = 4.0
+
 
 def _split(x: torch.Tensor, dc: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not 0 < dc < x.shape[-1]:

@@ -51,13 +51,19 @@ def _fused_value(X, G, W, offs, mask, rstd, FUSE: tl.constexpr):
         h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
         v = (w * h).to(x.dtype).to(tl.float32)
     elif FUSE == 2:
-        u = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-        xf = x.to(tl.float32)
-        a = (xf / (1.0 + tl.exp(-xf))).to(x.dtype).to(tl.float32)
-        v = (a * u).to(x.dtype).to(tl.float32)
+        v = silu_mul_rounded(x, tl.load(G + offs, mask=mask, other=0.0).to(tl.float32))
     else:
         v = x.to(tl.float32)
     return v
+
+
+@triton.jit
+def silu_mul_rounded(x, u):
+    """``silu(x) * u`` as fp32, each intermediate rounded to x's dtype like the eager half-precision
+    model (``u`` fp32 holding values of x's dtype)."""
+    xf = x.to(tl.float32)
+    a = (xf / (1.0 + tl.exp(-xf))).to(x.dtype).to(tl.float32)
+    return (a * u).to(x.dtype).to(tl.float32)
 
 
 @triton.jit

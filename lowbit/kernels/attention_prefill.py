@@ -35,6 +35,12 @@ Causal: bottom-right aligned (query i of Sq sees keys j <= i + Skv - Sq). KV blo
 to the whole query block run without masks; the diagonal and tail blocks run a masked copy of the
 loop body; blocks above the diagonal are skipped. Query blocks are scheduled longest first.
 GQA: query head h reads KV head h // (Hq / Hkv). Any Sq, Skv (masked tails, no padding needed).
+
+``FUSE_KV`` (option, off by default): the first programs of each KV head quantize its K/V blocks
+(``lowbit.kernels.attention_quant._kv_quant_task``, the code of the separate pass) inside this
+launch while the others wait on a per-head counter. Same codes; measured slower on the H200
+(session 2, R4: S=1k 0.223 vs 0.158 ms, 4k 2.01 vs 1.60 ms): the producers' chunked loads are
+latency-bound and every program of the head waits for them.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
+from lowbit.kernels.attention_quant import _kv_quant_task
 
 MODE_FP8, MODE_INT8, MODE_INT8_QK = 0, 1, 2
 MODE_IDS = {"fp8": MODE_FP8, "int8": MODE_INT8, "int8-qk": MODE_INT8_QK, "fp8-kv4": MODE_FP8}
@@ -63,6 +70,11 @@ def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
     651, 3 stages 733** (two CTAs per SM: one CTA's softmax overlaps the other's MMAs, which Triton
     does not do inside a CTA on Hopper: every wgmma is waited right after issue). int8: 128x128 430
     (TMA 420); 64x128 4 warps TMA 2 stages 492. ``tma``: K/V through tensor descriptors.
+
+    Session 2 (R5, quantization included, ms): fp8 64x128 2 stages with ``maxnreg`` 168 (three
+    CTAs per SM) vs 3 stages (two CTAs): S=1k 0.1561 vs 0.1580, 1k causal 0.1199 vs 0.1283,
+    4k 1.511 vs 1.599, 4k causal 0.915 vs 0.969; int8 at 168 registers spills: 3.07 vs 2.34 ms.
+    128x128 (8 warps) and 64x64 at S=1k: 0.193 / 0.190 ms.
     """
     if interpret_mode():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
@@ -72,6 +84,8 @@ def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     if mode == "int8-qk":  # 16-bit V tiles: two stages keep two CTAs per SM
         return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True}
+    if mode == "fp8":  # three CTAs per SM: 2 stages (74 KB smem) and <= 168 registers
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True, "maxnreg": 168}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "tma": True}
 
 
@@ -213,12 +227,18 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         else:
             m_use = m_new
         alpha = tl.math.exp2(m_i - m_use)
-        if MODE == 1 and P_BLOCK:  # P against this block's max: 127 * exp(S - m_block)
-            mb_use = tl.where(mb == float("-inf"), m_use, mb)
-            beta = tl.math.exp2(mb_use - m_use)  # <= 1, rescales the block's P V and row sum
-            sub = mb_use - 6.988684686772166
-        elif MODE == 1:
-            sub = m_use - 6.988684686772166  # log2(127): P = 127 * exp(S - m) in [0, 127]
+        if MODE == 1:
+            if P_BLOCK:  # P against this block's max: 127 * exp(S - m_block)
+                mb_use = tl.where(mb == float("-inf"), m_use, mb)
+                beta = tl.math.exp2(mb_use - m_use)  # <= 1, rescales the block's P V and row sum
+                s0 = mb_use
+            else:
+                s0 = m_use
+            # log2(127): P = 127 * exp(S - m) in [0, 127], less a rounding margin of (|m| + c q_s)
+            # 2^-21 (the max's exp2 argument is one FFMA while m was rounded; the margin bounds
+            # that error, so no score can round to 128 and wrap: no clamp per score). The margin is
+            # < 2^-11 for |S| < 1024 and cancels in O = acc / l (l sums the same P)
+            sub = (s0 - 6.988684686772166) + (tl.abs(s0) + c * qsb) * 4.76837158203125e-07
         elif MODE == 0:
             sub = m_use - 8.0  # P = 256 * exp(S - m) in [0, 256]
         else:
@@ -234,9 +254,6 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         else:
             p = tl.math.exp2(t * qsb[:, None] - (c * qsb + sub)[:, None])
         if MODE == 1:
-            # the row max's exp2 argument is one FFMA while m was rounded: for absurd scores (|S| >
-            # 2^17 in log2 units) it can exceed log2(127); clamp so the code never wraps
-            p = tl.minimum(p, 127.0)
             # round to nearest even integer in [0, 127]: the low byte of (p + 1.5 * 2^23)'s bits is
             # the INT8 code (no F2I), and subtracting 1.5 * 2^23 again gives it as a float for l
             pm = p + 12582912.0
@@ -316,29 +333,78 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
     return acc, l_i, m_i, c_acc
 
 
+@triton.jit
+def _fused_kv_prologue(r, b, hk, bhk, Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, n_vq, n_prod, amax_eps,
+                       stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin, S_al,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr, MODE: tl.constexpr,
+                       V_CHANNEL: tl.constexpr, V_GIVEN: tl.constexpr, K_PER_BLOCK: tl.constexpr,
+                       USE_TMA: tl.constexpr, INTERPRET: tl.constexpr, KV_CHUNK: tl.constexpr):
+    """K/V quantization fused into the attention launch (no separate pass, no launch gap; the
+    memory-bound quantization of one head overlaps the attention of the heads already running).
+
+    The first ``n_prod`` programs of each KV head group (``r`` = their rank, in launch order)
+    quantize the head's ``n_kq`` K blocks and ``n_vq`` V blocks (task t goes to rank t mod n_prod)
+    with exactly the code of ``lowbit.kernels.attention_quant._kv_quant_kernel``, then add their
+    task count to the head's counter (release). Every program of the group waits until the
+    counter reaches ``n_kq + n_vq`` (acquire) before its first K/V load. Waiting programs only
+    wait on programs launched before them or on the other producers, and ``n_prod`` <= 32 is
+    far below the number of co-resident programs, so the in-order block dispatch of the GPU
+    cannot deadlock. The interpreter runs programs one by one with axis 0 outermost: the
+    launcher passes ``n_prod`` = 1 there, so program (0, first head of the group) quantizes all
+    blocks before any program of the group waits."""
+    if r < n_prod:
+        n_tasks = n_kq + n_vq
+        for task in range(r, n_tasks, n_prod):
+            _kv_quant_task(task, b, hk, bhk, Kin, Vin, KC, KS, VT, VS, Skv, n_kq, amax_eps,
+                           stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin,
+                           S_al, S_al, n_vq,
+                           HEAD_DIM, BLOCK_N, V_BLOCK, 448.0 if MODE == 0 else 127.0, MODE != 0, MODE != 2,
+                           V_CHANNEL, V_GIVEN, K_PER_BLOCK, INTERPRET, KV_CHUNK)
+        tl.debug_barrier()  # every thread's stores precede the release below
+        tl.atomic_add(CNT + bhk, (n_tasks - r + n_prod - 1) // n_prod, sem="release", scope="gpu")
+    done = tl.atomic_add(CNT + bhk, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (done < n_kq + n_vq) & (spins < 4194304):  # bounded: a scheduling bug shows as wrong output, not a hang
+        done = tl.atomic_add(CNT + bhk, 0, sem="acquire", scope="gpu")
+        spins += 1
+    tl.debug_barrier()
+    if USE_TMA and not INTERPRET:  # codes written through the generic proxy, read by TMA (async proxy)
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [done], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 # ----------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _attn_fwd(
     Q, K, KS, V, VS, Out,  # pointers
+    Kin, Vin, KC, VT, CNT,  # FUSE_KV: 16-bit K/V inputs, code buffers behind K/V, per-head counters
     qk_scale, amax_eps, Sq, Skv, causal_off, Hq, n_rep, n_mblk,  # sizes / scalars
+    n_kq, n_vq, n_prod, S_al,  # FUSE_KV: K / V quantization tasks per head, producers per head
     stride_qb, stride_qh, stride_qm,  #
     stride_kb, stride_kh, stride_kn,  #
     stride_ksb, stride_ksh,  #
     stride_vb, stride_vh, stride_vr,  #
     stride_vsb, stride_vsh, stride_vsn,  #
     stride_ob, stride_oh, stride_om,  #
+    stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin,  # FUSE_KV inputs
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
     MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, K_PER_BLOCK: tl.constexpr,  #
     V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr,  #
-    INTERPRET: tl.constexpr,  #
+    FUSE_KV: tl.constexpr, V_GIVEN: tl.constexpr, KV_CHUNK: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    if CAUSAL:  # longest query blocks first
-        pid_m = n_mblk - 1 - pid_m
     b = bh // Hq
     hq = bh % Hq
     hk = hq // n_rep
+    if FUSE_KV:  # K/V quantization inside this launch (see _fused_kv_prologue)
+        _fused_kv_prologue((hq % n_rep) * n_mblk + pid_m, b, hk, b * (Hq // n_rep) + hk,
+                           Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, n_vq, n_prod, amax_eps,
+                           stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin, S_al,
+                           HEAD_DIM, BLOCK_N, V_BLOCK, MODE, V_CHANNEL, V_GIVEN, K_PER_BLOCK, USE_TMA, INTERPRET,
+                           KV_CHUNK)
+    if CAUSAL:  # longest query blocks first
+        pid_m = n_mblk - 1 - pid_m
     b64, hq64, hk64 = b.to(tl.int64), hq.to(tl.int64), hk.to(tl.int64)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -416,9 +482,11 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
                              v_block: int = 128, k_block: int | None = None, exp16: bool = False,
                              p_block: bool = False,
                              config: dict | None = None,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, fuse_from: dict | None = None) -> torch.Tensor:
     """Launch the kernel on pre-quantized K/V (layouts in the module docstring); Q is quantized
     inside. ``config`` overrides ``default_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages).
+    ``fuse_from`` (internal, see ``quant_attention_triton``): ``k, ks, v, vs`` are empty code
+    buffers that this launch fills from ``fuse_from['k']`` / ``['v']`` (16-bit) before using them.
     Returns O ``[B, Hq, Sq, D]`` in q's dtype (or written into ``out``)."""
     if mode not in MODE_IDS:
         raise ValueError(f"mode must be one of {sorted(MODE_IDS)}, got {mode!r}")
@@ -468,19 +536,84 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         else:  # V^T [B, Hkv, D, S_al]
             s_al = v.shape[-1]
             vv = TensorDescriptor(v, [B * Hkv * D, s_al], [s_al, 1], [D, BN])
+    fuse = fuse_from is not None
+    if fuse:
+        kin, vin = fuse_from["k"], fuse_from["v"]
+        n_kq = cdiv(Skv, BN)
+        n_vq = cdiv(Skv, v_block) if mode != "int8-qk" else 0
+        # producers per KV head group: at most 32 (they must be co-resident, see the prologue);
+        # one under the interpreter, which runs the programs one at a time
+        n_prod = 1 if interpret_mode() else max(1, min(n_kq + n_vq, n_mblk * (Hq // Hkv), 32))
+        cnt = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
+        vin_ = vin if vin is not None else kin
+        fz = (kin, vin_, k, v if mode != "int8-qk" else k, cnt, n_kq, n_vq, n_prod,
+              v.shape[-1] if mode != "int8-qk" else Skv,
+              kin.stride(0), kin.stride(1), kin.stride(2), vin_.stride(0), vin_.stride(1), vin_.stride(2))
+    else:
+        fz = (q, q, q, q, q, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     _attn_fwd[(n_mblk, B * Hq)](
         q, kk, ks, vv, vsp, out,
+        *fz[:5],
         sm_scale * LOG2E, AMAX_EPS, Sq, Skv, Skv - Sq, Hq, Hq // Hkv, n_mblk,
+        *fz[5:9],
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0), ks.stride(1),
         v.stride(0), v.stride(1), sv_r,
         *svs,
         out.stride(0), out.stride(1), out.stride(2),
+        *fz[9:],
         HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, V_BLOCK=v_block,
         MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), K_PER_BLOCK=k_block is not None,
         V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
+        FUSE_KV=fuse, V_GIVEN=bool(fuse and fuse_from.get("given", False)),
+        KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))),
         INTERPRET=interpret_mode(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() else {}),
     )
     return out
+
+
+def quant_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mode: str, causal: bool,
+                           sm_scale: float, v_granularity: str = "channel", v_block: int = 128,
+                           k_per_block: bool = False, p_block: bool = False, fuse_kv: bool = True,
+                           config: dict | None = None) -> torch.Tensor:
+    """16-bit Q/K/V -> O for ``mode`` in ('fp8', 'int8', 'int8-qk'), quantization included.
+
+    ``fuse_kv`` (default): ONE launch; its first programs per KV head quantize K and V
+    (``_fused_kv_prologue``). Otherwise two launches: ``quantize_kv_triton`` then the attention.
+    Both write the same codes (one quantization routine, ``_kv_quant_task``). ``k_per_block``:
+    one K scale per BLOCK_N keys. Q is quantized inside the attention kernel in both cases."""
+    from lowbit.kernels.attention_quant import alloc_kv_codes, quantize_kv_triton
+
+    D = q.shape[-1]
+    cfg = dict(default_config(mode, D, causal, q.shape[2]))
+    if config:
+        cfg.update(config)
+    bn = cfg["BLOCK_N"]
+    kb = bn if k_per_block else None
+    dt = FP8_E4M3 if mode == "fp8" else torch.int8
+    vq = None if mode == "int8-qk" else v
+    if mode == "int8-qk":
+        vv = v if v.dtype != torch.float32 else v.to(torch.bfloat16)
+        if vv.stride(-1) != 1:
+            vv = vv.contiguous()
+    if not fuse_kv or v_block % bn:
+        kc, ks, vt, vs = quantize_kv_triton(k, vq, dtype=dt, v_granularity=v_granularity, v_block=v_block, k_block=kb)
+        if mode == "int8-qk":
+            return attention_prefill_triton(q, kc, ks, vv, None, mode=mode, causal=causal, sm_scale=sm_scale,
+                                            k_block=kb, config=config)
+        return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
+                                        v_block=v_block, k_block=kb, p_block=p_block, config=config)
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    if vq is not None and vq.stride(-1) != 1:
+        vq = vq.contiguous()
+    buf = alloc_kv_codes(k, vq, dtype=dt, v_granularity=v_granularity, v_block=v_block, k_block=kb, block_t=bn)
+    src = {"k": k, "v": vq, "given": buf["given"]}
+    if mode == "int8-qk":
+        return attention_prefill_triton(q, buf["kc"], buf["ks"], vv, None, mode=mode, causal=causal,
+                                        sm_scale=sm_scale, k_block=kb, config=config, fuse_from=src)
+    return attention_prefill_triton(q, buf["kc"], buf["ks"], buf["vt"], buf["vs"], mode=mode, causal=causal,
+                                    sm_scale=sm_scale, v_block=v_block, k_block=kb, p_block=p_block, config=config,
+                                    fuse_from=src)

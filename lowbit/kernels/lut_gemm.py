@@ -1,5 +1,16 @@
 """Triton lookup-table weight-only GEMM (FLUTE, seed 002, §3), tuned for Hopper.
 
+Two kernels, one per packed layout of ``lowbit.formats.lut``:
+
+- ``_lut_mma_kernel`` (layout ``'mma'``, ``pack_codes_mma``; 4-bit g >= 64, 3-bit g >= 128): the
+  codes are stored offline in ``mma.sync.m16n8k16`` A-fragment order (FLUTE §3.1), each lane's
+  16-byte load is its fragments, a lane-duplicated pair table in shared memory turns each code
+  byte into a bf16x2/f16x2 register (FLUTE §3.2 without bank conflicts), and the tensor core does
+  the multiply-add with float32 accumulation (the token dim padded to 8 per n-tile). One
+  instruction stream for M = 1..32: M only adds mma instructions, the lookups are shared.
+  Its docstring has the details;
+- ``_lut_gemm_kernel`` (layout ``'planar'``, ``pack_codes``; every bits/group): described below.
+
     Y[m, n] = sum_k X[m, k] * T[c[n, k]] * s[k // G, n]
 
 - X ``[M, K]`` bf16 or fp16 (row stride free, unit K stride), Y ``[M, N]`` in X's dtype.
@@ -61,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode
+from lowbit._utils import cdiv, interpret_mode, warn_once
 from lowbit.formats.lut import pack_block, packed_k
 
 LOOKUPS = {"global": 0, "select": 1, "affine": 2, "pair": 3, "smem": 4}
@@ -122,40 +133,27 @@ def _gather(T, tbase, idx, IS_F32: tl.constexpr, INTERPRET: tl.constexpr):
     return v
 
 
-_NF4_WORD_ASM = tl.constexpr("""{
- .reg .b32 lo, hi, c, z; .reg .b64 a;
- mov.b32 z, 0;
- and.b32 lo, $8, 0x0F0F0F0F;
- shr.u32 hi, $8, 4;
- and.b32 hi, hi, 0x0F0F0F0F;
- prmt.b32 c, lo, z, 0x4440; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $0, [a];
- prmt.b32 c, hi, z, 0x4440; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $1, [a];
- prmt.b32 c, lo, z, 0x4441; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $2, [a];
- prmt.b32 c, hi, z, 0x4441; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $3, [a];
- prmt.b32 c, lo, z, 0x4442; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $4, [a];
- prmt.b32 c, hi, z, 0x4442; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $5, [a];
- prmt.b32 c, lo, z, 0x4443; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $6, [a];
- prmt.b32 c, hi, z, 0x4443; mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 $7, [a];
-}""")
+def _word4_asm(smem: bool) -> str:
+    """PTX decoding all 8 codes of a 4-bit planar word (slot j = bits 4j..4j+3) and looking them
+    up: masks put even / odd slots into byte lanes (``lo``, ``hi``), one ``prmt`` per code
+    extracts it, then one load per code from the fp32 table -- in shared memory (``smem``: the
+    masks pre-scale the code by 4, the address is folded into ``LDS [R+UR]``) or in L1
+    (``ld.global.nc``, address by one ``mad.wide``). Outputs $0..$7 = slots 0..7."""
+    if smem:
+        head = [" .reg .b32 lo, hi, c, z, b;", " mov.b32 z, 0;", " mov.u32 b, global_smem;",
+                " shl.b32 lo, $8, 2;", " and.b32 lo, lo, 0x3C3C3C3C;", " shr.u32 hi, $8, 2;",
+                " and.b32 hi, hi, 0x3C3C3C3C;"]
+        load = "add.u32 c, c, b; ld.shared.f32 ${o}, [c];"
+    else:
+        head = [" .reg .b32 lo, hi, c, z; .reg .b64 a;", " mov.b32 z, 0;", " and.b32 lo, $8, 0x0F0F0F0F;",
+                " shr.u32 hi, $8, 4;", " and.b32 hi, hi, 0x0F0F0F0F;"]
+        load = "mad.wide.u32 a, c, 4, $9; ld.global.nc.f32 ${o}, [a];"
+    body = [f" prmt.b32 c, {'hi' if j % 2 else 'lo'}, z, 0x444{j // 2}; " + load.format(o=j) for j in range(8)]
+    return "\n".join(["{"] + head + body + ["}"])
 
 
-_SMEM_WORD_ASM = tl.constexpr("""{
- .reg .b32 lo, hi, c, z, b;
- mov.b32 z, 0;
- mov.u32 b, global_smem;
- shl.b32 lo, $8, 2;
- and.b32 lo, lo, 0x3C3C3C3C;
- shr.u32 hi, $8, 2;
- and.b32 hi, hi, 0x3C3C3C3C;
- prmt.b32 c, lo, z, 0x4440; add.u32 c, c, b; ld.shared.f32 $0, [c];
- prmt.b32 c, hi, z, 0x4440; add.u32 c, c, b; ld.shared.f32 $1, [c];
- prmt.b32 c, lo, z, 0x4441; add.u32 c, c, b; ld.shared.f32 $2, [c];
- prmt.b32 c, hi, z, 0x4441; add.u32 c, c, b; ld.shared.f32 $3, [c];
- prmt.b32 c, lo, z, 0x4442; add.u32 c, c, b; ld.shared.f32 $4, [c];
- prmt.b32 c, hi, z, 0x4442; add.u32 c, c, b; ld.shared.f32 $5, [c];
- prmt.b32 c, lo, z, 0x4443; add.u32 c, c, b; ld.shared.f32 $6, [c];
- prmt.b32 c, hi, z, 0x4443; add.u32 c, c, b; ld.shared.f32 $7, [c];
-}""")
+_NF4_WORD_ASM = tl.constexpr(_word4_asm(False))
+_SMEM_WORD_ASM = tl.constexpr(_word4_asm(True))
 
 
 @triton.jit
@@ -181,22 +179,17 @@ def _smem_lookup(c):
 
 
 @triton.jit
-def _smem_word4(wa):
-    return tl.inline_asm_elementwise(
-        _SMEM_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r", [wa],
-        dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
-        is_pure=True, pack=1)
-
-
-@triton.jit
-def _lookup_word4(wa, tbase):
-    """All 8 slots of each 4-bit word at once: masks split even/odd slots into byte lanes,
-    one ``prmt`` per code extracts it (1 ALU op instead of shift + mask), one IMAD.WIDE and one
-    L1 load look it up. Returns 8 float32 tensors (slot 0..7), each in the layout of ``wa``."""
-    return tl.inline_asm_elementwise(
-        _NF4_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,l", [wa, tbase],
-        dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32),
-        is_pure=True, pack=1)
+def _lookup_word4(wa, tbase, SMEM: tl.constexpr):
+    """All 8 slots of each 4-bit planar word at once (``_word4_asm``), from the shared-memory
+    table (``SMEM``) or the L1 one. Returns 8 float32 tensors (slot 0..7), each in the layout of ``wa``."""
+    F8: tl.constexpr = (tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32)
+    if SMEM:
+        r = tl.inline_asm_elementwise(_SMEM_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,l", [wa, tbase], dtype=F8,
+                                      is_pure=True, pack=1)
+    else:
+        r = tl.inline_asm_elementwise(_NF4_WORD_ASM, "=f,=f,=f,=f,=f,=f,=f,=f,r,l", [wa, tbase], dtype=F8,
+                                      is_pure=True, pack=1)
+    return r
 
 
 @triton.jit
@@ -410,9 +403,9 @@ def _lut_gemm_kernel(
         else:
             wa, wb = _load_block(Q, QH, offs_n, n_mask, it, stride_qn, stride_qhn, BITS)
         if WORD4:
-            s0, s1, s2, s3, s4, s5, s6, s7 = _lookup_word4(wa, tbase)
+            s0, s1, s2, s3, s4, s5, s6, s7 = _lookup_word4(wa, tbase, False)
         elif SWORD4:
-            s0, s1, s2, s3, s4, s5, s6, s7 = _smem_word4(wa)
+            s0, s1, s2, s3, s4, s5, s6, s7 = _lookup_word4(wa, tbase, True)
         else:  # unused placeholders
             s0, s1, s2, s3, s4, s5, s6, s7 = wa, wa, wa, wa, wa, wa, wa, wa
         for f in tl.static_range(PB // FLUSH):
@@ -485,6 +478,459 @@ def _lut_dequant_kernel(
         w = _lookup(_slot_codes(wa, wb, j, BITS), T, T.to(tl.int64, bitcast=True), BITS, LOOKUP, INTERPRET) * s[:, None]
         tl.store(W + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(W.dtype.element_ty),
                  mask=n_mask[:, None] & (offs_k < K)[None, :])
+
+
+# ----------------------------------------------------------------------------- MMA fragment kernel
+def _mma_asm(nt: int, bf16: bool, bits: int) -> str:
+    """PTX of one pack=4 instance of ``_lut_mma_kernel``'s step (4 int32 code words per lane =
+    one 16-byte load): ``KS`` k-steps (4 at 4-bit, 8 at 3-bit) x ``nt`` n-tiles of
+    ``mma.sync.m16n8k16`` with f32 accumulation. Per k-step, 4 pair lookups (shift; and + or with
+    the lane offset = one LOP3; ``ld.shared`` with the table base folded in) give the 4 bf16x2 /
+    f16x2 A registers. 3-bit first merges the 2-bit and 1-bit planes into one byte per pair with a
+    single select (``lop3``), see ``formats.lut.pack_codes_mma``.
+    Operands: C out (nt x 4) | words 4 | [3-bit: hi words 4] | lane offsets 4 |
+    x words (nt x NX x 4: word w of n-tile j at j*4*NX + w) | C in (nt x 4)."""
+    ty = "bf16" if bf16 else "f16"
+    nx = 2 if bits == 4 else 4  # x tensors per n-tile (8 or 16 words: b0/b1 of each k-step)
+    o_w = 4 * nt
+    o_h = o_w + 4
+    o_l = o_h + (4 if bits == 3 else 0)
+    o_x = o_l + 4
+    o_c = o_x + 4 * nx * nt
+    mask = "0x7F80" if bits == 4 else "0x1F80"
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, t, m, u, gs, sel;", "mov.u32 gs, global_smem;",
+             "mov.b32 sel, 0x0F0F0F0F;"]
+    ks = 4 if bits == 4 else 8
+    for s in range(ks):
+        lb = f"${o_l}"
+        if bits == 4:
+            m = f"${o_w + s}"
+        else:  # k-step s: lo nibbles of word s // 2 (low / high nibble of each byte), hi bits of word s // 4
+            lo, hi = f"${o_w + s // 2}", f"${o_h + 2 * (s // 4)}"
+            lo_e = lo if s % 2 == 0 else "u"
+            if s % 2:
+                lines.append(f"shr.u32 u, {lo}, 4;")
+            hsh = {0: None, 1: ("shr", 2), 2: ("shl", 4), 3: ("shl", 2)}[s % 4]
+            if hsh is None:
+                lines.append(f"lop3.b32 m, {lo_e}, {hi}, sel, 0xE4;")
+            else:
+                lines.append(f"{hsh[0]}.b32 t, {hi}, {hsh[1]}; lop3.b32 m, {lo_e}, t, sel, 0xE4;")
+            m = "m"
+        shifts = ("shl.b32 t, {w}, 7;", "shr.u32 t, {w}, 1;", "shr.u32 t, {w}, 9;", "shr.u32 t, {w}, 17;")
+        for b, sh in enumerate(shifts):
+            lines.append(sh.format(w=m) + f" and.b32 t, t, {mask}; or.b32 t, t, {lb}; add.u32 t, t, gs; "
+                         f"ld.shared.b32 a{b}, [t];")
+        for j in range(nt):
+            d = ", ".join(f"${4 * j + r}" for r in range(4))
+            cin = d if s else ", ".join(f"${o_c + 4 * j + r}" for r in range(4))
+            b0, b1 = f"${o_x + 4 * nx * j + 2 * s}", f"${o_x + 4 * nx * j + 2 * s + 1}"
+            lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{d}}}, {{a0, a1, a2, a3}}, "
+                         f"{{{b0}, {b1}}}, {{{cin}}};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _mma_cons(nt: int, bits: int) -> str:
+    nx = 2 if bits == 4 else 4
+    return ",".join(["=f"] * (4 * nt) + ["r"] * (12 if bits == 3 else 8) + ["r"] * (4 * nx * nt) + ["f"] * (4 * nt))
+
+
+def _asm_table():
+    out = {}
+    for bits in (3, 4):
+        for nt in (1, 2, 4):
+            out[f"_MMA{bits}_{nt}_BF"] = tl.constexpr(_mma_asm(nt, True, bits))
+            out[f"_MMA{bits}_{nt}_F"] = tl.constexpr(_mma_asm(nt, False, bits))
+            out[f"_MMA{bits}_{nt}_C"] = tl.constexpr(_mma_cons(nt, bits))
+    return out
+
+
+globals().update(_asm_table())
+
+# x fragments: lane (g, t) reads x[m, kc + 2*NXW*t : + 2*NXW] (NXW/4 16-byte loads; NXW = 8 at
+# 4-bit, 16 at 3-bit), word w = (b0, b1) of k-step w // 2; rows m >= M (predicate) read nothing -> 0.
+_XFRAG8_ASM = tl.constexpr("""{
+ .reg .pred p; setp.ne.s32 p, $12, 0;
+ mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+ mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+ @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$8];
+ @p ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$8+16];
+}""")
+_XFRAG16_ASM = tl.constexpr("""{
+ .reg .pred p; setp.ne.s32 p, $20, 0;
+ mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+ mov.b32 $4, 0; mov.b32 $5, 0; mov.b32 $6, 0; mov.b32 $7, 0;
+ mov.b32 $8, 0; mov.b32 $9, 0; mov.b32 $10, 0; mov.b32 $11, 0;
+ mov.b32 $12, 0; mov.b32 $13, 0; mov.b32 $14, 0; mov.b32 $15, 0;
+ @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$16];
+ @p ld.global.nc.v4.b32 {$4, $5, $6, $7}, [$16+16];
+ @p ld.global.nc.v4.b32 {$8, $9, $10, $11}, [$16+32];
+ @p ld.global.nc.v4.b32 {$12, $13, $14, $15}, [$16+48];
+}""")
+# 3-bit high-bit plane: the lane's 2 words (8 bytes) -> elements (h0, h0, h1, h1)
+_HI_ASM = tl.constexpr("""{
+ .reg .pred p; setp.ne.s32 p, $8, 0;
+ mov.b32 $0, 0; mov.b32 $2, 0;
+ @p ld.global.nc.v2.b32 {$0, $2}, [$4];
+ mov.b32 $1, $0; mov.b32 $3, $2;
+}""")
+
+# scales of the C registers: elements 0, 1 -> row g, elements 2, 3 -> row g + 8 (address + 16 B)
+_SCALE_ASM_BF = tl.constexpr("""{
+ .reg .pred p, q; .reg .b16 h, z; .reg .b32 u;
+ mov.b16 z, 0; setp.ne.s32 p, $8, 0; setp.ne.s32 q, $10, 0;
+ mov.b16 h, 0; @p ld.global.nc.b16 h, [$4]; mov.b32 u, {z, h}; mov.b32 $0, u; mov.b32 $1, u;
+ mov.b16 h, 0; @q ld.global.nc.b16 h, [$4+16]; mov.b32 u, {z, h}; mov.b32 $2, u; mov.b32 $3, u;
+}""")
+_SCALE_ASM_F = tl.constexpr("""{
+ .reg .pred p, q; .reg .b16 h; .reg .f32 u;
+ setp.ne.s32 p, $8, 0; setp.ne.s32 q, $10, 0;
+ mov.b16 h, 0; @p ld.global.nc.b16 h, [$4]; cvt.f32.f16 u, h; mov.b32 $0, u; mov.b32 $1, u;
+ mov.b16 h, 0; @q ld.global.nc.b16 h, [$4+16]; cvt.f32.f16 u, h; mov.b32 $2, u; mov.b32 $3, u;
+}""")
+
+
+@triton.jit
+def _xfrag(X, m, t, stride_xm, kc, M, BITS: tl.constexpr):
+    """x fragment words [1, S] (int32 = 2 activations) of rows m for the chunk at K offset kc:
+    2 tensors (4-bit) or 4 (3-bit), element e of tensor q = word 4 q + e of the lane."""
+    NXW: tl.constexpr = 8 if BITS == 4 else 16
+    addr = X.to(tl.int64, bitcast=True) + ((m * stride_xm + kc + 2 * NXW * t) * 2).to(tl.int64)
+    ok = (m < M).to(tl.int32)
+    if BITS == 4:
+        x0, x1 = tl.inline_asm_elementwise(_XFRAG8_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,r,r,r,r", [addr, ok],
+                                           dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
+        x2, x3 = x0, x1
+    else:
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(
+            _XFRAG16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,r,r,r,r", [addr, ok],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3,
+              p0, p1, p2, p3, NT: tl.constexpr, BITS: tl.constexpr, IS_BF16: tl.constexpr):
+    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3."""
+    F: tl.constexpr = (tl.float32, tl.float32, tl.float32, tl.float32)
+    if BITS == 4:
+        if NT == 1:
+            r0 = tl.inline_asm_elementwise(_MMA4_1_BF if IS_BF16 else _MMA4_1_F, _MMA4_1_C,
+                                           [words, laneb, a0, a1, p0], dtype=tl.float32, is_pure=True, pack=4)
+            r1, r2, r3 = p1, p2, p3
+        elif NT == 2:
+            r0, r1 = tl.inline_asm_elementwise(_MMA4_2_BF if IS_BF16 else _MMA4_2_F, _MMA4_2_C,
+                                               [words, laneb, a0, a1, b0, b1, p0, p1],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            r2, r3 = p2, p3
+        else:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                _MMA4_4_BF if IS_BF16 else _MMA4_4_F, _MMA4_4_C,
+                [words, laneb, a0, a1, b0, b1, c0, c1, e0, e1, p0, p1, p2, p3], dtype=F, is_pure=True, pack=4)
+    else:
+        if NT == 1:
+            r0 = tl.inline_asm_elementwise(_MMA3_1_BF if IS_BF16 else _MMA3_1_F, _MMA3_1_C,
+                                           [words, hi, laneb, a0, a1, a2, a3, p0], dtype=tl.float32, is_pure=True,
+                                           pack=4)
+            r1, r2, r3 = p1, p2, p3
+        elif NT == 2:
+            r0, r1 = tl.inline_asm_elementwise(_MMA3_2_BF if IS_BF16 else _MMA3_2_F, _MMA3_2_C,
+                                               [words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, p0, p1],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            r2, r3 = p2, p3
+        else:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                _MMA3_4_BF if IS_BF16 else _MMA3_4_F, _MMA3_4_C,
+                [words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3, p0, p1, p2, p3],
+                dtype=F, is_pure=True, pack=4)
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _emulate_mma(Q, QH, T, X, row, m, M, N, K, stride_xm, cidx, acc, NC, BITS: tl.constexpr, IS_BF16: tl.constexpr,
+                 ok=True):
+    """Interpreter stand-in for one chunk of one n-tile: C[row, m] += sum over the chunk's K of
+    T[code] (rounded to the activation dtype) * x[m, K], codes read back through the fragment layout
+    (``formats.lut.pack_codes_mma``) exactly where the kernel's lanes find them."""
+    CK: tl.constexpr = 64 if BITS == 4 else 128
+    kk = tl.arange(0, CK)[None, None, :]
+    row = row[:, :, None]
+    m = m[:, :, None]
+    tt = kk // (CK // 4)
+    s = (kk // 4) % (CK // 16)
+    bh = (kk // 2) % 2
+    h = kk % 2
+    g = (row % 16) % 8
+    rh = (row % 16) // 8
+    rt = row // 16
+    b = bh * 2 + rh
+    lane = g * 4 + tt
+    if BITS == 4:
+        word = tl.load(Q + (rt * NC + cidx) * 128 + lane * 4 + s, mask=(row < N) & ok, other=0)
+        code = (word >> (4 * (bh * 4 + rh * 2 + h))) & 15
+    else:
+        lo = tl.load(Q + (rt * NC + cidx) * 128 + lane * 4 + s // 2, mask=(row < N) & ok, other=0)
+        code = (lo >> (8 * b + 4 * (s % 2) + 2 * h)) & 3
+        hw = tl.load(QH + (rt * NC + cidx) * 64 + lane * 2 + s // 4, mask=(row < N) & ok, other=0)
+        hpos = ((s % 4) + 2) % 4  # k-steps 0, 1, 2, 3 of the word -> bit pairs 2, 3, 0, 1 of the byte
+        code = code | (((hw >> (8 * b + 2 * hpos + h)) & 1) << 2)
+    tv = tl.load(T + code)
+    if IS_BF16:
+        tv = tv.to(tl.bfloat16).to(tl.float32)
+    else:
+        tv = tv.to(tl.float16).to(tl.float32)
+    kx = cidx * CK + tt * (CK // 4) + s * 4 + bh * 2 + h
+    xv = tl.load(X + m * stride_xm + kx, mask=(m < M) & (kx < K) & ok, other=0.0).to(tl.float32)
+    return acc + tl.sum(tv * xv, axis=2)
+
+
+@triton.jit
+def _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, cidx, ok, BITS: tl.constexpr):
+    """Code words of chunk ``cidx`` (one 16-byte load per lane) and, 3-bit, the lane's 8 bytes of
+    the high-bit plane as elements (h0, h0, h1, h1)."""
+    words = tl.load(Q + q_off + cidx * 128, mask=rt_ok & ok, other=0)
+    if BITS == 3:
+        haddr = QH.to(tl.int64, bitcast=True) + ((rt * NC + cidx) * 256 + lane * 8).to(tl.int64)
+        hi = tl.inline_asm_elementwise(_HI_ASM, "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [haddr, (rt_ok & ok).to(tl.int32)],
+                                       dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        hi = words
+    return words, hi
+
+
+@triton.jit
+def _pick4(J: tl.constexpr, a0, a1, a2, a3):
+    if J == 0:
+        r = a0
+    elif J == 1:
+        r = a1
+    elif J == 2:
+        r = a2
+    else:
+        r = a3
+    return r
+
+
+@triton.jit(do_not_specialize=["M", "N", "K", "NRT", "NC", "NG", "GROUPS_PER_SPLIT", "SPLIT_K", "stride_xm",
+                               "stride_sg", "stride_ym"])
+def _lut_mma_kernel(
+    # pointers
+    X, Q, QH, S, P, T, Y, WS, LOCKS,
+    # sizes
+    M, N, K, NRT, NC, NG, GROUPS_PER_SPLIT, SPLIT_K,
+    # strides (unit stride along K for X, along N for S, Y)
+    stride_xm, stride_sg, stride_ym,
+    # constexpr flags
+    BITS: tl.constexpr, GROUP: tl.constexpr, NT: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+    IS_BF16: tl.constexpr, USE_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
+    S_BF16: tl.constexpr, GU: tl.constexpr,
+):
+    """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
+
+    Program = ``W * R`` row tiles (16 rows each) x ``8 * NT`` tokens x one split-K range of scale
+    groups. Each loop step ("chunk": 64 K at 4-bit, 128 K at 3-bit) loads, per thread, one 16-byte
+    vector of code words (``[R, 128 W]`` words per program: element ``(r, i)`` belongs to warp
+    ``i // 128``, lane ``(i // 4) % 32``; 3-bit adds 8 bytes of the high-bit plane), looks the code
+    pairs up in a lane-duplicated pair table in shared memory (2**(2 BITS) entries x 32 copies:
+    entry e of lane l at ``128 e + 4 l``, so a warp's 32 lookups hit 32 distinct banks: FLUTE's
+    duplication, §3.2, taken to one copy per bank) and issues ``mma.sync`` (x as the 8-token B
+    operand: M = 1 wastes 7/8 of the tensor core, which has time to spare here); the accumulators
+    of one scale group are scaled once (``acc += C * s``, float32). The inline PTX keeps every
+    tensor in the layout of the code load (element i of a tensor = register of the same lane),
+    which is what makes the loaded words the lanes' mma fragments.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    SW: tl.constexpr = 128 * W
+    CK: tl.constexpr = 64 if BITS == 4 else 128  # K per chunk
+    i = tl.arange(0, SW)[None, :]
+    rr = tl.arange(0, R)[:, None]
+    lane = (i // 4) % 32
+    g = lane // 4
+    t = lane % 4
+    v = i % 4
+    rt = pid_n * (W * R) + rr * W + i // 128  # [R, SW]
+    rt_ok = rt < NRT
+    q_off = rt * (NC * 128) + i % 128
+    row = rt * 16 + g + 8 * (v // 2)  # row of C register v
+    m0 = pid_m * (8 * NT) + g  # x rows of the B fragments (n-tile j adds 8 j)
+    mc = pid_m * (8 * NT) + 2 * t + (v % 2)  # token of C register v (n-tile j adds 8 j)
+    laneb = lane * 4
+    if not INTERPRET:
+        NE: tl.constexpr = 1 << (2 * BITS)
+        f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies of entry f // 8
+        pv = tl.load(P + f // 8)
+        tl.inline_asm_elementwise(
+            "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
+            "mov.b32 $0, 0; }",
+            "=r,r,r", [f * 16, pv], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+    CPG: tl.constexpr = GROUP // CK
+    g0 = pid_k * GROUPS_PER_SPLIT
+    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
+    acc0 = tl.zeros([R, SW], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    PF: tl.constexpr = PREFETCH and not INTERPRET
+    if PF:  # registers double buffer: the next group's words are in flight while this group computes
+        w0, u0 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG, g0 < g1, BITS)
+        w1, u1, w2, u2, w3, u3 = w0, u0, w0, u0, w0, u0
+        if CPG >= 2:
+            w1, u1 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 1, g0 < g1, BITS)
+        if CPG >= 4:
+            w2, u2 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 2, g0 < g1, BITS)
+            w3, u3 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 3, g0 < g1, BITS)
+    CH: tl.constexpr = GU * CPG  # chunks per loop step
+    UNR: tl.constexpr = GU > 1 and not INTERPRET and not PF
+    for gs in range(g0, g1, GU):
+        if UNR:  # all CH chunks' loads first: CH x R 16-byte loads per lane in flight at once
+            v0, h0 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG, True, BITS)
+            v1, v2, v3, v4, v5, v6, v7 = v0, v0, v0, v0, v0, v0, v0
+            h1, h2, h3, h4, h5, h6, h7 = h0, h0, h0, h0, h0, h0, h0
+            if CH > 1:
+                v1, h1 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 1, gs + 1 // CPG < g1, BITS)
+            if CH > 2:
+                v2, h2 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 2, gs + 2 // CPG < g1, BITS)
+                v3, h3 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 3, gs + 3 // CPG < g1, BITS)
+            if CH > 4:
+                v4, h4 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 4, gs + 4 // CPG < g1, BITS)
+                v5, h5 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 5, gs + 5 // CPG < g1, BITS)
+                v6, h6 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 6, gs + 6 // CPG < g1, BITS)
+                v7, h7 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, gs * CPG + 7, gs + 7 // CPG < g1, BITS)
+            # make every word depend on all loads (z == 0 at run time, K < 0 never holds): ptxas must
+            # issue all CH x R loads before the first lookup instead of sinking them into the compute
+            z = (v0 ^ v1 ^ v2 ^ v3 ^ v4 ^ v5 ^ v6 ^ v7 ^ h0 ^ h2 ^ h4 ^ h6) & tl.where(K < 0, -1, 0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = v0 + z, v1 + z, v2 + z, v3 + z, v4 + z, v5 + z, v6 + z, v7 + z
+        for uu in tl.static_range(GU):
+            gi = gs + uu
+            gok = gi < g1  # the last step may cover fewer than GU groups: their scales read as 0
+            p0 = tl.zeros([R, SW], dtype=tl.float32)
+            p1 = p0
+            p2 = p0
+            p3 = p0
+            if PF:
+                cw0, cu0, cw1, cu1, cw2, cu2, cw3, cu3 = w0, u0, w1, u1, w2, u2, w3, u3
+                nxt = gi + 1 < g1
+                w0, u0 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, (gi + 1) * CPG, nxt, BITS)
+                if CPG >= 2:
+                    w1, u1 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, (gi + 1) * CPG + 1, nxt, BITS)
+                if CPG >= 4:
+                    w2, u2 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, (gi + 1) * CPG + 2, nxt, BITS)
+                    w3, u3 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, (gi + 1) * CPG + 3, nxt, BITS)
+            for cc in tl.static_range(CPG):
+                cidx = gi * CPG + cc
+                if INTERPRET:
+                    p0 = _emulate_mma(Q, QH, T, X, row, mc, M, N, K, stride_xm, cidx, p0, NC, BITS, IS_BF16, gok)
+                    if NT >= 2:
+                        p1 = _emulate_mma(Q, QH, T, X, row, mc + 8, M, N, K, stride_xm, cidx, p1, NC, BITS, IS_BF16,
+                                          gok)
+                    if NT >= 4:
+                        p2 = _emulate_mma(Q, QH, T, X, row, mc + 16, M, N, K, stride_xm, cidx, p2, NC, BITS, IS_BF16,
+                                          gok)
+                        p3 = _emulate_mma(Q, QH, T, X, row, mc + 24, M, N, K, stride_xm, cidx, p3, NC, BITS, IS_BF16,
+                                          gok)
+                else:
+                    if PF:
+                        words = _pick4(cc, cw0, cw1, cw2, cw3)
+                        hi = _pick4(cc, cu0, cu1, cu2, cu3)
+                    elif UNR:
+                        words = _pick8(uu * CPG + cc, v0, v1, v2, v3, v4, v5, v6, v7)
+                        hi = _pick8(uu * CPG + cc, h0, h1, h2, h3, h4, h5, h6, h7)
+                    else:
+                        words, hi = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, cidx, gok, BITS)
+                    kc = tl.where(gok, cidx, 0) * CK  # x reads stay inside the padded row
+                    a0, a1, a2, a3 = _xfrag(X, m0, t, stride_xm, kc, M, BITS)
+                    b0, b1, b2, b3 = a0, a1, a2, a3
+                    c0, c1, c2, c3 = a0, a1, a2, a3
+                    e0, e1, e2, e3 = a0, a1, a2, a3
+                    if NT >= 2:
+                        b0, b1, b2, b3 = _xfrag(X, m0 + 8, t, stride_xm, kc, M, BITS)
+                    if NT >= 4:
+                        c0, c1, c2, c3 = _xfrag(X, m0 + 16, t, stride_xm, kc, M, BITS)
+                        e0, e1, e2, e3 = _xfrag(X, m0 + 24, t, stride_xm, kc, M, BITS)
+                    p0, p1, p2, p3 = _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
+                                               e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16)
+            if INTERPRET:
+                s = tl.load(S + gi * stride_sg + row, mask=(row < N) & gok, other=0.0).to(tl.float32)
+            else:
+                saddr = S.to(tl.int64, bitcast=True) + ((gi * stride_sg + rt * 16 + g) * 2).to(tl.int64)
+                s = tl.inline_asm_elementwise(_SCALE_ASM_BF if S_BF16 else _SCALE_ASM_F,
+                                              "=f,=f,=f,=f,l,l,l,l,r,r,r,r", [saddr, ((row < N) & gok).to(tl.int32)],
+                                              dtype=tl.float32, is_pure=True, pack=4)
+            acc0 += p0 * s
+            if NT >= 2:
+                acc1 += p1 * s
+            if NT >= 4:
+                acc2 += p2 * s
+                acc3 += p3 * s
+    if not INTERPRET:
+        tl.debug_barrier()  # the table's bytes are Triton's scratch from here on
+    for j in tl.static_range(NT):
+        if j == 0:
+            a = acc0
+        elif j == 1:
+            a = acc1
+        elif j == 2:
+            a = acc2
+        else:
+            a = acc3
+        mj = mc + 8 * j
+        out_mask = (row < N) & (mj < M)
+        if USE_SPLIT:
+            ws_off = mj * N + row
+            tl.store(WS + pid_k * M * N + ws_off, a, mask=out_mask)
+        else:
+            tl.store(Y + mj * stride_ym + row, a.to(Y.dtype.element_ty), mask=out_mask)
+    if USE_SPLIT:
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            for j in tl.static_range(NT):
+                mj = mc + 8 * j
+                out_mask = (row < N) & (mj < M)
+                ws_off = mj * N + row
+                tot = tl.zeros([R, SW], dtype=tl.float32)
+                for sk in range(0, SPLIT_K):
+                    tot += tl.load(WS + sk * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + mj * stride_ym + row, tot.to(Y.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _lut_dequant_mma_kernel(
+    Q, QH, S, T, W,
+    N, K, NC, stride_sg, stride_wn,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """W[n, k] = T[c] * s from the fragment layout (the M > MAX_KERNEL_M path): each output
+    element finds its code word (``formats.lut.pack_codes_mma``) by index arithmetic; stores are
+    coalesced along K, the word reads hit L1 (8 or 16 elements share a word)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    CK: tl.constexpr = 64 if BITS == 4 else 128
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    ok = (n < N) & (k < K)
+    rt = n // 16
+    c = k // CK
+    r = k % CK
+    s = (r // 4) % (CK // 16)
+    b = ((r // 2) % 2) * 2 + (n % 16) // 8
+    h = r % 2
+    base = (rt * NC + c) * 32 + (n % 8) * 4 + r // (CK // 4)  # (row tile, chunk, lane)
+    if BITS == 4:
+        word = tl.load(Q + base * 4 + s, mask=ok, other=0)
+        code = (word >> (8 * b + 4 * h)) & 15
+    else:
+        lo = tl.load(Q + base * 4 + s // 2, mask=ok, other=0)
+        hw = tl.load(QH + base * 2 + s // 4, mask=ok, other=0)
+        code = ((lo >> (8 * b + 4 * (s % 2) + 2 * h)) & 3) | (((hw >> (8 * b + 2 * (((s % 4) + 2) % 4) + h)) & 1) << 2)
+    sc = tl.load(S + (k // GROUP) * stride_sg + n, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(T + code, mask=ok, other=0.0) * sc
+    tl.store(W + n * stride_wn + k, w.to(W.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -567,16 +1013,43 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
         if pairs is None or pairs.shape != (4 ** bits, 2) or pairs.dtype != x.dtype:
             raise ValueError(f"lookup='pair' needs pairs = formats.lut.pair_table(table, {bits}, x.dtype)")
         pairs = pairs.contiguous().view(torch.int32)
-    LAST_COMPILED["gemm"] = _lut_gemm_kernel[(grid_n, grid_m, split)](
-        x, qweight, qh, scales, table, pairs if pairs is not None else table, y, ws, locks,
-        M, N, K, num_iters, per, split, 0,
-        x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
-        BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
-        USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=interpret_mode(),
-        IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", False), PREFETCH=cfg.get("prefetch", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    try:
+        LAST_COMPILED["gemm"] = _lut_gemm_kernel[(grid_n, grid_m, split)](
+            x, qweight, qh, scales, table, pairs if pairs is not None else table, y, ws, locks,
+            M, N, K, num_iters, per, split, 0,
+            x.stride(0), qweight.stride(0), qh.stride(0), scales.stride(0), y.stride(0),
+            BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS[lookup], USE_DOT=cfg["use_dot"],
+            USE_SPLIT=split > 1, BLOCK_M=bm, BLOCK_N=bn, DOT_F32=interpret_mode(),
+            IS_BF16=x.dtype == torch.bfloat16, JOIN_K=cfg.get("join", False), PREFETCH=cfg.get("prefetch", False),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    except triton.runtime.errors.OutOfResources as exc:
+        # a config that does not fit this GPU (r1: flute-nf3 at batch 64 asked for 264 KB of shared
+        # memory): retry smaller -- one pipeline stage, then half the tile -- before giving up
+        smaller = _smaller_config(cfg)
+        if smaller is None:
+            raise
+        warn_once(f"lut_gemm: {exc}; retrying with {smaller}")
+        smaller.pop("split_k", None)
+        return lut_gemm_triton(x, qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                               out_features=out_features, lookup=lookup, pairs=pairs, **smaller)
     return y
+
+
+def _smaller_config(cfg: dict) -> dict | None:
+    """Next config to try after OutOfResources (shared memory or registers), None when minimal."""
+    c = dict(cfg)
+    if c.get("num_stages", 1) > 1:
+        c["num_stages"] = 1
+    elif c.get("join"):
+        c["join"] = False
+    elif c["block_n"] > 16:
+        c["block_n"] //= 2
+    elif c.get("use_dot") and c["block_m"] > 16:
+        c["block_m"] //= 2
+    else:
+        return None
+    return c
 
 
 def lut_dequant_triton(qweight, qweight_hi, scales, table, *, bits: int, group_size: int, out_features: int,
@@ -594,4 +1067,125 @@ def lut_dequant_triton(qweight, qweight_hi, scales, table, *, bits: int, group_s
         BITS=bits, GROUP=group_size, LOOKUP=LOOKUPS["global" if lookup in ("load", "smem", "pair") else lookup],
         BLOCK_N=bn, INTERPRET=interpret_mode(), num_warps=4,
     )
+    return w
+
+
+_MMA_PATCHED: set = set()
+MMA_GROUPS = {4: (64, 128, 256), 3: (128, 256)}  # group sizes the fragment kernel takes (chunk: 64 / 128 K)
+
+
+def split_guard(M: int, N: int, K: int) -> bool:
+    """True when the split-K workspace offsets (split * M * N, at most 8x the groups) could overflow int32."""
+    return M * N * max(1, cdiv(K, 64)) >= 2 ** 31
+
+
+def mma_table_bytes(bits: int) -> int:
+    """Shared memory of the lane-duplicated pair table: 2**(2 bits) entries x 32 lanes x 4 bytes."""
+    return (1 << (2 * bits)) * 32 * 4
+
+
+def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
+    """Launch parameters of the fragment kernel (nt = n-tiles of 8 tokens)."""
+    nt = 1 if M <= 8 else (2 if M <= 16 else 4)
+    # M <= 8: r4/r5 sweeps (H200, us gate_up/down/8192^2): 4-bit r2 w8 cps2 26.3/19.4/19.9 (r1 w4 cps8:
+    # 39/29/31), 3-bit r1 w4 cps8 27.2/18.0/18.7; time ~ 12.5 us + bytes / 4.4 TB/s, i.e. latency-bound
+    # per loop step. gu > 1 (all loads of gu groups issued first) measured slower in r6 (gate_up 36-46 us): off
+    if bits == 4 and M <= 8:  # r6 sweep row "r2 w8 cps2 gu1": 26.4/19.5/20.0 us
+        return dict(nt=nt, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
+    if M <= 8:  # r6 sweep row "lut3 r1 cps8 gu1": 27.7/18.2/18.8 us
+        return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)
+    if bits == 4:  # r5: M=16 64.4/41.9/37.8 (r1 w4 cps8: 66/50/48); M=32 85.6/61.2/57.3 (91/66/64)
+        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, gu=1)
+    return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)  # 3-bit: prefetch no gain (r5)
+
+
+def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
+                   pairs: torch.Tensor, table: torch.Tensor, *, bits: int, group_size: int, out_features: int,
+                   **overrides) -> torch.Tensor:
+    """Launch ``_lut_mma_kernel``. ``qweight`` (+ ``qweight_hi`` at 3-bit) = ``formats.lut.pack_codes_mma``;
+    ``pairs`` = ``pair_table(table, bits, x.dtype)``; ``scales`` [ceil(K/G), N]. ``x`` [M, K] is
+    copied to a zero-padded [M, Kp] buffer when K is not a multiple of the group or its rows are not
+    16-byte aligned (the fragment loads read 16-byte vectors up to Kp)."""
+    M, K = x.shape
+    N = out_features
+    G = group_size
+    if bits not in MMA_GROUPS or G not in MMA_GROUPS[bits]:
+        raise ValueError(f"the fragment kernel needs bits in (3, 4) and group_size in {MMA_GROUPS.get(bits)}, "
+                         f"got bits={bits}, group_size={G}")
+    cfg = mma_config(M, N, K, bits, G)
+    cfg.update(overrides)
+    nt, r, nw = cfg["nt"], cfg["r"], cfg["num_warps"]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    ng = cdiv(K, G)
+    kp = ng * G
+    ck = 64 if bits == 4 else 128
+    nrt, nc = cdiv(N, 16), kp // ck
+    if qweight.numel() != nrt * nc * 128 or (bits == 3 and (qweight_hi is None or qweight_hi.numel() != nrt * nc * 64)):
+        raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] ({nrt * nc * 128} words)")
+    if qweight.numel() >= 2 ** 31 or split_guard(M, N, K):
+        raise ValueError("lut_mma_triton: the weight is too large for 32-bit offsets; use layout='planar'")
+    if scales.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
+    if kp != K or x.stride(-1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        xp = torch.zeros((M, kp), device=x.device, dtype=x.dtype)
+        xp[:, :K] = x
+        x = xp
+    grid_n, grid_m = cdiv(nrt, nw * r), cdiv(M, 8 * nt)
+    split = cfg.get("split_k")
+    if split is None:
+        target = cfg["ctas_per_sm"] * _sm_count(x.device)
+        split = max(1, min(ng, cdiv(target, grid_n * grid_m)))
+    split = max(1, min(int(split), ng))
+    per = cdiv(ng, split)
+    split = cdiv(ng, per)
+    if split > 1:
+        ws, locks = _workspace(x.device, split * M * N, grid_n * grid_m)
+    else:
+        ws, locks = y, y
+    pw = pairs.contiguous().view(torch.int32).reshape(-1)
+    qh = qweight_hi if qweight_hi is not None else qweight
+    grid = (grid_n, grid_m, split)
+    args = (x, qweight, qh, scales, pw, table, y, ws, locks, M, N, K, nrt, nc, ng, per, split,
+            x.stride(0), scales.stride(0), y.stride(0))
+    gu = min(int(cfg.get("gu", 1)), 8 // (G // ck))  # at most 8 chunks (loads) per loop step
+    if gu not in (1, 2, 4, 8):
+        raise ValueError(f"gu (groups per loop step) must be 1, 2, 4 or 8, got {gu}")
+    pf = bool(cfg.get("prefetch", False)) and gu == 1
+    kw = dict(BITS=bits, GROUP=G, NT=nt, R=r, W=nw, IS_BF16=x.dtype == torch.bfloat16, USE_SPLIT=split > 1,
+              INTERPRET=interpret_mode(), PREFETCH=pf, S_BF16=scales.dtype == torch.bfloat16, GU=gu, num_warps=nw,
+              num_stages=1)
+    if not interpret_mode():
+        # ints are not specialized (do_not_specialize): the compiled kernel depends only on the
+        # constexprs and the 16-byte alignment of the pointers
+        key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu,
+               tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
+        if key not in _MMA_PATCHED:  # the pair table lives in dynamic shared memory Triton does not
+            # know about: raise the launch's dynamic shared size to hold it (compile once, patch)
+            k = _lut_mma_kernel.warmup(*args, grid=grid, **kw)
+            k._init_handles()
+            nwarps, nctas, shared = k.packed_metadata
+            if shared < mma_table_bytes(bits):
+                k.packed_metadata = (nwarps, nctas, mma_table_bytes(bits))
+            _MMA_PATCHED.add(key)
+    LAST_COMPILED["mma"] = _lut_mma_kernel[grid](*args, **kw)
+    return y
+
+
+def lut_dequant_mma_triton(qweight, qweight_hi, scales, table, *, bits: int, group_size: int, out_features: int,
+                           in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized weight [N, K] in ``dtype`` from the fragment layout (large-M path, cuBLAS after)."""
+    N, K = out_features, in_features
+    w = torch.empty((N, K), device=qweight.device, dtype=dtype)
+    if N == 0 or K == 0:
+        return w
+    nc = qweight.numel() // (128 * cdiv(N, 16))
+    bn, bk = 16, 256
+    qh = qweight_hi if qweight_hi is not None else qweight
+    _lut_dequant_mma_kernel[(cdiv(N, bn), cdiv(K, bk))](
+        qweight, qh, scales, table, w, N, K, nc, scales.stride(0), w.stride(0),
+        BITS=bits, GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return w

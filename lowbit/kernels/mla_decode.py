@@ -22,9 +22,13 @@ Work decomposition (flash-decoding):
 
 FP8 path (``FP8=True``; SnapMLA §3.1-3.2, digest 2.3 and 2.5), for a row with query scale ``s_q``
 and tokens with scales ``s_k``:
-- QK: ``acc_s = q̂_C · ĉ^T`` (fp8 x fp8 -> fp32, promoted to full fp32 every 128 products, as
-  DeepSeek-V3's N_C = 128) ``+ q̃_R · k̃_R^T`` (bf16, same fp32 accumulator: pre-scaled domain
-  alignment), then ``S = acc_s * s_q * s_k * sm_scale``;
+- QK: ``acc_s = q̂_C · ĉ^T`` (fp8 x fp8 in the wgmma accumulator over all 512 dims) ``+ q̃_R · k̃_R^T``
+  (bf16), both in the same pre-scaled domain and summed in fp32 (pre-scaled domain alignment),
+  then ``S = acc_s * s_q * s_k * sm_scale``. Decision: no fp32 promotion inside the 512-long FP8
+  reduction by default (``imprecise=None`` = Dc). Promoting every 128 products (DeepSeek-V3's
+  N_C = 128) makes Triton wait on the wgmma 4x per block: R5 measured 164 vs 179 TFLOP/s for the
+  same error (GPU checks vs float64 5.65e-3 / 7.56e-3 / 7.67e-3 either way); ``imprecise=128``
+  restores it;
 - PV: ``P̃ = exp(S - m) * s_k`` (the value scale fused into P, Key Step 2), re-quantized per block
   and row with ``σ = rowmax(P̃) / 448`` to ``P̂ = FP8(P̃ / σ)``; the fp32 accumulator and the
   softmax denominator both live in the "divided by σ" domain, so σ is folded into the online
@@ -42,11 +46,47 @@ and tokens with scales ``s_k``:
   are below 2^-9 of what the accumulator already holds. Because the block that sets a new max
   always contains a P = 1 entry, σ >= s_k,min / 448 >= 5e-18 and l <= L / σ stays finite.
 
-Variant ``PV_FP8=False`` (FP8 caches): FP8 QK as above, then ``P * s_k`` in bf16 times the FP8
-latent upcast to bf16 (exact) in a bf16 wgmma: no P quantization and no V transpose (bf16 wgmma
-takes the MN-major V tile as it is). Measured next to the SnapMLA path because Triton lowers the
-register-to-smem transpose of the FP8 V tile to single-byte shared stores (64 STS.U8 per thread
-per 32-token block in SASS), which dominates the FP8 PV path's time (docs/sections/mla.md).
+The V operand of the FP8 P·V (decision, measured in device rounds R4-R5, B=32 H=128 L=16k):
+FP8 wgmma takes both operands K-major only (the transpose bits exist for 16-bit types alone), and
+K = tokens here while the latent is stored token-major (the 512 dims contiguous): V must be
+transposed on chip. SnapMLA does it in CUDA (SMEM -> registers -> SMEM, §3.3); Triton, given the
+token-major tile, stores it into the K-major smem tile one byte at a time (64 st.shared.b8 per
+thread per 32-token block: 46 TFLOP/s in R4, 0.19x of bf16). Variants, all in this kernel:
+- ``V_PRMT`` (b, the default and the fastest FP8 path): the rows are loaded as int32 words,
+  byte-transposed 4x4 in registers with ``prmt`` (``_bytes_t4``) and reshaped (no data movement),
+  so each 32-bit register holds 4 consecutive tokens of one dim and the smem store is 32 bits wide
+  instead of 64 st.shared.b8. ``V_PRMT=1`` loads the words with the lanes along the dims: every
+  lane of a store then hits the same bank, a 32-way conflict (R4: 103 TFLOP/s plain loop, 115 with
+  S_AHEAD, 119 in R5); ``V_PRMT=2`` (default) puts the lanes on the token groups (9 st.shared.b32
+  plus stmatrix): 179 TFLOP/s at 32-token blocks, 214 at 64 (R5).
+- ``PV_FP8=False`` (a): FP8 QK, then ``P * s_k`` in bf16 against the latent upcast to bf16
+  (exact) in a bf16 wgmma: no P quantization, no transpose (bf16 wgmma takes MN-major V). Costs
+  the fp8 -> bf16 conversion, which Triton 3.6 lowers through f32 (F2F, quarter rate: 64 per
+  thread per block). 171 TFLOP/s in R4 (with S_AHEAD); 191 in R5 reusing the QK tile.
+- ``PV16`` (a'): SnapMLA's P scaling (P̃ / σ, same σ rule as the FP8 path) rounded to fp16 instead
+  of FP8, the latent upcast to fp16 (exact; one cvt.rn.f16x2.e4m3x2 per 2 values), fp16 wgmma; more
+  accurate than FP8 P, no transpose; without S_AHEAD it reuses the QK tile already in smem:
+  197-200 TFLOP/s in R5 (64-token blocks spill: 384 B).
+- (c) ``O^T = V^T P^T`` was not built: it moves V to the A operand, which for FP8 must be K-major
+  too (from smem) or, from registers, packs 4 consecutive K (= token) values per 32-bit register:
+  the same 4x4 byte transpose as (b), plus a transposed output.
+Paper mismatch: SnapMLA runs P·V in FP8 (twice the bf16 MMA rate, P re-quantized per block) and
+reports FP8 decode well above bf16. Here the FP8 P·V is the default and the fastest FP8 variant,
+but the whole FP8 kernel stays below lowbit's bf16 kernel (R5: 214 vs 247 TFLOP/s at B=32 H=128
+L=16k): the loop is not MMA-bound (~750 SASS instructions per thread per block with one CTA of 8
+warps per SM, every wgmma waited on at once by Triton 3.6, the transpose, the P re-quantization
+and the extra V load are all on the critical path), so halving the MMA time buys little. The FP8
+gain that remains is memory (644 vs 1152 bytes per token).
+
+``S_AHEAD`` (loop order): with the plain loop Triton sees QK's result feed the PV dot and assigns
+all 8 warps along M (``warpsPerCTA [8, 1]`` for a "chained" dot), so with BLOCK_M = 64 both
+warpgroups compute the same whole S tile. Computing S of block j beside P·V of block j-1 (P carried
+across iterations) breaks that chain: QK's N is split over the two warpgroups. It needs V loaded
+separately from K (the FP8-PV path does anyway), adds cross-warpgroup reductions, and is the
+default only where it measured faster (R4: FP8-PV 103 -> 115 TFLOP/s; bf16 bn32 196 vs 248 for
+the plain bn64 loop, whose smem has no room for a separate V tile, so bf16 keeps the plain loop;
+fp16-PV 198 vs 200 plain, where the plain loop reuses the QK tile). ``TAU`` > 0 (lazy running max, rescale skipped while no row
+moved by more than TAU) measured no gain (R4: 110 vs 115, 187 vs 196) and stays off.
 
 Layouts (all row-major, last dim contiguous):
     q content  [B * Sq * H, Dc]   bf16/fp16 (or fp8 with FP8), row stride ``stride_qc``
@@ -63,14 +103,20 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
+from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM
 from lowbit.kernels.mla_quant import _cast
 
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
+SIG_HEADROOM = tl.constexpr(P_SCALE_HEADROOM)  # lazy mode (TAU > 0): a growing P scale overshoots 4x
 # GPU defaults per path (bf16, fp8): tokens per KV block and pipeline depth (smem: Q 72/40 KB +
 # stages x the KV tile, under 227 KB; registers: 32-token blocks do not spill)
-PV_BLOCK_N = {False: 64, True: 32}
-PV_STAGES = {False: 2, True: 2}
+# GPU defaults per path (measured in device rounds R3-R5, benchmarks/device/mla.py's sweep):
+# tokens per KV block, pipeline stages, and S_AHEAD (QK of block j beside PV of block j-1)
+PATHS = ("bf16", "fp8", "fp8-bf16pv", "fp8-f16pv")
+PV_BLOCK_N = {"bf16": 64, "fp8": 64, "fp8-bf16pv": 32, "fp8-f16pv": 32}
+PV_STAGES = {"bf16": 2, "fp8": 2, "fp8-bf16pv": 2, "fp8-f16pv": 3}
+S_AHEAD = {"bf16": False, "fp8": True, "fp8-bf16pv": False, "fp8-f16pv": False}
 
 
 @triton.jit
@@ -97,19 +143,212 @@ def _load_page(ptr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _slots(PT, b, stride_pt, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
-    """Cache slots of the BLOCK_N tokens from ``n0`` (-1 past ``end``)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    ok = offs_n < end
-    page = tl.load(PT + b * stride_pt + offs_n // PAGE, mask=ok, other=0)
-    return tl.where(ok, page.to(tl.int64) * PAGE + offs_n % PAGE, -1)
-
-
-@triton.jit
 def _v_rows(KC, stride_kc, slot, offs_c):
     """The content rows at ``slot`` (zeros where slot < 0), loaded to registers."""
     return tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=slot[:, None] >= 0, other=0.0,
                    eviction_policy="evict_first")
+
+
+@triton.jit
+def _bytes_t4(a0, a1, a2, a3, INTERPRET: tl.constexpr):
+    """4x4 byte transpose of four int32 words: output k packs byte k of a0, a1, a2, a3 (low to high).
+    On the GPU 8 ``prmt`` (byte permute) in inline PTX; under the interpreter shifts and masks."""
+    if INTERPRET:
+        o0 = (a0 & 0xFF) | ((a1 & 0xFF) << 8) | ((a2 & 0xFF) << 16) | ((a3 & 0xFF) << 24)
+        o1 = ((a0 >> 8) & 0xFF) | (((a1 >> 8) & 0xFF) << 8) | (((a2 >> 8) & 0xFF) << 16) | (((a3 >> 8) & 0xFF) << 24)
+        o2 = ((a0 >> 16) & 0xFF) | (((a1 >> 16) & 0xFF) << 8) | (((a2 >> 16) & 0xFF) << 16) | (((a3 >> 16) & 0xFF) << 24)
+        o3 = ((a0 >> 24) & 0xFF) | (((a1 >> 24) & 0xFF) << 8) | (((a2 >> 24) & 0xFF) << 16) | (((a3 >> 24) & 0xFF) << 24)
+        return o0, o1, o2, o3
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 lo0, hi0, lo1, hi1;
+        prmt.b32 lo0, $4, $5, 0x5140;
+        prmt.b32 hi0, $6, $7, 0x5140;
+        prmt.b32 lo1, $4, $5, 0x7362;
+        prmt.b32 hi1, $6, $7, 0x7362;
+        prmt.b32 $0, lo0, hi0, 0x5410;
+        prmt.b32 $1, lo0, hi0, 0x7632;
+        prmt.b32 $2, lo1, hi1, 0x5410;
+        prmt.b32 $3, lo1, hi1, 0x7632;
+        }""",
+        "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def _unpack4(w):
+    """int32 [..] -> uint8 [.., 4], byte t of each word at index t (little-endian order)."""
+    b0 = (w & 0xFF).to(tl.uint8)
+    b1 = ((w >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((w >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((w >> 24) & 0xFF).to(tl.uint8)
+    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [.., 2, 2]: [j][i] = b_(2j + i) (join adds the LAST dim)
+    return tl.reshape(x, x.shape[:-2] + [4])
+
+
+@triton.jit
+def _v_kmajor(KC, stride_kc, slot4, n4, end, BLOCK_N: tl.constexpr, DC: tl.constexpr, LANES_ON_TOKENS: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """The FP8 content rows of the block's tokens as a [BLOCK_N, DC] fp8 tensor whose register
+    layout holds 4 consecutive tokens of one dim in each 32-bit register, so that Triton's store
+    into the K-major (token-contiguous) shared tile of the FP8 wgmma is 32 bits wide instead of
+    one byte: the rows are loaded as int32 words (4 dims of one token; tokens ``n4 + t`` at slots
+    ``slot4 + t``, t < 4, which lie in one page as PAGE % 4 == 0), 4x4 byte-transposed in
+    registers (``_bytes_t4``) and only then reshaped (join / reshape / permute of registers: no
+    data movement).
+
+    ``LANES_ON_TOKENS``: the words are loaded as ``[BLOCK_N/4, DC/16, 4]`` (4 contiguous words per
+    thread, then the token groups across lanes), so that the lanes of a warp write adjacent
+    token groups of the same dims: one 32-byte row of the transposed tile per 8 lanes. Loaded as
+    ``[BLOCK_N/4, DC/4]`` instead, the lanes cover 16-row steps of the dims, every lane of a store
+    hits the same bank (R4: 32 lanes 512 B apart, a 32-way conflict on each of the 16 stores)."""
+    G: tl.constexpr = BLOCK_N // 4
+    W: tl.constexpr = DC // 4
+    KW = KC.to(tl.pointer_type(tl.int32), bitcast=True)
+    sw = stride_kc // 4
+    if LANES_ON_TOKENS:
+        JL: tl.constexpr = 4
+        word = tl.arange(0, W // JL)[None, :, None] * JL + tl.arange(0, JL)[None, None, :]
+        base = KW + slot4[:, None, None] * sw + word  # [g, jh, jl]: Triton orders the lanes g first
+        ok = n4[:, None, None]
+    else:
+        base = KW + slot4[:, None] * sw + tl.arange(0, W)[None, :]
+        ok = n4[:, None]
+    a0 = tl.load(base, mask=ok < end, other=0)
+    a1 = tl.load(base + sw, mask=ok + 1 < end, other=0)
+    a2 = tl.load(base + 2 * sw, mask=ok + 2 < end, other=0)
+    a3 = tl.load(base + 3 * sw, mask=ok + 3 < end, other=0)
+    o0, o1, o2, o3 = _bytes_t4(a0, a1, a2, a3, INTERPRET)  # o_k = tokens 4g..4g+3 of dim 4 * word + k
+    x = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [.., 2, 2] -> k = 2 * j + i
+    if LANES_ON_TOKENS:
+        x = tl.reshape(x, [G, W // JL, JL, 4])  # [g, jh, jl, k]
+        y = tl.permute(_unpack4(x), (0, 4, 1, 2, 3))  # [g, jh, jl, k, t] -> [g, t, jh, jl, k]
+    else:
+        x = tl.reshape(x, [G, W, 4])  # [g, j, k]
+        y = tl.permute(_unpack4(x), (0, 3, 1, 2))  # [g, j, k, t] -> [g, t, j, k]
+    return tl.reshape(y, [BLOCK_N, DC]).to(KC.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
+def _block_slots(PT, b, stride_pt, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, INTERPRET: tl.constexpr):
+    """(slot [BLOCK_N] int64, tok_ok, base slot of each 4-token group [BLOCK_N // 4]) of the block at n0."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tok_ok = offs_n < end
+    n4 = n0 + 4 * tl.arange(0, BLOCK_N // 4)
+    if PAGE % BLOCK_N == 0:  # the block lies in one page: one scalar page-table load
+        page = _load_page(PT + b * stride_pt + n0 // PAGE, INTERPRET).to(tl.int64)
+        slot = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N)
+        slot4 = page * PAGE + (n0 % PAGE) + 4 * tl.arange(0, BLOCK_N // 4)
+    else:
+        page = tl.load(PT + b * stride_pt + offs_n // PAGE, mask=tok_ok, other=0)
+        slot = page.to(tl.int64) * PAGE + offs_n % PAGE
+        pg4 = tl.load(PT + b * stride_pt + n4 // PAGE, mask=n4 < end, other=0)
+        slot4 = pg4.to(tl.int64) * PAGE + n4 % PAGE
+    return slot, tok_ok, slot4
+
+
+@triton.jit
+def _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim, sm_scale_log2e,
+            DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+            IMPRECISE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Base-2 scores of the block at n0 ([BLOCK_M, BLOCK_N], -inf where masked), the tokens' FP8
+    scales (FP8) and the block's K tile (the bf16 path reuses it as V)."""
+    slot, tok_ok, _ = _block_slots(PT, b, stride_pt, n0, end, BLOCK_N, PAGE, INTERPRET)
+    offs_c = tl.arange(0, DC)
+    offs_r = tl.arange(0, DR)
+    kc = tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=tok_ok[:, None], other=0.0,
+                 eviction_policy="evict_last")
+    kr = tl.load(KR + slot[:, None] * stride_kr + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
+    # QK^T: the content groups and the RoPE group in the same pre-scaled domain, one fp32 sum,
+    # then the two scales (pre-scaled domain alignment). The RoPE dot has its own accumulator and
+    # both products are scaled before the add: a dot feeding another dot's accumulator (which
+    # Triton's combiner makes of ``dot + x``) counts as "chained" for its warp assignment (S_AHEAD)
+    if FP8:
+        ks = tl.load(KS + slot, mask=tok_ok, other=0.0)
+        f = qscale[:, None] * ks[None, :]
+        s = tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE) * f
+        s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * f
+    else:
+        ks = tok_ok.to(tl.float32)
+        s = _dot(qc, tl.trans(kc), None, INTERPRET) * sm_scale_log2e
+        s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * sm_scale_log2e
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    keep = (offs_n[None, :] < lim[:, None]) & tok_ok[None, :]
+    return tl.where(keep, s, float("-inf")), ks, kc
+
+
+@triton.jit
+def _softmax_step(s, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, FP8: tl.constexpr, PV_FP8: tl.constexpr,
+                  TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Online-softmax update for one block of scores: returns (P operand of the PV dot, the factor
+    that rescales the accumulator first, m, l, sigma). TAU > 0: lazy running max, moved only when a
+    block's max exceeds it by more than TAU (base 2), so P <= 2^TAU and the rescale factor is
+    exactly 1 in almost every block (``_pv_step`` then skips the rescale)."""
+    m_blk = tl.max(s, 1)
+    if TAU > 0:
+        m_new = tl.where(m_blk > m_i + TAU, m_blk, m_i)
+    else:
+        m_new = tl.maximum(m_i, m_blk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))  # exactly 1 where the max did not move
+    if FP8 and PV_FP8:
+        pv = p * ks[None, :]  # value scale fused into P (Key Step 2)
+        sig_keep = sig_i * alpha
+        sig_need = tl.max(pv, 1) / 448.0
+        if TAU > 0:  # lazy too: when sigma must grow, grow it 4x past the need (P̂ <= 112 then)
+            sig_new = tl.where(sig_need <= sig_keep, sig_keep, sig_need * SIG_HEADROOM)
+        else:
+            sig_new = tl.maximum(sig_need, sig_keep)  # monotone block scale
+        inv_sig = tl.where(sig_new > 0, 1.0 / sig_new, 0.0)
+        # <= 1: sigma folded into the online-softmax rescale (exactly 1 where neither m nor sigma moved)
+        r = tl.where(sig_new == sig_keep, 1.0, sig_keep * inv_sig)
+        if PV16:  # P / sigma in fp16 (11-bit mantissa) against V upcast to fp16 (exact)
+            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), tl.float16, INTERPRET)
+        else:
+            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), V_DTYPE, INTERPRET)
+        l_new = l_i * r + tl.sum(p, 1) * inv_sig
+        return p_op, r, m_new, l_new, sig_new
+    elif FP8:  # variant: bf16 P * s_k against the exactly upcast FP8 latent
+        return _cast(p * ks[None, :], tl.bfloat16, INTERPRET), alpha, m_new, l_i * alpha + tl.sum(p, 1), sig_i
+    else:
+        return _cast(p, V_DTYPE, INTERPRET), alpha, m_new, l_i * alpha + tl.sum(p, 1), sig_i
+
+
+@triton.jit
+def _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc,
+             DC: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+             PV_FP8: tl.constexpr, V_PRMT: tl.constexpr, PV_PROMOTE: tl.constexpr, S_AHEAD: tl.constexpr,
+             TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc = acc * rescale + P · V for the block at n0. V = the block's content rows: the K tile
+    itself (bf16, unless S_AHEAD, where K and V belong to different blocks), or (FP8) the rows
+    loaded again (an L2 hit), in the layout its wgmma needs (see the module docstring)."""
+    offs_c = tl.arange(0, DC)
+    if FP8 and (PV16 or not PV_FP8) and not S_AHEAD:  # the K tile itself, upcast (exact): no second load
+        vc = kc.to(tl.float16 if (PV_FP8 and PV16) else tl.bfloat16)
+    elif FP8 or S_AHEAD:
+        slot, tok_ok, slot4 = _block_slots(PT, b, stride_pt, n0, end, BLOCK_N, PAGE, INTERPRET)
+        if FP8 and PV_FP8 and PV16:
+            vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c).to(tl.float16)
+        elif FP8 and PV_FP8 and V_PRMT:  # byte-transposed in registers: 32-bit stores into the K-major smem tile
+            vc = _v_kmajor(KC, stride_kc, slot4, n0 + 4 * tl.arange(0, BLOCK_N // 4), end, BLOCK_N, DC,
+                           V_PRMT == 2, INTERPRET)
+        else:
+            vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c)
+        if FP8 and not PV_FP8:
+            vc = vc.to(tl.bfloat16)
+    else:
+        vc = kc
+    if TAU > 0:  # skip the 128-registers-per-thread rescale when no row needs it (CTA-uniform branch)
+        if tl.min(rescale, 0) < 1.0:
+            acc = acc * rescale[:, None]
+    else:
+        acc = acc * rescale[:, None]
+    if FP8 and PV_FP8 and not PV16:
+        if PV_PROMOTE:  # each block's P̂·ĉ in a fresh fp32 tile: exact fp32 sum, 2x acc registers
+            return acc + tl.dot(p_op, vc)
+        return tl.dot(p_op, vc, acc)  # tensor-core fp8 accumulation (docstring)
+    return _dot(p_op, vc, acc, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["H", "SQ", "ROWS", "chunk"])  # one compile for every Sq, H, plan
@@ -123,7 +362,8 @@ def _mla_decode_kernel(
     # constexpr
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
-    PV_PROMOTE: tl.constexpr, V_PREFETCH: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    PV_PROMOTE: tl.constexpr, PV_FP8: tl.constexpr, V_PRMT: tl.constexpr, S_AHEAD: tl.constexpr,
+    TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -142,78 +382,42 @@ def _mla_decode_kernel(
     qr = tl.load(QR + rows[:, None] * stride_qr + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     if FP8:
         qscale = tl.load(QS + rows, mask=row_ok, other=0.0) * sm_scale_log2e
+    else:
+        qscale = tl.zeros([BLOCK_M], tl.float32)  # unused
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     sig_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    if FP8:
-        if V_PREFETCH:  # V rows one block ahead, their page ids two blocks ahead
-            vc_next = _v_rows(KC, stride_kc, _slots(PT, b, stride_pt, start, end, BLOCK_N, PAGE), offs_c)
-            vslot_next = _slots(PT, b, stride_pt, start + BLOCK_N, end, BLOCK_N, PAGE)
-    for n0 in range(start, end, BLOCK_N):  # monotone block order (SnapMLA App. C)
-        if FP8:
-            if V_PREFETCH:  # this block's V rows (loaded one iteration ahead); issue the next block's
-                vc = vc_next
-                vc_next = _v_rows(KC, stride_kc, vslot_next, offs_c)
-                vslot_next = _slots(PT, b, stride_pt, n0 + 2 * BLOCK_N, end, BLOCK_N, PAGE)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        tok_ok = offs_n < end
-        if PAGE % BLOCK_N == 0:  # the block lies in one page: one scalar page-table load
-            page = _load_page(PT + b * stride_pt + n0 // PAGE, INTERPRET).to(tl.int64)
-            slot = page * PAGE + (n0 % PAGE) + tl.arange(0, BLOCK_N)
-        else:
-            page = tl.load(PT + b * stride_pt + offs_n // PAGE, mask=tok_ok, other=0)
-            slot = page.to(tl.int64) * PAGE + offs_n % PAGE
-        kc = tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=tok_ok[:, None], other=0.0,
-                     eviction_policy="evict_last")
-        kr = tl.load(KR + slot[:, None] * stride_kr + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
-        # QK^T: content groups then the RoPE group, one fp32 accumulator
-        if FP8:
-            ks = tl.load(KS + slot, mask=tok_ok, other=0.0)
-            s = tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE)
-            s = _dot(qr, tl.trans(kr), s, INTERPRET)
-            s = s * qscale[:, None] * ks[None, :]
-        else:
-            s = _dot(qc, tl.trans(kc), None, INTERPRET)
-            s = _dot(qr, tl.trans(kr), s, INTERPRET)
-            s = s * sm_scale_log2e
-        keep = (offs_n[None, :] < lim[:, None]) & tok_ok[None, :]
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        if FP8 and not PV_FP8:  # variant: FP8 QK, bf16 PV on the exactly upcast FP8 latent
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if not V_PREFETCH:
-                vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c)
-            pvb = _cast(p * ks[None, :], tl.bfloat16, INTERPRET)
-            acc = _dot(pvb, vc.to(tl.bfloat16), acc * alpha[:, None], INTERPRET)
-        elif FP8:
-            pv = p * ks[None, :]  # value scale fused into P (Key Step 2)
-            sig_new = tl.maximum(tl.max(pv, 1) / 448.0, sig_i * alpha)  # monotone block scale
-            inv_sig = tl.where(sig_new > 0, 1.0 / sig_new, 0.0)
-            r = sig_i * alpha * inv_sig  # <= 1: sigma folded into the online-softmax rescale
-            p8 = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), KC.dtype.element_ty, INTERPRET)
-            l_i = l_i * r + tl.sum(p, 1) * inv_sig
-            # V = the same content rows, loaded a second time (an L2 hit) so that the K tile can stay
-            # in its async-copied K-major smem buffer while this one is transposed through
-            # registers into the k-major layout fp8 wgmma needs for V (SnapMLA §3.3, layer 3).
-            # V_PREFETCH: this block's rows were loaded one iteration ahead (by hand: Triton does
-            # not pipeline a load whose consumer is a register-to-smem transpose)
-            if not V_PREFETCH:
-                vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c)
-            if PV_PROMOTE:  # each block's P̂·ĉ in a fresh fp32 tile: exact fp32 sum, 2x acc registers
-                acc = acc * r[:, None] + tl.dot(p8, vc)
-            else:  # accumulate in the wgmma accumulator (tensor-core fp8 accumulation, see docstring)
-                acc = tl.dot(p8, vc, acc * r[:, None])
-            sig_i = sig_new
-        else:
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = _dot(_cast(p, KC.dtype.element_ty, INTERPRET), kc, acc, INTERPRET)
-        m_i = m_new
+    if S_AHEAD:
+        # software-pipelined by hand: iteration j computes P·V of block j-1 and the scores of block j.
+        # The QK dot's result then reaches the PV dot only through the loop-carried P, so Triton
+        # does not treat the two dots as a chain and splits QK's N over the two warpgroups instead
+        # of computing the whole [BLOCK_M, BLOCK_N] tile in both (warpsPerCTA [8, 1] for a chained
+        # dot: with BLOCK_M = 64 the second warpgroup duplicates the first). V is loaded on its own.
+        # (only P and the rescale factor are carried: the K tile must not be, or it would live in registers)
+        s0, ks0, _k0 = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, start, end, lim,
+                               sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET)
+        p_op, rescale, m_i, l_i, sig_i = _softmax_step(s0, ks0, m_i, l_i, sig_i, KC.dtype.element_ty, FP8, PV_FP8,
+                                                       TAU, PV16, INTERPRET)
+        for n0 in range(start + BLOCK_N, end, BLOCK_N):  # monotone block order (SnapMLA App. C)
+            acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0 - BLOCK_N, end, 0, DC, BLOCK_N,
+                           PAGE, FP8, PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
+            s, ks, _k = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
+                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET)
+            p_op, rescale, m_i, l_i, sig_i = _softmax_step(s, ks, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
+                                                           PV_FP8, TAU, PV16, INTERPRET)
+        last = start + tl.maximum(tl.cdiv(end - start, BLOCK_N) - 1, 0) * BLOCK_N
+        acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, last, end, 0, DC, BLOCK_N, PAGE, FP8,
+                       PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
+    else:
+        for n0 in range(start, end, BLOCK_N):  # monotone block order (SnapMLA App. C)
+            s, ks, kc = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
+                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET)
+            p_op, rescale, m_i, l_i, sig_i = _softmax_step(s, ks, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
+                                                           PV_FP8, TAU, PV16, INTERPRET)
+            acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, DC, BLOCK_N, PAGE, FP8,
+                           PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
 
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     out = acc * inv_l[:, None]
@@ -276,7 +480,9 @@ def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device,
 def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                       max_seq_len: int, page_size: int, fp8: bool, out_dtype=torch.bfloat16,
                       num_splits: int | None = None, block_n: int | None = None, block_m: int | None = None,
-                      imprecise: int = 128, pv_promote: bool = False, v_prefetch: bool = True, pv_fp8: bool = True, num_warps: int | None = None,
+                      imprecise: int | None = None, pv_promote: bool = False, pv_fp8: bool = True,
+                      v_prmt: int = 2, s_ahead: bool | None = None, tau: float = 0.0, pv16: bool = False,
+                      num_warps: int | None = None,
                       num_stages: int | None = None,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
@@ -289,12 +495,17 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     SQ = ROWS // num_heads
     dev = qc.device
     interp = interpret_mode() or dev.type != "cuda"
+    path = "bf16" if not fp8 else ("fp8-f16pv" if pv16 and pv_fp8 else "fp8" if pv_fp8 else "fp8-bf16pv")
     if block_m is None:
         block_m = 64 if not interp else max(16, min(64, triton.next_power_of_2(ROWS)))
     if block_n is None:
-        block_n = PV_BLOCK_N[fp8] if not interp else 16
+        block_n = PV_BLOCK_N[path] if not interp else 16
     if dev.type == "cuda" and block_m < 64:
         raise ValueError("block_m must be >= 64 on the GPU (wgmma tile)")
+    ok4 = fp8 and pv_fp8 and page_size % 4 == 0 and block_n % 4 == 0 and DC % 16 == 0 and kc.stride(0) % 4 == 0
+    v_prmt = int(v_prmt) if (ok4 and not pv16) else 0
+    if s_ahead is None:
+        s_ahead = S_AHEAD[path]
     row_blocks = cdiv(ROWS, block_m)
     splits, chunk = plan_splits(B, row_blocks, max_seq_len, block_n, dev, num_splits)
     out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
@@ -309,7 +520,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     if num_warps is None:
         num_warps = 8 if (not interp and DC >= 256) else 4
     if num_stages is None:
-        num_stages = PV_STAGES[fp8] if not interp else 1
+        num_stages = PV_STAGES[path] if not interp else 1
     dummy = kc.new_empty(1, dtype=torch.float32) if qs is None else None
     kernel = _mla_decode_kernel[(row_blocks, splits, B)](
         qc2, qr2, qs if qs is not None else dummy, kc, kr, ks if ks is not None else dummy,
@@ -317,7 +528,9 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), kc.stride(0), kr.stride(0), page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
-        IMPRECISE=min(imprecise, DC), PV_PROMOTE=pv_promote, V_PREFETCH=v_prefetch, PV_FP8=pv_fp8, INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
+        IMPRECISE=min(DC if imprecise is None else imprecise, DC), PV_PROMOTE=pv_promote, PV_FP8=pv_fp8,
+        V_PRMT=v_prmt, S_AHEAD=s_ahead, TAU=float(tau), PV16=bool(pv16 and fp8 and pv_fp8),
+        INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _mla_combine_kernel[(B * ROWS,)](
@@ -326,5 +539,6 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
             DC=DC, SPLITS_P2=max(2, triton.next_power_of_2(splits)), INTERPRET=interpret_mode(), num_warps=4,
         )
     if return_plan:
-        return out, {"splits": splits, "chunk": chunk, "block_n": block_n, "block_m": block_m, "kernel": kernel}
+        return out, {"splits": splits, "chunk": chunk, "block_n": block_n, "block_m": block_m, "v_prmt": v_prmt,
+                     "s_ahead": s_ahead, "kernel": kernel}
     return out

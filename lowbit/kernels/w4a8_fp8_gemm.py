@@ -24,8 +24,24 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   with each intermediate rounded to the output dtype like the eager model; ``+ residual`` last.
 - Small M (decode): ``SWAP_AB`` computes the transposed tile ``W_tile @ x_tile^T`` so N fills the
   64-row wgmma M dimension and M (>= 16 after padding) is the wgmma N; ``SPLIT_K > 1`` splits the K
-  loop over more programs, writing fp32 partials to a workspace that ``_splitk_reduce_kernel`` sums
-  and finishes with the same epilogue.
+  loop over more programs, writing fp32 partials to a workspace. ``SK_SEM`` (default): single
+  launch -- each program bumps a per-tile atomic counter after storing its partial, and the last
+  one sums the partials in split order (deterministic) and runs the epilogue, then resets the
+  counter (a cached zeroed int32 buffer; concurrent launches on different streams must not share
+  it). ``SK_SEM=False``: ``_splitk_reduce_kernel`` (a second launch) does that.
+- ``QUANT_A`` (``w4a8_fp8_linear_fused``, decode): x arrives in fp16/bf16/fp32 and its per-token
+  FP8 quantization runs inside the GEMM, so the linear is one launch. Every program reads its
+  QROWS rows of x over the whole K (a few KB, L2-resident; redundant across programs), takes the
+  absmax and the scale rule of ``lowbit.formats.common`` (NaN/Inf row -> NaN scale), then
+  quantizes each K tile in registers; x tiles are prefetched one iteration ahead by hand. The
+  quotient v/s is the IEEE one without a per-element division (``_quant_rows``), so codes and
+  scales are bit-identical to ``lowbit.kernels.act_quant`` (tested). ``QROWS < BLOCK_M`` packs M
+  rows into the 16-row wgmma tile at stride BLOCK_M/QROWS so only real rows are quantized.
+- ``W_FP8`` (large M): the weight was dequantized once to FP8 ``[N, Kp]`` (``dequantize_to_fp8``,
+  the same FP8(q*sigma) bytes) and the loop is a plain FP8 GEMM. The launcher can instead hand
+  that buffer to ``torch._scaled_mm`` row-wise (scale_a = sx, scale_b = delta^-1); the choice is
+  ``DEQUANT_GEMM``, measured (benchmarks/device/w4a8_fp8.py). Transient memory: N x Kp bytes
+  (twice the packed weight) per call, freed after it.
 
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
 Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
@@ -40,12 +56,13 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, check_tensor, interpret_mode
-from lowbit.formats.common import FP8_E4M3
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX
 from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 
 BLOCK_K = PACK_BLOCK
 HALF_K = tl.constexpr(PACK_BLOCK // 2)
+FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 # ------------------------------------------------------------------------------------ configs
@@ -57,31 +74,54 @@ def _split_k(tiles: int, k_tiles: int, target: int) -> int:
     return split
 
 
+# Dispatch by M (measured on the H200, benchmarks/device/w4a8_fp8.py, round R4):
+# - activation quantization fused into the GEMM (QUANT_A) LOST at every M measured: gate_up
+#   M=1 43.1 us vs 36.2 us for act_quant + GEMM (M=16: 63.2 vs 37.2; down M=1 35.9 vs 27.1) -- the
+#   per-program absmax prologue over the whole K and the in-loop quantization cost more than the
+#   separate launch. It stays available (w4a8_fp8_linear_fused, FUSED_QUANT_MAX_M > 0), off by default.
+FUSED_QUANT_MAX_M = 0  # w4a8_fp8_linear: activation quantization inside the GEMM up to this M
+# - from M = 512: dequantize the weight once to FP8 and use torch._scaled_mm row-wise (R4, gate_up
+#   M=1024: 233.9 us vs 431.5 us fused-dequant and 348.0 us for the Triton W_FP8 GEMM; R5, M=512:
+#   gate_up 148.6 vs 187.9 us, down 72.5 vs 122.2, 4096^2 26.2 vs 41.9 for the swap-AB kernel; at
+#   M=256 the swap-AB kernel still wins or ties: 101.8 vs 114.2, 66.0 vs 69.0, 24.8 vs 24.9 us;
+#   M=384 was not measured).
+DEQUANT_MIN_M = 512  # from this M: dequantize the weight once to FP8, then a plain FP8 GEMM
+DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
+
+
 def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
-    """Tile config by shape (the sweep behind it: benchmarks/device/w4a8_fp8.py, H200).
+    """Tile config by shape (the sweep behind it: benchmarks/device/w4a8_fp8.py, H200, R4).
 
     - M <= 64 (decode): SWAP_AB (the weight tile is the 64-row wgmma A operand, x^T the N=16..64
-      operand), BLOCK_N = 64 weight rows, split-K until >= 2 programs per SM: memory-bound, the
-      goal is many 4 KB tiles in flight.
-    - 64 < M <= 256: BLOCK_M = 64/128 x BLOCK_N = 128, split-K until one wave.
-    - larger M: 128 x 128 tiles, 8 warps, ``ACC_TILE`` (fast FP8 accumulation inside each K = 128
-      tile, promoted to FP32 once per tile: 4% faster than Triton's promotion every K = 64).
+      operand). BLOCK_N = 128 weight rows without split-K when that already gives one program per
+      SM (gate_up M=1: 29.6 us vs 32.1 us with 64 rows), else 64 rows and single-launch split-K
+      until >= 2 programs per SM. ``ACC_TILE`` (31.0 vs 32.1 us) and the 16-byte scale chunk
+      (``SWORD=False``: 31.3 vs 32.1 us) measured slightly faster.
+    - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
+      dequantized weight stays the register A operand (gate_up M=128: 59.4 us vs 72.6 us for 64x128
+      tiles without swap; R4), split-K until one wave.
+    - M >= DEQUANT_MIN_M: ``MODE=DEQUANT_GEMM`` (dequantize once + FP8 GEMM); the tile entries are
+      used by the Triton W_FP8 GEMM (``MODE="dequant"``, and where _scaled_mm cannot run).
     Accumulation is precise everywhere (FP32 promotion every K = 64 or 128); ``FAST_ACC=True`` (no
     promotion) is an option for experiments: 1.6x faster at M = 1024 but it lost 22% (rel-L2) on an
     all-positive K = 14336 product on the H200.
     """
     k_tiles = cdiv(K, BLOCK_K)
+    if M >= DEQUANT_MIN_M:
+        return dict(MODE=DEQUANT_GEMM, BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=8,
+                    num_stages=4, GROUP_M=8, ACC_TILE=True)
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        if cdiv(N, 128) >= n_sm:
+            return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
+                        ACC_TILE=True, SWORD=False)
         bn = 64
         split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
-        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1)
-    if M <= 256:
-        bm = 64 if M <= 128 else 128
-        split = _split_k(cdiv(N, 128) * cdiv(M, bm), k_tiles, n_sm)
-        return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=False, num_warps=4, num_stages=4, GROUP_M=8)
-    return dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=8, num_stages=3, GROUP_M=8,
-                ACC_TILE=True)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
+                    ACC_TILE=True, SWORD=False)
+    split = _split_k(cdiv(N, 64) * cdiv(M, 128), k_tiles, n_sm)
+    return dict(BLOCK_M=128, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
+                ACC_TILE=True, SWORD=False)
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -166,12 +206,12 @@ def _dequant_emulated(words, sig, HI: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta,
-              A_scale, Bias, Res, C, stride_rm, stride_cm,
+def _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta,
+              Bias, Res, C, stride_rm, stride_cm,
               BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 of weight rows offs_n -> scaled, activated, stored output."""
+    """acc [BLOCK_M, BLOCK_N] fp32 of weight rows offs_n, per-token scales sx [BLOCK_M] of output
+    rows offs_m (>= M: masked) -> scaled, activated, stored output."""
     mask_m = offs_m < M
-    sx = tl.load(A_scale + offs_m, mask=mask_m, other=0.0)
     y = acc * (sx * inv_delta)[:, None]
     if HAS_BIAS:
         b = tl.load(Bias + offs_n, mask=offs_n < N, other=0.0)
@@ -190,6 +230,33 @@ def _epilogue(acc, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta,
         r = tl.load(Res + offs_m[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=mask, other=0.0)
         y = y.to(C.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
     tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + cols[None, :], y.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _byte_to_fp16(wd, shift):
+    """Byte ``(wd >> shift) & 0xFF`` of int32 words, read as FP8 E4M3, as fp16 (exact)."""
+    return ((wd >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _load_scales_word(s_words, kt, mask_n, offs_h, GROUP: tl.constexpr):
+    """As ``_load_scales``, from one 4-byte load per row (the aligned word holding the tile's
+    groups; 4 bytes is the smallest load cp.async pipelines) and shifts: a few integer ops per
+    tile instead of a 16-byte chunk reduced over 16 lanes."""
+    if GROUP == 128:
+        wd = tl.load(s_words + kt // 4, mask=mask_n, other=0)
+        s_lo = _byte_to_fp16(wd, (kt % 4) * 8)[:, None]
+        s_hi = s_lo
+    elif GROUP == 64:
+        wd = tl.load(s_words + kt // 2, mask=mask_n, other=0)
+        s_lo = _byte_to_fp16(wd, (kt % 2) * 16)[:, None]
+        s_hi = _byte_to_fp16(wd, (kt % 2) * 16 + 8)[:, None]
+    else:  # GROUP == 32: the tile's 4 groups = the word; columns 0-31 / 32-63 of each half
+        wd = tl.load(s_words + kt, mask=mask_n, other=0)
+        first = (offs_h < 32)[None, :]
+        s_lo = tl.where(first, _byte_to_fp16(wd, 0)[:, None], _byte_to_fp16(wd, 8)[:, None])
+        s_hi = tl.where(first, _byte_to_fp16(wd, 16)[:, None], _byte_to_fp16(wd, 24)[:, None])
+    return s_lo, s_hi
 
 
 @triton.jit
@@ -229,26 +296,87 @@ def _load_scales(s_rows, kt, mask_n, offs_h, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr):
+    """K tile ``kt`` of ``BLOCK_N`` weight rows -> FP8 (w_lo, w_hi), each ``[BLOCK_N, 64]``: the
+    columns ``128 kt + j`` and ``128 kt + 64 + j``."""
+    if SWORD:
+        s_lo, s_hi = _load_scales_word(s_words, kt, mask_n, offs_h, GROUP)
+    else:
+        s_lo, s_hi = _load_scales(s_rows, kt, mask_n, offs_h, GROUP)
+    if not LUT:
+        wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
+        w_lo = _dequant_emulated(wrd, s_lo, False, BLOCK_N)
+        w_hi = _dequant_emulated(wrd, s_hi, True, BLOCK_N)
+    else:
+        p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
+        l0, l1 = _fp8_lut(s_lo)
+        w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
+        if GROUP > HALF_K:  # same group for both halves: reuse the LUT
+            w_hi = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), True)
+        else:
+            h0, h1 = _fp8_lut(s_hi)
+            w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
+    return w_lo, w_hi
+
+
+@triton.jit
+def _quant_rows(v, s, r, QROWS: tl.constexpr, RSTEP: tl.constexpr, BLOCK_M: tl.constexpr, EMU: tl.constexpr):
+    """fp32 ``v [QROWS, C]`` / per-row scale ``s [QROWS]`` -> FP8 ``[BLOCK_M, C]``: the numerics of
+    ``lowbit.kernels.act_quant`` (IEEE division, clamp to +-448, RNE cast). With ``QROWS <
+    BLOCK_M`` row r lands on tile row ``r * BLOCK_M / QROWS`` and the rows between are zero, so the
+    division runs on the real rows only (decode: 1 row, not the 16 of the smallest wgmma tile).
+
+    The correctly rounded quotient v / s without a division per element: ``r`` = 1/s correctly
+    rounded (one division per row), ``y0 = v r`` (within ~2 ulp), then two Markstein corrections
+    ``y <- fma(fma(-s, y, v), r, y)``: the first makes y faithful, so the second's remainder is
+    exact and y the IEEE quotient (checked against exact rational arithmetic on 60k cases,
+    tests/test_w4a8_fp8_paths.py). 5 FP32 ops instead of ~10 and a slow-path check. The
+    interpreter's fma is not fused, so it divides (``EMU``)."""
+    if EMU:
+        y = tl.div_rn(v, s[:, None])
+    else:
+        sb = s[:, None]
+        rb = r[:, None]
+        y = v * rb
+        y = tl.fma(tl.fma(-sb, y, v), rb, y)
+        y = tl.fma(tl.fma(-sb, y, v), rb, y)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if EMU:  # the interpreter mis-rounds fp32->fp8 across a binade: round exactly first
+        y = round_to_fp8_e4m3(y)
+    q = y.to(tl.float8e4nv)
+    if QROWS < BLOCK_M:
+        qi = q.to(tl.int8, bitcast=True)
+        qe = tl.reshape(tl.broadcast_to(qi[:, None, :], [QROWS, RSTEP, HALF_K]), [BLOCK_M, HALF_K])
+        keep = (tl.arange(0, BLOCK_M) % RSTEP == 0)[:, None]
+        q = tl.where(keep, qe, 0).to(tl.float8e4nv, bitcast=True)
+    return q
+
+
+@triton.jit
 def _w4a8_fp8_gemm_kernel(
     # pointers
-    A, A_scale, Bq, B_scale, Bias, Res, C, Ws,
+    A, A_scale, Bq, B_scale, Bias, Res, C, Ws, Lock,
     # sizes / scalars
-    M, N, K, N_OUT, inv_delta,
+    M, N, K, N_OUT, inv_delta, amax_eps,
     # strides (last dims contiguous)
     stride_am, stride_bn, stride_sn, stride_rm, stride_cm,
     # constexpr flags
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
+    QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
+    SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr,
 ):
-    # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles)
+    # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles). A program
+    # covers QROWS rows of x (= BLOCK_M unless QUANT_A packs fewer rows into the tile).
     pid = tl.program_id(0)
     pid_k = tl.program_id(2)
-    num_m = tl.cdiv(M, BLOCK_M)
+    num_m = tl.cdiv(M, QROWS)
+    num_n = tl.num_programs(1)
     if GROUP_M > 1:
         pid_n_all = tl.program_id(1)
         lin = pid_n_all * num_m + pid
-        num_n = tl.num_programs(1)
         width = GROUP_M * num_n
         gid = lin // width
         first_m = gid * GROUP_M
@@ -259,7 +387,9 @@ def _w4a8_fp8_gemm_kernel(
         pid_m = pid
         pid_n = tl.program_id(1)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_m = tl.arange(0, BLOCK_M)
+    row_of = pid_m * QROWS + i_m // RSTEP
+    offs_m = tl.where((i_m % RSTEP == 0) & (row_of < M), row_of, M)  # tile row -> x row (M: none)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF_K)
     mask_m = offs_m < M
@@ -268,38 +398,82 @@ def _w4a8_fp8_gemm_kernel(
     b_rows = Bq + offs_n[:, None].to(tl.int64) * stride_bn
     w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
+    s_words = B_scale.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
 
     k_tiles = tl.cdiv(K, 2 * HALF_K)
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per
     kt1 = tl.minimum(kt0 + per, k_tiles)
 
+    if QUANT_A:
+        # fused per-token FP8 quantization of x (float): absmax of the QROWS real rows over the
+        # whole K (x is a few KB, L2-resident), the scale rule of lowbit.formats.common, then every
+        # K tile is quantized in registers in the main loop
+        offs_q = pid_m * QROWS + tl.arange(0, QROWS)
+        mask_q = offs_q < M
+        q_rows = A + offs_q[:, None].to(tl.int64) * stride_am
+        # [QROWS, 64] pieces, QCH / 64 of them unrolled per iteration (independent loads in flight;
+        # the same layout as the main loop's x tiles, so the scale needs no replicated layout there)
+        if QWIDE:  # [QROWS, QCH] loads: few rows, wide coalesced loads (decode)
+            amax_t = tl.zeros([QROWS, QCH], dtype=tl.float32)
+            bad_t = tl.zeros([QROWS, QCH], dtype=tl.int32)
+            for c0 in range(0, K, QCH):
+                kk = c0 + tl.arange(0, QCH)
+                v = tl.load(q_rows + kk[None, :], mask=mask_q[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+                av = tl.abs(v)
+                amax_t = tl.maximum(amax_t, av)
+                bad_t = bad_t | ((av == float("inf")) | (v != v)).to(tl.int32)
+        else:
+            amax_t = tl.zeros([QROWS, HALF_K], dtype=tl.float32)
+            bad_t = tl.zeros([QROWS, HALF_K], dtype=tl.int32)
+            for c0 in range(0, K, QCH):
+                for u in tl.static_range(QCH // HALF_K):
+                    kk = c0 + u * HALF_K + offs_h
+                    v = tl.load(q_rows + kk[None, :], mask=mask_q[:, None] & (kk < K)[None, :],
+                                other=0.0).to(tl.float32)
+                    av = tl.abs(v)
+                    amax_t = tl.maximum(amax_t, av)
+                    bad_t = bad_t | ((av == float("inf")) | (v != v)).to(tl.int32)
+        amax = tl.max(amax_t, axis=1)
+        amax = tl.where(tl.max(bad_t, axis=1) > 0, float("nan"), amax)  # NaN/Inf row -> NaN scale -> NaN row
+        sxq = tl.div_rn(tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL), FP8_MAX)
+        rxq = tl.div_rn(tl.full([QROWS], 1.0, tl.float32), sxq)
+        # x of the first K tile, loaded one iteration ahead in the loop (register prefetch: these
+        # loads feed ALU work, not the dot, so the pipeliner does not prefetch them)
+        k_lo = kt0 * 2 * HALF_K + offs_h
+        nv_lo = tl.load(q_rows + k_lo[None, :], mask=mask_q[:, None] & (k_lo < K)[None, :], other=0.0)
+        nv_hi = tl.load(q_rows + HALF_K + k_lo[None, :], mask=mask_q[:, None] & (k_lo + HALF_K < K)[None, :],
+                        other=0.0)
+        if SPLIT_K > 1 and not SK_SEM:
+            if (pid_n == 0) & (pid_k == 0):  # the reduce kernel's scales
+                tl.store(A_scale + offs_q, sxq, mask=mask_q)
+
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kt in range(kt0, kt1):
-        s_lo0, s_hi0 = _load_scales(s_rows, kt, mask_n, offs_h, GROUP)
         k0 = kt * 2 * HALF_K
         # activations: two 64-wide halves of the K tile (masked beyond K and M)
         k_lo = k0 + offs_h
         k_hi = k0 + HALF_K + offs_h
-        a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & (k_lo < K)[None, :], other=0.0)
-        a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & (k_hi < K)[None, :], other=0.0)
-        # packed weights: 64 bytes per row (codes are padded to the 128-block: no K mask)
-        if not LUT:
-            wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
-            w_lo = _dequant_emulated(wrd, s_lo0, False, BLOCK_N)
-            w_hi = _dequant_emulated(wrd, s_hi0, True, BLOCK_N)
+        if QUANT_A:
+            v_lo = nv_lo
+            v_hi = nv_hi
+            nk_lo = k_lo + 2 * HALF_K
+            pmask = mask_q[:, None] & (kt + 1 < kt1)
+            nv_lo = tl.load(q_rows + nk_lo[None, :], mask=pmask & (nk_lo < K)[None, :], other=0.0)
+            nv_hi = tl.load(q_rows + HALF_K + nk_lo[None, :], mask=pmask & (nk_lo + HALF_K < K)[None, :], other=0.0)
+            a_lo = _quant_rows(v_lo.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
+            a_hi = _quant_rows(v_hi.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
         else:
-            p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
-            l0, l1 = _fp8_lut(s_lo0)
-            w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
-            if GROUP > HALF_K:  # same group for both halves: reuse the LUT
-                w_hi = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), True)
-            else:
-                h0, h1 = _fp8_lut(s_hi0)
-                w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
+            a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & (k_lo < K)[None, :], other=0.0)
+            a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & (k_hi < K)[None, :], other=0.0)
+        if W_FP8:  # weights already dequantized to FP8 [N, Kp] (large-M path): plain FP8 GEMM
+            w_lo = tl.load(b_rows + (k0 + offs_h)[None, :], mask=mask_n[:, None], other=0.0)
+            w_hi = tl.load(b_rows + (k0 + HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0.0)
+        else:  # packed INT4 codes (padded to the 128-block: no K mask) -> FP8 through the LUT
+            w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, GROUP, BLOCK_N, LUT, SWORD)
         if ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
             if SWAP_AB:
                 part = tl.dot(w_lo, tl.trans(a_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
@@ -317,11 +491,29 @@ def _w4a8_fp8_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
 
-    if SPLIT_K > 1:
-        ws = Ws + pid_k.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
+    if QUANT_A:
+        sx = tl.reshape(tl.broadcast_to(sxq[:, None], [QROWS, RSTEP]), [BLOCK_M])
     else:
-        _epilogue(acc, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, A_scale, Bias, Res, C, stride_rm, stride_cm,
+        sx = tl.load(A_scale + offs_m, mask=mask_m, other=0.0)
+    if SPLIT_K > 1:
+        ws = Ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        wmask = mask_m[:, None] & mask_n[None, :]
+        tl.store(ws + pid_k.to(tl.int64) * M * N, acc, mask=wmask)
+        if SK_SEM:
+            # single-launch split-K: the last program of the tile to arrive (atomic counter) sums the
+            # partials in split order (deterministic) and runs the epilogue; it resets the counter
+            tl.debug_barrier()
+            tile = pid_m * num_n + pid_n
+            cnt = tl.atomic_add(Lock + tile, 1, sem="acq_rel")
+            if cnt == SPLIT_K - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(SPLIT_K):
+                    acc += tl.load(ws + s * M * N, mask=wmask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(Lock + tile, 0)
+                _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, Bias, Res, C, stride_rm,
+                          stride_cm, BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
+    else:
+        _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, Bias, Res, C, stride_rm, stride_cm,
                   BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
 
 
@@ -340,25 +532,132 @@ def _splitk_reduce_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in range(SPLIT_K):
         acc += tl.load(ptr + s * M * N, mask=mask, other=0.0)
-    _epilogue(acc, offs_m, offs_n, tl.program_id(1), M, N, N_OUT, inv_delta, A_scale, Bias, Res, C,
+    sx = tl.load(A_scale + offs_m, mask=offs_m < M, other=0.0)
+    _epilogue(acc, sx, offs_m, offs_n, tl.program_id(1), M, N, N_OUT, inv_delta, Bias, Res, C,
               stride_rm, stride_cm, BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
 
 
-# ------------------------------------------------------------------------------------ launcher
-def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                  inv_delta: float, k: int, group_size: int, *, bias: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None, silu_mul: bool = False,
-                  out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-                  return_compiled: bool = False):
-    """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8, ``scales [N, G]`` fp8 ->
-    ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``. See the module docstring.
-    ``config`` overrides ``pick_config``; ``return_compiled`` also returns the compiled GEMM kernel
-    (for PTX inspection)."""
-    check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
-    M, K = xq.shape
-    if K != k:
-        raise ValueError(f"xq has K={K} columns but the weight has in_features={k}")
-    check_tensor(sx, "sx", dtype=torch.float32, shape=(M,))
+@triton.jit
+def _dequant_fp8_kernel(
+    Bq, B_scale, Out,  # pointers: codes, FP8 group scales, FP8 [N, Kp] output
+    N, stride_bn, stride_sn, stride_on,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
+):
+    """One 128-column block of BLOCK_N rows: INT4 codes -> FP8(q * sigma), the GEMM's own values."""
+    kt = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_K)
+    mask_n = offs_n < N
+    b_rows = Bq + offs_n[:, None].to(tl.int64) * stride_bn
+    w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
+    s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
+    s_words = B_scale.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
+    w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, GROUP, BLOCK_N, LUT, SWORD)
+    o_rows = Out + offs_n[:, None].to(tl.int64) * stride_on + kt * 2 * HALF_K
+    tl.store(o_rows + offs_h[None, :], w_lo, mask=mask_n[:, None])
+    tl.store(o_rows + HALF_K + offs_h[None, :], w_hi, mask=mask_n[:, None])
+
+
+@triton.jit
+def _silu_mul_kernel(
+    Y, Res, Out,  # pointers: y [M, 2n] (gate/up interleaved), residual [M, n], out [M, n]
+    n, stride_ym, stride_rm, stride_om,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The GEMM epilogue's SiLU*mul (+ residual) for the _scaled_mm path, in one pass over y: same
+    roundings as ``_epilogue`` (gate, up, silu(gate) and the product in the output dtype)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gu = tl.load(Y + row * stride_ym + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
+    gate, up = tl.split(gu.to(tl.float32))
+    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+    y = act * up
+    if HAS_RES:
+        r = tl.load(Res + row * stride_rm + cols, mask=mask, other=0.0)
+        y = y.to(Out.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+    tl.store(Out + row * stride_om + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ launchers
+_LOCKS: dict = {}
+_SCALE_B: dict = {}
+
+
+def _lock_buffer(n: int, device) -> torch.Tensor:
+    """Zeroed int32 tile counters for single-launch split-K (each use leaves them zero again)."""
+    key = (device.type, device.index)
+    buf = _LOCKS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _LOCKS[key] = buf
+    return buf
+
+
+def _use_lut(cfg: dict) -> bool:
+    return cfg.get("LUT", os.environ.get("LOWBIT_W4A8_LUT", "1") != "0") and not interpret_mode()
+
+
+def dequantize_to_fp8(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int, *,
+                      block_n: int = 64) -> torch.Tensor:
+    """Packed weight -> FP8 E4M3 ``[N, Kp]`` holding FP8(q * sigma) (columns >= k are 0): the
+    values the fused kernel builds in registers, written once for a plain FP8 GEMM (large M)."""
+    N = codes.shape[0]
+    kp = padded_k(k)
+    out = torch.empty((N, kp), dtype=FP8_E4M3, device=codes.device)
+    if N:
+        _dequant_fp8_kernel[(cdiv(N, block_n), kp // BLOCK_K)](
+            codes, scales, out, N, codes.stride(0), scales.stride(0), out.stride(0),
+            GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, num_warps=4)
+    return out
+
+
+def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mul, out_dtype, cfg, *,
+            quant_a: bool, w_fp8: bool):
+    M = a.shape[0]
+    N = bq.shape[0]
+    n_out = N // 2 if silu_mul else N
+    out = torch.empty((M, n_out), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out, None
+    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    split = max(1, min(split, cdiv(K, BLOCK_K)))
+    qrows = bm
+    if quant_a:
+        qrows = min(bm, cfg.get("QROWS") or triton.next_power_of_2(M))
+    sk_sem = split > 1 and cfg.get("SK_SEM", True)
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
+    grid = (cdiv(M, qrows), cdiv(N, bn), split)
+    lock = _lock_buffer(grid[0] * grid[1], a.device) if sk_sem else out
+    dummy = sx
+    qwide = cfg.get("QWIDE", False)
+    qch = max(HALF_K.value, min(2048 if qwide else 1024, 2048 // qrows))  # prologue columns per iteration
+    compiled = _w4a8_fp8_gemm_kernel[grid](
+        a, sx, bq, scales, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        out, ws, lock,
+        M, N, K, n_out, float(inv_delta), AMAX_EPS,
+        a.stride(0), bq.stride(0), scales.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=cfg["SWAP_AB"],
+        GROUP_M=cfg.get("GROUP_M", 1), HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        SILU_MUL=silu_mul, LUT=_use_lut(cfg),
+        IMPRECISE=cfg.get("IMPRECISE", None if cfg.get("FAST_ACC", False) else HALF_K.value), ACC_TILE=cfg.get("ACC_TILE", False),
+        QUANT_A=quant_a, QROWS=qrows, RSTEP=bm // qrows, QCH=qch, QWIDE=qwide, W_FP8=w_fp8, SK_SEM=sk_sem, EMU=interpret_mode(), SWORD=cfg.get("SWORD", True),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1 and not sk_sem:
+        rbm, rbn = 16, 128
+        _splitk_reduce_kernel[(cdiv(M, rbm), cdiv(N, rbn))](
+            ws, sx, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+            M, N, n_out, float(inv_delta),
+            residual.stride(0) if residual is not None else 0, out.stride(0),
+            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul, num_warps=4,
+        )
+    return out, compiled
+
+
+def _check_weight(k, codes, scales, group_size, silu_mul, bias):
     check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
     N = codes.shape[0]
     if codes.shape[1] != padded_k(k) // 2:
@@ -368,9 +667,58 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
     if silu_mul and N % 2:
         raise ValueError(f"silu_mul needs an even number of (interleaved gate/up) rows, got N={N}")
-    n_out = N // 2 if silu_mul else N
     if bias is not None:
         check_tensor(bias, "bias", shape=(N,))
+    return N, N // 2 if silu_mul else N
+
+
+def _scaled_mm_path(xq, sx, wf, inv_delta, bias, residual, silu_mul, out_dtype):
+    """``torch._scaled_mm`` row-wise on the dequantized FP8 weight: scale_a = sx ``[M, 1]``,
+    scale_b = delta^-1 ``[1, N]`` (cached), bias in its epilogue; SiLU*mul (+ residual) in one
+    Triton pass (``_silu_mul_kernel``), a lone residual as an eager add; the reference's roundings."""
+    M, N = xq.shape[0], wf.shape[0]
+    sa = sx.reshape(M, 1)
+    key = (N, float(inv_delta), xq.device.type, xq.device.index)
+    sb = _SCALE_B.get(key)
+    if sb is None:  # cached: no fill launch per call
+        if len(_SCALE_B) > 256:
+            _SCALE_B.clear()
+        sb = _SCALE_B[key] = torch.full((1, N), float(inv_delta), dtype=torch.float32, device=xq.device)
+    y = torch._scaled_mm(xq, wf.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                         bias=None if bias is None else bias.to(torch.bfloat16))
+    y = y.to(out_dtype)
+    if silu_mul:  # one Triton pass (eager silu(y[:, 0::2]) * y[:, 1::2] moves ~1.7x the bytes)
+        n = N // 2
+        out = torch.empty((M, n), dtype=out_dtype, device=y.device)
+        if M and n:
+            block = 1024
+            _silu_mul_kernel[(M, cdiv(n, block))](
+                y, residual if residual is not None else y, out, n, y.stride(0),
+                residual.stride(0) if residual is not None else 0, out.stride(0),
+                HAS_RES=residual is not None, BLOCK=block, num_warps=4)
+        return out
+    if residual is not None:
+        y = y + residual
+    return y
+
+
+def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  inv_delta: float, k: int, group_size: int, *, bias: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None, silu_mul: bool = False,
+                  out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
+                  return_compiled: bool = False):
+    """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8, ``scales [N, G]`` fp8 ->
+    ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``. See the module docstring.
+    ``config`` overrides ``pick_config``; ``config["MODE"]``: ``"fused"`` (dequant in the GEMM
+    loop), ``"dequant"`` (``dequantize_to_fp8`` once, then the same kernel with ``W_FP8``) or
+    ``"scaled_mm"`` (``dequantize_to_fp8`` + ``torch._scaled_mm`` row-wise). ``return_compiled``
+    also returns the compiled GEMM kernel (for PTX inspection)."""
+    check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
+    M, K = xq.shape
+    if K != k:
+        raise ValueError(f"xq has K={K} columns but the weight has in_features={k}")
+    check_tensor(sx, "sx", dtype=torch.float32, shape=(M,))
+    N, n_out = _check_weight(k, codes, scales, group_size, silu_mul, bias)
     if residual is not None:
         check_tensor(residual, "residual", dtype=out_dtype, shape=(M, n_out))
         if residual.stride(-1) != 1:
@@ -378,34 +726,50 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
     codes, scales = codes.contiguous(), scales.contiguous()
-    out = torch.empty((M, n_out), dtype=out_dtype, device=xq.device)
-    if M == 0 or N == 0:
-        return (out, None) if return_compiled else out
     cfg = dict(pick_config(M, N, K) if config is None else config)
-    bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
-    split = max(1, min(split, cdiv(K, BLOCK_K)))
-    ws = torch.empty((split, M, N), dtype=torch.float32, device=xq.device) if split > 1 else out
-    dummy = sx
-    grid = (cdiv(M, bm), cdiv(N, bn), split)
-    compiled = _w4a8_fp8_gemm_kernel[grid](
-        xq, sx, codes, scales, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        out, ws,
-        M, N, K, n_out, float(inv_delta),
-        xq.stride(0), codes.stride(0), scales.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
-        GROUP=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=cfg["SWAP_AB"],
-        GROUP_M=cfg.get("GROUP_M", 1), HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        SILU_MUL=silu_mul, LUT=cfg.get("LUT", os.environ.get("LOWBIT_W4A8_LUT", "1") != "0") and not interpret_mode(),
-        IMPRECISE=None if cfg.get("FAST_ACC", False) else HALF_K.value, ACC_TILE=cfg.get("ACC_TILE", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if split > 1:
-        rbm, rbn = 16, 128
-        _splitk_reduce_kernel[(cdiv(M, rbm), cdiv(N, rbn))](
-            ws, sx, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-            M, N, n_out, float(inv_delta),
-            residual.stride(0) if residual is not None else 0, out.stride(0),
-            SPLIT_K=split, BLOCK_M=rbm, BLOCK_N=rbn,
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul, num_warps=4,
-        )
+    mode = cfg.get("MODE", "fused")
+    if mode == "scaled_mm" and (K % 16 or N % 16 or out_dtype != torch.bfloat16 or interpret_mode()
+                                or not xq.is_cuda):  # _scaled_mm's row-wise limits: bf16 out, 16-aligned
+        mode = "dequant"
+    if mode == "scaled_mm":
+        wf = dequantize_to_fp8(codes, scales, k, group_size)[:, :K]
+        out = _scaled_mm_path(xq, sx, wf, inv_delta, bias, residual, silu_mul, out_dtype)
+        return (out, None) if return_compiled else out
+    if mode == "dequant":
+        wf = dequantize_to_fp8(codes, scales, k, group_size)
+        out, compiled = _launch(xq, sx, wf, scales, inv_delta, K, group_size, bias, residual, silu_mul, out_dtype,
+                                cfg, quant_a=False, w_fp8=True)
+    else:
+        out, compiled = _launch(xq, sx, codes, scales, inv_delta, K, group_size, bias, residual, silu_mul,
+                                out_dtype, cfg, quant_a=False, w_fp8=False)
+    return (out, compiled) if return_compiled else out
+
+
+def w4a8_fp8_linear_fused(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
+                          group_size: int, *, bias: torch.Tensor | None = None,
+                          residual: torch.Tensor | None = None, silu_mul: bool = False,
+                          out_dtype: torch.dtype | None = None, config: dict | None = None,
+                          return_compiled: bool = False):
+    """``x [M, K]`` float (fp16/bf16/fp32) -> ``[M, N]``: per-token FP8 quantization of x fused
+    into the GEMM (``QUANT_A``): one launch. Every program computes the absmax of its x rows over
+    the whole K and quantizes its K tiles in registers, with the numerics of
+    ``lowbit.kernels.act_quant`` (bit-identical codes and scales). For small M (decode), where x
+    is a few KB served from L2; see ``FUSED_QUANT_MAX_M``."""
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=2)
+    M, K = x.shape
+    if K != k:
+        raise ValueError(f"x has K={K} columns but the weight has in_features={k}")
+    out_dtype = out_dtype or x.dtype
+    N, n_out = _check_weight(k, codes, scales, group_size, silu_mul, bias)
+    if residual is not None:
+        check_tensor(residual, "residual", dtype=out_dtype, shape=(M, n_out))
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    codes, scales = codes.contiguous(), scales.contiguous()
+    cfg = dict(pick_config(M, N, K) if config is None else config)
+    sx = torch.empty((M,), dtype=torch.float32, device=x.device)
+    out, compiled = _launch(x, sx, codes, scales, inv_delta, K, group_size, bias, residual, silu_mul, out_dtype,
+                            cfg, quant_a=True, w_fp8=False)
     return (out, compiled) if return_compiled else out

@@ -13,21 +13,46 @@ INT32 cannot overflow for K < 2^31 / 127^2 = 133,143.
 
 Layouts:
 - x8 ``[M, K]`` int8, any strides; sx ``[M]`` fp32 (per-token scale, ``lowbit.ops.quant``);
+  or, with ``FUSE_QUANT``, x ``[M, K]`` fp16/bf16/fp32 and no sx (see below);
 - qweight ``[N, Kp/2]`` uint8, row-major, chunk-reordered: in each 128-column chunk byte j holds
   column j (low nibble) and column 64 + j (high nibble); Kp >= K is the padded K (a multiple of
   lcm(group, 128); the kernel masks x at k >= K, so padded columns add 0);
 - s1 ``[N]`` fp32; s2, zs ``[N, G]`` uint8 (G = Kp / GROUP_SIZE groups along k);
 - out ``[M, N]`` fp16/bf16/fp32.
 
-Tiling: a program computes a BLOCK_M x BLOCK_N tile over a K range (SPLIT_K > 1 splits K over a
+Tiling: a program computes a BLOCK_M x BLOCK_N tile over a K range (NSPLIT > 1 splits K over a
 second grid axis so small M still fills the 132 SMs; the last split of a tile to finish sums the
-INT32 partial tiles exactly and runs the epilogue, in the same launch: no memset, no cast kernel). BLOCK_K = 128 = one reorder chunk: the packed tile is loaded as
-``[BLOCK_N, 64]`` bytes (16-byte loads), its low nibbles are the tile's first 64 columns and its
-high nibbles the last 64, so the x tile is loaded as two contiguous halves and the product is two
-``tl.dot`` of K = 64 (B transposed: k-major, as Hopper's int8 wgmma wants). Dequantization on the
-GPU is the 4-lanes-per-register PTX below (7 instructions per 8 weights); under the interpreter
-the same integers one lane at a time. Groups that are a multiple of 128 (g128, per-channel) load
-one (s2, zs) per row and tile; smaller or odd groups gather a group index per column.
+INT32 partial tiles exactly -- small tiles issue all NSPLIT loads at once, NSPLIT is a constexpr -- and runs
+the epilogue, in the same launch: no memset, no cast kernel). BLOCK_K = 128 = one reorder chunk:
+the packed tile is loaded as ``[BLOCK_N, 64]`` bytes (16-byte loads), its low nibbles are the
+tile's first 64 columns and its high nibbles the last 64, so the x tile is loaded as two
+contiguous halves and the product is two ``tl.dot`` of K = 64 (B transposed: k-major, as
+Hopper's int8 wgmma wants). Dequantization on the GPU is the 4-lanes-per-register PTX below
+(7 instructions per 8 weights); under the interpreter the same integers one lane at a time.
+
+Group parameters (g128 and any group that is a multiple of 128: one (s2, zs) per row and tile):
+by default one byte per row per tile, plain loads (not pipelined: cp.async moves >= 4 bytes, but
+the bytes of a row share a sector, so after the first tile they hit L1). ``GS_WORDS`` (s2/zs
+contiguous, N * G a multiple of 4) instead passes the flat [N * G] bytes viewed as int32 words;
+the kernel loads the aligned 32-bit word holding byte ``n * G + g`` (pipelined like the codes)
+and shifts the byte out, for any G. Measured on the H200 (r4): words are 5-25% slower (a third
+barrier and 4-byte cp.async per row per stage), so they are off. ``PREFETCH`` loads the next
+tile's parameters one step ahead by hand.
+Per-channel weights load their one (s2, zs) per row before the loop; groups smaller than 128
+(or not dividing it) gather a group index per column.
+
+``FUSE_QUANT`` (small M, decode): x is the float activation and the per-token INT8 quantization
+runs inside the GEMM, so a decode linear is one launch. Each program first reads its rows over the
+whole K (from L2: the rows are tiny next to the weights) for the absmax, then quantizes each x tile
+in registers before the MMA. Numerics identical to ``lowbit.formats.common.quantize_per_token``
+(and the ``lowbit.kernels.act_quant`` kernel): ``sx = max(amax, AMAX_EPS) / 127`` and
+``q = rne(clamp(x / sx, -127, 127))`` with the IEEE quotient (``_quantize_tile``: a correctly rounded
+reciprocal per row and one Markstein FMA step on the GPU, ``tl.div_rn`` in the interpreter); a
+NaN/Inf in a row gives that row a NaN scale (NaN output row), like the act-quant kernel.
+``ACT = 1`` quantizes ``silu(gate) * up`` instead (the down projection of a gated MLP reading the
+gate_up output directly; rounding as ``lowbit.kernels.act_quant``'s ``silu_mul``). When each is the
+faster choice is measured, not assumed: see ``use_fused_quant`` below.
+``JOIN_K`` joins the two halves into one K = 128 dot (one wgmma wait per tile; not measured yet, off).
 """
 from __future__ import annotations
 
@@ -38,16 +63,39 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
+from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
+from lowbit.kernels.act_quant import silu_mul_rounded
 
-# (BLOCK_M, BLOCK_N, SPLIT_K or 0 = auto, num_warps, num_stages) by M bucket; BLOCK_K = CHUNK = 128.
-# Chosen from the device sweeps (benchmarks/device/w4a8_int8.py); see docs/sections/w4a8_int8.md.
+AMAX_EPS = tl.constexpr(_AMAX_EPS)
+
+# M bucket -> (BLOCK_M, BLOCK_N, SPLIT_K (0 = auto), num_warps, num_stages, programs per SM for
+# the auto split, extra constexpr flags). BLOCK_K = CHUNK = 128. Chosen from the device sweeps
+# (benchmarks/device/w4a8_int8.py, rounds r2-r4); see docs/sections/w4a8_int8.md.
 CONFIGS = {
-    16: (16, 64, 0, 4, 4),
-    32: (32, 64, 0, 4, 4),
-    64: (64, 64, 0, 4, 4),
-    128: (64, 128, 0, 4, 4),
-    1 << 62: (128, 128, 1, 8, 3),
+    16: (16, 64, 0, 4, 4, 4, {}),
+    32: (32, 64, 0, 4, 4, 2, {}),
+    64: (64, 64, 0, 4, 4, 2, {}),
+    128: (64, 128, 0, 4, 4, 2, {}),
+    1 << 62: (128, 128, 1, 8, 3, 1, {}),
 }
+# When lowbit.ops runs the per-token quantization inside the GEMM (``use_fused_quant``). Measured on
+# the H200 (r5, us, fused vs act-quant kernel + GEMM): M=1 o_proj 12.6 vs 13.4, down 27.1 vs 26.1,
+# gate_up 43.3 vs 30.6; M=4 o_proj 15.6 vs 13.8, down 37.8 vs 26.7. Quantizing in the GEMM costs
+# every k-tile (float x loads, the quotient, a shared-memory store), the absmax pass one L2 round
+# trip: it pays only while each program's K range is short (split-K decode of K = 4096 layers).
+FUSE_QUANT_MAX_M = 1
+FUSE_QUANT_MAX_TILES = 8  # k-tiles of 128 per program
+# SiLU*mul + quantization inside the down GEMM (lowbit.ops.w4a8_int8_silu_mul_linear): measured
+# slower at every M tried (r5, K = 11008: M=1 35.8 vs 24.4 us, M=4 54.3 vs 25.0), so off by default
+FUSE_SILU_MAX_M = 0
+
+
+def use_fused_quant(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132) -> bool:
+    """True when the in-GEMM quantization is the faster choice for this shape (see above)."""
+    if not 0 < M <= FUSE_QUANT_MAX_M:
+        return False
+    cfg = pick_config(M, N, K, group_size, num_sms=num_sms)
+    return cdiv(cdiv(K, 128), cfg["SPLIT_K"]) <= FUSE_QUANT_MAX_TILES
 
 # Four INT8 lanes per 32-bit register (QServe's register-level parallelism). $2 holds 4 bytes of
 # one weight row (8 codes): low nibbles = columns j..j+3 of the tile's first half, high nibbles =
@@ -84,20 +132,103 @@ def _dequant_halves(b, s2, zs, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _group_params(GS, GZS, rn, stride_gn, g, GS_WORDS: tl.constexpr):
+    """(s2, zs) int32 [BLOCK_N] of group ``g`` for rows ``rn``. GS_WORDS: GS/GZS are the flat
+    [N * G] bytes viewed as int32 words (little endian): byte i is bits 8*(i%4).. of word i//4."""
+    if GS_WORDS:
+        i = rn * stride_gn + g
+        sh = (i % 4) * 8
+        s2 = (tl.load(GS + i // 4) >> sh) & 0xFF
+        zs = (tl.load(GZS + i // 4) >> sh) & 0xFF
+    else:
+        s2 = tl.load(GS + rn * stride_gn + g).to(tl.int32)
+        zs = tl.load(GZS + rn * stride_gn + g).to(tl.int32)
+    return s2, zs
+
+
+@triton.jit
+def _act_tile(ptrs, up_off, mask, ACT: tl.constexpr):
+    """The value to quantize, fp32: x (ACT 0) or, ACT 1, silu(gate) * up rounded like the eager
+    half-precision model (``lowbit.kernels.act_quant`` FUSE=2); ``up`` sits ``up_off`` elements
+    after ``gate`` (the two halves of one gate_up output)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if ACT == 1:
+        v = silu_mul_rounded(x, tl.load(ptrs + up_off, mask=mask, other=0.0).to(tl.float32))
+    else:
+        v = x.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _row_scales(X, up_off, row0, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, QROWS: tl.constexpr,
+                QCHUNK: tl.constexpr, ACT: tl.constexpr):
+    """Per-token INT8 scales [BLOCK_M] of rows row0 .. row0 + QROWS - 1 (rows >= M: unused value)
+    over the whole K: ``max(amax, AMAX_EPS) / 127``, NaN when the row holds NaN/Inf."""
+    offs_r = tl.arange(0, QROWS)
+    offs_q = tl.arange(0, QCHUNK)
+    rows = row0 + offs_r
+    rmask = rows < M
+    ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + offs_q[None, :] * stride_xk
+    amax = tl.zeros([QROWS], dtype=tl.float32)
+    bad = tl.zeros([QROWS], dtype=tl.int32)
+    for kq in range(0, K, QCHUNK):
+        v = _act_tile(ptrs + kq * stride_xk, up_off, rmask[:, None] & ((kq + offs_q)[None, :] < K), ACT)
+        av = tl.abs(v)
+        amax = tl.maximum(amax, tl.max(av, axis=1))
+        bad = bad | tl.max(((av == float("inf")) | (v != v)).to(tl.int32), axis=1)
+    # max() skips NaN on the GPU: a NaN/Inf row gets a NaN scale, like lowbit.kernels.act_quant
+    amax = tl.where(bad > 0, float("nan"), amax)
+    sx = tl.div_rn(tl.maximum(amax, AMAX_EPS, propagate_nan=tl.PropagateNan.ALL),
+                   tl.full([QROWS], 127.0, tl.float32))
+    # [QROWS] -> [BLOCK_M] (a sum with one nonzero term per row: exact, keeps NaN)
+    # (rows past QROWS get 1: their x is 0 and must quantize to 0, not 0/0)
+    offs_b = tl.arange(0, BLOCK_M)
+    s = tl.sum(tl.where(offs_b[:, None] == offs_r[None, :], sx[None, :], 0.0), axis=1)
+    s = tl.where(offs_b < QROWS, s, 1.0)
+    return s, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), s)  # scale and its correctly rounded reciprocal
+
+
+@triton.jit
+def _quantize_tile(v, sx, inv, EXACT_DIV: tl.constexpr):
+    """Float tile [BM, n] -> INT8 codes with the row scales sx [BM]: rne(clamp(v / sx, +-127)).
+
+    v / sx is the correctly rounded quotient either way. On the GPU without a division per element
+    (div.rn is a call with a slow path taken for zero dividends, i.e. every padded row): with
+    inv = RN(1/sx), q = RN(v * inv) is within an ulp and one Markstein step q + fma(-q, sx, v) * inv
+    (two FMAs) rounds correctly (Markstein 1990; Muller et al., Handbook of FP arithmetic, thm. on
+    division with a correctly rounded reciprocal). Tested bit-equal to the act-quant kernel on the
+    device. EXACT_DIV (the interpreter, whose fma is not fused): tl.div_rn."""
+    s = tl.broadcast_to(sx[:, None], v.shape)
+    if EXACT_DIV:
+        y = tl.div_rn(v, s)
+    else:
+        r = tl.broadcast_to(inv[:, None], v.shape)
+        q = v * r
+        y = tl.fma(tl.fma(-q, s, v), r, q)
+    y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+    # round half to even: adding and subtracting 1.5 * 2^23 (|y| <= 127); runs in the interpreter
+    r = (y + 12582912.0) - 12582912.0
+    return r.to(tl.int8)
+
+
+@triton.jit
 def _w4a8_int8_gemm_kernel(
     # pointers
     X, XS, W, WS, GS, GZS, BIAS, OUT, PART, CNT,
-    # sizes
-    M, N, K, KP, NUM_GROUPS, TILES_PER_SPLIT, NSPLIT,
-    # strides (elements; W in bytes)
+    # sizes (UP_OFF: elements from gate to up, ACT = 1)
+    M, N, K, KP, NUM_GROUPS, TILES_PER_SPLIT, UP_OFF,
+    # strides (elements; W in bytes; GS/GZS in their element: byte or, with GS_WORDS, int32 word)
     stride_xm, stride_xk, stride_wn, stride_gn, stride_om, stride_on,
     # constexpr flags / tiles
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    NSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr,
+    SWAP_AB: tl.constexpr, GS_WORDS: tl.constexpr, PREFETCH: tl.constexpr,
+    FUSE_QUANT: tl.constexpr, QROWS: tl.constexpr, QCHUNK: tl.constexpr, UNROLL_REDUCE: tl.constexpr,
+    ACT: tl.constexpr, L2_PREFETCH: tl.constexpr, JOIN_K: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128  # = lowbit.formats.w4a8_int8.CHUNK
     HALF: tl.constexpr = 64
+    PER_CHANNEL: tl.constexpr = GROUP_SIZE >= (1 << 30)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # grouped ordering of output tiles: GROUP_M row-tiles share the weight tiles they read (L2 reuse)
@@ -117,10 +248,24 @@ def _w4a8_int8_gemm_kernel(
     rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     offs_h = tl.arange(0, HALF)
-    x_ptrs = X + rm[:, None] * stride_xm + offs_h[None, :] * stride_xk
     w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
-
     t0 = pid_k * TILES_PER_SPLIT  # the last split may run past KP: its loads are masked off
+    if L2_PREFETCH > 0 and USE_ASM:
+        # start the first weight tiles on their way to L2 before the activation pass below (its L2
+        # round trip would otherwise precede the pipeline's first loads)
+        pf = tl.arange(0, L2_PREFETCH)
+        pk = tl.minimum(t0 + pf, KP // BLOCK_K - 1) * HALF
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [W + rn[:, None] * stride_wn + pk[None, :]], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    if FUSE_QUANT:
+        # float rows, masked (not clamped): rows >= M move no bytes and quantize to 0
+        x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :] * stride_xk
+        xrow = (offs_m < M)[:, None]
+        sx, inv_sx = _row_scales(X, UP_OFF, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, BLOCK_M, QROWS, QCHUNK, ACT)
+    else:
+        x_ptrs = X + rm[:, None] * stride_xm + offs_h[None, :] * stride_xk
+
     # SWAP_AB: compute the transposed tile W x^T ([BLOCK_N, BLOCK_M]) so the dequantized weights are
     # the MMA's A operand, which Hopper's wgmma reads from registers (no shared-memory round trip),
     # and the tokens are its N dimension (wgmma N can be 8..256: small M wastes nothing)
@@ -128,40 +273,61 @@ def _w4a8_int8_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    if PER_CHANNEL:
+        s2 = tl.load(GS + rn * stride_gn).to(tl.int32)
+        zs = tl.load(GZS + rn * stride_gn).to(tl.int32)
+    elif GROUP_SIZE % BLOCK_K == 0 and PREFETCH:
+        s2n, zsn = _group_params(GS, GZS, rn, stride_gn,
+                                 tl.minimum((t0 * BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
     for i in range(0, TILES_PER_SPLIT):
         k0 = (t0 + i) * BLOCK_K
-        a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
-        a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
+        if FUSE_QUANT:
+            a_lo = _act_tile(x_ptrs + k0 * stride_xk, UP_OFF, xrow & ((k0 + offs_h)[None, :] < K), ACT)
+            a_hi = _act_tile(x_ptrs + (k0 + HALF) * stride_xk, UP_OFF, xrow & ((k0 + HALF + offs_h)[None, :] < K), ACT)
+            a_lo = _quantize_tile(a_lo, sx, inv_sx, not USE_ASM)
+            a_hi = _quantize_tile(a_hi, sx, inv_sx, not USE_ASM)
+        else:
+            a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
+            a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
         b = tl.load(w_ptrs + k0 // 2, mask=k0 < KP, other=0)  # [BN, 64] bytes, 16-byte loads
-        if GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
-            g = k0 // GROUP_SIZE
-            gm = g < NUM_GROUPS
-            s2 = tl.load(GS + rn * stride_gn + g, mask=gm, other=1).to(tl.int32)
-            zs = tl.load(GZS + rn * stride_gn + g, mask=gm, other=0).to(tl.int32)
+        if PER_CHANNEL or GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
+            if not PER_CHANNEL:
+                if PREFETCH:
+                    s2, zs = s2n, zsn
+                    s2n, zsn = _group_params(GS, GZS, rn, stride_gn,
+                                             tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
+                else:
+                    # past the last group (a split running past KP) any group will do: x is 0 there
+                    s2, zs = _group_params(GS, GZS, rn, stride_gn,
+                                           tl.minimum(k0 // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
             s2b = tl.broadcast_to(s2[:, None], (BLOCK_N, HALF))
             zsb = tl.broadcast_to(zs[:, None], (BLOCK_N, HALF))
             w_lo, w_hi = _dequant_halves(b, s2b, zsb, USE_ASM)
         else:  # groups smaller than the tile (or not dividing it): gather each column's group
-            g_lo = (k0 + offs_h) // GROUP_SIZE
-            g_hi = (k0 + HALF + offs_h) // GROUP_SIZE
+            g_lo = tl.minimum((k0 + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)
+            g_hi = tl.minimum((k0 + HALF + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)
             base = rn[:, None] * stride_gn
-            m_lo = g_lo[None, :] < NUM_GROUPS
-            m_hi = g_hi[None, :] < NUM_GROUPS
-            s_lo = tl.load(GS + base + g_lo[None, :], mask=m_lo, other=1).to(tl.int32)
-            z_lo = tl.load(GZS + base + g_lo[None, :], mask=m_lo, other=0).to(tl.int32)
-            s_hi = tl.load(GS + base + g_hi[None, :], mask=m_hi, other=1).to(tl.int32)
-            z_hi = tl.load(GZS + base + g_hi[None, :], mask=m_hi, other=0).to(tl.int32)
+            s_lo = tl.load(GS + base + g_lo[None, :]).to(tl.int32)
+            z_lo = tl.load(GZS + base + g_lo[None, :]).to(tl.int32)
+            s_hi = tl.load(GS + base + g_hi[None, :]).to(tl.int32)
+            z_hi = tl.load(GZS + base + g_hi[None, :]).to(tl.int32)
             bi = b.to(tl.int32)
             w_lo = ((bi & 0xF) * s_lo - z_lo).to(tl.int8)
             w_hi = ((bi >> 4) * s_hi - z_hi).to(tl.int8)
-        if SWAP_AB:
+        if JOIN_K:  # one K = 128 MMA (one wgmma wait per tile instead of two)
+            w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+            a = tl.reshape(tl.permute(tl.join(a_lo, a_hi), (0, 2, 1)), (BLOCK_M, BLOCK_K))
+            acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
+        elif SWAP_AB:
             acc = tl.dot(w_lo, tl.trans(a_lo), acc, out_dtype=tl.int32)
             acc = tl.dot(w_hi, tl.trans(a_hi), acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a_lo, tl.trans(w_lo), acc, out_dtype=tl.int32)
             acc = tl.dot(a_hi, tl.trans(w_hi), acc, out_dtype=tl.int32)
 
-    if SPLIT:
+    if not FUSE_QUANT:
+        sx = tl.load(XS + rm)
+    if NSPLIT > 1:
         # split-K fixup in the same launch: every split stores its INT32 partial tile, the last one to
         # arrive (per-tile counter) sums them exactly, applies the epilogue and re-arms the counter
         if SWAP_AB:
@@ -174,20 +340,23 @@ def _w4a8_int8_gemm_kernel(
         count = tl.atomic_add(CNT + pid, 1, sem="acq_rel", scope="gpu")
         if count == NSPLIT - 1:
             acc = tl.zeros_like(acc)
-            for s in range(0, NSPLIT):
-                acc += tl.load(PART + tile_base + s * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
+            if UNROLL_REDUCE:  # small tiles: all partial loads in flight at once
+                for s in tl.static_range(NSPLIT):
+                    acc += tl.load(PART + tile_base + s * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
+            else:  # big tiles: one partial at a time (unrolled, they would spill)
+                for s in range(0, NSPLIT):
+                    acc += tl.load(PART + tile_base + s * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
             tl.atomic_xchg(CNT + pid, 0, sem="relaxed", scope="gpu")
-            _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
+            _epilogue(acc, sx, WS, BIAS, OUT, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
     else:
-        _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
+        _epilogue(acc, sx, WS, BIAS, OUT, rn, offs_m, offs_n, M, N, stride_om, stride_on, HAS_BIAS, SWAP_AB)
 
 
 @triton.jit
-def _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, stride_on,
+def _epilogue(acc, sx, WS, BIAS, OUT, rn, offs_m, offs_n, M, N, stride_om, stride_on,
               HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr):
     """y = float32(acc) * sx[m] * s1[n] (+ bias[n]) -> OUT's dtype, masked to [M, N]
     (acc is [BLOCK_N, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_N])."""
-    sx = tl.load(XS + rm)
     s1 = tl.load(WS + rn)
     if SWAP_AB:
         y = acc.to(tl.float32) * s1[:, None] * sx[None, :]
@@ -207,27 +376,28 @@ def _epilogue(acc, XS, WS, BIAS, OUT, rm, rn, offs_m, offs_n, M, N, stride_om, s
 PER_CHANNEL_GROUP = 1 << 30  # GROUP_SIZE passed for per-channel weights: every k is in group 0
 
 
-CTAS_PER_SM = 4  # split-K target: programs per SM when the output tiles alone are too few
+CTAS_PER_SM = 2  # default split-K target: programs per SM when the output tiles alone are too few
 MIN_TILES_PER_SPLIT = 4
+MAX_SPLIT = 16
 
 
 def auto_split(M: int, N: int, K: int, bm: int, bn: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM,
                min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
     """Splits of K so that about ``ctas_per_sm`` programs run per SM, each keeping >= ``min_tiles``
-    k-tiles of 128 (at most 32 splits)."""
+    k-tiles of 128 (at most ``MAX_SPLIT`` splits)."""
     tiles = cdiv(M, bm) * cdiv(N, bn)
-    return max(1, min(ctas_per_sm * num_sms // max(tiles, 1), cdiv(K, 128) // min_tiles, 32))
+    return max(1, min(ctas_per_sm * num_sms // max(tiles, 1), cdiv(K, 128) // min_tiles, MAX_SPLIT))
 
 
 def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132) -> dict:
     """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``)."""
     for bound in sorted(CONFIGS):
         if M <= bound:
-            bm, bn, split, warps, stages = CONFIGS[bound]
+            bm, bn, split, warps, stages, ctas, extra = CONFIGS[bound]
             break
     if split == 0:
-        split = auto_split(M, N, K, bm, bn, num_sms)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages)
+        split = auto_split(M, N, K, bm, bn, num_sms, ctas)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, **extra)
 
 
 def w4a8_int8_gemm_triton(*args, **kwargs) -> torch.Tensor:
@@ -235,18 +405,32 @@ def w4a8_int8_gemm_triton(*args, **kwargs) -> torch.Tensor:
     return launch(*args, **kwargs)[0]
 
 
-def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+def _words(t: torch.Tensor):
+    """uint8 [N, G] (contiguous) as its flat bytes viewed as int32 words, when legal (N * G a
+    multiple of 4, 4-byte aligned storage); else None."""
+    if not t.is_contiguous() or t.numel() % 4 or t.data_ptr() % 4:
+        return None
+    return t.reshape(-1).view(torch.int32)
+
+
+def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor, wscale: torch.Tensor,
            gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, k: int,
-           group_size: int, out_dtype: torch.dtype, config: dict | None = None):
-    """Launch the kernel. ``xq`` int8 [M, K], ``xscale`` fp32 [M]; weight fields as in
-    ``lowbit.formats.w4a8_int8``; ``group_size`` = columns per group (per-channel: Kp).
-    Arguments are validated by ``lowbit.ops.w4a8_int8``. Returns ``(out, compiled_kernel)``
-    (the compiled kernel for PTX inspection; None when nothing was launched)."""
+           group_size: int, out_dtype: torch.dtype, config: dict | None = None, *, up_offset: int | None = None):
+    """Launch the kernel. ``xq`` int8 [M, K] with ``xscale`` fp32 [M], or ``xq`` float [M, K] with
+    ``xscale=None``: the per-token INT8 quantization then runs inside the GEMM (``FUSE_QUANT``;
+    M <= 16). Weight fields as in ``lowbit.formats.w4a8_int8``; ``group_size`` = columns per group
+    (per-channel: Kp). ``up_offset`` (fused path only): x is the gate half of a gate_up output and
+    the value quantized is ``silu(gate) * up`` with ``up`` ``up_offset`` elements after ``gate``
+    (same strides). Arguments are validated by ``lowbit.ops.w4a8_int8``. Returns
+    ``(out, compiled_kernel)`` (the compiled kernel for PTX inspection; None when nothing ran)."""
     M, K = xq.shape
     N, kp2 = qweight.shape
     KP = 2 * kp2
     G = gscale.shape[1]
     assert K == k and KP >= K and KP % 128 == 0, "inconsistent shapes (validate in lowbit.ops)"
+    fuse_quant = xscale is None
+    if up_offset is not None and not fuse_quant:
+        raise ValueError("up_offset (silu(gate) * up) needs the fused-quantization path (xscale=None)")
     if G == 1 and group_size == KP:
         group_size = PER_CHANNEL_GROUP
     if torch.cuda.is_available() and xq.is_cuda:
@@ -260,6 +444,28 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale
     # the 4-lane PTX dequantization needs a real GPU; LOWBIT_W4A8_INT8_NO_ASM=1 forces the one-lane path
     use_asm = cfg.pop("USE_ASM", not interpret_mode() and os.environ.get("LOWBIT_W4A8_INT8_NO_ASM", "0") != "1")
     swap = cfg.pop("SWAP_AB", True)
+    prefetch = cfg.pop("PREFETCH", False)
+    l2pf = cfg.pop("L2_PREFETCH", 0)  # k-tiles per row prefetched to L2 up front (power of 2; 0 = off)
+    words = cfg.pop("GS_WORDS", False)  # r4: the byte loads (L1 hits) beat the pipelined words
+    gs, gz, stride_g = gscale, gzs, gscale.stride(0)
+    if words and group_size % bk == 0 and group_size != PER_CHANNEL_GROUP:
+        gw, zw = _words(gscale), _words(gzs)
+        words = gw is not None and zw is not None
+        if words:
+            gs, gz = gw, zw  # stride_g stays in bytes: the kernel indexes the flat bytes
+    else:
+        words = False
+    if not words:
+        assert gscale.stride(0) == gzs.stride(0) and gscale.stride(1) == gzs.stride(1) == 1
+    qrows = qchunk = 1
+    if fuse_quant:
+        if M > bm:
+            raise ValueError(f"the fused-quantization path takes M <= BLOCK_M = {bm} rows, got {M}")
+        qrows = triton.next_power_of_2(max(M, 1))
+        qchunk = max(16, min(triton.next_power_of_2(K), 16384 // qrows))
+        xscale = wscale  # unused pointer
+    # unroll the split-K reduction while a partial tile is <= 32 registers per thread
+    unroll = cfg.pop("UNROLL_REDUCE", bm * bn <= 32 * 32 * cfg.get("num_warps", 4))
     out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out, None
@@ -267,14 +473,17 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale
     if split > 1:
         part, cnt = _split_workspace(xq.device, tiles * split * bm * bn, tiles)
     else:
-        part = cnt = xscale  # unused
+        part = cnt = wscale  # unused
     grid = (tiles, split)
     kernel = _w4a8_int8_gemm_kernel[grid](
-        xq, xscale, qweight, wscale, gscale, gzs, bias if bias is not None else wscale, out, part, cnt,
-        M, N, K, KP, G, cdiv(cdiv(KP, bk), split), split,
-        xq.stride(0), xq.stride(1), qweight.stride(0), gscale.stride(0), out.stride(0), out.stride(1),
-        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=split > 1,
-        HAS_BIAS=bias is not None, GROUP_M=8, USE_ASM=use_asm, SWAP_AB=swap, **cfg,
+        xq, xscale, qweight, wscale, gs, gz, bias if bias is not None else wscale, out, part, cnt,
+        M, N, K, KP, G, cdiv(cdiv(KP, bk), split), up_offset or 0,
+        xq.stride(0), xq.stride(1), qweight.stride(0), stride_g, out.stride(0), out.stride(1),
+        GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, NSPLIT=split,
+        HAS_BIAS=bias is not None, GROUP_M=8, USE_ASM=use_asm, SWAP_AB=swap, GS_WORDS=words,
+        PREFETCH=prefetch, FUSE_QUANT=fuse_quant, QROWS=qrows, QCHUNK=qchunk, UNROLL_REDUCE=unroll,
+        ACT=0 if up_offset is None else 1, L2_PREFETCH=l2pf,
+        JOIN_K=cfg.pop("JOIN_K", False), **cfg,
     )
     return out, kernel
 

@@ -234,7 +234,8 @@ def export_compressed_tensors(model, path, *, kv_cache: str | None = None, calib
             tensors[f"{pre}.v_scale"] = torch.tensor(vs, dtype=torch.float32)
         report["kv_cache"] = "fp8 per-tensor, scales " + ("from calibration absmax/448" if scales else "1.0")
     qcfg = QConfig(config_groups=config_groups, kv_cache_scheme=kv_scheme, format="pack-quantized",
-                   quantization_status="compressed", ignore=["lm_head"])
+                   quantization_status="compressed",
+                   ignore=[] if "lm_head" in quant else ["lm_head"])  # lm_head=True recipes export the head
     cfg = model.config.to_dict()
     cfg["quantization_config"] = qcfg.model_dump(exclude_none=True, mode="json")
     cfg["torch_dtype"] = str(fdtype).replace("torch.", "")

@@ -25,11 +25,21 @@ Prefill attention: ``lowbit.attention(q, k, v, scheme=..., causal=True)`` with t
 prefill scheme ('fp8', 'int8', ... or 'sdpa'), on post-RoPE Q/K/V in the model dtype; only the
 last real token of each request goes through ``lm_head`` (serving convention).
 
+Fusions (``fuse=True``, default; ``_FusedLayer``): q/k/v run as one GEMM and gate/up as one
+(``_fuse_rows``); with W4A8 projections (w4a8-fp8 / w4a8-int8) the runner quantizes activations
+itself, each in ONE launch of ``lowbit.kernels.act_quant`` fused with the op producing them:
+``RMSNorm -> per-token quant`` (shared by q/k/v, by gate/up, and by a quantized ``lm_head``),
+``SiLU(gate) * up -> per-token quant`` (down's input), then calls the GEMM op on the codes; the
+residual adds of ``o_proj``/``down_proj`` go into the w4a8-fp8 epilogue. RoPE cos/sin are computed
+once per forward (shared by all layers). The codes and scales are bit-identical to the eager
+modules' (tests), so fused and unfused runs give the same tokens.
+
 CPU: the same code runs eagerly (no graphs); kernels run under the Triton interpreter or fall
 back to their references, so tests compare the runner's greedy tokens with ``model.generate``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -152,19 +162,171 @@ def _fuse_rows(mods):
     return f
 
 
-class _FusedLayer:
-    """Per-layer fused projections for the runner (qkv, gate_up), None where not fusable."""
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE values depend on the position only
+_ACT_FORMAT = {"w4a8-fp8": "fp8", "w4a8-int8": "int8"}  # scheme -> per-token activation format
+_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * norm(x).to(dtype)
 
-    def __init__(self, layer):
+
+def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up: torch.Tensor | None = None):
+    """Per-token quantization of ``x2 [M, K]`` to ``fmt`` ('fp8' / 'int8') in ONE launch, optionally
+    fused with the op producing it: ``norm`` (an HF RMSNorm: quantize ``norm(x2)``) or ``up``
+    (quantize ``silu(x2) * up``). Kernel ``lowbit.kernels.act_quant`` (bit-exact with the eager
+    modules followed by ``quantize_per_token``); without Triton the eager modules + reference."""
+    from lowbit._utils import use_triton
+    from lowbit.formats.common import FP8_E4M3, quantize_per_token
+
+    dtype = FP8_E4M3 if fmt == "fp8" else torch.int8
+    if use_triton(x2):
+        from lowbit.kernels.act_quant import per_token_quant_triton
+
+        if norm is not None:
+            return per_token_quant_triton(x2, dtype, fuse="rmsnorm", weight=norm.weight,
+                                          eps=float(norm.variance_epsilon))
+        if up is not None:
+            return per_token_quant_triton(x2, dtype, fuse="silu_mul", up=up)
+        return per_token_quant_triton(x2, dtype)
+    if norm is not None:
+        x2 = norm(x2)
+    elif up is not None:
+        x2 = F.silu(x2) * up
+    return quantize_per_token(x2, dtype)
+
+
+def _fusable_norm(norm, dtype) -> bool:
+    """The act-quant kernel's RMSNorm is HF Llama's: only fuse those, with a weight in x's dtype."""
+    w = getattr(norm, "weight", None)
+    return (type(norm).__name__ in _RMSNORMS and hasattr(norm, "variance_epsilon") and w is not None
+            and w.dtype == dtype)
+
+
+class _Proj:
+    """One projection of the runner: the module, and whether it takes pre-quantized activations.
+
+    ``aq``: 'fp8' (``W4A8FP8Linear``) or 'int8' (``W4A8INT8Linear``) when the module's forward is
+    "per-token quantize x, then a GEMM on codes" (so the runner may quantize x itself, fused with
+    the op that produced it, and call the GEMM op directly), else None (float input only)."""
+
+    def __init__(self, mod: nn.Module):
+        self.mod = mod
+        self.aq = _ACT_FORMAT.get(getattr(mod, "scheme", None))
+        self.silu_mul = getattr(mod, "activation", None) == "silu_mul"
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``mod(x)`` (+ ``residual``, in the GEMM epilogue where the module has one)."""
+        if residual is not None and self.aq == "fp8":
+            return self.mod(x, residual=residual)
+        y = self.mod(x)
+        return y if residual is None else residual + y
+
+    def gemm(self, xq: torch.Tensor, sx: torch.Tensor, lead, dtype, residual: torch.Tensor | None = None):
+        """The module's GEMM on per-token codes ``xq [M, K]`` / scales ``sx [M]`` -> ``[*lead, N]``."""
+        m = self.mod
+        res = None if residual is None else residual.reshape(xq.shape[0], -1)
+        if self.aq == "fp8":
+            from lowbit.ops.w4a8_fp8 import w4a8_fp8_gemm
+
+            y = w4a8_fp8_gemm(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, m.bias,
+                              residual=res, silu_mul=self.silu_mul, out_dtype=dtype)
+        else:
+            from lowbit.ops.w4a8_int8 import w4a8_int8_gemm
+
+            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype)
+            if res is not None:
+                y = res + y
+        return y.reshape(*lead, y.shape[-1])
+
+
+class _FusedLayer:
+    """Per-layer plan of the runner.
+
+    - ``qkv``: q/k/v stacked into one projection where they stack exactly (``_fuse_rows``), else None;
+    - ``gate_up``: gate/up stacked (output ``[gate | up]``), or the recipe's own fused gate_up with
+      the SiLU*mul epilogue (``W4A8FP8MLP`` of ``fuse_mlp``: ``gate_up_act``), else None;
+    - with W4A8 projections (``_Proj.aq``), the input RMSNorms are fused into the activation
+      quantization (``norm_q`` / ``post_q``: one launch gives the codes shared by q/k/v, and by
+      gate/up), SiLU*mul is fused into the quantization of ``down``'s input, and the residual adds of
+      ``o_proj`` / ``down_proj`` go into the w4a8-fp8 epilogue.
+    """
+
+    def __init__(self, layer, dtype, fuse: bool = True):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features) \
-            if self.qkv is not None else None
-        self.gate_up = None
-        if all(hasattr(mlp, r) for r in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            self.gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
+        self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
+        self.q, self.k, self.v = _Proj(attn.q_proj), _Proj(attn.k_proj), _Proj(attn.v_proj)
+        self.o = _Proj(attn.o_proj)
+        self.qkv_p = _Proj(self.qkv) if self.qkv is not None else None
+        self.gate_up = self.gate_up_p = None
+        self.mlp = mlp
+        self.down = None
+        if fuse and hasattr(mlp, "gate_up") and hasattr(mlp, "down_proj") \
+                and getattr(mlp.gate_up, "activation", None) == "silu_mul":
+            self.gate_up_p, self.down = _Proj(mlp.gate_up), _Proj(mlp.down_proj)  # output silu(g) * u
+            self.gate_up = mlp.gate_up
+        elif all(hasattr(mlp, r) for r in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            self.down = _Proj(mlp.down_proj)
+            self.act = mlp.act_fn
             self.inter = mlp.gate_proj.out_features
-            self.act, self.down = mlp.act_fn, mlp.down_proj
+            if fuse:
+                self.gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+                self.gate_up_p = _Proj(self.gate_up) if self.gate_up is not None else None
+            if self.gate_up_p is None:
+                self.gate_p, self.up_p = _Proj(mlp.gate_proj), _Proj(mlp.up_proj)
+        # where the runner quantizes activations itself (same format for every consumer)
+        first = self.qkv_p.aq if self.qkv_p is not None else None
+        self.norm_q = first if fuse and first and _fusable_norm(self.in_norm, dtype) else None
+        self.o_q = self.o.aq if fuse else None
+        gu = self.gate_up_p.aq if self.gate_up_p is not None else None
+        self.post_q = gu if fuse and gu and _fusable_norm(self.post_norm, dtype) else None
+        silu_act = type(getattr(self, "act", None)).__name__ in ("SiLU", "SiLUActivation")
+        self.down_q = self.down.aq if (fuse and self.down is not None and self.down.aq and
+                                       self.gate_up_p is not None and not self.gate_up_p.silu_mul and
+                                       silu_act) else None
+
+    # ---------------------------------------------------------------------------- compute
+    def qkv_proj(self, x: torch.Tensor):
+        """``x`` (the residual stream ``[B, S, H]``) -> q, k, v ``[B, S, *]`` (input norm included)."""
+        if self.qkv_p is not None:
+            if self.norm_q:
+                xq, sx = _quant_rows(x.reshape(-1, x.shape[-1]), self.norm_q, norm=self.in_norm)
+                y = self.qkv_p.gemm(xq, sx, x.shape[:-1], x.dtype)
+            else:
+                y = self.qkv_p(self.in_norm(x))
+            return y.split(self.split, dim=-1)
+        h = self.in_norm(x)
+        return self.q(h), self.k(h), self.v(h)
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``x + o_proj(o)`` then the MLP block with its residual: the layer's output."""
+        if self.o_q:  # separate quant + GEMM (R4, w4a8_fp8 area: faster than quantizing in the GEMM)
+            xq, sx = _quant_rows(o.reshape(-1, o.shape[-1]), self.o_q)
+            x = self.o.gemm(xq, sx, x.shape[:-1], x.dtype, residual=x)
+        else:
+            x = self.o(o, residual=x)
+        lead = x.shape[:-1]
+        if self.gate_up_p is None and self.down is None:  # some other MLP: the module itself
+            return x + self.mlp(self.post_norm(x))
+        if self.post_q:
+            xq, sx = _quant_rows(x.reshape(-1, x.shape[-1]), self.post_q, norm=self.post_norm)
+            gu = self.gate_up_p.gemm(xq, sx, lead, x.dtype)
+        elif self.gate_up_p is not None:
+            gu = self.gate_up_p(self.post_norm(x))
+        else:
+            h = self.post_norm(x)
+            gu = None
+            a = self.act(self.gate_p(h)) * self.up_p(h)
+        if gu is not None:
+            if self.gate_up_p.silu_mul:
+                a = gu
+            elif self.down_q:
+                g, u = gu.reshape(-1, gu.shape[-1]).split(self.inter, dim=-1)
+                xq, sx = _quant_rows(g, self.down_q, up=u)
+                return self.down.gemm(xq, sx, lead, x.dtype, residual=x)
+            else:
+                g, u = gu.split(self.inter, dim=-1)
+                a = self.act(g) * u
+        return self.down(a, residual=x)
+
 
 # ---------------------------------------------------------------------------- KV backends
 class DenseKV:
@@ -349,44 +511,86 @@ class Generator:
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
                                   zero_point=self.kv == "kv4-zp", page=page_size, crs=crs)
         self.prefill_from_cache = bool(prefill_from_cache) and self.kv is not None
-        self.fused = [_FusedLayer(layer) if fuse else None for layer in self.a.layers]
+        self.fused = [_FusedLayer(layer, self.dtype, fuse) for layer in self.a.layers]
+        self.head = _Proj(self.a.lm_head)
+        self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)
+        self.profile_sections = False  # torch.profiler labels per section (eager profiling only)
+        self._rope_table = None
+        if getattr(self.a.rotary, "rope_type", "default") in _STATIC_ROPE:
+            pos = torch.arange(self.max_seq, device=self.device).view(1, -1)
+            c, s_, ss = self._rope_compute(torch.empty(0, device=self.device, dtype=self.dtype), pos)
+            self._rope_table = (c[0], s_[0], None if ss is None else ss[0])
         self.sm_scale = self.a.d ** -0.5
 
     # -------------------------------------------------------------------------- pieces
-    def _qkv(self, i, layer, h, pos_ids):
+    def _sec(self, name: str):
+        """A ``torch.profiler`` label around one section when ``profile_sections`` is on."""
+        return torch.profiler.record_function(name) if self.profile_sections else contextlib.nullcontext()
+
+    def _rope_tables(self, x, pos_ids):
+        """cos/sin ``[B, S, D]`` of the model's rotary embedding, once per forward (all layers share
+        them), and ``sin_signed`` for ``_apply_rope``. For RoPE types whose values depend only on
+        the position, they are gathered from tables computed once by the model's own rotary module
+        over ``arange(max_seq)`` (element for element the same products; 3 gathers per decode step
+        instead of ~8 launches); dynamic types are recomputed per call."""
+        if self._rope_table is not None:
+            c, s_, ss = self._rope_table
+            return c[pos_ids], s_[pos_ids], None if ss is None else ss[pos_ids]
+        return self._rope_compute(x, pos_ids)
+
+    def _rope_compute(self, x, pos_ids):
+        cos, sin = self.a.rotary(x, pos_ids)
+        half = self.a.d // 2
+        sin_signed = None if self.a.interleaved else torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos, sin, sin_signed
+
+    def _apply_rope(self, x, cos, sin, sin_signed):
+        """HF's ``x * cos + rotate_half(x) * sin`` on ``x [B, H, S, D]`` (a transposed view of the
+        projection output). ``rotate_half(x) * sin == cat(x2, x1) * sin_signed`` (negation is exact,
+        so the roundings are HF's). Computed on the ``[B, S, H, D]`` view, where the last two dims
+        are dense: every kernel reads and writes in memory order (vectorized), the output is dense
+        and ``torch.roll``'s hidden ``.contiguous()`` copy is gone (R4: 1.07 ms of a 16 x 1024
+        prefill layer)."""
+        if sin_signed is None:
+            return _rope(x, cos, sin, True)
+        xs = x.transpose(1, 2)
+        h = self.a.d // 2
+        rot = torch.cat((xs[..., h:], xs[..., :h]), dim=-1)
+        return (xs * cos.unsqueeze(2) + rot * sin_signed.unsqueeze(2)).transpose(1, 2)
+
+    def _qkv(self, i, layer, x, rope):
         attn = layer.self_attn
-        B, S, _ = h.shape
-        fz = self.fused[i]
-        if fz is not None and fz.qkv is not None:
-            q, k, v = fz.qkv(h).split(fz.split, dim=-1)
-        else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        B, S, _ = x.shape
+        with self._sec("norm+qkv"):
+            q, k, v = self.fused[i].qkv_proj(x)
         q = q.reshape(B, S, -1, self.a.d).transpose(1, 2)
         k = k.reshape(B, S, -1, self.a.d).transpose(1, 2)
         v = v.reshape(B, S, -1, self.a.d).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.a.rotary(v, pos_ids)
-        q = _rope(q, cos, sin, self.a.interleaved)
-        if not self.cache.rope_in_append:
-            k = _rope(k, cos, sin, self.a.interleaved)
+        with self._sec("rope"):
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin, _ = rope
+            q = self._apply_rope(q, *rope)
+            if not self.cache.rope_in_append:
+                k = self._apply_rope(k, *rope)
         return q, k, v, cos, sin
 
     def _finish(self, i, layer, x, o):
         B, S = x.shape[:2]
-        x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
-        h = layer.post_attention_layernorm(x)
-        fz = self.fused[i]
-        if fz is not None and fz.gate_up is not None:
-            g, u = fz.gate_up(h).split(fz.inter, dim=-1)
-            return x + fz.down(fz.act(g) * u)
-        return x + layer.mlp(h)
+        with self._sec("o_proj+mlp"):
+            return self.fused[i].finish(x, o.transpose(1, 2).reshape(B, S, -1))
 
     def _logits(self, h):
-        return self.a.lm_head(self.a.norm(h)).float()
+        """Final norm + ``lm_head`` of ``h [B, H]`` -> fp32 logits; with a W4A8 head (``lm_head=True``
+        recipes) the norm is fused into the head's activation quantization."""
+        with self._sec("norm+lm_head"):
+            if self.head_q:
+                xq, sx = _quant_rows(h, self.head_q, norm=self.a.norm)
+                return self.head.gemm(xq, sx, h.shape[:-1], h.dtype).float()
+            return self.head(self.a.norm(h)).float()
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -405,17 +609,21 @@ class Generator:
         pad = None
         if int(lengths.min()) < S:
             pad = (pos_ids < lengths[:, None]).to(self.dtype)[:, None, :, None]
-        x = self.a.embed(ids)
+        with self._sec("embed+rope tables"):
+            x = self.a.embed(ids)
+            rope = self._rope_tables(x, pos_ids)
         for i, layer in enumerate(self.a.layers):
-            q, k, v, cos, sin = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
-            self.cache.write_prefill(i, k, v, lengths, cos, sin)
-            if self.prefill_from_cache:
-                q, k, v = self.cache.read_prefill(i, q, S)
-            elif self.cache.rope_in_append:
-                k = _rope(k, cos, sin, self.a.interleaved)
-            if pad is not None:
-                q, k, v = q * pad, k * pad, v * pad
-            o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
+            q, k, v, cos, sin = self._qkv(i, layer, x, rope)
+            with self._sec("kv write"):
+                self.cache.write_prefill(i, k, v, lengths, cos, sin)
+            with self._sec("attention"):
+                if self.prefill_from_cache:
+                    q, k, v = self.cache.read_prefill(i, q, S)
+                elif self.cache.rope_in_append:
+                    k = self._apply_rope(k, *rope)
+                if pad is not None:
+                    q, k, v = q * pad, k * pad, v * pad
+                o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
             x = self._finish(i, layer, x, o)
         last = x[self.rows[:B], lengths - 1]
         return self._logits(last)
@@ -423,11 +631,13 @@ class Generator:
     def _step(self, tokens, pos):
         B = tokens.shape[0]
         rows = self.rows[:B]
-        x = self.a.embed(tokens.view(B, 1))
-        pos_ids = pos.view(B, 1)
+        with self._sec("embed+rope tables"):
+            x = self.a.embed(tokens.view(B, 1))
+            rope = self._rope_tables(x, pos.view(B, 1))
         for i, layer in enumerate(self.a.layers):
-            q, k, v, cos, sin = self._qkv(i, layer, layer.input_layernorm(x), pos_ids)
-            o = self.cache.decode(i, q, k, v, pos, rows, cos, sin)
+            q, k, v, cos, sin = self._qkv(i, layer, x, rope)
+            with self._sec("kv write+attention"):
+                o = self.cache.decode(i, q, k, v, pos, rows, cos, sin)
             x = self._finish(i, layer, x, o)
         return self._logits(x[:, 0])
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from lowbit._utils import warn_once
 from lowbit.formats.common import FP8_E4M3
@@ -265,6 +266,16 @@ def _swap_class(attn):
     attn.__class__ = _SWAPPED[base]
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    """Device of a module's first parameter or buffer (float ``weight`` or a QuantLinear's codes:
+    the projections may already be quantized when the attention is installed)."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
 def install_quantized_attention(model, *, kv: str | None = "kv4", prefill: str = "sdpa", rope_kv=None,
                                 page_size: int = 64, scale_dtype: torch.dtype = FP8_E4M3,
                                 decode_max_tokens: int = 4):
@@ -297,7 +308,7 @@ def install_quantized_attention(model, *, kv: str | None = "kv4", prefill: str =
         if hasattr(attn, "k_norm") or hasattr(attn, "q_norm"):
             raise ValueError(f"{type(attn).__name__} has q/k norms: not supported by install_quantized_attention")
         p = rope_kv[v.index] if rope_kv is not None else None
-        crs_k = p.crs_k.float().to(v.k_proj.weight.device) if p is not None and p.crs_k is not None else None
+        crs_k = p.crs_k.float().to(_device_of(attn)) if p is not None and p.crs_k is not None else None
         _swap_class(attn)
         attn._lowbit = _AttnConfig(kv, prefill, v.rope_pairing == "interleaved", crs_k,
                                    None if crs_k is None else 1.0 / crs_k, scale_dtype, decode_max_tokens)

@@ -3,7 +3,8 @@
 A recipe is ``fn(model, calibration=None, **options) -> model`` (registered in
 ``lowbit.registry``, called through ``lowbit.quantize_model``). It works on any Llama-family
 ``*ForCausalLM`` of transformers through ``lowbit.models.arch.decoder_layers`` and quantizes
-the seven linears of every decoder layer in place; ``embed_tokens`` and ``lm_head`` stay float.
+the seven linears of every decoder layer in place; ``embed_tokens`` and ``lm_head`` stay float
+(``lm_head=True`` in ``fireq`` / ``qserve`` quantizes the head too).
 
 Common options (every recipe):
 
@@ -241,7 +242,7 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
           attention: str | None = "fp8", group_size: int = 128, cas: bool = True, pts: bool = True,
           rpn: bool = True, crs: bool = True, alpha: float = 8.0, beta: float = 8.0, top_k: int | None = None,
           cas_options: dict | None = None, linear_options: dict | None = None, skip=(), fuse_mlp: bool = False,
-          pts_scope: str = "fused",
+          pts_scope: str = "fused", lm_head: bool | dict = False,
           seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
     """FireQ (seed 000): W4A8-FP linears (INT4 weights, FP8 E4M3 g128 scales, FP8 per-token
     activations) with CAS + PTS, a post-RoPE INT4 KV cache with RPN + CRS, FP8 prefill attention.
@@ -254,14 +255,15 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     q/k/v one PTS exponent and gate/up one, as FireQ's code where QKV and gate_up are single
     matrices (Def. 3.2 is per weight matrix); ``'tensor'`` = one per projection. The shared
     exponent also lets ``lowbit.models.generate`` run q/k/v (and gate/up) as one GEMM.
+    ``lm_head=True`` quantizes the output projection too (w4a8-fp8, its own PTS exponent; FireQ
+    keeps it 16-bit, so the default is off; see docs/sections/model.md for its cost).
     """
     _check_common("fireq", model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, cas=cas, pts=pts, rpn=rpn,
                    crs=crs, alpha=alpha, beta=beta, top_k=top_k, cas_options=cas_options,
-                   linear_options=linear_options, skip=list(skip), fuse_mlp=fuse_mlp, pts_scope=pts_scope, seed=seed,
-                   n_samples=n_samples,
-                   seq_len=seq_len)
+                   linear_options=linear_options, skip=list(skip), fuse_mlp=fuse_mlp, pts_scope=pts_scope,
+                   lm_head=lm_head, seed=seed, n_samples=n_samples, seq_len=seq_len)
     if pts_scope not in ("fused", "tensor"):
         raise ValueError(f"pts_scope must be 'fused' or 'tensor', got {pts_scope!r}")
     if fuse_mlp and (linear != "w4a8-fp8" or skip):
@@ -321,6 +323,8 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
             _quantize_shared_pts(model, opts, skip=skip, progress=progress)
         else:
             quantize_linears(model, linear, skip=skip, progress=progress, recipe="fireq", **opts)
+        if lm_head:
+            _quantize_lm_head(model, linear, opts, "fireq", lm_head)
     _record(model, "fireq", options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
 
@@ -343,6 +347,26 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
             e = pts_exponent(w, g)
             for r in roles:
                 v.set_linear(r, quantize_linear(lins[r], "w4a8-fp8", pts_exp=e, **opts))
+
+
+def _quantize_lm_head(model, scheme: str, opts: dict, recipe: str, lm_head=True) -> None:
+    """``lm_head=True``: the output projection through ``scheme`` too (FireQ and QServe keep it
+    16-bit: off by default); a dict (e.g. ``{"group_size": 32}``) overrides the linears' options
+    for the head only. A head tied to ``embed_tokens`` is untied (the embedding stays float,
+    ``config.tie_word_embeddings`` becomes False, so checkpoints rebuild it untied)."""
+    from lowbit import quantize_linear
+
+    if isinstance(lm_head, dict):
+        opts = {**opts, **lm_head}
+    elif lm_head is not True:
+        raise TypeError(f"lm_head must be False, True or a dict of linear options, got {lm_head!r}")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"recipe {recipe}: lm_head=True needs an nn.Linear lm_head, got {type(head).__name__}")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+    q = quantize_linear(head, scheme, **opts)
+    model.set_output_embeddings(q)
 
 
 def _optional(module: str, names) -> Callable | None:
@@ -382,15 +406,18 @@ def _drop_rpn(params):
 def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str | None = "kv4-zp",
            attention: str | None = "sdpa", group_size: int = 128, smooth: bool = True, smooth_alpha: float = 0.5,
            smoothquant: bool = False, smoothquant_alpha: float = 0.5, linear_options: dict | None = None, skip=(),
-           seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+           lm_head: bool | dict = False, seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None,
+           progress: bool = True):
     """QServe / QoQ (W4A8KV4): progressive INT4->INT8 g128 weights with INT8 per-token activations,
     SmoothAttention on keys (``smooth``), optional SmoothQuant on linear inputs (``smoothquant``),
-    INT4 KV cache with zero points. Prefill attention defaults to float SDPA (QServe's own)."""
+    INT4 KV cache with zero points. Prefill attention defaults to float SDPA (QServe's own).
+    ``lm_head=True`` quantizes the output projection too (QServe keeps it 16-bit: off by default)."""
     _check_common("qserve", model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, smooth=smooth,
                    smooth_alpha=smooth_alpha, smoothquant=smoothquant, smoothquant_alpha=smoothquant_alpha,
-                   linear_options=linear_options, skip=list(skip), seed=seed, n_samples=n_samples, seq_len=seq_len)
+                   linear_options=linear_options, skip=list(skip), lm_head=lm_head, seed=seed, n_samples=n_samples,
+                   seq_len=seq_len)
     sa = _need("qserve", "lowbit.ptq.smooth_attention", "apply_smooth_attention") if smooth else None
     sq = _need("qserve", "lowbit.ptq.smoothquant", "apply_smoothquant") if smoothquant else None
     if linear is not None:
@@ -410,6 +437,8 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
     if linear is not None:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
                          **_linear_opts(group_size, linear_options))
+        if lm_head:
+            _quantize_lm_head(model, linear, _linear_opts(group_size, linear_options), "qserve", lm_head)
     _record(model, "qserve", options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
     return model
 
@@ -432,16 +461,21 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
         options["table"] = table.tolist()
     reports: dict = {}
     model = _install_attention(name, model, kv=kv, attention=attention)
-    if linear is not None:
-        opts = _linear_opts(group_size, linear_options)
-        if linear == "lut":
-            opts.setdefault("bits", bits)
-            opts.setdefault("table", table)
+    opts = _linear_opts(group_size, linear_options)
+    if linear == "lut":
+        opts.setdefault("bits", bits)
+        opts.setdefault("table", table)
+    # learned NF on LUT weights = FLUTE §4.2's STE on the float weights: learn_nf_scales trains the
+    # scales through the straight-through estimator and quantizes the linears itself (codes re-chosen
+    # under the learned scales). Quantizing first would leave it only the frozen-codes mode.
+    ste = learn is not None and linear == "lut"
+    if linear is not None and not ste:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe=name, **opts)
     if learn is not None:
         batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples,
                                       seq_len=seq_len, seed=seed)
-        reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress)
+        extra = dict(opts, skip=tuple(skip)) if ste else {}
+        reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress, **extra)
     _record(model, name, options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
     return model
 

@@ -84,9 +84,10 @@ def gather_kv4(codes, scale, zero, page_table_row, length: int, *, dtype=torch.f
 
 
 def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None, v_zero=None,
-                   crs_q=None, sm_scale=None) -> torch.Tensor:
+                   crs_q=None, sm_scale=None, q_int8=False) -> torch.Tensor:
     """Reference of ``decode_kv4``: dequantize each sequence's pages and run ``attention_ref``
-    (float64, bottom-right causal). Returns q's dtype."""
+    (float64, bottom-right causal). Returns q's dtype. ``q_int8``: Q (after CRS) rounded to INT8
+    per row first, ``floor(q * 127 / absmax + 0.5) * absmax / 127`` (the kernel's QK8 numerics)."""
     B, Hq, TQ, D = q.shape
     Hkv = k_codes.shape[1]
     out = torch.empty_like(q)
@@ -97,9 +98,17 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
         qb = q[b].double()
         if crs_q is not None:
             qb = qb * crs_q.double().repeat_interleave(Hq // Hkv, dim=0)[:, None, :]
+        if q_int8:
+            qf = qb.float()
+            qmax = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+            qb = (torch.floor(qf / qmax * 127.0 + 0.5).double() * qmax.double() / 127.0)
         out[b] = attention_ref(qb[None], kb[None], vb[None], causal=True, sm_scale=sm_scale)[0].to(q.dtype)
     return out
 
+
+# Decode numerics of Q: INT8 per row (the INT8 tensor-core QK^T, FireQ's "Q8") or fp16 (row-normalised).
+# Equal to ``lowbit.kernels.decode_kv4.DEFAULT_QK8`` (tested); the CPU reference follows it too.
+Q_INT8_DEFAULT = False
 
 # ---- torch.library ops --------------------------------------------------------------------------
 
@@ -126,19 +135,20 @@ def _(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs
 def _decode_kv4(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                 v_scale: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
                 k_zero: Optional[torch.Tensor], v_zero: Optional[torch.Tensor], crs_q: Optional[torch.Tensor],
-                sm_scale: float, max_len: int, num_splits: int) -> torch.Tensor:
+                sm_scale: float, max_len: int, num_splits: int, q_int8: bool) -> torch.Tensor:
     kw = dict(k_zero=k_zero, v_zero=v_zero, crs_q=crs_q, sm_scale=sm_scale)
     if use_triton(q, k_codes):
         from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
         return decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths,
                                  max_len=min(max_len or cap, cap) if (cap := page_table.shape[1] * k_codes.shape[2]) else 0,
-                                 num_splits=num_splits or None, **kw)
-    return decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, **kw)
+                                 num_splits=num_splits or None, qk_int8=q_int8, **kw)
+    return decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, q_int8=q_int8, **kw)
 
 
 @_decode_kv4.register_fake
-def _(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len, num_splits):
+def _(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len, num_splits,
+      q_int8):
     return torch.empty_like(q)
 
 
@@ -199,11 +209,13 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
 
 
 def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None, v_zero=None,
-               crs_q=None, sm_scale=None, max_len: int = 0, num_splits: int = 0) -> torch.Tensor:
+               crs_q=None, sm_scale=None, max_len: int = 0, num_splits: int = 0, q_int8=None) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, TQ, D]`` (post-RoPE, TQ in 1..4, causal among the TQ new
     tokens, which must already be in the cache) over the paged KV4 cache. ``lengths[b]`` counts
     every cached token of sequence b. ``max_len`` (host int, optional) bounds ``lengths`` and
-    sizes the split-KV grid without a device sync; ``num_splits`` 0 = automatic."""
+    sizes the split-KV grid without a device sync; ``num_splits`` 0 = automatic. ``q_int8``
+    (None = ``Q_INT8_DEFAULT``): QK^T on the INT8 tensor cores with Q rounded to INT8 per row
+    (FireQ's 8-bit Q; see ``lowbit.kernels.decode_kv4``), else fp16 Q; P, V and O as before."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     B, Hq, TQ, D = q.shape
     if not 1 <= TQ <= 16:
@@ -221,5 +233,9 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
     if q.stride(-1) != 1:
         q = q.contiguous()
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    if q_int8 is None:
+        q_int8 = Q_INT8_DEFAULT
     return _decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
-                       sm_scale, int(max_len), int(num_splits))
+                       sm_scale, int(max_len), int(num_splits), bool(q_int8))

@@ -20,31 +20,78 @@ import torch
 import torch.nn.functional as F
 
 from lowbit._utils import check_tensor, use_triton, warn_once
-from lowbit.formats.lut import BITS, GROUP_SIZES, packed_shapes, unpack_codes
+from lowbit.formats.lut import (BITS, GROUP_SIZES, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
+                                unpack_codes_mma)
 
 MAX_KERNEL_M = 64  # measured crossover on H200 (r2): kernel 0.124 vs 0.176 ms at M=64, 0.234 vs 0.180 at 128
 _ACT = (torch.float16, torch.bfloat16)
 
 
 def dequantize_packed(qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int,
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Reference: packed buffers -> W_hat [N, K] (float32 math, then ``dtype``)."""
-    codes = unpack_codes(qweight, qweight_hi, bits, in_features)
+                      dtype: torch.dtype = torch.float32, layout: str = "planar") -> torch.Tensor:
+    """Reference: packed buffers (``layout`` 'planar' or 'mma') -> W_hat [N, K] (float32 math, then ``dtype``)."""
+    if layout == "mma":
+        codes = unpack_codes_mma(qweight, qweight_hi, scales.shape[1], in_features, bits, group_size)
+    else:
+        codes = unpack_codes(qweight, qweight_hi, bits, in_features)
     s = scales.float().t().repeat_interleave(group_size, dim=1)[:, :in_features]
     w = table.to(codes.device, torch.float32)[codes.long()] * s
     return w.to(dtype)
 
 
-def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int) -> torch.Tensor:
-    w = dequantize_packed(qweight, qweight_hi, scales, table, bits, group_size, in_features)
+def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int,
+                 layout: str = "planar") -> torch.Tensor:
+    w = dequantize_packed(qweight, qweight_hi, scales, table, bits, group_size, in_features, layout=layout)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+_PAIRS: dict = {}
+_UNIFORM: dict = {}
+
+
+def _uniform(table: torch.Tensor) -> bool:
+    """``table_is_uniform`` cached per table storage and version: the check copies the table to the
+    host (a device sync), which must not happen on every call."""
+    from lowbit.formats.lut import table_is_uniform
+
+    key = (table.data_ptr(), table.device, table._version)
+    if key not in _UNIFORM:
+        if len(_UNIFORM) > 256:
+            _UNIFORM.clear()
+        _UNIFORM[key] = table_is_uniform(table)
+    return _UNIFORM[key]
+
+
+def _pairs_for(table: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pair table of ``table`` in ``dtype`` on its device (cached per table storage and version)."""
+    key = (table.data_ptr(), table.device, table._version, bits, dtype)
+    p = _PAIRS.get(key)
+    if p is None:
+        if len(_PAIRS) > 64:
+            _PAIRS.clear()
+        p = _PAIRS[key] = pair_table(table, bits, dtype).to(table.device)
+    return p
 
 
 @torch.library.custom_op("lowbit::lut_gemm", mutates_args=())
 def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
-              table: torch.Tensor, pairs: torch.Tensor | None, bits: int, group_size: int, lookup: str) -> torch.Tensor:
+              table: torch.Tensor, pairs: torch.Tensor | None, bits: int, group_size: int, lookup: str,
+              layout: str = "planar") -> torch.Tensor:
     N = scales.shape[1]
     K = x.shape[1]
+    if layout == "mma":
+        if x.dtype in _ACT and use_triton(x, qweight, scales, table):
+            from lowbit.kernels.lut_gemm import lut_dequant_mma_triton, lut_mma_triton
+
+            if x.shape[0] <= MAX_KERNEL_M:
+                if pairs is None or pairs.dtype != x.dtype:
+                    pairs = _pairs_for(table, bits, x.dtype)
+                return lut_mma_triton(x, qweight, qweight_hi, scales, pairs, table, bits=bits, group_size=group_size,
+                                      out_features=N)
+            w = lut_dequant_mma_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                                       out_features=N, in_features=K, dtype=x.dtype)
+            return F.linear(x, w)
+        return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K, layout)
     if x.dtype in _ACT and use_triton(x, qweight, scales, table):
         if lookup == "pair" and (pairs is None or pairs.dtype != x.dtype):
             lookup = "load"
@@ -61,18 +108,20 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
 
 
 @_lut_gemm.register_fake
-def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup):
+def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout="planar"):
     return x.new_empty((x.shape[0], scales.shape[1]))
 
 
 def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
              table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto",
-             pairs: torch.Tensor | None = None) -> torch.Tensor:
+             pairs: torch.Tensor | None = None, layout: str = "planar") -> torch.Tensor:
     """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [ceil(K/G), N]/
     ``table`` as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' |
     'affine' | 'pair' ('affine' only for uniform tables; 'pair' needs ``pairs`` =
     ``formats.lut.pair_table(table, bits, x.dtype)``; 'auto' picks 'affine' for uniform tables,
-    else 'load'). Float32 ``x`` always runs the reference."""
+    else 'load'). ``layout``: 'planar' (``formats.lut.pack_codes``) or 'mma' (``formats.lut.pack_codes_mma``,
+    the tensor-core fragment kernel; ``lookup`` is then ignored: always the pair table). Float32
+    ``x`` always runs the reference."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:
@@ -86,20 +135,26 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     K = x.shape[-1]
     if ng * group_size < K or (ng - 1) * group_size >= max(K, 1):
         raise ValueError(f"x has K={K} columns but scales cover {ng} groups of {group_size}")
-    qshape, qdtype, hshape = packed_shapes(N, K, bits)
+    if layout not in ("planar", "mma"):
+        raise ValueError(f"layout must be 'planar' or 'mma', got {layout!r}")
+    if layout == "mma":
+        qshape, qdtype, hshape = mma_packed_shapes(N, K, bits, group_size)
+    else:
+        qshape, qdtype, hshape = packed_shapes(N, K, bits)
     check_tensor(qweight, "qweight", dtype=qdtype, shape=qshape)
     if hshape is not None:
         check_tensor(qweight_hi, "qweight_hi", dtype=torch.int32, shape=hshape)
     elif qweight_hi is not None:
         raise ValueError(f"qweight_hi must be None for bits={bits}")
-    if lookup == "auto":
-        from lowbit.formats.lut import table_is_uniform
-
-        lookup = "affine" if table_is_uniform(table) else "load"
+    if lookup == "auto":  # layout 'mma' ignores lookup; else decided once per table (host check, cached)
+        lookup = "load" if layout == "mma" else ("affine" if _uniform(table) else "load")
     if lookup not in ("load", "global", "smem", "select", "affine", "pair"):
         raise ValueError(f"lookup must be 'auto', 'load', 'global', 'smem', 'select', 'affine' or 'pair', "
                          f"got {lookup!r}")
-    if lookup == "pair":
+    if layout == "mma":  # the fragment kernel always reads the pair table (given, or built once and cached)
+        ok = pairs is not None and tuple(pairs.shape) == (4 ** bits, 2) and pairs.dtype == x.dtype
+        pairs = pairs if ok else None
+    elif lookup == "pair":
         check_tensor(pairs, "pairs", shape=(4 ** bits, 2))
         if x.dtype in _ACT and pairs.dtype != x.dtype:
             raise TypeError(f"pairs must have x's dtype {x.dtype} (build with pair_table(table, bits, x.dtype)), "
@@ -115,5 +170,5 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         x2 = x2.contiguous()
     if x.dtype not in _ACT and x.is_cuda:
         warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup)
+    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout)
     return y.reshape(*lead, N)

@@ -21,7 +21,7 @@ import math
 import torch
 
 from lowbit._utils import check_same_device, check_tensor, use_triton, warn_once
-from lowbit.formats.mla_fp8 import dequantize_latent, quantize_latent, quantize_q
+from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
 __all__ = ["mla_decode", "mla_append", "mla_quantize_q", "mla_gather", "mla_prefill", "mla_decode_ref",
            "MAX_DECODE_TOKENS"]
@@ -91,7 +91,10 @@ def mla_decode_ref(q, cache, page_table, seq_lens, *, sm_scale=None, p_block=Non
     float64. FP8 caches use the dequantized latents and (``quantize_query``, default True for
     them) the FP8-quantized query, exactly as the kernel sees them. ``p_block=(block_n, chunk)``
     additionally emulates the kernel's P re-quantization: per chunk of ``chunk`` tokens, per block
-    of ``block_n``, the monotone block scale of ``lowbit.kernels.mla_decode`` (FP8 caches only)."""
+    of ``block_n``, the monotone block scale of ``lowbit.kernels.mla_decode`` (FP8 caches only);
+    a third entry ``tau`` > 0 emulates its lazy mode (running max moved only past ``tau`` in base 2,
+    the P scale grown with the kernel's headroom), a fourth the dtype P is rounded to (fp8 e4m3;
+    torch.float16 for the kernel's fp16-PV variant)."""
     content, rope, scale = _unpack_cache(cache)
     B, Sq, H, D = q.shape
     dc = content.shape[-1]
@@ -126,7 +129,7 @@ def _slots(page_table, b, L, page):
     return page_table[b, idx // page].long() * page + idx % page
 
 
-def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int):
+def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int, tau: float = 0.0, p_dtype=torch.float8_e4m3fn):
     """The kernel's online softmax with per-block FP8 P (see lowbit.kernels.mla_decode), float64
     apart from the FP8 rounding of P; splits merged by log-sum-exp."""
     R, L = s.shape
@@ -140,15 +143,23 @@ def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int):
         for n0 in range(c0, min(c0 + chunk, L), block_n):
             n1 = min(n0 + block_n, L, c0 + chunk)
             sb = s[:, n0:n1]
-            m_new = torch.maximum(m, sb.max(1).values)
+            mb = sb.max(1).values
+            if tau > 0:
+                m_new = torch.where(mb > m + tau * math.log(2.0), mb, m)
+            else:
+                m_new = torch.maximum(m, mb)
             m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
             p = torch.exp(sb - m_safe[:, None])
-            alpha = torch.exp(m - m_safe)
+            alpha = torch.where(m_new == m, torch.ones_like(m), torch.exp(m - m_safe))
             pv = p * ks[n0:n1][None, :]
-            sig_new = torch.maximum(pv.max(1).values / 448.0, sig * alpha)
+            need = pv.max(1).values / 448.0
+            if tau > 0:
+                sig_new = torch.where(need <= sig * alpha, sig * alpha, need * P_SCALE_HEADROOM)
+            else:
+                sig_new = torch.maximum(need, sig * alpha)
             inv = torch.where(sig_new > 0, 1.0 / sig_new, torch.zeros_like(sig_new))
-            r = sig * alpha * inv
-            p8 = (pv * inv[:, None]).clamp(max=448.0).to(torch.float8_e4m3fn).double()
+            r = torch.where(sig_new == sig * alpha, torch.ones_like(sig), sig * alpha * inv)
+            p8 = (pv * inv[:, None]).clamp(max=448.0).to(p_dtype).double()
             l = l * r + p.sum(1) * inv
             acc = acc * r[:, None] + p8 @ c_hat[n0:n1]
             sig, m = sig_new, m_new
@@ -168,7 +179,7 @@ def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int):
 @torch.library.custom_op("lowbit::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, scale: torch.Tensor | None,
                    page_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int,
-                   num_splits: int, pv_fp8: bool = True) -> torch.Tensor:
+                   num_splits: int, pv_fp8: bool = True, pv16: bool = False) -> torch.Tensor:
     B, Sq, H, D = q.shape
     dc = content.shape[-1]
     dr = D - dc
@@ -186,15 +197,15 @@ def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, s
         out = mla_decode_triton(qc, qr, qs, _rows(content), _rows(rope), _rows(scale) if fp8 else None,
                                 page_table, seq_lens, num_heads=H, sm_scale=sm_scale, max_seq_len=max_seq_len,
                                 page_size=content.shape[1], fp8=fp8, out_dtype=q.dtype,
-                                num_splits=num_splits or None, pv_fp8=pv_fp8)
+                                num_splits=num_splits or None, pv_fp8=pv_fp8, pv16=pv16)
         return out.view(B, Sq, H, dc)
-    p_block = (64, 1 << 30) if (fp8 and pv_fp8) else None
+    p_block = (64, 1 << 30, 0.0, torch.float16 if pv16 else torch.float8_e4m3fn) if (fp8 and pv_fp8) else None
     return mla_decode_ref(q, (content, rope, scale), page_table, seq_lens, sm_scale=sm_scale,
                           p_block=p_block).to(q.dtype)
 
 
 @_mla_decode_op.register_fake
-def _(q, content, rope, scale, page_table, seq_lens, sm_scale, max_seq_len, num_splits, pv_fp8=True):
+def _(q, content, rope, scale, page_table, seq_lens, sm_scale, max_seq_len, num_splits, pv_fp8=True, pv16=False):
     B, Sq, H, _ = q.shape
     return q.new_empty(B, Sq, H, content.shape[-1])
 
@@ -279,7 +290,7 @@ def _check_tables(page_table, seq_lens, B, P):
 
 def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
                sm_scale: float | None = None, fp8: bool | None = None, max_seq_len: int | None = None,
-               num_splits: int | None = None, pv_fp8: bool = True) -> torch.Tensor:
+               num_splits: int | None = None, pv_fp8: bool = True, pv16: bool = False) -> torch.Tensor:
     """Absorbed-MLA decode of ``Sq`` (1-4, MTP) query tokens per sequence over a paged latent cache.
 
     q ``[B, Sq, H, Dc + Dr]`` (bf16/fp16; the absorbed query ``[q_C W_UK | q_R]``, RoPE applied),
@@ -290,7 +301,9 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
     ``fp8``: None follows the cache; True/False must match it. ``max_seq_len``: host-side bound on
     ``seq_lens`` (avoids a device sync). ``sm_scale`` defaults to ``(Dc + Dr) ** -0.5``.
     ``pv_fp8`` (FP8 caches): True = SnapMLA's FP8 PV with per-block re-quantized P; False = FP8 QK
-    with a bf16 PV on the exactly upcast latent (P * s_k in bf16; no P quantization).
+    with a bf16 PV on the exactly upcast latent (P * s_k in bf16; no P quantization). ``pv16`` (with
+    ``pv_fp8``): SnapMLA's P scaling, but P rounded to fp16 and the latent upcast to fp16 (exact) for
+    an fp16 PV (lowbit.kernels.mla_decode docstring).
     """
     content, rope, scale = _unpack_cache(cache)
     check_tensor(q, "q", dtype=_FLOATS, ndim=4)
@@ -319,7 +332,7 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
         raise ValueError(f"every seq_len must be >= Sq ({Sq}): append the query tokens' latents first")
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     return _mla_decode_op(q.contiguous(), content, rope, scale, page_table, seq_lens, sm_scale, int(max_seq_len),
-                          int(num_splits or 0), bool(pv_fp8))
+                          int(num_splits or 0), bool(pv_fp8), bool(pv16))
 
 
 def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:

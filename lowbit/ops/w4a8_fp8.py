@@ -1,8 +1,16 @@
-"""W4A8-FP linear (FireQ §3.1): ``lowbit::w4a8_fp8_gemm`` and ``w4a8_fp8_linear``.
+"""W4A8-FP linear (FireQ §3.1): ops ``lowbit::w4a8_fp8_gemm`` (pre-quantized x) and
+``lowbit::w4a8_fp8_linear_fused`` (float x, quantized inside the GEMM), and ``w4a8_fp8_linear``.
 
-``w4a8_fp8_linear(x, ...)`` = per-token FP8 quantization of ``x`` (``lowbit.ops.quant``; its
-Triton kernel on GPU) followed by the INT4 x FP8 GEMM (``lowbit.kernels.w4a8_fp8_gemm``; the
-float64 reference ``lowbit.formats.w4a8_fp8.reference_gemm`` on a CPU without the interpreter).
+``w4a8_fp8_linear(x, ...)`` dispatches by M = rows of x:
+
+- ``M <= FUSED_QUANT_MAX_M`` (``lowbit.kernels.w4a8_fp8_gemm``; decode): one launch, the per-token
+  FP8 quantization of x runs inside the GEMM kernel (same codes and scales as the separate kernel);
+- larger M: per-token FP8 quantization of ``x`` (``lowbit.ops.quant``; its Triton kernel on GPU)
+  followed by ``lowbit::w4a8_fp8_gemm`` (whose launcher picks the fused-dequant kernel or, from
+  ``DEQUANT_MIN_M``, dequantize-once + FP8 GEMM).
+
+Without the GPU or the interpreter both ops run the float64 reference
+(``lowbit.formats.w4a8_fp8.reference_gemm`` / ``reference_linear``) with the same numerics.
 Weight fields and layouts: ``lowbit.formats.w4a8_fp8``. ``inv_delta`` is PTS's 2^-n.
 """
 from __future__ import annotations
@@ -11,9 +19,15 @@ import torch
 
 from lowbit._utils import check_same_device, check_tensor, use_triton
 from lowbit.formats.common import FP8_E4M3
-from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, scale_cols
+from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, reference_linear, scale_cols
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fused_quant_max_m() -> int:
+    from lowbit.kernels import w4a8_fp8_gemm as kmod
+
+    return kmod.FUSED_QUANT_MAX_M
 
 
 def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype):
@@ -22,6 +36,11 @@ def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_d
     if K != k:
         raise ValueError(f"xq has {K} columns but the weight has in_features={k}")
     check_tensor(sx, "sx", dtype=torch.float32, shape=[M])
+    _check_weight(M, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype)
+    check_same_device(xq=xq, sx=sx, codes=codes, scales=scales, bias=bias, residual=residual)
+
+
+def _check_weight(M, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype):
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
     check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
@@ -36,7 +55,6 @@ def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_d
         check_tensor(bias, "bias", dtype=_OUT_DTYPES, shape=[N])
     if residual is not None:
         check_tensor(residual, "residual", dtype=out_dtype, shape=[M, N // 2 if silu_mul else N])
-    check_same_device(xq=xq, sx=sx, codes=codes, scales=scales, bias=bias, residual=residual)
 
 
 @torch.library.custom_op("lowbit::w4a8_fp8_gemm", mutates_args=())
@@ -73,6 +91,23 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
                           bool(silu_mul), out_dtype)
 
 
+@torch.library.custom_op("lowbit::w4a8_fp8_linear_fused", mutates_args=())
+def _w4a8_fp8_linear_fused(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
+                           group_size: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                           silu_mul: bool) -> torch.Tensor:
+    if use_triton(x, codes):
+        from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_linear_fused as kernel
+
+        return kernel(x, codes, scales, inv_delta, k, group_size, bias=bias, residual=residual, silu_mul=silu_mul)
+    return reference_linear(x, codes, scales, inv_delta, k, group_size, bias, residual=residual, silu_mul=silu_mul)
+
+
+@_w4a8_fp8_linear_fused.register_fake
+def _(x, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul):
+    n = codes.shape[0] // 2 if silu_mul else codes.shape[0]
+    return x.new_empty((x.shape[0], n))
+
+
 def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
                     group_size: int = 128, bias: torch.Tensor | None = None, *,
                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -87,8 +122,15 @@ def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
         raise ValueError(f"x has {x.shape[-1]} features but the weight has in_features={k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    xq, sx = per_token_quant(x2, "fp8")
     res = None if residual is None else residual.reshape(x2.shape[0], -1)
+    if x2.shape[0] <= _fused_quant_max_m() and x2.shape[0] > 0:
+        # decode: the quantization of x runs inside the GEMM (one launch)
+        _check_weight(x2.shape[0], codes, scales, k, group_size, bias, res, silu_mul, x.dtype)
+        check_same_device(x=x2, codes=codes, scales=scales, bias=bias, residual=res)
+        y = _w4a8_fp8_linear_fused(x2, codes, scales, float(inv_delta), int(k), int(group_size), bias, res,
+                                   bool(silu_mul))
+        return y.reshape(*lead, y.shape[-1])
+    xq, sx = per_token_quant(x2, "fp8")
     y = w4a8_fp8_gemm(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual=res, silu_mul=silu_mul,
                       out_dtype=x.dtype)
     return y.reshape(*lead, y.shape[-1])

@@ -1,8 +1,10 @@
 """W4A8 INT8 linear (QServe QoQ): ``lowbit::w4a8_int8_gemm`` and ``w4a8_int8_linear``.
 
-``w4a8_int8_linear(x, ...)`` = per-token INT8 quantization of ``x`` (``lowbit.ops.quant``, its
-Triton kernel when present) followed by the W4A8 GEMM (``lowbit.kernels.w4a8_int8_gemm``; the
-plain-PyTorch reference ``lowbit.formats.w4a8_int8.gemm_ref`` on CPU without the interpreter).
+``w4a8_int8_linear(x, ...)`` (op ``lowbit::w4a8_int8_linear``) = per-token INT8 quantization of
+``x`` followed by the W4A8 GEMM (``lowbit.kernels.w4a8_int8_gemm``): for single-token decode of
+short-K layers (``use_fused_quant``) the quantization runs inside the GEMM kernel (one launch),
+otherwise the ``lowbit.ops.quant`` kernel runs first; the plain-PyTorch reference (``quantize_per_token`` + ``gemm_ref``, same
+numerics) on CPU without the interpreter.
 Weight fields and their layouts: ``lowbit.formats.w4a8_int8`` (the group size is implied by
 the shapes: ``Kp / G`` columns per group, ``Kp = 2 * qweight.shape[1]``).
 """
@@ -13,6 +15,7 @@ import math
 import torch
 
 from lowbit._utils import check_same_device, check_tensor, use_triton
+from lowbit.formats.common import quantize_per_token
 from lowbit.formats.w4a8_int8 import gemm_ref
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -80,19 +83,92 @@ def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor
     return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
 
 
+@torch.library.custom_op("lowbit::w4a8_int8_linear", mutates_args=())
+def _w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
+                      gzs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    Kp = 2 * qweight.shape[1]
+    g = Kp // gscale.shape[1]
+    if use_triton(x, qweight):
+        from lowbit.kernels.w4a8_int8_gemm import use_fused_quant, w4a8_int8_gemm_triton
+
+        if use_fused_quant(x.shape[0], qweight.shape[0], Kp, g):  # decode: quantization inside the GEMM
+            return w4a8_int8_gemm_triton(x, None, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype)
+        from lowbit.ops.quant import per_token_quant
+
+        xq, xs = per_token_quant(x, "int8")
+        return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype)
+    xq, xs = quantize_per_token(x, torch.int8)
+    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, x.dtype)
+
+
+@_w4a8_int8_linear.register_fake
+def _(x, qweight, wscale, gscale, gzs, bias):
+    return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
 def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
                      gzs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] (fp16/bf16/fp32) -> [..., N] in x's dtype: per-token INT8 quantization of x
-    (``lowbit.ops.quant.per_token_quant``, its cost included) then ``w4a8_int8_gemm``.
-    (Quantizing inside the GEMM for small M was measured 2-4x slower on the H200: every program
-    re-reads the rows for their absmax; see docs/sections/w4a8_int8.md.)"""
-    from lowbit.ops.quant import per_token_quant
-
+    (numerics of ``lowbit.formats.common.quantize_per_token``, its cost included) then the W4A8 GEMM.
+    Where it was measured faster (``lowbit.kernels.w4a8_int8_gemm.use_fused_quant``: one token,
+    short K range per program) the quantization runs inside the GEMM kernel (one launch: each
+    program reads its rows' absmax over K from L2, quantizes x tiles in registers); otherwise the
+    ``lowbit.ops.quant`` kernel runs first. Both give the same codes (bit-identical outputs)."""
     check_tensor(x, "x", dtype=_OUT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dim")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = per_token_quant(x2, "int8")
-    y = w4a8_int8_gemm(xq, xs, qweight, wscale, gscale, gzs, bias, out_dtype=x.dtype)
+    _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x")
+    check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = _w4a8_int8_linear(x2, qweight, wscale, gscale, gzs, bias)
+    return y.reshape(*lead, qweight.shape[0])
+
+
+@torch.library.custom_op("lowbit::w4a8_int8_silu_mul_linear", mutates_args=())
+def _w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                               gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    inter = gate_up.shape[1] // 2
+    g, u = gate_up[:, :inter], gate_up[:, inter:]
+    Kp = 2 * qweight.shape[1]
+    gsz = Kp // gscale.shape[1]
+    if use_triton(gate_up, qweight):
+        from lowbit.kernels.w4a8_int8_gemm import FUSE_SILU_MAX_M, w4a8_int8_gemm_triton
+
+        if 0 < gate_up.shape[0] <= FUSE_SILU_MAX_M:  # SiLU*mul + quantization inside the GEMM (off: slower)
+            return w4a8_int8_gemm_triton(g, None, qweight, wscale, gscale, gzs, bias, inter, gsz, gate_up.dtype,
+                                         up_offset=inter)
+        from lowbit.kernels.act_quant import per_token_quant_triton
+
+        xq, xs = per_token_quant_triton(g, torch.int8, fuse="silu_mul", up=u)
+        return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, inter, gsz, gate_up.dtype)
+    v = (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
+    xq, xs = quantize_per_token(v, torch.int8)
+    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, gate_up.dtype)
+
+
+@_w4a8_int8_silu_mul_linear.register_fake
+def _(gate_up, qweight, wscale, gscale, gzs, bias):
+    return gate_up.new_empty((gate_up.shape[0], qweight.shape[0]))
+
+
+def w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
+                              gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Down projection of a gated MLP: ``gate_up`` [..., 2I] (gate = first I columns, up = last I)
+    -> ``w4a8_int8_linear(silu(gate) * up, ...)`` [..., N] in gate_up's dtype, with HF LlamaMLP's
+    rounding (SiLU rounded to the dtype, then the product): ``lowbit.kernels.act_quant``'s fused
+    silu_mul quantization, then the GEMM. For M <= ``FUSE_SILU_MAX_M`` (0: off, measured slower)
+    SiLU*mul and the quantization run inside the GEMM instead (one launch)."""
+    check_tensor(gate_up, "gate_up", dtype=(torch.float16, torch.bfloat16))
+    if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must have an even last dim (gate | up), got shape {list(gate_up.shape)}")
+    lead = gate_up.shape[:-1]
+    h = gate_up.reshape(-1, gate_up.shape[-1])
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    _check_weight(h.shape[1] // 2, qweight, wscale, gscale, gzs, bias, gate_up.dtype, xname="gate_up's halves")
+    check_same_device(gate_up=gate_up, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
+    y = _w4a8_int8_silu_mul_linear(h, qweight, wscale, gscale, gzs, bias)
     return y.reshape(*lead, qweight.shape[0])

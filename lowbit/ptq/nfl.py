@@ -51,12 +51,10 @@ class _STELinear(nn.Module):
         if self.frozen_codes:
             self.bits = src.bits
             self.group_size = group_size = src.group_size
-            from lowbit.formats.lut import unpack_codes
-
             self.k = src.in_features
             ng = src.scales.shape[0]
             kp = ng * group_size
-            codes = unpack_codes(src.qweight, src.qweight_hi, src.bits, src.in_features)
+            codes = src.codes()
             self.register_buffer("vals", F.pad(src.table.float()[codes.long()], (0, kp - self.k)))
             s0 = src.scales.t().float()
             self.bias = None if src.bias is None else src.bias.detach().float()
@@ -90,15 +88,16 @@ class _STELinear(nn.Module):
 
 def learn_nf_scales(model, batches, *, lr: float = 1e-4, epochs: int = 1, seed: int = 0, progress: bool = True,
                     bits: int = 4, group_size: int = 128, table="nf", layers=None,
-                    dtype: torch.dtype | None = None) -> dict:
+                    dtype: torch.dtype | None = None, skip=()) -> dict:
     """Learn per-group NF scales of every decoder linear on ``batches`` (list of [1, S] token
     ids) and quantize the model in place (see the module docstring). Returns a summary dict:
     ``steps``, ``loss_first``/``loss_last`` (mean of the first / last tenth of the steps),
     ``scale_rel_change`` (mean |s - s0| / s0), ``linears``, and the options used.
 
     ``bits``/``group_size``/``table`` apply to ``nn.Linear`` inputs (ignored for ``LUTLinear``);
-    ``layers``: indices of decoder layers to quantize (default all); ``dtype``: LUTLinear
-    activation dtype (default as ``LUTLinear.from_linear``).
+    ``layers``: indices of decoder layers to quantize (default all); ``skip``: linear roles left
+    as they are (e.g. ``("down_proj",)``); ``dtype``: LUTLinear activation dtype (default as
+    ``LUTLinear.from_linear``).
     """
     from lowbit.nn.lut import LUTLinear
 
@@ -118,6 +117,8 @@ def learn_nf_scales(model, batches, *, lr: float = 1e-4, epochs: int = 1, seed: 
     stand_ins = []
     for v in views:
         for role, lin in v.linears().items():
+            if role in skip:
+                continue
             if not isinstance(lin, (nn.Linear, LUTLinear)):
                 raise TypeError(f"layer {v.index} {role}: expected nn.Linear or LUTLinear, got {type(lin).__name__}")
             st = _STELinear(lin, bits=bits, group_size=group_size, table=table).to(device)

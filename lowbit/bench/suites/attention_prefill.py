@@ -2,8 +2,10 @@
 SDPA (cuDNN, FlashAttention-2), SageAttention 1.0.6 and INT-FlashAttention's Triton kernels.
 
 Shapes: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not (ANCHORS' attention rows).
-lowbit rows take bf16 Q/K/V and **include** quantization (the K/V quantization launch and the Q
-quantization inside the attention kernel); ``fp8-kv4`` reads K/V already in the KV4 cache format
+lowbit rows take bf16 Q/K/V and **include** quantization (the K/V quantization launch, Q in each
+attention program's prologue); ``*-kvquant-only`` rows time the K/V quantization launch alone,
+``*-2launch`` rows call the same two launches through the kernel API (``*-fused`` would be the
+one-launch option ``fuse_kv=True``, measured slower in session 2); ``fp8-kv4`` reads K/V already in the KV4 cache format
 (as in prefill with a KV4 cache) and quantizes Q. ``*-attn-only`` rows time the attention launch
 alone on pre-quantized K/V. INT-FlashAttention runs from its public code (commit 7f7bfb0) when
 its files are importable (``.refcode/int_fa`` on sys.path; never part of lowbit), on
@@ -49,7 +51,7 @@ def lowbit_fns():
 
 def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), providers=None):
     from lowbit.formats.kv4 import quantize_kv4
-    from lowbit.kernels.attention_prefill import attention_prefill_triton
+    from lowbit.kernels.attention_prefill import attention_prefill_triton, quant_attention_triton
     from lowbit.kernels.attention_quant import quantize_kv_triton
     from lowbit.ops.attention_prefill import fp8_kv4_attention
 
@@ -95,6 +97,13 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
                       qs, peak="fp8")
                 del kv, qs
             for mode, dt, kb, vg in (("fp8", torch.float8_e4m3fn, 128, "block"), ("int8", torch.int8, None, "channel")):
+                # the split: two launches (K/V quantization pass, then attention) and the
+                # quantization pass alone, beside the fused default and the attention alone
+                timed(f"lowbit-{mode}-2launch", lambda q, k, v, mode=mode, kb=kb, vg=vg: quant_attention_triton(
+                    q, k, v, mode=mode, causal=causal, sm_scale=D ** -0.5, v_granularity=vg, k_per_block=kb is not None,
+                    fuse_kv=False), sets, peak="fp8" if mode == "fp8" else "int8")
+                timed(f"lowbit-{mode}-kvquant-only", lambda q, k, v, dt=dt, kb=kb, vg=vg: quantize_kv_triton(
+                    k, v, dtype=dt, k_block=kb, v_granularity=vg), sets)
                 name = f"lowbit-{mode}-attn-only"
                 if not want(name):
                     continue

@@ -4,7 +4,8 @@ Shapes: B=16 sequences, GQA 32/8 heads, D=128, one (and four) query tokens, L = 
 tokens, and B=1 long contexts (split-KV). Bytes counted for lowbit are the compressed cache bytes
 read: per token per head, K and V each D/2 code bytes + 1 FP8 scale byte (+ 1 zero-point byte for
 kv4-zp), plus Q and O; SDPA moves the bf16 K and V. Also the fused append (RoPE + quantize +
-paged write) for one decode step and for a 4k-token prefill.
+paged write) for one decode step and for a 4k-token prefill. ``lowbit-kv4-q8`` is the opt-in
+INT8-Q decode (``q_int8=True``: QK^T on the INT8 tensor cores), same bytes as ``lowbit-kv4``.
 """
 from __future__ import annotations
 
@@ -70,13 +71,13 @@ def decode_rows(rec, quick: bool, lengths=None, batches=(16,)):
                        bytes_moved=2 * B * Hkv * L * D * 2 + 4 * B * Hq * D)
             del sets
             torch.cuda.empty_cache()
-            for zp in (False, True):
-                name = "lowbit-kv4-zp" if zp else "lowbit-kv4"
-                for tq in ((1, 4) if not zp else (1,)):
+            for zp, q8 in ((False, False), (False, True), (True, False)):
+                name = "lowbit-kv4-zp" if zp else ("lowbit-kv4-q8" if q8 else "lowbit-kv4")
+                for tq in ((1, 4) if not (zp or q8) else (1,)):
                     c = dict(case, tq=tq)
                     csets = rotating_inputs(lambda: (torch.randn(B, Hq, tq, D, device="cuda", dtype=torch.bfloat16),
                                                      random_cache(B, Hkv, D, L, zero_point=zp)))
-                    run = lambda q, c_: decode_kv4(q, max_len=L, **c_)  # noqa: E731
+                    run = lambda q, c_: decode_kv4(q, max_len=L, q_int8=q8, **c_)  # noqa: E731
                     t = time_cuda(run, csets)
                     rec.record(c, name, t, flops=attention_flops(B, Hq, tq, L, D, False), peak="bf16",
                                bytes_moved=kv4_bytes(B, Hq, Hkv, D, L, tq, zp))
@@ -108,7 +109,8 @@ def run(rec, quick: bool):
     import lowbit.kernels.decode_kv4 as dk
 
     rec.note(f"decode kernel variant: trans={dk.DEFAULT_TRANS} asm={dk.DEFAULT_ASM} warps={dk.DEFAULT_WARPS} "
-             f"stages={dk.DEFAULT_STAGES}, page 64, BLOCK_N 64")
+             f"stages={dk.DEFAULT_STAGES} lazy={dk.DEFAULT_LAZY} qk_int8={dk.DEFAULT_QK8}, page 64, "
+             f"BLOCK_N {dk.DEFAULT_BLOCK_N}")
     decode_rows(rec, quick)
     decode_rows(rec, quick, lengths=[32768] if quick else [32768, 131072], batches=(1,))
     append_rows(rec, quick)

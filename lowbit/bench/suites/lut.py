@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lowbit.bench import peers
 from lowbit.bench.harness import gemm_flops, rotating_inputs, time_cuda
-from lowbit.formats.lut import pack_lut, pair_table, quantize_lut
+from lowbit.formats.lut import pack_lut, pair_table, quantize_lut  # noqa: F401
 
 BASELINE = "cublas-bf16"
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "8192sq": (8192, 8192), "qkv": (6144, 4096)}
@@ -26,8 +26,24 @@ def make_packed(w: torch.Tensor, bits: int, group_size: int = 128, table="nf") -
     """Quantize + pack ``w`` [N, K] on its device: the tensors ``lowbit.ops.lut.lut_gemm`` takes."""
     q = quantize_lut(w, bits=bits, group_size=group_size, table=table, scale_dtype=torch.bfloat16)
     qw, qh, st = pack_lut(q)
-    return {"qweight": qw, "qweight_hi": qh, "scales": st, "table": q.table.to(w.device), "bits": bits,
-            "group_size": group_size, "pairs": pair_table(q.table, bits, torch.bfloat16).to(w.device)}
+    p = {"qweight": qw, "qweight_hi": qh, "scales": st, "table": q.table.to(w.device), "bits": bits,
+         "group_size": group_size, "pairs": pair_table(q.table, bits, torch.bfloat16).to(w.device)}
+    from lowbit.kernels.lut_gemm import MMA_GROUPS
+
+    if group_size in MMA_GROUPS.get(bits, ()):
+        from lowbit.formats.lut import pack_codes_mma
+
+        p["qmma"], p["qmma_hi"] = pack_codes_mma(q.codes, bits, group_size, w.shape[1])
+    return p
+
+
+def mma_fn(p: dict, **cfg):
+    """Callable x -> y through the tensor-core fragment kernel (``lut_mma_triton``)."""
+    from lowbit.kernels.lut_gemm import lut_mma_triton
+
+    N = p["scales"].shape[1]
+    return lambda x: lut_mma_triton(x, p["qmma"], p["qmma_hi"], p["scales"], p["pairs"], p["table"], bits=p["bits"],
+                                    group_size=p["group_size"], out_features=N, **cfg)
 
 
 def lut_bytes(M: int, N: int, K: int, bits: int, group_size: int) -> float:
@@ -40,6 +56,9 @@ def lut_fn(p: dict, lookup: str = "load", **cfg):
     from lowbit.ops.lut import lut_gemm
 
     if not cfg:
+        if lookup == "load" and "qmma" in p:  # the default layout of LUTLinear where it exists
+            return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"],
+                                      group_size=p["group_size"], pairs=p["pairs"], layout="mma")
         return lambda x: lut_gemm(x, p["qweight"], p["qweight_hi"], p["scales"], p["table"], bits=p["bits"],
                                   group_size=p["group_size"], lookup=lookup)
     N = p["scales"].shape[1]
@@ -56,6 +75,18 @@ def dequant_cublas_fn(p: dict, K: int):
     def f(x):
         w = lut_dequant_triton(p["qweight"], p["qweight_hi"], p["scales"], p["table"], bits=p["bits"],
                                group_size=p["group_size"], out_features=N, in_features=K, dtype=x.dtype)
+        return F.linear(x, w)
+    return f
+
+
+def mma_dequant_cublas_fn(p: dict, K: int):
+    from lowbit.kernels.lut_gemm import lut_dequant_mma_triton
+
+    N = p["scales"].shape[1]
+
+    def f(x):
+        w = lut_dequant_mma_triton(p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"],
+                                   group_size=p["group_size"], out_features=N, in_features=K, dtype=x.dtype)
         return F.linear(x, w)
     return f
 
@@ -132,6 +163,14 @@ def crossover_rows(rec, quick: bool, name="gate_up", ms=(64, 128, 256, 512, 1024
         dq = [dequant_cublas_fn(p, K) for p in packs]
         _try(rec, case, "lut4-dequant+cublas", lambda: _time(rec, case, "lut4-dequant+cublas", dq, xs, flops=fl,
                                                              byts=lut_bytes(M, N, K, 4, 128), reps=50))
+        if "qmma" in packs[0]:  # the fragment layout: its kernel and its dequantize kernel + cuBLAS
+            mk = [mma_fn(p) for p in packs]
+            _try(rec, case, "lut4-mma-kernel", lambda: _time(rec, case, "lut4-mma-kernel", mk, xs, flops=fl,
+                                                             byts=lut_bytes(M, N, K, 4, 128), reps=50))
+            md = [mma_dequant_cublas_fn(p, K) for p in packs]
+            _try(rec, case, "lut4-mma-dequant+cublas", lambda: _time(rec, case, "lut4-mma-dequant+cublas", md, xs,
+                                                                     flops=fl, byts=lut_bytes(M, N, K, 4, 128),
+                                                                     reps=50))
     del ws, packs, bf
     torch.cuda.empty_cache()
 

@@ -68,14 +68,15 @@ def bmm_path(q, kv):
 
 CASES_FULL = [  # (B, H, Sq, L)
     (32, 128, 1, 4096), (32, 128, 1, 16384), (32, 128, 1, 65536),
-    (128, 128, 1, 4096), (128, 128, 1, 16384),
+    (128, 128, 1, 4096), (128, 128, 1, 16384), (128, 128, 1, 65536),
     (32, 128, 2, 4096), (32, 128, 2, 16384), (32, 128, 4, 16384),
     (128, 16, 1, 16384), (32, 16, 1, 65536),
 ]
 CASES_QUICK = [(32, 128, 1, 4096), (32, 128, 1, 16384), (32, 128, 2, 16384), (128, 16, 1, 16384)]
 
 
-def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf16", "lowbit-fp8", "lowbit-fp8-bf16pv"),
+def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf16", "lowbit-fp8", "lowbit-fp8-bf16pv",
+                                                         "lowbit-fp8-f16pv"),
         reps=None,
         after_case=None, deadline=None):
     """Time every case; ``after_case()`` runs after each (e.g. to write partial results) and cases
@@ -113,12 +114,13 @@ def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf1
                     rec.record(case, prov, t, flops=fl, bytes_moved=byts, peak="bf16")
                     continue
                 fp8 = prov.startswith("lowbit-fp8")
-                pv_fp8 = prov == "lowbit-fp8"
+                pv_fp8 = prov in ("lowbit-fp8", "lowbit-fp8-f16pv")
+                pv16 = prov == "lowbit-fp8-f16pv"
                 key = "fp8" if fp8 else "bf16"
                 args = [(s["q"], s[key], s["page_table"], s["seq_lens"]) for s in sets]
 
                 def fn(q, cache, pt, sl):
-                    return mla_decode(q, cache, pt, sl, max_seq_len=L, pv_fp8=pv_fp8)
+                    return mla_decode(q, cache, pt, sl, max_seq_len=L, pv_fp8=pv_fp8, pv16=pv16)
                 t = time_cuda(fn, args, warmup=5, reps=r)
                 byts = cache_bytes(B, L, fp8) + B * Sq * H * (DC + DR + DC) * 2
                 row = rec.record(case, prov, t, flops=fl, bytes_moved=byts, peak="bf16" if not fp8 else None)
@@ -132,3 +134,67 @@ def run(rec, quick: bool = False, cases=None, providers=("bmm-bf16", "lowbit-bf1
         torch.cuda.empty_cache()
         if after_case is not None:
             after_case()
+
+
+def report_markdown(run_dir, accuracy_json=None, round_name: str = "") -> str:
+    """Markdown tables for docs/sections/mla.md from one device run's ``mla.json`` (suite),
+    ``mla_results.json`` (sweep, generated code) and an accuracy JSON (``mla_accuracy.json``,
+    possibly from an earlier round: pass its path)."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(run_dir)
+    suite = json.loads((run_dir / "mla.json").read_text())
+    res = json.loads((run_dir / "mla_results.json").read_text()) if (run_dir / "mla_results.json").exists() else {}
+    env, ceil = suite["env"], suite["ceilings"]
+    out = [f"{env['gpu']} ({env['torch']}, triton {env['triton']}), {env['date']}{' (' + round_name + ')' if round_name else ''}; "
+           "ceilings measured in the run: " + ", ".join(f"{k} {v:.2f}" for k, v in ceil.items()), "",
+           "Median ms (TFLOP/s, TB/s of the fewest bytes). bf16/bmm = lowbit-bf16 vs the ANCHORS bmm path; "
+           "fp8/bf16 = lowbit-fp8 vs lowbit-bf16 (same run). Roofline: bf16 rows vs the measured bf16 peak; "
+           "FP8 rows vs max(bytes / HBM, bf16-equivalent FLOPs / bf16 peak) (module docstring).", "",
+           "| B | H | Sq | L | bmm-bf16 | lowbit-bf16 | lowbit-fp8 (SnapMLA, FP8 PV) | lowbit-fp8, fp16 PV | lowbit-fp8, bf16 PV "
+           "| bf16/bmm | fp8/bf16 | fp8 fp16-PV/bf16 | fp8 bf16-PV/bf16 | bf16 % roofline | fp8 % roofline |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cell = {}
+    for r in suite["rows"]:
+        if "median_ms" in r:
+            cell[(tuple(r["case"].values()), r["provider"])] = r
+    keys = list(dict.fromkeys(k for k, _ in cell))
+
+    def fmt(r):
+        return f"{r['median_ms']:.3f} ({r.get('TFLOPs', 0):.0f} TF/s, {r.get('TBps', 0):.2f} TB/s)" if r else ""
+
+    def ratio(a, b):
+        return f"{a['median_ms'] / b['median_ms']:.2f}x" if a and b else ""
+
+    def pct(r):
+        return f"{100 * r['frac_roofline']:.0f}%" if r and "frac_roofline" in r else ""
+
+    for k in keys:
+        m, b, f, f2, f3 = (cell.get((k, p)) for p in ("bmm-bf16", "lowbit-bf16", "lowbit-fp8", "lowbit-fp8-bf16pv",
+                                                      "lowbit-fp8-f16pv"))
+        out.append(f"| {' | '.join(map(str, k))} | {fmt(m)} | {fmt(b)} | {fmt(f)} | {fmt(f3)} | {fmt(f2)} | "
+                   f"{ratio(m, b)} | {ratio(b, f)} | {ratio(b, f3)} | {ratio(b, f2)} | {pct(b)} | {pct(f)} |")
+    if res.get("sweep"):
+        out += ["", "Kernel variants (B=32, H=128, L=16384, Sq=1; what Triton generated for each):", "",
+                "| variant | ms | TFLOP/s | regs | spills | smem B | wgmma e4m3 / bf16 | st.shared (PTX) |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in res["sweep"]:
+            if "ms" in r:
+                sts = ", ".join(f"{k.replace('st.shared.', '')} {v}" for k, v in r.get("st.shared", {}).items())
+                out.append(f"| {r.get('name', '')} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | {r.get('n_regs')} | {r.get('n_spills')} | "
+                           f"{r.get('shared_bytes')} | {r.get('wgmma_e4m3')} / {r.get('wgmma_bf16')} | {sts} |")
+            else:
+                out.append(f"| {r.get('name', '')} | error: {r.get('error', '')[:80]} | | | | | | |")
+    if accuracy_json is not None and Path(accuracy_json).exists():
+        acc = json.loads(Path(accuracy_json).read_text())
+        title = (f"Accuracy (SnapMLA Table 2 configurations; `lowbit.eval.mla_accuracy`, L={acc.get('L')}, "
+                 f"H={acc.get('H')}, hidden={acc.get('hidden')}; attention output vs float64 with a bf16 query, so "
+                 "the cache rows isolate the cache format; A: RoPE in FP8 too, B: per-tensor scale 1.0, C: per-tensor "
+                 "dynamic, D: per-block; 'ours (kernel)' = the whole FP8 decode with the default kernel):")
+        out += ["", title, "",
+                "| RoPE outlier x | config | RMSE | 1 - cos | rel L2 |", "|---|---|---|---|---|"]
+        for row in acc["rows"]:
+            out.append(f"| {row.get('rope_outlier', '')} | {row['config']} | {row['rmse']:.2e} | {row['cos_diff']:.2e} | "
+                       f"{row['rel_l2']:.2e} |")
+    return "\n".join(out) + "\n"

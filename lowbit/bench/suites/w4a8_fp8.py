@@ -2,8 +2,10 @@
 
 Providers (all take bf16 activations unless said; weights rotate through > 2x L2):
 
-- ``lowbit-w4a8fp8``: per-token FP8 quantization of x (Triton) + INT4xFP8 GEMM, i.e. the module's
-  forward; its activation quantization is counted.
+- ``lowbit-w4a8fp8``: the module's forward (``w4a8_fp8_linear``): per-token FP8 quantization of x
+  (Triton; fused into the GEMM when M <= ``FUSED_QUANT_MAX_M``) + the INT4xFP8 GEMM, or from
+  ``DEQUANT_MIN_M`` the dequantize-once + ``torch._scaled_mm`` path; activation quantization and
+  the dequantization are counted.
 - ``lowbit-w4a8fp8 [gemm]``: the GEMM alone on pre-quantized x (for the breakdown).
 - ``cublas-bf16`` (baseline), ``scaled_mm-fp8-rowwise`` (pre-quantized x, i.e. without its
   activation quantization), ``scaled_mm-fp8-rowwise+q`` (with torch-op quantization of x),

@@ -103,25 +103,20 @@ def linear_rows(rec, quick: bool = False, ms=None, layers=None):
 
 
 def _ffn_int8(hidden: int, inter: int, fused: bool):
-    """w4a8-int8 FFN: x -> INT8 -> gate_up GEMM -> SiLU*mul (+ INT8 quantization) -> down GEMM."""
+    """w4a8-int8 FFN: x -> gate_up (w4a8_int8_linear: INT8 quantization inside the GEMM for small M)
+    -> SiLU*mul -> INT8 -> down GEMM. ``fused``: SiLU*mul and its quantization run inside the down
+    GEMM for small M (``w4a8_int8_silu_mul_linear``: decode FFN = 2 launches), else in act_quant."""
     from lowbit.ops.quant import per_token_quant
-    from lowbit.ops.w4a8_int8 import w4a8_int8_gemm, w4a8_int8_linear
+    from lowbit.ops.w4a8_int8 import w4a8_int8_gemm, w4a8_int8_linear, w4a8_int8_silu_mul_linear
 
     gu = _qoq(2 * inter, hidden)
     dn = _qoq(hidden, inter)
-    fuse_q = None
-    if fused:
-        from lowbit.kernels.act_quant import per_token_quant_triton
-
-        fuse_q = per_token_quant_triton
 
     def ffn(x):
         h = w4a8_int8_linear(x, *gu)
-        g, u = h[:, :inter], h[:, inter:]
-        if fuse_q is not None:
-            q, s = fuse_q(g, torch.int8, fuse="silu_mul", up=u)
-        else:
-            q, s = per_token_quant(F.silu(g) * u, "int8")
+        if fused:
+            return w4a8_int8_silu_mul_linear(h, *dn)
+        q, s = per_token_quant(F.silu(h[:, :inter]) * h[:, inter:], "int8")
         return w4a8_int8_gemm(q, s, *dn, out_dtype=x.dtype)
 
     return ffn

@@ -1,0 +1,112 @@
+"""The tensor-core fragment kernel (``_lut_mma_kernel``) and its layout, under the interpreter on
+CPU (the inline-PTX mma is replaced by an emulation that reads the same fragment layout), plus the
+OutOfResources fallback of the planar kernel."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from lowbit.formats.lut import (dequantize_lut, mma_shapes, pack_codes_mma, pack_lut, pair_table, quantize_lut,
+                                unpack_codes_mma)
+from lowbit.kernels import lut_gemm as K
+from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), k=st.integers(1, 300), g=st.sampled_from([128, 256]), bits=st.sampled_from([3, 4]))
+def test_fragment_layout_roundtrip(n, k, g, bits):
+    c = torch.randint(0, 2 ** bits, (n, k), dtype=torch.uint8)
+    q, qh = pack_codes_mma(c, bits, g)
+    nrt, nc = mma_shapes(n, k, bits, g)
+    assert q.shape == (nrt, nc * 128) and q.dtype == torch.int32
+    assert (qh is None) == (bits == 4) and (qh is None or qh.shape == (nrt, nc * 64))
+    assert torch.equal(unpack_codes_mma(q, qh, n, k, bits, g), c)
+
+
+def test_fragment_layout_formula():
+    """Word (rt, c, lane, v), byte b, nibble h = code of row 16rt + g + 8(b&1), K = 64c + 16t + 4v + 2(b>>1) + h."""
+    n, k = 32, 128
+    c = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    q, _ = pack_codes_mma(c, 4, 64)
+    for rt, cc, lane, v, b, h in [(0, 0, 0, 0, 0, 0), (1, 1, 31, 3, 3, 1), (0, 1, 6, 2, 1, 0), (1, 0, 13, 1, 2, 1)]:
+        g, t = divmod(lane, 4)
+        word = int(q[rt, (cc * 32 + lane) * 4 + v]) & 0xFFFFFFFF
+        code = (word >> (8 * b + 4 * h)) & 15
+        assert code == int(c[16 * rt + g + 8 * (b & 1), 64 * cc + 16 * t + 4 * v + 2 * (b >> 1) + h])
+
+
+def _run(m, n, k, g, dtype, dev, bits=4, **cfg):
+    torch.manual_seed(m * 7 + n)
+    w = torch.randn(n, k, device=dev)
+    q = quantize_lut(w, bits=bits, group_size=g, scale_dtype=dtype)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    qm, qh = pack_codes_mma(q.codes, bits, g, k)
+    y = K.lut_mma_triton(x, qm, qh, q.scales.t().contiguous(), pair_table(q.table, bits, dtype).to(dev),
+                         q.table.to(dev), bits=bits, group_size=g, out_features=n, **cfg)
+    assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
+    return rel_l2(y, x.double() @ dequantize_lut(q).double().t())
+
+
+@pytest.mark.parametrize("m,n,k,g,dtype,cfg", [
+    (1, 40, 200, 64, torch.bfloat16, {}),                       # K not a multiple of the group: x padded
+    (5, 33, 130, 128, torch.float16, {"split_k": 2}),           # split-K reduction, fp16
+    (12, 70, 256, 256, torch.bfloat16, {}),                     # nt = 2
+    (20, 17, 128, 64, torch.bfloat16, {"r": 2}),                # nt = 4, R = 2 row-tile repeats
+    (37, 24, 64, 64, torch.bfloat16, {"nt": 2}),                # several token blocks (grid_m = 3)
+    (1, 40, 300, 128, torch.bfloat16, {"bits": 3}),             # 3-bit planes
+    (9, 20, 256, 256, torch.float16, {"bits": 3, "split_k": 2}),
+    (30, 17, 128, 128, torch.bfloat16, {"bits": 3, "r": 2}),
+    (2, 24, 640, 128, torch.bfloat16, {"gu": 2, "split_k": 2}),  # groups per step; ragged last step
+    (3, 24, 640, 128, torch.bfloat16, {"bits": 3, "gu": 4}),
+])
+def test_mma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
+    assert _run(m, n, k, g, dtype, dev, **cfg) < KERNEL_VS_REF[dtype]
+
+
+def test_mma_kernel_rejects_group_32_and_bad_words():
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    q = quantize_lut(torch.randn(8, 64), bits=4, group_size=64)
+    qm, _ = pack_codes_mma(q.codes, 4, 64)
+    args = (q.scales.t().contiguous(), pair_table(q.table, 4), q.table)
+    with pytest.raises(ValueError, match="group_size"):
+        K.lut_mma_triton(x, qm, None, *args, bits=4, group_size=32, out_features=8)
+    with pytest.raises(ValueError, match="group_size"):
+        K.lut_mma_triton(x, qm, None, *args, bits=3, group_size=64, out_features=8)
+    with pytest.raises(ValueError, match="qweight"):
+        K.lut_mma_triton(x, qm[:, :64], None, *args, bits=4, group_size=64, out_features=8)
+
+
+def test_out_of_resources_falls_back_to_smaller_config(monkeypatch):
+    """A config that does not fit (r1: flute-nf3 at batch 64) is retried with fewer stages / smaller tiles."""
+    import triton
+
+    real = K._lut_gemm_kernel
+    seen = []
+
+    class Flaky:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((kw["num_stages"], kw["BLOCK_N"]))
+                if kw["num_stages"] > 1:
+                    raise triton.runtime.errors.OutOfResources(270336, 232448, "shared memory")
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(K, "_lut_gemm_kernel", Flaky())
+    w = torch.randn(24, 128)
+    q = quantize_lut(w, bits=3, group_size=64)
+    qw, qh, s = pack_lut(q)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    y = K.lut_gemm_triton(x, qw, qh, s, q.table, bits=3, group_size=64, out_features=24)
+    assert seen[0][0] == 2 and seen[-1][0] == 1
+    assert rel_l2(y, x.double() @ dequantize_lut(q).double().t()) < KERNEL_VS_REF[torch.bfloat16]
+    assert K._smaller_config(dict(num_stages=1, block_n=16, block_m=16, use_dot=True)) is None
+
+
+@pytest.mark.parametrize("bits,g", [(4, 64), (3, 128)])
+def test_dequant_mma_kernel(bits, g, dev):
+    w = torch.randn(37, 300, device=dev)
+    q = quantize_lut(w, bits=bits, group_size=g)
+    qm, qh = pack_codes_mma(q.codes, bits, g, 300)
+    wd = K.lut_dequant_mma_triton(qm, qh, q.scales.t().contiguous(), q.table.to(dev), bits=bits, group_size=g,
+                                  out_features=37, in_features=300, dtype=torch.float32)
+    assert torch.equal(wd, dequantize_lut(q))
