@@ -45,9 +45,14 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
+def _env():
+    from lowbit.bench.harness import env_info
+    return env_info()
+
+
 def dump():
     with open(os.path.join(args.out, "w4a8_int8_extra.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+        json.dump({"env": _env(), **RESULTS}, f, indent=1, default=str)
 
 
 def rel(a, b):

@@ -330,7 +330,7 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
     """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``.
     ``profile``: False, True (bf16 and fireq) or a tuple of provider names to profile first
     (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
-    from lowbit.bench.harness import Recorder
+    from lowbit.bench.harness import Recorder, env_info
 
     prefill_seqs = prefill_seqs or ([1024, 4096] if quick else [1024, 2048, 4096])
     decode_batches = decode_batches or [1, 16, 64]
@@ -392,7 +392,7 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
     out = Path(out_dir)
     (out / "model_memory.json").write_text(json.dumps(memory, indent=1))
     if profiles:
-        (out / "model_profile.json").write_text(json.dumps(profiles, indent=1))
+        (out / "model_profile.json").write_text(json.dumps({"env": env_info(command), **profiles}, indent=1))
         (out / "model_profile.md").write_text(profile_table(profiles, layers))
         print(profile_table(profiles, layers), flush=True)
     summary = summarize(json.loads(path.read_text()), memory)

@@ -219,19 +219,6 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
     )
     return kc, ks, vt, vs
-    grid = (n_kprog + (n_vblk if v is not None else 0), B * H)
-    vv = v if v is not None else k
-    _kv_quant_kernel[grid](
-        k, vv, kc, ks, vt if vt is not None else kc, vs if vs is not None else ks,
-        S, H, n_kprog, AMAX_EPS,
-        k.stride(0), k.stride(1), k.stride(2),
-        vv.stride(0), vv.stride(1), vv.stride(2),
-        s_al, s_al, n_vblk,
-        HEAD_DIM=D, BLOCK_T=block_t, V_BLOCK=v_block, QMAX=qmax, IS_INT8=dtype == torch.int8,
-        QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=given, K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(),
-        num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
-    )
-    return kc, ks, vt, vs
 
 
 # ------------------------------------------------------------------------------- KV4 -> FP8 blocks

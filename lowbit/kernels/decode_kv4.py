@@ -267,6 +267,14 @@ def _epilogue(acc_e, acc_o, m_i, l_i, O, OP, MP, LP, pid_bh, sid, b, h, m_idx, g
 
 
 @triton.jit
+def _scale_rows(acc_e, acc_o, l_i, alpha, AXIS: tl.constexpr):
+    """Multiply the accumulators (rows along AXIS) and the denominators by alpha."""
+    if AXIS == 0:
+        return acc_e * alpha[:, None], acc_o * alpha[:, None], l_i * alpha
+    return acc_e * alpha[None, :], acc_o * alpha[None, :], l_i * alpha
+
+
+@triton.jit
 def _rescale(acc_e, acc_o, l_i, m_i, m_new, m_safe, AXIS: tl.constexpr, LAZY: tl.constexpr):
     """Online-softmax rescale of the accumulators by alpha = 2^(m_old - m_new). With LAZY the
     multiply is skipped when no row max grew in this block (then alpha == 1 exactly: same result,
@@ -274,23 +282,9 @@ def _rescale(acc_e, acc_o, l_i, m_i, m_new, m_safe, AXIS: tl.constexpr, LAZY: tl
     if LAZY:
         grew = tl.max((m_new > m_i).to(tl.int32), axis=0)
         if grew > 0:
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha
-            if AXIS == 0:
-                acc_e = acc_e * alpha[:, None]
-                acc_o = acc_o * alpha[:, None]
-            else:
-                acc_e = acc_e * alpha[None, :]
-                acc_o = acc_o * alpha[None, :]
+            acc_e, acc_o, l_i = _scale_rows(acc_e, acc_o, l_i, tl.exp2(m_i - m_safe), AXIS)
     else:
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha
-        if AXIS == 0:
-            acc_e = acc_e * alpha[:, None]
-            acc_o = acc_o * alpha[:, None]
-        else:
-            acc_e = acc_e * alpha[None, :]
-            acc_o = acc_o * alpha[None, :]
+        acc_e, acc_o, l_i = _scale_rows(acc_e, acc_o, l_i, tl.exp2(m_i - m_safe), AXIS)
     return acc_e, acc_o, l_i
 
 
