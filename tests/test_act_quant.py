@@ -109,3 +109,52 @@ def test_nan_inf_rows_give_nan_scale(dev, chunked, monkeypatch):
     _, sr = quantize_per_token(x, FP8_E4M3)
     assert torch.isnan(s[0]) and not torch.isfinite(s[1]) and torch.isfinite(s[2])
     assert not torch.isfinite(sr[0]) and not torch.isfinite(sr[1])
+
+
+def test_markstein_division_is_ieee():
+    """The GPU fast path divides by ``_div_fast``: q0 = RN(v * RN(1/s)), r = RN(v - q0 * s) (one
+    FMA), q = RN(q0 + r * RN(1/s)). Emulated here in float64 (every product of two fp32 values is
+    exact in float64, so r's single rounding is exact; q0 + r * rcp is rounded twice, which differs
+    from one rounding only on exact fp32 midpoints, probability ~2^-29 per value) against IEEE fp32
+    division, on values spanning the activation range incl. tiny ones and the row maxima."""
+    torch.manual_seed(0)
+    n = 400_000
+    v = (torch.randn(n) * torch.exp(torch.randn(n) * 4)).float()
+    v[:1000] = torch.randn(1000) * 1e-20
+    amax = v.abs().reshape(-1, 100).amax(-1).repeat_interleave(100)
+    s = (amax.clamp_min(1e-12) / 448.0).float()
+    rcp = (1.0 / s.double()).float()  # RN(1/s)
+    assert torch.equal(rcp, torch.ones_like(s) / s)
+    q0 = (v.double() * rcp.double()).float()
+    assert not torch.equal(q0, v / s)  # the correction step is needed
+    r = (v.double() - q0.double() * s.double()).float()
+    q = (q0.double() + r.double() * rcp.double()).float()
+    assert torch.equal(q, v / s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("out", DTYPES)
+@pytest.mark.parametrize("fuse", [None, "silu_mul", "rmsnorm"])
+def test_fast_path_gpu(out, fuse):
+    """GPU: the FAST path (Markstein division, hardware FP8 convert) against the reference computed
+    on the CPU (plain: bit-exact; PyTorch's CUDA ``tensor / 448`` multiplies by the rounded
+    reciprocal, so the GPU reference's scales can differ in the last bit: R8) and against the
+    non-FAST kernel (same codes up to the sign of zero codes, which the arithmetic rounding loses)."""
+    torch.manual_seed(2)
+    for m, k in ((1, 4096), (3, 14336), (5, 4100), (2, 20000)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        x[0, 1] = 1e-30
+        x[-1, 2] = -1e-30
+        kw = {}
+        if fuse == "silu_mul":
+            kw = dict(fuse=fuse, up=torch.randn_like(x))
+        elif fuse == "rmsnorm":
+            kw = dict(fuse=fuse, weight=torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, eps=1e-5)
+        q, s = per_token_quant_triton(x, out, fast=True, **kw)
+        q2, s2 = per_token_quant_triton(x, out, fast=False, **kw)
+        assert torch.equal(s, s2)
+        d = q.view(torch.int8) != q2.view(torch.int8)
+        assert not (d & ((q.float() != 0) | (q2.float() != 0))).any()  # only +-0 may differ
+        if fuse is None:
+            _assert_same(q.cpu(), s.cpu(), *quantize_per_token(x.cpu(), out))

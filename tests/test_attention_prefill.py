@@ -100,6 +100,34 @@ def test_fused_kv_prologue_equals_two_launches(mode, vg, causal, chunk):
     assert rel_l2(fused, ref) < (KERNEL_VS_REF[dt] if mode == "int8-qk" else 1e-5)
 
 
+@pytest.mark.parametrize("mode,causal,tma", [("fp8", True, False), ("int8", False, True), ("int8-qk", True, True)])
+def test_q_prepass_equals_in_register_q(mode, causal, tma):
+    """Config ``q_pre`` (Q quantized by the K/V quantization launch, the form the warp-specialized
+    loop needs): the Q codes equal ``quantize_qk`` and the output is bit-identical to the kernel
+    that quantizes its Q tile in registers. GQA 4/2, S not a multiple of the blocks, causal
+    bottom-right, pointer and TMA loads."""
+    from lowbit._utils import interpret_mode
+    from lowbit.kernels.attention_prefill import quant_attention_triton
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    if not ap._triton_ok() or not interpret_mode():
+        pytest.skip("interpreter only (the GPU script checks q_pre on the device)")
+    dt = torch.float16 if mode == "int8-qk" else torch.float32
+    q, k, v = _qkv(1, 4, 2, 19, 37, 32, dtype=dt, seed=23)
+    cdt = torch.float8_e4m3fn if mode == "fp8" else torch.int8
+    *_, qc, qs = quantize_kv_triton(k, v, dtype=cdt, q=q)
+    rc, rs = aq.quantize_qk(q, cdt)
+    assert torch.equal(qc.float(), rc.float()) and torch.equal(qs, rs)
+    kw = dict(mode=mode, causal=causal, sm_scale=32 ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
+              k_per_block=mode == "fp8", fuse_kv=False)
+    base = quant_attention_triton(q, k, v, config={"tma": tma, "q_pre": False}, **kw)
+    pre = quant_attention_triton(q, k, v, config={"q_pre": True, "tma": tma}, **kw)
+    assert torch.equal(base, pre)
+    if mode != "int8-qk":  # config 'ws': also the 16-byte padded scale rows (the interpreter runs no
+        # warp partitions: this checks the layouts and the loads of that path)
+        assert torch.equal(base, quant_attention_triton(q, k, v, config={"ws": True, "tma": True}, **kw))
+
+
 def test_fused_kv_writes_v_padding_zero():
     """The V^T buffer's columns S..S_al (16-byte rows for TMA) are written as code 0 by the
     quantization itself (no separate zero fill)."""

@@ -146,7 +146,7 @@ def test_decode_tokens_major_variant(case):
     assert rel_l2(o, r) < 2e-3
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]])
+@pytest.mark.parametrize("case", [CASES[1]])  # kv4-zp, GQA, split-KV (CASES[3]: the two-plane test below)
 def test_decode_qk_int8(case):
     """QK8 (INT8 Q per row x INT8 16*code K, int32 accumulation) matches its reference exactly up to
     P's fp16 rounding, and INT8 Q costs < 2% relative error against fp16 Q on random data."""
@@ -164,6 +164,27 @@ def test_decode_qk_int8(case):
                               trans=trans, **kw)
         assert rel_l2(o, r8) < 2e-3
     assert rel_l2(r8, r) < 2e-2
+
+
+@pytest.mark.parametrize("case", [CASES[3]])
+def test_decode_q_int8_two_planes(case):
+    """q_int8=2 (Q as two INT8 planes, 254 * hi + lo, int32 accumulation) matches its reference,
+    and on Q with x20 outlier channels it stays close to fp16 Q where one INT8 plane does not."""
+    B, Hq, Hkv, D, TQ, lens, page, bn, zp, splits = case
+    pt, P = _page_table(lens, page, seed=B)
+    kc, ks, vc, vs, kz, vz = _pool(P, Hkv, page, D, zp, FP8, random=True, seed=Hq)
+    q = torch.randn(B, Hq, TQ, D).to(DEV)
+    q[..., :4] *= 20
+    lengths = torch.tensor(lens, dtype=torch.int32).to(DEV)
+    kw = dict(k_zero=kz, v_zero=vz)
+    r2 = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, q_int8=2, **kw)
+    r8 = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, q_int8=True, **kw)
+    r = ops.decode_kv4_ref(q, kc, ks, vc, vs, pt, lengths, **kw)
+    for trans in (False, True):
+        o = decode_kv4_triton(q, kc, ks, vc, vs, pt, lengths, num_splits=splits or None, block_n=bn, qk_int8=2,
+                              trans=trans, **kw)
+        assert rel_l2(o, r2) < 2e-3
+    assert rel_l2(r2, r) < 1e-3 < rel_l2(r8, r)
 
 
 def test_q_int8_default_in_sync():
@@ -237,7 +258,7 @@ def test_opcheck():
     q = torch.randn(B, Hq, 1, D).to(DEV)
     lengths = torch.tensor([9], dtype=torch.int32).to(DEV)
     torch.library.opcheck(torch.ops.lowbit.decode_kv4.default,
-                          (q, kc, ks, vc, vs, pt, lengths, None, None, None, D ** -0.5, 0, 0, False),
+                          (q, kc, ks, vc, vs, pt, lengths, None, None, None, D ** -0.5, 0, 0, 0),
                           test_utils=("test_schema", "test_faketensor"))
     k = torch.randn(B, Hkv, 3, D).to(DEV)
     start = torch.tensor([2], dtype=torch.int32).to(DEV)
@@ -256,6 +277,28 @@ def test_decode_gpu_long_split():
     o = ops.decode_kv4(q, **c)
     r = ops.decode_kv4_ref(q, **c)
     assert rel_l2(o, r) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q8", (1, 2))
+@pytest.mark.parametrize("zp", (False, True))
+def test_decode_gpu_gluon(q8, zp):
+    """The Gluon kernel (GPU only) against the reference of the same Q numerics: split-KV, a
+    sequence of one token, lengths not multiples of the block, 1 and 3 query tokens, D 64 / 128."""
+    from lowbit.bench.suites.kv4 import random_cache
+    from lowbit.kernels.decode_kv4 import HAS_GLUON
+
+    if not HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    for B, Hq, Hkv, D, TQ, L in ((4, 32, 8, 128, 1, 5000), (2, 8, 2, 64, 3, 300)):
+        c = random_cache(B, Hkv, D, L, zero_point=zp, device="cuda")
+        c["lengths"] = torch.tensor([L, TQ, L - 37, 64][:B], dtype=torch.int32, device="cuda")
+        q = torch.randn(B, Hq, TQ, D, device="cuda", dtype=torch.bfloat16)
+        crs = torch.rand(Hkv, D, device="cuda") + 0.5
+        o = decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"],
+                              k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), crs_q=crs, qk_int8=q8, gluon=True)
+        r = ops.decode_kv4_ref(q, crs_q=crs, q_int8=q8, **c)
+        assert rel_l2(o, r) < 5e-3
 
 
 @pytest.mark.slow

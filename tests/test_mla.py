@@ -142,8 +142,23 @@ def test_fp8_decode_matches_emulated_p_quantization(dev, lens, H, Sq, splits):
                                   cache[0].flatten(0, 1), cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl,
                                   num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE,
                                   fp8=True, num_splits=splits, return_plan=True)
-    emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"]))
+    emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0, torch.float8_e4m3fn,
+                                                    plan["p_rule"]))
     assert rel_l2(out.view(B, Sq, H, DC), emu) < 4e-3
+    # decision test (P scale rule): the block-wide P scale (max s_k / 448, option) and the per-row
+    # one (rowmax(P̃) / 448, default) each match their own emulation and stay close to float64
+    # (the emulation-level comparison of the two rules: test_p_scale_rules_on_peaked_attention)
+    ref = mla_decode_ref(q, cache, pt, sl)
+    for rule in ("row", "block"):
+        o, pl = mla_decode_triton(qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H),
+                                  cache[0].flatten(0, 1), cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl,
+                                  num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE,
+                                  fp8=True, num_splits=splits, return_plan=True, p_block=rule == "block", t_step=True,
+                                  even_loop=True, one_acc=True)
+        assert pl["p_rule"] == rule
+        e = mla_decode_ref(q, cache, pt, sl, p_block=(pl["block_n"], pl["chunk"], 0.0, torch.float8_e4m3fn, rule))
+        assert rel_l2(o.view(B, Sq, H, DC), e) < 4e-3
+        assert rel_l2(o.view(B, Sq, H, DC), ref) < 3e-2
     # decision test (V transpose): the in-register byte transpose of V (default) only changes how
     # the FP8 V tile reaches shared memory, never a value: bit-equal to Triton's own transpose
     assert plan["v_prmt"]
@@ -152,6 +167,24 @@ def test_fp8_decode_matches_emulated_p_quantization(dev, lens, H, Sq, splits):
                              num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE,
                              fp8=True, num_splits=splits, v_prmt=False)
     assert torch.equal(out, out2)
+
+
+def test_p_scale_rules_on_peaked_attention():
+    """Decision test (P scale, lowbit.kernels.mla_decode._softmax_step_t): the per-row rule maps each
+    row's largest P̃ to 448 exactly, the block-wide rule (max s_k / 448) rounds it to FP8 like any
+    other term; on peaked score rows (std 3 and 8) the block rule's error is 1.8x and 6x larger,
+    which is why the row rule is the default. Float64 emulation of both against exact softmax."""
+    from lowbit.ops.mla import _emulate_fp8_pv
+
+    g = torch.Generator().manual_seed(0)
+    R, L, D = 8, 70, 64
+    for std in (3.0, 8.0):
+        s = torch.randn(R, L, dtype=torch.float64, generator=g) * std
+        ks = (torch.rand(L, dtype=torch.float64, generator=g) * 0.5 + 0.75) * 0.01
+        c = torch.randn(L, D, dtype=torch.float64, generator=g)
+        ref = torch.softmax(s, -1) @ (c * ks[:, None])
+        err = {rule: rel_l2(_emulate_fp8_pv(s, ks, c, 16, 1 << 30, rule=rule), ref) for rule in ("row", "block")}
+        assert err["row"] < 1e-2 and err["block"] > 1.5 * err["row"]  # 1.8x (std 3), 6x (std 8)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -176,6 +209,17 @@ def test_decode_loop_orders_bit_equal(dev, fp8):
     outs = [mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
                               page_size=PAGE, fp8=fp8, num_splits=4, s_ahead=sa) for sa in (False, True)]
     assert torch.equal(outs[0], outs[1])
+    # decision test (dv_splits): the output columns split over 2 programs (each recomputing the
+    # scores, for 2 CTAs per SM on the GPU) changes no value either
+    for sa in (False, True):
+        dv = mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
+                               page_size=PAGE, fp8=fp8, num_splits=4, s_ahead=sa, dv_splits=2)
+        assert torch.equal(outs[0], dv)
+    dv1 = mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
+                            page_size=PAGE, fp8=fp8, num_splits=1, dv_splits=2)
+    one = mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
+                            page_size=PAGE, fp8=fp8, num_splits=1, dv_splits=1)
+    assert torch.equal(dv1, one)
     ref = mla_decode_ref(q, cache, pt, sl)
     assert rel_l2(outs[1].view(B, Sq, H, DC), ref) < (1e-2 if not fp8 else 3e-2)
     # lazy running max (tau = 8: P <= 2^8, the rescale skipped while no row's max moves by more)
@@ -299,3 +343,40 @@ def test_opcheck(dev):
     torch.library.opcheck(torch.ops.lowbit.mla_append.default,
                           (kv[0, :3].contiguous(), torch.tensor([0, 1, 2], device=dev), content.clone(), rope.clone(),
                            scale.clone()), test_utils=("test_faketensor",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq", [1, 2])
+def test_gpu_wide_tile_and_unmasked_loop(Sq):
+    """GPU (DeepSeek-V3 widths): the default FP8 tile (128 rows x 256 columns, unmasked main loop,
+    one QK accumulator) and the default bf16 kernel against float64 and against the kernel's
+    emulated P quantization; ragged lengths, one length below one block."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    dc, dr, H, lens = 512, 64, 128, [3001, 129, 40]
+    torch.manual_seed(0)
+    B = len(lens)
+    for fp8 in (False, True):
+        c = PagedMLACache(1, B, max(lens), dc, dr, fp8=fp8, page_size=64, device="cuda", shuffle_pages=True, seed=0)
+        kv = torch.randn(B, max(lens), dc + dr, device="cuda", dtype=torch.bfloat16)
+        kv[..., dc:] *= 4
+        c.append(0, kv)
+        c.lengths[0] = list(lens)
+        c._seq_lens[0] = None
+        q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
+        cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+        out = mla_decode(q, cache, pt, sl, max_seq_len=max(lens))
+        ref = mla_decode_ref(q, cache, pt, sl)
+        assert rel_l2(out, ref) < (1e-2 if not fp8 else 3e-2)
+        if fp8:
+            qc, qs, qr = quantize_latent(q.reshape(-1, dc + dr), dc)
+            o, plan = mla_decode_triton(qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H),
+                                        cache[0].flatten(0, 1), cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl,
+                                        num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64,
+                                        fp8=True, return_plan=True)
+            assert plan["block_m"] == 128 and plan["dv_splits"] == 2
+            emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0, torch.float8_e4m3fn,
+                                                            plan["p_rule"]))
+            assert rel_l2(o.view(B, Sq, H, dc), emu) < 8e-3

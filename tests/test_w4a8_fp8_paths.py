@@ -204,3 +204,52 @@ def test_silu_mul_pass_of_the_scaled_mm_path(res):
     if res:
         ref = (ref.float() + rc).to(dt)
     assert rel_l2(out.cpu(), ref) < 1e-3
+
+
+@pytest.mark.parametrize("kstep,split,mode,g", [(2, 1, "fused", 128), (2, 2, "fused", 32), (3, 1, "dequant", 64)])
+def test_kstep_several_k_tiles_per_iteration(kstep, split, mode, g):
+    """KSTEP K tiles per loop iteration (the last step masked when the tile count is not a multiple):
+    the same result as the reference, with and without split-K, fused dequant and W_FP8."""
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+
+    K = 5 * 128 - 40  # 5 K tiles, the last partial
+    codes, sc, inv = _weights(72, K, g, seed=4)
+    xq, sx = quantize_per_token(torch.randn(2, K), FP8_E4M3)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=2, GROUP_M=1,
+               KSTEP=kstep, MODE=mode)
+    y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, config=cfg)
+    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
+    assert rel_l2(y.cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("M,N,K,g,cfg", [
+    (1, 200, 600, 128, {}),                                   # rows beyond N: the TMA box reads zeros
+    (3, 128, 1000, 32, {"SPLIT_K": 2}),
+    (2, 72, 520, 64, {"SPLIT_K": 3, "KSTEP": 2}),
+])
+def test_tma_code_loads(M, N, K, g, cfg):
+    """Codes loaded through a host TMA descriptor (``TMA=True``) give the reference result."""
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, g, seed=6)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    c = dict(dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=2, GROUP_M=1, TMA=True),
+             **cfg)
+    y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, config=c)
+    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
+    assert rel_l2(y.cpu(), ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 17000, 1000), (5, 2 * 8448, 4096), (3, 4096, 10944)])
+def test_decode_defaults_on_gpu(M, N, K):
+    """The decode defaults with TMA code loads, word scale loads and KSTEP (N >= 128 x #SMs, or long
+    K) against the reference on the GPU."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    assert pick_config(M, N, K).get("TMA")
+    codes, sc, inv = _weights(N, K, 128, seed=8)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, 128, out_dtype=torch.float32)
+    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, 128, out_dtype=torch.float32)
+    assert rel_l2(y.cpu(), ref) < 1e-3

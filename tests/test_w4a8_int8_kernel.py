@@ -88,3 +88,85 @@ def test_launch_returns_compiled_kernel(dev):
     qw, xq, xs, b = _case(2, 16, 128, 128, torch.float16, dev)
     out, kern = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, 128, 128, torch.float16)
     assert out.shape == (2, 16)
+
+
+@pytest.mark.parametrize("M,N,K,g", [(5, 24, 392, 128), (3, 20, 130, -1), (4, 16, 200, 64), (2, 8, 192, 96)])
+def test_dequantize_w8_and_w8_gemm(M, N, K, g, dev):
+    """Large-M path: dequantize_w8 == the format's dequantize_int8 (padded columns too), and the W8A8
+    GEMM on it is bit-equal to the in-register path (both exact INT32 sums, same epilogue); split-K
+    (3 splits, the last past Kp) and swap-AB on/off."""
+    from lowbit.kernels.w4a8_int8_gemm import dequantize_w8
+
+    qw, xq, xs, b = _case(M, N, K, g, torch.float16, dev, bias=True)
+    w8 = dequantize_w8(qw.qweight, qw.gscale, qw.gzs, block_n=16, chunks=3)
+    assert torch.equal(w8, fmt.dequantize_int8(qw.qweight, qw.gscale, qw.gzs))
+    y0, r = _run(qw, xq, xs, b, torch.float16)
+    for swap, split in ((False, 1), (True, 3)):
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=2, SWAP_AB=swap)
+        y, _ = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, K, qw.effective_group_size,
+                      torch.float16, config=cfg, w8=w8)
+        assert torch.equal(y, y0), (swap, split)
+    assert rel_l2(y0, r) <= KERNEL_VS_REF[torch.float16]
+
+
+@pytest.mark.parametrize("kstep,split", [(2, 1), (2, 3), (4, 2)])
+def test_kstep_and_l2_prefetch(kstep, split, dev):
+    """KSTEP chunks per loop iteration (splits rounded to a multiple of it; the last one runs past Kp,
+    masked) and the per-iteration L2 prefetch give the same integers (g128, g64 gather, per-channel)."""
+    for g, K in ((128, 700), (64, 392), (-1, 300)):
+        qw, xq, xs, b = _case(3, 24, K, g, torch.bfloat16, dev, seed=K)
+        y0, r = _run(qw, xq, xs, b, torch.bfloat16)
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=split, num_warps=4, num_stages=2, KSTEP=kstep, PF_DIST=2)
+        y, _ = _run(qw, xq, xs, b, torch.bfloat16, config=cfg)
+        assert torch.equal(y, y0), g
+
+
+def test_w8_dispatch(monkeypatch, dev):
+    """w4a8_int8_gemm_triton switches to dequantize_w8 + the W8A8 GEMM at M >= W8_MIN_M (same output)."""
+    from lowbit.kernels import w4a8_int8_gemm as kmod
+
+    qw, xq, xs, b = _case(20, 16, 256, 128, torch.bfloat16, dev)
+    y0, _ = _run(qw, xq, xs, b, torch.bfloat16)
+    calls = []
+    real = kmod.dequantize_w8
+    monkeypatch.setattr(kmod, "W8_MIN_M", 16)
+    monkeypatch.setattr(kmod, "W8_MIN_K", 0)
+    monkeypatch.setattr(kmod, "W8_CONFIG", (16, 16, 4, 2, {}))
+    monkeypatch.setattr(kmod, "dequantize_w8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y, _ = _run(qw, xq, xs, b, torch.bfloat16)
+    assert calls and torch.equal(y, y0)
+
+
+def test_row_tiled_codes(dev):
+    """tile_codes / untile_codes are inverse; the kernel on tiled codes (W_TILED) gives the
+    reference's integers exactly (N not a multiple of 64: tail rows row-major; BLOCK_N 32/64/128,
+    split-K). float32 output: the interpreter truncates fp32 -> bf16."""
+    for N, K, g in ((130, 392, 128), (64, 256, -1), (20, 130, 64)):
+        qw, xq, xs, b = _case(2, N, K, g, torch.float32, dev, seed=N)
+        t = fmt.tile_codes(qw.qweight)
+        assert torch.equal(fmt.untile_codes(t), qw.qweight)
+        r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
+        for bn, split in ((64, 1), (128, 2), (32, 1)):
+            cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=2, W_TILED=True)
+            y, _ = launch(xq, xs, t, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size,
+                          torch.float32, config=cfg)
+            assert torch.equal(y, r), (N, bn, split)
+
+
+@pytest.mark.parametrize("bn,split,kstep,tiled", [(64, 1, 1, False), (128, 2, 2, False), (32, 3, 1, True), (64, 2, 4, True)])
+def test_dp4a_decode_path(bn, split, kstep, tiled, dev):
+    """M = 1 on CUDA cores (DP4A: dp4a on the GPU, plain products here): the reference's integers
+    exactly (float32 output), with split-K, KSTEP, row-tiled codes, g128 / g64 / per-channel."""
+    for N, K, g in ((130, 392, 128), (20, 130, 64), (64, 256, -1)):
+        qw, xq, xs, _ = _case(1, N, K, g, torch.float32, dev, seed=N + bn)
+        r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
+        q = fmt.tile_codes(qw.qweight) if tiled else qw.qweight
+        cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=1, DP4A=True, KSTEP=kstep,
+                   W_TILED=tiled)
+        y, _ = launch(xq, xs, q, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size, torch.float32,
+                      config=cfg)
+        assert torch.equal(y, r), (N, g)
+    with pytest.raises(ValueError, match="DP4A"):
+        qw, xq, xs, _ = _case(2, 16, 128, 128, torch.float32, dev)
+        launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, 128, 128, torch.float32,
+               config=dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=1, DP4A=True))

@@ -19,10 +19,12 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--skip", default="", help="comma list: check,asm,sweep,suite,mre,model")
+ap.add_argument("--ws-child", default="", help="internal: warp-specialization probe variants (child process)")
 ap.add_argument("--budget", type=float, default=86.0, help="seconds; later sections shrink or skip")
-ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "final"), choices=("split", "tune", "final"),
+ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "final"), choices=("split", "tune", "final", "ws"),
                 help="split: fused-K/V checks, the quantization/attention split, config sweep at 1k (session 2); "
-                     "tune: checks of new paths, config sweep, accuracy first; final: the benchmark suite first")
+                     "tune: checks of new paths, config sweep, accuracy first; final: the benchmark suite first; "
+                     "ws: the warp-specialization probe first (session 3)")
 a = ap.parse_args()
 if a.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -51,7 +53,7 @@ def _watchdog():  # a hung kernel must not eat the round: write what we have and
     threading.Thread(target=run, daemon=True).start()
 
 
-if not a.cpu_smoke:
+if not a.cpu_smoke and not a.ws_child:
     _watchdog()
 PLAN = a.plan
 SUMMARY = []
@@ -128,6 +130,9 @@ def checks():
     if DEV == "cuda" and PLAN == "split":  # default (fused K/V) paths: GQA, D 64/256, odd S, causal
         base = [(2, 8, 8, 1008, 1008, 128)]
         cases = [("fp8", False, base[0], {}), ("int8", False, base[0], {})]
+    elif DEV == "cuda" and PLAN == "ws":  # the default paths, short (the ws probe checks its own variants)
+        base = [(2, 8, 8, 1008, 1008, 128)]
+        cases = [("fp8", False, base[0], {}), ("int8", True, base[0], {}), ("fp8", True, (1, 8, 2, 496, 1008, 128), {})]
     elif DEV == "cuda" and PLAN == "final":  # the default paths only (their kernels are the suite's)
         base = [(2, 8, 8, 1008, 1008, 128)]
         cases = [("fp8", False, base[0], {}), ("int8", True, base[0], {}), ("int8-qk", False, base[0], {}),
@@ -338,9 +343,12 @@ def suite():
     if PLAN == "split":
         provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-fp8-attn-only", "lowbit-int8", "lowbit-int8-attn-only"}
         big = False
+    if PLAN == "ws":
+        provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-int8", "lowbit-fp8-attn-only", "lowbit-fp8-kvquant-only"}
+        big = False
     if PLAN == "final":
         provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-int8", "lowbit-int8-qk", "lowbit-fp8-kv4", "lowbit-fp8-attn-only",
-                 "lowbit-int8-attn-only", "lowbit-fp8-kvquant-only", "lowbit-int8-kvquant-only",
+                 "lowbit-int8-attn-only", "lowbit-fp8-qkvquant-only", "lowbit-int8-kvquant-only", "lowbit-fp8-qreg",
                  "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
     s.run(rec, quick=False, seq_lens=[1024, 4096, 16384] if big else [1024, 4096],
           causals=(False, True), providers=provs)
@@ -535,26 +543,43 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _ws_fp8_attn(desc_q, desc_k, desc_v, Out, qk_scale, N_CTX,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr):
-    """Probe only (not lowbit's kernel): plain FP8 attention, no scales, for the WS timing."""
+def _ws_probe_kernel(desc_q, desc_k, desc_v, desc_qs, desc_ks, desc_vs, Out, qk_scale, N_CTX,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
+                     SCALES: tl.constexpr = True):
+    """Probe only (session 3, R7): lowbit's fp8 numerics (per-token Q scale, per-block K and V
+    scales, P = 256 exp2(S - m) in FP8, P.V in a fresh accumulator) with EVERY load through a TMA
+    descriptor, Q pre-quantized: the form Triton 3.6's Hopper warp specialization accepts (a
+    pointer load anywhere, even outside the loop, asserts in WSLowerToken.cpp:73). Scales of a
+    block are read as a [1, 4] tile (16 bytes, the TMA minimum) of a replicated buffer."""
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1)
     qo = off_hz * N_CTX + start_m * BLOCK_M
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     q = desc_q.load([qo, 0])
+    if SCALES:
+        qs = desc_qs.load([qo]) * qk_scale
+    else:  # R9: q / k / v only (no small TMA boxes), as Triton's tutorial kernel
+        qs = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
     off = off_hz * N_CTX
+    nb = off_hz * (N_CTX // BLOCK_N)
     for start_n in tl.range(0, N_CTX, BLOCK_N, warp_specialize=WS):
-        qk = tl.dot(q, desc_k.load([off, 0]).T)
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        if SCALES:
+            qsb = qs * tl.max(tl.max(desc_ks.load([nb + start_n // BLOCK_N, 0]), 1), 0)
+        else:
+            qsb = qs
+        t = tl.dot(q, desc_k.load([off, 0]).T)
+        m_ij = tl.maximum(m_i, tl.max(t, 1) * qsb)
+        p = tl.math.exp2(t * qsb[:, None] - (m_ij - 8.0)[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
         vt = desc_v.load([off_hz * HEAD_DIM, start_n])
-        acc = tl.dot(p.to(tl.float8e4nv), vt.T, acc)
+        pv = tl.dot(p.to(tl.float8e4nv), vt.T)
+        if SCALES:
+            acc = acc * alpha[:, None] + pv * tl.max(tl.max(desc_vs.load([nb + start_n // BLOCK_N, 0]), 1), 0)
+        else:
+            acc = acc * alpha[:, None] + pv
         m_i = m_ij
         off += BLOCK_N
     acc = acc / l_i[:, None]
@@ -562,51 +587,207 @@ def _ws_fp8_attn(desc_q, desc_k, desc_v, Out, qk_scale, N_CTX,
     tl.store(Out + offs_m[:, None].to(tl.int64) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], acc.to(tl.bfloat16))
 
 
-def ws_fp8_attention(q, k, vt, out, BH, S, D, BM, BN, ws, stages):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    dq = TensorDescriptor(q, list(q.shape), [D, 1], [BM, D])
-    dk = TensorDescriptor(k, list(k.shape), [D, 1], [BN, D])
-    dv = TensorDescriptor(vt, list(vt.shape), [S, 1], [D, BN])
-    _ws_fp8_attn[(S // BM, BH)](dq, dk, dv, out, 0.1, S, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, WS=ws,
-                  num_warps=4, num_stages=stages)
-
-
-def ws_experiment():
-    """Triton 3.6's Hopper automatic warp specialization (``tl.range(warp_specialize=True)``) on a
-    plain FP8 attention (pre-quantized Q/K/V^T, no scales; timing only): 1 TMA producer warpgroup
-    + 2 consumer warpgroups of 64 rows each (BLOCK_M=128, num_warps=4 -> 12 warps)."""
-    import triton
+def ws_probe_child(spec):
+    """Runs in a child process (a hang or an assert must not take the round): one JSON line per
+    variant. spec: 'S:BM:WS:stages:warps[:maxnreg],...'."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from lowbit.bench.harness import attention_flops, time_cuda
 
-    B, H, S, D = 4, 32, 4096, 128
-    q, k = (torch.randn(B * H * S, D, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
-    vt = torch.randn(B * H * D, S, device="cuda").to(torch.float8_e4m3fn)
-    fl = attention_flops(B, H, S, S, D, False)
-    rows = []
-    for ws, BM, st in ((True, 128, 2), (False, 64, 3), (True, 128, 3)):
-        if left() < 8:
-            break
+    B, H, D, BN = (4, 32, 128, 128) if DEV == "cuda" and not os.environ.get("LOWBIT_AP_SMALL") else (1, 2, 128, 128)
+    data = {}
+    ref = {}
+    for item in spec.split(","):
+        if item.startswith("R"):
+            real_variant(item, data, ref)
+            continue
+        f = item.split(":")
+        S, BM, ws, st, nw = int(f[0]), int(f[1]), f[2] == "1", int(f[3]), int(f[4])
+        mr = int(f[5]) if len(f) > 5 else 0
+        sc = f[6] != "0" if len(f) > 6 else True
+        t0 = time.time()
         try:
-            out = torch.empty(B * H * S, D, device="cuda", dtype=torch.bfloat16)
-            fn = lambda: ws_fp8_attention(q, k, vt, out, B * H, S, D, BM, 128, ws, st)
+            if S not in data:
+                data.clear()
+                g = torch.Generator(device=DEV).manual_seed(0)
+                q = torch.randn(B * H * S, D, device=DEV, generator=g).to(torch.float8_e4m3fn)
+                k = torch.randn(B * H * S, D, device=DEV, generator=g).to(torch.float8_e4m3fn)
+                vt = torch.randn(B * H * D, S, device=DEV, generator=g).to(torch.float8_e4m3fn)
+                qs = torch.rand(B * H * S, device=DEV, generator=g) * 0.01 + 0.005
+                ks = (torch.rand(B * H * S // BN, 1, device=DEV, generator=g) * 0.01 + 0.005).expand(-1, 4).contiguous()
+                vs = (torch.rand(B * H * S // BN, 1, device=DEV, generator=g) * 0.01 + 0.005).expand(-1, 4).contiguous()
+                data[S] = (q, k, vt, qs, ks, vs)
+            q, k, vt, qs, ks, vs = data[S]
+            out = torch.empty(B * H * S, D, device=DEV, dtype=torch.bfloat16)
+            ds = (TensorDescriptor(q, list(q.shape), [D, 1], [BM, D]), TensorDescriptor(k, list(k.shape), [D, 1], [BN, D]),
+                  TensorDescriptor(vt, list(vt.shape), [S, 1], [D, BN]), TensorDescriptor(qs, list(qs.shape), [1], [BM]),
+                  TensorDescriptor(ks, list(ks.shape), [4, 1], [1, 4]), TensorDescriptor(vs, list(vs.shape), [4, 1], [1, 4]))
+            kw = {"maxnreg": mr} if mr else {}
+            fn = lambda: _ws_probe_kernel[(S // BM, B * H)](*ds, out, 0.1275, S, HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN,
+                                                          WS=ws, SCALES=sc, num_warps=nw, num_stages=st, **kw)
             fn()
-            t = time_cuda(lambda: fn(), [()], warmup=3, reps=15)
-            tf = fl / t["median_ms"] / 1e9
-            rows.append({"ws": ws, "BLOCK_M": BM, "stages": st, "ms": t["median_ms"], "TFLOPs": tf})
-            print(f"ws-probe ws={ws} BM={BM} stages={st}: {t['median_ms']:.3f} ms {tf:.0f} TFLOP/s", flush=True)
-            SUMMARY.append(f"WS probe (plain fp8, S=4k, no scales) ws={ws} BM={BM} st={st}: {tf:.0f} TF/s")
+            if DEV == "cpu":  # smoke: compare with a float64 replay of the probe's math
+                qf = q.double().view(B * H, S, D) * qs.double().view(B * H, S, 1)
+                kf = k.double().view(B * H, S, D) * ks[:, 0].double().view(B * H, S // BN, 1).repeat_interleave(BN, 1)
+                vf = vt.double().view(B * H, D, S).transpose(1, 2) * vs[:, 0].double().view(B * H, S // BN, 1).repeat_interleave(BN, 1)
+                o = torch.softmax(qf @ kf.transpose(1, 2) * (0.1275 / 1.4426950408889634), -1) @ vf
+                print("WSPROBE-SMOKE rel", rel(out.view(B * H, S, D), o), flush=True)
+                continue
+            torch.cuda.synchronize()
+            tc = time.time() - t0
+            err = None
+            if S in ref:
+                err = rel(out.float(), ref[S].float())
+            else:
+                ref[S] = out.clone()
+            if os.environ.get("LOWBIT_AP_SMALL"):
+                print("WSPROBE " + json.dumps({"S": S, "BM": BM, "ws": ws, "ran": True, "rel_vs_first": err}), flush=True)
+                continue
+            t = time_cuda(lambda: fn(), [()], warmup=3, reps=30 if S <= 1024 else 10)
+            tf = attention_flops(B, H, S, S, D, False) / t["median_ms"] / 1e9
+            print("WSPROBE " + json.dumps({"S": S, "BM": BM, "ws": ws, "stages": st, "warps": nw, "maxnreg": mr,
+                                           "scales": sc, "ms": t["median_ms"], "TFLOPs": tf, "rel_vs_first": err,
+                                           "compile_s": tc}), flush=True)
         except Exception as exc:
-            rows.append({"ws": ws, "BLOCK_M": BM, "error": str(exc)[:300]})
-            print(f"ws-probe ws={ws} BM={BM}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            print("WSPROBE " + json.dumps({"S": S, "BM": BM, "ws": ws, "stages": st, "warps": nw,
+                                           "error": f"{type(exc).__name__}: {str(exc)[-300:]}"}), flush=True)
+
+
+def real_variant(item, data, ref):
+    """'R:S:causal:BM:ws:stages:warps:maxnreg:q_pre[:mode[:q_tma]]' -> lowbit's path of ``mode``
+    (default fp8; two launches, quantization included) with that config; rel / max |diff| vs the first R
+    variant of the same S, causal and mode (run the default first)."""
+    from lowbit.bench.harness import attention_flops, time_cuda
+    from lowbit.kernels.attention_prefill import quant_attention_triton
+
+    f = item.split(":")
+    S, causal, BM, ws, st, nw, mr, qp = (int(f[1]), f[2] == "1", int(f[3]), f[4] == "1", int(f[5]), int(f[6]),
+                                         int(f[7]), f[8] == "1")
+    mode = f[9] if len(f) > 9 else "fp8"
+    qt = f[10] != "0" if len(f) > 10 else True
+    B, H, D = (4, 32, 128) if DEV == "cuda" and not os.environ.get("LOWBIT_AP_SMALL") else (1, 2, 128)
+    cfg = dict(BLOCK_M=BM, BLOCK_N=128, num_warps=nw, num_stages=st, tma=True, ws=ws, q_pre=qp, q_tma=qt)
+    if mr:
+        cfg["maxnreg"] = mr
+    row = {"kind": "real", "mode": mode, "S": S, "causal": causal, **cfg}
+    t0 = time.time()
+    try:
+        key = ("real", S)
+        if key not in data:
+            for kk in [x for x in data if x != key]:
+                del data[kk]
+            g = torch.Generator(device=DEV).manual_seed(1)
+            data[key] = [tuple(torch.randn(B, H, S, D, device=DEV, generator=g).to(torch.bfloat16) for _ in range(3))
+                         for _ in range(2)]
+        sets = data[key]
+        kw = dict(mode=mode, causal=causal, sm_scale=D ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
+                  k_per_block=mode == "fp8", config=cfg, fuse_kv=False)
+        fn = lambda q, k, v: quant_attention_triton(q, k, v, **kw)
+        o = fn(*sets[0])
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        row["compile_s"] = time.time() - t0
+        rk = ("real", S, causal, mode)
+        if rk in ref:
+            row["rel_vs_first"] = rel(o.float(), ref[rk].float())
+            row["maxabs_vs_first"] = (o.float() - ref[rk].float()).abs().max().item()
+        else:
+            ref[rk] = o.clone()
+        if DEV == "cuda" and not os.environ.get("LOWBIT_AP_SMALL"):
+            t = time_cuda(fn, sets, warmup=3, reps=30 if S <= 1024 else 10)
+            row["ms"] = t["median_ms"]
+            row["TFLOPs"] = attention_flops(B, H, S, S, D, causal) / t["median_ms"] / 1e9
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+    print("WSPROBE " + json.dumps(row), flush=True)
+
+
+def _sanitizer():
+    import glob
+    import shutil
+
+    found = shutil.which("compute-sanitizer") or sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+def ws_experiment(spec=None, timeout=36.0):
+    """Session 3: the Q pre-pass (``q_pre``) and Triton 3.6's Hopper automatic warp specialization
+    (``ws``) on lowbit's kernel and on an all-TMA fp8 probe. ``;`` separates groups, each run in
+    its own child process (a device fault is sticky for the whole CUDA context: R7 lost every
+    variant after the first fault); a group starting with ``SAN|`` runs at a tiny shape under
+    compute-sanitizer memcheck (where the fault is); ``,`` separates the variants of a group."""
+    import subprocess
+
+    spec = spec or os.environ.get("LOWBIT_AP_WS", ";".join([
+        "R:4096:0:64:0:2:4:168:0,R:4096:0:64:0:2:4:168:1:fp8:0,R:1024:0:64:0:2:4:168:0,R:1024:0:64:0:2:4:168:1:fp8:0,"
+        "R:4096:1:64:0:2:4:168:0,R:4096:1:64:0:2:4:168:1:fp8:0",
+        "SAN|R:256:0:128:1:2:4:0:1",
+        "R:4096:0:64:0:3:4:0:0:int8,R:4096:0:64:0:2:4:168:1:int8:0,R:4096:0:64:0:3:4:0:1:int8:0",
+        "4096:64:0:2:4:168,4096:128:1:2:4",
+        "SAN|R:256:0:64:0:2:4:168:1",
+        "R:4096:0:64:0:2:4:168:0,R:4096:0:64:0:2:4:168:1",
+        "R:4096:0:64:0:2:4:168:0,R:4096:0:128:1:2:4:0:1,R:1024:0:64:0:2:4:168:0,R:1024:0:128:1:2:4:0:1",
+    ]))
+    rows = []
+    t_end = time.time() + timeout
+    for group in spec.split(";"):
+        rem = min(t_end - time.time(), left() - 4)
+        if rem < 6:
+            SUMMARY.append(f"WS group skipped (time): {group}")
+            continue
+        san = group.startswith("SAN|")
+        g = group[4:] if san else group
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--ws-child", g]
+        env = dict(os.environ)
+        if san:
+            tool = _sanitizer()
+            if tool is None:
+                SUMMARY.append("compute-sanitizer not found")
+                continue
+            cmd = [tool, "--tool", "memcheck", "--print-limit", "8"] + cmd
+            env["LOWBIT_AP_SMALL"] = "1"
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=rem, env=env)
+            text = r.stdout + "\n" + r.stderr[-2500:]
+        except subprocess.TimeoutExpired as exc:
+            text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            text += "\n[ws probe child timed out]"
+        for line in text.splitlines():
+            if line.startswith("WSPROBE "):
+                row = json.loads(line[8:])
+                row["group"] = group[:60]
+                rows.append(row)
+                if "ms" in row and row.get("kind") == "real":
+                    SUMMARY.append(f"WS real {row['mode']} (quant incl.) S={row['S']} causal={int(row['causal'])} "
+                                   f"BM={row['BLOCK_M']} ws={int(row['ws'])} st={row['num_stages']} w={row['num_warps']} "
+                                   f"maxnreg={row.get('maxnreg', 0)} q_pre={int(row['q_pre'])} q_tma={int(row['q_tma'])}: "
+                                   f"{row['ms']:.4f} ms {row['TFLOPs']:.0f} TF/s (max|diff| vs first {row.get('maxabs_vs_first')})")
+                elif "ms" in row:
+                    SUMMARY.append(f"WS probe S={row['S']} BM={row['BM']} ws={int(row['ws'])} st={row['stages']} "
+                                   f"w={row['warps']} maxnreg={row['maxnreg']}: {row['ms']:.4f} ms {row['TFLOPs']:.0f} TF/s "
+                                   f"(rel vs first {row['rel_vs_first']})")
+                else:
+                    SUMMARY.append(f"WS {'sanitizer ' if san else ''}row: {json.dumps(row)[:400]}")
+        print(f"---- group {group} ----", flush=True)
+        print(text[-(5000 if san else 2500):], flush=True)
+        with open(os.path.join(a.out, "ws_children.txt"), "a") as f:
+            f.write(f"---- group {group} ----\n{text}\n")
     RESULTS["ws_probe"] = rows
     dump()
 
 
-section("check", checks)
-if DEV == "cuda" and PLAN == "split":
+if a.ws_child:
+    ws_probe_child(a.ws_child)
+    sys.exit(0)
+
+
+if DEV == "cuda" and PLAN == "ws":
+    section("ws", lambda: ws_experiment(timeout=56.0), need=10)
+section("check", checks, need=20 if DEV == "cuda" and PLAN == "ws" else 0)
+if DEV == "cuda" and PLAN == "ws":
+    section("asm", asm)
+    section("suite", suite, need=20)
+elif DEV == "cuda" and PLAN == "split":
     section("sweep_split", sweep_split, need=15)
     section("suite", suite, need=25)
 elif DEV == "cuda" and PLAN == "tune":
@@ -618,8 +799,9 @@ elif DEV == "cuda" and PLAN == "tune":
 elif DEV == "cuda":
     section("asm", asm)
     section("suite", suite, need=30)
+    if os.environ.get("LOWBIT_AP_WS_LAST", "1") == "1":  # WS on the q/k/v-only probe (no small TMA boxes)
+        section("ws", lambda: ws_experiment("4096:64:0:2:4:168:0,4096:128:1:2:4:0:0", timeout=14.0), need=12)
     section("mre", mre_tables, need=15)
-    section("sweep", sweep, need=15)
     section("model", model, need=30)
 print("\n==== summary ====")
 for s in SUMMARY:

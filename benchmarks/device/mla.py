@@ -90,7 +90,8 @@ def checks():
                 e = rel(o, r)
                 tol = 1e-2 if not fp8 else 4e-2
                 log(name + " vs f64", e, e < tol)
-                if fp8:
+                VAR = os.environ.get("MLA_CHECK_VARIANTS", "0") == "1" or a.cpu_smoke  # R6: all PASS, unchanged
+                if fp8 and VAR:
                     e3 = rel(mla_decode(q, cache, pt, sl, num_splits=ns, pv_fp8=False), r)
                     log(name + " bf16-PV variant vs f64", e3, e3 < 2e-2)
                     e4 = rel(mla_decode(q, cache, pt, sl, num_splits=ns, pv16=True), r)
@@ -103,9 +104,31 @@ def checks():
                         qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
                         cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl, num_heads=H, sm_scale=(dc + dr) ** -0.5,
                         max_seq_len=max(lens), page_size=page, fp8=True, num_splits=ns, return_plan=True)
-                    re_ = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"]))
+                    re_ = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0,
+                                                                     torch.float8_e4m3fn, plan["p_rule"]))
                     e2 = rel(o2.view(B, Sq, H, dc), re_)
-                    log(name + f" vs emulated-P ref (plan {plan['splits']}x{plan['chunk']})", e2, e2 < 8e-3)
+                    log(name + f" default (m{plan['block_m']} dv{plan['dv_splits']} bn{plan['block_n']} {plan['p_rule']} P) "
+                        f"vs emulated-P ref (plan {plan['splits']}x{plan['chunk']})", e2, e2 < 8e-3)
+                    # the other P-scale rule / the R6 tile: each against its own emulation
+                    for nm, kw in (("block P scale", dict(p_block=True, t_step=True)),
+                                   ("R6 tile m64 ahead, R6 softmax", dict(t_step=False, block_m=64, dv_splits=1,
+                                                                          s_ahead=True, even_loop=False, one_acc=False))):
+                        if a.cpu_smoke:
+                            kw = {k: v for k, v in kw.items() if k != "block_m"}
+                        o5, plan5 = mla_decode_triton(
+                            qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                            cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl, num_heads=H,
+                            sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=page, fp8=True, num_splits=ns,
+                            return_plan=True, **kw)
+                        re5 = mla_decode_ref(q, cache, pt, sl, p_block=(plan5["block_n"], plan5["chunk"], 0.0,
+                                                                        torch.float8_e4m3fn, plan5["p_rule"]))
+                        e6 = rel(o5.view(B, Sq, H, dc), re5)
+                        log(name + f" {nm} (m{plan5['block_m']} dv{plan5['dv_splits']} {plan5['p_rule']}) vs emulated-P "
+                            f"ref (plan {plan5['splits']}x{plan5['chunk']})", e6,
+                            e6 < (8e-3 if plan5["p_rule"] == "row" else 1.5e-2))  # block rule: more terms near ties
+                        e7 = rel(o5.view(B, Sq, H, dc), r)
+                        log(name + f" {nm} vs f64", e7, e7 < 4e-2)
+                if fp8 and VAR:
                     # the prmt V transpose (default) must be bit-equal to Triton's byte transpose
                     o3 = mla_decode_triton(
                         qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
@@ -113,6 +136,17 @@ def checks():
                         max_seq_len=max(lens), page_size=page, fp8=True, num_splits=ns, v_prmt=False)
                     nd = int((o2.float() != o3.float()).sum())
                     log(name + f" prmt-V (v_prmt={plan.get('v_prmt')}) vs byte-V: differing elements", f"{nd}", nd == 0)
+                if not fp8 and VAR:
+                    q3 = q.view(B, Sq * H, dc + dr)
+                    for dvw, dvbn in ((4, 16), (4, 32)):
+                        o6 = mla_decode_triton(
+                            q3[..., :dc], q3[..., dc:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None, pt, sl,
+                            num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=page, fp8=False,
+                            num_splits=ns, dv_splits=2, num_warps=dvw, block_n=dvbn if not a.cpu_smoke else 16,
+                            s_ahead=False)
+                        e7 = rel(o6.view(B, Sq, H, dc), r)
+                        log(name + f" dv2 w{dvw} bn{dvbn} vs f64", e7, e7 < 1e-2)
+                if fp8 and VAR:
                     o4, plan4 = mla_decode_triton(
                         qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H), cache[0].flatten(0, 1),
                         cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl, num_heads=H, sm_scale=(dc + dr) ** -0.5,
@@ -175,6 +209,36 @@ def asm_info(k):
     }
 
 
+def dump_sass(k, name):
+    """SASS of a compiled kernel (cuobjdump via triton.tools.disasm) to ``name``.sass; returns the
+    instruction count and the count per opcode family (the main loop is the longest basic block run)."""
+    try:
+        from collections import Counter
+
+        from triton.tools.disasm import get_sass
+
+        sass = get_sass(k.asm["cubin"])
+        with open(os.path.join(a.out, name + ".sass"), "w") as f:
+            f.write(sass)
+        ops = re.findall(r"^[0-9a-f-]{2}:\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+        seq, lab, loops = [], {}, []
+        for ln in sass.splitlines():
+            m = re.match(r"(LBB\d+):", ln)
+            if m:
+                lab[m.group(1)] = len(seq)
+                continue
+            m = re.match(r"[0-9a-f-]{2}:\S+\s+(.*?);", ln)
+            if m:
+                seq.append(m.group(1))
+        for i, ins in enumerate(seq):  # loops = backward branches; length = SASS per thread per KV block
+            m = re.search(r"BRA (LBB\d+)", ins)
+            if m and m.group(1) in lab and i - lab[m.group(1)] > 100:
+                loops.append(i - lab[m.group(1)] + 1)
+        return {"sass_total": len(ops), "sass_loops": loops, "sass_top": dict(Counter(ops).most_common(10))}
+    except Exception as exc:
+        return {"sass_error": f"{type(exc).__name__}: {exc}"[:160]}
+
+
 def asm():
     from lowbit.bench.suites.mla import make_caches
     from lowbit.kernels.mla_decode import mla_decode_triton
@@ -222,10 +286,12 @@ def suite():
     print({k: round(v, 2) for k, v in ceil.items()}, flush=True)
     rec = harness.Recorder("mla", ceilings=ceil)
     budget = 85 - (time.time() - T0)
-    cases = mla_suite.CASES_QUICK if (a.quick or budget < 45) else mla_suite.CASES_FULL
+    cases = mla_suite.CASES_QUICK if (a.quick or budget < 28) else mla_suite.CASES_FULL
     def save():
         return rec.write(a.out, baseline=mla_suite.BASELINE, command=" ".join(sys.argv))
-    mla_suite.run(rec, quick=a.quick, cases=cases, after_case=save, deadline=T0 + 78)
+    provs = ("bmm-bf16", "lowbit-bf16", "lowbit-fp8") + (
+        ("lowbit-fp8-bf16pv", "lowbit-fp8-f16pv") if os.environ.get("MLA_SUITE_VARIANTS", "0") == "1" else ())
+    mla_suite.run(rec, quick=a.quick, cases=cases, after_case=save, deadline=T0 + float(os.environ.get("MLA_SUITE_UNTIL", "80")), providers=provs)
     path = save()
     print(open(path.with_suffix(".md")).read(), flush=True)
     cell = {}
@@ -253,17 +319,30 @@ def suite():
 
 
 # ------------------------------------------------------------------------------------- sweep
-SWEEP = [  # name, fp8, block_n, warps, stages, launcher options (R6: the defaults and their nearest rivals)
-    ("fp8 prmt-V(lanes on tokens) ahead bn64 imp512 (default)", True, 64, 8, 2, dict(v_prmt=2, s_ahead=True)),
-    ("fp8 prmt-V(lanes on tokens) bn64 imp512", True, 64, 8, 2, dict(v_prmt=2, s_ahead=False)),
-    ("fp8 prmt-V(lanes on tokens) ahead bn32 imp512", True, 32, 8, 2, dict(v_prmt=2, s_ahead=True)),
-    ("fp8 f16-PV (K tile reused) bn32 st3 imp512", True, 32, 8, 3, dict(pv16=True, s_ahead=False)),
-    ("bf16 bn64 st2 (default)", False, 64, 8, 2, dict(s_ahead=False)),
-    ("bf16 bn64 st2 tau8", False, 64, 8, 2, dict(s_ahead=False, tau=8.0)),
+SWEEP = [  # name, fp8, block_n, warps, stages, launcher options (None = the launcher's default)
+    ("fp8 default (wide: m128 dv2 bn64, unmasked main loop, one acc, t-step, row P scale)", True, None, None, None, dict()),
+    ("bf16 default (m64 bn64)", False, None, None, None, dict()),
+    ("fp8 wide, R6 softmax step", True, None, None, None, dict(t_step=False)),
+    ("bf16 even + one acc", False, None, None, None, dict(one_acc=True, even_loop=True)),
+    ("fp8 wide, lazy max tau=8", True, 64, 8, 2,
+     dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one_acc=True, tau=8.0)),
+    ("bf16 bn32 st3 even one-acc", False, 32, 8, 3, dict(even_loop=True, one_acc=True)),
+    ("fp8 m64 ahead bn64 (R6 default)", True, 64, 8, 2, dict(block_m=64, dv_splits=1, s_ahead=True)),
 ]
 
 
-def sweep():
+REF_OUT = {}
+
+
+SWEEP_FEW_HEADS = [  # memory-bound shape (B=128, H=16, L=16k): 16 rows per sequence
+    ("fp8 default (m64 ahead, t-step)", True, None, None, None, dict()),
+    ("fp8 m64 dv2 w4 bn32, 2 CTAs/SM", True, 32, 4, 2, dict(dv_splits=2, s_ahead=False, even_loop=True, one_acc=True)),
+    ("fp8 m64 plain even one-acc bn64", True, 64, 8, 2, dict(s_ahead=False, even_loop=True, one_acc=True)),
+    ("bf16 default", False, None, None, None, dict()),
+]
+
+
+def sweep(B=32, H=128, L=16384, variants=None, key="sweep", until=None):
     """The FP8 V-path variants and a few bf16 configs on one compute-heavy shape (B=32, H=128,
     L=16384, Sq=1), each with what Triton generated (wgmma kinds, st.shared widths, spills)."""
     from lowbit.bench.harness import time_cuda
@@ -271,14 +350,14 @@ def sweep():
     from lowbit.kernels.mla_decode import mla_decode_triton
     from lowbit.kernels.mla_quant import latent_quant_triton
 
-    B, H, L = 32, 128, 16384
     caches = make_caches(B, L, fp8=True, bf16=True)
     q = torch.randn(B, H, 576, device="cuda", dtype=torch.bfloat16)
     qc8, qs8, qr8 = latent_quant_triton(q.view(-1, 576), 512)
     fl = 2.0 * B * H * L * (2 * 512 + 64)
     rows = []
-    for name, fp8, bn, warps, stages, opts in SWEEP:
-        if time.time() - T0 > float(os.environ.get("MLA_SWEEP_UNTIL", "45")):
+    REF_OUT.clear()
+    for name, fp8, bn, warps, stages, opts in (variants or SWEEP):
+        if time.time() - T0 > (until or float(os.environ.get("MLA_SWEEP_UNTIL", "30"))):
             break
         r = {"name": name, "fp8": fp8, "block_n": bn, "warps": warps, "stages": stages, **opts}
         try:
@@ -292,21 +371,31 @@ def sweep():
                 return mla_decode_triton(*args, caches["page_table"], caches["seq_lens"], num_heads=H, sm_scale=576 ** -0.5,
                                          max_seq_len=L, page_size=64, fp8=fp8, block_n=bn, num_warps=warps,
                                          num_stages=stages, return_plan=plan, **opts)
-            _, plan = fn(True)
+            o, plan = fn(True)
+            rk = "fp8" if fp8 else "bf16"
+            if rk not in REF_OUT:
+                REF_OUT[rk] = mla_decode_triton(*args, caches["page_table"], caches["seq_lens"], num_heads=H,
+                                                 sm_scale=576 ** -0.5, max_seq_len=L, page_size=64, fp8=fp8)
+            r["rel_vs_default"] = rel(o.float(), REF_OUT[rk].float())
             t = time_cuda(fn, [()], warmup=3, reps=20)
+            if True:
+                r.update(dump_sass(plan["kernel"], key + "_" + re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")))
             r.update(ms=t["median_ms"], TFLOPs=fl / t["median_ms"] / 1e9, splits=plan["splits"],
+                     dv_splits=plan.get("dv_splits"), block_m=plan.get("block_m"), block_n=plan.get("block_n"),
+                     p_rule=plan.get("p_rule"), num_warps=plan.get("num_warps"), num_stages=plan.get("num_stages"),
                      v_prmt=plan.get("v_prmt"), **asm_info(plan["kernel"]))
         except Exception as exc:
             r["error"] = f"{type(exc).__name__}: {exc}"[:300]
         print(r, flush=True)
         rows.append(r)
-    RESULTS["sweep"] = rows
-    SUMMARY.append("sweep (B=32 H=128 L=16k):")
+    RESULTS[key] = rows
+    SUMMARY.append(f"{key} (B={B} H={H} L={L}):")
     for r in rows:
-        SUMMARY.append(f"  {r['name']}: " + (f"{r['ms']:.4f} ms {r['TFLOPs']:.0f} TF/s regs {r['n_regs']} spills {r['n_spills']} "
+        SUMMARY.append(f"  {r['name']}: " + (f"{r['ms']:.4f} ms {r['TFLOPs']:.0f} TF/s rel-vs-default {r['rel_vs_default']:.1e} sass-loops {r.get('sass_loops')} plan m{r.get('block_m')} dv{r.get('dv_splits')} bn{r.get('block_n')} w{r.get('num_warps')} {r.get('p_rule')} regs {r['n_regs']} spills {r['n_spills']} "
                                              f"smem {r['shared_bytes']} wgmma e4m3/bf16 {r['wgmma_e4m3']}/{r['wgmma_bf16']} "
                                              f"st.shared {r['st.shared']}" if "ms" in r else f"ERR {r['error']}"))
     del caches
+    REF_OUT.clear()
     torch.cuda.empty_cache()
 
 
@@ -323,11 +412,14 @@ def acc():
         SUMMARY.append(f"acc {row['config']}: rel-L2 {row['rel_l2']:.2e} cos-diff {row['cos_diff']:.2e} rmse {row['rmse']:.2e}")
 
 
-section("check", checks)
 if not a.cpu_smoke:
     section("sweep", sweep)
+section("check", checks)
+if not a.cpu_smoke:
     section("asm", asm)
     section("suite", suite)
+    if os.environ.get("MLA_SWEEP2", "0") == "1" and time.time() - T0 < 72:
+        section("sweep2", lambda: sweep(128, 16, 16384, SWEEP_FEW_HEADS, "sweep_few_heads", 84))
 if a.cpu_smoke or os.environ.get("MLA_ACC", "1") == "1":  # cheap (~2 s); the kernel row uses the defaults
     section("acc", acc)
 with open(os.path.join(a.out, "mla_results.json"), "w") as f:

@@ -30,14 +30,15 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--budget", type=float, default=86.0, help="seconds of wall time for the whole script")
 ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (interpreter), no timing")
 ap.add_argument("--acc-tokens", type=int, default=None, help="perplexity tokens (default 8192; 256 with --cpu-smoke)")
-ap.add_argument("--skip", default=os.environ.get("W4A8_SKIP", "sweep,decide"), help="comma list of phases to skip: check,ptx,bench,ffn,acc,sweep")
+ap.add_argument("--skip", default=os.environ.get("W4A8_SKIP", "sweep,decide,acc"),
+                help="comma list of phases to skip: decode,check,ptx,bench,ffn,acc,sweep,decide")
 args = ap.parse_args()
 OUT = Path(args.out)
 OUT.mkdir(parents=True, exist_ok=True)
 SKIP = set(filter(None, args.skip.split(",")))
 DEV = "cpu" if args.cpu_smoke else "cuda"
 SUMMARY: list[str] = []
-FULL_CHECK = os.environ.get("W4A8_FULL_CHECK", "1") == "1"  # every R3 check case too (final round)
+FULL_CHECK = os.environ.get("W4A8_FULL_CHECK", "0") == "1"  # every R3 check case too (final round)
 ROUND = int(os.environ.get("W4A8_ROUND", "5"))  # which decision experiments run (R4: A-D; R5+: E, A)
 
 
@@ -161,6 +162,9 @@ def _new_path_checks():
         (300, 1280, 576, 128, "dequant", {"silu": True, "res": True, "bias": True}),
         (1024, 4096, 4096, 128, "dequant", {}), (1024, 4096, 4096, 128, "scaled_mm", {}),
         (300, 1280, 576, 128, "scaled_mm", {"silu": True, "res": True, "bias": True}),
+        (1, 17000, 1000, 128, "default", {"bias": True}), (2, 2 * 8448, 576, 64, "default", {"silu": True}),
+        (3, 1000, 4096, 128, "default", {"res": True}), (16, 4096, 14336, 128, "default", {}),
+        (1, 4096, 14336, 128, "tma", {}), (5, 3000, 1000, 64, "kstep", {}),
     ]
     if args.cpu_smoke:
         cases = [(1, 72, 200, 128, "fused", {"bias": True}), (3, 64, 160, 32, "fused", {"silu": True, "res": True}),
@@ -212,7 +216,13 @@ def _new_path_checks():
                 extra["equal_to_unfused"] = bool(torch.equal(y, y2))
             else:
                 cfg = dict(pick_config(M, N, K))
-                if kind == "sem":
+                if kind == "default":
+                    pass
+                elif kind == "tma":
+                    cfg.update(TMA=True, SWORD=True)
+                elif kind == "kstep":
+                    cfg.update(KSTEP=2, TMA=True, SWORD=True, SPLIT_K=3)
+                elif kind == "sem":
                     cfg.update(SPLIT_K=4, SK_SEM=True)
                 elif kind == "reduce":
                     cfg.update(SPLIT_K=4, SK_SEM=False)
@@ -372,6 +382,119 @@ def sweep(until: float):
         if ok:
             b = min(ok, key=lambda r: r["median_ms"])
             SUMMARY.append(f"sweep best N={N} K={K} M={M}: {b['median_ms']:.4f} ms {b['config']}")
+
+
+# ------------------------------------------------------------------------- (3a) decode sweep (session 3)
+# R7 (H200, M=1): gate_up default 29.9 us, SWORD 27.4, TMA 28.9, KSTEP=2 33.8, stream-K 264/132 30.9/38.6,
+# no-dequant skeleton on the same bytes 20.6, read-only probes 24.3 (GEMM row pattern, 224 CTAs) / 17.5
+# (contiguous); lm_head 111.7 -> TMA 86.1, KSTEP=2+SWORD 90.5; down 18.8 (no variant faster); .rounds/r7.
+# R8: TMA+SWORD gate_up 26.8, + KSTEP=2 (3 stages) 25.4, lm_head 78.6 / 77.2; down 128 rows + TMA + SWORD
+# 16.1 vs 18.8; stream-K 396/528 27.6/28.4, rotated K start no change; M=128: nothing beat the default.
+DECODE_SHAPES = {"gate_up": (28672, 4096), "lm_head": (128256, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
+                 "o": (4096, 4096)}
+_B128 = [dict(KSTEP=1, num_stages=4), dict(KSTEP=2, num_stages=4), dict(KSTEP=4, num_stages=2),
+         dict(SPLIT_K=2), dict(SWORD=False, TMA=False, KSTEP=1, num_stages=4)]
+_DOWN = [dict(KSTEP=2, num_stages=3), dict(SPLIT_K=4), dict(SPLIT_K=16),
+         dict(BLOCK_N=64, TMA=False, SWORD=False)]
+_QO = [dict(BLOCK_N=128, TMA=True, SWORD=True), dict(BLOCK_N=128, TMA=True, SWORD=True, SPLIT_K=8),
+       dict(BLOCK_N=128, TMA=True, SWORD=True, KSTEP=2, num_stages=3), dict(SWORD=True)]
+DECODE_CASES = [  # (shape, M, variants on top of pick_config)
+    ("gate_up", 1, _B128), ("lm_head", 1, _B128[:3]), ("down", 1, _DOWN), ("qkv", 1, _QO), ("o", 1, _QO),
+    ("gate_up", 16, _B128[:1]), ("down", 16, _DOWN[:1] + _DOWN[3:]), ("qkv", 16, _QO[:1]),
+    ("gate_up", 128, [dict(KSTEP=2, num_stages=3), dict(num_stages=3)]),
+    ("down", 128, [dict(KSTEP=2, num_stages=3)]),
+]
+
+
+def decode_sweep(until: float):
+    """Decode (M = 1, 16) and M = 128 GEMM variants around pick_config, activation quantization
+    alone and cuBLAS bf16, Llama-3-8B shapes + lm_head. Every variant's output is compared with the
+    default's on the same inputs (bit-equal expected, except stream-K / split-K: summation order)."""
+    from lowbit.bench import peers
+    from lowbit.bench.harness import time_cuda
+    from lowbit.bench.suites.w4a8_fp8 import random_packed
+    from lowbit.formats.common import FP8_E4M3
+    from lowbit.kernels import w4a8_fp8_gemm as G
+    from lowbit.kernels.act_quant import per_token_quant_triton
+
+    rows = []
+
+    def rec(shape, M, label, fn, sets, reps=60, nbytes=None, extra=None):
+        if time.time() > until:
+            rows.append({"shape": shape, "M": M, "label": label, "skipped": "time"})
+            return None
+        try:
+            t = time_cuda(fn, sets, warmup=3, reps=reps)["median_ms"]
+            r = {"shape": shape, "M": M, "label": label, "median_us": t * 1e3, **(extra or {})}
+            if nbytes:
+                r["TBps"] = nbytes / (t * 1e-3) / 1e12
+            rows.append(r)
+            log(f"decode {shape} M={M} {label}: {t * 1e3:.1f} us" + (f" ({r['TBps']:.2f} TB/s)" if nbytes else "")
+                + (f" {extra}" if extra else ""))
+            return t
+        except Exception as exc:
+            rows.append({"shape": shape, "M": M, "label": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            log(f"decode {shape} M={M} {label}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+            return None
+
+    cache = {}
+    for shape, M, variants in DECODE_CASES:
+        if time.time() > until:
+            rows.append({"shape": shape, "M": M, "skipped": "time"})
+            continue
+        N, K = DECODE_SHAPES[shape]
+        wbytes = N * K // 2 + N * K // 128
+        if shape not in cache:
+            cache.clear()
+            torch.cuda.empty_cache()
+            nsets = max(2, min(8, -(-int(2.5 * 50e6) // wbytes) + 1))
+            cache[shape] = [random_packed(N, K) for _ in range(nsets)]
+        sets = cache[shape]
+        idx = [(i,) for i in range(len(sets))]
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        xq, sx = per_token_quant_triton(x, FP8_E4M3)
+        cfg = G.pick_config(M, N, K)
+        y0 = G.w4a8_fp8_gemm(xq, sx, *sets[0], 0.01, K, 128)
+        rec(shape, M, f"gemm default {cfg}", lambda i: G.w4a8_fp8_gemm(xq, sx, *sets[i], 0.01, K, 128), idx,
+            nbytes=wbytes)
+        if M == 1:
+            rec(shape, M, "act_quant + gemm", lambda i: G.w4a8_fp8_gemm(*per_token_quant_triton(x, FP8_E4M3), *sets[i],
+                                                                         0.01, K, 128), idx, nbytes=wbytes)
+        for extra in variants:
+            c2 = dict(cfg, **extra)
+            try:
+                y = G.w4a8_fp8_gemm(xq, sx, *sets[0], 0.01, K, 128, config=c2)
+                err = ((y.float() - y0.float()).norm() / y0.float().norm()).item()
+                eq = {"equal_to_default": bool(torch.equal(y, y0)), "rel_to_default": err}
+            except Exception as exc:
+                eq = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            rec(shape, M, f"gemm {extra}", lambda i: G.w4a8_fp8_gemm(xq, sx, *sets[i], 0.01, K, 128, config=c2), idx,
+                nbytes=wbytes, extra=eq)
+        if shape == "gate_up" and M == 1:  # the same bytes without dequantization (W_FP8 loop)
+            K2 = sets[0][0].shape[1]
+            xq2, sx2 = per_token_quant_triton(torch.randn(1, K2, device=DEV, dtype=torch.bfloat16), FP8_E4M3)
+            for extra in ({}, {"TMA": True}):
+                c3 = dict(G.pick_config(1, N, K2), **extra)
+                rec(shape, M, f"no-dequant probe (W_FP8 on codes as fp8 [N,{K2}]) {extra}",
+                    lambda i: G._launch(xq2, sx2, sets[i][0].view(FP8_E4M3), sets[i][1], 1.0, K2, 128, None, None,
+                                        False, torch.bfloat16, c3, quant_a=False, w_fp8=True), idx, nbytes=N * K2)
+        try:
+            wb = torch.randn(N, K, device=DEV, dtype=torch.bfloat16)
+            lin = peers.cublas_bf16(wb)
+            rec(shape, M, "cublas-bf16", lambda i: lin(x), [(0,)], nbytes=2 * N * K)
+            del wb, lin
+        except Exception as exc:
+            log(f"decode {shape} bf16: {exc}")
+        (OUT / "decode.json").write_text(json.dumps(rows, indent=1))
+    cache.clear()
+    torch.cuda.empty_cache()
+    (OUT / "decode.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        if "median_us" in r:
+            SUMMARY.append(f"decode {r['shape']} M={r['M']} {r['label'][:90]}: {r['median_us']:.1f} us"
+                           + (f" {r['TBps']:.2f} TB/s" if "TBps" in r else "")
+                           + (f" eq={r['equal_to_default']} rel={r['rel_to_default']:.1e}" if "equal_to_default" in r
+                              else ""))
 
 
 # ------------------------------------------------------------------------- (3c) decisions (session 2)
@@ -623,12 +746,16 @@ def accuracy():
 
 def main():
     log(f"torch {torch.__version__}, device {DEV}, {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}")
-    phases = {"check", "decide", "ptx", "bench", "ffn", "sweep", "acc"} - SKIP
+    phases = {"decode", "check", "decide", "ptx", "bench", "ffn", "sweep", "acc"} - SKIP
     if args.cpu_smoke:
-        phases -= {"ptx", "bench", "ffn", "sweep", "decide", "acc"}
-    for name, fn in [("check", check), ("bench", lambda: bench(phases)), ("decide", lambda: decide(T0 + args.budget - 8)),
-                     ("ptx", ptx_report_impl),
+        phases = {"check"}
+    for name, fn in [("decode", lambda: decode_sweep(T0 + float(os.environ.get("W4A8_DECODE_S", "44")))),
+                     ("bench", lambda: bench(phases)), ("ptx", ptx_report_impl), ("check", check),
+                     ("decide", lambda: decide(T0 + args.budget - 8)),
                      ("sweep", lambda: sweep(T0 + args.budget - 38)), ("acc", accuracy)]:
+        if name == "check" and not args.cpu_smoke and left() < 14:
+            SUMMARY.append("check: skipped (time budget)")
+            continue
         if name in phases or (name == "bench" and "ffn" in phases):
             try:
                 fn()

@@ -16,9 +16,11 @@ import traceback
 T0 = time.time()
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
-ap.add_argument("--budget", type=float, default=80.0, help="seconds of wall time for the whole script")
+ap.add_argument("--budget", type=float, default=82.0, help="seconds of wall time for the whole script")
 ap.add_argument("--mode", default=os.environ.get("W4A8_INT8_MODE", "full"),
-                help="sweep: correctness + config sweep first (rounds r4/r5); full: tables + accuracy (final round)")
+                help="r8: decode layout / M=128 / W8 crossover sweeps first, then tables; w8: correctness + "
+                     "the large-M W8 sweep first, then the tables (r7); sweep: correctness + "
+                     "config sweep first (rounds r4/r5); full: tables + accuracy (final round)")
 ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1, no timing")
 ap.add_argument("--no-sweep", action="store_true")
 ap.add_argument("--accuracy", action="store_true", help="perplexity table (numerics unchanged since r3: off by default)")
@@ -34,7 +36,7 @@ from lowbit.formats.common import quantize_per_token  # noqa: E402
 
 DEV = "cpu" if args.cpu_smoke else "cuda"
 SUMMARY: list[str] = []
-RESULTS: dict = {"correctness": [], "ptx": {}, "ffn_ratio": {}, "perplexity": {}, "sweep": []}
+RESULTS: dict = {"correctness": [], "ptx": {}, "ffn_ratio": {}, "perplexity": {}, "sweep": [], "w8": [], "r8": []}
 
 
 def left() -> float:
@@ -67,11 +69,11 @@ def correctness():
     cases = [(1, 4096, 4096, 128, True), (3, 1000, 1000, 128, False), (17, 333, 4100, 128, True),
              (64, 6144, 4096, 128, False), (128, 4096, 14336, 128, False), (1024, 4096, 14336, 128, True),
              (1, 4096, 4096, -1, False), (4, 4096, 11008, 128, False), (4096, 1024, 1024, 128, False)]
-    cases = [cases[i] for i in (0, 1, 2, 4, 6, 7)]  # the rest passed in r3-r4 with the same code paths
+    cases = [cases[i] for i in ((0,) if args.mode == "r8" else (0, 2, 7))]  # the rest passed in r3-r7
     if args.cpu_smoke:
         cases = [(1, 40, 200, 128, True), (17, 72, 130, -1, False)]
     for ci, (M, N, K, g, bias) in enumerate(cases):
-        for dt in ((torch.bfloat16, torch.float16) if ci in (0, 2) else (torch.bfloat16,)):
+        for dt in ((torch.bfloat16, torch.float16) if ci == 0 else (torch.bfloat16,)):
             name = f"M={M} N={N} K={K} g={g} bias={bias} {str(dt)[6:]}"
             try:
                 torch.manual_seed(0)
@@ -113,30 +115,70 @@ def correctness():
         RESULTS["correctness"].clear()
         SUMMARY.append("PTX (4-lane) dequantization FAILED; the rest of this run uses the one-lane path")
         return correctness()
+    w8_correctness()
     n_ok = sum(c["pass"] for c in RESULTS["correctness"])
     SUMMARY.append(f"correctness: {n_ok}/{len(RESULTS['correctness'])} PASS")
+
+
+def w8_correctness():
+    """The large-M path (dequantize_w8 once + the W8A8 GEMM) against the reference and bit-equal to
+    the in-register path (both are exact INT32 sums with the same epilogue)."""
+    from lowbit.kernels.w4a8_int8_gemm import dequantize_w8, launch
+
+    cases = [(1024, 4096, 14336, 128), (300, 1000, 10944, 128)]  # others: interpreter tests
+    if args.mode == "r8":
+        cases = cases[:1]
+    if args.cpu_smoke:
+        cases = [(5, 24, 392, 128)]
+    for M, N, K, g in cases:
+        name = f"W8 M={M} N={N} K={K} g={g}"
+        try:
+            torch.manual_seed(0)
+            qw = fmt.quantize(torch.randn(N, K, device=DEV) * K ** -0.5, g)
+            x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+            xq, xs = quantize_per_token(x, torch.int8)
+            w8 = dequantize_w8(qw.qweight, qw.gscale, qw.gzs)
+            w8_ok = bool(torch.equal(w8, fmt.dequantize_int8(qw.qweight, qw.gscale, qw.gzs)))
+            y, _ = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size,
+                          torch.bfloat16, w8=w8)
+            y0, _ = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size,
+                           torch.bfloat16)
+            r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.bfloat16)
+            e = rel(y, r)
+            same = bool(torch.equal(y, y0))
+            ok = w8_ok and e <= 1e-2 and same
+            RESULTS["correctness"].append({"case": name, "rel_l2_vs_ref": e, "w8_equal": w8_ok,
+                                           "equals_in_register_path": same, "pass": ok})
+            log(f"{'PASS' if ok else 'FAIL'} {name}: w8 == reference {w8_ok}, rel-L2 {e:.2e}, == in-register {same}")
+        except Exception as exc:
+            RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
+            log(f"FAIL {name}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
 
 
 # ---------------------------------------------------------------------------------- 2. PTX
 def ptx():
     import re
 
-    from lowbit.kernels.w4a8_int8_gemm import launch
+    from lowbit.kernels.w4a8_int8_gemm import dequantize_w8, launch
 
     lines = []
-    shapes = [(1, 4096, 4096, True), (1, 4096, 14336, False), (16, 28672, 4096, False), (128, 4096, 14336, False),
-              (4096, 4096, 14336, False)]
+    shapes = [(4096, 4096, 14336, False, True), (1, 28672, 4096, False, False), (1, 4096, 14336, False, False),
+              (128, 4096, 14336, False, False)]
+    if args.mode in ("w8", "full"):
+        shapes = shapes[:2]
     if args.cpu_smoke:
-        shapes = [(1, 64, 256, True)]
-    for M, N, K, fused in shapes:
+        shapes = [(1, 64, 256, True, False), (16, 64, 256, False, True)]
+    for M, N, K, fused, use_w8 in shapes:
         try:
             w = torch.randn(N, K, device=DEV)
             qw = fmt.quantize(w, 128)
             x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
             xq, xs = (x, None) if fused else quantize_per_token(x, torch.int8)
-            _, kern = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, K, 128, torch.bfloat16)
+            w8 = dequantize_w8(qw.qweight, qw.gscale, qw.gzs) if use_w8 else None
+            _, kern = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, K, 128, torch.bfloat16, w8=w8)
             p = kern.asm.get("ptx", "")
-            info = {"M": M, "N": N, "K": K, "fused_quant": fused, "n_regs": getattr(kern, "n_regs", None),
+            info = {"M": M, "N": N, "K": K, "fused_quant": fused, "w8": use_w8, "n_regs": getattr(kern, "n_regs", None),
                     "n_spills": getattr(kern, "n_spills", None),
                     "wgmma": len(re.findall(r"wgmma\.mma_async[^\n]*s8", p)),
                     "wgmma_any": p.count("wgmma.mma_async"),
@@ -144,10 +186,22 @@ def ptx():
                     "ld_global_v4": len(re.findall(r"ld\.global[^\n]*\.v4", p)),
                     "ld_global": p.count("ld.global"), "cp_async": p.count("cp.async"),
                     "local": len(re.findall(r"\.local", p)), "metadata": str(getattr(kern, "metadata", ""))[:400]}
-            RESULTS["ptx"][f"M={M} N={N} K={K} fused={fused}"] = info
+            RESULTS["ptx"][f"M={M} N={N} K={K} fused={fused} w8={use_w8}"] = info
             lines.append(json.dumps(info))
-            with open(os.path.join(args.out, f"w4a8_int8_M{M}_K{K}.ptx"), "w") as f:
+            tag = f"w4a8_int8_M{M}_N{N}_K{K}{'_w8' if use_w8 else ''}"
+            with open(os.path.join(args.out, tag + ".ptx"), "w") as f:
                 f.write(p)
+            for key in ("sass", "ttgir"):
+                try:
+                    v = kern.asm.get(key) if key != "sass" else None
+                    if key == "sass":
+                        from triton.tools.disasm import get_sass
+                        v = get_sass(kern.asm["cubin"])
+                    if v:
+                        with open(os.path.join(args.out, f"{tag}.{key}"), "w") as f:
+                            f.write(v)
+                except Exception as exc:
+                    lines.append(f"{tag} {key}: {type(exc).__name__}: {exc}")
             log(f"PTX M={M}: regs {info['n_regs']} spills {info['n_spills']} wgmma(s8) {info['wgmma']} "
                 f"mma.sync s8 {info['mma_s8']} ld.global.v4 {info['ld_global_v4']}/{info['ld_global']} local {info['local']}")
         except Exception as exc:
@@ -269,14 +323,27 @@ def floor_us():
     log(f"floor: 1-element add_ {t['median_ms'] * 1e3:.2f} us")
 
 
-def sweep(reserve: float = 14.0):
+DECODE = [  # r7: contiguity / memory-level parallelism of the decode GEMM
+    ("bn64 a4", (16, 64, "a4", 4, 4, {})),
+    ("bn64 a4 k2", (16, 64, "a4", 4, 4, dict(KSTEP=2))),
+    ("bn64 a4 pf4", (16, 64, "a4", 4, 4, dict(PF_DIST=4))),
+    ("bn64 a4 k2 pf4", (16, 64, "a4", 4, 4, dict(KSTEP=2, PF_DIST=4))),
+    ("bn64 a4 k2 s3", (16, 64, "a4", 4, 3, dict(KSTEP=2))),
+    ("bn64 a4 k4 s2", (16, 64, "a4", 4, 2, dict(KSTEP=4))),
+    ("bn32 a4", (16, 32, "a4", 4, 4, {})),
+    ("bn64 a4 k2 bulk512 d8", (16, 64, "a4", 4, 4, dict(KSTEP=2, PF_DIST=8, PF_BULK=512))),
+    ("bn64 a4 k2 bulk1024 d16", (16, 64, "a4", 4, 4, dict(KSTEP=2, PF_DIST=16, PF_BULK=1024))),
+]
+
+
+def sweep(reserve: float = 14.0, plan=None):
     """Configs around the defaults, rotating weights. mode gemm: x pre-quantized; fused: x bf16 with
     the quantization inside the GEMM; sep: per_token_quant kernel + GEMM (the unfused linear)."""
     from lowbit.bench.harness import rotating_inputs, time_cuda
     from lowbit.kernels.w4a8_int8_gemm import auto_split, launch
     from lowbit.ops.quant import per_token_quant
 
-    plan = [  # (N, K, Ms, [(label, cfg)], modes)
+    given, plan = plan, [  # (N, K, Ms, [(label, cfg)], modes)
         (4096, 4096, [1, 4], FUSED, ("fused", "sep")),
         (4096, 14336, [1, 4], FUSED, ("fused", "sep")),
         (28672, 4096, [1], FUSED, ("fused", "sep")),
@@ -290,11 +357,14 @@ def sweep(reserve: float = 14.0):
         (4096, 4096, [64, 128], MID, ("gemm",)),
         (28672, 4096, [128], MID[:4], ("gemm",)),
     ]
-    if args.mode == "full":  # after the tables: the large/mid-M tile variants (bytes) not measured yet
+    if given is not None:
+        plan = given
+    elif args.mode == "full":  # after the tables: the large/mid-M tile variants (bytes) not measured yet
         plan = [(4096, 14336, [4096], BIG[:6], ("gemm",)), (4096, 14336, [128], MID, ("gemm",)),
                 (4096, 4096, [1], SMALL[:3] + SMALL[-1:], ("gemm",))]
     if args.cpu_smoke:
-        plan = [(64, 256, [1], SMALL[:2], ("gemm", "fused", "silu", "silu-sep")), (64, 256, [64], MID[:2], ("gemm",))]
+        plan = [(64, 256, [1], SMALL[:2], ("gemm", "fused", "silu", "silu-sep")), (64, 256, [64], MID[:2], ("gemm",)),
+                (64, 512, [1], DECODE, ("gemm",))]
     for N, K, ms, cl, modes in plan:
         if left() < reserve + 3:
             break
@@ -333,6 +403,7 @@ def sweep(reserve: float = 14.0):
                     try:
                         if args.cpu_smoke:
                             fn(*sets[0])
+                            log(f"smoke ok {N}x{K} M={M} {label} {mode}")
                             continue
                         t = time_cuda(fn, sets, reps=20 if M >= 4096 else 40, warmup=3)
                         row = {"N": N, "K": K, "M": M, "label": label, "mode": mode, "cfg": [bm, bn, split, warps, stages],
@@ -346,6 +417,221 @@ def sweep(reserve: float = 14.0):
                     log(f"sweep {row}")
         del sets
         torch.cuda.empty_cache()
+
+
+W8_CFGS = [  # (label, (BLOCK_M, BLOCK_N, warps, stages, extra)) of the W8A8 GEMM
+    ("128x256 w8 s3", (128, 256, 8, 3, {})),
+    ("128x256 w8 s4", (128, 256, 8, 4, {})),
+    ("256x128 w8 s3", (256, 128, 8, 3, {})),
+    ("128x128 w4 s4", (128, 128, 4, 4, {})),
+    ("128x128 w8 s4", (128, 128, 8, 4, {})),
+]
+
+
+REG_BIG = [("reg 128x256 8w s3", (128, 256, 8, 3, {})), ("reg 256x128 8w s3", (256, 128, 8, 3, {}))]
+
+
+def w8_sweep(reserve: float = 12.0):
+    """Large M: the in-register kernel (default config) vs dequantize_w8 + the W8A8 GEMM (configs),
+    the W8 GEMM alone (w8 made beforehand), the dequantization alone; x pre-quantized (the act-quant
+    kernel is the same for both paths). Weights rotate (> 2x L2)."""
+    from lowbit.bench.harness import rotating_inputs, time_cuda
+    from lowbit.kernels.w4a8_int8_gemm import dequantize_w8, launch
+
+    plan = [(4096, 14336, [4096, 1024], W8_CFGS[:4]), (28672, 4096, [4096, 1024], W8_CFGS[:3]),
+            (4096, 14336, [512], W8_CFGS[:1]), (4096, 4096, [4096, 1024], W8_CFGS[:2]),
+            (6144, 4096, [4096, 1024], W8_CFGS[:2])]
+    if args.cpu_smoke:
+        plan = [(64, 256, [16], [("16x16", (16, 16, 4, 2, {}))])]
+    for N, K, ms, cl in plan:
+        if left() < reserve + 3:
+            break
+        sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
+                                             for f in ("qweight", "wscale", "gscale", "gzs")))
+        w8s = [dequantize_w8(s[0], s[2], s[3]) for s in sets[:3]]
+        sets3 = [(*s, w) for s, w in zip(sets[:3], w8s)]  # 3 x N*K int8 (> 2x L2 for these shapes)
+
+        def rec_row(M, label, mode, t, cfg=None):
+            row = {"N": N, "K": K, "M": M, "label": label, "mode": mode, "cfg": cfg}
+            if isinstance(t, dict):
+                row["us"] = round(t["median_ms"] * 1e3, 2)
+                row["TOPs"] = round(2 * M * N * K / (t["median_ms"] * 1e-3) / 1e12, 1)
+            else:
+                row["error"] = t
+            RESULTS["w8"].append(row)
+            log(f"w8 {row}")
+
+        if not args.cpu_smoke:
+            try:
+                t = time_cuda(lambda q, s1, s2, z: dequantize_w8(q, s2, z), sets, reps=20, warmup=3)
+                rec_row(0, "dequantize_w8", "deq", t)
+            except Exception as exc:
+                rec_row(0, "dequantize_w8", "deq", repr(exc)[:200])
+        for M in ms:
+            if left() < reserve:
+                break
+            xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
+            reps = 10 if M * N * K >= 4096 * 4096 * 14336 else 20
+            fns = [("in-register default", "reg", None, lambda q, s1, s2, z, *w: launch(xq, xs, q, s1, s2, z, None, K, 128, torch.bfloat16)[0])]
+            for label, (bm, bn, warps, stages, extra) in REG_BIG:  # in-register kernel, bigger tiles
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
+                fns.append((label, "reg", cfg, lambda q, s1, s2, z, *w, cfg=cfg: launch(
+                    xq, xs, q, s1, s2, z, None, K, 128, torch.bfloat16, config=cfg)[0]))
+            for label, (bm, bn, warps, stages, extra) in cl:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
+                fns.append((label, "w8gemm", cfg, lambda q, s1, s2, z, w, cfg=cfg: launch(
+                    xq, xs, q, s1, s2, z, None, K, 128, torch.bfloat16, config=cfg, w8=w)[0]))
+            # dequantize + GEMM (the dispatchable path), with the first config
+            cfg0 = fns[1 + len(REG_BIG)][2]
+            fns.insert(1, (cl[0][0], "deq+w8gemm", cfg0, lambda q, s1, s2, z, w: launch(
+                xq, xs, q, s1, s2, z, None, K, 128, torch.bfloat16, config=cfg0, w8=dequantize_w8(q, s2, z))[0]))
+            for label, mode, cfg, fn in fns:
+                if left() < reserve:
+                    break
+                try:
+                    if args.cpu_smoke:
+                        fn(*sets3[0])
+                        log(f"smoke ok w8 {N}x{K} M={M} {label} {mode}")
+                        continue
+                    rec_row(M, label, mode, time_cuda(fn, sets3, reps=reps, warmup=2),
+                            None if cfg is None else [cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]])
+                except Exception as exc:
+                    rec_row(M, label, mode, repr(exc)[:200])
+        del sets, sets3, w8s
+        torch.cuda.empty_cache()
+    dump()
+
+
+def r8_sweep(reserve: float = 30.0):
+    """r8 decisions: (A) decode with the row-tiled code layout (W_TILED, ``fmt.tile_codes``), (B) M=128
+    tiles (one 128-token tile: each weight tile dequantized once), (C) dequantize_w8 tiles and the W8
+    crossover in M / K. x pre-quantized; weights rotate (> 2x L2)."""
+    from lowbit.bench.harness import rotating_inputs, time_cuda
+    from lowbit.kernels import w4a8_int8_gemm as km
+
+    def cfg_of(M, N, K, c):
+        if c is None:
+            return km.pick_config(M, N, K, 128)
+        bm, bn, split, warps, stages, extra = c
+        if isinstance(split, str):
+            split = km.auto_split(M, N, K, bm, bn, 132, int(split[1:]))
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, **extra)
+
+    def row(**kw):
+        RESULTS["r8"].append(kw)
+        log(f"r8 {kw}")
+
+    dflt = lambda M, N, K, **ex: dict(km.pick_config(M, N, K, 128), **ex)  # noqa: E731
+    D4 = dict(DP4A=True, KSTEP=4, num_stages=1)
+    decode = [
+        (28672, 4096, 1, [("default", None, False), ("dp4a k4", D4, False), ("tiled", "T", True),
+                          ("dp4a k4 tiled", dict(D4, W_TILED=True), True), ("dp4a k8", dict(D4, KSTEP=8), False),
+                          ("dp4a k2 bn128 8w", dict(D4, KSTEP=2, BLOCK_N=128, num_warps=8), False),
+                          ("dp4a k4 bn32", dict(D4, BLOCK_N=32), False)]),
+        (4096, 14336, 1, [("default", None, False), ("dp4a k4", D4, False), ("dp4a k2", dict(D4, KSTEP=2), False),
+                          ("tiled", "T", True)]),
+        (4096, 4096, 1, [("default", None, False), ("dp4a k4", D4, False), ("dp4a k2", dict(D4, KSTEP=2), False)]),
+    ]
+    m128 = [("default", None), ("128x64 a2 4w s4", (128, 64, "a2", 4, 4, {})),
+            ("128x128 a2 8w s3", (128, 128, "a2", 8, 3, {})), ("128x64 a4 4w s4", (128, 64, "a4", 4, 4, {}))]
+    if args.cpu_smoke:
+        decode = [(128, 512, 1, decode[0][3][:4])]
+    # (A) decode
+    for N, K, M, variants in decode:
+        if left() < reserve + 15:
+            break
+        sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
+                                             for f in ("qweight", "wscale", "gscale", "gzs")))
+        tsets = [(fmt.tile_codes(q), a, b, c) for q, a, b, c in sets]
+        xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
+        for label, ex, tiled in variants:
+            cfg = dflt(M, N, K) if ex is None else dflt(M, N, K, **({"W_TILED": True} if ex == "T" else ex))
+            if tiled:
+                cfg["W_TILED"] = True
+            fn = lambda q, a, b, c, cfg=cfg: km.launch(xq, xs, q, a, b, c, None, K, 128, torch.bfloat16, config=cfg)[0]  # noqa: E731
+            try:
+                if args.cpu_smoke:
+                    fn(*(tsets if tiled else sets)[0])
+                    log(f"smoke ok r8 decode {label}")
+                    continue
+                if label != "default" and (N, K) != (28672, 4096) or label in ("tiled", "dp4a k4"):
+                    # the same integers as the default path (x pre-quantized: bit-equal outputs)
+                    ok = bool(torch.equal(fn(*(tsets if tiled else sets)[0]),
+                                          km.launch(xq, xs, *sets[0], None, K, 128, torch.bfloat16)[0]))
+                    RESULTS["correctness"].append({"case": f"{label} N={N} K={K} M={M}", "pass": ok})
+                    log(f"{'PASS' if ok else 'FAIL'} {label} N={N} K={K} M={M} == default path")
+                t = time_cuda(fn, tsets if tiled else sets, reps=40, warmup=3)
+                us = t["median_ms"] * 1e3
+                row(part="decode", N=N, K=K, M=M, label=label, us=round(us, 2),
+                    TBps_w4=round(N * K / 2 / (us * 1e-6) / 1e12, 2), cfg=str(cfg))
+            except Exception as exc:
+                row(part="decode", N=N, K=K, M=M, label=label, error=repr(exc)[:200])
+        del sets, tsets
+        torch.cuda.empty_cache()
+    # (B) M = 128
+    for N, K in ((4096, 14336), (28672, 4096), (4096, 4096)):
+        if left() < reserve or args.cpu_smoke:
+            break
+        sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
+                                             for f in ("qweight", "wscale", "gscale", "gzs")))
+        for M in (128,):
+            xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
+            for label, c in m128:
+                cfg = cfg_of(M, N, K, c)
+                try:
+                    t = time_cuda(lambda q, a, b, z, cfg=cfg: km.launch(xq, xs, q, a, b, z, None, K, 128, torch.bfloat16,
+                                                                         config=cfg)[0], sets, reps=40, warmup=3)
+                    us = t["median_ms"] * 1e3
+                    row(part="m128", N=N, K=K, M=M, label=label, us=round(us, 2),
+                        TOPs=round(2 * M * N * K / (us * 1e-6) / 1e12, 1), cfg=str(cfg))
+                except Exception as exc:
+                    row(part="m128", N=N, K=K, M=M, label=label, error=repr(exc)[:200])
+        del sets
+        torch.cuda.empty_cache()
+    # (C) dequantize_w8 tiles, then the W8 crossover with the fastest of them
+    best = None
+    for N, K, ms in ((4096, 14336, (256, 512, 1024)), (4096, 11008, (512, 1024, 4096)), (28672, 4096, (2048,))):
+        if left() < reserve - 12 or args.cpu_smoke:
+            break
+        sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
+                                             for f in ("qweight", "wscale", "gscale", "gzs")))
+        if best is None:
+            res = []
+            for dq in ((64, 1, 4), (32, 4, 4), (64, 2, 4), (16, 8, 4), (128, 1, 8)):
+                try:
+                    t = time_cuda(lambda q, a, b, z, dq=dq: km.dequantize_w8(q, b, z, *dq), sets, reps=20, warmup=3)
+                    us = t["median_ms"] * 1e3
+                    res.append((us, dq))
+                    row(part="deq", N=N, K=K, label=str(dq), us=round(us, 2), TBps=round(1.5 * N * K / (us * 1e-6) / 1e12, 2))
+                except Exception as exc:
+                    row(part="deq", N=N, K=K, label=str(dq), error=repr(exc)[:200])
+            best = min(res)[1] if res else (64, 1, 4)
+            q, _, b, z = sets[0]
+            ok = bool(torch.equal(km.dequantize_w8(q, b, z, *best), fmt.dequantize_int8(q, b, z)))
+            RESULTS["correctness"].append({"case": f"dequantize_w8 {best} N={N} K={K}", "pass": ok})
+            log(f"{'PASS' if ok else 'FAIL'} dequantize_w8 {best} == dequantize_int8")
+        for M in ms:
+            if left() < reserve - 12:
+                break
+            xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
+            for label in ("reg", "deq+w8"):
+                if label == "reg":
+                    fn = lambda q, a, b, z: km.launch(xq, xs, q, a, b, z, None, K, 128, torch.bfloat16,  # noqa: E731
+                                                      config=km.pick_config(M, N, K, 128))[0]
+                else:
+                    fn = lambda q, a, b, z: km.launch(xq, xs, q, a, b, z, None, K, 128, torch.bfloat16,  # noqa: E731
+                                                      config=km.pick_config(M, N, K, 128, w8=True),
+                                                      w8=km.dequantize_w8(q, b, z, *best))[0]
+                try:
+                    t = time_cuda(fn, sets, reps=10 if M >= 2048 else 20, warmup=2)
+                    us = t["median_ms"] * 1e3
+                    row(part="w8x", N=N, K=K, M=M, label=label, us=round(us, 2), deq=str(best),
+                        TOPs=round(2 * M * N * K / (us * 1e-6) / 1e12, 1))
+                except Exception as exc:
+                    row(part="w8x", N=N, K=K, M=M, label=label, error=repr(exc)[:200])
+        del sets
+        torch.cuda.empty_cache()
+    dump()
 
 
 # ---------------------------------------------------------------------------------- 5. perplexity
@@ -415,7 +701,7 @@ def perplexity_stage():
 
 
 def main():
-    stages = [("correctness", correctness), ("ptx", ptx)]
+    stages = [("correctness", correctness)] + ([("ptx", ptx)] if args.mode not in ("w8", "r8", "full") else [])
     for name, fn in stages:
         try:
             fn()
@@ -425,6 +711,8 @@ def main():
     if args.cpu_smoke:
         try:
             sweep()
+            w8_sweep()
+            r8_sweep()
         except Exception:
             traceback.print_exc()
         perplexity_stage() if os.environ.get("SMOKE_PPL") else None
@@ -434,7 +722,36 @@ def main():
     from lowbit.bench import harness
 
     rec = harness.Recorder("w4a8_int8", ceilings={})
-    if args.mode == "sweep":  # decisions first: floor + sweep, then the default-path table while time lasts
+    if args.mode == "r8":  # r8: decode layout, M=128, W8 crossover; then the tables while time lasts
+        for fn in (floor_us, r8_sweep):
+            try:
+                fn()
+            except Exception:
+                traceback.print_exc()
+            dump()
+        try:
+            timings(rec, layer_need=5.0, ffn_need=14.0) if left() > 10 else None
+        except Exception:
+            traceback.print_exc()
+        rec.write(args.out, baseline="cublas-bf16")
+        ratios(rec)
+        dump()
+    elif args.mode == "w8":  # r7: the large-M decision first, then the default-path tables while time lasts
+        dplan = [(28672, 4096, [1], DECODE, ("gemm",)), (4096, 14336, [1], [DECODE[i] for i in (0, 1, 3, 7, 8)], ("gemm",))]
+        for fn in (floor_us, lambda: sweep(reserve=42.0, plan=dplan), lambda: w8_sweep(reserve=9.0), ptx):
+            try:
+                fn()
+            except Exception:
+                traceback.print_exc()
+            dump()
+        try:
+            timings(rec, layer_need=5.0, ffn_need=14.0) if left() > 12 else None
+        except Exception:
+            traceback.print_exc()
+        rec.write(args.out, baseline="cublas-bf16")
+        ratios(rec)
+        dump()
+    elif args.mode == "sweep":  # decisions first: floor + sweep, then the default-path table while time lasts
         for fn in (floor_us, sweep):
             try:
                 fn()
@@ -463,11 +780,11 @@ def main():
         rec.write(args.out, baseline="cublas-bf16")
         ratios(rec)
         dump()
-        stages = [("sweep", lambda: sweep(reserve=4.0), 10)]
+        stages = [("ptx", ptx, 8)]
         if args.accuracy:
             stages.insert(0, ("perplexity", perplexity_stage, 25))
         for name, fn, need in stages:
-            if name == "sweep" and args.no_sweep:
+            if name == "ptx" and args.no_sweep:
                 continue
             if left() < need:
                 SUMMARY.append(f"{name}: skipped (out of time budget)")

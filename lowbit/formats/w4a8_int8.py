@@ -128,6 +128,30 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+TILE_ROWS = 64  # rows per contiguous block of the row-tiled code layout (``tile_codes``)
+
+
+def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """Row-tiled copy of ``qweight`` [N, Kp/2] (same bytes, same shape, another order): the first
+    ``N64 = TILE_ROWS * (N // TILE_ROWS)`` rows are stored as blocks of TILE_ROWS rows x one
+    128-column chunk (64 bytes per row), block (t, c) at byte ``(t * Kp/128 + c) * TILE_ROWS * 64``,
+    so a kernel reading one row-tile and one chunk reads 4 contiguous KB; the remaining rows follow
+    row-major. Inverse: ``untile_codes``. (A layout for the decode GEMM; not the stored default.)"""
+    N, B = qweight.shape
+    n64 = (N // TILE_ROWS) * TILE_ROWS
+    head = qweight[:n64].reshape(n64 // TILE_ROWS, TILE_ROWS, B // 64, 64).permute(0, 2, 1, 3)
+    return torch.cat((head.reshape(-1), qweight[n64:].reshape(-1))).reshape(N, B)
+
+
+def untile_codes(tiled: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``tile_codes``."""
+    N, B = tiled.shape
+    n64 = (N // TILE_ROWS) * TILE_ROWS
+    flat = tiled.reshape(-1)
+    head = flat[:n64 * B].reshape(n64 // TILE_ROWS, B // 64, TILE_ROWS, 64).permute(0, 2, 1, 3)
+    return torch.cat((head.reshape(-1), flat[n64 * B:])).reshape(N, B)
+
+
 def check_group_size(group_size: int) -> int:
     if not isinstance(group_size, int) or isinstance(group_size, bool):
         raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")

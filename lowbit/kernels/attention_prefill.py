@@ -3,7 +3,8 @@ Triton kernel selected by constexpr flags.
 
 Math (FlashAttention-2 forward, one program per ``BLOCK_M`` queries of one (batch, query head))::
 
-    q_code, q_scale = quantize_qk(Q_tile)                 # in registers (Q is read once)
+    q_code, q_scale = quantize_qk(Q_tile)                 # in registers (Q is read once), or read
+                                                          # from the quantization pass (Q_PRE)
     for each KV block of BLOCK_N keys:
         t     = (q_code . k_code^T) * k_scale             # INT32 -> fp32, or fp32 from FP8 MMA
         S2    = t * (q_scale * sm_scale * log2 e)         # scores in log2 units (exp2 softmax)
@@ -35,6 +36,15 @@ Causal: bottom-right aligned (query i of Sq sees keys j <= i + Skv - Sq). KV blo
 to the whole query block run without masks; the diagonal and tail blocks run a masked copy of the
 loop body; blocks above the diagonal are skipped. Query blocks are scheduled longest first.
 GQA: query head h reads KV head h // (Hq / Hkv). Any Sq, Skv (masked tails, no padding needed).
+
+``Q_PRE`` (fp8 default since session 3): the Q codes and per-token scales come from the K/V
+quantization launch (``quantize_kv_triton(q=...)``, same codes): the prologue loses the per-row
+``div_rn`` and the fp32 Q tile, and the kernel its register spills at 168 registers. ``Q_TMA``
+reads them by TMA, ``WS`` warp-specializes the KV loops (Triton 3.6's Hopper automatic warp
+specialization accepts only descriptor loads in the loop, scales included: they are read as
+16-byte boxes of padded buffers). WS compiles but faulted on the H200 (session 3, R7/R8, also a
+plain q/k/v probe with scales; compute-sanitizer: "Unknown Error" in thread 0, the producer
+warp group): an option, not the default.
 
 ``FUSE_KV`` (option, off by default): the first programs of each KV head quantize its K/V blocks
 (``lowbit.kernels.attention_quant._kv_quant_task``, the code of the separate pass) inside this
@@ -75,17 +85,26 @@ def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
     CTAs per SM) vs 3 stages (two CTAs): S=1k 0.1561 vs 0.1580, 1k causal 0.1199 vs 0.1283,
     4k 1.511 vs 1.599, 4k causal 0.915 vs 0.969; int8 at 168 registers spills: 3.07 vs 2.34 ms.
     128x128 (8 warps) and 64x64 at S=1k: 0.193 / 0.190 ms.
+
+    Session 3 (R8, quantization included, ms, same run): fp8 ``q_pre`` (Q quantized by the K/V
+    quantization launch, codes read by pointer loads; bit-identical output) vs Q quantized in the
+    prologue: 4k 1.479 vs 1.511, 1k 0.1547 vs 0.1556, 4k causal 0.911 vs 0.916. The prologue's
+    per-row ``div_rn`` (a branchy slow path) and its fp32 Q tile go away, and with them the spills
+    at 168 registers (SASS: STACK 480 -> 216 bytes, 0 spill instructions in the KV loops).
+    int8 ``q_pre``: 2.206 vs 2.201 ms (3 stages, no gain), 2.424 at 168 registers / 2 stages: off.
     """
     if interpret_mode():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "q_pre": mode == "fp8",
+                "q_tma": False}
     if head_dim > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     if head_dim < 128:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     if mode == "int8-qk":  # 16-bit V tiles: two stages keep two CTAs per SM
         return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True}
-    if mode == "fp8":  # three CTAs per SM: 2 stages (74 KB smem) and <= 168 registers
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True, "maxnreg": 168}
+    if mode == "fp8":  # three CTAs per SM: 2 stages (74 KB smem) and <= 168 registers; Q pre-pass
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True, "maxnreg": 168,
+                "q_pre": True, "q_tma": False}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "tma": True}
 
 
@@ -95,6 +114,13 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
     if INTERPRET:  # Triton 3.6's interpreter mis-rounds fp32->fp8 across binades
         x = round_to_fp8_e4m3(x)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _first(x):
+    """Element [0, 0] of a [1, 4] tile: a scale read by TMA (boxes are >= 16 bytes; the other
+    three slots are padding, possibly uninitialized: selected away, never multiplied)."""
+    return tl.sum(tl.sum(tl.where(tl.arange(0, x.shape[1])[None, :] == 0, x, 0.0), 1), 0)
 
 
 @triton.jit
@@ -155,22 +181,22 @@ def _int4_to_fp8(packed, ROWS: tl.constexpr, COLS: tl.constexpr, INTERPRET: tl.c
 
 
 @triton.jit
-def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
+def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                  Kb, KSb, Vb, VSb,  #
-                 Skv, causal_off, krow, vrow,  #
-                 stride_kn, stride_vr, stride_vsn,  #
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
+                 Skv, causal_off, krow, vrow, ksrow, vsrow,  #
+                 stride_kn, stride_ksn, stride_vr, stride_vsn,  #
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
                  K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
-                 P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
-    """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_h = tl.arange(0, HEAD_DIM // 2)
-    offs_nb = tl.arange(0, BLOCK_N)
-    ones = tl.full([BLOCK_N, 16], 1, tl.int8)  # int8: row sums of P on the tensor cores
-    for start_n in range(lo, hi, BLOCK_N):
+                 P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr):
+    """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks. ``WS``:
+    Triton's automatic warp specialization of the loop (every load is a TMA descriptor load then,
+    the per-block K / V scales included: ``ksrow`` / ``vsrow`` index their 1-D descriptors)."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + offs_nb
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_h = tl.arange(0, HEAD_DIM // 2)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         nmask = offs_n < Skv
         # ---- S = Q K^T (block), in log2 units after the two scales
         if USE_TMA:  # 2-D descriptors over [B * H * S, D]: rows past Skv belong to the next head or
@@ -201,12 +227,17 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         if MODE != 0:
             d = (d + 0x4B400000).to(tl.float32, bitcast=True)
         if K_PER_BLOCK:  # one K scale per block of BLOCK_N keys: folded into the per-row scale
-            qsb = qs * tl.load(KSb + start_n // BLOCK_N)
+            if WS:
+                qsb = qs * _first(KSb.load([ksrow + start_n // BLOCK_N, 0]))
+            else:
+                qsb = qs * tl.load(KSb + (start_n // BLOCK_N) * stride_ksn)
             t = d
             if MODE != 0:
                 c = 12582912.0
         else:
-            if MASK:
+            if WS:  # [1, BLOCK_N] box of the [B * Hkv, S_al] scale rows (past Skv: masked below)
+                ks = tl.reshape(KSb.load([ksrow, start_n]), [BLOCK_N])
+            elif MASK:
                 ks = tl.load(KSb + offs_n, mask=nmask, other=0.0).to(tl.float32)
             else:
                 ks = tl.load(KSb + offs_n).to(tl.float32)
@@ -218,6 +249,7 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         if MASK:
             valid = nmask[None, :]
             if CAUSAL:
+                offs_m = m0 + tl.arange(0, BLOCK_M)
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
             t = tl.where(valid, t, float("-inf"))
         mb = (tl.max(t, 1) - c) * qsb  # this block's row max (log2 units)
@@ -262,7 +294,7 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
         # MMA beside the P V one), which frees two ALU ops per score (the float copy of the
         # rounded P and its add); for fp8 the same trick measured slower (extra register moves)
         if MODE == 1:
-            rs = tl.max(tl.dot(p8, ones), 1).to(tl.float32)
+            rs = tl.max(tl.dot(p8, tl.full([BLOCK_N, 16], 1, tl.int8)), 1).to(tl.float32)
             if P_BLOCK:
                 rs = rs * beta
             l_i = l_i * alpha + rs
@@ -323,10 +355,16 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, lo, hi,  #
             else:
                 pv = tl.dot(_to_fp8(p, INTERPRET), tl.trans(vt))
             if V_CHANNEL:  # per-channel scales of this block: acc * alpha + pv * s_v
-                vs = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn + offs_d)
+                if WS:
+                    vs = tl.reshape(VSb.load([vsrow + start_n // V_BLOCK, 0]), [HEAD_DIM])
+                else:
+                    vs = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn + offs_d)
                 acc = acc * alpha[:, None] + pv * vs[None, :]
             else:  # one scale per block: scaled accumulator as above
-                vsb = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn)
+                if WS:
+                    vsb = _first(VSb.load([vsrow + start_n // V_BLOCK, 0]))
+                else:
+                    vsb = tl.load(VSb + (start_n // V_BLOCK) * stride_vsn)
                 acc = acc * (alpha * (c_acc / vsb))[:, None] + pv
                 c_acc = vsb
         m_i = m_new
@@ -359,7 +397,7 @@ def _fused_kv_prologue(r, b, hk, bhk, Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, 
                            stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin,
                            S_al, S_al, n_vq,
                            HEAD_DIM, BLOCK_N, V_BLOCK, 448.0 if MODE == 0 else 127.0, MODE != 0, MODE != 2,
-                           V_CHANNEL, V_GIVEN, K_PER_BLOCK, INTERPRET, KV_CHUNK)
+                           V_CHANNEL, V_GIVEN, K_PER_BLOCK, INTERPRET, KV_CHUNK, Skv, Skv)
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_add(CNT + bhk, (n_tasks - r + n_prod - 1) // n_prod, sem="release", scope="gpu")
     done = tl.atomic_add(CNT + bhk, 0, sem="acquire", scope="gpu")
@@ -376,13 +414,13 @@ def _fused_kv_prologue(r, b, hk, bhk, Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, 
 # ----------------------------------------------------------------------------------------- kernel
 @triton.jit
 def _attn_fwd(
-    Q, K, KS, V, VS, Out,  # pointers
+    Q, QS, K, KS, V, VS, Out,  # pointers (Q_PRE: Q codes and QS their scales; TMA: descriptors)
     Kin, Vin, KC, VT, CNT,  # FUSE_KV: 16-bit K/V inputs, code buffers behind K/V, per-head counters
     qk_scale, amax_eps, Sq, Skv, causal_off, Hq, n_rep, n_mblk,  # sizes / scalars
     n_kq, n_vq, n_prod, S_al,  # FUSE_KV: K / V quantization tasks per head, producers per head
     stride_qb, stride_qh, stride_qm,  #
     stride_kb, stride_kh, stride_kn,  #
-    stride_ksb, stride_ksh,  #
+    stride_ksb, stride_ksh, stride_ksn,  #
     stride_vb, stride_vh, stride_vr,  #
     stride_vsb, stride_vsh, stride_vsn,  #
     stride_ob, stride_oh, stride_om,  #
@@ -390,7 +428,8 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
     MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, K_PER_BLOCK: tl.constexpr,  #
     V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr,  #
-    FUSE_KV: tl.constexpr, V_GIVEN: tl.constexpr, KV_CHUNK: tl.constexpr, INTERPRET: tl.constexpr,  #
+    FUSE_KV: tl.constexpr, V_GIVEN: tl.constexpr, KV_CHUNK: tl.constexpr, Q_PRE: tl.constexpr,  #
+    Q_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -411,25 +450,51 @@ def _attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     mmask = offs_m < Sq
 
-    # ---- Q tile: read once, quantized per token in registers
-    x = tl.load(Q + b64 * stride_qb + hq64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
-                + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-    QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
-    q_scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAXV
-    y = x * tl.div_rn(q_scale * 0.0 + 1.0, q_scale)[:, None]  # reciprocal once per row (as the reference)
-    y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
-    if MODE == 0:
-        q = _to_fp8(y, INTERPRET)
-    else:
-        q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
+    if Q_PRE:  # ---- Q codes and per-token scales from the quantization pass (same codes)
+        # codes [B, Hq, Sq_al, D] and scales [B, Hq, Sq_al] (Sq_al = stride_qh / D: rows padded to
+        # 4 for 16-byte aligned scale boxes)
+        qrow = (b64 * stride_qb + hq64 * stride_qh) // HEAD_DIM
+        if Q_TMA:  # 2-D codes / 1-D scales; rows past Sq (the padding, the next head's or
+            # zero-filled) only feed rows that are never stored
+            q = Q.load([(qrow + m0).to(tl.int32), 0])
+            q_scale = QS.load([(qrow + m0).to(tl.int32)])
+        else:
+            q = tl.load(Q + qrow * HEAD_DIM + offs_m[:, None].to(tl.int64) * stride_qm
+                        + offs_d[None, :], mask=mmask[:, None], other=0.0)
+            q_scale = tl.load(QS + qrow + offs_m, mask=mmask, other=0.0)
+    else:  # ---- Q tile: read once, quantized per token in registers
+        x = tl.load(Q + b64 * stride_qb + hq64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
+                    + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
+        QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
+        q_scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAXV
+        y = x * tl.div_rn(q_scale * 0.0 + 1.0, q_scale)[:, None]  # reciprocal once per row (as the reference)
+        y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
+        if MODE == 0:
+            q = _to_fp8(y, INTERPRET)
+        else:
+            q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
     qs = q_scale * qk_scale  # sm_scale * log2(e) folded in
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    KSb = KS + b64 * stride_ksb + hk64 * stride_ksh
-    VSb = VS + b64 * stride_vsb + hk64 * stride_vsh
+    # WS: rows of the 2-D scale descriptors: per-block scales [rows, 4] (scale_pad 4), per-token K
+    # scales [B * Hkv, S_al], per-channel V scales [B * Hkv * NB, D]
+    if K_PER_BLOCK:
+        ksrow = (b * stride_ksb + hk * stride_ksh) // 4
+    else:
+        ksrow = b * (Hq // n_rep) + hk
+    if V_CHANNEL:
+        vsrow = (b * stride_vsb + hk * stride_vsh) // HEAD_DIM
+    else:
+        vsrow = (b * stride_vsb + hk * stride_vsh) // 4
+    if WS:
+        KSb = KS
+        VSb = VS
+    else:
+        KSb = KS + b64 * stride_ksb + hk64 * stride_ksh
+        VSb = VS + b64 * stride_vsb + hk64 * stride_vsh
     bhk = b * (Hq // n_rep) + hk
     krow = bhk * Skv  # first row of this head in the 2-D [B * Hkv * Skv, D] descriptors
     if USE_TMA:
@@ -450,16 +515,16 @@ def _attn_fwd(
         hi = Skv
         n_full = (Skv // BLOCK_N) * BLOCK_N
     c_acc = 1.0
-    acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, 0, n_full,  #
-                                 Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow,  #
-                                 stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL, EXP16,
-                                 P_BLOCK, USE_TMA, INTERPRET)
-    acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, offs_m, n_full, hi,  #
-                                 Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow,  #
-                                 stride_kn, stride_vr, stride_vsn,  #
-                                 HEAD_DIM, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL, EXP16,
-                                 P_BLOCK, USE_TMA, INTERPRET)
+    acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, 0, n_full,  #
+                                 Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
+                                 stride_kn, stride_ksn, stride_vr, stride_vsn,  #
+                                 HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL,
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET)
+    acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, n_full, hi,  #
+                                 Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
+                                 stride_kn, stride_ksn, stride_vr, stride_vsn,  #
+                                 HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL,
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET)
     out = acc * (c_acc / tl.maximum(l_i, 1e-30))[:, None]  # l > 0 unless scores are absurd (> 2^17)
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
@@ -482,9 +547,13 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
                              v_block: int = 128, k_block: int | None = None, exp16: bool = False,
                              p_block: bool = False,
                              config: dict | None = None,
-                             out: torch.Tensor | None = None, fuse_from: dict | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, fuse_from: dict | None = None,
+                             q_codes: tuple | None = None) -> torch.Tensor:
     """Launch the kernel on pre-quantized K/V (layouts in the module docstring); Q is quantized
-    inside. ``config`` overrides ``default_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages).
+    inside, or given as ``q_codes = (qc [B, Hq, Sq, D], qs [B, Hq, Sq] fp32)`` (from
+    ``quantize_kv_triton(q=...)``; ``q`` then only gives the output dtype and shape).
+    ``config`` overrides ``default_config`` (BLOCK_M, BLOCK_N, num_warps, num_stages, ``tma``,
+    ``ws``: warp-specialized loop, needs ``q_codes``, TMA and the fp8 per-block K / V scales).
     ``fuse_from`` (internal, see ``quant_attention_triton``): ``k, ks, v, vs`` are empty code
     buffers that this launch fills from ``fuse_from['k']`` / ``['v']`` (16-bit) before using them.
     Returns O ``[B, Hq, Sq, D]`` in q's dtype (or written into ``out``)."""
@@ -524,7 +593,27 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         vsp, svs = vs, (vs.stride(0), vs.stride(1), vs.stride(2))
         sv_r = v.stride(2)  # V^T [B, H, D, S_al]: row (channel) stride
     use_tma = bool(cfg.get("tma", False)) and _tma_ok(k, v, mode)
+    ws = bool(cfg.get("ws", False)) and not interpret_mode()  # the interpreter has no warp partitions
+    if ws:
+        k_ok = (ks.stride(2) == 4) if k_block is not None else (ks.stride(2) == 1 and ks.stride(1) % 4 == 0
+                                                                 and ks.stride(0) == Hkv * ks.stride(1))
+        v_ok = vs is not None and ((vs.ndim == 3 and vs.stride(2) == 4) or (vs.ndim == 4 and vs.is_contiguous()))
+        if not (use_tma and q_codes is not None and mode in ("fp8", "int8") and k_ok and v_ok and not p_block):
+            raise ValueError("config 'ws' needs TMA, q_codes, mode 'fp8' or 'int8' and scale rows padded to 16 bytes "
+                             "(quantize_kv_triton(q=..., scale_pad=4))")
     kk, vv = k, v
+    qq, qsp = q, q
+    if q_codes is not None:
+        qq, qsp = q_codes
+        sq_al = qsp.stride(1)
+        if (tuple(qq.shape) != (B, Hq, Sq, D) or tuple(qsp.shape) != (B, Hq, Sq) or sq_al % 4 or sq_al < Sq
+                or qq.stride() != (Hq * sq_al * D, sq_al * D, D, 1) or qsp.stride() != (Hq * sq_al, sq_al, 1)):
+            raise ValueError("q_codes must be (codes [B, Hq, Sq, D], scales [B, Hq, Sq]) as quantize_kv_triton(q=...) "
+                             "returns them (rows padded to a multiple of 4)")
+    q_tma = use_tma and q_codes is not None and bool(cfg.get("q_tma", True))
+    if ws and not q_tma:
+        raise ValueError("config 'ws' needs the Q codes through TMA (q_tma)")
+    ksp = ks
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -536,6 +625,19 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         else:  # V^T [B, Hkv, D, S_al]
             s_al = v.shape[-1]
             vv = TensorDescriptor(v, [B * Hkv * D, s_al], [s_al, 1], [D, BN])
+        if q_tma:
+            qq = TensorDescriptor(qq, [B * Hq * sq_al, D], [D, 1], [BM, D])
+            qsp = TensorDescriptor(qsp, [B * Hq * sq_al], [1], [BM])
+        if ws:  # scales through TMA: per-block ones as [1, 4] (16-byte) boxes of the padded buffers
+            # (slot 0 is used), per-token K as [1, BLOCK_N] boxes, per-channel V as [1, D] boxes
+            if k_block is not None:
+                ksp = TensorDescriptor(ks, [ks.numel(), 4], [4, 1], [1, 4])
+            else:
+                ksp = TensorDescriptor(ks, [B * Hkv, ks.stride(1)], [ks.stride(1), 1], [1, BN])
+            if vs.ndim == 4:
+                vsp = TensorDescriptor(vs, [vs.numel() // D, D], [D, 1], [1, D])
+            else:
+                vsp = TensorDescriptor(vs, [vs.numel(), 4], [4, 1], [1, 4])
     fuse = fuse_from is not None
     if fuse:
         kin, vin = fuse_from["k"], fuse_from["v"]
@@ -552,13 +654,14 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
     else:
         fz = (q, q, q, q, q, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     _attn_fwd[(n_mblk, B * Hq)](
-        q, kk, ks, vv, vsp, out,
+        qq, qsp, kk, ksp, vv, vsp, out,
         *fz[:5],
         sm_scale * LOG2E, AMAX_EPS, Sq, Skv, Skv - Sq, Hq, Hq // Hkv, n_mblk,
         *fz[5:9],
-        q.stride(0), q.stride(1), q.stride(2),
+        *((q_codes[0].stride(0), q_codes[0].stride(1), q_codes[0].stride(2)) if q_codes is not None else
+          (q.stride(0), q.stride(1), q.stride(2))),
         k.stride(0), k.stride(1), k.stride(2),
-        ks.stride(0), ks.stride(1),
+        ks.stride(0), ks.stride(1), ks.stride(2),
         v.stride(0), v.stride(1), sv_r,
         *svs,
         out.stride(0), out.stride(1), out.stride(2),
@@ -567,10 +670,10 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         MODE=MODE_IDS[mode], KV4=kv4, CAUSAL=bool(causal), K_PER_BLOCK=k_block is not None,
         V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
         FUSE_KV=fuse, V_GIVEN=bool(fuse and fuse_from.get("given", False)),
-        KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))),
+        KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))), Q_PRE=q_codes is not None, Q_TMA=q_tma, WS=ws,
         INTERPRET=interpret_mode(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() else {}),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() and not ws else {}),
     )
     return out
 
@@ -584,7 +687,8 @@ def quant_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``fuse_kv`` (default): ONE launch; its first programs per KV head quantize K and V
     (``_fused_kv_prologue``). Otherwise two launches: ``quantize_kv_triton`` then the attention.
     Both write the same codes (one quantization routine, ``_kv_quant_task``). ``k_per_block``:
-    one K scale per BLOCK_N keys. Q is quantized inside the attention kernel in both cases."""
+    one K scale per BLOCK_N keys. Q is quantized inside the attention kernel, or (config
+    ``q_pre`` / ``ws``, two-launch path) by the K/V quantization launch: the same codes."""
     from lowbit.kernels.attention_quant import alloc_kv_codes, quantize_kv_triton
 
     D = q.shape[-1]
@@ -600,12 +704,16 @@ def quant_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         if vv.stride(-1) != 1:
             vv = vv.contiguous()
     if not fuse_kv or v_block % bn:
-        kc, ks, vt, vs = quantize_kv_triton(k, vq, dtype=dt, v_granularity=v_granularity, v_block=v_block, k_block=kb)
+        q_pre = bool(cfg.get("q_pre", False) or cfg.get("ws", False))
+        res = quantize_kv_triton(k, vq, dtype=dt, v_granularity=v_granularity, v_block=v_block, k_block=kb,
+                                 q=q if q_pre else None, scale_pad=4 if cfg.get("ws", False) else 1)
+        kc, ks, vt, vs = res[:4]
+        qcodes = res[4:] if q_pre else None
         if mode == "int8-qk":
             return attention_prefill_triton(q, kc, ks, vv, None, mode=mode, causal=causal, sm_scale=sm_scale,
-                                            k_block=kb, config=config)
+                                            k_block=kb, config=config, q_codes=qcodes)
         return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
-                                        v_block=v_block, k_block=kb, p_block=p_block, config=config)
+                                        v_block=v_block, k_block=kb, p_block=p_block, config=config, q_codes=qcodes)
     k = k if k.stride(-1) == 1 else k.contiguous()
     if vq is not None and vq.stride(-1) != 1:
         vq = vq.contiguous()

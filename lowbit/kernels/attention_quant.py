@@ -70,8 +70,14 @@ def _kv_quant_task(
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, V_BLOCK: tl.constexpr,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
     V_GIVEN: tl.constexpr, K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr, CHUNK: tl.constexpr,
+    S_OUT, KS_ROWS, SC_STRIDE: tl.constexpr = 1,
 ):
     """Quantize one block of K rows or V rows of head (b, h) (``bh`` = its row in the outputs).
+
+    ``S_OUT``: rows per head in the code outputs (``S`` for K; the Q outputs are padded to a
+    multiple of 4 rows); ``KS_ROWS``: the same for the per-token scales (padded to a multiple
+    of 4 with ``scale_pad`` = 4: 16-byte aligned TMA boxes). ``SC_STRIDE``: float32 slots per per-block K / V scale
+    (4: a 16-byte row per scale, the smallest TMA box, for the warp-specialized attention).
 
     Shared by ``_kv_quant_kernel`` (one task per program, the whole block in registers) and the
     attention kernel's fused prologue (``lowbit.kernels.attention_prefill``, ``FUSE_KV``), which
@@ -91,11 +97,11 @@ def _kv_quant_task(
                     am = tl.maximum(am, tl.max(tl.abs(_load_rows(Kh, t0 + c + tl.arange(0, CHUNK), S, stride_kn,
                                                                   HEAD_DIM)), 1))
                 kscale = tl.maximum(tl.max(am, 0), amax_eps) / QMAX
-            tl.store(KS + bh.to(tl.int64) * n_kprog + task, kscale)
+            tl.store(KS + (bh.to(tl.int64) * n_kprog + task) * SC_STRIDE, kscale)
         for c in tl.range(0, BLOCK_T, CHUNK, loop_unroll_factor=1):
             koffs_t = t0 + c + tl.arange(0, CHUNK)
             ktmask = koffs_t < S
-            row = bh.to(tl.int64) * S + koffs_t
+            row = bh.to(tl.int64) * S_OUT + koffs_t
             if not (K_PER_BLOCK and CHUNK == BLOCK_T):
                 kx = _load_rows(Kh, koffs_t, S, stride_kn, HEAD_DIM)
             if K_PER_BLOCK:
@@ -103,7 +109,7 @@ def _kv_quant_task(
             else:
                 kscale_r = tl.maximum(tl.max(tl.abs(kx), 1), amax_eps) / QMAX
                 kcodes = _quant_tile(kx, kscale_r[:, None], QMAX, IS_INT8, EXACT_FP8)
-                tl.store(KS + row, kscale_r, mask=ktmask)
+                tl.store(KS + bh.to(tl.int64) * KS_ROWS + koffs_t, kscale_r, mask=ktmask)
             tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], kcodes, mask=ktmask[:, None])
     elif QUANT_V:
         vblk = task - n_kprog
@@ -121,7 +127,7 @@ def _kv_quant_task(
             vscale = tl.maximum(vam, amax_eps) / QMAX
             tl.store(VS + (bh.to(tl.int64) * n_vblk + vblk) * HEAD_DIM + offs_d, vscale)
         else:  # one scale for the block (V_GIVEN: precomputed, e.g. per tensor)
-            vvs_ptr = VS + bh.to(tl.int64) * n_vblk + vblk
+            vvs_ptr = VS + (bh.to(tl.int64) * n_vblk + vblk) * SC_STRIDE
             if V_GIVEN:
                 vscale = tl.load(vvs_ptr)
             else:
@@ -144,34 +150,54 @@ def _kv_quant_task(
 @triton.jit
 def _kv_quant_kernel(
     K, V, KC, KS, VT, VS,  # pointers: inputs, K codes / scales, V^T codes / scales
+    Q, QC, QS,  # QUANT_Q: 16-bit Q in, Q codes / per-token scales out
     S, H, n_kprog, amax_eps,  # sizes
+    KS_ROWS, Sq, Sq_al, n_qprog, n_rep,  # per-token K scale rows per head; QUANT_Q: query length (padded rows per head), Q tasks per head, heads per KV head
     stride_kb, stride_kh, stride_kn,  # K input (last dim contiguous)
     stride_vb, stride_vh, stride_vn,  # V input (last dim contiguous)
+    stride_qb, stride_qh, stride_qn,  # Q input (last dim contiguous)
     stride_vtd, S_al, n_vblk,  # V^T row stride, padded length, V scale blocks
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, V_BLOCK: tl.constexpr,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
     V_GIVEN: tl.constexpr,
-    K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr,
+    K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr, QUANT_Q: tl.constexpr, SC_STRIDE: tl.constexpr,
 ):
     bh = tl.program_id(1)
-    _kv_quant_task(tl.program_id(0), bh // H, bh % H, bh, K, V, KC, KS, VT, VS, S, n_kprog, amax_eps,
-                   stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_vtd, S_al, n_vblk,
-                   HEAD_DIM, BLOCK_T, V_BLOCK, QMAX, IS_INT8, QUANT_V, V_CHANNEL, V_GIVEN, K_PER_BLOCK, EXACT_FP8,
-                   min(BLOCK_T, V_BLOCK))
+    task = tl.program_id(0)
+    n_kv = n_kprog + (n_vblk if QUANT_V else 0)
+    if QUANT_Q and task >= n_kv:  # Q block: per-token scales, the numerics of the K rows (and of
+        # the attention kernel's in-register Q quantization: same codes)
+        j = task - n_kv
+        b = bh // H
+        hq = (bh % H) * n_rep + j // n_qprog
+        _kv_quant_task(j % n_qprog, b, hq, b * (H * n_rep) + hq, Q, Q, QC, QS, QC, QS, Sq, n_qprog, amax_eps,
+                       stride_qb, stride_qh, stride_qn, stride_qb, stride_qh, stride_qn, stride_vtd, S_al, n_vblk,
+                       HEAD_DIM, BLOCK_T, V_BLOCK, QMAX, IS_INT8, False, V_CHANNEL, V_GIVEN, False, EXACT_FP8,
+                       BLOCK_T, Sq_al, Sq_al)
+    else:
+        _kv_quant_task(task, bh // H, bh % H, bh, K, V, KC, KS, VT, VS, S, n_kprog, amax_eps,
+                       stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_vtd, S_al, n_vblk,
+                       HEAD_DIM, BLOCK_T, V_BLOCK, QMAX, IS_INT8, QUANT_V, V_CHANNEL, V_GIVEN, K_PER_BLOCK, EXACT_FP8,
+                       min(BLOCK_T, V_BLOCK), S, KS_ROWS, SC_STRIDE)
 
 
 def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype, v_granularity: str = "channel",
-                   v_block: int = 128, k_block: int | None = None, block_t: int = 128) -> dict:
+                   v_block: int = 128, k_block: int | None = None, block_t: int = 128, scale_pad: int = 1) -> dict:
     """The output buffers of the K/V quantization (layouts in the module docstring) plus the
     launch sizes: ``kc, ks, vt, vs`` (vt/vs None without ``v``), ``n_kprog`` (K tasks of
     ``k_block or block_t`` keys), ``n_vblk``, ``s_al`` and ``given`` (V scales precomputed here:
-    ``v_granularity='tensor'``)."""
+    ``v_granularity='tensor'``). ``scale_pad`` = 4: the per-block K / V scales are the element 0
+    of 16-byte rows (``ks[..., 0]`` views of ``[B, H, NB, 4]`` buffers; TMA boxes for the
+    warp-specialized attention)."""
     B, H, S, D = k.shape
     dev = k.device
     block_t = k_block or block_t
     n_kprog = cdiv(S, block_t)
-    out = {"kc": torch.empty((B, H, S, D), dtype=dtype, device=dev),
-           "ks": torch.empty((B, H, n_kprog) if k_block else (B, H, S), dtype=torch.float32, device=dev),
+    if k_block:
+        ks = torch.empty((B, H, n_kprog, scale_pad), dtype=torch.float32, device=dev)[..., 0]
+    else:
+        ks = torch.empty((B, H, -(-S // scale_pad) * scale_pad), dtype=torch.float32, device=dev)[:, :, :S]
+    out = {"kc": torch.empty((B, H, S, D), dtype=dtype, device=dev), "ks": ks,
            "vt": None, "vs": None, "n_kprog": n_kprog, "block_t": block_t, "n_vblk": cdiv(S, v_block),
            "s_al": -(-S // 16) * 16, "given": False}
     if v is not None:
@@ -179,46 +205,69 @@ def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtyp
         out["vt"] = torch.empty((B, H, D, out["s_al"]), dtype=dtype, device=dev)  # padding columns written as 0
         if v_granularity == "tensor":
             amax = v.abs().amax(dim=(2, 3)).float()
-            out["vs"] = (amax.clamp_min(AMAX_EPS) / QMAX[dtype])[:, :, None].expand(B, H, n_vblk).contiguous()
+            vs = (amax.clamp_min(AMAX_EPS) / QMAX[dtype])[:, :, None, None].expand(B, H, n_vblk, scale_pad)
+            out["vs"] = vs.contiguous()[..., 0]
             out["given"] = True
         elif v_granularity == "channel":
             out["vs"] = torch.empty((B, H, n_vblk, D), dtype=torch.float32, device=dev)
         else:
-            out["vs"] = torch.empty((B, H, n_vblk), dtype=torch.float32, device=dev)
+            out["vs"] = torch.empty((B, H, n_vblk, scale_pad), dtype=torch.float32, device=dev)[..., 0]
     return out
 
 
 def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype,
                        v_granularity: str = "channel", v_block: int = 128, k_block: int | None = None,
-                       num_warps: int | None = None):
+                       num_warps: int | None = None, q: torch.Tensor | None = None, scale_pad: int = 1):
     """K [B, H, S, D] (and V, or None to quantize K only) -> (kc, ks, vt, vs) in the layouts of
     the module docstring (vt, vs None when ``v`` is None). ``k_block``: one K scale per block of
-    that many keys (``ks [B, H, cdiv(S, k_block)]``) instead of one per key."""
+    that many keys (``ks [B, H, cdiv(S, k_block)]``) instead of one per key.
+
+    ``q`` (``[B, Hq, Sq, D]``, Hq a multiple of H): also quantize Q per token in the same launch
+    (extra programs) and return ``(kc, ks, vt, vs, qc, qs)`` with ``qc [B, Hq, Sq, D]`` codes and
+    ``qs [B, Hq, Sq]`` fp32 scales: the codes the attention kernel computes in registers otherwise
+    (views of buffers padded to a multiple of 4 rows per head: 16-byte aligned TMA boxes of the
+    scales). ``scale_pad``: see ``alloc_kv_codes``."""
     B, H, S, D = k.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v is not None and v.stride(-1) != 1:
         v = v.contiguous()
     buf = alloc_kv_codes(k, v, dtype=dtype, v_granularity=v_granularity, v_block=v_block, k_block=k_block,
-                         block_t=128 if D <= 128 else 64)
+                         block_t=128 if D <= 128 else 64, scale_pad=scale_pad)
     kc, ks, vt, vs = buf["kc"], buf["ks"], buf["vt"], buf["vs"]
-    if B * H == 0 or S == 0:
-        return kc, ks, vt, vs
+    qc = qs = None
+    n_qprog, n_rep, sq, sq_al = 0, 1, 0, 0
+    if q is not None:
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        Hq, sq = q.shape[1], q.shape[2]
+        n_rep = Hq // H
+        n_qprog = cdiv(sq, buf["block_t"])
+        sq_al = -(-sq // 4) * 4
+        qc = torch.empty((B, Hq, sq_al, D), dtype=dtype, device=k.device)[:, :, :sq]
+        qs = torch.empty((B, Hq, sq_al), dtype=torch.float32, device=k.device)[:, :, :sq]
+    res = (kc, ks, vt, vs) if q is None else (kc, ks, vt, vs, qc, qs)
+    if B * H == 0 or (S == 0 and sq == 0):
+        return res
     n_kprog, n_vblk, s_al = buf["n_kprog"], buf["n_vblk"], buf["s_al"]
-    grid = (n_kprog + (n_vblk if v is not None else 0), B * H)
+    grid = (n_kprog + (n_vblk if v is not None else 0) + n_rep * n_qprog, B * H)
     vv = v if v is not None else k
+    qq = q if q is not None else k
     _kv_quant_kernel[grid](
         k, vv, kc, ks, vt if vt is not None else kc, vs if vs is not None else ks,
+        qq, qc if qc is not None else kc, qs if qs is not None else ks,
         S, H, n_kprog, AMAX_EPS,
+        ks.stride(1) if k_block is None else S, sq, sq_al, max(n_qprog, 1), n_rep,
         k.stride(0), k.stride(1), k.stride(2),
         vv.stride(0), vv.stride(1), vv.stride(2),
+        qq.stride(0), qq.stride(1), qq.stride(2),
         s_al, s_al, n_vblk,
         HEAD_DIM=D, BLOCK_T=buf["block_t"], V_BLOCK=v_block, QMAX=QMAX[dtype], IS_INT8=dtype == torch.int8,
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=buf["given"],
-        K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(),
+        K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(), QUANT_Q=q is not None, SC_STRIDE=scale_pad,
         num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
     )
-    return kc, ks, vt, vs
+    return res
 
 
 # ------------------------------------------------------------------------------- KV4 -> FP8 blocks

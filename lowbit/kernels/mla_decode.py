@@ -8,12 +8,19 @@ carries ``q = [q_C W_UK | q_R]`` of width ``Dc + Dr`` (512 + 64); the cache hold
 
 Work decomposition (flash-decoding):
 - a row is one (query token, head) pair, rows ``r = t * H + h`` of the ``Sq * H`` rows of one
-  sequence; a program takes ``BLOCK_M`` (64) consecutive rows, so 64 heads share every KV tile
-  loaded: the heads are the M dimension of both dots (``[64 x 576] x [576 x BLOCK_N]`` then
-  ``[64 x BLOCK_N] x [BLOCK_N x 512]``, wgmma shapes on Hopper);
+  sequence; a program takes ``BLOCK_M`` consecutive rows, so BLOCK_M heads share every KV tile
+  loaded: the heads are the M dimension of both dots (``[BLOCK_M x 576] x [576 x BLOCK_N]`` then
+  ``[BLOCK_M x BLOCK_N] x [BLOCK_N x BLOCK_DV]``, wgmma shapes on Hopper), and the 512 output
+  columns may be split over ``DC / BLOCK_DV`` programs (each recomputes the scores: ``dv_splits``);
+- the "wide" tile (FP8 default on the GPU when a sequence has more than 64 rows, ``WIDE``):
+  BLOCK_M = 128 (8 warps = one warpgroup per 64 rows, so both dots are chained with
+  ``warpsPerCTA [8, 1]`` and no warpgroup duplicates the other's QK or needs the other's row
+  max), BLOCK_DV = 256 (accumulator 128 x 256 fp32 = 128 registers per thread), BLOCK_N = 64, and
+  the loop split into an unmasked part over whole blocks (``EVEN_LOOP``) and a masked tail.
+  Device R7 (B=32, H=128, L=16k): 260 vs 213 TFLOP/s for the 64-row tile with S_AHEAD;
 - the sequence is cut into ``num_splits`` chunks of ``chunk`` tokens (a multiple of BLOCK_N);
-  grid = (row blocks, splits, batch), row blocks fastest so that the programs reading the same KV
-  run side by side and share it through L2;
+  grid = (row blocks x column slices, splits, batch), row blocks fastest so that the programs
+  reading the same KV run side by side and share it through L2;
 - each program walks its chunk in BLOCK_N-token blocks, in increasing order (monotone block
   order: SnapMLA App. C), gathering the rows of the block through the page table
   (``slot = page_table[b, n // PAGE] * PAGE + n % PAGE``), and keeps an online softmax;
@@ -71,12 +78,17 @@ thread per 32-token block: 46 TFLOP/s in R4, 0.19x of bf16). Variants, all in th
   too (from smem) or, from registers, packs 4 consecutive K (= token) values per 32-bit register:
   the same 4x4 byte transpose as (b), plus a transposed output.
 Paper mismatch: SnapMLA runs P·V in FP8 (twice the bf16 MMA rate, P re-quantized per block) and
-reports FP8 decode well above bf16. Here the FP8 P·V is the default and the fastest FP8 variant,
-but the whole FP8 kernel stays below lowbit's bf16 kernel (R5: 214 vs 247 TFLOP/s at B=32 H=128
-L=16k): the loop is not MMA-bound (~750 SASS instructions per thread per block with one CTA of 8
-warps per SM, every wgmma waited on at once by Triton 3.6, the transpose, the P re-quantization
-and the extra V load are all on the critical path), so halving the MMA time buys little. The FP8
-gain that remains is memory (644 vs 1152 bytes per token).
+reports FP8 decode well above bf16. Here the FP8 kernel is 1.16-1.26x lowbit's bf16 kernel at
+H = 128 (R8: 300 vs 247 TFLOP/s at B=32 L=16k), short of the 1.6-1.7x target: with one 8-warp CTA
+per SM and every wgmma waited on at once by Triton 3.6, the loop is latency- and issue-bound
+(814-875 SASS per thread per 64-token block of the wide tile, 128 of them the accumulator
+rescale), so halving the MMA time buys little. What moved it (R6 -> R8, same numerics): the wide
+tile (213 -> 261: no duplicated QK, no cross-warpgroup softmax reductions, V^T of 256 columns),
+then the unmasked main loop and the single QK accumulator (261 -> 304; 18 bytes of spills gone).
+Measured and not kept: 2 CTAs per SM of 4 warps (64 rows x 256 columns: 242), 32-token blocks in
+the wide tile (210), a block-wide P scale (292, and 1.8-6x the P error on peaked rows). The
+``T_STEP`` softmax (row scale inside the exp2 argument) measured 300 vs 304 without it: equal within
+noise, fewer instructions; it is on (R8's suite table measured it).
 
 ``S_AHEAD`` (loop order): with the plain loop Triton sees QK's result feed the PV dot and assigns
 all 8 warps along M (``warpsPerCTA [8, 1]`` for a "chained" dot), so with BLOCK_M = 64 both
@@ -117,6 +129,25 @@ PATHS = ("bf16", "fp8", "fp8-bf16pv", "fp8-f16pv")
 PV_BLOCK_N = {"bf16": 64, "fp8": 64, "fp8-bf16pv": 32, "fp8-f16pv": 32}
 PV_STAGES = {"bf16": 2, "fp8": 2, "fp8-bf16pv": 2, "fp8-f16pv": 3}
 S_AHEAD = {"bf16": False, "fp8": True, "fp8-bf16pv": False, "fp8-f16pv": False}
+# programs per row block, each owning DC / DV_SPLITS output columns (and recomputing the scores)
+DV_SPLITS = {"bf16": 1, "fp8": 1, "fp8-bf16pv": 1, "fp8-f16pv": 1}
+# unmasked loop over the whole blocks + a masked tail (plain loop order only); the RoPE dot
+# accumulating into the content dot's accumulator
+# (R8, B=32 H=128 L=16k: bf16 263 vs 246 TFLOP/s with both, 26 B of spills; measured in a sweep only,
+# not yet in the suite's table, so bf16 keeps the R6 loop by default; the FP8 wide tile turns both on)
+EVEN_LOOP = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
+ONE_ACC = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
+# FP8 P scale per block from max s_k (``_softmax_step_t``, BLOCK_RULE) instead of the per-row max of P̃ (option)
+P_BLOCK = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
+# FP8-PV softmax on t = acc * s_k with the row scale inside the exp2 argument (``_softmax_step_t``)
+# (R8: 300 vs 304 TFLOP/s with / without it in the wide tile, 814 vs 875 SASS per block: equal within
+# noise; on, as in R8's suite table)
+T_STEP = {"bf16": False, "fp8": True, "fp8-bf16pv": False, "fp8-f16pv": False}
+# GPU, more than 64 rows (query tokens x heads) per sequence: the wide tile (R7: 260 vs 213 TFLOP/s
+# at B=32 H=128 L=16k): 128 rows per program (one warpgroup per 64 rows, both dots chained, no
+# duplicated QK, no cross-warpgroup softmax reductions), the 512 output columns over 2 programs
+# (accumulator 128 x 256 = 128 registers per thread); unset launcher arguments take these
+WIDE = {"fp8": dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one_acc=True)}
 
 
 @triton.jit
@@ -140,6 +171,18 @@ def _load_page(ptr, INTERPRET: tl.constexpr):
         return tl.load(ptr)
     return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                      is_pure=True, pack=1)
+
+
+@triton.jit
+def _ld(ptr, mask, other, MASK: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """tl.load, with ``mask`` only where MASK (the unmasked loop over whole blocks drops it)."""
+    if MASK:
+        if EVICT_LAST:
+            return tl.load(ptr, mask=mask, other=other, eviction_policy="evict_last")
+        return tl.load(ptr, mask=mask, other=other)
+    if EVICT_LAST:
+        return tl.load(ptr, eviction_policy="evict_last")
+    return tl.load(ptr)
 
 
 @triton.jit
@@ -188,7 +231,7 @@ def _unpack4(w):
 
 @triton.jit
 def _v_kmajor(KC, stride_kc, slot4, n4, end, BLOCK_N: tl.constexpr, DC: tl.constexpr, LANES_ON_TOKENS: tl.constexpr,
-              INTERPRET: tl.constexpr):
+              INTERPRET: tl.constexpr, MASK: tl.constexpr = True):
     """The FP8 content rows of the block's tokens as a [BLOCK_N, DC] fp8 tensor whose register
     layout holds 4 consecutive tokens of one dim in each 32-bit register, so that Triton's store
     into the K-major (token-contiguous) shared tile of the FP8 wgmma is 32 bits wide instead of
@@ -214,10 +257,10 @@ def _v_kmajor(KC, stride_kc, slot4, n4, end, BLOCK_N: tl.constexpr, DC: tl.const
     else:
         base = KW + slot4[:, None] * sw + tl.arange(0, W)[None, :]
         ok = n4[:, None]
-    a0 = tl.load(base, mask=ok < end, other=0)
-    a1 = tl.load(base + sw, mask=ok + 1 < end, other=0)
-    a2 = tl.load(base + 2 * sw, mask=ok + 2 < end, other=0)
-    a3 = tl.load(base + 3 * sw, mask=ok + 3 < end, other=0)
+    a0 = _ld(base, ok < end, 0, MASK, False)
+    a1 = _ld(base + sw, ok + 1 < end, 0, MASK, False)
+    a2 = _ld(base + 2 * sw, ok + 2 < end, 0, MASK, False)
+    a3 = _ld(base + 3 * sw, ok + 3 < end, 0, MASK, False)
     o0, o1, o2, o3 = _bytes_t4(a0, a1, a2, a3, INTERPRET)  # o_k = tokens 4g..4g+3 of dim 4 * word + k
     x = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [.., 2, 2] -> k = 2 * j + i
     if LANES_ON_TOKENS:
@@ -250,31 +293,47 @@ def _block_slots(PT, b, stride_pt, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.cons
 @triton.jit
 def _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim, sm_scale_log2e,
             DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-            IMPRECISE: tl.constexpr, INTERPRET: tl.constexpr):
+            IMPRECISE: tl.constexpr, INTERPRET: tl.constexpr, MASK: tl.constexpr = True,
+            ONE_ACC: tl.constexpr = False, T_STEP: tl.constexpr = False):
     """Base-2 scores of the block at n0 ([BLOCK_M, BLOCK_N], -inf where masked), the tokens' FP8
-    scales (FP8) and the block's K tile (the bf16 path reuses it as V)."""
+    scales (FP8) and the block's K tile (the bf16 path reuses it as V). ``MASK=False``: the block
+    is whole and visible to every row (no token or causal mask at all). ``ONE_ACC``: the RoPE dot
+    accumulates straight into the content dot's fp32 accumulator (one wgmma chain, one wait, one
+    scaling: SnapMLA's single accumulator literally), instead of two accumulators scaled and added.
+    ``T_STEP`` (FP8): returns ``t = acc * s_k`` without the row scale ``s_q * sm_scale * log2(e)``,
+    which ``_softmax_step_t`` applies inside its exp2 argument (one FFMA)."""
     slot, tok_ok, _ = _block_slots(PT, b, stride_pt, n0, end, BLOCK_N, PAGE, INTERPRET)
     offs_c = tl.arange(0, DC)
     offs_r = tl.arange(0, DR)
-    kc = tl.load(KC + slot[:, None] * stride_kc + offs_c[None, :], mask=tok_ok[:, None], other=0.0,
-                 eviction_policy="evict_last")
-    kr = tl.load(KR + slot[:, None] * stride_kr + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
+    kc = _ld(KC + slot[:, None] * stride_kc + offs_c[None, :], tok_ok[:, None], 0.0, MASK, True)
+    kr = _ld(KR + slot[:, None] * stride_kr + offs_r[None, :], tok_ok[:, None], 0.0, MASK, False)
     # QK^T: the content groups and the RoPE group in the same pre-scaled domain, one fp32 sum,
     # then the two scales (pre-scaled domain alignment). The RoPE dot has its own accumulator and
     # both products are scaled before the add: a dot feeding another dot's accumulator (which
     # Triton's combiner makes of ``dot + x``) counts as "chained" for its warp assignment (S_AHEAD)
     if FP8:
-        ks = tl.load(KS + slot, mask=tok_ok, other=0.0)
-        f = qscale[:, None] * ks[None, :]
-        s = tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE) * f
-        s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * f
+        ks = _ld(KS + slot, tok_ok, 0.0, MASK, False)
+        if T_STEP:
+            f = ks[None, :]
+        else:
+            f = qscale[:, None] * ks[None, :]
+        if ONE_ACC:
+            s = _dot(qr, tl.trans(kr), tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE), INTERPRET) * f
+        else:
+            s = tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE) * f
+            s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * f
     else:
         ks = tok_ok.to(tl.float32)
-        s = _dot(qc, tl.trans(kc), None, INTERPRET) * sm_scale_log2e
-        s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * sm_scale_log2e
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    keep = (offs_n[None, :] < lim[:, None]) & tok_ok[None, :]
-    return tl.where(keep, s, float("-inf")), ks, kc
+        if ONE_ACC:
+            s = _dot(qr, tl.trans(kr), _dot(qc, tl.trans(kc), None, INTERPRET), INTERPRET) * sm_scale_log2e
+        else:
+            s = _dot(qc, tl.trans(kc), None, INTERPRET) * sm_scale_log2e
+            s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * sm_scale_log2e
+    if MASK:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        keep = (offs_n[None, :] < lim[:, None]) & tok_ok[None, :]
+        s = tl.where(keep, s, float("-inf"))
+    return s, ks, kc
 
 
 @triton.jit
@@ -316,23 +375,73 @@ def _softmax_step(s, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, FP8: tl.constex
 
 
 @triton.jit
-def _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc,
-             DC: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+def _softmax_step_t(t, qscale, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, BLOCK_RULE: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """The FP8-PV online-softmax step (``T_STEP``, the default) on ``t = acc * s_k``: the scores are
+    ``S = t * qscale`` with the row scale ``qscale = s_q * sm_scale * log2(e) > 0``, so
+    ``rowmax(S) = qscale * rowmax(t)`` and ``S - m`` is one FFMA inside the exp2 (the product
+    ``s_q * s_k`` is never formed per element). Same numerics as ``_softmax_step`` up to fp32
+    rounding; the GPU's ``cvt.rn.satfinite`` replaces the clamp at 448 (kept under the interpreter).
+
+    ``BLOCK_RULE=False`` (default): the P scale of the block is ``rowmax(P̃) / 448`` per row,
+    made monotone, so the row's largest term is 448 exactly (no rounding on the dominant term).
+    ``BLOCK_RULE=True``: ``σ_need = max_j(s_k) / 448`` for the whole block (every ``p <= 1``, so it
+    bounds every row's P̃), ``1/σ`` folded into the exp2 argument: 2 fewer instructions per
+    element, but the dominant term is rounded to FP8 too: 1.8-6x the output error on peaked
+    attention (CPU emulation, ``tests/test_mla.py``), so it is an option only."""
+    m_blk = tl.max(t, 1) * qscale
+    m_new = tl.maximum(m_i, m_blk)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
+    sig_keep = sig_i * alpha
+    if BLOCK_RULE:
+        sig_new = tl.maximum(sig_keep, tl.max(ks, 0) * (1.0 / 448.0))
+        r = tl.where(sig_new == sig_keep, 1.0, sig_keep / sig_new)
+        e = tl.exp2(t * qscale[:, None] - (m_safe + tl.log2(sig_new))[:, None])  # p / sigma
+        pv = e * ks[None, :]
+        l_new = l_i * r + tl.sum(e, 1)
+    else:
+        p = tl.exp2(t * qscale[:, None] - m_safe[:, None])
+        pt = p * ks[None, :]  # value scale fused into P (Key Step 2)
+        sig_new = tl.maximum(tl.max(pt, 1) * (1.0 / 448.0), sig_keep)  # monotone block scale
+        inv_sig = tl.where(sig_new > 0, 1.0 / sig_new, 0.0)
+        r = tl.where(sig_new == sig_keep, 1.0, sig_keep * inv_sig)
+        pv = pt * inv_sig[:, None]
+        l_new = l_i * r + tl.sum(p, 1) * inv_sig
+    if INTERPRET:  # the GPU's cvt.rn.satfinite clamps the rounding overshoot past 448 by itself
+        pv = tl.minimum(pv, 448.0)
+    return _cast(pv, V_DTYPE, INTERPRET), r, m_new, l_new, sig_new
+
+
+@triton.jit
+def _softmax_any(s, ks, qscale, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, FP8: tl.constexpr, PV_FP8: tl.constexpr,
+                 TAU: tl.constexpr, PV16: tl.constexpr, T_STEP: tl.constexpr, BLOCK_RULE: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    if T_STEP:
+        return _softmax_step_t(s, qscale, ks, m_i, l_i, sig_i, V_DTYPE, BLOCK_RULE, INTERPRET)
+    return _softmax_step(s, ks, m_i, l_i, sig_i, V_DTYPE, FP8, PV_FP8, TAU, PV16, INTERPRET)
+
+
+@triton.jit
+def _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, dv0,
+             DC: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
              PV_FP8: tl.constexpr, V_PRMT: tl.constexpr, PV_PROMOTE: tl.constexpr, S_AHEAD: tl.constexpr,
-             TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr):
+             TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr, MASK: tl.constexpr = True):
     """acc = acc * rescale + P · V for the block at n0. V = the block's content rows: the K tile
     itself (bf16, unless S_AHEAD, where K and V belong to different blocks), or (FP8) the rows
-    loaded again (an L2 hit), in the layout its wgmma needs (see the module docstring)."""
-    offs_c = tl.arange(0, DC)
-    if FP8 and (PV16 or not PV_FP8) and not S_AHEAD:  # the K tile itself, upcast (exact): no second load
+    loaded again (an L2 hit), in the layout its wgmma needs (see the module docstring). With
+    ``BLOCK_DV`` < DC only the value columns ``[dv0, dv0 + BLOCK_DV)`` (always loaded on their own)."""
+    offs_c = dv0 + tl.arange(0, BLOCK_DV)
+    REUSE_K: tl.constexpr = (BLOCK_DV == DC) and not S_AHEAD
+    if FP8 and (PV16 or not PV_FP8) and REUSE_K:  # the K tile itself, upcast (exact): no second load
         vc = kc.to(tl.float16 if (PV_FP8 and PV16) else tl.bfloat16)
-    elif FP8 or S_AHEAD:
+    elif FP8 or not REUSE_K:
         slot, tok_ok, slot4 = _block_slots(PT, b, stride_pt, n0, end, BLOCK_N, PAGE, INTERPRET)
         if FP8 and PV_FP8 and PV16:
             vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c).to(tl.float16)
         elif FP8 and PV_FP8 and V_PRMT:  # byte-transposed in registers: 32-bit stores into the K-major smem tile
-            vc = _v_kmajor(KC, stride_kc, slot4, n0 + 4 * tl.arange(0, BLOCK_N // 4), end, BLOCK_N, DC,
-                           V_PRMT == 2, INTERPRET)
+            vc = _v_kmajor(KC + dv0, stride_kc, slot4, n0 + 4 * tl.arange(0, BLOCK_N // 4), end, BLOCK_N, BLOCK_DV,
+                           V_PRMT == 2, INTERPRET, MASK)
         else:
             vc = _v_rows(KC, stride_kc, tl.where(tok_ok, slot, -1), offs_c)
         if FP8 and not PV_FP8:
@@ -360,12 +469,16 @@ def _mla_decode_kernel(
     # strides
     stride_qc, stride_qr, stride_kc, stride_kr, stride_pt, stride_o, stride_os, stride_ls,
     # constexpr
-    DC: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DC: tl.constexpr, DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
     PV_PROMOTE: tl.constexpr, PV_FP8: tl.constexpr, V_PRMT: tl.constexpr, S_AHEAD: tl.constexpr,
-    TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr,
+    TAU: tl.constexpr, PV16: tl.constexpr, EVEN_LOOP: tl.constexpr, ONE_ACC: tl.constexpr, T_STEP: tl.constexpr,
+    BLOCK_RULE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    NDV: tl.constexpr = DC // BLOCK_DV  # programs sharing a row block, one per slice of the output columns
+    pid_m = tl.program_id(0) // NDV
+    dv0 = (tl.program_id(0) % NDV) * BLOCK_DV
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(SEQ + b)
@@ -381,14 +494,14 @@ def _mla_decode_kernel(
     qc = tl.load(QC + rows[:, None] * stride_qc + offs_c[None, :], mask=row_ok[:, None], other=0.0)
     qr = tl.load(QR + rows[:, None] * stride_qr + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     if FP8:
-        qscale = tl.load(QS + rows, mask=row_ok, other=0.0) * sm_scale_log2e
+        qscale = tl.load(QS + rows, mask=row_ok, other=1.0) * sm_scale_log2e  # > 0 (T_STEP relies on it)
     else:
         qscale = tl.zeros([BLOCK_M], tl.float32)  # unused
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     sig_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if S_AHEAD:
         # software-pipelined by hand: iteration j computes P·V of block j-1 and the scores of block j.
         # The QK dot's result then reaches the PV dot only through the loop-carried P, so Triton
@@ -397,37 +510,50 @@ def _mla_decode_kernel(
         # dot: with BLOCK_M = 64 the second warpgroup duplicates the first). V is loaded on its own.
         # (only P and the rescale factor are carried: the K tile must not be, or it would live in registers)
         s0, ks0, _k0 = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, start, end, lim,
-                               sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET)
-        p_op, rescale, m_i, l_i, sig_i = _softmax_step(s0, ks0, m_i, l_i, sig_i, KC.dtype.element_ty, FP8, PV_FP8,
-                                                       TAU, PV16, INTERPRET)
+                               sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, True, ONE_ACC, T_STEP)
+        p_op, rescale, m_i, l_i, sig_i = _softmax_any(s0, ks0, qscale, m_i, l_i, sig_i, KC.dtype.element_ty, FP8, PV_FP8,
+                                                       TAU, PV16, T_STEP, BLOCK_RULE, INTERPRET)
         for n0 in range(start + BLOCK_N, end, BLOCK_N):  # monotone block order (SnapMLA App. C)
-            acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0 - BLOCK_N, end, 0, DC, BLOCK_N,
-                           PAGE, FP8, PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
+            acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0 - BLOCK_N, end, 0, dv0, DC, BLOCK_DV,
+                           BLOCK_N, PAGE, FP8, PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
             s, ks, _k = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
-                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET)
-            p_op, rescale, m_i, l_i, sig_i = _softmax_step(s, ks, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
-                                                           PV_FP8, TAU, PV16, INTERPRET)
+                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, True, ONE_ACC, T_STEP)
+            p_op, rescale, m_i, l_i, sig_i = _softmax_any(s, ks, qscale, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
+                                                           PV_FP8, TAU, PV16, T_STEP, BLOCK_RULE, INTERPRET)
         last = start + tl.maximum(tl.cdiv(end - start, BLOCK_N) - 1, 0) * BLOCK_N
-        acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, last, end, 0, DC, BLOCK_N, PAGE, FP8,
+        acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, last, end, 0, dv0, DC, BLOCK_DV, BLOCK_N, PAGE, FP8,
                        PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
     else:
-        for n0 in range(start, end, BLOCK_N):  # monotone block order (SnapMLA App. C)
+        if EVEN_LOOP:  # whole blocks that every row sees entirely: no token or causal masks at all
+            vis = tl.minimum(end, seq_len - SQ + 1)
+            full_end = start + tl.maximum(vis - start, 0) // BLOCK_N * BLOCK_N
+            for n0 in range(start, full_end, BLOCK_N):  # monotone block order (SnapMLA App. C)
+                s, ks, kc = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
+                                    sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, False, ONE_ACC, T_STEP)
+                p_op, rescale, m_i, l_i, sig_i = _softmax_any(s, ks, qscale, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
+                                                               PV_FP8, TAU, PV16, T_STEP, BLOCK_RULE, INTERPRET)
+                acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, dv0, DC, BLOCK_DV,
+                               BLOCK_N, PAGE, FP8, PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET, False)
+        else:
+            full_end = start
+        for n0 in range(full_end, end, BLOCK_N):  # the ragged / causal tail (or every block), masked
             s, ks, kc = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
-                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET)
-            p_op, rescale, m_i, l_i, sig_i = _softmax_step(s, ks, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
-                                                           PV_FP8, TAU, PV16, INTERPRET)
-            acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, DC, BLOCK_N, PAGE, FP8,
+                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, True, ONE_ACC, T_STEP)
+            p_op, rescale, m_i, l_i, sig_i = _softmax_any(s, ks, qscale, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
+                                                           PV_FP8, TAU, PV16, T_STEP, BLOCK_RULE, INTERPRET)
+            acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, dv0, DC, BLOCK_DV, BLOCK_N, PAGE, FP8,
                            PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
 
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    offs_v = dv0 + tl.arange(0, BLOCK_DV)
     out = acc * inv_l[:, None]
     if SPLIT:
         ell = l_i * sig_i if (FP8 and PV_FP8) else l_i
         lse = tl.where(l_i > 0, m_i + tl.log2(ell), float("-inf"))
-        tl.store(LSE + pid_s * stride_ls + rows, lse, mask=row_ok)
-        tl.store(O + pid_s * stride_os + rows[:, None] * stride_o + offs_c[None, :], out, mask=row_ok[:, None])
+        tl.store(LSE + pid_s * stride_ls + rows, lse, mask=row_ok & (dv0 == 0))  # equal in every column slice
+        tl.store(O + pid_s * stride_os + rows[:, None] * stride_o + offs_v[None, :], out, mask=row_ok[:, None])
     else:
-        tl.store(O + rows[:, None] * stride_o + offs_c[None, :], _cast(out, O.dtype.element_ty, INTERPRET),
+        tl.store(O + rows[:, None] * stride_o + offs_v[None, :], _cast(out, O.dtype.element_ty, INTERPRET),
                  mask=row_ok[:, None])
 
 
@@ -459,11 +585,13 @@ def _num_sms(device) -> int:
     return 4
 
 
-def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device, num_splits: int | None = None):
-    """(num_splits, chunk): enough programs to fill the SMs in whole waves, chunks of >= 4 blocks."""
+def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device, num_splits: int | None = None,
+                ctas_per_sm: int = 1):
+    """(num_splits, chunk): enough programs to fill the SMs (``ctas_per_sm`` resident programs each)
+    in whole waves, chunks of >= 4 blocks."""
     blocks = max(1, cdiv(max_len, block_n))
     if num_splits is None:
-        sms = _num_sms(device)
+        sms = _num_sms(device) * ctas_per_sm
         tiles = batch * row_blocks
         best, best_eff = 1, 0.0
         for s in range(1, min(64, max(1, blocks // 4)) + 1):
@@ -483,7 +611,9 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
                       imprecise: int | None = None, pv_promote: bool = False, pv_fp8: bool = True,
                       v_prmt: int = 2, s_ahead: bool | None = None, tau: float = 0.0, pv16: bool = False,
                       num_warps: int | None = None,
-                      num_stages: int | None = None,
+                      num_stages: int | None = None, dv_splits: int | None = None,
+                      even_loop: bool | None = None, one_acc: bool | None = None, p_block: bool | None = None,
+                      t_step: bool | None = None,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
@@ -496,6 +626,13 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     dev = qc.device
     interp = interpret_mode() or dev.type != "cuda"
     path = "bf16" if not fp8 else ("fp8-f16pv" if pv16 and pv_fp8 else "fp8" if pv_fp8 else "fp8-bf16pv")
+    wide = WIDE.get(path) if (not interp and ROWS > 64 and not tau) else None
+    if wide:
+        block_m = wide["block_m"] if block_m is None else block_m
+        dv_splits = wide["dv_splits"] if dv_splits is None else dv_splits
+        s_ahead = wide["s_ahead"] if s_ahead is None else s_ahead
+        even_loop = wide["even_loop"] if even_loop is None else even_loop
+        one_acc = wide["one_acc"] if one_acc is None else one_acc
     if block_m is None:
         block_m = 64 if not interp else max(16, min(64, triton.next_power_of_2(ROWS)))
     if block_n is None:
@@ -506,8 +643,20 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     v_prmt = int(v_prmt) if (ok4 and not pv16) else 0
     if s_ahead is None:
         s_ahead = S_AHEAD[path]
+    if dv_splits is None:
+        dv_splits = DV_SPLITS[path] if not interp else 1
+    if DC % dv_splits or (DC // dv_splits) < 16 or dv_splits & (dv_splits - 1):
+        raise ValueError(f"dv_splits ({dv_splits}) must be a power of two dividing the latent width {DC} into >= 16")
+    fp8pv = fp8 and pv_fp8 and not pv16 and not tau
+    t_step_on = fp8pv and bool(T_STEP[path] if t_step is None else t_step)
+    p_rule = "row" if not t_step_on else (
+        ("block" if P_BLOCK[path] else "row") if p_block is None else ("block" if p_block else "row"))
     row_blocks = cdiv(ROWS, block_m)
-    splits, chunk = plan_splits(B, row_blocks, max_seq_len, block_n, dev, num_splits)
+    if num_warps is None:
+        num_warps = 8 if (not interp and DC >= 256) else 4
+    # 4 warps, 64 rows, half the columns: 255 registers x 128 threads and ~100 KB smem fit 2 per SM
+    resident = 2 if (num_warps == 4 and block_m == 64 and dv_splits >= 2 and not interp) else 1
+    splits, chunk = plan_splits(B, row_blocks * dv_splits, max_seq_len, block_n, dev, num_splits, resident)
     out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
     qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
     if splits > 1:
@@ -517,19 +666,20 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     else:
         ow = lse = None
         o_arg, so, sos, sls = out.view(B * ROWS, DC), DC, 0, 0
-    if num_warps is None:
-        num_warps = 8 if (not interp and DC >= 256) else 4
     if num_stages is None:
         num_stages = PV_STAGES[path] if not interp else 1
     dummy = kc.new_empty(1, dtype=torch.float32) if qs is None else None
-    kernel = _mla_decode_kernel[(row_blocks, splits, B)](
+    kernel = _mla_decode_kernel[(row_blocks * dv_splits, splits, B)](
         qc2, qr2, qs if qs is not None else dummy, kc, kr, ks if ks is not None else dummy,
         page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, SQ, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), kc.stride(0), kr.stride(0), page_table.stride(0), so, sos, sls,
-        DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
+        DC=DC, DR=DR, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DV=DC // dv_splits, PAGE=page_size, FP8=fp8, SPLIT=splits > 1,
         IMPRECISE=min(DC if imprecise is None else imprecise, DC), PV_PROMOTE=pv_promote, PV_FP8=pv_fp8,
         V_PRMT=v_prmt, S_AHEAD=s_ahead, TAU=float(tau), PV16=bool(pv16 and fp8 and pv_fp8),
+        EVEN_LOOP=bool(EVEN_LOOP[path] if even_loop is None else even_loop),
+        ONE_ACC=bool(ONE_ACC[path] if one_acc is None else one_acc), BLOCK_RULE=p_rule == "block",
+        T_STEP=t_step_on,
         INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -540,5 +690,6 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         )
     if return_plan:
         return out, {"splits": splits, "chunk": chunk, "block_n": block_n, "block_m": block_m, "v_prmt": v_prmt,
+                     "dv_splits": dv_splits, "p_rule": p_rule, "num_warps": num_warps, "num_stages": num_stages,
                      "s_ahead": s_ahead, "kernel": kernel}
     return out

@@ -29,6 +29,12 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   one sums the partials in split order (deterministic) and runs the epilogue, then resets the
   counter (a cached zeroed int32 buffer; concurrent launches on different streams must not share
   it). ``SK_SEM=False``: ``_splitk_reduce_kernel`` (a second launch) does that.
+- Loads (decode): ``TMA`` fetches each K tile's ``[BLOCK_N, 64 B]`` code box with the tensor-memory
+  accelerator (a host ``TensorDescriptor``; rows >= N read as zero), else cp.async; ``SWORD`` reads a
+  row's group scales as the one aligned 4-byte word holding them (else a 16-byte chunk reduced in
+  registers); ``KSTEP`` K tiles per loop iteration (the last step masked), i.e. KSTEP x 64
+  contiguous code bytes per row per pipeline stage. None of them changes the arithmetic or its
+  order (outputs bit-equal on the GPU, R8).
 - ``QUANT_A`` (``w4a8_fp8_linear_fused``, decode): x arrives in fp16/bf16/fp32 and its per-token
   FP8 quantization runs inside the GEMM, so the linear is one launch. Every program reads its
   QROWS rows of x over the whole K (a few KB, L2-resident; redundant across programs), takes the
@@ -94,9 +100,15 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
 
     - M <= 64 (decode): SWAP_AB (the weight tile is the 64-row wgmma A operand, x^T the N=16..64
       operand). BLOCK_N = 128 weight rows without split-K when that already gives one program per
-      SM (gate_up M=1: 29.6 us vs 32.1 us with 64 rows), else 64 rows and single-launch split-K
-      until >= 2 programs per SM. ``ACC_TILE`` (31.0 vs 32.1 us) and the 16-byte scale chunk
-      (``SWORD=False``: 31.3 vs 32.1 us) measured slightly faster.
+      SM, with the codes loaded by TMA (``TMA``), the group scales by one 4-byte word per row
+      (``SWORD``) and two K tiles per loop iteration (``KSTEP=2``, 3 stages). R8 (H200, M=1, GEMM
+      alone): gate_up 25.4 us (R7 default 29.9: 128 rows, cp.async, 16-byte scale chunk; TMA+SWORD
+      26.8, SWORD only 28.4), lm_head (N=128256) 77.2 us (111.7). Long K (>= 64 K tiles, i.e. down):
+      128 rows, TMA, SWORD, split-K to ~1.5 programs per SM (down M=1: 16.1 vs 18.8 us for 64 rows x
+      split 8). Otherwise (qkv, o) 64 rows, split-K until >= 2 programs per SM, cp.async + 16-byte
+      scale chunk (TMA / SWORD measured 0.2-1.2 us slower there). ``ACC_TILE`` (31.0 vs 32.1 us, R4).
+      Measured and dropped (R7/R8): stream-K over (tile, K tile) units with 132-528 programs (gate_up
+      27.6-38.6 us, M=128 gate_up 64.7 vs 58.1), a rotated K start per tile (no change), 6 stages.
     - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
       dequantized weight stays the register A operand (gate_up M=128: 59.4 us vs 72.6 us for 64x128
       tiles without swap; R4), split-K until one wave.
@@ -113,8 +125,12 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         if cdiv(N, 128) >= n_sm:
-            return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
-                        ACC_TILE=True, SWORD=False)
+            return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=3, GROUP_M=1,
+                        ACC_TILE=True, SWORD=True, TMA=True, KSTEP=2)
+        if k_tiles >= 64:  # long K (down): 128 rows, split-K to ~1.5 programs per SM
+            split = _split_k(cdiv(N, 128) * cdiv(M, bm), k_tiles, 3 * n_sm // 2)
+            return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
+                        ACC_TILE=True, SWORD=True, TMA=True)
         bn = 64
         split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
@@ -296,20 +312,29 @@ def _load_scales(s_rows, kt, mask_n, offs_h, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h,
-                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr):
+def _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, b_desc, n0,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
+                  TMA: tl.constexpr):
     """K tile ``kt`` of ``BLOCK_N`` weight rows -> FP8 (w_lo, w_hi), each ``[BLOCK_N, 64]``: the
     columns ``128 kt + j`` and ``128 kt + 64 + j``."""
     if SWORD:
         s_lo, s_hi = _load_scales_word(s_words, kt, mask_n, offs_h, GROUP)
     else:
         s_lo, s_hi = _load_scales(s_rows, kt, mask_n, offs_h, GROUP)
+    if TMA:  # [BLOCK_N, 64] code bytes by the tensor-memory accelerator (rows >= N read as 0)
+        p = b_desc.load([n0, kt * HALF_K])
     if not LUT:
-        wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
+        if TMA:
+            b4 = tl.reshape(p, [BLOCK_N, 16, 4]).to(tl.int32)
+            sh = (8 * tl.arange(0, 4))[None, None, :]
+            wrd = tl.sum(b4 << sh, axis=2)
+        else:
+            wrd = tl.load(w_rows + (kt * 16 + tl.arange(0, 16))[None, :], mask=mask_n[:, None], other=0)
         w_lo = _dequant_emulated(wrd, s_lo, False, BLOCK_N)
         w_hi = _dequant_emulated(wrd, s_hi, True, BLOCK_N)
     else:
-        p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
+        if not TMA:
+            p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
         l0, l1 = _fp8_lut(s_lo)
         w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
         if GROUP > HALF_K:  # same group for both halves: reuse the LUT
@@ -354,43 +379,29 @@ def _quant_rows(v, s, r, QROWS: tl.constexpr, RSTEP: tl.constexpr, BLOCK_M: tl.c
 
 
 @triton.jit
-def _w4a8_fp8_gemm_kernel(
-    # pointers
-    A, A_scale, Bq, B_scale, Bias, Res, C, Ws, Lock,
-    # sizes / scalars
-    M, N, K, N_OUT, inv_delta, amax_eps,
-    # strides (last dims contiguous)
-    stride_am, stride_bn, stride_sn, stride_rm, stride_cm,
-    # constexpr flags
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
-    QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
-    SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr,
-):
-    # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles). A program
-    # covers QROWS rows of x (= BLOCK_M unless QUANT_A packs fewer rows into the tile).
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(2)
-    num_m = tl.cdiv(M, QROWS)
-    num_n = tl.num_programs(1)
-    if GROUP_M > 1:
-        pid_n_all = tl.program_id(1)
-        lin = pid_n_all * num_m + pid
-        width = GROUP_M * num_n
-        gid = lin // width
-        first_m = gid * GROUP_M
-        gsz = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (lin % width) % gsz
-        pid_n = (lin % width) // gsz
-    else:
-        pid_m = pid
-        pid_n = tl.program_id(1)
-
+def _tile_offsets(pid_m, pid_n, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QROWS: tl.constexpr,
+                  RSTEP: tl.constexpr):
+    """x rows (M where the tile row holds none) and weight rows of output tile (pid_m, pid_n)."""
     i_m = tl.arange(0, BLOCK_M)
     row_of = pid_m * QROWS + i_m // RSTEP
     offs_m = tl.where((i_m % RSTEP == 0) & (row_of < M), row_of, M)  # tile row -> x row (M: none)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n
+
+
+@triton.jit
+def _gemm_tile(
+    A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
+    pid_m, pid_n, pid_k, kt0, kt1,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
+    QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr,
+    W_FP8: tl.constexpr, SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """K tiles [kt0, kt1) of output tile (pid_m, pid_n) -> (acc [BLOCK_M, BLOCK_N] fp32 before
+    scaling, the tile rows' per-token scales sx [BLOCK_M])."""
+    offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
     offs_h = tl.arange(0, HALF_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -399,11 +410,6 @@ def _w4a8_fp8_gemm_kernel(
     w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
     s_words = B_scale.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
-
-    k_tiles = tl.cdiv(K, 2 * HALF_K)
-    per = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per
-    kt1 = tl.minimum(kt0 + per, k_tiles)
 
     if QUANT_A:
         # fused per-token FP8 quantization of x (float): absmax of the QROWS real rows over the
@@ -452,42 +458,53 @@ def _w4a8_fp8_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kt in range(kt0, kt1):
-        k0 = kt * 2 * HALF_K
-        # activations: two 64-wide halves of the K tile (masked beyond K and M)
-        k_lo = k0 + offs_h
-        k_hi = k0 + HALF_K + offs_h
-        if QUANT_A:
-            v_lo = nv_lo
-            v_hi = nv_hi
-            nk_lo = k_lo + 2 * HALF_K
-            pmask = mask_q[:, None] & (kt + 1 < kt1)
-            nv_lo = tl.load(q_rows + nk_lo[None, :], mask=pmask & (nk_lo < K)[None, :], other=0.0)
-            nv_hi = tl.load(q_rows + HALF_K + nk_lo[None, :], mask=pmask & (nk_lo + HALF_K < K)[None, :], other=0.0)
-            a_lo = _quant_rows(v_lo.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
-            a_hi = _quant_rows(v_hi.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
-        else:
-            a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & (k_lo < K)[None, :], other=0.0)
-            a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & (k_hi < K)[None, :], other=0.0)
-        if W_FP8:  # weights already dequantized to FP8 [N, Kp] (large-M path): plain FP8 GEMM
-            w_lo = tl.load(b_rows + (k0 + offs_h)[None, :], mask=mask_n[:, None], other=0.0)
-            w_hi = tl.load(b_rows + (k0 + HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0.0)
-        else:  # packed INT4 codes (padded to the 128-block: no K mask) -> FP8 through the LUT
-            w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, GROUP, BLOCK_N, LUT, SWORD)
-        if ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
-            if SWAP_AB:
-                part = tl.dot(w_lo, tl.trans(a_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
-                part = tl.dot(w_hi, tl.trans(a_hi), part)
+    for kt_s in range(kt0, kt1, KSTEP):
+        for u in tl.static_range(KSTEP):  # KSTEP K tiles per iteration: KSTEP x 64 B per code row
+            kt = kt_s + u
+            k0 = kt * 2 * HALF_K
+            # activations: two 64-wide halves of the K tile (masked beyond K and M)
+            k_lo = k0 + offs_h
+            k_hi = k0 + HALF_K + offs_h
+            if KSTEP > 1:  # the last step may run past this split's K tiles
+                kmask_lo = (k_lo < K) & (kt < kt1)
+                kmask_hi = (k_hi < K) & (kt < kt1)
+                wmask_n = mask_n & (kt < kt1)
             else:
-                part = tl.dot(a_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
-                part = tl.dot(a_hi, tl.trans(w_hi), part)
-            acc += part
-        elif SWAP_AB:
-            acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=IMPRECISE)
-            acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=IMPRECISE)
-        else:
-            acc = tl.dot(a_lo, tl.trans(w_lo), acc, max_num_imprecise_acc=IMPRECISE)
-            acc = tl.dot(a_hi, tl.trans(w_hi), acc, max_num_imprecise_acc=IMPRECISE)
+                kmask_lo = k_lo < K
+                kmask_hi = k_hi < K
+                wmask_n = mask_n
+            if QUANT_A:
+                v_lo = nv_lo
+                v_hi = nv_hi
+                nk_lo = k_lo + 2 * HALF_K
+                pmask = mask_q[:, None] & (kt + 1 < kt1)
+                nv_lo = tl.load(q_rows + nk_lo[None, :], mask=pmask & (nk_lo < K)[None, :], other=0.0)
+                nv_hi = tl.load(q_rows + HALF_K + nk_lo[None, :], mask=pmask & (nk_lo + HALF_K < K)[None, :], other=0.0)
+                a_lo = _quant_rows(v_lo.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
+                a_hi = _quant_rows(v_hi.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
+            else:
+                a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & kmask_lo[None, :], other=0.0)
+                a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & kmask_hi[None, :], other=0.0)
+            if W_FP8:  # weights already dequantized to FP8 [N, Kp] (large-M path): plain FP8 GEMM
+                w_lo = tl.load(b_rows + (k0 + offs_h)[None, :], mask=wmask_n[:, None], other=0.0)
+                w_hi = tl.load(b_rows + (k0 + HALF_K + offs_h)[None, :], mask=wmask_n[:, None], other=0.0)
+            else:  # packed INT4 codes (padded to the 128-block: no K mask) -> FP8 through the LUT
+                w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, wmask_n, offs_h, Bdesc,
+                                            pid_n * BLOCK_N, GROUP, BLOCK_N, LUT, SWORD, TMA)
+            if ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
+                if SWAP_AB:
+                    part = tl.dot(w_lo, tl.trans(a_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                    part = tl.dot(w_hi, tl.trans(a_hi), part)
+                else:
+                    part = tl.dot(a_lo, tl.trans(w_lo), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                    part = tl.dot(a_hi, tl.trans(w_hi), part)
+                acc += part
+            elif SWAP_AB:
+                acc = tl.dot(w_lo, tl.trans(a_lo), acc, max_num_imprecise_acc=IMPRECISE)
+                acc = tl.dot(w_hi, tl.trans(a_hi), acc, max_num_imprecise_acc=IMPRECISE)
+            else:
+                acc = tl.dot(a_lo, tl.trans(w_lo), acc, max_num_imprecise_acc=IMPRECISE)
+                acc = tl.dot(a_hi, tl.trans(w_hi), acc, max_num_imprecise_acc=IMPRECISE)
     if SWAP_AB:
         acc = tl.trans(acc)
 
@@ -495,6 +512,52 @@ def _w4a8_fp8_gemm_kernel(
         sx = tl.reshape(tl.broadcast_to(sxq[:, None], [QROWS, RSTEP]), [BLOCK_M])
     else:
         sx = tl.load(A_scale + offs_m, mask=mask_m, other=0.0)
+    return acc, sx
+
+
+@triton.jit
+def _w4a8_fp8_gemm_kernel(
+    # pointers
+    A, A_scale, Bq, B_scale, Bias, Res, C, Ws, Lock, Bdesc,
+    # sizes / scalars
+    M, N, K, N_OUT, inv_delta, amax_eps,
+    # strides (last dims contiguous)
+    stride_am, stride_bn, stride_sn, stride_rm, stride_cm,
+    # constexpr flags
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
+    QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
+    SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr, TMA: tl.constexpr,
+):
+    k_tiles = tl.cdiv(K, 2 * HALF_K)
+    num_m = tl.cdiv(M, QROWS)
+    # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles). A program
+    # covers QROWS rows of x (= BLOCK_M unless QUANT_A packs fewer rows into the tile).
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    num_n = tl.num_programs(1)
+    if GROUP_M > 1:
+        pid_n_all = tl.program_id(1)
+        lin = pid_n_all * num_m + pid
+        width = GROUP_M * num_n
+        gid = lin // width
+        first_m = gid * GROUP_M
+        gsz = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (lin % width) % gsz
+        pid_n = (lin % width) // gsz
+    else:
+        pid_m = pid
+        pid_n = tl.program_id(1)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    kt1 = tl.minimum(kt0 + per, k_tiles)
+    acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
+                         pid_m, pid_n, pid_k, kt0, kt1, GROUP, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, LUT, IMPRECISE,
+                         ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA)
+    offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
     if SPLIT_K > 1:
         ws = Ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
         wmask = mask_m[:, None] & mask_n[None, :]
@@ -552,7 +615,8 @@ def _dequant_fp8_kernel(
     w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
     s_words = B_scale.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
-    w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, GROUP, BLOCK_N, LUT, SWORD)
+    w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, Bq, 0, GROUP, BLOCK_N, LUT,
+                               SWORD, False)
     o_rows = Out + offs_n[:, None].to(tl.int64) * stride_on + kt * 2 * HALF_K
     tl.store(o_rows + offs_h[None, :], w_lo, mask=mask_n[:, None])
     tl.store(o_rows + HALF_K + offs_h[None, :], w_hi, mask=mask_n[:, None])
@@ -630,11 +694,17 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
     grid = (cdiv(M, qrows), cdiv(N, bn), split)
     lock = _lock_buffer(grid[0] * grid[1], a.device) if sk_sem else out
     dummy = sx
+    tma = bool(cfg.get("TMA", False)) and not w_fp8 and bq.data_ptr() % 16 == 0 and bq.stride(0) % 16 == 0
+    bdesc = bq
+    if tma:  # host-side TMA descriptor of the packed codes, one [BLOCK_N, 64 B] box per K tile
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bdesc = TensorDescriptor(bq, list(bq.shape), [bq.stride(0), 1], [bn, HALF_K.value])
     qwide = cfg.get("QWIDE", False)
     qch = max(HALF_K.value, min(2048 if qwide else 1024, 2048 // qrows))  # prologue columns per iteration
     compiled = _w4a8_fp8_gemm_kernel[grid](
         a, sx, bq, scales, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        out, ws, lock,
+        out, ws, lock, bdesc,
         M, N, K, n_out, float(inv_delta), AMAX_EPS,
         a.stride(0), bq.stride(0), scales.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
@@ -643,6 +713,7 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         SILU_MUL=silu_mul, LUT=_use_lut(cfg),
         IMPRECISE=cfg.get("IMPRECISE", None if cfg.get("FAST_ACC", False) else HALF_K.value), ACC_TILE=cfg.get("ACC_TILE", False),
         QUANT_A=quant_a, QROWS=qrows, RSTEP=bm // qrows, QCH=qch, QWIDE=qwide, W_FP8=w_fp8, SK_SEM=sk_sem, EMU=interpret_mode(), SWORD=cfg.get("SWORD", True),
+        KSTEP=1 if quant_a else cfg.get("KSTEP", 1), TMA=tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:

@@ -75,9 +75,28 @@ CONFIGS = {
     16: (16, 64, 0, 4, 4, 4, {}),
     32: (32, 64, 0, 4, 4, 2, {}),
     64: (64, 64, 0, 4, 4, 2, {}),
-    128: (64, 128, 0, 4, 4, 2, {}),
+    # r8 (x pre-quantized, us): one 128-token tile, so each weight tile is dequantized once: down
+    # 56.6 -> 43.0, gate_up 77.4 -> 56.7, o 23.6 -> 17.7 (the old 64x128 tile dequantized it twice)
+    128: (128, 64, 0, 4, 4, 2, {}),
     1 << 62: (128, 128, 1, 8, 3, 1, {}),
 }
+# Large M: dequantize the UINT4 weight once to its INT8 level-1 values (a transient int8 [N, Kp]
+# buffer, ``dequantize_w8``: one read of N*Kp/2 bytes, one write of N*Kp) and run the same kernel as
+# a plain W8A8 GEMM (``W8``: both wgmma operands from shared memory, one K = 128 dot per tile).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, extra). W8_MIN_M: measured crossover (see docs).
+# Measured on the H200 (r7, x pre-quantized, us; in-register default vs dequantize_w8 + W8A8 GEMM
+# 128x256 8 warps 3 stages, the W8 GEMM alone in brackets): N=4096 K=14336 (down): M=4096 567 vs 430
+# (399 = 1206 TOP/s), M=1024 148 vs 133 (104), M=512 134 vs 131; but K=4096 loses: gate_up
+# N=28672 M=4096 877 vs 944, M=1024 221 vs 282; o M=4096 129 vs 139; qkv M=4096 190 vs 205 (the
+# in-register kernel already runs ~1060-1100 TOP/s there, and the dequantization costs 9-61 us).
+W8_CONFIG = (128, 256, 8, 3, {})
+W8_MIN_M = 1 << 62  # W8 path OFF by default: a device self-check (dequantize_w8 vs dequantize_int8, N=4096 K=14336) failed in R8/R9 unexplained; measured crossover was M >= 1024 (see docs)
+W8_MIN_K = 8192
+DEQUANT_CONFIG = (64, 1, 4)  # dequantize_w8: (rows, 128-column chunks per program, warps)
+# M = 1 (x pre-quantized): the dequantized weights meet x in ``dp4a`` on CUDA cores (DP4A; no MMA
+# padding to 16 tokens, no shared memory, plain 16-byte loads, KSTEP chunks per iteration in flight).
+DP4A_M1 = False
+DP4A_CONFIG = (16, 64, 0, 4, 1, 4, dict(DP4A=True, KSTEP=4))
 # When lowbit.ops runs the per-token quantization inside the GEMM (``use_fused_quant``). Measured on
 # the H200 (r5, us, fused vs act-quant kernel + GEMM): M=1 o_proj 12.6 vs 13.4, down 27.1 vs 26.1,
 # gate_up 43.3 vs 30.6; M=4 o_proj 15.6 vs 13.8, down 37.8 vs 26.7. Quantizing in the GEMM costs
@@ -94,7 +113,7 @@ def use_fused_quant(M: int, N: int, K: int, group_size: int, *, num_sms: int = 1
     """True when the in-GEMM quantization is the faster choice for this shape (see above)."""
     if not 0 < M <= FUSE_QUANT_MAX_M:
         return False
-    cfg = pick_config(M, N, K, group_size, num_sms=num_sms)
+    cfg = pick_config(M, N, K, group_size, num_sms=num_sms, fused=True)
     return cdiv(cdiv(K, 128), cfg["SPLIT_K"]) <= FUSE_QUANT_MAX_TILES
 
 # Four INT8 lanes per 32-bit register (QServe's register-level parallelism). $2 holds 4 bytes of
@@ -129,6 +148,18 @@ def _dequant_halves(b, s2, zs, USE_ASM: tl.constexpr):
         lo = ((bi & 0xF) * s2 - zs).to(tl.int8)
         hi = ((bi >> 4) * s2 - zs).to(tl.int8)
     return lo, hi
+
+
+@triton.jit
+def _dp4a(w, x, USE_ASM: tl.constexpr):
+    """int32 partial products of int8 w [BN, n] and x (broadcast to w's shape): on the GPU one
+    ``dp4a`` per 4 consecutive k (the sum lands in the first lane of each 4, the other three are 0);
+    in the interpreter the plain products. Summing over k gives the exact dot product either way."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "{ dp4a.s32.s32 $0, $4, $5, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
+            "=r,=r,=r,=r,r,r", [w, tl.broadcast_to(x, w.shape)], dtype=tl.int32, is_pure=True, pack=4)
+    return w.to(tl.int32) * x.to(tl.int32)
 
 
 @triton.jit
@@ -212,6 +243,19 @@ def _quantize_tile(v, sx, inv, EXACT_DIV: tl.constexpr):
 
 
 @triton.jit
+def _bulk_prefetch_l2(W, rn, stride_wn, tile, KP, NBYTES: tl.constexpr):
+    """Ask L2 for up to NBYTES of packed codes of each row ``rn`` from k-tile ``tile`` on (one
+    ``cp.async.bulk.prefetch.L2`` per row: the DRAM sees long contiguous runs instead of one 64-byte
+    piece per row per k-tile), clipped to the row's end; 16-byte aligned (64-byte tiles)."""
+    t = tl.minimum(tile, KP // 128 - 1)
+    off = t * 64
+    nb = tl.minimum(KP // 2 - off, NBYTES)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                              [W + rn * stride_wn + off, tl.broadcast_to(nb, rn.shape)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _w4a8_int8_gemm_kernel(
     # pointers
     X, XS, W, WS, GS, GZS, BIAS, OUT, PART, CNT,
@@ -224,7 +268,9 @@ def _w4a8_int8_gemm_kernel(
     NSPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_M: tl.constexpr, USE_ASM: tl.constexpr,
     SWAP_AB: tl.constexpr, GS_WORDS: tl.constexpr, PREFETCH: tl.constexpr,
     FUSE_QUANT: tl.constexpr, QROWS: tl.constexpr, QCHUNK: tl.constexpr, UNROLL_REDUCE: tl.constexpr,
-    ACT: tl.constexpr, L2_PREFETCH: tl.constexpr, JOIN_K: tl.constexpr,
+    ACT: tl.constexpr, L2_PREFETCH: tl.constexpr, JOIN_K: tl.constexpr, W8: tl.constexpr,
+    KSTEP: tl.constexpr, PF_DIST: tl.constexpr, PF_BULK: tl.constexpr, W_TILED: tl.constexpr,
+    DP4A: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128  # = lowbit.formats.w4a8_int8.CHUNK
     HALF: tl.constexpr = 64
@@ -248,9 +294,19 @@ def _w4a8_int8_gemm_kernel(
     rm = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     offs_h = tl.arange(0, HALF)
-    w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
+    if W8:  # W is the INT8 weight w8 [N, KP] itself (``dequantize_w8``): a plain W8A8 GEMM
+        w_ptrs = W + rn[:, None] * stride_wn + offs_k[None, :]
+    elif W_TILED:  # row-tiled codes (``lowbit.formats.w4a8_int8.tile_codes``): 64 rows x 64 bytes blocks
+        n64 = (N // 64) * 64
+        tiled = rn < n64
+        w_base = tl.where(tiled, (rn // 64) * (stride_wn * 64) + (rn % 64) * 64, rn * stride_wn)
+        w_inc = tl.where(tiled, 64 * 64, 64)[:, None]  # bytes from one k-tile to the next
+        w_ptrs = W + w_base[:, None] + offs_h[None, :]
+    else:
+        w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
     t0 = pid_k * TILES_PER_SPLIT  # the last split may run past KP: its loads are masked off
-    if L2_PREFETCH > 0 and USE_ASM:
+    if L2_PREFETCH > 0 and USE_ASM and not W_TILED:
         # start the first weight tiles on their way to L2 before the activation pass below (its L2
         # round trip would otherwise precede the pipeline's first loads)
         pf = tl.arange(0, L2_PREFETCH)
@@ -263,6 +319,8 @@ def _w4a8_int8_gemm_kernel(
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :] * stride_xk
         xrow = (offs_m < M)[:, None]
         sx, inv_sx = _row_scales(X, UP_OFF, pid_m * BLOCK_M, M, K, stride_xm, stride_xk, BLOCK_M, QROWS, QCHUNK, ACT)
+    elif W8:
+        x_ptrs = X + rm[:, None] * stride_xm + offs_k[None, :] * stride_xk
     else:
         x_ptrs = X + rm[:, None] * stride_xm + offs_h[None, :] * stride_xk
 
@@ -273,58 +331,91 @@ def _w4a8_int8_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    if PER_CHANNEL:
+    if DP4A:  # M = 1 without tensor cores: int32 lanes [BLOCK_N, 64], summed over k after the loop
+        accd = tl.zeros([BLOCK_N, HALF], dtype=tl.int32)
+        x1_ptrs = X + offs_h * stride_xk  # row 0
+    if W8:
+        pass
+    elif PER_CHANNEL:
         s2 = tl.load(GS + rn * stride_gn).to(tl.int32)
         zs = tl.load(GZS + rn * stride_gn).to(tl.int32)
     elif GROUP_SIZE % BLOCK_K == 0 and PREFETCH:
         s2n, zsn = _group_params(GS, GZS, rn, stride_gn,
                                  tl.minimum((t0 * BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
-    for i in range(0, TILES_PER_SPLIT):
-        k0 = (t0 + i) * BLOCK_K
-        if FUSE_QUANT:
-            a_lo = _act_tile(x_ptrs + k0 * stride_xk, UP_OFF, xrow & ((k0 + offs_h)[None, :] < K), ACT)
-            a_hi = _act_tile(x_ptrs + (k0 + HALF) * stride_xk, UP_OFF, xrow & ((k0 + HALF + offs_h)[None, :] < K), ACT)
-            a_lo = _quantize_tile(a_lo, sx, inv_sx, not USE_ASM)
-            a_hi = _quantize_tile(a_hi, sx, inv_sx, not USE_ASM)
-        else:
-            a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
-            a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
-        b = tl.load(w_ptrs + k0 // 2, mask=k0 < KP, other=0)  # [BN, 64] bytes, 16-byte loads
-        if PER_CHANNEL or GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
-            if not PER_CHANNEL:
-                if PREFETCH:
-                    s2, zs = s2n, zsn
-                    s2n, zsn = _group_params(GS, GZS, rn, stride_gn,
-                                             tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
+    if PF_DIST > 0 and PF_BULK > 0 and USE_ASM and not W8 and not W_TILED:  # the first PF_DIST tiles of each row, one request
+        _bulk_prefetch_l2(W, rn, stride_wn, t0, KP, PF_DIST * (BLOCK_K // 2))
+    for i in range(0, TILES_PER_SPLIT, KSTEP):
+        if PF_DIST > 0 and USE_ASM and not W8 and not W_TILED:  # pull later k-tiles of every row into L2 (see PF_BULK)
+            if PF_BULK > 0:
+                if i % (PF_BULK // (BLOCK_K // 2)) == 0:
+                    _bulk_prefetch_l2(W, rn, stride_wn, t0 + i + PF_DIST, KP, PF_BULK)
+            else:
+                pk = tl.minimum(t0 + i + PF_DIST, KP // BLOCK_K - 1) * (BLOCK_K // 2)
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [W + rn * stride_wn + pk],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+        for j in tl.static_range(KSTEP):  # KSTEP chunks per iteration: 64 * KSTEP contiguous bytes per row
+            k0 = (t0 + i + j) * BLOCK_K
+            if W8:  # one K = 128 dot, both operands straight from memory (wgmma from shared memory)
+                a = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_k)[None, :] < K, other=0)
+                w = tl.load(w_ptrs + k0, mask=k0 < KP, other=0)
+                if SWAP_AB:
+                    acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
                 else:
-                    # past the last group (a split running past KP) any group will do: x is 0 there
-                    s2, zs = _group_params(GS, GZS, rn, stride_gn,
-                                           tl.minimum(k0 // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
-            s2b = tl.broadcast_to(s2[:, None], (BLOCK_N, HALF))
-            zsb = tl.broadcast_to(zs[:, None], (BLOCK_N, HALF))
-            w_lo, w_hi = _dequant_halves(b, s2b, zsb, USE_ASM)
-        else:  # groups smaller than the tile (or not dividing it): gather each column's group
-            g_lo = tl.minimum((k0 + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)
-            g_hi = tl.minimum((k0 + HALF + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)
-            base = rn[:, None] * stride_gn
-            s_lo = tl.load(GS + base + g_lo[None, :]).to(tl.int32)
-            z_lo = tl.load(GZS + base + g_lo[None, :]).to(tl.int32)
-            s_hi = tl.load(GS + base + g_hi[None, :]).to(tl.int32)
-            z_hi = tl.load(GZS + base + g_hi[None, :]).to(tl.int32)
-            bi = b.to(tl.int32)
-            w_lo = ((bi & 0xF) * s_lo - z_lo).to(tl.int8)
-            w_hi = ((bi >> 4) * s_hi - z_hi).to(tl.int8)
-        if JOIN_K:  # one K = 128 MMA (one wgmma wait per tile instead of two)
-            w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BLOCK_N, BLOCK_K))
-            a = tl.reshape(tl.permute(tl.join(a_lo, a_hi), (0, 2, 1)), (BLOCK_M, BLOCK_K))
-            acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
-        elif SWAP_AB:
-            acc = tl.dot(w_lo, tl.trans(a_lo), acc, out_dtype=tl.int32)
-            acc = tl.dot(w_hi, tl.trans(a_hi), acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(a_lo, tl.trans(w_lo), acc, out_dtype=tl.int32)
-            acc = tl.dot(a_hi, tl.trans(w_hi), acc, out_dtype=tl.int32)
+                    acc = tl.dot(a, tl.trans(w), acc, out_dtype=tl.int32)
+            else:
+                if FUSE_QUANT:
+                    a_lo = _act_tile(x_ptrs + k0 * stride_xk, UP_OFF, xrow & ((k0 + offs_h)[None, :] < K), ACT)
+                    a_hi = _act_tile(x_ptrs + (k0 + HALF) * stride_xk, UP_OFF, xrow & ((k0 + HALF + offs_h)[None, :] < K), ACT)
+                    a_lo = _quantize_tile(a_lo, sx, inv_sx, not USE_ASM)
+                    a_hi = _quantize_tile(a_hi, sx, inv_sx, not USE_ASM)
+                else:
+                    a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
+                    a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
+                if W_TILED:
+                    b = tl.load(w_ptrs + (k0 // BLOCK_K) * w_inc, mask=k0 < KP, other=0)
+                else:
+                    b = tl.load(w_ptrs + k0 // 2, mask=k0 < KP, other=0)  # [BN, 64] bytes, 16-byte loads
+                if PER_CHANNEL or GROUP_SIZE % BLOCK_K == 0:  # one k-group per tile: one (s2, zs) per row
+                    if not PER_CHANNEL:
+                        if PREFETCH:
+                            s2, zs = s2n, zsn
+                            s2n, zsn = _group_params(GS, GZS, rn, stride_gn,
+                                                     tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
+                        else:
+                            # past the last group (a split running past KP) any group will do: x is 0 there
+                            s2, zs = _group_params(GS, GZS, rn, stride_gn,
+                                                   tl.minimum(k0 // GROUP_SIZE, NUM_GROUPS - 1), GS_WORDS)
+                    s2b = tl.broadcast_to(s2[:, None], (BLOCK_N, HALF))
+                    zsb = tl.broadcast_to(zs[:, None], (BLOCK_N, HALF))
+                    w_lo, w_hi = _dequant_halves(b, s2b, zsb, USE_ASM)
+                else:  # groups smaller than the tile (or not dividing it): gather each column's group
+                    g_lo = tl.minimum((k0 + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)
+                    g_hi = tl.minimum((k0 + HALF + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)
+                    base = rn[:, None] * stride_gn
+                    s_lo = tl.load(GS + base + g_lo[None, :]).to(tl.int32)
+                    z_lo = tl.load(GZS + base + g_lo[None, :]).to(tl.int32)
+                    s_hi = tl.load(GS + base + g_hi[None, :]).to(tl.int32)
+                    z_hi = tl.load(GZS + base + g_hi[None, :]).to(tl.int32)
+                    bi = b.to(tl.int32)
+                    w_lo = ((bi & 0xF) * s_lo - z_lo).to(tl.int8)
+                    w_hi = ((bi >> 4) * s_hi - z_hi).to(tl.int8)
+                if DP4A:
+                    x_lo = tl.load(x1_ptrs + k0 * stride_xk, mask=(k0 + offs_h) < K, other=0)[None, :]
+                    x_hi = tl.load(x1_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h) < K, other=0)[None, :]
+                    accd += _dp4a(w_lo, x_lo, USE_ASM) + _dp4a(w_hi, x_hi, USE_ASM)
+                elif JOIN_K:  # one K = 128 MMA (one wgmma wait per tile instead of two)
+                    w = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), (BLOCK_N, BLOCK_K))
+                    a = tl.reshape(tl.permute(tl.join(a_lo, a_hi), (0, 2, 1)), (BLOCK_M, BLOCK_K))
+                    acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
+                elif SWAP_AB:
+                    acc = tl.dot(w_lo, tl.trans(a_lo), acc, out_dtype=tl.int32)
+                    acc = tl.dot(w_hi, tl.trans(a_hi), acc, out_dtype=tl.int32)
+                else:
+                    acc = tl.dot(a_lo, tl.trans(w_lo), acc, out_dtype=tl.int32)
+                    acc = tl.dot(a_hi, tl.trans(w_hi), acc, out_dtype=tl.int32)
 
+    if DP4A:  # the row sums into column 0 of the [BLOCK_N, BLOCK_M] tile (M = 1)
+        acc = tl.where(tl.arange(0, BLOCK_M)[None, :] == 0, tl.sum(accd, axis=1)[:, None], 0)
     if not FUSE_QUANT:
         sx = tl.load(XS + rm)
     if NSPLIT > 1:
@@ -359,7 +450,7 @@ def _epilogue(acc, sx, WS, BIAS, OUT, rn, offs_m, offs_n, M, N, stride_om, strid
     (acc is [BLOCK_N, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_N])."""
     s1 = tl.load(WS + rn)
     if SWAP_AB:
-        y = acc.to(tl.float32) * s1[:, None] * sx[None, :]
+        y = acc.to(tl.float32) * sx[None, :] * s1[:, None]  # (acc * sx) * s1: the reference's order
         if HAS_BIAS:
             y += tl.load(BIAS + rn).to(tl.float32)[:, None]
         out_ptrs = OUT + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
@@ -371,6 +462,44 @@ def _epilogue(acc, sx, WS, BIAS, OUT, rn, offs_m, offs_n, M, N, stride_om, strid
         out_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptrs, y.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_w8_kernel(
+    W, GS, GZS, OUT,
+    N, NUM_CHUNKS, NUM_GROUPS,
+    stride_wn, stride_gn, stride_on,
+    GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """CHUNKS 128-column chunks of BLOCK_N rows: packed codes -> w8 = q4 * s2 - zs, int8, natural
+    column order (the same integers as the GEMM's in-register dequantization); each row reads
+    64 * CHUNKS contiguous bytes and writes 128 * CHUNKS."""
+    HALF: tl.constexpr = 64
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    for j in tl.static_range(CHUNKS):
+        c = tl.program_id(1) * CHUNKS + j
+        mask = (offs_n < N)[:, None] & (c < NUM_CHUNKS)
+        b = tl.load(W + rn[:, None] * stride_wn + c * HALF + offs_h[None, :], mask=mask, other=0)
+        k0 = c * 128
+        if GROUP_SIZE % 128 == 0:  # one group per chunk (per-channel: GROUP_SIZE = PER_CHANNEL_GROUP)
+            g = tl.minimum(k0 // GROUP_SIZE, NUM_GROUPS - 1)
+            s2 = tl.load(GS + rn * stride_gn + g).to(tl.int32)
+            zs = tl.load(GZS + rn * stride_gn + g).to(tl.int32)
+            w_lo, w_hi = _dequant_halves(b, tl.broadcast_to(s2[:, None], (BLOCK_N, HALF)),
+                                         tl.broadcast_to(zs[:, None], (BLOCK_N, HALF)), USE_ASM)
+        else:
+            base = rn[:, None] * stride_gn
+            g_lo = tl.minimum((k0 + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)[None, :]
+            g_hi = tl.minimum((k0 + HALF + offs_h) // GROUP_SIZE, NUM_GROUPS - 1)[None, :]
+            bi = b.to(tl.int32)
+            w_lo = ((bi & 0xF) * tl.load(GS + base + g_lo).to(tl.int32) - tl.load(GZS + base + g_lo).to(tl.int32)).to(tl.int8)
+            w_hi = ((bi >> 4) * tl.load(GS + base + g_hi).to(tl.int32) - tl.load(GZS + base + g_hi).to(tl.int32)).to(tl.int8)
+        o = OUT + rn[:, None] * stride_on + k0 + offs_h[None, :]
+        tl.store(o, w_lo, mask=mask)
+        tl.store(o + HALF, w_hi, mask=mask)
 
 
 PER_CHANNEL_GROUP = 1 << 30  # GROUP_SIZE passed for per-channel weights: every k is in group 0
@@ -389,20 +518,41 @@ def auto_split(M: int, N: int, K: int, bm: int, bn: int, num_sms: int, ctas_per_
     return max(1, min(ctas_per_sm * num_sms // max(tiles, 1), cdiv(K, 128) // min_tiles, MAX_SPLIT))
 
 
-def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132) -> dict:
-    """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``)."""
-    for bound in sorted(CONFIGS):
-        if M <= bound:
-            bm, bn, split, warps, stages, ctas, extra = CONFIGS[bound]
-            break
+def use_w8(M: int, N: int, K: int) -> bool:
+    """True when dequantizing the weight once to INT8 (``dequantize_w8``) and running the plain
+    W8A8 GEMM beats the in-register dequantization (large M; see ``W8_MIN_M``)."""
+    return M >= W8_MIN_M and K >= W8_MIN_K
+
+
+def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, w8: bool = False,
+                fused: bool = False) -> dict:
+    """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``); ``w8``: the
+    plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``):
+    ``DP4A_CONFIG`` when ``DP4A_M1``."""
+    if w8:
+        bm, bn, warps, stages, extra = W8_CONFIG
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
+    if M == 1 and DP4A_M1 and not fused:
+        bm, bn, split, warps, stages, ctas, extra = DP4A_CONFIG
+    else:
+        for bound in sorted(CONFIGS):
+            if M <= bound:
+                bm, bn, split, warps, stages, ctas, extra = CONFIGS[bound]
+                break
     if split == 0:
-        split = auto_split(M, N, K, bm, bn, num_sms, ctas)
+        split = auto_split(M, N, K, bm, bn, num_sms, ctas, max(MIN_TILES_PER_SPLIT, extra.get("KSTEP", 1)))
     return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, **extra)
 
 
-def w4a8_int8_gemm_triton(*args, **kwargs) -> torch.Tensor:
-    """Launch the kernel (see ``launch``); returns ``out_dtype`` [M, N]."""
-    return launch(*args, **kwargs)[0]
+def w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, k, group_size, out_dtype,
+                          config=None, **kwargs) -> torch.Tensor:
+    """Launch the kernel (see ``launch``); returns ``out_dtype`` [M, N]. Without an explicit
+    ``config``, large M (``use_w8``) dequantizes the weight once to a transient INT8 buffer and runs
+    the W8A8 GEMM on it (freed when the call returns)."""
+    if config is None and xscale is not None and "w8" not in kwargs and \
+            use_w8(xq.shape[0], qweight.shape[0], 2 * qweight.shape[1]):
+        kwargs["w8"] = dequantize_w8(qweight, gscale, gzs)
+    return launch(xq, xscale, qweight, wscale, gscale, gzs, bias, k, group_size, out_dtype, config, **kwargs)[0]
 
 
 def _words(t: torch.Tensor):
@@ -413,15 +563,41 @@ def _words(t: torch.Tensor):
     return t.reshape(-1).view(torch.int32)
 
 
+def dequantize_w8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor, block_n: int | None = None,
+                  chunks: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """The INT8 level-1 weight ``w8 = q4 * s2 - zs`` as int8 [N, Kp] (natural column order), one
+    read of the packed codes and one write: ``lowbit.formats.w4a8_int8.dequantize_int8`` (padded
+    columns included) on the GPU. Feeds the large-M path of ``launch`` (``w8=``). Tiles default to
+    ``DEQUANT_CONFIG``."""
+    N, kp2 = qweight.shape
+    KP = 2 * kp2
+    G = gscale.shape[1]
+    group_size = PER_CHANNEL_GROUP if G == 1 else KP // G
+    out = torch.empty((N, KP), device=qweight.device, dtype=torch.int8)
+    if N == 0:
+        return out
+    bn, ch, nw = DEQUANT_CONFIG
+    bn, ch, nw = block_n or bn, chunks or ch, num_warps or nw
+    use_asm = not interpret_mode() and os.environ.get("LOWBIT_W4A8_INT8_NO_ASM", "0") != "1"
+    nchunks = KP // 128
+    _dequant_w8_kernel[(cdiv(N, bn), cdiv(nchunks, ch))](
+        qweight, gscale, gzs, out, N, nchunks, G, qweight.stride(0), gscale.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, BLOCK_N=bn, CHUNKS=ch, USE_ASM=use_asm, num_warps=nw)
+    return out
+
+
 def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor, wscale: torch.Tensor,
            gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, k: int,
-           group_size: int, out_dtype: torch.dtype, config: dict | None = None, *, up_offset: int | None = None):
+           group_size: int, out_dtype: torch.dtype, config: dict | None = None, *, up_offset: int | None = None,
+           w8: torch.Tensor | None = None):
     """Launch the kernel. ``xq`` int8 [M, K] with ``xscale`` fp32 [M], or ``xq`` float [M, K] with
     ``xscale=None``: the per-token INT8 quantization then runs inside the GEMM (``FUSE_QUANT``;
     M <= 16). Weight fields as in ``lowbit.formats.w4a8_int8``; ``group_size`` = columns per group
     (per-channel: Kp). ``up_offset`` (fused path only): x is the gate half of a gate_up output and
     the value quantized is ``silu(gate) * up`` with ``up`` ``up_offset`` elements after ``gate``
-    (same strides). Arguments are validated by ``lowbit.ops.w4a8_int8``. Returns
+    (same strides). ``w8`` (int8 [N, Kp], ``dequantize_w8(qweight, ...)``): run the plain W8A8
+    GEMM on it instead of dequantizing in registers (large M; needs ``xscale``). Arguments are
+    validated by ``lowbit.ops.w4a8_int8``. Returns
     ``(out, compiled_kernel)`` (the compiled kernel for PTX inspection; None when nothing ran)."""
     M, K = xq.shape
     N, kp2 = qweight.shape
@@ -429,6 +605,8 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     G = gscale.shape[1]
     assert K == k and KP >= K and KP % 128 == 0, "inconsistent shapes (validate in lowbit.ops)"
     fuse_quant = xscale is None
+    if w8 is not None and (fuse_quant or tuple(w8.shape) != (N, KP) or w8.dtype != torch.int8 or w8.stride(1) != 1):
+        raise ValueError("w8 must be the int8 [N, Kp] weight of dequantize_w8, with pre-quantized x")
     if up_offset is not None and not fuse_quant:
         raise ValueError("up_offset (silu(gate) * up) needs the fused-quantization path (xscale=None)")
     if G == 1 and group_size == KP:
@@ -437,13 +615,14 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
         num_sms = torch.cuda.get_device_properties(xq.device).multi_processor_count
     else:
         num_sms = 4
-    cfg = dict(config) if config else pick_config(M, N, KP, group_size, num_sms=num_sms)
+    cfg = dict(config) if config else pick_config(M, N, KP, group_size, num_sms=num_sms, w8=w8 is not None,
+                                                  fused=fuse_quant)
     bm, bn, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     cfg.pop("BLOCK_K", None)
     bk = 128
     # the 4-lane PTX dequantization needs a real GPU; LOWBIT_W4A8_INT8_NO_ASM=1 forces the one-lane path
     use_asm = cfg.pop("USE_ASM", not interpret_mode() and os.environ.get("LOWBIT_W4A8_INT8_NO_ASM", "0") != "1")
-    swap = cfg.pop("SWAP_AB", True)
+    swap = cfg.pop("SWAP_AB", w8 is None)
     prefetch = cfg.pop("PREFETCH", False)
     l2pf = cfg.pop("L2_PREFETCH", 0)  # k-tiles per row prefetched to L2 up front (power of 2; 0 = off)
     words = cfg.pop("GS_WORDS", False)  # r4: the byte loads (L1 hits) beat the pipelined words
@@ -469,6 +648,14 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out, None
+    dp4a = cfg.pop("DP4A", False)  # M = 1: dp4a on CUDA cores instead of the MMA (swap-AB epilogue)
+    if dp4a and (M != 1 or fuse_quant or not swap or w8 is not None):
+        raise ValueError("DP4A takes one pre-quantized row (M = 1, xscale given), swap-AB, no w8")
+    kstep = cfg.pop("KSTEP", 1)  # chunks of 128 per loop iteration (TILES_PER_SPLIT a multiple of it)
+    pf_dist = cfg.pop("PF_DIST", 0)  # per-iteration L2 prefetch distance in k-tiles (0 = off)
+    pf_bulk = cfg.pop("PF_BULK", 0)  # bytes per row per bulk L2 prefetch (a multiple of 64 * KSTEP; 0: per-line prefetch)
+    tps = cdiv(cdiv(cdiv(KP, bk), split), kstep) * kstep  # k-tiles per split, a multiple of KSTEP
+    split = cdiv(cdiv(KP, bk), tps)  # (rounding tps up may leave trailing splits empty: drop them)
     tiles = cdiv(M, bm) * cdiv(N, bn)
     if split > 1:
         part, cnt = _split_workspace(xq.device, tiles * split * bm * bn, tiles)
@@ -476,14 +663,15 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
         part = cnt = wscale  # unused
     grid = (tiles, split)
     kernel = _w4a8_int8_gemm_kernel[grid](
-        xq, xscale, qweight, wscale, gs, gz, bias if bias is not None else wscale, out, part, cnt,
-        M, N, K, KP, G, cdiv(cdiv(KP, bk), split), up_offset or 0,
-        xq.stride(0), xq.stride(1), qweight.stride(0), stride_g, out.stride(0), out.stride(1),
+        xq, xscale, qweight if w8 is None else w8, wscale, gs, gz, bias if bias is not None else wscale, out, part, cnt,
+        M, N, K, KP, G, tps, up_offset or 0,
+        xq.stride(0), xq.stride(1), qweight.stride(0) if w8 is None else w8.stride(0), stride_g, out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, NSPLIT=split,
         HAS_BIAS=bias is not None, GROUP_M=8, USE_ASM=use_asm, SWAP_AB=swap, GS_WORDS=words,
         PREFETCH=prefetch, FUSE_QUANT=fuse_quant, QROWS=qrows, QCHUNK=qchunk, UNROLL_REDUCE=unroll,
         ACT=0 if up_offset is None else 1, L2_PREFETCH=l2pf,
-        JOIN_K=cfg.pop("JOIN_K", False), **cfg,
+        JOIN_K=cfg.pop("JOIN_K", False), W8=w8 is not None, KSTEP=kstep, PF_DIST=pf_dist, PF_BULK=pf_bulk,
+        W_TILED=cfg.pop("W_TILED", False) and w8 is None, DP4A=dp4a, **cfg,
     )
     return out, kernel
 

@@ -350,15 +350,22 @@ class DenseKV:
         self.k[layer][: k.shape[0], :, :S] = k
         self.v[layer][: v.shape[0], :, :S] = v
 
-    def decode(self, layer, q, k, v, pos, rows, cos=None, sin=None):
-        """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE; writes slot pos[b] then attends."""
+    def step_state(self, pos, rows):
+        """What every layer's ``decode`` of one step shares (computed once per step): the length
+        mask of the new tokens."""
+        B = pos.shape[0]
+        return pos, rows, self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1)
+
+    def decode(self, layer, q, k, v, st, cos=None, sin=None):
+        """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE; writes slot pos[b] then attends
+        (``st`` from ``step_state``)."""
+        pos, rows, mask = st
         B, Hq, _, D = q.shape
         kc, vc = self.k[layer][:B], self.v[layer][:B]
         kc[rows, :, pos] = k[:, :, 0]
         vc[rows, :, pos] = v[:, :, 0]
         hkv = kc.shape[1]
         qg = q.view(B, hkv, Hq // hkv, D)
-        mask = (self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1))
         o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
         return o.reshape(B, Hq, 1, D)
 
@@ -437,12 +444,17 @@ class PagedKV4:
             q = (q.float() * crs[1].repeat_interleave(G, 0)[None, :, None, :]).to(q.dtype)
         return q, k, v
 
-    def decode(self, layer, q, k, v, pos, rows, cos=None, sin=None):
+    def step_state(self, pos, rows):
+        """int32 write positions and lengths of one decode step (once per step, not per layer)."""
+        start = pos.to(torch.int32)
+        return start, start + 1
+
+    def decode(self, layer, q, k, v, st, cos=None, sin=None):
+        start, lengths = st
         B = q.shape[0]
         crs = self.crs[layer]
-        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=pos.to(torch.int32), cos=cos, sin=sin,
+        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
                             crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
-        lengths = (pos + 1).to(torch.int32)
         return self.ops.decode_kv4(q, page_table=self.page_table[:B], lengths=lengths, max_len=self.smax,
                                    crs_q=None if crs is None else crs[1], **self._cache_kw(layer))
 
@@ -634,10 +646,11 @@ class Generator:
         with self._sec("embed+rope tables"):
             x = self.a.embed(tokens.view(B, 1))
             rope = self._rope_tables(x, pos.view(B, 1))
+            st = self.cache.step_state(pos, rows)
         for i, layer in enumerate(self.a.layers):
             q, k, v, cos, sin = self._qkv(i, layer, x, rope)
             with self._sec("kv write+attention"):
-                o = self.cache.decode(i, q, k, v, pos, rows, cos, sin)
+                o = self.cache.decode(i, q, k, v, st, cos, sin)
             x = self._finish(i, layer, x, o)
         return self._logits(x[:, 0])
 

@@ -11,8 +11,9 @@ kernels: ``lowbit.kernels.attention_quant`` (K/V quantization, V transposed) and
 ``lowbit.kernels.attention_prefill`` (the attention, Q quantized inside). On CUDA, or on the CPU
 under ``TRITON_INTERPRET=1``, the kernels run; otherwise the float32 replay of the same numerics.
 
-The timed path on the GPU is two launches: K/V quantization (V transposed), then the attention
-with Q quantized in each program's prologue. ``FUSE_KV = True`` makes it one launch (the first
+The timed path on the GPU is two launches: the quantization of K/V (V transposed) and, for
+``fp8``, of Q (``q_pre``, session 3: bit-identical codes, 1-2% faster than quantizing Q in each
+attention program's prologue, which ``int8`` / ``int8-qk`` still do), then the attention. ``FUSE_KV = True`` makes it one launch (the first
 programs of each KV head quantize its K and V, the others wait for them): same codes, measured
 slower. It is wrapped as ``torch.library`` ops with fake implementations, so
 ``torch.compile(fullgraph=True)`` and CUDA graphs capture them.

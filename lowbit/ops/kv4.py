@@ -87,7 +87,9 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
                    crs_q=None, sm_scale=None, q_int8=False) -> torch.Tensor:
     """Reference of ``decode_kv4``: dequantize each sequence's pages and run ``attention_ref``
     (float64, bottom-right causal). Returns q's dtype. ``q_int8``: Q (after CRS) rounded to INT8
-    per row first, ``floor(q * 127 / absmax + 0.5) * absmax / 127`` (the kernel's QK8 numerics)."""
+    per row first, ``floor(q * 127 / absmax + 0.5) * absmax / 127`` (the kernel's QK8 numerics);
+    ``q_int8=2``: two INT8 planes, ``u = q * 127 / absmax``, ``hi = floor(u + 0.5)``,
+    ``lo = floor((u - hi) * 254 + 0.5)``, Q = ``(hi + lo / 254) * absmax / 127``."""
     B, Hq, TQ, D = q.shape
     Hkv = k_codes.shape[1]
     out = torch.empty_like(q)
@@ -98,7 +100,14 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
         qb = q[b].double()
         if crs_q is not None:
             qb = qb * crs_q.double().repeat_interleave(Hq // Hkv, dim=0)[:, None, :]
-        if q_int8:
+        if int(q_int8) == 2:
+            qf = qb.float()
+            qmax = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+            u = qf / qmax * 127.0
+            hi = torch.floor(u + 0.5)
+            lo = torch.floor((u - hi) * 254.0 + 0.5)
+            qb = (hi.double() + lo.double() / 254.0) * qmax.double() / 127.0
+        elif q_int8:
             qf = qb.float()
             qmax = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30)
             qb = (torch.floor(qf / qmax * 127.0 + 0.5).double() * qmax.double() / 127.0)
@@ -106,9 +115,10 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
     return out
 
 
-# Decode numerics of Q: INT8 per row (the INT8 tensor-core QK^T, FireQ's "Q8") or fp16 (row-normalised).
+# Decode numerics of Q: 2 = two INT8 planes per row (~15 bits; the INT8 tensor-core QK^T at fp16-Q accuracy),
+# 1 = one INT8 plane (FireQ's 8-bit Q; 5e-2 extra error with outlier channels), 0 = fp16 (row-normalised).
 # Equal to ``lowbit.kernels.decode_kv4.DEFAULT_QK8`` (tested); the CPU reference follows it too.
-Q_INT8_DEFAULT = False
+Q_INT8_DEFAULT = 2
 
 # ---- torch.library ops --------------------------------------------------------------------------
 
@@ -135,7 +145,7 @@ def _(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs
 def _decode_kv4(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                 v_scale: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
                 k_zero: Optional[torch.Tensor], v_zero: Optional[torch.Tensor], crs_q: Optional[torch.Tensor],
-                sm_scale: float, max_len: int, num_splits: int, q_int8: bool) -> torch.Tensor:
+                sm_scale: float, max_len: int, num_splits: int, q_int8: int) -> torch.Tensor:
     kw = dict(k_zero=k_zero, v_zero=v_zero, crs_q=crs_q, sm_scale=sm_scale)
     if use_triton(q, k_codes):
         from lowbit.kernels.decode_kv4 import decode_kv4_triton
@@ -237,5 +247,7 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
         raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     if q_int8 is None:
         q_int8 = Q_INT8_DEFAULT
+    if int(q_int8) not in (0, 1, 2):
+        raise ValueError(f"q_int8 must be False/0 (fp16 Q), True/1 (INT8 Q) or 2 (two INT8 planes), got {q_int8!r}")
     return _decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
-                       sm_scale, int(max_len), int(num_splits), bool(q_int8))
+                       sm_scale, int(max_len), int(num_splits), int(q_int8))

@@ -91,7 +91,8 @@ def mla_decode_ref(q, cache, page_table, seq_lens, *, sm_scale=None, p_block=Non
     float64. FP8 caches use the dequantized latents and (``quantize_query``, default True for
     them) the FP8-quantized query, exactly as the kernel sees them. ``p_block=(block_n, chunk)``
     additionally emulates the kernel's P re-quantization: per chunk of ``chunk`` tokens, per block
-    of ``block_n``, the monotone block scale of ``lowbit.kernels.mla_decode`` (FP8 caches only);
+    of ``block_n``, the monotone block scale of ``lowbit.kernels.mla_decode`` (FP8 caches only;
+    a fifth entry "block" selects its block-wide P-scale rule, default "row");
     a third entry ``tau`` > 0 emulates its lazy mode (running max moved only past ``tau`` in base 2,
     the P scale grown with the kernel's headroom), a fourth the dtype P is rounded to (fp8 e4m3;
     torch.float16 for the kernel's fp16-PV variant)."""
@@ -129,9 +130,12 @@ def _slots(page_table, b, L, page):
     return page_table[b, idx // page].long() * page + idx % page
 
 
-def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int, tau: float = 0.0, p_dtype=torch.float8_e4m3fn):
+def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int, tau: float = 0.0, p_dtype=torch.float8_e4m3fn,
+                    rule: str = "row"):
     """The kernel's online softmax with per-block FP8 P (see lowbit.kernels.mla_decode), float64
-    apart from the FP8 rounding of P; splits merged by log-sum-exp."""
+    apart from the FP8 rounding of P; splits merged by log-sum-exp. ``rule``: "row" = the P scale
+    of a block is rowmax(P̃) / 448 per row; "block" = max s_k of the block / 448 (an upper bound of
+    every row's P̃, ``_softmax_step_pblock``); either way made monotone."""
     R, L = s.shape
     dev = s.device
     outs, lses = [], []
@@ -152,7 +156,10 @@ def _emulate_fp8_pv(s, ks, c_hat, block_n: int, chunk: int, tau: float = 0.0, p_
             p = torch.exp(sb - m_safe[:, None])
             alpha = torch.where(m_new == m, torch.ones_like(m), torch.exp(m - m_safe))
             pv = p * ks[n0:n1][None, :]
-            need = pv.max(1).values / 448.0
+            if rule == "block":
+                need = ks[n0:n1].max().expand(R) / 448.0
+            else:
+                need = pv.max(1).values / 448.0
             if tau > 0:
                 sig_new = torch.where(need <= sig * alpha, sig * alpha, need * P_SCALE_HEADROOM)
             else:
@@ -199,7 +206,10 @@ def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, s
                                 page_size=content.shape[1], fp8=fp8, out_dtype=q.dtype,
                                 num_splits=num_splits or None, pv_fp8=pv_fp8, pv16=pv16)
         return out.view(B, Sq, H, dc)
-    p_block = (64, 1 << 30, 0.0, torch.float16 if pv16 else torch.float8_e4m3fn) if (fp8 and pv_fp8) else None
+    from lowbit.kernels.mla_decode import P_BLOCK
+
+    rule = "block" if (P_BLOCK["fp8"] and not pv16) else "row"
+    p_block = (64, 1 << 30, 0.0, torch.float16 if pv16 else torch.float8_e4m3fn, rule) if (fp8 and pv_fp8) else None
     return mla_decode_ref(q, (content, rope, scale), page_table, seq_lens, sm_scale=sm_scale,
                           p_block=p_block).to(q.dtype)
 
@@ -331,6 +341,8 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
     if seq_lens.device.type == "cpu" and B and int(seq_lens.min()) < Sq:
         raise ValueError(f"every seq_len must be >= Sq ({Sq}): append the query tokens' latents first")
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    if not sm_scale > 0 or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
     return _mla_decode_op(q.contiguous(), content, rope, scale, page_table, seq_lens, sm_scale, int(max_seq_len),
                           int(num_splits or 0), bool(pv_fp8), bool(pv16))
 

@@ -2,12 +2,14 @@
 SDPA (cuDNN, FlashAttention-2), SageAttention 1.0.6 and INT-FlashAttention's Triton kernels.
 
 Shapes: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not (ANCHORS' attention rows).
-lowbit rows take bf16 Q/K/V and **include** quantization (the K/V quantization launch, Q in each
-attention program's prologue); ``*-kvquant-only`` rows time the K/V quantization launch alone,
+lowbit rows take bf16 Q/K/V and **include** quantization (one quantization launch, then the
+attention; fp8 quantizes Q in that launch too (``q_pre``, session 3), int8 / int8-qk in each
+attention program's prologue; ``lowbit-fp8-qreg`` is fp8 with Q in the prologue, for comparison);
+``*-kvquant-only`` / ``*-qkvquant-only`` rows time the quantization launch alone,
 ``*-2launch`` rows call the same two launches through the kernel API (``*-fused`` would be the
 one-launch option ``fuse_kv=True``, measured slower in session 2); ``fp8-kv4`` reads K/V already in the KV4 cache format
 (as in prefill with a KV4 cache) and quantizes Q. ``*-attn-only`` rows time the attention launch
-alone on pre-quantized K/V. INT-FlashAttention runs from its public code (commit 7f7bfb0) when
+alone on pre-quantized K/V (and Q for fp8). INT-FlashAttention runs from its public code (commit 7f7bfb0) when
 its files are importable (``.refcode/int_fa`` on sys.path; never part of lowbit), on
 pre-quantized random INT8 inputs as in its own benchmark (quantization excluded; full-INT8 only
 non-causal: its causal path drops the off-diagonal blocks, see the digest §7.1).
@@ -51,7 +53,7 @@ def lowbit_fns():
 
 def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), providers=None):
     from lowbit.formats.kv4 import quantize_kv4
-    from lowbit.kernels.attention_prefill import attention_prefill_triton, quant_attention_triton
+    from lowbit.kernels.attention_prefill import attention_prefill_triton, default_config, quant_attention_triton
     from lowbit.kernels.attention_quant import quantize_kv_triton
     from lowbit.ops.attention_prefill import fp8_kv4_attention
 
@@ -96,20 +98,30 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
                 timed("lowbit-fp8-kv4-fused", lambda q, kv4: fp8_kv4_attention(q, causal=causal, kv4=kv4, fused=True),
                       qs, peak="fp8")
                 del kv, qs
+            # fp8 with Q quantized in the attention prologue (the default up to session 2), same run
+            timed("lowbit-fp8-qreg", lambda q, k, v: quant_attention_triton(
+                q, k, v, mode="fp8", causal=causal, sm_scale=D ** -0.5, v_granularity="block", k_per_block=True,
+                fuse_kv=False, config={"q_pre": False}), sets, peak="fp8")
             for mode, dt, kb, vg in (("fp8", torch.float8_e4m3fn, 128, "block"), ("int8", torch.int8, None, "channel")):
-                # the split: two launches (K/V quantization pass, then attention) and the
-                # quantization pass alone, beside the fused default and the attention alone
+                # the split: two launches (quantization pass, then attention) and the quantization
+                # pass alone, beside the default and the attention alone. fp8 quantizes Q in the
+                # same pass (``q_pre``, the default): its rows are named ``qkvquant``; int8
+                # quantizes Q in the attention prologue
+                qp = bool(default_config(mode, D, causal, S).get("q_pre", False))
                 timed(f"lowbit-{mode}-2launch", lambda q, k, v, mode=mode, kb=kb, vg=vg: quant_attention_triton(
                     q, k, v, mode=mode, causal=causal, sm_scale=D ** -0.5, v_granularity=vg, k_per_block=kb is not None,
                     fuse_kv=False), sets, peak="fp8" if mode == "fp8" else "int8")
-                timed(f"lowbit-{mode}-kvquant-only", lambda q, k, v, dt=dt, kb=kb, vg=vg: quantize_kv_triton(
-                    k, v, dtype=dt, k_block=kb, v_granularity=vg), sets)
+                timed(f"lowbit-{mode}-{'qkv' if qp else 'kv'}quant-only", lambda q, k, v, dt=dt, kb=kb, vg=vg, qp=qp:
+                      quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, q=q if qp else None), sets)
                 name = f"lowbit-{mode}-attn-only"
                 if not want(name):
                     continue
-                pre = [(q, *quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg)) for q, k, v in sets]
-                timed(name, lambda q, kc, ks, vt, vs, mode=mode, kb=kb: attention_prefill_triton(
-                    q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5, k_block=kb), pre,
+                pre = []
+                for q, k, v in sets:
+                    r = quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, q=q if qp else None)
+                    pre.append((q, *r[:4], r[4:] if qp else None))
+                timed(name, lambda q, kc, ks, vt, vs, qc, mode=mode, kb=kb: attention_prefill_triton(
+                    q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5, k_block=kb, q_codes=qc), pre,
                     peak="fp8" if mode == "fp8" else "int8")
                 del pre
             if want("sageattention-1.0.6"):

@@ -4,8 +4,10 @@ Shapes: B=16 sequences, GQA 32/8 heads, D=128, one (and four) query tokens, L = 
 tokens, and B=1 long contexts (split-KV). Bytes counted for lowbit are the compressed cache bytes
 read: per token per head, K and V each D/2 code bytes + 1 FP8 scale byte (+ 1 zero-point byte for
 kv4-zp), plus Q and O; SDPA moves the bf16 K and V. Also the fused append (RoPE + quantize +
-paged write) for one decode step and for a 4k-token prefill. ``lowbit-kv4-q8`` is the opt-in
-INT8-Q decode (``q_int8=True``: QK^T on the INT8 tensor cores), same bytes as ``lowbit-kv4``.
+paged write) for one decode step and for a 4k-token prefill. ``lowbit-kv4`` / ``-zp`` run the
+defaults (``Q_INT8_DEFAULT`` = Q as two INT8 planes, the Gluon kernel on Hopper);
+``lowbit-kv4-fp16q`` is the Triton kernel with fp16 Q (the default until session 3);
+``lowbit-kv4-q8`` one INT8 plane (``q_int8=1``, FireQ's 8-bit Q). Same bytes for all but -zp.
 """
 from __future__ import annotations
 
@@ -71,9 +73,14 @@ def decode_rows(rec, quick: bool, lengths=None, batches=(16,)):
                        bytes_moved=2 * B * Hkv * L * D * 2 + 4 * B * Hq * D)
             del sets
             torch.cuda.empty_cache()
-            for zp, q8 in ((False, False), (False, True), (True, False)):
-                name = "lowbit-kv4-zp" if zp else ("lowbit-kv4-q8" if q8 else "lowbit-kv4")
-                for tq in ((1, 4) if not (zp or q8) else (1,)):
+            import lowbit.kernels.decode_kv4 as dk
+
+            gl0 = dk.DEFAULT_GLUON
+            # (name, zero point, q_int8, gluon): the defaults, the R6 default (Triton kernel, fp16 Q), one INT8 plane
+            for name, zp, q8, gl_ in (("lowbit-kv4", False, None, gl0), ("lowbit-kv4-fp16q", False, 0, False),
+                                      ("lowbit-kv4-q8", False, 1, gl0), ("lowbit-kv4-zp", True, None, gl0)):
+                dk.DEFAULT_GLUON = gl_
+                for tq in ((1, 4) if name == "lowbit-kv4" else (1,)):
                     c = dict(case, tq=tq)
                     csets = rotating_inputs(lambda: (torch.randn(B, Hq, tq, D, device="cuda", dtype=torch.bfloat16),
                                                      random_cache(B, Hkv, D, L, zero_point=zp)))
@@ -83,6 +90,7 @@ def decode_rows(rec, quick: bool, lengths=None, batches=(16,)):
                                bytes_moved=kv4_bytes(B, Hq, Hkv, D, L, tq, zp))
                     del csets
                     torch.cuda.empty_cache()
+            dk.DEFAULT_GLUON = gl0
 
 
 def append_rows(rec, quick: bool):
@@ -108,9 +116,10 @@ def append_rows(rec, quick: bool):
 def run(rec, quick: bool):
     import lowbit.kernels.decode_kv4 as dk
 
-    rec.note(f"decode kernel variant: trans={dk.DEFAULT_TRANS} asm={dk.DEFAULT_ASM} warps={dk.DEFAULT_WARPS} "
-             f"stages={dk.DEFAULT_STAGES} lazy={dk.DEFAULT_LAZY} qk_int8={dk.DEFAULT_QK8}, page 64, "
-             f"BLOCK_N {dk.DEFAULT_BLOCK_N}")
+    rec.note(f"decode defaults: q_int8={dk.DEFAULT_QK8}, gluon={dk.DEFAULT_GLUON and dk.HAS_GLUON} (BLOCK_N "
+             f"{dk.GLUON_BLOCK_N}, {dk.GLUON_STAGES} cp.async stages, maxnreg {dk.GLUON_MAXNREG}, lazy {dk.GLUON_LAZY}); "
+             f"Triton kernel: trans={dk.DEFAULT_TRANS} warps={dk.DEFAULT_WARPS} stages={dk.DEFAULT_STAGES} "
+             f"BLOCK_N {dk.DEFAULT_BLOCK_N}; page 64")
     decode_rows(rec, quick)
     decode_rows(rec, quick, lengths=[32768] if quick else [32768, 131072], batches=(1,))
     append_rows(rec, quick)

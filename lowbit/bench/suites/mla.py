@@ -152,14 +152,15 @@ def report_markdown(run_dir, accuracy_json=None, round_name: str = "") -> str:
            "Median ms (TFLOP/s, TB/s of the fewest bytes). bf16/bmm = lowbit-bf16 vs the ANCHORS bmm path; "
            "fp8/bf16 = lowbit-fp8 vs lowbit-bf16 (same run). Roofline: bf16 rows vs the measured bf16 peak; "
            "FP8 rows vs max(bytes / HBM, bf16-equivalent FLOPs / bf16 peak) (module docstring).", "",
-           "| B | H | Sq | L | bmm-bf16 | lowbit-bf16 | lowbit-fp8 (SnapMLA, FP8 PV) | lowbit-fp8, fp16 PV | lowbit-fp8, bf16 PV "
-           "| bf16/bmm | fp8/bf16 | fp8 fp16-PV/bf16 | fp8 bf16-PV/bf16 | bf16 % roofline | fp8 % roofline |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           ]
     cell = {}
     for r in suite["rows"]:
         if "median_ms" in r:
             cell[(tuple(r["case"].values()), r["provider"])] = r
     keys = list(dict.fromkeys(k for k, _ in cell))
+    have = {p for _, p in cell}
+    variants = [(p, t) for p, t in (("lowbit-fp8-f16pv", "fp8 fp16-PV"), ("lowbit-fp8-bf16pv", "fp8 bf16-PV"))
+                if p in have]
 
     def fmt(r):
         return f"{r['median_ms']:.3f} ({r.get('TFLOPs', 0):.0f} TF/s, {r.get('TBps', 0):.2f} TB/s)" if r else ""
@@ -170,20 +171,26 @@ def report_markdown(run_dir, accuracy_json=None, round_name: str = "") -> str:
     def pct(r):
         return f"{100 * r['frac_roofline']:.0f}%" if r and "frac_roofline" in r else ""
 
+    head = ["B", "H", "Sq", "L", "bmm-bf16", "lowbit-bf16", "lowbit-fp8 (SnapMLA, FP8 PV)"] + [t for _, t in variants]
+    head += ["bf16/bmm", "fp8/bf16"] + [f"{t}/bf16" for _, t in variants] + ["bf16 % roofline", "fp8 % roofline"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
-        m, b, f, f2, f3 = (cell.get((k, p)) for p in ("bmm-bf16", "lowbit-bf16", "lowbit-fp8", "lowbit-fp8-bf16pv",
-                                                      "lowbit-fp8-f16pv"))
-        out.append(f"| {' | '.join(map(str, k))} | {fmt(m)} | {fmt(b)} | {fmt(f)} | {fmt(f3)} | {fmt(f2)} | "
-                   f"{ratio(m, b)} | {ratio(b, f)} | {ratio(b, f3)} | {ratio(b, f2)} | {pct(b)} | {pct(f)} |")
+        m, b, f = (cell.get((k, p)) for p in ("bmm-bf16", "lowbit-bf16", "lowbit-fp8"))
+        vs = [cell.get((k, p)) for p, _ in variants]
+        row = list(map(str, k)) + [fmt(m), fmt(b), fmt(f)] + [fmt(v) for v in vs]
+        row += [ratio(m, b), ratio(b, f)] + [ratio(b, v) for v in vs] + [pct(b), pct(f)]
+        out.append("| " + " | ".join(row) + " |")
     if res.get("sweep"):
-        out += ["", "Kernel variants (B=32, H=128, L=16384, Sq=1; what Triton generated for each):", "",
-                "| variant | ms | TFLOP/s | regs | spills | smem B | wgmma e4m3 / bf16 | st.shared (PTX) |",
+        out += ["", "Kernel variants (B=32, H=128, L=16384, Sq=1; what Triton generated for each; SASS per thread per "
+                "KV block = the length of each loop of the kernel, unmasked main loop first):", "",
+                "| variant | ms | TFLOP/s | tile (rows x cols, tokens, warps) | SASS per block | regs | spills | smem B |",
                 "|---|---|---|---|---|---|---|---|"]
         for r in res["sweep"]:
             if "ms" in r:
-                sts = ", ".join(f"{k.replace('st.shared.', '')} {v}" for k, v in r.get("st.shared", {}).items())
-                out.append(f"| {r.get('name', '')} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | {r.get('n_regs')} | {r.get('n_spills')} | "
-                           f"{r.get('shared_bytes')} | {r.get('wgmma_e4m3')} / {r.get('wgmma_bf16')} | {sts} |")
+                tile = f"{r.get('block_m')} x {512 // (r.get('dv_splits') or 1)}, {r.get('block_n')}, {r.get('num_warps')}"
+                out.append(f"| {r.get('name', '')} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | {tile} | "
+                           f"{', '.join(map(str, r.get('sass_loops') or []))} | {r.get('n_regs')} | {r.get('n_spills')} | "
+                           f"{r.get('shared_bytes')} |")
             else:
                 out.append(f"| {r.get('name', '')} | error: {r.get('error', '')[:80]} | | | | | | |")
     if accuracy_json is not None and Path(accuracy_json).exists():
