@@ -347,3 +347,88 @@ def test_opcheck_and_compile():
                           test_utils=("test_schema", "test_faketensor"))
     f = torch.compile(lambda a, b, c: ap.fp8_attention(a, b, c, causal=True), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q, k, v), ap.fp8_attention(q, k, v, causal=True))
+
+
+# ------------------------------------------------------------------ session 4: exp2 on the FMA pipe, Gluon
+try:  # a @triton.jit test kernel resolves its globals in this module
+    import triton
+    import triton.language as tl
+
+    from lowbit.kernels.attention_prefill import _exp2
+
+    @triton.jit
+    def _exp2_test_kernel(X, Y, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(Y + o, _exp2(tl.load(X + o), 1, True))
+except Exception:  # pragma: no cover - no Triton
+    _exp2_test_kernel = None
+
+
+def test_exp2_polynomial_accuracy():
+    """``_exp2_poly`` (FlashAttention-4's exp2 on the FMA pipe, option ``poly``): max relative error
+    < 2e-4 over the softmax range, exact powers of two at integers, -inf and very negative inputs
+    give ~0 (clamped at 2^-126), no NaN. Runs the @triton.jit helper (interpreter on the CPU)."""
+    if not ap._triton_ok() or _exp2_test_kernel is None:
+        pytest.skip("no Triton backend")
+    k = _exp2_test_kernel
+    ints = torch.arange(-20.0, 9.0)
+    x = torch.cat([torch.linspace(-30.0, 8.0, 4096 - 3 - ints.numel()), ints,
+                   torch.tensor([float("-inf"), -500.0, 0.0])])
+    y = torch.empty_like(x)
+    k[(1,)](x, y, N=x.numel())
+    ref = torch.exp2(x.double())
+    fin = x > -100
+    assert torch.isfinite(y).all()
+    assert ((y.double()[fin] - ref[fin]).abs() / ref[fin]).max() < 2e-4
+    assert (y[~fin] < 1e-37).all()
+    n0 = 4096 - 3 - ints.numel()
+    assert torch.equal(y[n0:n0 + ints.numel()], torch.exp2(ints))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_poly_exp2_option_matches_reference(mode):
+    """Config ``poly`` (1 of 4 exponentials on the FMA pipe on the GPU, all of them under the
+    interpreter): the output stays within the kernel-vs-reference tolerance of the same numerics
+    (the polynomial's 1.2e-4 is far below the P rounding of FP8 / INT8)."""
+    from lowbit.kernels.attention_prefill import quant_attention_triton
+
+    if not ap._triton_ok():
+        pytest.skip("no Triton backend")
+    q, k, v = _qkv(1, 4, 2, 33, 47, 32, seed=5)
+    kw = dict(mode=mode, causal=True, sm_scale=32 ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
+              k_per_block=mode == "fp8", fuse_kv=False)
+    base = quant_attention_triton(q, k, v, **kw)
+    poly = quant_attention_triton(q, k, v, config={"poly": 1}, **kw)
+    assert torch.isfinite(poly).all()
+    assert rel_l2(poly, base) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,shape", [(False, (2, 8, 8, 1008, 1008)), (True, (1, 8, 2, 496, 1008)),
+                                          (True, (1, 4, 1, 333, 200)), (False, (1, 4, 4, 200, 333))])
+def test_gluon_fp8_matches_tl_kernel(causal, shape):
+    """The Gluon FP8 kernel (Hopper; the tl kernel's numerics except that P V accumulates in the
+    wgmma) against the tl kernel on the same codes, and both against the float64 reference."""
+    from lowbit.kernels.attention_prefill import attention_prefill_triton
+    from lowbit.kernels.attention_prefill_gluon import HAS_GLUON
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not HAS_GLUON:
+        pytest.skip("Hopper + Gluon only")
+    import os
+
+    if os.environ.get("LOWBIT_GLUON_TEST", "0") != "1":  # until the device script has run it (session 4)
+        pytest.skip("set LOWBIT_GLUON_TEST=1")
+    B, Hq, Hkv, Sq, Skv = shape
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(B, Hq, Sq, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(B, Hkv, Skv, 128, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(B, Hkv, Skv, 128, device="cuda", generator=g).to(torch.bfloat16)
+    res = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=128, v_granularity="block", q=q)
+    kw = dict(mode="fp8", causal=causal, sm_scale=128 ** -0.5, k_block=128, q_codes=res[4:])
+    o_tl = attention_prefill_triton(q, *res[:4], config={"gluon": False}, **kw)
+    o_g = attention_prefill_triton(q, *res[:4], config={"gluon": True}, **kw)
+    ref = attention_ref(q, k, v, causal=causal)
+    assert torch.isfinite(o_g).all()
+    assert rel_l2(o_g, o_tl) < 5e-3
+    assert rel_l2(o_g, ref) < rel_l2(o_tl, ref) * 1.05 + 1e-3

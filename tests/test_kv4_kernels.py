@@ -221,6 +221,9 @@ def test_choose_splits():
         n = B * 8 * _splits_used(L, s, 32)
         assert n >= 0.95 * 132 * occ
         assert n / (-(-n // (132 * occ)) * 132 * occ) >= 0.9
+    # the Gluon launcher's rule (good=0.95): one wave 0.97 full beats three waves 0.99 full (R10, B=16 L=32k)
+    assert choose_splits(16, 8, 32768, 32, 132, 1, ctas_per_sm=16, good=0.95) == 16
+    assert choose_splits(16, 8, 32768, 32, 132, 1, ctas_per_sm=16) == 49
 
 
 # ---- ops ----------------------------------------------------------------------------------------
@@ -299,6 +302,24 @@ def test_decode_gpu_gluon(q8, zp):
                               k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), crs_q=crs, qk_int8=q8, gluon=True)
         r = ops.decode_kv4_ref(q, crs_q=crs, q_int8=q8, **c)
         assert rel_l2(o, r) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", ({"pdl": True}, {"lean": True}, {"ilp": True}))
+def test_decode_gpu_gluon_options(flags):
+    """The Gluon kernel's launch / prologue / MMA-chain options give the default's result."""
+    from lowbit.bench.suites.kv4 import random_cache
+    from lowbit.kernels.decode_kv4 import HAS_GLUON
+
+    if not HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    c = random_cache(3, 8, 128, 3000, device="cuda")
+    c["lengths"] = torch.tensor([3000, 1, 2961], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"])
+    o = decode_kv4_triton(*args, gluon=True, **flags)
+    assert torch.equal(o, decode_kv4_triton(*args, gluon=True))
+    assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
 
 
 @pytest.mark.slow

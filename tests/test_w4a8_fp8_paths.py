@@ -253,3 +253,102 @@ def test_decode_defaults_on_gpu(M, N, K):
     y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, 128, out_dtype=torch.float32)
     ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, 128, out_dtype=torch.float32)
     assert rel_l2(y.cpu(), ref) < 1e-3
+
+
+# ---------------------------------------------------------------- tile-major codes (session 4)
+def test_tile_codes_layout():
+    """tile_codes puts each (128 rows x 128 columns) tile in one contiguous 8 KB block, block
+    (nb, kt) at rows (nb * Kp/128 + kt) * 128; untile_codes inverts it; the reference dequantizes
+    tiled codes to the same weight; a wrong shape is a clear error."""
+    from lowbit.formats.w4a8_fp8 import dequantize_weight, tile_codes, tiled_shape, untile_codes
+
+    codes, sc, _ = _weights(200, 576, 64)
+    codes, sc = codes.cpu(), sc.cpu()
+    t = tile_codes(codes)
+    assert tuple(t.shape) == tiled_shape(200, 576) == (2 * 5 * 128, 64)
+    assert torch.equal(t[3 * 128:4 * 128], codes[:128, 3 * 64:4 * 64])  # block (0, 3)
+    assert torch.equal(t[(5 + 1) * 128:(5 + 1) * 128 + 72], codes[128:, 64:128])  # block (1, 1)
+    assert t[(5 + 1) * 128 + 72:(5 + 2) * 128].eq(0).all()  # rows beyond N are zero
+    assert torch.equal(untile_codes(t, 200, 576), codes)
+    assert torch.equal(dequantize_weight(t, sc, 576, 64, tiled=True), dequantize_weight(codes, sc, 576, 64))
+    with pytest.raises(ValueError, match="tiled codes"):
+        untile_codes(t[:-128], 200, 576)
+
+
+@pytest.mark.parametrize("M,N,K,g,cfg", [
+    (3, 200, 576, 128, {}),                                                     # K = 576, N % 128 != 0
+    (2, 72, 10944, 64, {"SPLIT_K": 4}),                                         # K = 10944 (Llama-2 down-like)
+    (1, 136, 600, 32, {"BLOCK_N": 128, "TMA": True, "KSTEP": 2}),                # TMA box of the 8 KB block
+    (5, 200, 1000, 64, {"TMA": True, "KSTEP": 2, "SPLIT_K": 3}),               # 64-row half blocks, last step masked
+    (2, 130, 300, 128, {"BLOCK_N": 128, "LUT": False, "SWORD": False}),        # arithmetic dequant, word loads
+    (20, 72, 200, 64, {"MODE": "dequant", "BLOCK_M": 32, "SWAP_AB": False}),   # dequantize-once path
+])
+def test_tiled_codes_kernel_equals_row_major(M, N, K, g, cfg):
+    """The kernel on tile-major codes (``tiled=True``) gives bit for bit the row-major result
+    (same bytes, same arithmetic) and the reference of the tiled codes."""
+    from lowbit.formats.w4a8_fp8 import tile_codes
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, g, seed=9)
+    torch.manual_seed(M + K)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    c = dict(dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=2, GROUP_M=1), **cfg)
+    xq, sx = xq.to(DEV), sx.to(DEV)
+    tc = tile_codes(codes)
+    y0 = w4a8_fp8_gemm(xq, sx, codes, sc, inv, K, g, out_dtype=torch.float32, config=c)
+    y1 = w4a8_fp8_gemm(xq, sx, tc, sc, inv, K, g, out_dtype=torch.float32, config=c, tiled=True)
+    assert torch.equal(y0, y1)
+    ref = reference_gemm(xq.cpu(), sx.cpu(), tc.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32, tiled=True)
+    assert rel_l2(y1.cpu(), ref) < 1e-5
+
+
+def test_tiled_codes_errors():
+    """Row-major codes passed as tiled (or a BLOCK_N that does not divide 128) -> clear errors."""
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+    from lowbit.formats.w4a8_fp8 import tile_codes
+
+    codes, sc, inv = _weights(200, 576, 128)
+    xq, sx = quantize_per_token(torch.randn(2, 576), FP8_E4M3)
+    xq, sx = xq.to(DEV), sx.to(DEV)
+    with pytest.raises(ValueError, match="tile-major codes must have shape"):
+        w4a8_fp8_gemm(xq, sx, codes, sc, inv, 576, 128, tiled=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=256, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
+        w4a8_fp8_gemm(xq, sx, tile_codes(codes), sc, inv, 576, 128, tiled=True, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 17000, 1000), (3, 4096, 10944), (128, 1000, 4096)])
+def test_tiled_defaults_on_gpu(M, N, K):
+    """Tile-major codes with the default configs (TMA 8 KB boxes at decode) on the GPU: bit-equal
+    to the row-major layout and the reference."""
+    from lowbit.formats.w4a8_fp8 import tile_codes
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, 128, seed=10)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    xq, sx = xq.to(DEV), sx.to(DEV)
+    y0 = w4a8_fp8_gemm(xq, sx, codes, sc, inv, K, 128, out_dtype=torch.float32)
+    y1 = w4a8_fp8_gemm(xq, sx, tile_codes(codes), sc, inv, K, 128, out_dtype=torch.float32, tiled=True)
+    assert torch.equal(y0, y1)
+    ref = reference_gemm(xq.cpu(), sx.cpu(), codes.cpu(), sc.cpu(), inv, K, 128, out_dtype=torch.float32)
+    assert rel_l2(y1.cpu(), ref) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (16, 4096, 14336), (128, 1000, 576)])
+def test_pdl_launch_on_gpu(M, N, K):
+    """Programmatic dependent launch of act_quant -> GEMM (and LUT2 dequant) gives bit for bit the
+    plain launch's codes, scales and output."""
+    from lowbit.kernels.act_quant import per_token_quant_triton
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, 128, seed=11)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    xq0, sx0 = per_token_quant_triton(x, FP8_E4M3, pdl=False)
+    y0 = w4a8_fp8_gemm(xq0, sx0, codes, sc, inv, K, 128, config=dict(pick_config(M, N, K), PDL=False))
+    for _ in range(3):
+        xq1, sx1 = per_token_quant_triton(x, FP8_E4M3, pdl=True)
+        y1 = w4a8_fp8_gemm(xq1, sx1, codes, sc, inv, K, 128, config=dict(pick_config(M, N, K), PDL=True, LUT2=True))
+        assert torch.equal(xq1.view(torch.int8), xq0.view(torch.int8)) and torch.equal(sx1, sx0)
+        assert torch.equal(y1, y0)

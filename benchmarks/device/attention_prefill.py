@@ -20,11 +20,13 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true")
 ap.add_argument("--skip", default="", help="comma list: check,asm,sweep,suite,mre,model")
 ap.add_argument("--ws-child", default="", help="internal: warp-specialization probe variants (child process)")
+ap.add_argument("--ab-child", default="", help="internal: 'gluon' runs the Gluon checks and A/B rows (child process)")
 ap.add_argument("--budget", type=float, default=86.0, help="seconds; later sections shrink or skip")
-ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "final"), choices=("split", "tune", "final", "ws"),
+ap.add_argument("--plan", default=os.environ.get("LOWBIT_AP_PLAN", "ab"), choices=("split", "tune", "final", "ws", "ab"),
                 help="split: fused-K/V checks, the quantization/attention split, config sweep at 1k (session 2); "
                      "tune: checks of new paths, config sweep, accuracy first; final: the benchmark suite first; "
-                     "ws: the warp-specialization probe first (session 3)")
+                     "ws: the warp-specialization probe first (session 3); "
+                     "ab: short checks, then the session-4 A/B list (ab_variants) on the attention launch")
 a = ap.parse_args()
 if a.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -53,7 +55,7 @@ def _watchdog():  # a hung kernel must not eat the round: write what we have and
     threading.Thread(target=run, daemon=True).start()
 
 
-if not a.cpu_smoke and not a.ws_child:
+if not a.cpu_smoke and not a.ws_child and not a.ab_child:
     _watchdog()
 PLAN = a.plan
 SUMMARY = []
@@ -116,8 +118,11 @@ def kernel_call(q, k, v, mode, causal, cfg, fused=False):
         kc, ks, _, _ = quantize_kv_triton(k, None, dtype=torch.int8)
         return attention_prefill_triton(q, kc, ks, v.contiguous(), None, mode=mode, causal=causal, sm_scale=sm, config=cfg)
     if mode == "fp8":
-        kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=bn, v_granularity="block")
-        return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg, k_block=bn)
+        qp = bool(cfg.get("gluon") or cfg.get("q_pre"))
+        res = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=bn, v_granularity="block", q=q if qp else None)
+        kc, ks, vt, vs = res[:4]
+        return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg, k_block=bn,
+                                        q_codes=res[4:] if qp else None)
     kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=torch.int8, v_granularity="channel")
     return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg)
 
@@ -133,6 +138,15 @@ def checks():
     elif DEV == "cuda" and PLAN == "ws":  # the default paths, short (the ws probe checks its own variants)
         base = [(2, 8, 8, 1008, 1008, 128)]
         cases = [("fp8", False, base[0], {}), ("int8", True, base[0], {}), ("fp8", True, (1, 8, 2, 496, 1008, 128), {})]
+    elif DEV == "cuda" and PLAN == "gluon":  # the Gluon kernel against the reference numerics
+        base = [(2, 8, 8, 1008, 1008, 128)]
+        g = {"gluon": True}
+        cases = [("fp8", False, base[0], g), ("fp8", True, base[0], g), ("fp8", True, (1, 8, 2, 496, 1008, 128), g),
+                 ("fp8", False, (1, 4, 4, 200, 333, 128), g), ("fp8", True, (1, 4, 1, 333, 200, 128), g),
+                 ("fp8", True, base[0], {"gluon": 128}), ("fp8", False, (1, 4, 4, 200, 333, 128), {"gluon": 128})]
+    elif DEV == "cuda" and PLAN == "ab":  # the A/B options against the reference numerics
+        base = [(2, 8, 8, 1008, 1008, 128)]
+        cases = [("fp8", True, base[0], {"poly": 1}), ("int8", False, base[0], {"poly": 1})]
     elif DEV == "cuda" and PLAN == "final":  # the default paths only (their kernels are the suite's)
         base = [(2, 8, 8, 1008, 1008, 128)]
         cases = [("fp8", False, base[0], {}), ("int8", True, base[0], {}), ("int8-qk", False, base[0], {}),
@@ -203,7 +217,7 @@ def checks():
             traceback.print_exc()
             rows.append({"case": f"{mode} fused == 2 launches", "error": str(exc)[:300], "pass": False})
     # zero inputs and huge logits stay finite
-    for mode in () if DEV == "cuda" and PLAN == "split" else ("fp8", "int8"):
+    for mode in () if DEV == "cuda" and PLAN in ("split", "gluon", "ab") else ("fp8", "int8"):
         try:
             z = torch.zeros(1, 2, 300, 128 if DEV == "cuda" else 32, device=DEV, dtype=dt)
             o = quant_attention(z, z, z, mode=mode, causal=True)
@@ -348,8 +362,8 @@ def suite():
         big = False
     if PLAN == "final":
         provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-int8", "lowbit-int8-qk", "lowbit-fp8-kv4", "lowbit-fp8-attn-only",
-                 "lowbit-int8-attn-only", "lowbit-fp8-qkvquant-only", "lowbit-int8-kvquant-only", "lowbit-fp8-qreg",
-                 "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
+                 "lowbit-int8-attn-only", "lowbit-fp8-qkvquant-only", "lowbit-int8-kvquant-only", "lowbit-fp8-tl",
+                 "lowbit-fp8-gluon", "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
     s.run(rec, quick=False, seq_lens=[1024, 4096, 16384] if big else [1024, 4096],
           causals=(False, True), providers=provs)
     path = rec.write(a.out, baseline=s.BASELINE, command="benchmarks/device/attention_prefill.py")
@@ -369,6 +383,103 @@ def suite():
             if "median_ms" in fa:
                 parts.append(f"{fa['median_ms'] / r['median_ms']:.2f}x INT-FA")
             SUMMARY.append(", ".join(parts))
+
+
+# ------------------------------------------------------------------------------------- (3c) A/B
+AB_FP8 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, tma=True, maxnreg=168)  # fp8 default
+AB_INT8 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, tma=True)  # int8 default
+
+
+def ab_variants():
+    """Session 4 A/B list (attention launch alone, pre-quantized Q/K/V, same inputs), most wanted
+    first; the first row of each (mode, S, causal) is the committed default: rel = rel-L2 vs it."""
+    v = []
+    for S, causal in ((4096, False), (1024, False), (4096, True), (16384, False)):
+        v += [("fp8", S, causal, dict(AB_FP8)), ("fp8", S, causal, dict(AB_FP8, gluon=True)),
+              ("fp8", S, causal, dict(AB_FP8, gluon=128))]
+    v += [("fp8", 4096, False, dict(AB_FP8, poly=1)),
+          ("fp8", 4096, False, dict(AB_FP8, BLOCK_N=64, maxnreg=128)),
+          ("fp8", 4096, False, dict(AB_FP8, BLOCK_N=64, num_stages=3, maxnreg=128)),
+          ("fp8", 4096, False, dict(AB_FP8, BLOCK_M=128, num_warps=8, maxnreg=0)),
+          ("int8", 4096, False, dict(AB_INT8)), ("int8", 4096, False, dict(AB_INT8, poly=1)),
+          ("int8", 4096, False, dict(AB_INT8, BLOCK_N=64, num_stages=2, maxnreg=168))]
+    spec = os.environ.get("LOWBIT_AP_AB")  # override: JSON list of [mode, S, causal, config]
+    return [tuple(x) for x in json.loads(spec)] if spec else v
+
+
+def ab():
+    from lowbit.bench.harness import attention_flops, time_cuda
+    from lowbit.kernels.attention_prefill import attention_prefill_triton
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    B, H, D = (4, 32, 128) if DEV == "cuda" else (1, 2, 32)
+    data, ref, rows = {}, {}, []
+    want_gluon = a.ab_child == "gluon"
+    for mode, S, causal, cfg in ab_variants():
+        if bool(cfg.get("gluon")) != want_gluon and not (want_gluon and cfg == AB_FP8):
+            continue  # the parent runs the tl rows; the child the Gluon rows (and the tl default again, as their base)
+        has_g = any(c.get("gluon") and (m, s_, cz) == (mode, S, causal) for m, s_, cz, c in ab_variants())
+        if want_gluon and cfg == AB_FP8 and not has_g:
+            continue
+        if not want_gluon and cfg == AB_FP8 and has_g and (S, causal) != (4096, False):
+            continue  # the child times this default beside its Gluon row
+        if DEV == "cpu":
+            S = 40
+        if left() < 7:
+            SUMMARY.append(f"ab: stopped at {mode} S={S} {cfg} (time)")
+            break
+        row = {"mode": mode, "S": S, "causal": causal, **cfg}
+        if DEV == "cpu" and cfg.get("gluon"):
+            continue
+        try:
+            if (S,) not in data:
+                data.clear()
+                g = torch.Generator(device=DEV).manual_seed(3)
+                data[(S,)] = tuple(torch.randn(B, H, S, D, device=DEV, generator=g).to(
+                    torch.bfloat16 if DEV == "cuda" else torch.float32) for _ in range(3))
+            q, k, v = data[(S,)]
+            bn = cfg["BLOCK_N"] if DEV == "cuda" else 16
+            qk = (mode, S, bn)
+            if qk not in data:
+                if mode == "fp8":
+                    data[qk] = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=bn, v_granularity="block", q=q)
+                else:
+                    data[qk] = quantize_kv_triton(k, v, dtype=torch.int8, v_granularity="channel")
+            kc, ks, vt, vs = data[qk][:4]
+            qcodes = data[qk][4:] if mode == "fp8" else None
+            c = dict(cfg, q_tma=False)
+            if DEV == "cpu":
+                c.update(BLOCK_M=16, BLOCK_N=16, num_stages=1)
+                c.pop("maxnreg", None)
+            fn = lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5,
+                                                  config=c, k_block=bn if mode == "fp8" else None, q_codes=qcodes)
+            t0 = time.time()
+            o = fn()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            row["compile_s"] = time.time() - t0
+            rk = (mode, S, causal)
+            if rk in ref:
+                row["rel_vs_default"] = rel(o.float(), ref[rk].float())
+            else:
+                ref[rk] = o.clone()
+            row["finite"] = bool(torch.isfinite(o).all())
+            if DEV == "cuda":
+                t = time_cuda(lambda: fn(), [()], warmup=3, reps=40 if S <= 1024 else 15)
+                row["ms"] = t["median_ms"]
+                row["TFLOPs"] = attention_flops(B, H, S, S, D, causal) / t["median_ms"] / 1e9
+            msg = (f"ab {mode} S={S} causal={int(causal)} {cfg}: " + (f"{row['ms']:.4f} ms {row['TFLOPs']:.0f} TF/s " if "ms" in row else "")
+                   + f"rel {row.get('rel_vs_default')} finite {row['finite']}")
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+            msg = f"ab {mode} S={S} causal={int(causal)} {cfg}: ERROR {row['error'][:200]}"
+        rows.append(row)
+        print(msg, flush=True)
+        SUMMARY.append(msg)
+        RESULTS["ab"] = rows
+        dump()
+    data.clear()
+
 
 
 # ------------------------------------------------------------------------------------- (4a) MRE
@@ -781,6 +892,41 @@ if a.ws_child:
     sys.exit(0)
 
 
+def gluon_child(timeout):
+    """The Gluon kernel's checks and A/B rows in a child process (a device fault is sticky for
+    the whole CUDA context: the parent's rows survive it)."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--ab-child", "gluon", "--budget", str(timeout)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 5)
+        text = r.stdout + "\n" + r.stderr[-3000:]
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")) + "\n[gluon child timed out]"
+    print(text, flush=True)
+    with open(os.path.join(a.out, "gluon_child.txt"), "w") as f:
+        f.write(text)
+    for line in text.splitlines():
+        if line.startswith(("ab ", "PASS", "FAIL", "checks:")):
+            SUMMARY.append("gluon child: " + line)
+
+
+if a.ab_child:
+    PLAN = "gluon"
+    section("check", checks)
+    section("ab", ab)
+    print("\n==== summary ====")
+    for s_ in SUMMARY:
+        print(s_)
+    with open(os.path.join(a.out, "attention_prefill_gluon_results.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    sys.exit(0)
+
+
+if PLAN == "ab":
+    if DEV == "cuda":
+        section("gluon", lambda: gluon_child(float(os.environ.get("LOWBIT_AP_GLUON_S", "42"))), need=20)
+    section("ab", ab)
 if DEV == "cuda" and PLAN == "ws":
     section("ws", lambda: ws_experiment(timeout=56.0), need=10)
 section("check", checks, need=20 if DEV == "cuda" and PLAN == "ws" else 0)
@@ -790,6 +936,8 @@ if DEV == "cuda" and PLAN == "ws":
 elif DEV == "cuda" and PLAN == "split":
     section("sweep_split", sweep_split, need=15)
     section("suite", suite, need=25)
+elif DEV == "cuda" and PLAN == "ab":
+    section("asm", asm)
 elif DEV == "cuda" and PLAN == "tune":
     section("asm", asm)
     section("sweep", sweep, need=15)

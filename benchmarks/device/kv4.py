@@ -152,7 +152,7 @@ def checks():
                 traceback.print_exc()
                 res.append((name, None, False))
                 print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
-    if not a.cpu_smoke:  # kernel variants (loop orientation, warps, BLOCK_N, lazy rescale) vs the reference
+    if not a.cpu_smoke and "sweep" not in a.skip.split(","):  # kernel variants (orientation, warps, BLOCK_N, lazy) for the sweep
         from lowbit.kernels.decode_kv4 import decode_kv4_triton
 
         for trans, nw, bn, lazy, q8 in VARIANTS:
@@ -381,11 +381,53 @@ def gluon_section():
             dump()
 
     run_checks(2, cases)
-    run_checks(2, cases[:1] + cases[5:6], ahead=True, lazy=False)  # the S^T-one-block-ahead loop (4 stages)
-    run_checks(2, cases[:1], ahead=True)
+    run_checks(2, [(2, 32, 8, 128, 1, 9000, 64, True, torch.float8_e4m3fn, False, 16)])  # kv4-zp, 16 keys per step
+    n0 = len(doc["checks"])
+    run_checks(2, cases[:1] + cases[3:5], lean=True)  # page-table reads beside the length read; ring indices
+    lean_ok = all(c["pass"] for c in doc["checks"][n0:])
+    n0 = len(doc["checks"])
+    run_checks(2, cases[:1], ilp=True)  # the two Q planes as independent MMA chains
+    run_checks(2, cases[:1], ilp=True, lean=True, pdl=True)
+    ilp_ok = all(c["pass"] for c in doc["checks"][n0:])
+    n0 = len(doc["checks"])
+    run_checks(2, cases[:1], pdl=True)  # combine kernel as a programmatic dependent launch
+    pdl_ok = all(c["pass"] for c in doc["checks"][n0:])
+
+    def graph_check(**kw):  # CUDA-graph capture + replay of a decode step vs the eager result (bit-equal)
+        nonlocal ok_all
+        name = f"gluon cuda-graph B=4 L=3000 {kw}"
+        try:
+            c = random_cache(4, 8, 128, 3000)
+            q = torch.randn(4, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+            f = lambda: dk.decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
+                                             c["page_table"], c["lengths"], max_len=3000, qk_int8=2, gluon=True, **kw)
+            ref = f().clone()
+            st = torch.cuda.Stream()
+            st.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(st):
+                f()
+            torch.cuda.current_stream().wait_stream(st)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = f()
+            q.copy_(torch.randn_like(q))
+            ref2 = f().clone()
+            g.replay()
+            torch.cuda.synchronize()
+            e = rel(out, ref2)
+            ok = e < 1e-6
+        except Exception as exc:
+            traceback.print_exc()
+            e, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
+        ok_all = ok_all and ok
+        doc["checks"].append({"case": name, "err": e, "pass": ok})
+        print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e}", flush=True)
+        return ok
+
+    pdl_ok = graph_check(pdl=True) and pdl_ok
     doc["all_pass"] = ok_all
     # registers / spills of the main configurations
-    for bn, st, q8 in ((32, 3, 2), (16, 3, 2), (32, 3, 1)):
+    for bn, st, q8 in ((32, 3, 2),):
         try:
             c = random_cache(2, 8, 128, 512)
             q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -405,31 +447,50 @@ def gluon_section():
         (16, 32768, True, 2, None, None, None, None, None), (16, 8192, False, 2, None, None, None, None, None),
         (16, 8192, False, 0, None, None, None, None, None),
     ]
-    configs = [  # (B, L, gluon, q8, block_n, stages, maxnreg, lazy, splits); stages "4a": 4 stages, S^T one block ahead
-        (16, 8192, True, 2, None, None, None, None, None), (16, 8192, True, 2, 32, 3, None, True, None),
-        (16, 8192, True, 2, 16, 3, None, True, 16), (16, 8192, True, 2, 16, 3, None, False, 16),
-        (16, 8192, True, 2, 32, "4a", None, False, None), (16, 8192, True, 2, 16, "4a", None, False, 16),
-        (16, 8192, True, 2, 32, "4a", None, True, None), (16, 8192, True, 2, None, None, None, "nocombine", None),
-        (16, 8192, True, 2, 32, 3, None, False, 24),
-        (16, 32768, True, 2, None, None, None, None, None), (16, 32768, True, 2, 32, 3, None, True, None),
-        (16, 32768, True, 2, 32, "4a", None, False, None), (16, 32768, True, 2, 32, 3, None, False, 16),
-        (16, 8192, False, 0, None, None, None, None, None), (1, 32768, True, 2, None, None, None, None, None),
+    ALL = {"lean": True, "ilp": True, "pdl": True}
+    configs = [  # (B, L, gluon, q8, block_n, stages, maxnreg, lazy, splits[, kwargs]); lazy "nocombine": main kernel alone
+        (16, 8192, True, 2, None, None, None, None, None), (16, 8192, True, 2, None, None, None, None, None, {"lean": True}),
+        (16, 8192, True, 2, None, None, None, None, None, {"ilp": True}),
+        (16, 8192, True, 2, None, None, None, None, None, {"pdl": True}),
+        (16, 8192, True, 2, None, None, None, None, None, ALL),
+        (16, 8192, True, 2, None, None, None, "nocombine", None),
+        (16, 8192, True, 2, None, None, None, "nocombine", None, {"contig": True}),  # TLB: sequential pages
+        (16, 8192, True, 2, None, None, None, None, None),  # the default again (drift)
+        (16, 8192, True, 2, None, None, None, None, None, {"zp": True}),
+        (16, 8192, True, 2, 16, None, None, None, None, {"zp": True}),  # kv4-zp with 16 keys per step (no spills)
+        (16, 32768, True, 2, None, None, None, None, None), (16, 32768, True, 2, None, None, None, None, None, {"lean": True}),
+        (16, 32768, True, 2, None, None, None, None, None, {"ilp": True}),
+        (16, 32768, True, 2, None, None, None, None, None, {"pdl": True}),
+        (16, 32768, True, 2, None, None, None, None, None, ALL),
+        (16, 32768, True, 2, None, None, None, None, 49),  # the split count of the 0.97 rule (R10 default)
+        (16, 1024, True, 2, None, None, None, "nocombine", 16),  # fixed cost of a wave: 2 key blocks per program
+        (16, 1024, True, 2, None, None, None, "nocombine", 16, {"lean": True}),
+        (1, 32768, True, 2, None, None, None, None, None), (1, 32768, True, 2, None, None, None, None, None, ALL),
     ]
     if SHORT_SWEEP:
         configs = short
     cache = {}
     main_ok = all(c["pass"] for c in doc["checks"][:2])  # the B=16 timing shape's kernels (TQ=1, bn 32 / 16)
     ahead_ok = all(c["pass"] for c in doc["checks"] if "ahead" in c["case"])
-    for (B, L, gl_, q8, bn, st, mr, lazy, nsp) in configs:
+    for cfg in configs:
+        (B, L, gl_, q8, bn, st, mr, lazy, nsp), xkw = cfg[:9], dict(cfg[9] if len(cfg) > 9 else {})
+        zp = xkw.pop("zp", False)  # a kv4-zp cache
+        contig = xkw.pop("contig", False)  # pages of a sequence consecutive in the pool (identity page order)
         if gl_ and not main_ok or isinstance(st, str) and not ahead_ok:
             continue
+        if xkw.get("lean") and not lean_ok or xkw.get("pdl") and not pdl_ok or xkw.get("ilp") and not ilp_ok:
+            continue
         try:
-            if (B, L) not in cache:
+            if (B, L, zp) not in cache:
                 cache.clear()
                 torch.cuda.empty_cache()
-                cache[(B, L)] = rotating_inputs(lambda: (torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16),
-                                                         random_cache(B, Hkv, D, L)))
-            sets = cache[(B, L)]
+                cache[(B, L, zp)] = rotating_inputs(lambda: (torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16),
+                                                             random_cache(B, Hkv, D, L, zero_point=zp)))
+            sets = cache[(B, L, zp)]
+            if contig:
+                sets = [(q_, dict(c_, page_table=torch.arange(c_["page_table"].numel(), device="cuda",
+                                                              dtype=torch.int32).view_as(c_["page_table"])))
+                        for q_, c_ in sets]
             skip = lazy == "nocombine"  # the main kernel alone (its partials are not combined): the combine's cost
             lz = None if skip else lazy
             ahead = isinstance(st, str)  # "4a": 4 stages, S^T one block ahead
@@ -437,19 +498,21 @@ def gluon_section():
             fn = lambda q, c: dk.decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
                                                   c["page_table"], c["lengths"], max_len=L, qk_int8=q8, gluon=gl_,
                                                   block_n=bn, num_stages=st, maxnreg=mr, lazy=lz, num_splits=nsp,
-                                                  _skip_combine=skip, ahead=ahead)
+                                                  _skip_combine=skip, ahead=ahead, k_zero=c.get("k_zero"),
+                                                  v_zero=c.get("v_zero"), **xkw)
             fn(*sets[0])
             t = _time(fn, sets)
-            tb = kv4_bytes(B, Hq, Hkv, D, L, 1, False) / (t["median_ms"] * 1e-3) / 1e12
+            tb = kv4_bytes(B, Hq, Hkv, D, L, 1, zp) / (t["median_ms"] * 1e-3) / 1e12
             r = {"B": B, "L": L, "gluon": gl_, "q8": q8, "block_n": bn, "stages": st, "maxnreg": mr, "lazy": lazy,
-                 "ahead": ahead, "splits": dk.LAST_LAUNCH.get("num_splits"), "ms": t["median_ms"], "TBps": tb}
+                 "ahead": ahead, "splits": dk.LAST_LAUNCH.get("num_splits"), **xkw, "zp": zp, "contig": contig,
+                 "ms": t["median_ms"],
+                 "TBps": tb}
         except Exception as exc:
             r = {"B": B, "L": L, "gluon": gl_, "q8": q8, "block_n": bn, "stages": st, "error": str(exc)[:300]}
         doc["timing"].append(r)
         print(r, flush=True)
         dump()
     cache.clear()
-    run_checks(1, cases[:1] + cases[4:5])
     doc["all_pass"] = ok_all
     dump()
 
@@ -459,7 +522,7 @@ def run_gluon_subprocess():
 
     cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--gluon-only"]
     try:
-        subprocess.run(cmd, timeout=float(os.environ.get("KV4_GLUON_TIMEOUT", 44)), check=False)
+        subprocess.run(cmd, timeout=float(os.environ.get("KV4_GLUON_TIMEOUT", 50)), check=False)
     except subprocess.TimeoutExpired:
         print("gluon section: timeout", flush=True)
     try:

@@ -309,14 +309,15 @@ def extra(name, ws, packs, xs, case_):
         variants.append(("mma r2 w8 cps2 gu1 (r5 best)", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, gu=1)))
         variants.append(("mma r2 w8 cps2 gu2", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, gu=2)))
         variants.append(("lut3 mma r1 cps8 gu1 (r4 best)", 3, "mma", dict(r=1, ctas_per_sm=8, gu=1)))
-        variants.append(("mma r1 w8 cps4 gu4", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, gu=4)))
-        variants.append(("mma r1 w4 cps8 gu4", 4, "mma", dict(r=1, num_warps=4, ctas_per_sm=8, gu=4)))
-        variants.append(("lut3 mma r1 w8 cps4 gu8", 3, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, gu=8)))
         variants.append(("lut3 mma r2 w8 cps2 gu4", 3, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, gu=4)))
     elif M == 16:
+        # r = 2: each activation (B) fragment loaded once feeds two row tiles (half the L1 traffic per weight)
+        variants.append(("mma nt2 r2 w8 cps2 pf", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, prefetch=True)))
+        variants.append(("mma nt2 r2 w4 cps4 pf", 4, "mma", dict(r=2, num_warps=4, ctas_per_sm=4, prefetch=True)))
         variants.append(("mma nt2 r1 w8 cps4 gu2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, gu=2)))
         variants.append(("lut3 mma nt2 r1 cps8 gu4", 3, "mma", dict(r=1, ctas_per_sm=8, gu=4)))
     elif M == 32:
+        variants.append(("mma nt4 r2 w8 cps2 pf", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, prefetch=True)))
         variants.append(("mma nt4 r1 w8 cps4 gu2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, gu=2)))
         variants.append(("lut3 mma nt4 r1 w8 cps4 pf", 3, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True)))
     if M == 1 and SWEEP_OLD:

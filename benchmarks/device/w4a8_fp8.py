@@ -150,11 +150,15 @@ def _new_path_checks():
     """Session 2 paths: activation quantization fused into the GEMM (decode), single-launch split-K,
     dequantize-once + FP8 GEMM (Triton W_FP8 / torch._scaled_mm)."""
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
-    from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm
+    from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm, tile_codes
     from lowbit.kernels.act_quant import per_token_quant_triton
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm, w4a8_fp8_linear_fused
 
-    cases = [  # M, N, K, g, kind, flags
+    cases = [  # M, N, K, g, kind, flags ("tiled-*": tile-major codes, R11)
+        (1, 17000, 1000, 128, "tiled-default", {"bias": True}), (3, 1000, 4096, 128, "tiled-default", {"res": True}),
+        (5, 3000, 1000, 64, "tiled-kstep", {}), (16, 4096, 14336, 128, "tiled-default", {}),
+        (200, 4096, 1000, 32, "tiled-default", {}), (2, 2 * 8448, 576, 64, "tiled-default", {"silu": True}),
+        (300, 1280, 576, 128, "tiled-scaled_mm", {"silu": True, "res": True, "bias": True}),
         (1, 4096, 4096, 128, "fused", {}), (3, 200, 576, 64, "fused", {"bias": True}),
         (16, 1536, 576, 128, "fused", {"res": True}), (1, 4096, 14336, 128, "fused", {}),
         (8, 2 * 1536, 576, 128, "fused", {"silu": True}), (17, 576, 1536, 32, "fused", {}),
@@ -168,7 +172,8 @@ def _new_path_checks():
     ]
     if args.cpu_smoke:
         cases = [(1, 72, 200, 128, "fused", {"bias": True}), (3, 64, 160, 32, "fused", {"silu": True, "res": True}),
-                 (2, 64, 600, 128, "sem", {}), (20, 64, 200, 64, "dequant", {"bias": True})]
+                 (2, 64, 600, 128, "sem", {}), (20, 64, 200, 64, "dequant", {"bias": True}),
+                 (3, 136, 300, 32, "tiled-default", {"bias": True}), (20, 72, 200, 64, "tiled-dequant", {})]
     rows = []
     if not args.cpu_smoke:  # R3 saw 1-17 act-quant codes per 10^6 differ from the CPU reference: which?
         try:
@@ -216,6 +221,10 @@ def _new_path_checks():
                 extra["equal_to_unfused"] = bool(torch.equal(y, y2))
             else:
                 cfg = dict(pick_config(M, N, K))
+                tiled = kind.startswith("tiled-")
+                if tiled:
+                    codes = tile_codes(codes)
+                    kind = kind[len("tiled-"):]
                 if kind == "default":
                     pass
                 elif kind == "tma":
@@ -229,7 +238,7 @@ def _new_path_checks():
                 else:
                     cfg.update(MODE=kind, BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, SWAP_AB=False, num_warps=8,
                                num_stages=3, GROUP_M=8, ACC_TILE=True)
-                y = w4a8_fp8_gemm(xq_r, sx_r, codes, sc, invd.item(), K, g, config=cfg, **kw)
+                y = w4a8_fp8_gemm(xq_r, sx_r, codes, sc, invd.item(), K, g, config=cfg, tiled=tiled, **kw)
             e = ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
             zero_ok = True
             if bias is None and res is None:
@@ -398,11 +407,17 @@ _DOWN = [dict(KSTEP=2, num_stages=3), dict(SPLIT_K=4), dict(SPLIT_K=16),
          dict(BLOCK_N=64, TMA=False, SWORD=False)]
 _QO = [dict(BLOCK_N=128, TMA=True, SWORD=True), dict(BLOCK_N=128, TMA=True, SWORD=True, SPLIT_K=8),
        dict(BLOCK_N=128, TMA=True, SWORD=True, KSTEP=2, num_stages=3), dict(SWORD=True)]
+# R11: wave balance at decode (gate_up: 224 CTAs of 128 rows on 132 SMs = 1.7 waves) with 64-row TMA
+# tiles; M = 128 with 128 weight rows per CTA (x re-read from L2 half as often), 8 warps, TMA.
+_B64 = [dict(BLOCK_N=64, KSTEP=2, num_stages=3), dict(BLOCK_N=64, SPLIT_K=2), dict(SPLIT_K=4),
+        dict(BLOCK_N=64, SPLIT_K=2, KSTEP=1, num_stages=4)]  # 448 / 896 / 896 / 896 programs
+_M128 = [dict(BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_N=128, num_warps=8), dict(BLOCK_N=128, num_warps=8, TMA=True, SWORD=True),
+         dict(TMA=True, SWORD=True)]
 DECODE_CASES = [  # (shape, M, variants on top of pick_config)
-    ("gate_up", 1, _B128), ("lm_head", 1, _B128[:3]), ("down", 1, _DOWN), ("qkv", 1, _QO), ("o", 1, _QO),
-    ("gate_up", 16, _B128[:1]), ("down", 16, _DOWN[:1] + _DOWN[3:]), ("qkv", 16, _QO[:1]),
-    ("gate_up", 128, [dict(KSTEP=2, num_stages=3), dict(num_stages=3)]),
-    ("down", 128, [dict(KSTEP=2, num_stages=3)]),
+    ("gate_up", 1, [dict(LUT2=True)] + _B64 + _B128[:1]), ("gate_up", 128, [dict(LUT2=True)] + _M128),
+    ("down", 128, _M128[1:3]),
+    ("lm_head", 1, _B64[:1]), ("down", 1, _DOWN[:1]), ("qkv", 1, _QO[:1]), ("o", 1, _QO[:1]),
+    ("gate_up", 16, _B64[:1]), ("down", 16, _DOWN[:1]), ("qkv", 16, _QO[:1]),
 ]
 
 
@@ -414,6 +429,7 @@ def decode_sweep(until: float):
     from lowbit.bench.harness import time_cuda
     from lowbit.bench.suites.w4a8_fp8 import random_packed
     from lowbit.formats.common import FP8_E4M3
+    from lowbit.formats.w4a8_fp8 import tile_codes
     from lowbit.kernels import w4a8_fp8_gemm as G
     from lowbit.kernels.act_quant import per_token_quant_triton
 
@@ -457,23 +473,41 @@ def decode_sweep(until: float):
         y0 = G.w4a8_fp8_gemm(xq, sx, *sets[0], 0.01, K, 128)
         rec(shape, M, f"gemm default {cfg}", lambda i: G.w4a8_fp8_gemm(xq, sx, *sets[i], 0.01, K, 128), idx,
             nbytes=wbytes)
-        if M == 1:
-            rec(shape, M, "act_quant + gemm", lambda i: G.w4a8_fp8_gemm(*per_token_quant_triton(x, FP8_E4M3), *sets[i],
-                                                                         0.01, K, 128), idx, nbytes=wbytes)
-        for extra in variants:
-            c2 = dict(cfg, **extra)
-            try:
-                y = G.w4a8_fp8_gemm(xq, sx, *sets[0], 0.01, K, 128, config=c2)
-                err = ((y.float() - y0.float()).norm() / y0.float().norm()).item()
-                eq = {"equal_to_default": bool(torch.equal(y, y0)), "rel_to_default": err}
-            except Exception as exc:
-                eq = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-            rec(shape, M, f"gemm {extra}", lambda i: G.w4a8_fp8_gemm(xq, sx, *sets[i], 0.01, K, 128, config=c2), idx,
-                nbytes=wbytes, extra=eq)
+        if M in (1, 16):  # A/B: programmatic dependent launch of both kernels (act_quant -> GEMM)
+            for pdl in (False, True):
+                cp = dict(cfg, PDL=pdl)
+                try:
+                    yp = G.w4a8_fp8_gemm(*per_token_quant_triton(x, FP8_E4M3, pdl=pdl), *sets[0], 0.01, K, 128,
+                                         config=cp)
+                    eq = {"equal_to_default": bool(torch.equal(yp, y0)), "rel_to_default": 0.0}
+                except Exception as exc:
+                    eq = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                rec(shape, M, f"act_quant + gemm PDL={pdl}",
+                    lambda i, cp=cp, pdl=pdl: G.w4a8_fp8_gemm(*per_token_quant_triton(x, FP8_E4M3, pdl=pdl), *sets[i],
+                                                              0.01, K, 128, config=cp), idx, nbytes=wbytes, extra=eq)
+        # A/B: the same configs on tile-major codes (lowbit.formats.w4a8_fp8.tile_codes), same run
+        tkey = ("tiled", shape)
+        if tkey not in cache:
+            cache[tkey] = [(tile_codes(c), sc) for c, sc in sets]
+        tsets = cache[tkey]
+        for extra in [None] + variants:
+            for tiled in ((False, True) if extra is not None else (True,)):
+                c2 = dict(cfg, **(extra or {}))
+                ss = tsets if tiled else sets
+                try:
+                    y = G.w4a8_fp8_gemm(xq, sx, *ss[0], 0.01, K, 128, config=c2, tiled=tiled)
+                    err = ((y.float() - y0.float()).norm() / y0.float().norm()).item()
+                    eq = {"equal_to_default": bool(torch.equal(y, y0)), "rel_to_default": err}
+                except Exception as exc:
+                    eq = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                rec(shape, M, f"gemm{' TILED' if tiled else ''} {extra or 'default'}",
+                    lambda i, c2=c2, ss=ss, tiled=tiled: G.w4a8_fp8_gemm(xq, sx, *ss[i], 0.01, K, 128, config=c2,
+                                                                          tiled=tiled),
+                    idx, nbytes=wbytes, extra=eq)
         if shape == "gate_up" and M == 1:  # the same bytes without dequantization (W_FP8 loop)
             K2 = sets[0][0].shape[1]
             xq2, sx2 = per_token_quant_triton(torch.randn(1, K2, device=DEV, dtype=torch.bfloat16), FP8_E4M3)
-            for extra in ({}, {"TMA": True}):
+            for extra in ({},):
                 c3 = dict(G.pick_config(1, N, K2), **extra)
                 rec(shape, M, f"no-dequant probe (W_FP8 on codes as fp8 [N,{K2}]) {extra}",
                     lambda i: G._launch(xq2, sx2, sets[i][0].view(FP8_E4M3), sets[i][1], 1.0, K2, 128, None, None,

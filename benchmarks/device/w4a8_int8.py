@@ -154,6 +154,93 @@ def w8_correctness():
             RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
             log(f"FAIL {name}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
+    w8_mismatch_probe()
+
+
+def w8_mismatch_probe():
+    """R8/R9 FAIL diagnosis: dequantize_w8 vs dequantize_int8 on unit-variance weights (as in the
+    failing r8 check), per tile config, inline PTX on/off, twice each (a race shows as a repeat
+    mismatch); prints the first mismatch with its q4, s2, zs."""
+    from lowbit.kernels import w4a8_int8_gemm as km
+
+    N, K = (64, 384) if args.cpu_smoke else (4096, 14336)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        qw = fmt.quantize(torch.randn(N, K, device=DEV), 128)
+        ref = fmt.dequantize_int8(qw.qweight, qw.gscale, qw.gzs)
+        for dq in ((64, 1, 4), (128, 1, 8)):
+            for no_asm in ("0", "1"):
+                name = f"w8 probe seed={seed} dq={dq} no_asm={no_asm}"
+                try:
+                    os.environ["LOWBIT_W4A8_INT8_NO_ASM"] = no_asm
+                    a = km.dequantize_w8(qw.qweight, qw.gscale, qw.gzs, *dq)
+                    b = km.dequantize_w8(qw.qweight, qw.gscale, qw.gzs, *dq)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    bad = (a != ref).nonzero()
+                    msg = f"mismatches {bad.shape[0]}, repeat equal {bool(torch.equal(a, b))}"
+                    if bad.shape[0]:
+                        n, k = (int(v) for v in bad[0])
+                        g = k // 128
+                        byte = int(qw.qweight[n, (k // 128) * 64 + (k % 64)])
+                        msg += (f"; first n={n} k={k}: kernel {int(a[n, k])} ref {int(ref[n, k])} byte 0x{byte:02x}"
+                                f" s2 {int(qw.gscale[n, g])} zs {int(qw.gzs[n, g])}; rows hit {bad[:, 0].unique().numel()}"
+                                f" cols%4 {torch.bincount(bad[:, 1] % 4, minlength=4).tolist()}")
+                    ok = bad.shape[0] == 0 and bool(torch.equal(a, b))
+                    RESULTS["correctness"].append({"case": name, "detail": msg, "pass": ok})
+                    log(f"{'PASS' if ok else 'FAIL'} {name}: {msg}")
+                except Exception as exc:
+                    RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
+                    log(f"FAIL {name}: {type(exc).__name__}: {exc}")
+                finally:
+                    os.environ.pop("LOWBIT_W4A8_INT8_NO_ASM", None)
+        if seed == 0:  # the r8/r9 inputs: qweight, gscale, gzs of three different weights
+            q2, q3 = fmt.quantize(torch.randn(N, K, device=DEV), 128), fmt.quantize(torch.randn(N, K, device=DEV), 128)
+            mixed = fmt.dequantize_int8(qw.qweight, q2.gscale, q3.gzs)
+            wide = (fmt.unpack_codes(qw.qweight).int().reshape(N, -1, 128) * q2.gscale.int()[..., None]
+                    - q3.gzs.int()[..., None])
+            n_wide = int(((wide < -128) | (wide > 127)).sum())
+            for no_asm in ("0", "1"):
+                os.environ["LOWBIT_W4A8_INT8_NO_ASM"] = no_asm
+                try:
+                    a = km.dequantize_w8(qw.qweight, q2.gscale, q3.gzs)
+                    log(f"w8 probe mixed-fields no_asm={no_asm}: mismatches {int((a != mixed).sum())}, "
+                        f"w8 outside int8 {n_wide}")
+                except Exception as exc:
+                    log(f"w8 probe mixed-fields no_asm={no_asm}: {exc!r}"[:300])
+                finally:
+                    os.environ.pop("LOWBIT_W4A8_INT8_NO_ASM", None)
+            del q2, q3, mixed, wide
+        del qw, ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if args.cpu_smoke or not torch.cuda.is_available():
+        return
+    # same-round A/B of the default flip (W8_MIN_M 1<<62 -> 1024): down N=4096 K=14336, x pre-quantized
+    from lowbit.bench.harness import rotating_inputs, time_cuda
+    sets = rotating_inputs(lambda: (lambda w: (w.qweight, w.wscale, w.gscale, w.gzs))(
+        fmt.quantize(torch.randn(N, K, device=DEV) * K ** -0.5, 128)))
+    for M in (1024, 4096):
+        xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
+        res = {}
+        for label, thr in (("in-register", 1 << 62), ("w8", 1024)):
+            old_thr = km.W8_MIN_M
+            km.W8_MIN_M = thr
+            try:
+                fn = lambda q, a, b, z: km.w4a8_int8_gemm_triton(xq, xs, q, a, b, z, None, K, 128, torch.bfloat16)  # noqa: E731
+                res[label] = time_cuda(fn, sets, reps=10 if M >= 4096 else 20, warmup=2)["median_ms"] * 1e3
+                if label == "w8":
+                    y8 = fn(*sets[0])
+                    km.W8_MIN_M = 1 << 62
+                    res["equal"] = bool(torch.equal(y8, fn(*sets[0])))
+            except Exception as exc:
+                res[label] = repr(exc)[:200]
+            finally:
+                km.W8_MIN_M = old_thr
+        RESULTS.setdefault("w8_ab", []).append({"N": N, "K": K, "M": M, **res})
+        log(f"w8 A/B down M={M}: {res}")
+    del sets
+    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------- 2. PTX
@@ -593,8 +680,8 @@ def r8_sweep(reserve: float = 30.0):
     for N, K, ms in ((4096, 14336, (256, 512, 1024)), (4096, 11008, (512, 1024, 4096)), (28672, 4096, (2048,))):
         if left() < reserve - 12 or args.cpu_smoke:
             break
-        sets = rotating_inputs(lambda: tuple(getattr(fmt.quantize(torch.randn(N, K, device=DEV), 128), f)
-                                             for f in ("qweight", "wscale", "gscale", "gzs")))
+        sets = rotating_inputs(lambda: (lambda w: (w.qweight, w.wscale, w.gscale, w.gzs))(
+            fmt.quantize(torch.randn(N, K, device=DEV), 128)))  # one weight per set (r8/r9 mixed three)
         if best is None:
             res = []
             for dq in ((64, 1, 4), (32, 4, 4), (64, 2, 4), (16, 8, 4), (128, 1, 8)):

@@ -50,6 +50,14 @@ Storage (every field a tensor; ``Kp = ceil(K / 128) * 128``):
   in 16-byte chunks that Triton can pipeline with cp.async.
 - ``inv_delta`` float32 scalar ``[]``: 2^-n, applied in the epilogue.
 
+Tile-major code layout (optional, ``tile_codes`` / ``untile_codes``; ``tiled=True`` in the kernel
+and the references): the same 64-byte row pieces regrouped so that each (``TILE_N`` = 128 rows x
+128 columns) tile -- the K tile of one kernel program -- is one contiguous 8 KB block: uint8
+``[ceil(N / 128) * Kp / 128 * 128, 64]``, block ``(nb, kt)`` at rows ``(nb * Kp/128 + kt) * 128``,
+its row ``r`` = codes row ``nb * 128 + r``, bytes ``64 kt .. 64 kt + 63``; rows N.. of the last
+block are zero. Same bytes, same numerics; the kernel then streams contiguous memory per program
+(the row-major layout reads 64 B pieces at the row stride). ``scales`` keep their layout.
+
 K that is not a multiple of ``group_size``: the last group of each row is shorter (its sigma comes
 from its real columns only) and the code storage is zero-padded to the 128-column block. This is
 exact (padding codes dequantize to 0 and the kernel masks activations beyond K) and costs at most
@@ -148,15 +156,48 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
     return codes, sig.to(FP8_E4M3), torch.tensor(2.0 ** -pts_exp, dtype=torch.float32, device=w.device)
 
 
-def unpack_codes(codes: torch.Tensor, k: int) -> torch.Tensor:
-    """codes uint8 [N, Kp/2] -> signed int8 q [N, K]."""
+TILE_N = 128  # rows per block of the tile-major code layout
+
+
+def tiled_shape(n: int, k: int) -> tuple[int, int]:
+    """Shape of the tile-major codes of an ``[N, K]`` weight."""
+    return (-(-n // TILE_N) * (padded_k(k) // PACK_BLOCK) * TILE_N, PACK_BLOCK // 2)
+
+
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Row-major codes uint8 ``[N, Kp/2]`` -> tile-major ``[ceil(N/128) * Kp/128 * 128, 64]`` (layout
+    in the module docstring; rows beyond N zero)."""
+    n, kp2 = codes.shape
+    kt, nb = kp2 // (PACK_BLOCK // 2), -(-n // TILE_N)
+    c = torch.nn.functional.pad(codes, (0, 0, 0, nb * TILE_N - n))
+    return c.reshape(nb, TILE_N, kt, PACK_BLOCK // 2).permute(0, 2, 1, 3).reshape(-1, PACK_BLOCK // 2).contiguous()
+
+
+def untile_codes(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of ``tile_codes``: tile-major codes of an ``[N, K]`` weight -> ``[N, Kp/2]``."""
+    if tuple(tiled.shape) != tiled_shape(n, k):
+        raise ValueError(f"tiled codes must have shape {list(tiled_shape(n, k))} for [N={n}, K={k}], "
+                         f"got {list(tiled.shape)}")
+    kt, nb = padded_k(k) // PACK_BLOCK, -(-n // TILE_N)
+    c = tiled.reshape(nb, kt, TILE_N, PACK_BLOCK // 2).permute(0, 2, 1, 3).reshape(nb * TILE_N, kt * PACK_BLOCK // 2)
+    return c[:n].contiguous()
+
+
+def unpack_codes(codes: torch.Tensor, k: int, *, tiled: bool = False, n: int | None = None) -> torch.Tensor:
+    """codes uint8 [N, Kp/2] (or tile-major with ``tiled=True``, then ``n`` = N) -> signed int8 q [N, K]."""
+    if tiled:
+        if n is None:
+            raise ValueError("unpack_codes(tiled=True) needs n (the weight's number of rows)")
+        codes = untile_codes(codes, n, k)
     return decode_codes(codes)[:, :k]
 
 
-def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int = 128) -> torch.Tensor:
-    """Weff = FP8(q * sigma) as float32 [N, K] (without delta^-1)."""
+def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int = 128, *,
+                      tiled: bool = False) -> torch.Tensor:
+    """Weff = FP8(q * sigma) as float32 [N, K] (without delta^-1). ``tiled``: ``codes`` are
+    tile-major (``tile_codes``); N is taken from ``scales``."""
     _check_group(group_size)
-    q = unpack_codes(codes, k).float()
+    q = unpack_codes(codes, k, tiled=tiled, n=scales.shape[0]).float()
     sig = scales.float().repeat_interleave(group_size, dim=1)[:, :k]
     return fp8_round(q * sig)
 
@@ -164,15 +205,16 @@ def dequantize_weight(codes: torch.Tensor, scales: torch.Tensor, k: int, group_s
 def reference_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float,
                    k: int, group_size: int = 128, bias: torch.Tensor | None = None, *,
                    residual: torch.Tensor | None = None, silu_mul: bool = False,
-                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, tiled: bool = False) -> torch.Tensor:
     """The float64 reference of the kernel for pre-quantized activations ``xq [M, K]`` fp8,
     ``sx [M]`` fp32. Returns ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``.
 
     ``silu_mul``: the weight rows are interleaved (gate_0, up_0, gate_1, up_1, ...) and the output
     is ``silu(gate) * up``, each of gate, up, silu(gate) and the product rounded to ``out_dtype``
     like the eager model. ``residual`` (shaped like the output) is added last, in ``out_dtype``.
+    ``tiled``: tile-major codes (``tile_codes``).
     """
-    w = dequantize_weight(codes, scales, k, group_size).double()
+    w = dequantize_weight(codes, scales, k, group_size, tiled=tiled).double()
     y = (xq.double() @ w.t()) * sx.double().unsqueeze(-1) * float(inv_delta)
     if bias is not None:
         y = y + bias.double()
@@ -188,14 +230,15 @@ def reference_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scal
 
 def reference_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta, k: int,
                      group_size: int = 128, bias: torch.Tensor | None = None, *,
-                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                     residual: torch.Tensor | None = None, silu_mul: bool = False,
+                     tiled: bool = False) -> torch.Tensor:
     """``x [..., K]`` -> ``[..., N]`` in x.dtype: FP8 per-token quantization of x, then
-    ``reference_gemm``."""
+    ``reference_gemm`` (``tiled``: tile-major codes)."""
     lead = x.shape[:-1]
     xq, sx = quantize_per_token(x.reshape(-1, x.shape[-1]), FP8_E4M3)
     res = None if residual is None else residual.reshape(xq.shape[0], -1)
     y = reference_gemm(xq, sx, codes, scales, float(inv_delta), k, group_size, bias, residual=res,
-                       silu_mul=silu_mul, out_dtype=x.dtype)
+                       silu_mul=silu_mul, out_dtype=x.dtype, tiled=tiled)
     return y.reshape(*lead, y.shape[-1])
 
 

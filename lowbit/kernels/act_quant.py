@@ -31,15 +31,40 @@ Layout: rows are the flattened leading dims (row stride given, last dim contiguo
 only powers of two) and any number of rows. One program per row. A row of up to ``_SINGLE_MAX``
 elements is held in registers (one read of HBM); longer rows are walked in chunks (the second and
 third walks hit L2). Output: q ``[M, K]`` (dtype), scale ``[M]`` float32.
+
+``PDL`` (programmatic dependent launch, Hopper; ``pdl=True``): the kernel is launched with the
+programmatic-stream-serialization attribute, waits for the previous kernel in the stream
+(``griddepcontrol.wait``, which also makes its writes visible) before touching memory, then lets the
+next PDL kernel (the w4a8-fp8 GEMM) launch while it runs, so that kernel's launch and set-up overlap
+this one. Same numerics. Default ``PDL_DEFAULT`` (off until measured on the device).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from lowbit._utils import check_tensor, interpret_mode
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
+
+PDL_DEFAULT = os.environ.get("LOWBIT_PDL", "0") == "1"
+
+
+def pdl_enabled(t: torch.Tensor, pdl: bool | None = None) -> bool:
+    """PDL launch for tensors on ``t``'s device: Hopper or newer, not under the interpreter."""
+    want = PDL_DEFAULT if pdl is None else bool(pdl)
+    return want and t.is_cuda and not interpret_mode() and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """With ``PDL``: wait for the previous grid (and its writes), then allow the next one to launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 _SINGLE_MAX = 16384  # largest row held in registers in one piece
 
@@ -150,8 +175,9 @@ def _per_token_quant_kernel(
     K, eps, amax_eps,  # sizes / scalars
     stride_xm, stride_gm, stride_qm,  # row strides (last dim contiguous)
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, FUSE: tl.constexpr,
-    BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, FAST: tl.constexpr,
+    BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     Xr = X + row * stride_xm
     Gr = G + row * stride_gm
@@ -194,7 +220,7 @@ _FUSE = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fuse: str | None = None,
                            weight: torch.Tensor | None = None, eps: float = 1e-6,
                            up: torch.Tensor | None = None, num_warps: int | None = None,
-                           fast: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           fast: bool | None = None, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of ``x`` ``[..., K]`` to ``dtype`` (FP8 E4M3 or INT8).
 
     Returns (q ``[..., K]`` dtype, scale ``[...]`` float32). ``fuse='rmsnorm'`` quantizes
@@ -202,6 +228,7 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fu
     ``silu(x) * up`` (``up`` shaped like ``x``). See the module docstring for the rounding.
     ``num_warps`` / ``fast`` (benchmarks, tests): override ``default_warps`` / the GPU fast path
     (``FAST``: Markstein division and the hardware FP8 convert; off under the interpreter).
+    ``pdl``: programmatic dependent launch (module docstring; default ``PDL_DEFAULT``).
     """
     if dtype not in QMAX:
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
@@ -237,6 +264,7 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fu
             x2.stride(0), g2.stride(0), q.stride(0),
             QMAX=QMAX[dtype], IS_INT8=dtype == torch.int8, FUSE=_FUSE[fuse],
             BLOCK_K=block, SINGLE=single, FAST=fast, num_warps=nw,
+            **({"PDL": True, "launch_pdl": True} if pdl_enabled(x2, pdl) else {}),
         )
     elif M:
         s.fill_(AMAX_EPS / QMAX[dtype])

@@ -46,6 +46,12 @@ specialization accepts only descriptor loads in the loop, scales included: they 
 plain q/k/v probe with scales; compute-sanitizer: "Unknown Error" in thread 0, the producer
 warp group): an option, not the default.
 
+``POLY`` (config ``poly``, option, off; session 4): n of every 4 exponentials per thread on the FMA
+pipe (``_exp2_poly``, FlashAttention-4's exp2 emulation) instead of MUFU.EX2. Config ``gluon``
+(``True`` or 128, option, off): fp8 with Q codes, per-block K/V scales and D = 128 runs the Gluon
+kernel of ``lowbit.kernels.attention_prefill_gluon`` (QK^T of the next block overlapped with the
+softmax); everything else, and the interpreter, runs this kernel.
+
 ``FUSE_KV`` (option, off by default): the first programs of each KV head quantize its K/V blocks
 (``lowbit.kernels.attention_quant._kv_quant_task``, the code of the separate pass) inside this
 launch while the others wait on a per-head counter. Same codes; measured slower on the H200
@@ -72,6 +78,7 @@ LOG2_127 = math.log2(127.0)
 
 
 # ----------------------------------------------------------------------------------------- configs
+
 def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
     """Block sizes / warps / stages / TMA per case, from the H200 sweep (benchmarks/device,
     S=4096, B=4, H=32, D=128, attention launch alone, TFLOP/s):
@@ -114,6 +121,71 @@ def _to_fp8(x, INTERPRET: tl.constexpr):
     if INTERPRET:  # Triton 3.6's interpreter mis-rounds fp32->fp8 across binades
         x = round_to_fp8_e4m3(x)
     return x.to(tl.float8e4nv)
+
+
+# 2^f on [-0.5, 0.5], p(0) = 1, max relative error 1.2e-4 (Lawson-weighted least squares, fitted
+# for this kernel): 1 + f (C1 + f (C2 + f C3))
+EXP2_C1, EXP2_C2, EXP2_C3 = 0.6931994933193167, 0.24221115742352844, 0.05541792368569535
+
+
+def _poly_ptx(dst: str, src: str) -> str:
+    """PTX of ``_exp2_poly`` for one element (``dst`` = 2^``src``)."""
+    def f32(v):
+        import struct
+        return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+    return (f"max.f32 x, {src}, 0fC2FC0000; add.rn.f32 r, x, 0f4B400000; sub.rn.f32 j, r, 0f4B400000; "
+            f"sub.rn.f32 f, x, j; fma.rn.f32 p, f, {f32(EXP2_C3)}, {f32(EXP2_C2)}; fma.rn.f32 p, p, f, {f32(EXP2_C1)}; "
+            f"fma.rn.f32 p, p, f, 0f3F800000; mov.b32 rb, r; mov.b32 pb, p; shl.b32 rb, rb, 23; "
+            f"add.s32 pb, pb, rb; mov.b32 {dst}, pb;")
+
+
+def _exp2_asm(n_poly: int) -> str:
+    body = ["{", ".reg .f32 x, r, j, f, p;", ".reg .b32 rb, pb;"]
+    for i in range(4):  # the last n_poly of each 4 elements on the FMA pipe
+        if i >= 4 - n_poly:
+            body.append(_poly_ptx(f"${i}", f"${i + 4}"))
+        else:
+            body.append(f"ex2.approx.ftz.f32 ${i}, ${i + 4};")
+    body.append("}")
+    return "\n".join(body)
+
+
+_EXP2_ASM1 = tl.constexpr(_exp2_asm(1))
+_EXP2_ASM2 = tl.constexpr(_exp2_asm(2))
+_EXP2_ASM3 = tl.constexpr(_exp2_asm(3))
+_PC1 = tl.constexpr(EXP2_C1)
+_PC2 = tl.constexpr(EXP2_C2)
+_PC3 = tl.constexpr(EXP2_C3)
+
+
+@triton.jit
+def _exp2_poly(x):
+    """2^x on the FMA pipe (FlashAttention-4's exp2 emulation; Cody-Waite split x = j + f with
+    j = round(x) by the 1.5*2^23 magic add, |f| <= 1/2, degree-3 polynomial, j added into the
+    exponent bits). x is clamped at -126 (2^-126 ~ 0 for every P code; -inf -> ~0)."""
+    x = tl.maximum(x, -126.0)
+    r = x + 12582912.0
+    f = x - (r - 12582912.0)
+    p = 1.0 + f * (_PC1 + f * (_PC2 + f * _PC3))
+    return (p.to(tl.int32, bitcast=True) + (r.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2(x, POLY: tl.constexpr, INTERPRET: tl.constexpr):
+    """exp2 of the softmax numerator. ``POLY`` = n (1..3): n of every 4 elements of a thread use
+    ``_exp2_poly`` on the FMA pipe, the others MUFU.EX2 (16 per clock per SM on sm_90, about the
+    SM's FP8 MMA time per score at D = 128). The interpreter runs the polynomial on every element
+    (same math; tests check it against exp2)."""
+    if POLY == 0:
+        return tl.math.exp2(x)
+    elif INTERPRET:
+        return _exp2_poly(x)
+    elif POLY == 1:
+        return tl.inline_asm_elementwise(_EXP2_ASM1, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.float32, is_pure=True, pack=4)
+    elif POLY == 2:
+        return tl.inline_asm_elementwise(_EXP2_ASM2, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_EXP2_ASM3, "=r,=r,=r,=r,r,r,r,r", [x], dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -188,7 +260,8 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
                  K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
-                 P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr):
+                 P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr,
+                 POLY: tl.constexpr = 0):
     """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks. ``WS``:
     Triton's automatic warp specialization of the loop (every load is a TMA descriptor load then,
     the per-block K / V scales included: ``ksrow`` / ``vsrow`` index their 1-D descriptors)."""
@@ -284,7 +357,7 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                                                 is_pure=True, pack=2)
             p = p16
         else:
-            p = tl.math.exp2(t * qsb[:, None] - (c * qsb + sub)[:, None])
+            p = _exp2(t * qsb[:, None] - (c * qsb + sub)[:, None], POLY, INTERPRET)
         if MODE == 1:
             # round to nearest even integer in [0, 127]: the low byte of (p + 1.5 * 2^23)'s bits is
             # the INT8 code (no F2I), and subtracting 1.5 * 2^23 again gives it as a float for l
@@ -429,7 +502,7 @@ def _attn_fwd(
     MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, K_PER_BLOCK: tl.constexpr,  #
     V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr,  #
     FUSE_KV: tl.constexpr, V_GIVEN: tl.constexpr, KV_CHUNK: tl.constexpr, Q_PRE: tl.constexpr,  #
-    Q_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr,  #
+    Q_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr, POLY: tl.constexpr = 0,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -519,12 +592,12 @@ def _attn_fwd(
                                  Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL,
-                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET)
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY)
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, n_full, hi,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL,
-                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET)
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY)
     out = acc * (c_acc / tl.maximum(l_i, 1e-30))[:, None]  # l > 0 unless scores are absurd (> 2^17)
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
@@ -582,6 +655,12 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     if B * Hq * Sq == 0:
         return out
+    if cfg.get("gluon") and mode == "fp8" and not interpret_mode() and not p_block and not exp16:
+        from lowbit.kernels.attention_prefill_gluon import fp8_attention_gluon, gluon_fp8_ok
+
+        if gluon_fp8_ok(q_codes, k, ks, v, vs, k_block, v_block):  # else: the tl kernel below
+            return fp8_attention_gluon(q_codes, k, ks, v, vs, causal=bool(causal), qk_scale=sm_scale * LOG2E, out=out,
+                                       block_m=64 if cfg.get("gluon") is True else int(cfg["gluon"]))
     n_mblk = cdiv(Sq, BM)
     if mode == "int8-qk":
         vsp, svs = ks, (0, 0, 0)  # unused
@@ -671,7 +750,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
         FUSE_KV=fuse, V_GIVEN=bool(fuse and fuse_from.get("given", False)),
         KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))), Q_PRE=q_codes is not None, Q_TMA=q_tma, WS=ws,
-        INTERPRET=interpret_mode(),
+        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() and not ws else {}),
     )

@@ -527,12 +527,15 @@ def _combine_kernel(
     OP, MP, LP, O, Hkv, NUM_SPLITS,
     stride_ob, stride_oh, stride_ot,
     G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-    SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr = False,
 ):
     """One program per (sequence, KV head, query row, BLOCK_D channels): the splits' partials are
     read as ``[CHUNK, BLOCK_D]`` tiles (all splits at once up to CHUNK), not one split after the
     other: a serial loop over 64+ splits would be bound by memory latency. Up to CHUNK splits,
-    maxima, denominators and partials are loaded together (one memory round trip)."""
+    maxima, denominators and partials are loaded together (one memory round trip). ``GDC``:
+    launched as a programmatic dependent launch, it waits for the decode grid here."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     pid_bh = tl.program_id(0)
     r = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -579,12 +582,13 @@ def _splits_used(max_len: int, splits: int, block_n: int) -> int:
 
 
 def choose_splits(batch: int, hkv: int, max_len: int, block_n: int, sms: int, num_warps: int = 4,
-                  ctas_per_sm: int | None = None, min_waves: float | None = None) -> int:
+                  ctas_per_sm: int | None = None, min_waves: float | None = None, good: float = 0.97) -> int:
     """Split count of the split-KV grid (B*Hkv programs per split). Every split keeps at least 4
     key blocks. Without occupancy: enough programs for ~16 resident warps per SM. With
     ``ctas_per_sm`` (from the compiled kernel's registers / shared memory): at least one full wave
     of ``sms * ctas_per_sm`` programs, and the split count whose programs fill the last wave best
-    (all splits cost the same, so a wave that is 6% full costs as much as a full one)."""
+    (all splits cost the same, so a wave that is 6% full costs as much as a full one): the first
+    split count from there whose waves are at least ``good`` full."""
     most = max(1, math.ceil(max_len / (4 * block_n)))
     bh = max(1, batch * hkv)
     if not ctas_per_sm:
@@ -599,7 +603,7 @@ def choose_splits(batch: int, hkv: int, max_len: int, block_n: int, sms: int, nu
         eff = n / (math.ceil(n / cap) * cap)
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
-        if eff >= 0.97:
+        if eff >= good:
             break
     return best
 
@@ -627,7 +631,9 @@ def _ctas_per_sm(kernel, num_warps: int) -> int | None:
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
-                      maxnreg=None, qk_int8=None, gluon=None, ahead=None, return_kernel=False, _skip_combine=False):
+                      maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None,
+                      return_kernel=False,
+                      _skip_combine=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -641,7 +647,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
-                             _skip_combine, ahead)
+                             _skip_combine, ahead, pdl, lean, ilp)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     if block_n is None:
         block_n = min(PAGE, DEFAULT_BLOCK_N)
@@ -693,14 +699,16 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     return (out, kernel) if return_kernel else out
 
 
-def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D):
-    """Launch ``_combine_kernel`` over the split partials (``BLOCK_M`` rows per split)."""
+def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
+    """Launch ``_combine_kernel`` over the split partials (``BLOCK_M`` rows per split); ``pdl``:
+    as a programmatic dependent launch of the decode kernel (which triggers it)."""
     sp2 = triton.next_power_of_2(num_splits)
     bd = min(D, 128 if sp2 <= 32 else 32)  # few splits: one program per query row (fewer, fuller programs)
     _combine_kernel[(B * Hkv, G * TQ, D // bd)](
         op, mp, lp, out, Hkv, num_splits,
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_M=BLOCK_M, D=D, SPLITS_P2=sp2, CHUNK=min(sp2, 8192 // bd), BLOCK_D=bd, num_warps=4,
+        **({"GDC": True, "launch_pdl": True} if pdl else {}),
     )
 
 
@@ -720,6 +728,12 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D):
 # undone when O is stored. Half the MMA work of the queries-major loop and half its accumulator
 # registers (the padding of 4 query rows is 8 instead of 16). Q is INT8 (one plane, QK8 == 1) or
 # two INT8 planes (QK8 == 2, ~15 bits); the fp16-Q numerics (QK8 == 0) use the Triton kernel.
+# Options (constexpr, same result bit for bit, off by default until measured faster on the device):
+# ``PDL`` (the combine kernel as a programmatic dependent launch: R10, B=16 L=8k 0.0544 vs 0.0554 ms),
+# ``LEAN`` (prologue: Q, page table and first scales read before the length arrives; ring indices
+# carried by the loop), ``ILP`` (the two Q planes as two independent MMA chains). A split combine in
+# the last program of each (b, h) (atomic counter) was measured and removed (R10: 0.0568 vs 0.0554 ms
+# at B=16 L=8k, 0.093 vs 0.029 ms at B=1 L=32k: one warp reading all partials is a serial tail).
 # ------------------------------------------------------------------------------------------------
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it (the Triton kernel above is the CPU path)
     from triton.experimental import gluon
@@ -741,6 +755,12 @@ GLUON_MAX_ROWS = 8  # G*TQ <= 8 query rows (one m16n8 N tile); R8: 16 rows (168 
 GLUON_AHEAD = False  # S^T of block i+1 before the softmax of block i (needs >= 4 stages)
 GLUON_STAGES = 3  # cp.async ring depth
 GLUON_MAXNREG = 128  # 16 one-warp programs per SM
+# first split count whose waves are this full (R10, B=16 L=32k: 16 splits = 0.970 of one wave 0.168 ms; the
+# 0.97 rule took 49 = 0.990 of three waves, 0.179 ms: every split also costs its prologue and partials)
+GLUON_GOOD_WAVE = 0.95
+GLUON_LEAN = False  # page-table reads beside the length read in the prologue; ring indices without division
+GLUON_ILP = False  # the two INT8 Q planes as two independent MMA chains (joined by x * 254 + y)
+GLUON_PDL = False  # the combine kernel as a programmatic dependent launch (its launch overlaps the decode grid)
 
 
 def _copy_layout(half: int):
@@ -866,11 +886,17 @@ if HAS_GLUON:
 
     @gluon.jit
     def _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, ZERO_POINT: gl.constexpr,
-              QK8: gl.constexpr):
+              QK8: gl.constexpr, ILP: gl.constexpr = False):
         """``S^T [BLOCK_N, BLOCK_Q]`` (int32) of one key block on the INT8 tensor cores."""
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         k_lo, k_hi = _g_convert_i8(kc, ZERO_POINT)
         x = gl.zeros([BLOCK_N, BLOCK_Q], gl.int32, layout=_MMA)
+        if QK8 == 2 and ILP:  # the two planes as independent MMA chains, joined by one IMAD per element
+            y = _mma_v2(k_lo, qe_lo, x)
+            x = _mma_v2(k_lo, qe, x)
+            y = _mma_v2(k_hi, qo_lo, y)
+            x = _mma_v2(k_hi, qo, x)
+            return x * 254 + y
         x = _mma_v2(k_lo, qe, x)
         x = _mma_v2(k_hi, qo, x)
         if QK8 == 2:
@@ -881,9 +907,10 @@ if HAS_GLUON:
     @gluon.jit
     def _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0, end, qe, qo, qe_lo, qo_lo,
                 row_scale, qsum, qpos, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-                ZERO_POINT: gl.constexpr, QK8: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr):
+                ZERO_POINT: gl.constexpr, QK8: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr,
+                ILP: gl.constexpr = False):
         """One key block: ``S^T`` on the INT8 tensor cores, then ``_g_pv``."""
-        x = _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8)
+        x = _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, ILP)
         return _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x, vc, ks, vs, kz, vz, n0, end, row_scale, qsum, qpos,
                      HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, MASK, LAZY)
 
@@ -936,7 +963,7 @@ if HAS_GLUON:
         # pointers
         Q, KC, KS, KZ, VC, VS, VZ, PT, LENS, CRSQ, O, OP, MP, LP,
         # sizes / scalars
-        qk_scale, SPLIT_LEN, Hkv,
+        qk_scale, SPLIT_LEN, Hkv, NPT,
         # strides
         stride_qb, stride_qh, stride_qt,
         stride_cp, stride_sp,
@@ -947,6 +974,7 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, HAS_CRS: gl.constexpr, SPLIT: gl.constexpr,
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
+        PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -964,6 +992,14 @@ if HAS_GLUON:
         h = pid_bh % Hkv
         L = gl.load(LENS + b)
         start = sid * SPLIT_LEN
+        ptb = PT + b * stride_ptb
+        mq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ql))
+        dq = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, ql))
+        q_ptr = Q + b * stride_qb + (h * G + mq // TQ)[:, None] * stride_qh + (mq % TQ)[:, None] * stride_qt
+        if LEAN:  # every read that does not need the length is issued first (one memory round trip for all)
+            q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
+            pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
+            ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
         end = gl.minimum(start + SPLIT_LEN, L)
         # ---- the first key blocks' copies are issued before Q is prepared (their latency overlaps it)
         lim = gl.minimum(end, L - TQ + 1)  # keys < lim are seen by every query row
@@ -973,22 +1009,23 @@ if HAS_GLUON:
         sl: gl.constexpr = gl.SwizzledSharedLayout(vec=SW_VEC, per_phase=SW_PHASE, max_phase=SW_MAX, order=[1, 0])
         smem_k = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
         smem_v = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
-        ptb = PT + b * stride_ptb
         for i in gl.static_range(STAGES - 1):
             nb = start + i * BLOCK_N
-            pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
+            if LEAN:  # page-table reads in parallel with the length read (the copies are predicated on it)
+                pg = gl.load(ptb + gl.minimum(nb // PAGE, NPT - 1)).to(gl.int64)
+            else:
+                pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
             _g_issue(smem_k, smem_v, i, KC, VC, pg, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
                      HALF, PAGE, BLOCK_N, CL)
         last = gl.maximum(full_end - BLOCK_N, start)  # scale prefetches stay inside the split's full blocks
         pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
         pgs = gl.load(ptb + gl.minimum(start + (STAGES - 1) * BLOCK_N, end - 1) // PAGE).to(gl.int64)
-        pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
-        ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+        if not LEAN:
+            pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
+            ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+            q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
         # ---- Q [BLOCK_Q, D] fp32 (row r = g * TQ + t), CRS, INT8 plane(s), B operand [HALF, BLOCK_Q]
-        mq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ql))
-        dq = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, ql))
-        q_ptr = Q + b * stride_qb + (h * G + mq // TQ)[:, None] * stride_qh + (mq % TQ)[:, None] * stride_qt
-        q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0).to(gl.float32)
+        q = q.to(gl.float32)
         if HAS_CRS:
             q = q * gl.load(CRSQ + h * 2 * HALF + dq)[None, :]
         qmax = gl.maximum(gl.max(gl.abs(q), axis=1), 1e-30)
@@ -1043,14 +1080,22 @@ if HAS_GLUON:
                 ks, vs, kz, vz = ks2, vs2, kz2, vz2
                 it += 1
         else:
+            stage = 0
             for n0 in range(start, full_end, BLOCK_N):
-                stage = it % STAGES
+                if not LEAN:
+                    stage = it % STAGES
                 _async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()
                 kc = smem_k.index(stage).load(a8)
                 vc = smem_v.index(stage).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
                 nf = n0 + (STAGES - 1) * BLOCK_N
-                _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
+                if LEAN:  # ring indices carried by the loop (no division by STAGES)
+                    nstage = stage - 1
+                    if stage == 0:
+                        nstage = STAGES - 1
+                else:
+                    nstage = (it + STAGES - 1) % STAGES
+                _g_issue(smem_k, smem_v, nstage, KC, VC, pgs, nf, h, nf < full_end,
                          stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
                 pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
                 ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
@@ -1058,9 +1103,13 @@ if HAS_GLUON:
                 pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
                 acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
                                                           end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY)
+                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP)
                 ks, vs, kz, vz = ks2, vs2, kz2, vz2
                 it += 1
+                if LEAN:
+                    stage += 1
+                    if stage == STAGES:
+                        stage = 0
         _async_copy.wait_group(0)
         for n0 in range(full_end, end, BLOCK_N):
             page = gl.load(PT + b * stride_ptb + n0 // PAGE).to(gl.int64)
@@ -1080,6 +1129,9 @@ if HAS_GLUON:
         mm = gl.arange(0, HALF, layout=gl.SliceLayout(1, _MMA))
         ch = 2 * ((HALF // 8) * (mm % 8) + mm // 8)
         if SPLIT:
+            if PDL:  # the combine kernel (programmatic dependent launch) may be scheduled now; it waits for this grid
+                gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
             base = (pid_bh * gl.num_programs(1) + sid) * BLOCK_Q
             gl.store(MP + base + r_idx, m_i, mask=row_ok)
             gl.store(LP + base + r_idx, l_i, mask=row_ok)
@@ -1095,7 +1147,8 @@ if HAS_GLUON:
 
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
-                  num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None):
+                  num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
+                  pdl=None, lean=None, ilp=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring)."""
     B, Hq, TQ, D = q.shape
@@ -1113,7 +1166,8 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     occ_key = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
                crs_q is not None)
     if num_splits is None:
-        num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(occ_key))
+        num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(occ_key),
+                                   good=GLUON_GOOD_WAVE)
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), bn) * bn
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     LAST_LAUNCH["num_splits"] = num_splits
@@ -1126,20 +1180,22 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         lp = torch.empty_like(mp)
     else:
         op = mp = lp = out
+    pdl = split and (GLUON_PDL if pdl is None else bool(pdl))
     kernel = _decode_kv4_gluon_kernel[(B * Hkv, num_splits)](
         q, k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
         page_table, lengths, crs_q if crs_q is not None else q, out, op, mp, lp,
-        sm_scale * LOG2E, split_len, Hkv,
+        sm_scale * LOG2E, split_len, Hkv, page_table.shape[1],
         q.stride(0), q.stride(1), q.stride(2),
         k_codes.stride(0), k_scale.stride(0),
         page_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
-        AHEAD=ahead, num_warps=1, **({"maxnreg": mr} if mr else {}),
+        AHEAD=ahead, PDL=pdl, LEAN=GLUON_LEAN if lean is None else bool(lean), ILP=GLUON_ILP if ilp is None else bool(ilp),
+        num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     if occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = _ctas_per_sm(kernel, 1)
     if split and not skip_combine:  # skip_combine: benchmarks time the main kernel alone
-        _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BQ, D)
+        _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BQ, D, pdl=pdl)
     return (out, kernel) if return_kernel else out

@@ -133,8 +133,9 @@ S_AHEAD = {"bf16": False, "fp8": True, "fp8-bf16pv": False, "fp8-f16pv": False}
 DV_SPLITS = {"bf16": 1, "fp8": 1, "fp8-bf16pv": 1, "fp8-f16pv": 1}
 # unmasked loop over the whole blocks + a masked tail (plain loop order only); the RoPE dot
 # accumulating into the content dot's accumulator
-# (R8, B=32 H=128 L=16k: bf16 263 vs 246 TFLOP/s with both, 26 B of spills; measured in a sweep only,
-# not yet in the suite's table, so bf16 keeps the R6 loop by default; the FP8 wide tile turns both on)
+# (B=32 H=128 L=16k sweeps: bf16 263 vs 246 TFLOP/s in R8 and 262 vs 245 in R10 with both on, 26 B
+# of spills; measured in sweeps only, not yet in the suite's table, so bf16 keeps the R6 loop by
+# default (the next default flip to try); the FP8 wide tile turns both on)
 EVEN_LOOP = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
 ONE_ACC = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
 # FP8 P scale per block from max s_k (``_softmax_step_t``, BLOCK_RULE) instead of the per-row max of P̃ (option)

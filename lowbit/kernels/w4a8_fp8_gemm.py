@@ -49,6 +49,12 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   ``DEQUANT_GEMM``, measured (benchmarks/device/w4a8_fp8.py). Transient memory: N x Kp bytes
   (twice the packed weight) per call, freed after it.
 
+- ``PDL`` (config key, default ``lowbit.kernels.act_quant.PDL_DEFAULT``): programmatic dependent
+  launch -- the GEMM waits (``griddepcontrol.wait``) for the previous kernel (the activation
+  quantization) before its first load, so its launch overlaps that kernel. ``TILED``: tile-major
+  codes (``lowbit.formats.w4a8_fp8.tile_codes``). ``LUT2``: both halves of a code word in one asm
+  instance (``_fp8_lookup2``). All three leave the arithmetic unchanged.
+
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
 Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
 shapes satisfy) let Triton use 16-byte loads. Tile BLOCK_K is fixed at 128 (= the pack block).
@@ -63,11 +69,13 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, check_tensor, interpret_mode
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX
-from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols
-from lowbit.kernels.act_quant import round_to_fp8_e4m3
+from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols, tiled_shape
+from lowbit.formats.w4a8_fp8 import TILE_N as _TILE_N
+from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue, round_to_fp8_e4m3
 
 BLOCK_K = PACK_BLOCK
 HALF_K = tl.constexpr(PACK_BLOCK // 2)
+TILE_N = tl.constexpr(_TILE_N)
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
@@ -203,6 +211,28 @@ def _fp8_lookup(p, l0, l1, HI: tl.constexpr):
 
 
 @triton.jit
+def _fp8_lookup2(p, l0, l1, h0, h1):
+    """Both halves of packed code bytes ``p`` in one asm instance (4 bytes = 8 weights): one AND
+    masks all 8 magnitudes (``w & 0x77777777``), the hi selectors are that >> 16, so per 8 weights
+    AND, 2 PRMT, SHR, SHL and 2 AND-XOR (fused to LOP3 by ptxas): 7 instructions instead of 8
+    (``_fp8_lookup`` twice). LUTs {l1:l0} (lo columns) and {h1:h0} (hi columns)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 m, d, sg;
+        and.b32 m, $2, 0x77777777;
+        prmt.b32 d, $3, $7, m;
+        and.b32 sg, $2, 0x80808080;
+        xor.b32 $0, d, sg;
+        shr.b32 m, m, 16;
+        prmt.b32 d, $11, $15, m;
+        shl.b32 sg, $2, 4;
+        and.b32 sg, sg, 0x80808080;
+        xor.b32 $1, d, sg;
+        }""", "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [p, l0, l1, h0, h1], dtype=(tl.float8e4nv, tl.float8e4nv),
+        is_pure=True, pack=4)
+
+
+@triton.jit
 def _dequant_emulated(words, sig, HI: tl.constexpr, BLOCK_N: tl.constexpr):
     """Arithmetic path, same numerics as the LUT (used by the interpreter, which cannot run inline
     PTX, and as config ``LUT=False``): int32 words [BLOCK_N, 16] -> FP8 [BLOCK_N, 64]."""
@@ -312,16 +342,25 @@ def _load_scales(s_rows, kt, mask_n, offs_h, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, b_desc, n0,
+def _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, b_desc, n0, Bq, k_tiles,
                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
-                  TMA: tl.constexpr):
-    """K tile ``kt`` of ``BLOCK_N`` weight rows -> FP8 (w_lo, w_hi), each ``[BLOCK_N, 64]``: the
-    columns ``128 kt + j`` and ``128 kt + 64 + j``."""
+                  TMA: tl.constexpr, TILED: tl.constexpr, LUT2: tl.constexpr = False):
+    """K tile ``kt`` of ``BLOCK_N`` weight rows (from row ``n0``) -> FP8 (w_lo, w_hi), each
+    ``[BLOCK_N, 64]``: the columns ``128 kt + j`` and ``128 kt + 64 + j``. ``TILED``: the codes are
+    tile-major (``lowbit.formats.w4a8_fp8.tile_codes``): the tile is BLOCK_N contiguous 64-byte rows
+    of the 128-row block of ``n0`` (BLOCK_N divides 128)."""
     if SWORD:
         s_lo, s_hi = _load_scales_word(s_words, kt, mask_n, offs_h, GROUP)
     else:
         s_lo, s_hi = _load_scales(s_rows, kt, mask_n, offs_h, GROUP)
-    if TMA:  # [BLOCK_N, 64] code bytes by the tensor-memory accelerator (rows >= N read as 0)
+    if TILED:
+        t_row = ((n0 // TILE_N) * k_tiles + kt) * TILE_N + n0 % TILE_N  # first code row of the tile
+        t_rows = (t_row + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+        b_rows = Bq + t_rows * HALF_K
+        w_rows = Bq.to(tl.pointer_type(tl.int32)) + t_rows * (HALF_K // 4) - kt * 16
+        if TMA:
+            p = b_desc.load([t_row, 0])
+    elif TMA:  # [BLOCK_N, 64] code bytes by the tensor-memory accelerator (rows >= N read as 0)
         p = b_desc.load([n0, kt * HALF_K])
     if not LUT:
         if TMA:
@@ -333,15 +372,25 @@ def _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, b_desc, n
         w_lo = _dequant_emulated(wrd, s_lo, False, BLOCK_N)
         w_hi = _dequant_emulated(wrd, s_hi, True, BLOCK_N)
     else:
-        if not TMA:
+        if TILED and not TMA:
+            p = tl.load(b_rows + offs_h[None, :], mask=mask_n[:, None], other=0)
+        elif not TMA:
             p = tl.load(b_rows + (kt * HALF_K + offs_h)[None, :], mask=mask_n[:, None], other=0)
         l0, l1 = _fp8_lut(s_lo)
-        w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
-        if GROUP > HALF_K:  # same group for both halves: reuse the LUT
-            w_hi = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), True)
+        if LUT2:  # both halves in one asm instance (7 instructions per 8 weights)
+            if GROUP > HALF_K:
+                h0, h1 = l0, l1
+            else:
+                h0, h1 = _fp8_lut(s_hi)
+            w_lo, w_hi = _fp8_lookup2(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape),
+                                      tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape))
         else:
-            h0, h1 = _fp8_lut(s_hi)
-            w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
+            w_lo = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), False)
+            if GROUP > HALF_K:  # same group for both halves: reuse the LUT
+                w_hi = _fp8_lookup(p, tl.broadcast_to(l0, p.shape), tl.broadcast_to(l1, p.shape), True)
+            else:
+                h0, h1 = _fp8_lut(s_hi)
+                w_hi = _fp8_lookup(p, tl.broadcast_to(h0, p.shape), tl.broadcast_to(h1, p.shape), True)
     return w_lo, w_hi
 
 
@@ -397,10 +446,11 @@ def _gemm_tile(
     SWAP_AB: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr,
     W_FP8: tl.constexpr, SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TILED: tl.constexpr, LUT2: tl.constexpr,
 ):
     """K tiles [kt0, kt1) of output tile (pid_m, pid_n) -> (acc [BLOCK_M, BLOCK_N] fp32 before
     scaling, the tile rows' per-token scales sx [BLOCK_M])."""
+    k_tiles = tl.cdiv(K, 2 * HALF_K)
     offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
     offs_h = tl.arange(0, HALF_K)
     mask_m = offs_m < M
@@ -490,7 +540,8 @@ def _gemm_tile(
                 w_hi = tl.load(b_rows + (k0 + HALF_K + offs_h)[None, :], mask=wmask_n[:, None], other=0.0)
             else:  # packed INT4 codes (padded to the 128-block: no K mask) -> FP8 through the LUT
                 w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, wmask_n, offs_h, Bdesc,
-                                            pid_n * BLOCK_N, GROUP, BLOCK_N, LUT, SWORD, TMA)
+                                            pid_n * BLOCK_N, Bq, k_tiles, GROUP, BLOCK_N, LUT, SWORD, TMA, TILED,
+                                            LUT2)
             if ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
                 if SWAP_AB:
                     part = tl.dot(w_lo, tl.trans(a_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
@@ -529,7 +580,9 @@ def _w4a8_fp8_gemm_kernel(
     SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
     SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr, TMA: tl.constexpr,
+    TILED: tl.constexpr, LUT2: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)  # PDL launch: wait for the producer of x / sx before any load
     k_tiles = tl.cdiv(K, 2 * HALF_K)
     num_m = tl.cdiv(M, QROWS)
     # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles). A program
@@ -554,7 +607,8 @@ def _w4a8_fp8_gemm_kernel(
     kt1 = tl.minimum(kt0 + per, k_tiles)
     acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
                          pid_m, pid_n, pid_k, kt0, kt1, GROUP, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, LUT, IMPRECISE,
-                         ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA)
+                         ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA, TILED,
+                         LUT2)
     offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -604,7 +658,7 @@ def _splitk_reduce_kernel(
 def _dequant_fp8_kernel(
     Bq, B_scale, Out,  # pointers: codes, FP8 group scales, FP8 [N, Kp] output
     N, stride_bn, stride_sn, stride_on,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr, TILED: tl.constexpr,
 ):
     """One 128-column block of BLOCK_N rows: INT4 codes -> FP8(q * sigma), the GEMM's own values."""
     kt = tl.program_id(1)
@@ -615,8 +669,8 @@ def _dequant_fp8_kernel(
     w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
     s_words = B_scale.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
-    w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, Bq, 0, GROUP, BLOCK_N, LUT,
-                               SWORD, False)
+    w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, Bq, tl.program_id(0) * BLOCK_N,
+                               Bq, tl.num_programs(1), GROUP, BLOCK_N, LUT, SWORD, False, TILED)
     o_rows = Out + offs_n[:, None].to(tl.int64) * stride_on + kt * 2 * HALF_K
     tl.store(o_rows + offs_h[None, :], w_lo, mask=mask_n[:, None])
     tl.store(o_rows + HALF_K + offs_h[None, :], w_hi, mask=mask_n[:, None])
@@ -663,28 +717,31 @@ def _use_lut(cfg: dict) -> bool:
 
 
 def dequantize_to_fp8(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int, *,
-                      block_n: int = 64) -> torch.Tensor:
+                      block_n: int = 64, tiled: bool = False) -> torch.Tensor:
     """Packed weight -> FP8 E4M3 ``[N, Kp]`` holding FP8(q * sigma) (columns >= k are 0): the
-    values the fused kernel builds in registers, written once for a plain FP8 GEMM (large M)."""
-    N = codes.shape[0]
+    values the fused kernel builds in registers, written once for a plain FP8 GEMM (large M).
+    ``tiled``: tile-major codes (N from ``scales``)."""
+    N = scales.shape[0] if tiled else codes.shape[0]
     kp = padded_k(k)
     out = torch.empty((N, kp), dtype=FP8_E4M3, device=codes.device)
     if N:
         _dequant_fp8_kernel[(cdiv(N, block_n), kp // BLOCK_K)](
             codes, scales, out, N, codes.stride(0), scales.stride(0), out.stride(0),
-            GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, num_warps=4)
+            GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, TILED=tiled, num_warps=4)
     return out
 
 
 def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mul, out_dtype, cfg, *,
-            quant_a: bool, w_fp8: bool):
+            quant_a: bool, w_fp8: bool, tiled: bool = False):
     M = a.shape[0]
-    N = bq.shape[0]
+    N = scales.shape[0] if tiled else bq.shape[0]
     n_out = N // 2 if silu_mul else N
     out = torch.empty((M, n_out), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return out, None
     bm, bn, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    if tiled and _TILE_N % bn:
+        raise ValueError(f"tile-major codes need BLOCK_N dividing {_TILE_N}, got config BLOCK_N={bn}")
     split = max(1, min(split, cdiv(K, BLOCK_K)))
     qrows = bm
     if quant_a:
@@ -713,7 +770,8 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         SILU_MUL=silu_mul, LUT=_use_lut(cfg),
         IMPRECISE=cfg.get("IMPRECISE", None if cfg.get("FAST_ACC", False) else HALF_K.value), ACC_TILE=cfg.get("ACC_TILE", False),
         QUANT_A=quant_a, QROWS=qrows, RSTEP=bm // qrows, QCH=qch, QWIDE=qwide, W_FP8=w_fp8, SK_SEM=sk_sem, EMU=interpret_mode(), SWORD=cfg.get("SWORD", True),
-        KSTEP=1 if quant_a else cfg.get("KSTEP", 1), TMA=tma,
+        KSTEP=1 if quant_a else cfg.get("KSTEP", 1), TMA=tma, TILED=tiled, LUT2=bool(cfg.get("LUT2", False)),
+        **({"PDL": True, "launch_pdl": True} if pdl_enabled(a, cfg.get("PDL")) else {"PDL": False}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:
@@ -728,10 +786,17 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
     return out, compiled
 
 
-def _check_weight(k, codes, scales, group_size, silu_mul, bias):
+def _check_weight(k, codes, scales, group_size, silu_mul, bias, tiled=False):
     check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
-    N = codes.shape[0]
-    if codes.shape[1] != padded_k(k) // 2:
+    if tiled:  # tile-major codes: N from the scales
+        check_tensor(scales, "scales", dtype=FP8_E4M3, ndim=2)
+        N = scales.shape[0]
+        if tuple(codes.shape) != tiled_shape(N, k):
+            raise ValueError(f"tile-major codes must have shape {list(tiled_shape(N, k))} for {N} rows and "
+                             f"in_features={k}, got {list(codes.shape)}")
+    else:
+        N = codes.shape[0]
+    if not tiled and codes.shape[1] != padded_k(k) // 2:
         raise ValueError(f"codes must have shape [N, {padded_k(k) // 2}] for in_features={k}, got {list(codes.shape)}")
     check_tensor(scales, "scales", dtype=FP8_E4M3, shape=(N, scale_cols(k, group_size)))
     if group_size not in (32, 64, 128):
@@ -777,8 +842,9 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
                   inv_delta: float, k: int, group_size: int, *, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, silu_mul: bool = False,
                   out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-                  return_compiled: bool = False):
-    """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8, ``scales [N, G]`` fp8 ->
+                  return_compiled: bool = False, tiled: bool = False):
+    """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8 (tile-major
+    ``lowbit.formats.w4a8_fp8.tile_codes`` with ``tiled=True``), ``scales [N, G]`` fp8 ->
     ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``. See the module docstring.
     ``config`` overrides ``pick_config``; ``config["MODE"]``: ``"fused"`` (dequant in the GEMM
     loop), ``"dequant"`` (``dequantize_to_fp8`` once, then the same kernel with ``W_FP8``) or
@@ -789,7 +855,7 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
     if K != k:
         raise ValueError(f"xq has K={K} columns but the weight has in_features={k}")
     check_tensor(sx, "sx", dtype=torch.float32, shape=(M,))
-    N, n_out = _check_weight(k, codes, scales, group_size, silu_mul, bias)
+    N, n_out = _check_weight(k, codes, scales, group_size, silu_mul, bias, tiled)
     if residual is not None:
         check_tensor(residual, "residual", dtype=out_dtype, shape=(M, n_out))
         if residual.stride(-1) != 1:
@@ -803,16 +869,16 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
                                 or not xq.is_cuda):  # _scaled_mm's row-wise limits: bf16 out, 16-aligned
         mode = "dequant"
     if mode == "scaled_mm":
-        wf = dequantize_to_fp8(codes, scales, k, group_size)[:, :K]
+        wf = dequantize_to_fp8(codes, scales, k, group_size, tiled=tiled)[:, :K]
         out = _scaled_mm_path(xq, sx, wf, inv_delta, bias, residual, silu_mul, out_dtype)
         return (out, None) if return_compiled else out
     if mode == "dequant":
-        wf = dequantize_to_fp8(codes, scales, k, group_size)
+        wf = dequantize_to_fp8(codes, scales, k, group_size, tiled=tiled)
         out, compiled = _launch(xq, sx, wf, scales, inv_delta, K, group_size, bias, residual, silu_mul, out_dtype,
                                 cfg, quant_a=False, w_fp8=True)
     else:
         out, compiled = _launch(xq, sx, codes, scales, inv_delta, K, group_size, bias, residual, silu_mul,
-                                out_dtype, cfg, quant_a=False, w_fp8=False)
+                                out_dtype, cfg, quant_a=False, w_fp8=False, tiled=tiled)
     return (out, compiled) if return_compiled else out
 
 

@@ -4,7 +4,8 @@ SDPA (cuDNN, FlashAttention-2), SageAttention 1.0.6 and INT-FlashAttention's Tri
 Shapes: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not (ANCHORS' attention rows).
 lowbit rows take bf16 Q/K/V and **include** quantization (one quantization launch, then the
 attention; fp8 quantizes Q in that launch too (``q_pre``, session 3), int8 / int8-qk in each
-attention program's prologue; ``lowbit-fp8-qreg`` is fp8 with Q in the prologue, for comparison);
+attention program's prologue; ``lowbit-fp8-qreg`` is fp8 with Q in the prologue, for comparison;
+``lowbit-fp8-tl`` / ``lowbit-fp8-gluon`` force the tl / the Gluon (session 4) fp8 attention kernel);
 ``*-kvquant-only`` / ``*-qkvquant-only`` rows time the quantization launch alone,
 ``*-2launch`` rows call the same two launches through the kernel API (``*-fused`` would be the
 one-launch option ``fuse_kv=True``, measured slower in session 2); ``fp8-kv4`` reads K/V already in the KV4 cache format
@@ -98,6 +99,11 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
                 timed("lowbit-fp8-kv4-fused", lambda q, kv4: fp8_kv4_attention(q, causal=causal, kv4=kv4, fused=True),
                       qs, peak="fp8")
                 del kv, qs
+            # fp8 on the tl kernel (the default up to session 3) and on the Gluon kernel (session 4), same run
+            for gname, gcfg in (("lowbit-fp8-tl", {"gluon": False}), ("lowbit-fp8-gluon", {"gluon": True})):
+                timed(gname, lambda q, k, v, gcfg=gcfg: quant_attention_triton(
+                    q, k, v, mode="fp8", causal=causal, sm_scale=D ** -0.5, v_granularity="block", k_per_block=True,
+                    fuse_kv=False, config=gcfg), sets, peak="fp8")
             # fp8 with Q quantized in the attention prologue (the default up to session 2), same run
             timed("lowbit-fp8-qreg", lambda q, k, v: quant_attention_triton(
                 q, k, v, mode="fp8", causal=causal, sm_scale=D ** -0.5, v_granularity="block", k_per_block=True,
