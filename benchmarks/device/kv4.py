@@ -30,6 +30,7 @@ os.makedirs(a.out, exist_ok=True)
 import torch  # noqa: E402
 
 from lowbit.bench.device import Sections  # noqa: E402
+from lowbit.bench.harness import env_info  # noqa: E402
 
 DEV = "cpu" if a.cpu_smoke else "cuda"
 RESULTS = {}
@@ -41,7 +42,7 @@ VARIANTS = [(False, 1, 16, True, 2), (False, 1, 16, True, False)]
 
 def _dump():
     with open(os.path.join(a.out, "kv4_device.json"), "w") as f:  # after every section: a timeout keeps the rest
-        json.dump(RESULTS, f, indent=1, default=str)
+        json.dump({"env": env_info(" ".join(sys.argv)), **RESULTS}, f, indent=1, default=str)
 
 
 _S = Sections(skip=a.skip, after=_dump)
@@ -335,7 +336,7 @@ def gluon_section():
     from lowbit.bench.suites.kv4 import kv4_bytes, random_cache
     from lowbit.ops import kv4 as ops
 
-    doc = {"checks": [], "timing": [], "asm": []}
+    doc = {"env": env_info(" ".join(sys.argv)), "checks": [], "timing": [], "asm": []}
     out_json = os.path.join(a.out, "kv4_gluon.json")
 
     def dump():
