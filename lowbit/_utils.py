@@ -70,6 +70,21 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 
 
 @functools.lru_cache(maxsize=None)
+def capture_cuda_graph(fn, warmup: int = 1):
+    """Run ``fn`` ``warmup`` times on a side stream (Triton compiles and autotunes outside the capture),
+    then capture one call into a CUDA graph. Returns ``(graph, out)``: ``graph.replay()`` rewrites ``out``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _warned(msg: str) -> bool:
     warnings.warn(msg, stacklevel=3)
     return True

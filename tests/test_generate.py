@@ -61,3 +61,23 @@ def test_runner_fuses_quantized_projections(recipe, monkeypatch):
     fused = gen.generate(prompts, 4)
     assert all(torch.equal(a, b) for a, b in zip(plain, fused))
     assert torch.equal(fused[0], greedy(model, prompts[0].unsqueeze(0), 4)[0])  # HF path still intact
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_matches_eager_gpu():
+    """The captured decode step (``lowbit._utils.capture_cuda_graph``) gives the eager step's greedy tokens."""
+    import lowbit
+
+    model = tiny_llama(head_dim=64, hidden=128, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randint(0, 128, (1, 16), generator=g) for _ in range(2)]
+    lowbit.quantize_model(model, "fireq", calibration=calib, progress=False)
+    model = model.cuda()
+    prompts = [torch.tensor([3, 1, 4, 1, 5], device="cuda"), torch.tensor([9, 2], device="cuda")]
+    eager = Generator(model, max_batch=2, max_seq=24, cuda_graphs=False).generate(prompts, 8)
+    graphed_gen = Generator(model, max_batch=2, max_seq=24, cuda_graphs=True)
+    graphed = graphed_gen.generate(prompts, 8)
+    assert graphed_gen._graphs, "no CUDA graph was captured"
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a.cpu(), b.cpu())

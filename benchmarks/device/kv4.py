@@ -30,6 +30,7 @@ os.makedirs(a.out, exist_ok=True)
 import torch  # noqa: E402
 
 from lowbit.bench.device import Sections  # noqa: E402
+from lowbit._utils import capture_cuda_graph  # noqa: E402
 from lowbit.bench.harness import env_info  # noqa: E402
 
 DEV = "cpu" if a.cpu_smoke else "cuda"
@@ -354,11 +355,24 @@ def gluon_section():
     ]
     ok_all = True
 
-    def run_checks(q8, cases, **kw):
+    def check(name, body, tol, **extra):
+        """Run ``body() -> rel-L2 error``; record and print PASS (error < ``tol``) / FAIL (or the exception)."""
         nonlocal ok_all
+        try:
+            e = body()
+            ok = e < tol
+        except Exception as exc:
+            traceback.print_exc()
+            e, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
+        ok_all = ok_all and ok
+        doc["checks"].append({"case": name, "err": e, "pass": ok, **{k: f() for k, f in extra.items()}})
+        print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e}", flush=True)
+        dump()
+        return ok
+
+    def run_checks(q8, cases, **kw):
         for (B, Hq, Hkv, D, TQ, L, page, zp, sd, crs_on, bn) in cases:
-            name = f"gluon q8={q8} B={B} Hq={Hq} Hkv={Hkv} D={D} TQ={TQ} L={L} page={page} zp={zp} bn={bn} {kw or ''}"
-            try:
+            def body():
                 c = random_cache(B, Hkv, D, L, page=page, zero_point=zp)
                 c["k_scale"], c["v_scale"] = c["k_scale"].to(sd), c["v_scale"].to(sd)
                 lens = torch.randint(TQ, L + 1, (B,), generator=torch.Generator().manual_seed(1)).to(torch.int32)
@@ -370,16 +384,10 @@ def gluon_section():
                                          c["lengths"], k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), crs_q=crs,
                                          qk_int8=q8, gluon=True, block_n=bn, **kw)
                 torch.cuda.synchronize()
-                r = ops.decode_kv4_ref(q, crs_q=crs, q_int8=q8, **c)
-                e = rel(o, r)
-                ok = e < 5e-3
-            except Exception as exc:
-                traceback.print_exc()
-                e, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
-            ok_all = ok_all and ok
-            doc["checks"].append({"case": name, "err": e, "pass": ok, "splits": dk.LAST_LAUNCH.get("num_splits")})
-            print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e}", flush=True)
-            dump()
+                return rel(o, ops.decode_kv4_ref(q, crs_q=crs, q_int8=q8, **c))
+
+            check(f"gluon q8={q8} B={B} Hq={Hq} Hkv={Hkv} D={D} TQ={TQ} L={L} page={page} zp={zp} bn={bn} {kw or ''}",
+                  body, 5e-3, splits=lambda: dk.LAST_LAUNCH.get("num_splits"))
 
     run_checks(2, cases)
     run_checks(2, [(2, 32, 8, 128, 1, 9000, 64, True, torch.float8_e4m3fn, False, 16)])  # kv4-zp, 16 keys per step
@@ -395,35 +403,20 @@ def gluon_section():
     pdl_ok = all(c["pass"] for c in doc["checks"][n0:])
 
     def graph_check(**kw):  # CUDA-graph capture + replay of a decode step vs the eager result (bit-equal)
-        nonlocal ok_all
-        name = f"gluon cuda-graph B=4 L=3000 {kw}"
-        try:
+        def body():
             c = random_cache(4, 8, 128, 3000)
             q = torch.randn(4, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
             f = lambda: dk.decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
                                              c["page_table"], c["lengths"], max_len=3000, qk_int8=2, gluon=True, **kw)
-            ref = f().clone()
-            st = torch.cuda.Stream()
-            st.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(st):
-                f()
-            torch.cuda.current_stream().wait_stream(st)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = f()
+            f()
+            g, out = capture_cuda_graph(f)
             q.copy_(torch.randn_like(q))
             ref2 = f().clone()
             g.replay()
             torch.cuda.synchronize()
-            e = rel(out, ref2)
-            ok = e < 1e-6
-        except Exception as exc:
-            traceback.print_exc()
-            e, ok = f"{type(exc).__name__}: {str(exc)[:300]}", False
-        ok_all = ok_all and ok
-        doc["checks"].append({"case": name, "err": e, "pass": ok})
-        print(f"{'PASS' if ok else 'FAIL'} {name}: rel-L2 {e}", flush=True)
-        return ok
+            return rel(out, ref2)
+
+        return check(f"gluon cuda-graph B=4 L=3000 {kw}", body, 1e-6)
 
     pdl_ok = graph_check(pdl=True) and pdl_ok
     doc["all_pass"] = ok_all

@@ -38,6 +38,8 @@ if a.cpu_smoke:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from lowbit._utils import capture_cuda_graph  # noqa: E402
+
 DEV = "cpu" if a.cpu_smoke or not torch.cuda.is_available() else "cuda"
 SUMMARY = []
 PPL = os.environ.get("LOWBIT_MODEL_PPL", "0") == "1"  # answered in R5 (ppl_gap.json): off by default since R6
@@ -196,15 +198,7 @@ def graph_us(fn, n=20, reps=15):
     step pays per launch: kernel time + the graph's launch gap), median of ``reps`` replays."""
     fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
+    g, _ = capture_cuda_graph(lambda: [fn() for _ in range(n)])
     g.replay()
     torch.cuda.synchronize()
     ts = []

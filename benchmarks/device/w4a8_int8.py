@@ -787,21 +787,31 @@ def perplexity_stage():
         SUMMARY.append(f"ppl {k}: {v if isinstance(v, str) else f'{v:.3f}'}")
 
 
-def main():
-    stages = [("correctness", correctness)] + ([("ptx", ptx)] if args.mode not in ("w8", "r8", "full") else [])
-    for name, fn in stages:
+def _stages(fns):
+    """Run each stage; a failure prints its traceback and the rest still run; results are dumped after each."""
+    for fn in fns:
         try:
             fn()
         except Exception:
             traceback.print_exc()
         dump()
+
+
+def _tables(rec, min_left=0.0, **need):
+    """The committed table (default paths vs peers) if ``min_left`` seconds remain, then write it and its ratios."""
+    try:
+        timings(rec, **need) if left() > min_left else None
+    except Exception:
+        traceback.print_exc()
+    rec.write(args.out, baseline="cublas-bf16")
+    ratios(rec)
+    dump()
+
+
+def main():
+    _stages([correctness] + ([ptx] if args.mode not in ("w8", "r8", "full") else []))
     if args.cpu_smoke:
-        try:
-            sweep()
-            w8_sweep()
-            r8_sweep()
-        except Exception:
-            traceback.print_exc()
+        _stages([sweep, w8_sweep, r8_sweep])
         perplexity_stage() if os.environ.get("SMOKE_PPL") else None
         dump()
         print("\n".join(SUMMARY))
@@ -810,48 +820,15 @@ def main():
 
     rec = harness.Recorder("w4a8_int8", ceilings={})
     if args.mode == "r8":  # r8: decode layout, M=128, W8 crossover; then the tables while time lasts
-        for fn in (floor_us, r8_sweep):
-            try:
-                fn()
-            except Exception:
-                traceback.print_exc()
-            dump()
-        try:
-            timings(rec, layer_need=5.0, ffn_need=14.0) if left() > 10 else None
-        except Exception:
-            traceback.print_exc()
-        rec.write(args.out, baseline="cublas-bf16")
-        ratios(rec)
-        dump()
+        _stages([floor_us, r8_sweep])
+        _tables(rec, min_left=10, layer_need=5.0, ffn_need=14.0)
     elif args.mode == "w8":  # r7: the large-M decision first, then the default-path tables while time lasts
         dplan = [(28672, 4096, [1], DECODE, ("gemm",)), (4096, 14336, [1], [DECODE[i] for i in (0, 1, 3, 7, 8)], ("gemm",))]
-        for fn in (floor_us, lambda: sweep(reserve=42.0, plan=dplan), lambda: w8_sweep(reserve=9.0), ptx):
-            try:
-                fn()
-            except Exception:
-                traceback.print_exc()
-            dump()
-        try:
-            timings(rec, layer_need=5.0, ffn_need=14.0) if left() > 12 else None
-        except Exception:
-            traceback.print_exc()
-        rec.write(args.out, baseline="cublas-bf16")
-        ratios(rec)
-        dump()
+        _stages([floor_us, lambda: sweep(reserve=42.0, plan=dplan), lambda: w8_sweep(reserve=9.0), ptx])
+        _tables(rec, min_left=12, layer_need=5.0, ffn_need=14.0)
     elif args.mode == "sweep":  # decisions first: floor + sweep, then the default-path table while time lasts
-        for fn in (floor_us, sweep):
-            try:
-                fn()
-            except Exception:
-                traceback.print_exc()
-            dump()
-        try:
-            timings(rec, layer_need=5.0, ffn_need=14.0)
-        except Exception:
-            traceback.print_exc()
-        rec.write(args.out, baseline="cublas-bf16")
-        ratios(rec)
-        dump()
+        _stages([floor_us, sweep])
+        _tables(rec, layer_need=5.0, ffn_need=14.0)
     else:  # final round: the committed tables first, extras after
         try:
             floor_us()

@@ -54,3 +54,23 @@ def quantize_per_token(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3):
 
 def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32):
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def tile_rows(codes: torch.Tensor, rows: int, chunk: int = 64) -> torch.Tensor:
+    """Row-block tiling of packed codes ``[N, B]`` (B a multiple of ``chunk``), flat uint8: the first
+    ``rows * (N // rows)`` rows as blocks of ``rows`` rows x ``chunk`` bytes, block (t, c) at byte
+    ``(t * B/chunk + c) * rows * chunk`` (one contiguous read per (row tile, K chunk)); the remaining
+    rows follow row-major. Used by the decode GEMMs' tiled code layouts (w4a8-fp8, w4a8-int8)."""
+    n, b = codes.shape
+    nh = (n // rows) * rows
+    head = codes[:nh].reshape(nh // rows, rows, b // chunk, chunk).permute(0, 2, 1, 3)
+    return torch.cat((head.reshape(-1), codes[nh:].reshape(-1)))
+
+
+def untile_rows(flat: torch.Tensor, n: int, b: int, rows: int, chunk: int = 64) -> torch.Tensor:
+    """Inverse of ``tile_rows``: flat tiled bytes -> codes ``[n, b]``."""
+    nh = (n // rows) * rows
+    flat = flat.reshape(-1)
+    head = flat[:nh * b].reshape(nh // rows, b // chunk, rows, chunk).permute(0, 2, 1, 3)
+    return torch.cat((head.reshape(-1), flat[nh * b:])).reshape(n, b)
+

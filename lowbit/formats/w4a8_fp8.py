@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token, tile_rows, untile_rows
 
 GROUP_SIZES = (32, 64, 128)
 PACK_BLOCK = 128  # columns per reorder block (= the kernel's BLOCK_K)
@@ -167,10 +167,9 @@ def tiled_shape(n: int, k: int) -> tuple[int, int]:
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
     """Row-major codes uint8 ``[N, Kp/2]`` -> tile-major ``[ceil(N/128) * Kp/128 * 128, 64]`` (layout
     in the module docstring; rows beyond N zero)."""
-    n, kp2 = codes.shape
-    kt, nb = kp2 // (PACK_BLOCK // 2), -(-n // TILE_N)
-    c = torch.nn.functional.pad(codes, (0, 0, 0, nb * TILE_N - n))
-    return c.reshape(nb, TILE_N, kt, PACK_BLOCK // 2).permute(0, 2, 1, 3).reshape(-1, PACK_BLOCK // 2).contiguous()
+    n = codes.shape[0]
+    c = torch.nn.functional.pad(codes, (0, 0, 0, -(-n // TILE_N) * TILE_N - n))
+    return tile_rows(c, TILE_N, PACK_BLOCK // 2).reshape(-1, PACK_BLOCK // 2)
 
 
 def untile_codes(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -178,9 +177,8 @@ def untile_codes(tiled: torch.Tensor, n: int, k: int) -> torch.Tensor:
     if tuple(tiled.shape) != tiled_shape(n, k):
         raise ValueError(f"tiled codes must have shape {list(tiled_shape(n, k))} for [N={n}, K={k}], "
                          f"got {list(tiled.shape)}")
-    kt, nb = padded_k(k) // PACK_BLOCK, -(-n // TILE_N)
-    c = tiled.reshape(nb, kt, TILE_N, PACK_BLOCK // 2).permute(0, 2, 1, 3).reshape(nb * TILE_N, kt * PACK_BLOCK // 2)
-    return c[:n].contiguous()
+    nb = -(-n // TILE_N)
+    return untile_rows(tiled, nb * TILE_N, padded_k(k) // 2, TILE_N, PACK_BLOCK // 2)[:n].contiguous()
 
 
 def unpack_codes(codes: torch.Tensor, k: int, *, tiled: bool = False, n: int | None = None) -> torch.Tensor:

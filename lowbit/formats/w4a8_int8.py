@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.formats.common import safe_scale
+from lowbit.formats.common import safe_scale, tile_rows, untile_rows
 from lowbit.formats.int4 import pack_int4, unpack_int4
 
 PROTECTIVE_RANGE = 119  # level-1 INT8 range [-119, 119]; see module docstring for why
@@ -137,19 +137,12 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
     128-column chunk (64 bytes per row), block (t, c) at byte ``(t * Kp/128 + c) * TILE_ROWS * 64``,
     so a kernel reading one row-tile and one chunk reads 4 contiguous KB; the remaining rows follow
     row-major. Inverse: ``untile_codes``. (A layout for the decode GEMM; not the stored default.)"""
-    N, B = qweight.shape
-    n64 = (N // TILE_ROWS) * TILE_ROWS
-    head = qweight[:n64].reshape(n64 // TILE_ROWS, TILE_ROWS, B // 64, 64).permute(0, 2, 1, 3)
-    return torch.cat((head.reshape(-1), qweight[n64:].reshape(-1))).reshape(N, B)
+    return tile_rows(qweight, TILE_ROWS).reshape(qweight.shape)
 
 
 def untile_codes(tiled: torch.Tensor) -> torch.Tensor:
     """Inverse of ``tile_codes``."""
-    N, B = tiled.shape
-    n64 = (N // TILE_ROWS) * TILE_ROWS
-    flat = tiled.reshape(-1)
-    head = flat[:n64 * B].reshape(n64 // TILE_ROWS, B // 64, TILE_ROWS, 64).permute(0, 2, 1, 3)
-    return torch.cat((head.reshape(-1), flat[n64 * B:])).reshape(N, B)
+    return untile_rows(tiled, *tiled.shape, TILE_ROWS)
 
 
 def check_group_size(group_size: int) -> int:

@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit._utils import capture_cuda_graph
+
 __all__ = ["Generator", "generate"]
 
 
@@ -672,15 +674,7 @@ class Generator:
         # warm-up steps really run: point them at the last cache slot, which holds no prompt token
         # yet (a later step at that position overwrites it before attending to it)
         p_buf = torch.full((B,), self.max_seq - 1, dtype=torch.long, device=self.device)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):  # warm up: compile / autotune outside the capture
-                self._step(t_buf, p_buf)
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._step(t_buf, p_buf)
+        graph, out = capture_cuda_graph(lambda: self._step(t_buf, p_buf), warmup=2)
         self._graphs[B] = (graph, t_buf, p_buf, out)
         return self._graphs[B]
 
