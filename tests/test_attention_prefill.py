@@ -404,11 +404,13 @@ def test_poly_exp2_option_matches_reference(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vperm", [False, True])
 @pytest.mark.parametrize("causal,shape", [(False, (2, 8, 8, 1008, 1008)), (True, (1, 8, 2, 496, 1008)),
                                           (True, (1, 4, 1, 200, 333)), (False, (1, 4, 4, 200, 333))])
-def test_gluon_fp8_matches_tl_kernel(causal, shape):
+def test_gluon_fp8_matches_tl_kernel(causal, shape, vperm):
     """The Gluon FP8 kernel (Hopper; the tl kernel's numerics except that P V accumulates in the
-    wgmma) against the tl kernel on the same codes, and both against the float64 reference.
+    wgmma), plain and VPERM V^T, against the tl kernel on the same codes, and both against the
+    float64 reference.
     Causal shapes keep Sq <= Skv, the public op's contract (``_check_common``)."""
     from lowbit.kernels.attention_prefill import attention_prefill_triton
     from lowbit.kernels.attention_prefill_gluon import HAS_GLUON
@@ -421,11 +423,73 @@ def test_gluon_fp8_matches_tl_kernel(causal, shape):
     q = torch.randn(B, Hq, Sq, 128, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(B, Hkv, Skv, 128, device="cuda", generator=g).to(torch.bfloat16)
     v = torch.randn(B, Hkv, Skv, 128, device="cuda", generator=g).to(torch.bfloat16)
-    res = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=128, v_granularity="block", q=q)
+    res = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=128, v_granularity="block", q=q, vperm=vperm)
     kw = dict(mode="fp8", causal=causal, sm_scale=128 ** -0.5, k_block=128, q_codes=res[4:])
-    o_tl = attention_prefill_triton(q, *res[:4], config={"gluon": False}, **kw)
-    o_g = attention_prefill_triton(q, *res[:4], config={"gluon": True}, **kw)
+    o_tl = attention_prefill_triton(q, *res[:4], config={"gluon": False, "vperm": vperm}, **kw)
+    o_g = attention_prefill_triton(q, *res[:4], config={"gluon": True, "vperm": vperm}, **kw)
     ref = attention_ref(q, k, v, causal=causal)
     assert torch.isfinite(o_g).all()
     assert rel_l2(o_g, o_tl) < 5e-3
     assert rel_l2(o_g, ref) < rel_l2(o_tl, ref) * 1.05 + 1e-3
+
+
+# ------------------------------------------------------------------ session 5: V^T in the VPERM key order
+@pytest.mark.parametrize("mode,causal", [("fp8", True), ("int8", False)])
+def test_vperm_layout_matches_plain(mode, causal):
+    """Config ``vperm`` (V^T stored with ``vperm_pos``: P's accumulator registers are the A operand,
+    no shuffles) gives the plain layout's output: bit-equal for int8 (integer dots), to fp32 summation
+    order for fp8; lengths not multiples of 32 (zero-padded keys at permuted positions)."""
+    from lowbit.kernels.attention_prefill import attention_prefill_triton
+    from lowbit.kernels.attention_prefill_gluon import permute_vt, vperm_pos
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    if not ap._triton_ok():
+        pytest.skip("no Triton backend")
+    t = torch.arange(96)
+    assert sorted(vperm_pos(t).tolist()) == list(range(96))
+    q, k, v = _qkv(1, 2, 1, 21, 45, 32, seed=9)
+    dt = torch.float8_e4m3fn if mode == "fp8" else torch.int8
+    kb = 32 if mode == "fp8" else None
+    res = quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity="block" if mode == "fp8" else "channel",
+                             q=q if mode == "fp8" else None)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    kw = dict(mode=mode, causal=causal, sm_scale=32 ** -0.5, k_block=kb, q_codes=res[4:] if mode == "fp8" else None)
+    base = attention_prefill_triton(q, *res[:4], config=cfg, **kw)
+    kc, ks, vt, vs = res[:4]
+    perm = attention_prefill_triton(q, kc, ks, permute_vt(vt), vs, config=dict(cfg, vperm=True), **kw)
+    if mode == "int8":
+        assert torch.equal(perm, base)
+    else:
+        assert rel_l2(perm, base) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_vperm_quantization_writes_permuted_vt(mode):
+    """``quantize_kv_triton(vperm=True)`` / ``kv4_to_fp8_triton(vperm=True)`` write exactly
+    ``permute_vt`` of the plain V^T (same codes, keys at ``vperm_pos``, zero padding to 32), and
+    ``quant_attention_triton`` with config ``vperm`` (quantization + attention) matches the plain path."""
+    from lowbit.kernels.attention_prefill import quant_attention_triton
+    from lowbit.kernels.attention_prefill_gluon import permute_vt
+    from lowbit.kernels.attention_quant import kv4_to_fp8_triton, quantize_kv_triton
+
+    if not ap._triton_ok():
+        pytest.skip("no Triton backend")
+    q, k, v = _qkv(1, 2, 1, 19, 45, 32, seed=4)
+    dt = torch.float8_e4m3fn if mode == "fp8" else torch.int8
+    vg = "block" if mode == "fp8" else "channel"
+    plain = quantize_kv_triton(k, v, dtype=dt, v_granularity=vg)
+    perm = quantize_kv_triton(k, v, dtype=dt, v_granularity=vg, vperm=True)
+    assert perm[2].shape[-1] == 64
+    assert torch.equal(perm[2].view(torch.uint8), permute_vt(plain[2]).view(torch.uint8))
+    assert torch.equal(perm[3], plain[3])
+    if mode == "fp8":
+        from lowbit.formats.kv4 import quantize_kv4
+
+        kv = (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2])
+        a, b = kv4_to_fp8_triton(*kv, block=32), kv4_to_fp8_triton(*kv, block=32, vperm=True)
+        assert torch.equal(b[2].view(torch.uint8), permute_vt(a[2]).view(torch.uint8))
+    kw = dict(mode=mode, causal=True, sm_scale=32 ** -0.5, v_granularity=vg, k_per_block=mode == "fp8", fuse_kv=False)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    o1 = quant_attention_triton(q, k, v, config=cfg, **kw)
+    o2 = quant_attention_triton(q, k, v, config=dict(cfg, vperm=True), **kw)
+    assert rel_l2(o2, o1) < 1e-5

@@ -81,3 +81,120 @@ def test_cuda_graph_decode_matches_eager_gpu():
     assert graphed_gen._graphs, "no CUDA graph was captured"
     for a, b in zip(eager, graphed):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rope_kernel_bit_equal_to_eager(dtype):
+    """``lowbit.kernels.rope`` (interpreter on CPU) == the runner's eager RoPE, bit for bit: strided
+    q/k slices of a fused projection output, H not a power of two, cos/sin per request or shared."""
+    pytest.importorskip("triton")
+    from lowbit._utils import use_triton
+    from lowbit.kernels.rope import rope_triton
+    from lowbit.models.generate import _rope
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, D = 2, 3, 5, 16
+    y = (torch.randn(B, S, H * D + 8, generator=g) * 4).to(dtype)
+    if not use_triton(y):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    x = y[..., : H * D].view(B, S, H, D)
+    ang = torch.randn(B, S, D // 2, generator=g) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    for c, s_ in ((cos, sin), (cos[:1], sin[:1])):
+        got = rope_triton(x, c, s_)
+        ref = _rope(x.transpose(1, 2), c.expand(B, S, D), s_.expand(B, S, D), False).transpose(1, 2)
+        assert got.is_contiguous() and torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_triton(x, cos[:, :2], sin[:, :2])
+    with pytest.raises(ValueError, match="rope_triton"):
+        rope_triton(x.float(), cos, sin)
+
+
+def test_runner_rope_kernel_same_tokens():
+    """bf16 model, dense cache: q and k rotated in ONE launch over the fused q/k/v output (kernel
+    under the interpreter on CPU) give the eager runner's tokens."""
+    pytest.importorskip("triton")
+    from lowbit._utils import use_triton
+
+    model = tiny_llama(head_dim=16, dtype=torch.bfloat16)
+    if not use_triton(next(model.parameters())):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2])]
+    ref = Generator(model, max_batch=2, max_seq=12, rope_kernel=False).generate(prompts, 3)
+    import lowbit.kernels.rope as rope_mod
+
+    heads = []
+    orig = rope_mod.rope_triton
+
+    def spy(x, *a, **k):
+        heads.append(x.shape[2])
+        return orig(x, *a, **k)
+
+    rope_mod.rope_triton = spy
+    try:
+        got = Generator(model, max_batch=2, max_seq=12, rope_kernel=True).generate(prompts, 3)
+    finally:
+        rope_mod.rope_triton = orig
+    assert heads and set(heads) == {4 + 2}  # every call: the 4 query + 2 key heads together
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rope_kernel_gpu_and_graph_runner():
+    """On the GPU: the kernel is bit-equal to the eager RoPE (Llama-3-8B q+k heads), and the CUDA-graph
+    runner gives the same tokens with and without it."""
+    from lowbit.kernels.rope import rope_triton
+    from lowbit.models.generate import _rope
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for B, S in ((1, 1), (4, 33)):
+        y = (torch.randn(B, S, 6144, generator=g, device="cuda") * 3).bfloat16()
+        x = y[..., :5120].view(B, S, 40, 128)
+        ang = torch.rand(B, S, 64, generator=g, device="cuda") * 1000
+        cos, sin = torch.cat((ang.cos(), ang.cos()), -1).bfloat16(), torch.cat((ang.sin(), ang.sin()), -1).bfloat16()
+        ref = _rope(x.transpose(1, 2), cos, sin, False).transpose(1, 2)
+        assert torch.equal(rope_triton(x, cos, sin).view(torch.int16), ref.view(torch.int16))
+    model = tiny_llama(head_dim=64, hidden=128, dtype=torch.bfloat16).cuda()
+    prompts = [torch.tensor([3, 1, 4, 1, 5], device="cuda"), torch.tensor([9, 2], device="cuda")]
+    a = Generator(model, max_batch=2, max_seq=24, rope_kernel=False).generate(prompts, 8)
+    b = Generator(model, max_batch=2, max_seq=24, rope_kernel=True).generate(prompts, 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv4_append_rotates_q_too(dtype):
+    """``kv4_append``'s ROPE_Q (the runner's ``rope_q_append``): the cache written is the one without
+    it, and q_out is ``lowbit.kernels.rope``'s result bit for bit (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    from lowbit._utils import use_triton
+    from lowbit.kernels.kv4_append import kv4_append_triton
+    from lowbit.kernels.rope import rope_triton
+
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, T, D, PAGE = 2, 2, 2, 3, 16, 16
+    qkv = (torch.randn(B, T, (Hkv * G + 2 * Hkv) * D, generator=g) * 3).to(dtype)
+    if not use_triton(qkv):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    q = qkv[..., : Hkv * G * D].view(B, T, Hkv * G, D).transpose(1, 2)
+    k = qkv[..., Hkv * G * D: (Hkv * G + Hkv) * D].view(B, T, Hkv, D).transpose(1, 2)
+    v = qkv[..., (Hkv * G + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)
+    ang = torch.randn(B, T, D // 2, generator=g) * 7
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    pt = torch.arange(2 * B, dtype=torch.int32).view(B, 2)
+    start = torch.tensor([0, 5], dtype=torch.int32)
+
+    def cache():
+        return dict(k_codes=torch.zeros(2 * B, Hkv, PAGE, D // 2, dtype=torch.uint8),
+                    k_scale=torch.zeros(2 * B, Hkv, PAGE, dtype=torch.float8_e4m3fn),
+                    v_codes=torch.zeros(2 * B, Hkv, PAGE, D // 2, dtype=torch.uint8),
+                    v_scale=torch.zeros(2 * B, Hkv, PAGE, dtype=torch.float8_e4m3fn))
+
+    c0, c1 = cache(), cache()
+    kv4_append_triton(k, v, page_table=pt, start=start, cos=cos, sin=sin, **c0)
+    qo = torch.empty(B, T, Hkv * G, D, dtype=dtype).transpose(1, 2)
+    kv4_append_triton(k, v, page_table=pt, start=start, cos=cos, sin=sin, q=q, q_out=qo, **c1)
+    for n in c0:
+        assert torch.equal(c0[n].view(torch.uint8), c1[n].view(torch.uint8)), n
+    ref = rope_triton(q.transpose(1, 2), cos, sin).transpose(1, 2)
+    assert torch.equal(qo.contiguous().view(torch.int16), ref.contiguous().view(torch.int16))

@@ -305,7 +305,8 @@ def test_decode_gpu_gluon(q8, zp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", ({"pdl": True}, {"lean": True}, {"ilp": True}))
+@pytest.mark.parametrize("flags", ({"pdl": False}, {"pdl": True}, {"lean": True}, {"ilp": True}, {"sring": True},
+                                   {"sring": True, "pta": True}, {"sring": True, "pta": True, "lean": True}))
 def test_decode_gpu_gluon_options(flags):
     """The Gluon kernel's launch / prologue / MMA-chain options give the default's result."""
     from lowbit.bench.suites.kv4 import random_cache

@@ -110,3 +110,27 @@ def test_dequant_mma_kernel(bits, g, dev):
     wd = K.lut_dequant_mma_triton(qm, qh, q.scales.t().contiguous(), q.table.to(dev), bits=bits, group_size=g,
                                   out_features=37, in_features=300, dtype=torch.float32)
     assert torch.equal(wd, dequantize_lut(q))
+
+
+def test_gpu_only_options_fall_back_and_validate():
+    """``xh`` (x one group ahead), ``ring`` (cp.async ring of the codes), ``sp`` (scales one group ahead) are
+    GPU options: under
+    the interpreter they run the plain loop (same numerics); bad values are refused on the GPU path."""
+    assert _run(3, 24, 256, 128, torch.bfloat16, "cpu", xh=2, ring=4, sp=True) < KERNEL_VS_REF[torch.bfloat16]
+    asm = K._ring_read_asm(6)
+    assert "cp.async.wait_group 6;" in asm and "ld.shared.v4.b32" in asm
+    assert "cp.async.commit_group" in K._CP_ASM.value and "@p cp.async.cg.shared.global" in K._CP_ASM.value
+    assert set(K._RING_RD) >= {(r - 1) * rr for r in (2, 4, 8) for rr in (1, 2, 4)} | {0}
+    assert set(K._RING_RD3) >= {2 * (r - 1) * rr for r in (2, 4, 8) for rr in (1, 2, 4)}  # 3-bit: 2 groups per chunk
+    assert "cp.async.ca.shared.global [d], [$4], 8;" in K._CPH_ASM.value
+
+
+def test_balanced_split():
+    """Option ``balance``: the split-K count that evens out the SMs' load (H200: 132 SMs)."""
+    from lowbit._utils import cdiv
+
+    s = K.balanced_split(112, 32, 132, 2)  # gate_up M=1 r2 w8
+    assert s == 8 and cdiv(112 * s, 132) * cdiv(32, s) == 28  # vs 33 for the ctas_per_sm rule (split 3)
+    assert K.balanced_split(16, 112, 132, 2) == 16  # down: 256 programs of 7 groups
+    assert K.balanced_split(1, 1, 132, 4) == 1 and K.balanced_split(500, 1, 132, 4) == 1
+    assert _run(2, 24, 640, 128, torch.bfloat16, "cpu", balance=True) < KERNEL_VS_REF[torch.bfloat16]

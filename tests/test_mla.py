@@ -380,3 +380,63 @@ def test_gpu_wide_tile_and_unmasked_loop(Sq):
             emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0, torch.float8_e4m3fn,
                                                             plan["p_rule"]))
             assert rel_l2(o.view(B, Sq, H, dc), emu) < 8e-3
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_tokens_as_m_matches_default(dev, fp8):
+    """Option ``tokens_m`` (few rows per sequence, e.g. 16 heads): both dots computed transposed
+    (K · Q^T, then V^T · P^T: the block's tokens / the value columns are the M dimension, the rows N).
+    Same numerics as the default kernel: equal to output rounding (the FP8 path up to P's FP8
+    rounding of scores summed in another order), MTP rows, ragged blocks, splits."""
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    lens, H, Sq = [37, 5], 4, 2
+    c, _ = make_cache(lens, fp8, dev, seed=11)
+    B = len(lens)
+    q = torch.randn(B, Sq, H, DC + DR, device=dev, dtype=torch.bfloat16)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    if fp8:
+        qc, qs, qr = quantize_latent(q.reshape(-1, DC + DR), DC)
+        args = (qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                cache[1].flatten(0, 1), cache[2].flatten(0, 1))
+    else:
+        q3 = q.view(B, Sq * H, DC + DR)
+        args = (q3[..., :DC], q3[..., DC:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None)
+    kw = dict(num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE, fp8=fp8, num_splits=2)
+    base = mla_decode_triton(*args, pt, sl, **kw)
+    if fp8:  # option deq16: the K tile upcast to fp16 once (exact), both dots on fp16 MMAs, same P quantization
+        for mode in (1, 3):
+            d16, pl = mla_decode_triton(*args, pt, sl, deq16=mode, return_plan=True, **kw)
+            assert pl["deq16"] == mode and pl["v_prmt"] == 0 and rel_l2(d16, base) < 4e-3
+    tm, plan = mla_decode_triton(*args, pt, sl, tokens_m=True, return_plan=True, **kw)
+    assert plan["tokens_m"] and not plan["s_ahead"]
+    assert rel_l2(tm, base) < (2e-3 if not fp8 else 4e-3)
+    ref = mla_decode_ref(q, cache, pt, sl)
+    assert rel_l2(tm.view(B, Sq, H, DC), ref) < (1e-2 if not fp8 else 3e-2)
+    if fp8:  # against the emulation of the kernel's P quantization
+        emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0, torch.float8_e4m3fn,
+                                                        plan["p_rule"]))
+        assert rel_l2(tm.view(B, Sq, H, DC), emu) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq", [1, 2])
+def test_gpu_few_rows_tile(Sq):
+    """GPU: sequences with few rows (16 heads, 1-2 query tokens) take ``FEW``'s tile (bf16: 16/32-row
+    mma.sync tile, 2 programs per SM) where one is set: against float64, ragged lengths."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dc, dr, H, lens = 512, 64, 16, [3001, 129, 40]
+    torch.manual_seed(0)
+    B = len(lens)
+    for fp8 in (False, True):
+        c = PagedMLACache(1, B, max(lens), dc, dr, fp8=fp8, page_size=64, device="cuda", shuffle_pages=True, seed=0)
+        kv = torch.randn(B, max(lens), dc + dr, device="cuda", dtype=torch.bfloat16)
+        kv[..., dc:] *= 4
+        c.append(0, kv)
+        c.lengths[0] = list(lens)
+        c._seq_lens[0] = None
+        q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
+        cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+        out = mla_decode(q, cache, pt, sl, max_seq_len=max(lens))
+        assert rel_l2(out, mla_decode_ref(q, cache, pt, sl)) < (1e-2 if not fp8 else 3e-2)

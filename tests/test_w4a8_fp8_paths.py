@@ -17,8 +17,8 @@ def _weights(N, K, g, seed=0, silu=False, zero_group=True):
         w[1, :g] = 0
     if silu:
         w = interleave_rows(w[: N // 2], w[N // 2:])
-    codes, sc, inv = quantize_weight(w, g, 3)
-    return codes.to(DEV), sc.to(DEV), inv.item()
+    codes, sc, inv = quantize_weight(w.to(DEV), g, 3)  # on the GPU when there is one (large N x K tests)
+    return codes, sc, inv.item()
 
 
 @pytest.mark.parametrize("M,N,K,g,split,kw", [
@@ -139,6 +139,33 @@ def test_module_forward_dispatch_small_and_large_m(monkeypatch):
     assert calls == [1, 4]
 
 
+def test_pdl_linear_dispatch_and_opcheck(monkeypatch):
+    """use_pdl_linear (M <= PDL_LINEAR_MAX_M, or <= PDL_NOSPLIT_MAX_M without split-K) runs lowbit::w4a8_fp8_linear_pdl (act_quant + GEMM, both PDL-launched on a
+    Hopper GPU): the same output as the separate ops; the op passes opcheck."""
+    import lowbit.ops.w4a8_fp8 as ops
+    from lowbit.kernels import w4a8_fp8_gemm as kmod
+    from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
+
+    torch.manual_seed(6)
+    lin = torch.nn.Linear(160, 40, bias=True).to(torch.bfloat16)
+    m = W4A8FP8Linear.from_linear(lin, group_size=32).to(DEV)
+    calls = []
+    real = ops._w4a8_fp8_linear_pdl
+    monkeypatch.setattr(ops, "_w4a8_fp8_linear_pdl", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    ys = {}
+    for lim in (0, 4):
+        monkeypatch.setattr(kmod, "PDL_LINEAR_MAX_M", lim)
+        monkeypatch.setattr(kmod, "PDL_NOSPLIT_MAX_M", lim)
+        ys[lim] = [m(x) for x in (torch.randn(3, 160, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1)).to(DEV),
+                                  torch.randn(9, 160, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2)).to(DEV))]
+    assert calls == [3]
+    assert all(torch.equal(a, b) for a, b in zip(ys[0], ys[4]))
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    codes, sc, inv = _weights(16, 64, 32)
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=DEV)
+    torch.library.opcheck(real, (x, codes, sc, inv, 64, 32, None, None, False), test_utils=utils)
+
+
 def test_fused_op_opcheck():
     from lowbit.ops.w4a8_fp8 import _w4a8_fp8_linear_fused
 
@@ -240,6 +267,40 @@ def test_tma_code_loads(M, N, K, g, cfg):
     assert rel_l2(y.cpu(), ref) < 1e-5
 
 
+@pytest.mark.parametrize("M,N,K,g,cfg", [
+    (1, 72, 600, 128, {}),                                   # N, K not multiples of the blocks
+    (3, 64, 520, 32, {"SPLIT_K": 3, "KSTEP": 2, "TMA": True}),  # last step masked, TMA codes
+    (20, 40, 300, 64, {"QUANT": True}),                      # activation quantization in the GEMM
+    (130, 64, 576, 128, {"BLOCK_M": 64, "SWAP_AB": False}),  # no swap
+])
+def test_cat_one_dot_per_k_tile(M, N, K, g, cfg):
+    """``CAT``: [w_lo | w_hi] joined along K into one K=128 dot per tile against the whole x tile
+    gives the two-dot result: bit for bit on the GPU (the same k32 wgmma steps in the same order);
+    the interpreter's numpy dot may sum 128 products in another order (float32 rounding only)."""
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm, w4a8_fp8_linear_fused
+
+    codes, sc, inv = _weights(N, K, g, seed=12)
+    x = torch.randn(M, K)
+    xq, sx = quantize_per_token(x, FP8_E4M3)
+    cfg = dict(cfg)
+    quant = cfg.pop("QUANT", False)
+    base = dict(dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=2, GROUP_M=1,
+                     ACC_TILE=True), **cfg)
+    outs = []
+    for cat in (False, True):
+        c = dict(base, CAT=cat)
+        if quant:
+            outs.append(w4a8_fp8_linear_fused(x.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, config=c))
+        else:
+            outs.append(w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, config=c))
+    if DEV == "cuda":
+        assert torch.equal(outs[0], outs[1])
+    else:
+        assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
+    assert rel_l2(outs[1].cpu(), ref) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(1, 17000, 1000), (5, 2 * 8448, 4096), (3, 4096, 10944)])
 def test_decode_defaults_on_gpu(M, N, K):
@@ -251,8 +312,8 @@ def test_decode_defaults_on_gpu(M, N, K):
     codes, sc, inv = _weights(N, K, 128, seed=8)
     xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
     y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, 128, out_dtype=torch.float32)
-    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, 128, out_dtype=torch.float32)
-    assert rel_l2(y.cpu(), ref) < 1e-3
+    ref = reference_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, 128, out_dtype=torch.float32)  # float64 on the GPU
+    assert rel_l2(y, ref) < 1e-3
 
 
 # ---------------------------------------------------------------- tile-major codes (session 4)
@@ -331,8 +392,8 @@ def test_tiled_defaults_on_gpu(M, N, K):
     y0 = w4a8_fp8_gemm(xq, sx, codes, sc, inv, K, 128, out_dtype=torch.float32)
     y1 = w4a8_fp8_gemm(xq, sx, tile_codes(codes), sc, inv, K, 128, out_dtype=torch.float32, tiled=True)
     assert torch.equal(y0, y1)
-    ref = reference_gemm(xq.cpu(), sx.cpu(), codes.cpu(), sc.cpu(), inv, K, 128, out_dtype=torch.float32)
-    assert rel_l2(y1.cpu(), ref) < 1e-3
+    ref = reference_gemm(xq, sx, codes, sc, inv, K, 128, out_dtype=torch.float32)  # float64 on the GPU
+    assert rel_l2(y1, ref) < 1e-3
 
 
 @pytest.mark.gpu
@@ -347,8 +408,35 @@ def test_pdl_launch_on_gpu(M, N, K):
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
     xq0, sx0 = per_token_quant_triton(x, FP8_E4M3, pdl=False)
     y0 = w4a8_fp8_gemm(xq0, sx0, codes, sc, inv, K, 128, config=dict(pick_config(M, N, K), PDL=False))
-    for _ in range(3):
+    for it in range(3):
         xq1, sx1 = per_token_quant_triton(x, FP8_E4M3, pdl=True)
-        y1 = w4a8_fp8_gemm(xq1, sx1, codes, sc, inv, K, 128, config=dict(pick_config(M, N, K), PDL=True, LUT2=True))
+        y1 = w4a8_fp8_gemm(xq1, sx1, codes, sc, inv, K, 128, config=dict(pick_config(M, N, K), PDL=True, LUT2=True,
+                                                                          CAT=it > 0, PDL_TRIGGER=it != 2))
         assert torch.equal(xq1.view(torch.int8), xq0.view(torch.int8)) and torch.equal(sx1, sx0)
         assert torch.equal(y1, y0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (16, 4096, 14336)])
+def test_pdl_linear_in_cuda_graph(M, N, K):
+    """The PDL act_quant -> GEMM pair (op lowbit::w4a8_fp8_linear_pdl) captured in a CUDA graph
+    replays to the eager output of the plain (non-PDL) path, with the decode candidate flags."""
+    from lowbit._utils import capture_cuda_graph
+    from lowbit.kernels import w4a8_fp8_gemm as kmod
+    from lowbit.ops.w4a8_fp8 import _w4a8_fp8_linear_pdl, w4a8_fp8_gemm
+    from lowbit.ops.quant import per_token_quant
+
+    codes, sc, inv = _weights(N, K, 128, seed=13)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    y0 = w4a8_fp8_gemm(*per_token_quant(x, "fp8"), codes, sc, inv, K, 128, out_dtype=torch.bfloat16)
+    old = dict(kmod.DECODE_FLAGS)
+    try:
+        kmod.DECODE_FLAGS.update(LUT2=True, CAT=True)
+        graph, out = capture_cuda_graph(lambda: _w4a8_fp8_linear_pdl(x, codes, sc, inv, K, 128, None, None, False))
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, y0)
+    finally:
+        kmod.DECODE_FLAGS.clear()
+        kmod.DECODE_FLAGS.update(old)

@@ -150,3 +150,27 @@ def test_silu_mul_linear(M, dev, monkeypatch):
     xq, xs = quantize_per_token(v, torch.int8)
     r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, h.dtype)
     assert rel_l2(y, r) <= KERNEL_VS_REF[torch.float16]
+
+
+@pytest.mark.parametrize("l2_tiles", [0, 4])
+def test_linear_pdl_path_same_output(dev, monkeypatch, l2_tiles):
+    """act-quant -> GEMM as a programmatic dependent pair (``PDL_MAX_M``; a real PDL launch on Hopper,
+    the plain launch under the interpreter) with and without the L2 prefetch of the first k-tiles: the
+    same output as the default path, bit for bit (split-K 2, N and K not multiples of the blocks)."""
+    qw = _weights(40, 300, 128, dev)
+    monkeypatch.setattr(kmod, "FUSE_QUANT_MAX_M", 0)
+    for M in (1, 5):
+        torch.manual_seed(M)
+        x = torch.randn(M, 300, device=dev, dtype=torch.bfloat16)
+        monkeypatch.setattr(kmod, "PDL_MAX_M", 0)
+        y0 = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs)
+        monkeypatch.setattr(kmod, "PDL_MAX_M", 16)
+        monkeypatch.setattr(kmod, "PDL_L2_TILES", l2_tiles)
+        assert kmod.use_pdl(M)
+        y = w4a8_int8_linear(x, qw.qweight, qw.wscale, qw.gscale, qw.gzs)
+        assert torch.equal(y, y0), M
+        xq, xs = quantize_per_token(x, torch.int8)
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=2, num_warps=4, num_stages=2)
+        y1, _ = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, 300, 128, x.dtype, config=cfg, pdl=True)
+        y2, _ = launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, 300, 128, x.dtype, config=cfg)
+        assert torch.equal(y1, y2), M

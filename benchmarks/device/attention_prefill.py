@@ -60,6 +60,7 @@ if not a.cpu_smoke and not a.ws_child and not a.ab_child:
 PLAN = a.plan
 SUMMARY = []
 RESULTS = {}
+SUITE_REC = []
 
 
 def left():
@@ -91,6 +92,8 @@ def rel(x, y):
 
 
 def dump():
+    if SUITE_REC and "suite_json" not in RESULTS:  # the watchdog may stop the suite: keep its rows
+        RESULTS["suite_rows_partial"] = list(SUITE_REC[0].rows)
     with open(os.path.join(a.out, "attention_prefill_results.json"), "w") as f:
         json.dump(RESULTS, f, indent=1, default=str)
 
@@ -121,9 +124,17 @@ def kernel_call(q, k, v, mode, causal, cfg, fused=False):
         qp = bool(cfg.get("gluon") or cfg.get("q_pre"))
         res = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=bn, v_granularity="block", q=q if qp else None)
         kc, ks, vt, vs = res[:4]
+        if cfg.get("vperm"):  # VPERM V^T
+            from lowbit.kernels.attention_prefill_gluon import permute_vt
+
+            vt = permute_vt(vt)
         return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg, k_block=bn,
                                         q_codes=res[4:] if qp else None)
     kc, ks, vt, vs = quantize_kv_triton(k, v, dtype=torch.int8, v_granularity="channel")
+    if cfg.get("vperm"):
+        from lowbit.kernels.attention_prefill_gluon import permute_vt
+
+        vt = permute_vt(vt)
     return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm, config=cfg)
 
 
@@ -141,12 +152,15 @@ def checks():
     elif DEV == "cuda" and PLAN == "gluon":  # the Gluon kernel against the reference numerics
         base = [(2, 8, 8, 1008, 1008, 128)]
         g = {"gluon": True}
-        cases = [("fp8", False, base[0], g), ("fp8", True, base[0], g), ("fp8", True, (1, 8, 2, 496, 1008, 128), g),
-                 ("fp8", False, (1, 4, 4, 200, 333, 128), g), ("fp8", True, (1, 4, 1, 333, 200, 128), g),
-                 ("fp8", True, base[0], {"gluon": 128}), ("fp8", False, (1, 4, 4, 200, 333, 128), {"gluon": 128})]
+        g, gp, vp = {"gluon": True}, {"gluon": True, "vperm": True}, {"vperm": True}
+        cases = [("fp8", False, base[0], {}), ("fp8", True, (1, 8, 2, 496, 1008, 128), {}),  # the defaults (op)
+                 ("int8", False, base[0], {}), ("int8", True, (1, 8, 2, 496, 1008, 128), {}),
+                 ("fp8-kv4", True, base[0], {}), ("int8", False, (1, 4, 4, 272, 272, 64), {}),
+                 ("fp8", True, (1, 4, 1, 333, 200, 128), gp), ("fp8", False, (1, 4, 4, 200, 333, 128), gp),
+                 ("fp8", True, (1, 8, 2, 496, 1008, 128), g)]
     elif DEV == "cuda" and PLAN == "ab":  # the A/B options against the reference numerics
         base = [(2, 8, 8, 1008, 1008, 128)]
-        cases = [("fp8", True, base[0], {"poly": 1}), ("int8", False, base[0], {"poly": 1})]
+        cases = []  # session 5: the A/B child checks the defaults and the options
     elif DEV == "cuda" and PLAN == "final":  # the default paths only (their kernels are the suite's)
         base = [(2, 8, 8, 1008, 1008, 128)]
         cases = [("fp8", False, base[0], {}), ("int8", True, base[0], {}), ("int8-qk", False, base[0], {}),
@@ -352,6 +366,7 @@ def suite():
 
     ceil = {}
     rec = harness.Recorder("attention_prefill", ceilings=ceil)
+    SUITE_REC.append(rec)
     big = left() > 48
     provs = None
     if PLAN == "split":
@@ -360,11 +375,17 @@ def suite():
     if PLAN == "ws":
         provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-int8", "lowbit-fp8-attn-only", "lowbit-fp8-kvquant-only"}
         big = False
+    if PLAN == "ab":
+        provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-fp8-plain", "lowbit-int8", "lowbit-int8-plain",
+                 "sageattention-1.0.6", "lowbit-fp8-kv4", "lowbit-int8-qk"}
+        big = left() > 40
     if PLAN == "final":
         provs = {"sdpa-cudnn", "lowbit-fp8", "lowbit-int8", "lowbit-int8-qk", "lowbit-fp8-kv4", "lowbit-fp8-attn-only",
-                 "lowbit-int8-attn-only", "lowbit-fp8-qkvquant-only", "lowbit-int8-kvquant-only", "lowbit-fp8-tl",
-                 "lowbit-fp8-gluon", "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
-    s.run(rec, quick=False, seq_lens=[1024, 4096, 16384] if big else [1024, 4096],
+                 "lowbit-int8-attn-only", "sageattention-1.0.6", "int-fa-full-int8", "int-fa-half-int8"}
+    lens = [1024, 4096, 16384] if big else [1024, 4096]
+    if PLAN == "ab":  # session 5: the A/B child times 1k / 4k / 16k kernel-only; the suite end to end
+        lens = [4096, 16384, 1024] if left() > 38 else [4096, 1024]
+    s.run(rec, quick=False, seq_lens=lens,
           causals=(False, True), providers=provs)
     path = rec.write(a.out, baseline=s.BASELINE, command="benchmarks/device/attention_prefill.py")
     print(open(path.with_suffix(".md")).read(), flush=True)
@@ -393,10 +414,14 @@ AB_INT8 = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, tma=True)  # 
 def ab_variants():
     """Session 4 A/B list (attention launch alone, pre-quantized Q/K/V, same inputs), most wanted
     first; the first row of each (mode, S, causal) is the committed default: rel = rel-L2 vs it."""
-    v = []
-    for S, causal in ((4096, False), (1024, False), (4096, True), (16384, False)):
-        v += [("fp8", S, causal, dict(AB_FP8)), ("fp8", S, causal, dict(AB_FP8, gluon=True)),
-              ("fp8", S, causal, dict(AB_FP8, gluon=128))]
+    v = []  # session 5 (R13): plain V^T (the R12 default) vs VPERM (the new default) vs the Gluon kernel
+    for S, causal in ((4096, False), (16384, False), (1024, False), (4096, True)):
+        v += [("fp8", S, causal, dict(AB_FP8)), ("fp8", S, causal, dict(AB_FP8, vperm=True)),
+              ("fp8", S, causal, dict(AB_FP8, gluon=True, vperm=True))]
+    for S, causal in ((4096, False), (16384, False), (1024, False), (4096, True)):
+        v += [("int8", S, causal, dict(AB_INT8)), ("int8", S, causal, dict(AB_INT8, vperm=True))]
+    if os.environ.get("LOWBIT_AP_AB_OLD") != "1":  # session 4's tl rows: measured in R11 (poly slower, BN 64 slower)
+        return [tuple(x) for x in json.loads(os.environ["LOWBIT_AP_AB"])] if os.environ.get("LOWBIT_AP_AB") else v
     v += [("fp8", 4096, False, dict(AB_FP8, poly=1)),
           ("fp8", 4096, False, dict(AB_FP8, BLOCK_N=64, maxnreg=128)),
           ("fp8", 4096, False, dict(AB_FP8, BLOCK_N=64, num_stages=3, maxnreg=128)),
@@ -416,14 +441,11 @@ def ab():
     data, ref, rows = {}, {}, []
     want_gluon = a.ab_child == "gluon"
     for mode, S, causal, cfg in ab_variants():
-        if bool(cfg.get("gluon")) != want_gluon and not (want_gluon and cfg == AB_FP8):
-            continue  # the parent runs the tl rows; the child the Gluon rows (and the tl default again, as their base)
-        has_g = any(c.get("gluon") and (m, s_, cz) == (mode, S, causal) for m, s_, cz, c in ab_variants())
-        if want_gluon and cfg == AB_FP8 and not has_g:
-            continue
-        if not want_gluon and cfg == AB_FP8 and has_g and (S, causal) != (4096, False):
-            continue  # the child times this default beside its Gluon row
-        if DEV == "cpu":
+        if DEV == "cuda" and not want_gluon:
+            continue  # session 5: the child runs every row (tl and Gluon), the parent none
+        if DEV == "cpu":  # smoke: the plain default rows once per (mode, causal)
+            if cfg not in (AB_FP8, AB_INT8) or any(r["mode"] == mode and r["causal"] == causal for r in rows):
+                continue
             S = 40
         if left() < 7:
             SUMMARY.append(f"ab: stopped at {mode} S={S} {cfg} (time)")
@@ -447,6 +469,12 @@ def ab():
                     data[qk] = quantize_kv_triton(k, v, dtype=torch.int8, v_granularity="channel")
             kc, ks, vt, vs = data[qk][:4]
             qcodes = data[qk][4:] if mode == "fp8" else None
+            if cfg.get("vperm"):  # VPERM V^T
+                from lowbit.kernels.attention_prefill_gluon import permute_vt
+
+                if qk + ("p",) not in data:
+                    data[qk + ("p",)] = permute_vt(vt)
+                vt = data[qk + ("p",)]
             c = dict(cfg, q_tma=False)
             if DEV == "cpu":
                 c.update(BLOCK_M=16, BLOCK_N=16, num_stages=1)
@@ -913,8 +941,8 @@ def gluon_child(timeout):
 
 if a.ab_child:
     PLAN = "gluon"
-    section("check", checks)
     section("ab", ab)
+    section("check", checks)
     print("\n==== summary ====")
     for s_ in SUMMARY:
         print(s_)
@@ -926,7 +954,10 @@ if a.ab_child:
 if PLAN == "ab":
     if DEV == "cuda":
         section("gluon", lambda: gluon_child(float(os.environ.get("LOWBIT_AP_GLUON_S", "42"))), need=20)
-    section("ab", ab)
+    else:
+        section("ab", ab)
+    if DEV == "cuda":  # session 5: default vs Gluon vs the peers, quantization included
+        section("suite", suite, need=16)
 if DEV == "cuda" and PLAN == "ws":
     section("ws", lambda: ws_experiment(timeout=56.0), need=10)
 section("check", checks, need=20 if DEV == "cuda" and PLAN == "ws" else 0)
@@ -937,13 +968,17 @@ elif DEV == "cuda" and PLAN == "split":
     section("sweep_split", sweep_split, need=15)
     section("suite", suite, need=25)
 elif DEV == "cuda" and PLAN == "ab":
-    section("asm", asm)
+    pass  # R11 dumped the default kernels' asm
 elif DEV == "cuda" and PLAN == "tune":
     section("asm", asm)
     section("sweep", sweep, need=15)
     section("mre", mre_tables, need=15)
     section("model", model, need=30)
     section("suite", suite, need=30)
+elif DEV == "cuda" and PLAN == "final":  # session 5: the committed defaults and the peers first
+    section("suite", suite, need=30)
+    section("asm", asm)
+    section("mre", mre_tables, need=12)
 elif DEV == "cuda":
     section("asm", asm)
     section("suite", suite, need=30)

@@ -21,9 +21,10 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under TRITON_INTERPRET=1, no timing")
 ap.add_argument("--skip-accuracy", action="store_true")
 ap.add_argument("--budget", type=float, default=86.0)
+ap.add_argument("--ring-probe", action="store_true", help="run only the ring=N checks (child process of a GPU run)")
 args = ap.parse_args()
 # rounds: accuracy (unchanged numerics since r3) and the crossover rows only when asked for
-ACCURACY = os.environ.get("LUT_ACCURACY", "1") == "1"
+ACCURACY = os.environ.get("LUT_ACCURACY", "0") == "1"  # R12/R13: off (numerics unchanged; R11 measured)
 LEARNED = os.environ.get("LUT_LEARNED", "0") == "1"  # learned-NF rows (unchanged numerics since r3: off)
 CROSSOVER = os.environ.get("LUT_CROSSOVER", "1") == "1"
 SWEEP_OLD = os.environ.get("LUT_SWEEP_OLD", "0") == "1"
@@ -109,6 +110,70 @@ _mshapes = [(1, 64, 256), (5, 33, 200)] if args.cpu_smoke else [(1, 4096, 4096),
 for (M, N, K) in _mshapes:
     check(f"mma bits=4 M={M} N={N} K={K} g128 bf16", mma_case(M, N, K, 128, torch.bfloat16), TOL[torch.bfloat16])
 _sm = args.cpu_smoke
+
+
+def ring_checks():
+    """Option ring=N (cp.async ring of the code words; on the CPU the plain loop runs instead). On the GPU they
+    run first, in a child process (``--ring-probe``): a fault there (R12: misaligned cp.async, which poisoned the
+    CUDA context and every later measurement) only drops the ring rows of the sweep."""
+    check("mma M=1 ring4 r2 w8", mma_case(1, 200 if _sm else 4096, 256 if _sm else 4096, 128, torch.bfloat16, r=2,
+                                          num_warps=8, ring=4), TOL[torch.bfloat16])
+    check("mma M=1 ring8 r1 w4 ragged", mma_case(1, 33 if _sm else 3000, 200 if _sm else 1111, 128, torch.bfloat16, r=1,
+                                                 num_warps=4, ring=8), TOL[torch.bfloat16])
+    check("mma M=5 ring8 r2 w8 split1 g64", mma_case(5, 40 if _sm else 2000, 640 if _sm else 4096, 64, torch.float16,
+                                                     r=2, num_warps=8, ring=8, split_k=1), TOL[torch.float16])
+    check("mma M=16 ring4 xh2 w8", mma_case(16, 48 if _sm else 28672, 512 if _sm else 4096, 128, torch.bfloat16, r=1,
+                                            num_warps=8, ring=4, xh=2), TOL[torch.bfloat16])
+    check("mma M=32 ring8 w4 g256", mma_case(32, 40 if _sm else 4096, 512 if _sm else 14336, 256, torch.bfloat16, r=1,
+                                             num_warps=4, ring=8), TOL[torch.bfloat16])
+    check("mma bits=3 M=1 ring8 r1 w4", mma_case(1, 200 if _sm else 4096, 256 if _sm else 4096, 128, torch.bfloat16,
+                                                  bits=3, r=1, num_warps=4, ring=8), TOL[torch.bfloat16])
+    check("mma bits=3 M=9 ring4 xh2 g256 fp16 ragged", mma_case(9, 33 if _sm else 3000, 300 if _sm else 5000, 256,
+                                                                torch.float16, bits=3, ring=4, xh=2), TOL[torch.float16])
+    check("mma bits=3 M=16 ring4 xh2", mma_case(16, 40 if _sm else 28672, 512 if _sm else 4096, 128, torch.bfloat16,
+                                               bits=3, ring=4, xh=2), TOL[torch.bfloat16])
+    check("mma M=1 ring8 sp r1 w4 fp16 scales", mma_case(1, 33 if _sm else 3000, 200 if _sm else 1111, 128, torch.float16,
+                                                         r=1, num_warps=4, ring=8, sp=True), TOL[torch.float16])
+    check("mma bits=3 M=1 ring8 sp", mma_case(1, 200 if _sm else 4096, 256 if _sm else 14336, 128, torch.bfloat16, bits=3,
+                                              r=1, num_warps=4, ring=8, sp=True), TOL[torch.bfloat16])
+
+
+if args.ring_probe:
+    ring_checks()
+    sys.exit(0 if SUMMARY and all(r[3] for r in SUMMARY) else 1)
+RING_OK = True
+PROBE = None
+if args.cpu_smoke:
+    ring_checks()
+else:  # the child runs beside the checks below (nothing is timed before it is collected)
+    import subprocess
+    try:
+        PROBE = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--out", args.out, "--ring-probe"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except Exception as exc:
+        RING_OK = False
+        log(f"FAIL ring probe: {type(exc).__name__}: {exc}")
+
+
+def collect_probe():
+    """Wait for the ring probe (<= 45 s after its start) and record its checks; RING_OK False drops the ring rows."""
+    global RING_OK
+    if PROBE is None:
+        return
+    try:
+        out, err = PROBE.communicate(timeout=max(1.0, 45.0 - elapsed()))
+        RING_OK = PROBE.returncode == 0
+        for line in out.splitlines():
+            if ("PASS" in line or "FAIL" in line) and "ring" in line:
+                name = line.split("] ", 1)[-1]
+                SUMMARY.append(("check", "ring probe: " + name[:80], 0.0, name.startswith("PASS")))
+        print(out[-3000:], err[-1500:] if not RING_OK else "", flush=True)
+    except Exception as exc:
+        PROBE.kill()
+        RING_OK = False
+        log(f"FAIL ring probe: {type(exc).__name__}: {exc}")
+        SUMMARY.append(("check", "ring probe", float("nan"), False))
+    log(f"ring probe {'PASS' if RING_OK else 'FAIL: ring rows dropped'}")
 for (M, N, K) in _mshapes[:4]:
     check(f"mma bits=3 M={M} N={N} K={K} g128 bf16", mma_case(M, N, K, 128, torch.bfloat16, bits=3),
           TOL[torch.bfloat16])
@@ -169,6 +234,22 @@ check("mma bf16 M=1 r2", mma_case(1, 200 if _sm else 4096, 256 if _sm else 4096,
       TOL[torch.bfloat16])
 check("mma bf16 M=1 r4 w8", mma_case(1, 200 if _sm else 4096, 256 if _sm else 4096, 128, torch.bfloat16, r=4,
                                      num_warps=8), TOL[torch.bfloat16])
+# R12 option xh=2 (x fragments one group ahead): 4-bit g128 / g64, 3-bit, fp16, ragged K
+check("mma M=16 xh2 pf w8", mma_case(16, 48 if _sm else 3000, 512 if _sm else 4096, 128, torch.bfloat16, r=1,
+                                     num_warps=8, prefetch=True, xh=2), TOL[torch.bfloat16])
+check("mma M=32 xh2 pf w8", mma_case(32, 40 if _sm else 4096, 640 if _sm else 14336, 128, torch.bfloat16, r=1,
+                                     num_warps=8, prefetch=True, xh=2), TOL[torch.bfloat16])
+check("mma M=13 xh2 g64 fp16", mma_case(13, 40 if _sm else 1000, 640 if _sm else 2048, 64, torch.float16,
+                                        xh=2), TOL[torch.float16])
+check("mma bits=3 M=12 xh2 ragged", mma_case(12, 33 if _sm else 3000, 200 if _sm else 1111, 128, torch.bfloat16,
+                                             bits=3, xh=2), TOL[torch.bfloat16])
+check("mma bits=3 M=32 xh2 w8", mma_case(32, 40 if _sm else 4096, 512 if _sm else 4096, 128, torch.bfloat16, bits=3,
+                                         num_warps=8, xh=2), TOL[torch.bfloat16])
+# R12 option sp (scales one group ahead)
+check("mma M=1 sp r2 w8", mma_case(1, 200 if _sm else 4096, 256 if _sm else 4096, 128, torch.bfloat16, r=2,
+                                   num_warps=8, sp=True), TOL[torch.bfloat16])
+check("mma M=16 xh2 pf sp bal", mma_case(16, 48 if _sm else 28672, 512 if _sm else 4096, 128, torch.bfloat16, r=1,
+                                         num_warps=8, prefetch=True, xh=2, sp=True, balance=True), TOL[torch.bfloat16])
 BF, FP = torch.bfloat16, torch.float16
 if args.cpu_smoke:
     main_shapes = [(1, 40, 200), (5, 33, 96)]
@@ -226,6 +307,7 @@ def zero_groups():
 
 check("all-zero groups -> exact 0, fp16 and bf16", zero_groups, 1e-9)
 
+collect_probe()
 if args.cpu_smoke:
     log("cpu smoke done")
     sys.exit(0 if all(r[3] for r in SUMMARY) else 1)
@@ -264,10 +346,14 @@ def ptx_report():
     q = quantize_lut(w, bits=4, group_size=128)
     qm, _ = pack_codes_mma(q.codes, 4, 128, K)
     st = q.scales.t().contiguous()
-    for M in (1, 16):
+    rep_cfgs = [(1, {}), (16, {}), (16, dict(xh=2)), (32, {}), (32, dict(xh=2))]
+    if RING_OK:
+        rep_cfgs += [(1, dict(ring=8, r=1, num_warps=4)), (16, dict(ring=4, xh=2, r=1, num_warps=8, ctas_per_sm=2))]
+    for M, ov in rep_cfgs:
         x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
         lut_mma_triton(x, qm, None, st, pair_table(q.table, 4, torch.bfloat16).to(DEV), q.table.to(DEV), bits=4,
-                       group_size=128, out_features=N)
+                       group_size=128, out_features=N, **ov)
+        M = f"{M}{''.join('_' + k + str(v) for k, v in ov.items())}"
         k = LAST_COMPILED["mma"]
         ptx = k.asm.get("ptx", "")
         info = {"n_regs": k.n_regs, "n_spills": k.n_spills, "mma.sync": ptx.count("mma.sync"),
@@ -300,26 +386,51 @@ sweep = harness.Recorder("lut_sweep", ceilings=ceil)
 
 def extra(name, ws, packs, xs, case_):
     """Launch-config and lookup variants for the sweep table (4-bit unless said)."""
-    if elapsed() > 72:
+    if elapsed() > 78:
         return
     M, N, K = case_["M"], case_["N"], case_["K"]
     fl = harness.gemm_flops(M, N, K)
     variants = []  # (label, bits, lookup, cfg); lookup 'mma' = the tensor-core fragment kernel
+    # R12 options vs the same-round default (suite rows lut4-nf-g128 / lut3-nf-g128): xh = 2 (x fragments one
+    # scale group ahead, register double buffer), ring = N (cp.async ring of the code words, N chunks deep,
+    # per-lane slots, no barrier); bal = balanced_split (split-K chosen to even out the SMs' load)
     if M == 1:
-        variants.append(("mma r2 w8 cps2 gu1 (r5 best)", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, gu=1)))
-        variants.append(("mma r2 w8 cps2 gu2", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, gu=2)))
-        variants.append(("lut3 mma r1 cps8 gu1 (r4 best)", 3, "mma", dict(r=1, ctas_per_sm=8, gu=1)))
-        variants.append(("lut3 mma r2 w8 cps2 gu4", 3, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, gu=4)))
+        variants.append(("mma r1 w4 cps4 ring8", 4, "mma", dict(r=1, num_warps=4, ctas_per_sm=4, ring=8)))
+        variants.append(("mma r2 w8 cps2 ring4", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, ring=4)))
+        variants.append(("mma r2 w8 cps2 bal", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, balance=True)))
+        variants.append(("mma r1 w4 cps4 ring8 sp", 4, "mma", dict(r=1, num_warps=4, ctas_per_sm=4, ring=8, sp=True)))
+        variants.append(("mma r2 w8 cps2 ring4 sp bal", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, ring=4, sp=True,
+                                                                      balance=True)))
+        variants.append(("mma r2 w8 cps2 sp", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, sp=True)))
+        variants.append(("lut3 mma r1 w4 cps8 ring8", 3, "mma", dict(r=1, num_warps=4, ctas_per_sm=8, ring=8)))
+        variants.append(("lut3 mma r1 w4 cps8 ring8 sp", 3, "mma", dict(r=1, num_warps=4, ctas_per_sm=8, ring=8,
+                                                                       sp=True)))
     elif M == 16:
-        # r = 2: each activation (B) fragment loaded once feeds two row tiles (half the L1 traffic per weight)
-        variants.append(("mma nt2 r2 w8 cps2 pf", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, prefetch=True)))
-        variants.append(("mma nt2 r2 w4 cps4 pf", 4, "mma", dict(r=2, num_warps=4, ctas_per_sm=4, prefetch=True)))
-        variants.append(("mma nt2 r1 w8 cps4 gu2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, gu=2)))
-        variants.append(("lut3 mma nt2 r1 cps8 gu4", 3, "mma", dict(r=1, ctas_per_sm=8, gu=4)))
+        variants.append(("mma nt2 r1 w8 cps4 pf xh2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True,
+                                                                    xh=2)))
+        variants.append(("mma nt2 r1 w8 cps2 ring4 xh2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=2, ring=4,
+                                                                       xh=2)))
+        variants.append(("mma nt2 r1 w8 cps4 pf bal", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True,
+                                                                    balance=True)))
+        variants.append(("mma nt2 r1 w8 cps4 pf xh2 bal", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4,
+                                                                        prefetch=True, xh=2, balance=True)))
+        variants.append(("mma nt2 r1 w8 cps4 pf xh2 sp bal", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4,
+                                                                           prefetch=True, xh=2, sp=True, balance=True)))
+        variants.append(("mma nt2 r1 w8 cps2 ring4 xh2 sp bal", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=2, ring=4,
+                                                                              xh=2, sp=True, balance=True)))
+        variants.append(("lut3 mma nt2 r1 w4 cps8 xh2", 3, "mma", dict(r=1, num_warps=4, ctas_per_sm=8, xh=2)))
+        variants.append(("lut3 mma nt2 r1 w4 cps8 ring4 xh2", 3, "mma", dict(r=1, num_warps=4, ctas_per_sm=8, ring=4,
+                                                                            xh=2)))
     elif M == 32:
-        variants.append(("mma nt4 r2 w8 cps2 pf", 4, "mma", dict(r=2, num_warps=8, ctas_per_sm=2, prefetch=True)))
-        variants.append(("mma nt4 r1 w8 cps4 gu2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, gu=2)))
-        variants.append(("lut3 mma nt4 r1 w8 cps4 pf", 3, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True)))
+        variants.append(("mma nt4 r1 w8 cps4 pf xh2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True,
+                                                                    xh=2)))
+        variants.append(("mma nt4 r1 w8 cps4 pf bal", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True,
+                                                                    balance=True)))
+        variants.append(("mma nt4 r1 w8 cps2 ring4 xh2", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=2, ring=4,
+                                                                       xh=2)))
+        variants.append(("mma nt4 r1 w8 cps4 pf xh2 sp bal", 4, "mma", dict(r=1, num_warps=8, ctas_per_sm=4,
+                                                                           prefetch=True, xh=2, sp=True, balance=True)))
+        variants.append(("lut3 mma nt4 r1 w8 cps4 xh2", 3, "mma", dict(r=1, num_warps=8, ctas_per_sm=4, xh=2)))
     if M == 1 and SWEEP_OLD:
         variants.append(("smem bn64 cps16 no-prefetch", 4, "smem", dict(block_n=64, ctas_per_sm=16, prefetch=False)))
         variants.append(("smem bn64 cps8 prefetch", 4, "smem", dict(block_n=64, ctas_per_sm=8)))
@@ -336,8 +447,10 @@ def extra(name, ws, packs, xs, case_):
     elif M == 32 and SWEEP_OLD:
         variants.append(("dot bm32 bn64 cps4 no-join", 4, "global", dict(block_n=64, ctas_per_sm=4, join=False)))
         variants.append(("dot bm32 bn128 cps4 join", 4, "global", dict(block_n=128, ctas_per_sm=4)))
+    if not RING_OK:
+        variants = [v for v in variants if not v[3].get("ring")]
     for label, b, lookup, cfg in variants:
-        if elapsed() > 72:
+        if elapsed() > 78:
             break
         if lookup == "mma":
             fns = [suite.mma_fn(p, **cfg) for p in packs[b]]
@@ -415,7 +528,7 @@ if ACCURACY and not args.skip_accuracy and elapsed() < args.budget - 22:
         json.dump({"perplexity_first_8192_tokens_window_1024": acc, "note": "embedded SmolLM2-135M fp32, decoder "
                    "linears quantized (embeddings/lm_head float); LUT kernel in bf16 on GPU"}, f, indent=1)
 
-if CROSSOVER and elapsed() < 80:
+if CROSSOVER and elapsed() < 82:
     try:
         suite.crossover_rows(rec, False, ms=(64, 128))
     except Exception:

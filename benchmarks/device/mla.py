@@ -33,6 +33,24 @@ DEV = "cpu" if a.cpu_smoke else "cuda"
 RESULTS = {}
 
 
+def _env():
+    """GPU, versions and command, written into every JSON of this script (the round is added on commit)."""
+    import platform
+
+    import triton
+
+    e = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "python": platform.python_version(),
+         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+         "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])}
+    if torch.cuda.is_available():
+        pr = torch.cuda.get_device_properties(0)
+        e.update(gpu=pr.name, sm_count=pr.multi_processor_count, capability=f"{pr.major}.{pr.minor}")
+    return e
+
+
+RESULTS["env"] = _env()
+
+
 _S = Sections(skip=a.skip)
 T0, SUMMARY, stamp, section = _S.t0, _S.summary, _S.stamp, _S.run
 
@@ -71,6 +89,7 @@ def checks():
         (3, 128, 1, [5000, 777, 64], 512, 64, 64, None),
         (2, 128, 2, [3001, 129], 512, 64, 64, 3),
         (4, 16, 3, [300, 17, 64, 65], 512, 64, 64, 1),
+        (3, 16, 1, [5000, 777, 40], 512, 64, 64, None),  # few rows per sequence (kernels.mla_decode.FEW)
     ]
     if os.environ.get("MLA_CHECK_ALL", "0") == "1":
         cases += [(2, 128, 4, [1000, 4], 512, 64, 64, None), (2, 64, 1, [20000, 9000], 512, 64, 64, None),
@@ -110,9 +129,11 @@ def checks():
                     log(name + f" default (m{plan['block_m']} dv{plan['dv_splits']} bn{plan['block_n']} {plan['p_rule']} P) "
                         f"vs emulated-P ref (plan {plan['splits']}x{plan['chunk']})", e2, e2 < 8e-3)
                     # the other P-scale rule / the R6 tile: each against its own emulation
+                    OPTS = os.environ.get("MLA_CHECK_OPTIONS", "0") == "1" or a.cpu_smoke  # R11: all PASS
                     for nm, kw in (("block P scale", dict(p_block=True, t_step=True)),
                                    ("R6 tile m64 ahead, R6 softmax", dict(t_step=False, block_m=64, dv_splits=1,
-                                                                          s_ahead=True, even_loop=False, one_acc=False))):
+                                                                          s_ahead=True, even_loop=False, one_acc=False))
+                                   ) if OPTS else ():
                         if a.cpu_smoke:
                             kw = {k: v for k, v in kw.items() if k != "block_m"}
                         o5, plan5 = mla_decode_triton(
@@ -321,24 +342,26 @@ def suite():
 # ------------------------------------------------------------------------------------- sweep
 SWEEP = [  # name, fp8, block_n, warps, stages, launcher options (None = the launcher's default)
     ("fp8 default (wide: m128 dv2 bn64, unmasked main loop, one acc, t-step, row P scale)", True, None, None, None, dict()),
-    ("bf16 default (m64 bn64)", False, None, None, None, dict()),
-    ("fp8 wide, R6 softmax step", True, None, None, None, dict(t_step=False)),
-    ("bf16 even + one acc", False, None, None, None, dict(one_acc=True, even_loop=True)),
-    ("fp8 wide, lazy max tau=8", True, 64, 8, 2,
-     dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one_acc=True, tau=8.0)),
-    ("bf16 bn32 st3 even one-acc", False, 32, 8, 3, dict(even_loop=True, one_acc=True)),
-    ("fp8 m64 ahead bn64 (R6 default)", True, 64, 8, 2, dict(block_m=64, dv_splits=1, s_ahead=True)),
+    ("bf16 default (m64 bn64, unmasked main loop + one acc)", False, None, None, None, dict()),
+    ("bf16 R6 loop (the default until R11)", False, None, None, None, dict(one_acc=False, even_loop=False)),
+    # measured in R13 and not kept: wide bn32 st3 262, st4 259 TF/s (vs 300)
 ]
 
 
 REF_OUT = {}
 
 
+_SMALL = dict(block_m=16, s_ahead=False, even_loop=True, one_acc=True)
+_TM = dict(tokens_m=True, block_m=16, even_loop=True, one_acc=True, ctas_per_sm=1)
+_M64 = dict(block_m=64, ctas_per_sm=1, s_ahead=False, even_loop=True, one_acc=True)
 SWEEP_FEW_HEADS = [  # memory-bound shape (B=128, H=16, L=16k): 16 rows per sequence
-    ("fp8 default (m64 ahead, t-step)", True, None, None, None, dict()),
-    ("fp8 m64 dv2 w4 bn32, 2 CTAs/SM", True, 32, 4, 2, dict(dv_splits=2, s_ahead=False, even_loop=True, one_acc=True)),
-    ("fp8 m64 plain even one-acc bn64", True, 64, 8, 2, dict(s_ahead=False, even_loop=True, one_acc=True)),
-    ("bf16 default", False, None, None, None, dict()),
+    ("fp8 default (FEW: tokens-as-M m16 bn64 w4 st2)", True, None, None, None, dict()),
+    ("fp8 m64 ahead (the default until R13)", True, 64, 8, 2,
+     dict(block_m=64, ctas_per_sm=1, s_ahead=True, even_loop=False, one_acc=False, tokens_m=False)),
+    ("bf16 default (FEW: m16 mma.sync w4 bn32 st2, 2/SM)", False, None, None, None, dict()),
+    ("bf16 m64 wgmma (the default until R12)", False, 64, 8, 2, dict(_M64)),
+    # measured in R12/R13 and not kept (TB/s): fp8 m16 mma.sync bn32 st3 0.91, fp16-PV 1.36, bn64 1.01;
+    # fp8 deq16 0.86-1.02; bf16 tokens-as-M 2.79, bf16 m16 bn16 st4 2.82
 ]
 
 
@@ -380,7 +403,8 @@ def sweep(B=32, H=128, L=16384, variants=None, key="sweep", until=None):
             t = time_cuda(fn, [()], warmup=3, reps=20)
             if True:
                 r.update(dump_sass(plan["kernel"], key + "_" + re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")))
-            r.update(ms=t["median_ms"], TFLOPs=fl / t["median_ms"] / 1e9, splits=plan["splits"],
+            r.update(ms=t["median_ms"], TFLOPs=fl / t["median_ms"] / 1e9, splits=plan["splits"], tokens_m=plan.get("tokens_m"), deq16=plan.get("deq16"),
+                     TBps=B * L * (644 if fp8 else 1152) / t["median_ms"] / 1e9, ctas_per_sm=plan.get("ctas_per_sm"),
                      dv_splits=plan.get("dv_splits"), block_m=plan.get("block_m"), block_n=plan.get("block_n"),
                      p_rule=plan.get("p_rule"), num_warps=plan.get("num_warps"), num_stages=plan.get("num_stages"),
                      v_prmt=plan.get("v_prmt"), **asm_info(plan["kernel"]))
@@ -391,8 +415,8 @@ def sweep(B=32, H=128, L=16384, variants=None, key="sweep", until=None):
     RESULTS[key] = rows
     SUMMARY.append(f"{key} (B={B} H={H} L={L}):")
     for r in rows:
-        SUMMARY.append(f"  {r['name']}: " + (f"{r['ms']:.4f} ms {r['TFLOPs']:.0f} TF/s rel-vs-default {r['rel_vs_default']:.1e} sass-loops {r.get('sass_loops')} plan m{r.get('block_m')} dv{r.get('dv_splits')} bn{r.get('block_n')} w{r.get('num_warps')} {r.get('p_rule')} regs {r['n_regs']} spills {r['n_spills']} "
-                                             f"smem {r['shared_bytes']} wgmma e4m3/bf16 {r['wgmma_e4m3']}/{r['wgmma_bf16']} "
+        SUMMARY.append(f"  {r['name']}: " + (f"{r['ms']:.4f} ms {r['TFLOPs']:.0f} TF/s {r['TBps']:.2f} TB/s splits {r['splits']} rel-vs-default {r['rel_vs_default']:.1e} sass-loops {r.get('sass_loops')} plan m{r.get('block_m')} dv{r.get('dv_splits')} bn{r.get('block_n')} w{r.get('num_warps')} {r.get('p_rule')} regs {r['n_regs']} spills {r['n_spills']} "
+                                             f"smem {r['shared_bytes']} wgmma e4m3/bf16 {r['wgmma_e4m3']}/{r['wgmma_bf16']} mma.sync {r['mma.sync']} "
                                              f"st.shared {r['st.shared']}" if "ms" in r else f"ERR {r['error']}"))
     del caches
     REF_OUT.clear()
@@ -405,6 +429,7 @@ def acc():
 
     late = time.time() - T0 > 85
     res = run_study(device=DEV, quick=a.cpu_smoke or a.quick or late)
+    res = {"env": RESULTS["env"], **res}
     RESULTS["accuracy"] = res
     with open(os.path.join(a.out, "mla_accuracy.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -412,18 +437,30 @@ def acc():
         SUMMARY.append(f"acc {row['config']}: rel-L2 {row['rel_l2']:.2e} cos-diff {row['cos_diff']:.2e} rmse {row['rmse']:.2e}")
 
 
+def dump():
+    with open(os.path.join(a.out, "mla_results.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+# order = what the round needs most first (90 s wall in all, compiles included): the A/B sweeps at
+# H=128 and H=16, the default paths' GPU checks, the generated code, the suite (the quick cases when
+# late), the accuracy study
 if not a.cpu_smoke:
-    section("sweep", sweep)
+    section("sweep", lambda: sweep(until=float(os.environ.get("MLA_SWEEP_UNTIL", "12"))))
+    dump()
+    if os.environ.get("MLA_SWEEP2", "1") == "1":
+        section("sweep2", lambda: sweep(128, 16, 16384, SWEEP_FEW_HEADS, "sweep_few_heads",
+                                        float(os.environ.get("MLA_SWEEP2_UNTIL", "32"))))
+        dump()
 section("check", checks)
+dump()
 if not a.cpu_smoke:
     section("asm", asm)
     section("suite", suite)
-    if os.environ.get("MLA_SWEEP2", "0") == "1" and time.time() - T0 < 72:
-        section("sweep2", lambda: sweep(128, 16, 16384, SWEEP_FEW_HEADS, "sweep_few_heads", 84))
+    dump()
 if a.cpu_smoke or os.environ.get("MLA_ACC", "1") == "1":  # cheap (~2 s); the kernel row uses the defaults
     section("acc", acc)
-with open(os.path.join(a.out, "mla_results.json"), "w") as f:
-    json.dump(RESULTS, f, indent=1, default=str)
+dump()
 stamp("summary")
 for s in SUMMARY:
     print(s)

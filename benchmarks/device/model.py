@@ -6,10 +6,14 @@ Order (the round gives <= 90 s wall; what matters most runs first):
 (1) correctness on the GPU: the fast runner (CUDA graphs) against transformers' greedy
     ``generate``; the fireq recipe (and fireq with ``lm_head=True``) on a tiny random Llama:
     runner vs HF tokens, save -> load -> same greedy tokens;
+    session 5: the fused RoPE kernel (``lowbit.kernels.rope``) bit-equal to the eager RoPE, and the
+    runner's tokens with and without it (bf16 dense cache, fireq KV4 cache);
 (2) no kernels of this area to dump (a note);
 (3) ``lowbit.bench.model`` on a Llama-3-8B-shaped model trimmed to 2 decoder layers and scaled to
-    32: first a per-section / per-kernel-class profile of one decode step and one prefill (bf16,
-    fireq, fireq+head), then the throughput table, under a time budget;
+    32: first a per-section / per-kernel-class profile of one decode step and one prefill (``PROFILE``),
+    with every kernel of the CUDA-graph decode step and the gap before it (``profile_<name>.txt``), then
+    the throughput table of ``RECIPES`` (options such as ``+rope`` / ``+pdl`` beside the defaults,
+    ``lowbit.bench.model.provider_spec``), under a time budget; then a decode_kv4 split sweep at B=1;
 (4) optional (env ``LOWBIT_MODEL_PPL=1``; on in R4/R5, off since): the FP32 perplexity gap of the embedded
     model (GPU 13.23 vs CPU 13.443): token hash, parameter checksum, per-window losses with SDPA /
     eager attention and TF32 on / off, compared with the CPU values in ``CPU_REF``;
@@ -44,6 +48,14 @@ DEV = "cpu" if a.cpu_smoke or not torch.cuda.is_available() else "cuda"
 SUMMARY = []
 PPL = os.environ.get("LOWBIT_MODEL_PPL", "0") == "1"  # answered in R5 (ppl_gap.json): off by default since R6
 ABLATION = os.environ.get("LOWBIT_MODEL_ABLATION", "0") == "1"
+AQ_STUDY = os.environ.get("LOWBIT_MODEL_AQ", "0") == "1"  # answered in R11 (act_quant_study.json): off since R12
+# this round's providers (session 5 A/B plan: the fused RoPE kernel and PDL beside the defaults, same run)
+# R14 (final): the committed defaults (RoPE kernel, q rotated in the KV4 append, PDL at M=1) for every
+# recipe, and the pre-session defaults beside them (``+norope+noropeq+nopdl``; ``bf16+norope``)
+RECIPES = ("fireq", "bf16+norope", "fireq+norope+noropeq+nopdl", "fireq+nopdl", "fireq+head", "qserve",
+           "qserve+head", "flute-nf4", "int8-attention", "fireq+fused")
+PROFILE = ("bf16", "fireq", "fireq+head")
+DECODE_CTX = [1024, 8192]
 # measured on the CPU (FP32, torch 2.11, 1 thread) with the same code: lowbit eval's 8192 tokens
 CPU_REF = {"python": "3.11.7", "text_chars": 465126, "text_sha": "71f2ff5d99bdc1f9", "n_ids": 113108,
            "window_id_shas": ['912932461926', '271afb9141ee', '70687c5d107f', '478bb46dfe58', '4514e1f3b199',
@@ -284,16 +296,130 @@ def act_quant_study():
     return True, "see act_quant_study.json"
 
 
+def rope_kernel_check():
+    """lowbit.kernels.rope vs the runner's eager RoPE: Llama-3-8B decode/prefill shapes, bf16 and fp16,
+    q+k slices of a fused projection output; bit-equal required."""
+    from lowbit.kernels.rope import rope_triton
+    from lowbit.models.generate import _rope
+
+    bad, n = [], 0
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        for (B, S, H, D) in ((1, 1, 40, 128), (64, 1, 32, 128), (2, 300, 40, 128), (3, 5, 7, 64)):
+            if a.cpu_smoke and B * S > 8:
+                continue
+            y = (torch.randn(B, S, H * D + 1024, generator=g, device=DEV) * 3).to(dt)
+            x = y[..., : H * D].view(B, S, H, D)
+            ang = torch.rand(B, S, D // 2, generator=g, device=DEV) * 1000
+            cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
+            sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+            got = rope_triton(x, cos, sin)
+            ref = _rope(x.transpose(1, 2), cos, sin, False).transpose(1, 2)
+            n += 1
+            diff = got.view(torch.int16) != ref.view(torch.int16)
+            if diff.any():
+                bad.append(f"{dt} {(B, S, H, D)}: {int(diff.sum())}/{diff.numel()} elements differ, max "
+                           f"{(got.float() - ref.float()).abs().max().item():.3g}")
+                if len(bad) <= 2:  # which formula does each side follow? (R12: 1-ulp differences)
+                    xs = x.float()
+                    h = D // 2
+                    rot = torch.cat((-xs[..., h:], xs[..., :h]), -1)
+                    c, s_ = cos.float()[:, :, None, :], sin.float()[:, :, None, :]
+                    p1, p2 = (xs * c).to(dt).float(), (rot * s_).to(dt).float()
+                    f_sep = (p1 + p2).to(dt)  # each op rounded (the eager ops)
+                    f_fma = (xs.double() * c.double() + p2.double()).float().to(dt)  # x*c contracted into the add
+                    f_one = (xs.double() * c.double() + rot.double() * s_.double()).float().to(dt)  # one rounding
+                    for i in diff.flatten().nonzero()[:3, 0].tolist():
+                        pick = lambda t: t.flatten()[i].item()  # noqa: E731
+                        print(f"  rope diff @{i}: x {pick(xs):.6g} rot {pick(rot):.6g} cos {pick(c.expand_as(xs)):.6g} "
+                              f"sin {pick(s_.expand_as(xs)):.6g} | kernel {pick(got.float()):.6g} eager {pick(ref.float()):.6g}"
+                              f" | sep {pick(f_sep.float()):.6g} fma {pick(f_fma.float()):.6g} "
+                              f"one {pick(f_one.float()):.6g}", flush=True)
+    return not bad, f"{n - len(bad)}/{n} cases bit-equal" + (f"; {bad}" if bad else "")
+
+
+def rope_runner_check():
+    import lowbit
+    from lowbit.models.generate import Generator
+
+    dt = torch.bfloat16
+    out = []
+    ok = True
+    for recipe in (None, "fireq"):
+        if recipe is not None and DEV != "cuda":
+            continue  # the interpreter would take minutes per generate
+        m = tiny(dtype=dt)
+        if recipe:
+            g = torch.Generator().manual_seed(1)
+            calib = [torch.randint(0, 256, (1, 64), generator=g) for _ in range(2)]
+            lowbit.quantize_model(m, recipe, calibration=calib, progress=False)
+        g = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(1, 256, (n,), generator=g).to(DEV) for n in (6, 13, 9)]
+        # reference: the eager RoPE ops, no PDL (the pre-session runner)
+        ref = Generator(m, max_batch=3, max_seq=40, rope_kernel=False, rope_q_append=False,
+                        pdl_max_m=0).generate(prompts, 10)
+        variants = [("defaults", {})]
+        if recipe and DEV == "cuda":
+            variants += [("rope kernel only", {"rope_q_append": False, "pdl_max_m": 0}),
+                         ("ropeq, no pdl", {"pdl_max_m": 0})]
+        for label, kw in variants:
+            got = Generator(m, max_batch=3, max_seq=40, **kw).generate(prompts, 10)
+            same = all(torch.equal(x, y) for x, y in zip(ref, got))
+            ok &= same
+            out.append(f"{recipe or 'bf16'} {label}: {'same' if same else 'DIFFERENT'} tokens")
+        if recipe and DEV == "cuda":  # B=1: the PDL path of the default runner (M = 1)
+            r1 = Generator(m, max_batch=1, max_seq=40, rope_kernel=False, rope_q_append=False,
+                           pdl_max_m=0).generate(prompts[:1], 10)
+            g1 = Generator(m, max_batch=1, max_seq=40).generate(prompts[:1], 10)
+            same = torch.equal(r1[0], g1[0])
+            ok &= same
+            out.append(f"{recipe} B=1 defaults (PDL): {'same' if same else 'DIFFERENT'} tokens")
+    return ok, "; ".join(out)
+
+
+def kv4_split_sweep():
+    """decode_kv4 of the runner's B=1 step (Hq 32, Hkv 8, D 128, 1025 cached tokens, page 64): time per
+    call inside a CUDA graph for the automatic split count and fixed ones (for the kv4 area)."""
+    from lowbit.formats.kv4 import quantize_kv4
+    from lowbit.kernels import decode_kv4 as dk
+    from lowbit.ops.kv4 import decode_kv4
+
+    B, Hq, Hkv, D, P = 1, 32, 8, 128, 64
+    res = {}
+    for L in (1025, 8193):
+        pages = -(-L // P)
+        kc, ks, _ = quantize_kv4(torch.randn(pages, Hkv, P, D, device="cuda"), scale_dtype=torch.float8_e4m3fn)
+        vc, vs, _ = quantize_kv4(torch.randn(pages, Hkv, P, D, device="cuda"), scale_dtype=torch.float8_e4m3fn)
+        pt = torch.arange(pages, device="cuda", dtype=torch.int32).view(1, pages)
+        lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        ref = decode_kv4(q, kc, ks, vc, vs, pt, lens, max_len=L)
+        r = res[f"L={L}"] = {"auto_splits": dk.LAST_LAUNCH.get("num_splits")}
+        for ns in (0, 4, 8, 16, 32, 64) if L > 2000 else (0, 1, 2, 4, 8, 16, 32):
+            if left() < 6:
+                break
+            f = lambda: decode_kv4(q, kc, ks, vc, vs, pt, lens, max_len=L, num_splits=ns)  # noqa: E731
+            o = f()
+            r[f"splits={ns or 'auto'}"] = {"us": round(graph_us(f), 2),
+                                            "max_diff_vs_auto": float((o.float() - ref.float()).abs().max())}
+    with open(os.path.join(a.out, "kv4_split_sweep.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    return True, json.dumps(res)
+
+
 def main():
     # (1) correctness
     check("runner (CUDA graphs) == HF generate, batched lengths 5/17/11", runner_vs_hf)
+    check("RoPE kernel (lowbit.kernels.rope) == eager RoPE, bit for bit", rope_kernel_check)
+    check("runner defaults (RoPE kernel, q RoPE in the KV4 append, PDL at M=1) == eager RoPE / no PDL tokens",
+          rope_runner_check)
     if a.cpu_smoke:  # the interpreter would take minutes per generate: references from here on
         os.environ["TRITON_INTERPRET"] = "0"
     check("recipe fireq on tiny Llama (hd 64)", recipe_check("fireq"))
     check("recipe fireq lm_head=True on tiny Llama (hd 64)", recipe_check("fireq", lm_head=True))
     if DEV == "cuda" and left() > 70:
         check("recipe qserve on tiny Llama (hd 64)", recipe_check("qserve"))
-    if DEV == "cuda":
+    if DEV == "cuda" and AQ_STUDY:
         check("act_quant study (FAST path bit-exactness, M=1 warps sweep, large-M bandwidth)", act_quant_study)
     # (2) this area has no Triton kernel of its own
     with open(os.path.join(a.out, "codegen.txt"), "w") as f:
@@ -304,16 +430,17 @@ def main():
     # (3) profile + model throughput
     from lowbit.bench import model as bm
 
-    bench_budget = max(10.0, left() - (30.0 if PPL else 3.0))
+    bench_budget = max(10.0, left() - (30.0 if PPL else 15.0))  # 12 s kept for the kv4 split sweep
     print(f"== bench model (budget {bench_budget:.0f}s)", flush=True)
     try:
-        bm.run(a.out, quick=True, layers=2, time_budget_s=bench_budget, profile=("bf16", "fireq", "fireq+head"),
-               recipes=("fireq", "fireq+head", "qserve", "qserve+head", "flute-nf4", "int8-attention",
-                        "fireq+fused"),
-               prefill_seqs=[1024, 4096], decode_batches=[1, 16, 64], decode_ctx=[1024, 8192],
+        bm.run(a.out, quick=True, layers=2, time_budget_s=bench_budget, profile=PROFILE, recipes=RECIPES,
+               prefill_seqs=[1024, 4096], decode_batches=[1, 16, 64], decode_ctx=DECODE_CTX,
                command="benchmarks/device/model.py (lowbit.bench.model.run, 2 layers scaled to 32)")
     except Exception:
         traceback.print_exc()
+    # (3b) decode attention at B=1, 1k context (the step's second-largest item after the GEMMs): split sweep
+    if left() > 12:
+        check("decode_kv4 B=1 L=1025/8193 num_splits sweep (us per call in a CUDA graph)", kv4_split_sweep)
     # (4) FP32 perplexity gap GPU vs CPU
     if PPL and left() > 20:
         check("FP32 perplexity gap GPU vs CPU", ppl_gap)

@@ -108,6 +108,8 @@ def check():
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
             log(f"check {name}: FAIL {type(exc).__name__}: {exc}")
     rows.extend(_new_path_checks())
+    if not args.cpu_smoke:
+        rows.extend(_pdl_graph_checks())
     # a long-K case for FP8 accumulation (promotion every K=64 vs fast accumulation): all-positive
     if not args.cpu_smoke and FULL_CHECK:
         for fast in (False, True, "tile"):
@@ -154,11 +156,12 @@ def _new_path_checks():
     from lowbit.kernels.act_quant import per_token_quant_triton
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm, w4a8_fp8_linear_fused
 
-    cases = [  # M, N, K, g, kind, flags ("tiled-*": tile-major codes, R11)
-        (1, 17000, 1000, 128, "tiled-default", {"bias": True}), (3, 1000, 4096, 128, "tiled-default", {"res": True}),
-        (5, 3000, 1000, 64, "tiled-kstep", {}), (16, 4096, 14336, 128, "tiled-default", {}),
-        (200, 4096, 1000, 32, "tiled-default", {}), (2, 2 * 8448, 576, 64, "tiled-default", {"silu": True}),
-        (300, 1280, 576, 128, "tiled-scaled_mm", {"silu": True, "res": True, "bias": True}),
+    cases = [  # M, N, K, g, kind, flags ("lc": LUT2 + CAT on the default config, R12; "tiled-*": R11)
+        (1, 17000, 1000, 128, "lc", {"bias": True}), (3, 1000, 4096, 128, "lc", {"res": True}),
+        (5, 3000, 1000, 64, "lc", {}), (16, 4096, 14336, 128, "lc", {}), (1, 4096, 14336, 128, "lc", {}),
+        (200, 4096, 1000, 32, "lc", {}), (2, 2 * 8448, 576, 64, "lc", {"silu": True}),
+        (17, 576, 1536, 32, "lc", {"res": True}), (128, 28672, 4096, 128, "lc", {}),
+        (1, 17000, 1000, 128, "tiled-default", {"bias": True}), (2, 2 * 8448, 576, 64, "tiled-default", {"silu": True}),
         (1, 4096, 4096, 128, "fused", {}), (3, 200, 576, 64, "fused", {"bias": True}),
         (16, 1536, 576, 128, "fused", {"res": True}), (1, 4096, 14336, 128, "fused", {}),
         (8, 2 * 1536, 576, 128, "fused", {"silu": True}), (17, 576, 1536, 32, "fused", {}),
@@ -173,7 +176,8 @@ def _new_path_checks():
     if args.cpu_smoke:
         cases = [(1, 72, 200, 128, "fused", {"bias": True}), (3, 64, 160, 32, "fused", {"silu": True, "res": True}),
                  (2, 64, 600, 128, "sem", {}), (20, 64, 200, 64, "dequant", {"bias": True}),
-                 (3, 136, 300, 32, "tiled-default", {"bias": True}), (20, 72, 200, 64, "tiled-dequant", {})]
+                 (3, 136, 300, 32, "tiled-default", {"bias": True}), (20, 72, 200, 64, "tiled-dequant", {}),
+                 (3, 136, 300, 32, "lc", {"bias": True})]
     rows = []
     if not args.cpu_smoke:  # R3 saw 1-17 act-quant codes per 10^6 differ from the CPU reference: which?
         try:
@@ -227,6 +231,8 @@ def _new_path_checks():
                     kind = kind[len("tiled-"):]
                 if kind == "default":
                     pass
+                elif kind == "lc":
+                    cfg.update(LUT2=True, CAT=True)
                 elif kind == "tma":
                     cfg.update(TMA=True, SWORD=True)
                 elif kind == "kstep":
@@ -250,6 +256,46 @@ def _new_path_checks():
             traceback.print_exc()
             rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
             log(f"check {name}: FAIL {type(exc).__name__}: {exc}")
+    return rows
+
+
+def _pdl_graph_checks():
+    """R12: the PDL act_quant -> GEMM op with LUT2 + CAT, eager and captured in a CUDA graph, equals the
+    plain path bit for bit."""
+    from lowbit._utils import capture_cuda_graph
+    from lowbit.formats.w4a8_fp8 import quantize_weight
+    from lowbit.kernels import w4a8_fp8_gemm as kmod
+    from lowbit.ops.quant import per_token_quant
+    from lowbit.ops.w4a8_fp8 import _w4a8_fp8_linear_pdl, w4a8_fp8_gemm
+
+    rows = []
+    for M, N, K in [(1, 28672, 4096), (16, 4096, 14336), (3, 6144, 4096)]:
+        name = f"pdl-op+LUT2+CAT eager and CUDA graph M={M} N={N} K={K}"
+        old = dict(kmod.DECODE_FLAGS)
+        try:
+            torch.manual_seed(M + N)
+            codes, sc, invd = quantize_weight(torch.randn(N, K, device=DEV) * 0.02, 128, 6)
+            inv = invd.item()
+            x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+            y0 = w4a8_fp8_gemm(*per_token_quant(x, "fp8"), codes, sc, inv, K, 128, out_dtype=torch.bfloat16)
+            kmod.DECODE_FLAGS.update(LUT2=True, CAT=True)
+            ye = _w4a8_fp8_linear_pdl(x, codes, sc, inv, K, 128, None, None, False)
+            graph, out = capture_cuda_graph(lambda: _w4a8_fp8_linear_pdl(x, codes, sc, inv, K, 128, None, None, False))
+            ok_g = True
+            for _ in range(3):
+                graph.replay()
+                torch.cuda.synchronize()
+                ok_g &= bool(torch.equal(out, y0))
+            ok = bool(torch.equal(ye, y0)) and ok_g
+            rows.append({"case": name, "eager_equal": bool(torch.equal(ye, y0)), "graph_equal": ok_g, "pass": ok})
+            log(f"check {name}: eager equal {torch.equal(ye, y0)} graph equal {ok_g} {'PASS' if ok else 'FAIL'}")
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append({"case": name, "error": f"{type(exc).__name__}: {exc}"[:300], "pass": False})
+            log(f"check {name}: FAIL {type(exc).__name__}: {exc}")
+        finally:
+            kmod.DECODE_FLAGS.clear()
+            kmod.DECODE_FLAGS.update(old)
     return rows
 
 
@@ -313,7 +359,7 @@ def bench(phases):
 
     rec = harness.Recorder("w4a8_fp8", ceilings={"hbm_TBps": 4.15, "bf16_TFLOPs": 719.0, "fp8_TFLOPs": 1223.0})
     rec.note("ceilings: ANCHORS.md values (H200), not re-measured in this run")
-    deadline = T0 + args.budget - (55 if 'sweep' not in SKIP else 25)  # keep time for decide/accuracy
+    deadline = T0 + args.budget - (55 if 'sweep' not in SKIP else 12)  # keep time for decide/accuracy/writing
     try:
         if "bench" in phases:
             suite.linear_rows(rec, models=("llama3-8b",), ms=[1, 16, 64, 128, 256, 1024, 4096, 8192], deadline=deadline)
@@ -400,7 +446,9 @@ def sweep(until: float):
 # R8: TMA+SWORD gate_up 26.8, + KSTEP=2 (3 stages) 25.4, lm_head 78.6 / 77.2; down 128 rows + TMA + SWORD
 # 16.1 vs 18.8; stream-K 396/528 27.6/28.4, rotated K start no change; M=128: nothing beat the default.
 DECODE_SHAPES = {"gate_up": (28672, 4096), "lm_head": (128256, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
-                 "o": (4096, 4096)}
+                 "o": (4096, 4096),
+                 # R12 wave diagnostics: 132 / 264 programs of 128 rows (1 / 2 per SM) vs gate_up's 224
+                 "gu_w1": (16896, 4096), "gu_w2": (33792, 4096)}
 _B128 = [dict(KSTEP=1, num_stages=4), dict(KSTEP=2, num_stages=4), dict(KSTEP=4, num_stages=2),
          dict(SPLIT_K=2), dict(SWORD=False, TMA=False, KSTEP=1, num_stages=4)]
 _DOWN = [dict(KSTEP=2, num_stages=3), dict(SPLIT_K=4), dict(SPLIT_K=16),
@@ -413,12 +461,29 @@ _B64 = [dict(BLOCK_N=64, KSTEP=2, num_stages=3), dict(BLOCK_N=64, SPLIT_K=2), di
         dict(BLOCK_N=64, SPLIT_K=2, KSTEP=1, num_stages=4)]  # 448 / 896 / 896 / 896 programs
 _M128 = [dict(BLOCK_N=128, num_warps=8, num_stages=3), dict(BLOCK_N=128, num_warps=8), dict(BLOCK_N=128, num_warps=8, TMA=True, SWORD=True),
          dict(TMA=True, SWORD=True)]
+# R11 (H200): LUT2 gate_up M=1 24.1 vs 25.3 us (M=128 58.5 vs 58.1); TILED 25.1 / 56.2 (M=128) / down M=128
+# 36.0 vs 38.5; PDL act_quant+gemm -1.0..-1.3 us at M=1 but +2.4 (down) / +0.6 (qkv) at M=16; 64-row tiles,
+# split-K 2/4 and 8-warp 128-row M=128 tiles all slower (.rounds/r11/w4a8_fp8).
+# R12: same-round A/B of LUT2 on every decode shape (the flip candidate), PDL with / without the GEMM's
+# early trigger (ABAB), 256-row gate_up tiles (112 programs: one wave), wave diagnostics gu_w1 / gu_w2.
+# CAT: [w_lo | w_hi] as one K=128 dot per tile (offline sm_90 SASS: gate_up loop 589 -> 552 instructions
+# per iteration with LUT2, 4 -> 2 wgmma waits; down 306 -> 290; qkv 232 -> 215).
+_L2 = dict(LUT2=True)
+_LC = dict(LUT2=True, CAT=True)
+# R12 -> committed defaults: LUT2 + CAT (decode wide-N / 64-row paths and M = 65..511), LUT2 (long K),
+# PDL for M = 1. R13: same-round A/B against the old default (both flags off), down with CAT, gate_up
+# pipeline shape with the new loop (KSTEP=4, 4 stages, 2 warpgroups of 64 rows).
+_OLD = dict(LUT2=False, CAT=False)
+# R13 (same-round A/B, committed vs _OLD): gate_up M=1 23.6 vs 25.6 us, M=16 24.1 vs 25.8; down 16.1 vs 16.3,
+# M=16 17.7 vs 18.3 (CAT 16.7 / 17.9); qkv 11.7 vs 12.2; o 10.2 vs 10.5; lm_head 73.7 vs 77.2; M=128 gate_up
+# 54.6 vs 58.8, down 34.3 vs 38.7; gate_up KSTEP=4 23.7, 4 stages 23.7, 8 warps 36.2 (.rounds/r13/w4a8_fp8).
+# R14 (final): the committed defaults vs the old default once more, then the full table.
 DECODE_CASES = [  # (shape, M, variants on top of pick_config)
-    ("gate_up", 1, [dict(LUT2=True)] + _B64 + _B128[:1]), ("gate_up", 128, [dict(LUT2=True)] + _M128),
-    ("down", 128, _M128[1:3]),
-    ("lm_head", 1, _B64[:1]), ("down", 1, _DOWN[:1]), ("qkv", 1, _QO[:1]), ("o", 1, _QO[:1]),
-    ("gate_up", 16, _B64[:1]), ("down", 16, _DOWN[:1]), ("qkv", 16, _QO[:1]),
+    ("gate_up", 1, [_OLD]), ("down", 1, [_OLD]), ("qkv", 1, [_OLD]), ("o", 1, [_OLD]),
+    ("gate_up", 16, [_OLD]), ("down", 16, [_OLD]),
+    ("gate_up", 128, [_OLD]), ("down", 128, [_OLD]), ("lm_head", 1, [_OLD]),
 ]
+TILED_AB = os.environ.get("W4A8_TILED_AB", "0") == "1"  # R11 ran every variant on tile-major codes too
 
 
 def decode_sweep(until: float):
@@ -473,25 +538,31 @@ def decode_sweep(until: float):
         y0 = G.w4a8_fp8_gemm(xq, sx, *sets[0], 0.01, K, 128)
         rec(shape, M, f"gemm default {cfg}", lambda i: G.w4a8_fp8_gemm(xq, sx, *sets[i], 0.01, K, 128), idx,
             nbytes=wbytes)
-        if M in (1, 16):  # A/B: programmatic dependent launch of both kernels (act_quant -> GEMM)
-            for pdl in (False, True):
-                cp = dict(cfg, PDL=pdl)
+        if M in (1, 16) and shape in ("gate_up", "down", "qkv", "o"):
+            # A/B of the module path (w4a8_fp8_linear: act quant counted), committed flags, ABA: the committed
+            # PDL rule (M <= PDL_LINEAR_MAX_M) vs PDL off / on (R13)
+            from lowbit.ops.w4a8_fp8 import w4a8_fp8_linear
+            yl0 = None
+            committed = (G.PDL_LINEAR_MAX_M, G.PDL_NOSPLIT_MAX_M)
+            on = G.use_pdl_linear(M, N, K)
+            for label, pmax in [("committed", committed), ("PDL off" if on else "PDL on", (0, 0) if on else (64, 64)),
+                                ("committed", committed)]:
                 try:
-                    yp = G.w4a8_fp8_gemm(*per_token_quant_triton(x, FP8_E4M3, pdl=pdl), *sets[0], 0.01, K, 128,
-                                         config=cp)
-                    eq = {"equal_to_default": bool(torch.equal(yp, y0)), "rel_to_default": 0.0}
-                except Exception as exc:
-                    eq = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-                rec(shape, M, f"act_quant + gemm PDL={pdl}",
-                    lambda i, cp=cp, pdl=pdl: G.w4a8_fp8_gemm(*per_token_quant_triton(x, FP8_E4M3, pdl=pdl), *sets[i],
-                                                              0.01, K, 128, config=cp), idx, nbytes=wbytes, extra=eq)
+                    G.PDL_LINEAR_MAX_M, G.PDL_NOSPLIT_MAX_M = pmax
+                    yl = w4a8_fp8_linear(x, *sets[0], 0.01, K, 128)
+                    yl0 = yl if yl0 is None else yl0
+                    rec(shape, M, f"linear op {label} (PDL max M, no-split max M = {pmax})",
+                        lambda i: w4a8_fp8_linear(x, *sets[i], 0.01, K, 128), idx,
+                        nbytes=wbytes, extra={"equal_to_default": bool(torch.equal(yl, yl0)), "rel_to_default": 0.0})
+                finally:
+                    G.PDL_LINEAR_MAX_M, G.PDL_NOSPLIT_MAX_M = committed
         # A/B: the same configs on tile-major codes (lowbit.formats.w4a8_fp8.tile_codes), same run
         tkey = ("tiled", shape)
-        if tkey not in cache:
+        if TILED_AB and tkey not in cache:
             cache[tkey] = [(tile_codes(c), sc) for c, sc in sets]
-        tsets = cache[tkey]
-        for extra in [None] + variants:
-            for tiled in ((False, True) if extra is not None else (True,)):
+        tsets = cache.get(tkey)
+        for extra in ([None] if TILED_AB else []) + variants:
+            for tiled in (((False, True) if extra is not None else (True,)) if TILED_AB else (False,)):
                 c2 = dict(cfg, **(extra or {}))
                 ss = tsets if tiled else sets
                 try:
@@ -513,6 +584,8 @@ def decode_sweep(until: float):
                     lambda i: G._launch(xq2, sx2, sets[i][0].view(FP8_E4M3), sets[i][1], 1.0, K2, 128, None, None,
                                         False, torch.bfloat16, c3, quant_a=False, w_fp8=True), idx, nbytes=N * K2)
         try:
+            if shape.startswith("gu_"):  # diagnostics: no peer
+                raise RuntimeError("no bf16 peer for diagnostic shapes")
             wb = torch.randn(N, K, device=DEV, dtype=torch.bfloat16)
             lin = peers.cublas_bf16(wb)
             rec(shape, M, "cublas-bf16", lambda i: lin(x), [(0,)], nbytes=2 * N * K)
@@ -783,8 +856,8 @@ def main():
     phases = {"decode", "check", "decide", "ptx", "bench", "ffn", "sweep", "acc"} - SKIP
     if args.cpu_smoke:
         phases = {"check"}
-    for name, fn in [("decode", lambda: decode_sweep(T0 + float(os.environ.get("W4A8_DECODE_S", "44")))),
-                     ("bench", lambda: bench(phases)), ("ptx", ptx_report_impl), ("check", check),
+    for name, fn in [("decode", lambda: decode_sweep(T0 + float(os.environ.get("W4A8_DECODE_S", "47")))),
+                     ("check", check), ("ptx", ptx_report_impl), ("bench", lambda: bench(phases)),
                      ("decide", lambda: decide(T0 + args.budget - 8)),
                      ("sweep", lambda: sweep(T0 + args.budget - 38)), ("acc", accuracy)]:
         if name == "check" and not args.cpu_smoke and left() < 14:

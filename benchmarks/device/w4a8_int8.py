@@ -154,7 +154,8 @@ def w8_correctness():
             RESULTS["correctness"].append({"case": name, "error": repr(exc)[:300], "pass": False})
             log(f"FAIL {name}: {type(exc).__name__}: {exc}")
             traceback.print_exc()
-    w8_mismatch_probe()
+    if os.environ.get("W4A8_INT8_PROBE") == "1":  # the r8/r9 diagnosis (resolved: a benchmark bug)
+        w8_mismatch_probe()
 
 
 def w8_mismatch_probe():
@@ -214,33 +215,128 @@ def w8_mismatch_probe():
         del qw, ref
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _patched(mod, **vals):
+    """Context: set module constants (e.g. W8_MIN_M, PDL_MAX_M) and restore them afterwards."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        old = {k: getattr(mod, k) for k in vals}
+        try:
+            for k, v in vals.items():
+                setattr(mod, k, v)
+            yield
+        finally:
+            for k, v in old.items():
+                setattr(mod, k, v)
+    return cm()
+
+
+def w8_ab():
+    """Same-round A/B of the large-M rule (W8_MIN_M = 1024, K >= W8_MIN_K) against the old default
+    (in-register at every M): down N=4096 K=14336 and Llama-2 down K=11008, x pre-quantized, one
+    weight per rotated set; outputs compared bit for bit."""
+    from lowbit.bench.harness import rotating_inputs, time_cuda
+    from lowbit.kernels import w4a8_int8_gemm as km
+
     if args.cpu_smoke or not torch.cuda.is_available():
         return
-    # same-round A/B of the default flip (W8_MIN_M 1<<62 -> 1024): down N=4096 K=14336, x pre-quantized
-    from lowbit.bench.harness import rotating_inputs, time_cuda
-    sets = rotating_inputs(lambda: (lambda w: (w.qweight, w.wscale, w.gscale, w.gzs))(
-        fmt.quantize(torch.randn(N, K, device=DEV) * K ** -0.5, 128)))
-    for M in (1024, 4096):
-        xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
-        res = {}
-        for label, thr in (("in-register", 1 << 62), ("w8", 1024)):
-            old_thr = km.W8_MIN_M
-            km.W8_MIN_M = thr
-            try:
-                fn = lambda q, a, b, z: km.w4a8_int8_gemm_triton(xq, xs, q, a, b, z, None, K, 128, torch.bfloat16)  # noqa: E731
-                res[label] = time_cuda(fn, sets, reps=10 if M >= 4096 else 20, warmup=2)["median_ms"] * 1e3
-                if label == "w8":
-                    y8 = fn(*sets[0])
-                    km.W8_MIN_M = 1 << 62
-                    res["equal"] = bool(torch.equal(y8, fn(*sets[0])))
-            except Exception as exc:
-                res[label] = repr(exc)[:200]
-            finally:
-                km.W8_MIN_M = old_thr
-        RESULTS.setdefault("w8_ab", []).append({"N": N, "K": K, "M": M, **res})
-        log(f"w8 A/B down M={M}: {res}")
-    del sets
-    torch.cuda.empty_cache()
+    for N, K, ms in ((4096, 14336, (1024, 4096)), (4096, 11008, (1024,))):
+        if left() < 30:
+            break
+        sets = rotating_inputs(lambda: (lambda w: (w.qweight, w.wscale, w.gscale, w.gzs))(
+            fmt.quantize(torch.randn(N, K, device=DEV) * K ** -0.5, 128)))
+        for M in ms:
+            xq, xs = quantize_per_token(torch.randn(M, K, device=DEV, dtype=torch.bfloat16), torch.int8)
+            fn = lambda q, a, b, z: km.w4a8_int8_gemm_triton(xq, xs, q, a, b, z, None, K, 128, torch.bfloat16)  # noqa: E731
+            res = {}
+            outs = {}
+            for label, thr in (("in-register", 1 << 62), ("w8", 1024)):
+                try:
+                    with _patched(km, W8_MIN_M=thr):
+                        res[label] = round(time_cuda(fn, sets, reps=10 if M >= 4096 else 20, warmup=2)["median_ms"] * 1e3, 2)
+                        outs[label] = fn(*sets[0])
+                except Exception as exc:
+                    res[label] = repr(exc)[:200]
+            res["equal"] = len(outs) == 2 and bool(torch.equal(outs["w8"], outs["in-register"]))
+            RESULTS.setdefault("w8_ab", []).append({"N": N, "K": K, "M": M, **res})
+            RESULTS["correctness"].append({"case": f"W8 A/B N={N} K={K} M={M} bit-equal", "pass": res["equal"]})
+            log(f"w8 A/B N={N} K={K} M={M}: {res}")
+        del sets
+        torch.cuda.empty_cache()
+
+
+DECODE_AB = [  # (label, kernel-module constants) for the decode linear (x bf16, act-quant counted)
+    ("default", {}),
+    ("pdl", dict(PDL_MAX_M=16, PDL_L2_TILES=0)),
+    ("pdl l2pf4", dict(PDL_MAX_M=16, PDL_L2_TILES=4)),
+    ("pdl l2pf8", dict(PDL_MAX_M=16, PDL_L2_TILES=8)),
+    # 3 stages (30 KB smem: 7 programs per SM fit) and the auto split aiming at 8 programs per SM: gate_up
+    # 448 -> 896 programs in one wave (3.4 -> 6.8 per SM: a 4-vs-3 imbalance becomes 7-vs-6), down 16 splits
+    ("pdl s3 a8", dict(PDL_MAX_M=16, PDL_L2_TILES=0, CONFIGS=None)),
+]
+DECODE_AB_M1 = [  # M = 1 only: the fused-quant rule off (o/qkv) and DP4A, each with PDL
+    ("nofuse pdl", dict(FUSE_QUANT_MAX_M=0, PDL_MAX_M=16, PDL_L2_TILES=0)),
+    ("nofuse pdl dp4a", dict(FUSE_QUANT_MAX_M=0, PDL_MAX_M=16, PDL_L2_TILES=0, DP4A_M1=True)),
+]
+
+
+def decode_ab(min_left: float = 44.0):
+    """Same-round A/B of decode variants of ``w4a8_int8_linear`` (what the suite times as
+    lowbit-w4a8-int8: bf16 x in, per-token INT8 quantization counted) against the committed default:
+    programmatic dependent launch act-quant -> GEMM (``PDL_MAX_M``), its L2 prefetch of the first
+    k-tiles, and for M = 1 the unfused path with DP4A. Each variant's output is compared bit for bit
+    with the default's (all paths give the same INT8 codes and INT32 sums)."""
+    from lowbit.bench.harness import time_cuda
+    from lowbit.bench.suites import w4a8_int8 as suite
+    from lowbit.bench.harness import rotating_inputs
+    from lowbit.kernels import w4a8_int8_gemm as km
+    from lowbit.ops.w4a8_int8 import w4a8_int8_linear
+
+    plan = [("down", (1, 16)), ("gate_up", (1, 16)), ("o", (1, 16)), ("qkv", (1, 16))]  # qkv last: cut first when short
+    if args.cpu_smoke:
+        plan = [("o", (1, 3))]
+    for layer, ms in plan:
+        if left() < min_left:
+            log(f"decode A/B: {layer} skipped (time)")
+            break
+        N, K = (64, 256) if args.cpu_smoke else suite.LLAMA3_8B[layer]
+        wq = [suite._qoq(N, K, DEV)] if args.cpu_smoke else rotating_inputs(lambda: suite._qoq(N, K))
+        for M in ms:
+            xs = [torch.randn(M, K, device=DEV, dtype=torch.bfloat16) for _ in wq]
+            args_ = [(xs[i], *w) for i, w in enumerate(wq)]
+            fn = lambda x, *w: w4a8_int8_linear(x, *w)  # noqa: E731
+            ref = None
+            res = {}
+            for label, consts in DECODE_AB + (DECODE_AB_M1 if M == 1 else []):
+                if "CONFIGS" in consts:
+                    consts = dict(consts, CONFIGS={**km.CONFIGS, 16: (16, 64, 0, 4, 3, 8, {})})
+                try:
+                    with _patched(km, **consts):
+                        y = fn(*args_[0])
+                        if ref is None:
+                            ref = y
+                        same = bool(torch.equal(y, ref))
+                        if not args.cpu_smoke:
+                            us = time_cuda(fn, args_, reps=60, warmup=3)["median_ms"] * 1e3
+                        else:
+                            us = float("nan")
+                    res[label] = round(us, 2)
+                    if label != "default":
+                        RESULTS["correctness"].append({"case": f"decode {label} {layer} M={M} == default", "pass": same})
+                        if not same:
+                            log(f"FAIL decode {label} {layer} M={M}: output differs from the default path")
+                except Exception as exc:
+                    res[label] = repr(exc)[:200]
+                    log(f"decode {label} {layer} M={M}: {type(exc).__name__}: {exc}"[:300])
+            RESULTS.setdefault("decode_ab", []).append({"layer": layer, "N": N, "K": K, "M": M, "us": res})
+            log(f"decode A/B {layer} M={M} (us, act-quant counted): {res}")
+        del wq
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    dump()
 
 
 # ---------------------------------------------------------------------------------- 2. PTX
@@ -308,12 +404,12 @@ def timings(rec, layer_need=45.0, ffn_need=35.0):
         if left() < layer_need:
             rec.note(f"linear rows for {layer} skipped: out of time budget")
             continue
-        suite.linear_rows(rec, layers=[layer])
+        suite.linear_rows(rec, layers=[layer], ms=TABLE_MS)
         log(f"linear rows {layer} done")
         rec.write(args.out, baseline="cublas-bf16")
     if left() > ffn_need:
         try:
-            suite.ffn_rows(rec)
+            suite.ffn_rows(rec, ms=TABLE_MS)
             log("ffn rows done")
         except Exception:
             traceback.print_exc()
@@ -808,8 +904,14 @@ def _tables(rec, min_left=0.0, **need):
     dump()
 
 
+AB_FIRST = True  # R12/R13: decode + W8 A/Bs before the tables; the final round (R14): tables only
+TABLE_MS = [1, 16, 1024, 4096] if AB_FIRST else None  # rows of the tables (None: the suite's full lists)
+
+
 def main():
     _stages([correctness] + ([ptx] if args.mode not in ("w8", "r8", "full") else []))
+    if AB_FIRST or args.cpu_smoke:  # rounds before the final one: the same-round A/Bs of default flips first
+        _stages([w8_ab, decode_ab])
     if args.cpu_smoke:
         _stages([sweep, w8_sweep, r8_sweep])
         perplexity_stage() if os.environ.get("SMOKE_PPL") else None
@@ -832,7 +934,7 @@ def main():
     else:  # final round: the committed tables first, extras after
         try:
             floor_us()
-            timings(rec, layer_need=20.0, ffn_need=12.0)
+            timings(rec, layer_need=12.0 if AB_FIRST else 20.0, ffn_need=9.0 if AB_FIRST else 12.0)
         except Exception:
             traceback.print_exc()
         if left() > 8:
@@ -858,6 +960,12 @@ def main():
             except Exception:
                 traceback.print_exc()
             dump()
+    n_ok = sum(bool(c.get("pass")) for c in RESULTS["correctness"])
+    SUMMARY.append(f"all GPU checks (correctness + A/B equality): {n_ok}/{len(RESULTS['correctness'])} PASS")
+    for r in RESULTS.get("decode_ab", []):
+        SUMMARY.append(f"  decode A/B {r['layer']} M={r['M']} us: {r['us']}")
+    for r in RESULTS.get("w8_ab", []):
+        SUMMARY.append(f"  W8 A/B N={r['N']} K={r['K']} M={r['M']}: {r}")
     print("\n== summary (w4a8_int8)")
     print("\n".join(SUMMARY), flush=True)
 

@@ -20,7 +20,11 @@ Providers, side by side in one process and on one GPU:
   check that the runner adds nothing;
 - one provider per recipe (``fireq``, ``qserve``, ``flute-nf4``, ``flute-nf3``,
   ``int8-attention``) whose pieces are installed; when a recipe's KV or attention piece is
-  missing its linears are measured alone as ``<recipe>[linear]``, and the row says so.
+  missing its linears are measured alone as ``<recipe>[linear]``, and the row says so;
+- options beside a default, in the same run: ``+head`` (``lm_head=True``), ``+fused``
+  (``fuse_mlp=True``), runner options (``+rope``: ``rope_kernel=True``; ``+ropeq``: q rotated in the
+  KV4 append too) and kernel flags (``+pdl``: programmatic dependent launch of the act-quant / GEMM /
+  RoPE kernels), e.g. ``fireq+ropeq+pdl`` or ``bf16+rope`` (``provider_spec``).
 
 Prefill: batch 16 x seq {1024, 2048, 4096}, tokens/s = 16 * seq / t (only the last token of each
 request goes through ``lm_head``). Decode: one new token per request at batch {1, 16, 64} with the
@@ -46,6 +50,54 @@ RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fire
 VARIANTS = {"fireq+fused": ("fireq", {"fuse_mlp": True}), "fireq+head": ("fireq", {"lm_head": True}),
             "qserve+head": ("qserve", {"lm_head": True})}
 BASELINE = "bf16"
+# provider-name tokens after the recipe ("fireq+rope+pdl"): runner options and kernel flags, so an
+# option is measured beside the default in the same run before it becomes the default
+GEN_TOKENS = {"rope": {"rope_kernel": True}, "norope": {"rope_kernel": False},
+              "ropeq": {"rope_kernel": True, "rope_q_append": True}, "noropeq": {"rope_q_append": False},
+              "s16": {"decode_splits": 16}, "s32": {"decode_splits": 32}, "nopdl": {"pdl_max_m": 0}}
+FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
+               "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4)}
+
+
+def provider_spec(name: str) -> tuple[str, dict, dict, list]:
+    """``name`` -> (recipe or 'bf16', quantization options, Generator options, kernel flags).
+    ``VARIANTS`` names first; then '+'-separated tokens: ``head`` (lm_head=True), ``fused``
+    (fuse_mlp=True), ``GEN_TOKENS`` and ``FLAG_TOKENS``."""
+    base, *toks = name.split("+")
+    recipe, qopts = VARIANTS.get(name, (base, {}))
+    qopts, gopts, flags = dict(qopts), {}, []
+    if name not in VARIANTS:
+        for t in toks:
+            if t == "head":
+                qopts["lm_head"] = True
+            elif t == "fused":
+                qopts["fuse_mlp"] = True
+            elif t in GEN_TOKENS:
+                gopts.update(GEN_TOKENS[t])
+            elif t in FLAG_TOKENS:
+                flags.append(FLAG_TOKENS[t])
+            else:
+                raise ValueError(f"unknown provider token {t!r} in {name!r}")
+    return recipe, qopts, gopts, flags
+
+
+class _Flags:
+    """Set module-level kernel flags for one provider's measurements, restore them after."""
+
+    def __init__(self, flags):
+        import importlib
+
+        self.items = [(importlib.import_module(m), a, v) for m, a, v in flags]
+        self.saved = []
+
+    def __enter__(self):
+        self.saved = [(m, a, getattr(m, a)) for m, a, _ in self.items]
+        for m, a, v in self.items:
+            setattr(m, a, v)
+
+    def __exit__(self, *exc):
+        for m, a, v in self.saved:
+            setattr(m, a, v)
 
 
 def build_model(layers: int = 2, *, seed: int = 0, device="cuda", dtype=torch.bfloat16):
@@ -97,7 +149,7 @@ def _quantize(model, recipe: str, *, linear_only: bool = False):
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     calib = [torch.randint(0, vocab, (1, 128), generator=g) for _ in range(2)]
-    recipe, extra = VARIANTS.get(recipe, (recipe, {}))
+    recipe, extra, _, _ = provider_spec(recipe)
     opts = dict(progress=False, **extra)
     if linear_only:
         opts.update(kv=None, attention=None)
@@ -114,17 +166,18 @@ def _prefill_fn(gen, B, S, vocab, dev):
 
 def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode_batches, decode_ctx,
                      deadline: _Deadline, memory: dict, note: str | None = None, hf: bool = False,
-                     profile_dir=None, profiles: dict | None = None) -> None:
+                     profile_dir=None, profiles: dict | None = None, gen_opts: dict | None = None) -> None:
     from lowbit.bench.harness import time_cuda
     from lowbit.models.generate import Generator
 
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
+    gopts = dict(gen_opts or {})
     wb = weight_bytes(model, layers)
     memory.setdefault(name, {}).update(weights=wb)
     if profile_dir is not None and profiles is not None and not deadline.out():
         try:  # first: the profile is what the next round's work is chosen from
-            profiles[name] = profile_provider(name, model, profile_dir, layers=layers)
+            profiles[name] = profile_provider(name, model, profile_dir, layers=layers, gen_opts=gen_opts)
         except Exception as exc:
             traceback.print_exc()
             print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
@@ -139,7 +192,7 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
         try:
             times = {}
             for nl in (layers, 0):
-                gen = Generator(model, max_batch=B, max_seq=S, layers=nl, cuda_graphs=False)
+                gen = Generator(model, max_batch=B, max_seq=S, layers=nl, cuda_graphs=False, **gopts)
                 fn = _prefill_fn(gen, B, S, vocab, dev)
                 reps = 5 if S * B >= 32768 else 10
                 times[nl] = time_cuda(fn, [()], warmup=2, reps=reps, chunk=reps)
@@ -167,7 +220,7 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
                 times = {}
                 graphs = True
                 for nl in (layers, 0):
-                    gen = Generator(model, max_batch=Bd, max_seq=L + 1, layers=nl)
+                    gen = Generator(model, max_batch=Bd, max_seq=L + 1, layers=nl, **gopts)
                     tok = torch.randint(0, vocab, (Bd,), device=dev)
                     pos = torch.full((Bd,), L, device=dev)  # the cache holds L tokens, this one is L+1
                     try:
@@ -175,7 +228,8 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
                     except Exception as exc:  # graph capture refused: measure eagerly and say so
                         graphs = False
                         print(f"[{name}] CUDA graph capture failed ({type(exc).__name__}: {exc}); eager decode")
-                        gen = Generator(model, max_batch=Bd, max_seq=L + 1, layers=nl, cuda_graphs=False)
+                        gen = Generator(model, max_batch=Bd, max_seq=L + 1, layers=nl, cuda_graphs=False,
+                                        **gopts)
                     times[nl] = time_cuda(lambda: gen.decode(tok, pos), [()], warmup=3, reps=50)
                     del gen
                 t = _scaled(times[layers], times[0], layers)
@@ -250,8 +304,50 @@ def profile_step(gen, fn, *, graph_fn=None) -> dict:
     return out
 
 
+def graph_timeline(graph_fn, reps: int = 3) -> dict:
+    """Every kernel of CUDA-graph replays of one step, in GPU order: name, duration and the idle gap
+    before it (us; per-kernel medians over ``reps`` replays). The gaps are what a launch costs inside
+    a graph beyond its kernel time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    graph_fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(reps):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph_fn()
+            torch.cuda.synchronize()
+        ks = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start),
+                    key=lambda t: t[0])
+        ks = [k for k in ks if "memcpy" not in k[2].lower() and "memset" not in k[2].lower()]
+        if ks:
+            runs.append(ks)
+    if not runs:
+        return {}
+    n = min(len(r) for r in runs)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    rows = []
+    for i in range(n):
+        dur = med([r[i][1] - r[i][0] for r in runs])
+        gap = med([r[i][0] - r[i - 1][1] for r in runs]) if i else 0.0
+        rows.append({"kernel": runs[0][i][2][:90], "us": round(dur, 2), "gap_before_us": round(gap, 2)})
+    span = med([r[n - 1][1] - r[0][0] for r in runs])
+    return {"kernels": rows, "n": n, "span_us": round(span, 1), "sum_kernel_us": round(sum(r["us"] for r in rows), 1),
+            "sum_gap_us": round(sum(r["gap_before_us"] for r in rows), 1)}
+
+
+def timeline_text(tl: dict, title: str) -> str:
+    lines = [f"== {title}: {tl['n']} kernels, span {tl['span_us']} us = kernels {tl['sum_kernel_us']} + gaps "
+             f"{tl['sum_gap_us']} us", f"{'#':>3} {'gap':>6} {'us':>7}  kernel"]
+    for i, r in enumerate(tl["kernels"]):
+        lines.append(f"{i:3d} {r['gap_before_us']:6.2f} {r['us']:7.2f}  {r['kernel']}")
+    return "\n".join(lines) + "\n\n"
+
+
 def profile_provider(name: str, model, out_dir, *, layers: int, decode_batch: int = 1, ctx: int = 1024,
-                     prefill: bool = True, extra_decode_batches=(64,)) -> dict:
+                     prefill: bool = True, extra_decode_batches=(64,), gen_opts: dict | None = None) -> dict:
     """Per-section and per-kernel-class GPU time of one decode step (batch ``decode_batch``, ``ctx``
     cached; eager with labels, plus the CUDA-graph step time) and of one prefill (16 x 1024) of the
     ``layers``-layer model. Writes ``profile_<name>.txt``; returns the numbers."""
@@ -261,20 +357,27 @@ def profile_provider(name: str, model, out_dir, *, layers: int, decode_batch: in
     vocab = model.config.vocab_size
     res = {}
     for bd in (decode_batch, *extra_decode_batches):
-        gen = Generator(model, max_batch=bd, max_seq=ctx + 1, layers=layers)
+        gen = Generator(model, max_batch=bd, max_seq=ctx + 1, layers=layers, **(gen_opts or {}))
         tok = torch.randint(0, vocab, (bd,), device=dev)
         pos = torch.full((bd,), ctx, device=dev)
         gen.decode(tok, pos)  # capture
         key = "decode" if bd == decode_batch else f"decode B={bd}"
         res[key] = profile_step(gen, lambda: gen._step(tok, pos), graph_fn=lambda: gen.decode(tok, pos))
+        if bd == decode_batch:
+            try:
+                res[key]["graph_timeline"] = graph_timeline(lambda: gen.decode(tok, pos))
+            except Exception as exc:
+                print(f"graph timeline of {name} failed: {type(exc).__name__}: {exc}")
         del gen
     if prefill:
-        gp = Generator(model, max_batch=16, max_seq=1024, layers=layers, cuda_graphs=False)
+        gp = Generator(model, max_batch=16, max_seq=1024, layers=layers, cuda_graphs=False, **(gen_opts or {}))
         res["prefill"] = profile_step(gp, _prefill_fn(gp, 16, 1024, vocab, dev))
         del gp
     with open(Path(out_dir) / f"profile_{name}.txt", "w") as f:
         for k, r in res.items():
             f.write(f"== {name}: {k} ({layers} layers)\n{r['top_kernels']}\n")
+            if r.get("graph_timeline"):
+                f.write(timeline_text(r["graph_timeline"], f"{name}: {k}, CUDA-graph replay ({layers} layers + head)"))
     for r in res.values():
         r.pop("top_kernels")
     torch.cuda.empty_cache()
@@ -359,8 +462,10 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
         model = build_model(layers)
         t0 = time.time()
         name, note = r, None
+        base, _, gopts, flags = provider_spec(r)
         try:
-            _quantize(model, r)
+            if base != BASELINE:
+                _quantize(model, r)
         except NotImplementedError as exc:
             try:
                 del model
@@ -381,10 +486,15 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        rec.note(f"{name}: quantized {layers} layers in {time.time() - t0:.1f} s")
-        measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
-                         decode_ctx=decode_ctx, deadline=deadline, memory=memory, note=note,
-                         profile_dir=out_dir if name in prof_set else None, profiles=profiles)
+        if base != BASELINE:
+            rec.note(f"{name}: quantized {layers} layers in {time.time() - t0:.1f} s")
+        if gopts or flags:
+            rec.note(f"{name}: runner options {gopts}, kernel flags {[f'{m}.{a}={v}' for m, a, v in flags]}")
+        with _Flags(flags):
+            measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs,
+                             decode_batches=decode_batches, decode_ctx=decode_ctx, deadline=deadline, memory=memory,
+                             note=note, profile_dir=out_dir if name in prof_set else None, profiles=profiles,
+                             gen_opts=gopts)
         del model
         gc.collect()
         torch.cuda.empty_cache()

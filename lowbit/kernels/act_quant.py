@@ -60,11 +60,14 @@ def pdl_enabled(t: torch.Tensor, pdl: bool | None = None) -> bool:
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """With ``PDL``: wait for the previous grid (and its writes), then allow the next one to launch."""
+def pdl_prologue(PDL: tl.constexpr, TRIGGER: tl.constexpr = True):
+    """With ``PDL``: wait for the previous grid (and its writes), then (``TRIGGER``) allow the next
+    one to launch at once. Without the trigger the next PDL kernel launches when this grid ends (the
+    implicit trigger), so its programs do not sit on SMs waiting while this one runs."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if TRIGGER:
+            gdc_launch_dependents()
 
 _SINGLE_MAX = 16384  # largest row held in registers in one piece
 

@@ -47,10 +47,18 @@ plain q/k/v probe with scales; compute-sanitizer: "Unknown Error" in thread 0, t
 warp group): an option, not the default.
 
 ``POLY`` (config ``poly``, option, off; session 4): n of every 4 exponentials per thread on the FMA
-pipe (``_exp2_poly``, FlashAttention-4's exp2 emulation) instead of MUFU.EX2. Config ``gluon``
-(``True`` or 128, option, off): fp8 with Q codes, per-block K/V scales and D = 128 runs the Gluon
-kernel of ``lowbit.kernels.attention_prefill_gluon`` (QK^T of the next block overlapped with the
-softmax); everything else, and the interpreter, runs this kernel.
+pipe (``_exp2_poly``, FlashAttention-4's exp2 emulation) instead of MUFU.EX2 (R11: 818 vs 836
+TFLOP/s fp8, 508 vs 537 int8: slower). Config ``gluon`` (option, off): fp8 with Q codes,
+per-block K/V scales and D = 128 runs the Gluon kernel of ``lowbit.kernels.attention_prefill_gluon``
+(FlashAttention-3 order: the softmax of block j+1 overlaps P_j V_j); everything else, and the
+interpreter, runs this kernel.
+
+``VPERM`` (config ``vperm``; session 5): V^T is stored with the keys of each 32-key chunk at
+``vperm_pos`` (the quantization kernels write it so, ``quantize_kv_triton(vperm=True)``), and P is
+permuted the same way (``_vperm_p``): a permutation of the summed index, so P V is unchanged
+(bit-equal on the GPU, R12), and the permuted P is exactly the register order of the wgmma
+accumulator read as the 8-bit A operand, so the P -> A conversion needs no shuffles. SASS per
+64x128 block: fp8 558 -> 509 instructions, int8 993 -> 912 (-24 SHFL / -32 PRMT / -16 SEL).
 
 ``FUSE_KV`` (option, off by default): the first programs of each KV head quantize its K/V blocks
 (``lowbit.kernels.attention_quant._kv_quant_task``, the code of the separate pass) inside this
@@ -78,6 +86,13 @@ LOG2_127 = math.log2(127.0)
 
 
 # ----------------------------------------------------------------------------------------- configs
+# Session 5 defaults (each flipped only after a same-round device A/B against the previous one):
+# ``vperm``: the quantization writes V^T in the VPERM key order and the kernel reads P's wgmma
+# accumulator registers as the A operand without shuffles; ``gluon``: the fp8 attention runs the
+# Gluon kernel (``attention_prefill_gluon``, "v2": FlashAttention-3 order) where it applies.
+VPERM_FP8 = True
+VPERM_INT8 = True
+GLUON_FP8 = False
 
 def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
     """Block sizes / warps / stages / TMA per case, from the H200 sweep (benchmarks/device,
@@ -111,8 +126,9 @@ def default_config(mode: str, head_dim: int, causal: bool, sq: int) -> dict:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True}
     if mode == "fp8":  # three CTAs per SM: 2 stages (74 KB smem) and <= 168 registers; Q pre-pass
         return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "tma": True, "maxnreg": 168,
-                "q_pre": True, "q_tma": False}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "tma": True}
+                "q_pre": True, "q_tma": False, "vperm": VPERM_FP8, "gluon": GLUON_FP8}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "tma": True,
+            "vperm": VPERM_INT8 and mode == "int8"}
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -189,6 +205,16 @@ def _exp2(x, POLY: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _vperm_p(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``VPERM``: P's keys in the order of a V^T stored with ``vperm_pos`` (within each 32-key chunk
+    key bits h|j1|q|j0 at position h|q|j1|j0). On sm_90 this is the register order of the wgmma
+    accumulator read as the 8-bit A operand, so the P -> A conversion needs no shuffles (SASS: 563 ->
+    513 instructions per block for fp8, 1002 -> 921 for int8)."""
+    return tl.reshape(tl.permute(tl.reshape(p, [BLOCK_M, BLOCK_N // 32, 2, 2, 4, 2]), (0, 1, 2, 4, 3, 5)),
+                      [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
 def _first(x):
     """Element [0, 0] of a [1, 4] tile: a scale read by TMA (boxes are >= 16 bytes; the other
     three slots are padding, possibly uninitialized: selected away, never multiplied)."""
@@ -261,7 +287,7 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
                  K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
                  P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr,
-                 POLY: tl.constexpr = 0):
+                 POLY: tl.constexpr = 0, VPERM: tl.constexpr = 0):
     """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks. ``WS``:
     Triton's automatic warp specialization of the loop (every load is a TMA descriptor load then,
     the per-block K / V scales included: ``ksrow`` / ``vsrow`` index their 1-D descriptors)."""
@@ -363,6 +389,8 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
             # the INT8 code (no F2I), and subtracting 1.5 * 2^23 again gives it as a float for l
             pm = p + 12582912.0
             p8 = pm.to(tl.int32, bitcast=True).to(tl.int8)
+            if VPERM:
+                p8 = _vperm_p(p8, BLOCK_M, BLOCK_N)
         # row sums l. int8: the tensor cores add the quantized P exactly (P . ones, a 16-wide INT8
         # MMA beside the P V one), which frees two ALU ops per score (the float copy of the
         # rounded P and its add); for fp8 the same trick measured slower (extra register moves)
@@ -416,7 +444,11 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                 vt = Vb.load([vrow, start_n])
             else:
                 vt_ptr = Vb + offs_d[:, None] * stride_vr + offs_n[None, :]
-                if MASK:
+                if MASK and VPERM:  # position c holds key (c & ~15) | j1 << 3 | q << 1 | j0
+                    vkey = ((offs_n & -16) | (((offs_n >> 1) & 1) << 3) | (((offs_n >> 2) & 3) << 1)
+                            | (offs_n & 1))
+                    vt = tl.load(vt_ptr, mask=(vkey < Skv)[None, :], other=0.0)
+                elif MASK:
                     vt = tl.load(vt_ptr, mask=nmask[None, :], other=0.0)
                 else:
                     vt = tl.load(vt_ptr)
@@ -426,7 +458,10 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                 if P_BLOCK:
                     pv = pv * beta[:, None]
             else:
-                pv = tl.dot(_to_fp8(p, INTERPRET), tl.trans(vt))
+                if VPERM:
+                    pv = tl.dot(_vperm_p(_to_fp8(p, INTERPRET), BLOCK_M, BLOCK_N), tl.trans(vt))
+                else:
+                    pv = tl.dot(_to_fp8(p, INTERPRET), tl.trans(vt))
             if V_CHANNEL:  # per-channel scales of this block: acc * alpha + pv * s_v
                 if WS:
                     vs = tl.reshape(VSb.load([vsrow + start_n // V_BLOCK, 0]), [HEAD_DIM])
@@ -503,6 +538,7 @@ def _attn_fwd(
     V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr,  #
     FUSE_KV: tl.constexpr, V_GIVEN: tl.constexpr, KV_CHUNK: tl.constexpr, Q_PRE: tl.constexpr,  #
     Q_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr, POLY: tl.constexpr = 0,  #
+    VPERM: tl.constexpr = 0,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -592,12 +628,12 @@ def _attn_fwd(
                                  Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL,
-                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY)
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM)
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, n_full, hi,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL,
-                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY)
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM)
     out = acc * (c_acc / tl.maximum(l_i, 1e-30))[:, None]  # l > 0 unless scores are absurd (> 2^17)
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
@@ -655,12 +691,17 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     if B * Hq * Sq == 0:
         return out
+    # V^T written in the VPERM key order (fp8 / int8, see _vperm_p): a property of the caller's data,
+    # so only an explicit ``config['vperm']`` (quant_attention_triton passes it), never the defaults
+    vperm = bool((config or {}).get("vperm", False))
+    if vperm and (mode not in ("fp8", "int8") or v.shape[-1] % 32):
+        raise ValueError("config 'vperm' needs mode 'fp8' or 'int8' and V^T rows padded to a multiple of 32 keys")
     if cfg.get("gluon") and mode == "fp8" and not interpret_mode() and not p_block and not exp16:
         from lowbit.kernels.attention_prefill_gluon import fp8_attention_gluon, gluon_fp8_ok
 
         if gluon_fp8_ok(q_codes, k, ks, v, vs, k_block, v_block):  # else: the tl kernel below
             return fp8_attention_gluon(q_codes, k, ks, v, vs, causal=bool(causal), qk_scale=sm_scale * LOG2E, out=out,
-                                       block_m=64 if cfg.get("gluon") is True else int(cfg["gluon"]))
+                                       vperm=vperm)
     n_mblk = cdiv(Sq, BM)
     if mode == "int8-qk":
         vsp, svs = ks, (0, 0, 0)  # unused
@@ -750,7 +791,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
         FUSE_KV=fuse, V_GIVEN=bool(fuse and fuse_from.get("given", False)),
         KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))), Q_PRE=q_codes is not None, Q_TMA=q_tma, WS=ws,
-        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)),
+        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)), VPERM=vperm,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() and not ws else {}),
     )
@@ -784,15 +825,17 @@ def quant_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             vv = vv.contiguous()
     if not fuse_kv or v_block % bn:
         q_pre = bool(cfg.get("q_pre", False) or cfg.get("ws", False))
+        vperm = bool(cfg.get("vperm", False)) and mode in ("fp8", "int8") and bn % 32 == 0
         res = quantize_kv_triton(k, vq, dtype=dt, v_granularity=v_granularity, v_block=v_block, k_block=kb,
-                                 q=q if q_pre else None, scale_pad=4 if cfg.get("ws", False) else 1)
+                                 q=q if q_pre else None, scale_pad=4 if cfg.get("ws", False) else 1, vperm=vperm)
         kc, ks, vt, vs = res[:4]
         qcodes = res[4:] if q_pre else None
         if mode == "int8-qk":
             return attention_prefill_triton(q, kc, ks, vv, None, mode=mode, causal=causal, sm_scale=sm_scale,
                                             k_block=kb, config=config, q_codes=qcodes)
         return attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=sm_scale,
-                                        v_block=v_block, k_block=kb, p_block=p_block, config=config, q_codes=qcodes)
+                                        v_block=v_block, k_block=kb, p_block=p_block,
+                                        config=dict(config or {}, vperm=vperm), q_codes=qcodes)
     k = k if k.stride(-1) == 1 else k.contiguous()
     if vq is not None and vq.stride(-1) != 1:
         vq = vq.contiguous()
@@ -802,5 +845,5 @@ def quant_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return attention_prefill_triton(q, buf["kc"], buf["ks"], vv, None, mode=mode, causal=causal,
                                         sm_scale=sm_scale, k_block=kb, config=config, fuse_from=src)
     return attention_prefill_triton(q, buf["kc"], buf["ks"], buf["vt"], buf["vs"], mode=mode, causal=causal,
-                                    sm_scale=sm_scale, v_block=v_block, k_block=kb, p_block=p_block, config=config,
-                                    fuse_from=src)
+                                    sm_scale=sm_scale, v_block=v_block, k_block=kb, p_block=p_block,
+                                    config=dict(config or {}, vperm=False), fuse_from=src)  # plain V^T here

@@ -60,6 +60,14 @@ def _load_rows(base, offs_t, S, stride_n, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _vperm_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Rows (keys) of a 32-aligned tile to their ``VPERM`` order: row ``vperm_pos(t)``
+    (``lowbit.kernels.attention_prefill_gluon``) of the result is row t of ``x`` (key bits
+    h|j1|q|j0 -> h|q|j1|j0 within each 32-row chunk)."""
+    return tl.reshape(tl.permute(tl.reshape(x, [ROWS // 32, 2, 2, 4, 2, COLS]), (0, 1, 3, 2, 4, 5)), [ROWS, COLS])
+
+
+@triton.jit
 def _kv_quant_task(
     task, b, h, bh,  # task < n_kprog: K block ``task``; else V block ``task - n_kprog``
     K, V, KC, KS, VT, VS,  # pointers: inputs, K codes / scales, V^T codes / scales
@@ -70,9 +78,10 @@ def _kv_quant_task(
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, V_BLOCK: tl.constexpr,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
     V_GIVEN: tl.constexpr, K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr, CHUNK: tl.constexpr,
-    S_OUT, KS_ROWS, SC_STRIDE: tl.constexpr = 1,
+    S_OUT, KS_ROWS, SC_STRIDE: tl.constexpr = 1, VPERM: tl.constexpr = False,
 ):
     """Quantize one block of K rows or V rows of head (b, h) (``bh`` = its row in the outputs).
+    ``VPERM``: key t of V^T is stored at ``vperm_pos(t)`` (S_al a multiple of 32; ``_vperm_rows``).
 
     ``S_OUT``: rows per head in the code outputs (``S`` for K; the Q outputs are padded to a
     multiple of 4 rows); ``KS_ROWS``: the same for the per-token scales (padded to a multiple
@@ -143,6 +152,8 @@ def _kv_quant_task(
                 vcodes = _quant_tile(vx, vscale, QMAX, IS_INT8, EXACT_FP8)
             # transposed store: element (t, d) -> VT[b, h, d, t]; the padding columns S..S_al get
             # code 0 (the masked load gave 0), so no separate zero fill is needed
+            if VPERM:  # keys to their VPERM positions in registers (the store stays contiguous)
+                vcodes = _vperm_rows(vcodes, CHUNK, HEAD_DIM)
             vvt_ptr = VT + bh.to(tl.int64) * HEAD_DIM * stride_vtd + offs_d[None, :] * stride_vtd + voffs_t[:, None]
             tl.store(vvt_ptr, vcodes, mask=(voffs_t < S_al)[:, None])
 
@@ -161,6 +172,7 @@ def _kv_quant_kernel(
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
     V_GIVEN: tl.constexpr,
     K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr, QUANT_Q: tl.constexpr, SC_STRIDE: tl.constexpr,
+    VPERM: tl.constexpr = False,
 ):
     bh = tl.program_id(1)
     task = tl.program_id(0)
@@ -178,17 +190,18 @@ def _kv_quant_kernel(
         _kv_quant_task(task, bh // H, bh % H, bh, K, V, KC, KS, VT, VS, S, n_kprog, amax_eps,
                        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_vtd, S_al, n_vblk,
                        HEAD_DIM, BLOCK_T, V_BLOCK, QMAX, IS_INT8, QUANT_V, V_CHANNEL, V_GIVEN, K_PER_BLOCK, EXACT_FP8,
-                       min(BLOCK_T, V_BLOCK), S, KS_ROWS, SC_STRIDE)
+                       min(BLOCK_T, V_BLOCK), S, KS_ROWS, SC_STRIDE, VPERM)
 
 
 def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype, v_granularity: str = "channel",
-                   v_block: int = 128, k_block: int | None = None, block_t: int = 128, scale_pad: int = 1) -> dict:
+                   v_block: int = 128, k_block: int | None = None, block_t: int = 128, scale_pad: int = 1,
+                   vperm: bool = False) -> dict:
     """The output buffers of the K/V quantization (layouts in the module docstring) plus the
     launch sizes: ``kc, ks, vt, vs`` (vt/vs None without ``v``), ``n_kprog`` (K tasks of
     ``k_block or block_t`` keys), ``n_vblk``, ``s_al`` and ``given`` (V scales precomputed here:
     ``v_granularity='tensor'``). ``scale_pad`` = 4: the per-block K / V scales are the element 0
     of 16-byte rows (``ks[..., 0]`` views of ``[B, H, NB, 4]`` buffers; TMA boxes for the
-    warp-specialized attention)."""
+    warp-specialized attention). ``vperm``: V^T rows padded to a multiple of 32 keys (``VPERM``)."""
     B, H, S, D = k.shape
     dev = k.device
     block_t = k_block or block_t
@@ -199,7 +212,7 @@ def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtyp
         ks = torch.empty((B, H, -(-S // scale_pad) * scale_pad), dtype=torch.float32, device=dev)[:, :, :S]
     out = {"kc": torch.empty((B, H, S, D), dtype=dtype, device=dev), "ks": ks,
            "vt": None, "vs": None, "n_kprog": n_kprog, "block_t": block_t, "n_vblk": cdiv(S, v_block),
-           "s_al": -(-S // 16) * 16, "given": False}
+           "s_al": -(-S // (32 if vperm else 16)) * (32 if vperm else 16), "given": False}
     if v is not None:
         n_vblk = out["n_vblk"]
         out["vt"] = torch.empty((B, H, D, out["s_al"]), dtype=dtype, device=dev)  # padding columns written as 0
@@ -217,7 +230,8 @@ def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtyp
 
 def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype,
                        v_granularity: str = "channel", v_block: int = 128, k_block: int | None = None,
-                       num_warps: int | None = None, q: torch.Tensor | None = None, scale_pad: int = 1):
+                       num_warps: int | None = None, q: torch.Tensor | None = None, scale_pad: int = 1,
+                       vperm: bool = False):
     """K [B, H, S, D] (and V, or None to quantize K only) -> (kc, ks, vt, vs) in the layouts of
     the module docstring (vt, vs None when ``v`` is None). ``k_block``: one K scale per block of
     that many keys (``ks [B, H, cdiv(S, k_block)]``) instead of one per key.
@@ -226,14 +240,15 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
     (extra programs) and return ``(kc, ks, vt, vs, qc, qs)`` with ``qc [B, Hq, Sq, D]`` codes and
     ``qs [B, Hq, Sq]`` fp32 scales: the codes the attention kernel computes in registers otherwise
     (views of buffers padded to a multiple of 4 rows per head: 16-byte aligned TMA boxes of the
-    scales). ``scale_pad``: see ``alloc_kv_codes``."""
+    scales). ``scale_pad``: see ``alloc_kv_codes``. ``vperm``: V^T in the ``VPERM`` key order
+    (rows padded to 32 keys; the attention kernels' ``vperm`` config reads it)."""
     B, H, S, D = k.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v is not None and v.stride(-1) != 1:
         v = v.contiguous()
     buf = alloc_kv_codes(k, v, dtype=dtype, v_granularity=v_granularity, v_block=v_block, k_block=k_block,
-                         block_t=128 if D <= 128 else 64, scale_pad=scale_pad)
+                         block_t=128 if D <= 128 else 64, scale_pad=scale_pad, vperm=vperm)
     kc, ks, vt, vs = buf["kc"], buf["ks"], buf["vt"], buf["vs"]
     qc = qs = None
     n_qprog, n_rep, sq, sq_al = 0, 1, 0, 0
@@ -265,6 +280,7 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         HEAD_DIM=D, BLOCK_T=buf["block_t"], V_BLOCK=v_block, QMAX=QMAX[dtype], IS_INT8=dtype == torch.int8,
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=buf["given"],
         K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(), QUANT_Q=q is not None, SC_STRIDE=scale_pad,
+        VPERM=bool(vperm),
         num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
     )
     return res
@@ -278,7 +294,7 @@ def _kv4_to_fp8_kernel(
     stride_kb, stride_kh, stride_kn, stride_ksb, stride_ksh,  # KV4 K (codes last dim contiguous)
     stride_vb, stride_vh, stride_vn, stride_vsb, stride_vsh,  # KV4 V
     H, amax_eps,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_FP8: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_FP8: tl.constexpr, VPERM: tl.constexpr = False,
 ):
     """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
     (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block."""
@@ -312,25 +328,31 @@ def _kv4_to_fp8_kernel(
     if is_v:
         tl.store(OVS + bh.to(tl.int64) * n_blk + blk, scale)
         vt_ptr = OVT + bh.to(tl.int64) * HEAD_DIM * S_al + offs_d[None, :] * S_al + offs_t[:, None]
-        tl.store(vt_ptr, codes, mask=tmask[:, None])
+        if VPERM:  # keys to their VPERM positions in registers; keys past S carry code 0
+            tl.store(vt_ptr, _vperm_rows(codes, BLOCK_T, HEAD_DIM), mask=(offs_t < S_al)[:, None])
+        else:
+            tl.store(vt_ptr, codes, mask=tmask[:, None])
     else:
         tl.store(OKS + bh.to(tl.int64) * n_blk + blk, scale)
         row = bh.to(tl.int64) * S + offs_t
         tl.store(OK + row[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=tmask[:, None])
 
 
-def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128):
+def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, vperm: bool = False):
     """KV4 K/V (codes ``[B, H, S, D/2]`` uint8, scales ``[B, H, S]``) -> the ``fp8`` scheme's
     operands with one scale per ``block`` keys: (kc ``[B, H, S, D]``, ks ``[B, H, NB]``,
     vt ``[B, H, D, S_al]`` transposed, vs ``[B, H, NB]``); numerics of
-    ``quantize_k_block(dequantize_kv4(...), fp8, block)``."""
+    ``quantize_k_block(dequantize_kv4(...), fp8, block)``. ``vperm``: V^T in the ``VPERM`` key order."""
     B, H, S, D2 = k_codes.shape
     D = 2 * D2
     dev = k_codes.device
-    nb, s_al = cdiv(S, block), -(-S // 16) * 16
+    al = 32 if vperm else 16
+    nb, s_al = cdiv(S, block), -(-S // al) * al
     kc = torch.empty((B, H, S, D), dtype=torch.float8_e4m3fn, device=dev)
     vt = torch.empty((B, H, D, s_al), dtype=torch.float8_e4m3fn, device=dev)
-    if s_al != S:
+    if s_al != S and vperm:  # padding keys sit at permuted positions of the last 32-key chunk
+        vt[..., (S // 32) * 32:].zero_()
+    elif s_al != S:
         vt[..., S:].zero_()
     ks = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
     vs = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
@@ -341,6 +363,6 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128):
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),
             H, AMAX_EPS,
-            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), num_warps=8 if D >= 128 else 4,
+            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), num_warps=8 if D >= 128 else 4,
         )
     return kc, ks, vt, vs

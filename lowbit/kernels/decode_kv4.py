@@ -631,9 +631,9 @@ def _ctas_per_sm(kernel, num_warps: int) -> int | None:
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
-                      maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None,
-                      return_kernel=False,
-                      _skip_combine=False):
+                      maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None, sring=None,
+                      pta=None, return_kernel=False,
+                      _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -647,7 +647,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
-                             _skip_combine, ahead, pdl, lean, ilp)
+                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     if block_n is None:
         block_n = min(PAGE, DEFAULT_BLOCK_N)
@@ -728,10 +728,13 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # undone when O is stored. Half the MMA work of the queries-major loop and half its accumulator
 # registers (the padding of 4 query rows is 8 instead of 16). Q is INT8 (one plane, QK8 == 1) or
 # two INT8 planes (QK8 == 2, ~15 bits); the fp16-Q numerics (QK8 == 0) use the Triton kernel.
-# Options (constexpr, same result bit for bit, off by default until measured faster on the device):
-# ``PDL`` (the combine kernel as a programmatic dependent launch: R10, B=16 L=8k 0.0544 vs 0.0554 ms),
-# ``LEAN`` (prologue: Q, page table and first scales read before the length arrives; ring indices
-# carried by the loop), ``ILP`` (the two Q planes as two independent MMA chains). A split combine in
+# Options (constexpr, same result bit for bit; a default only once measured faster on the device):
+# ``PDL`` (the combine kernel as a programmatic dependent launch; default since round 11's A/B: B=16 L=8k
+# 0.0538 vs 0.0564 ms), ``LEAN`` (prologue: Q, page table and first scales read before the length arrives;
+# ring indices carried by the loop), ``ILP`` (the two Q planes as two independent MMA chains; ptxas emits
+# the same SASS up to register names), ``SRING`` (the scales two blocks ahead like the codes, one byte per
+# lane, instead of one block ahead in the MMA row layout: a loop step then never waits on a DRAM round trip
+# issued one step earlier; offline sm_90 compile: 568 loop instructions vs 581, 128 registers). A split combine in
 # the last program of each (b, h) (atomic counter) was measured and removed (R10: 0.0568 vs 0.0554 ms
 # at B=16 L=8k, 0.093 vs 0.029 ms at B=1 L=32k: one warp reading all partials is a serial tail).
 # ------------------------------------------------------------------------------------------------
@@ -760,7 +763,14 @@ GLUON_MAXNREG = 128  # 16 one-warp programs per SM
 GLUON_GOOD_WAVE = 0.95
 GLUON_LEAN = False  # page-table reads beside the length read in the prologue; ring indices without division
 GLUON_ILP = False  # the two INT8 Q planes as two independent MMA chains (joined by x * 254 + y)
-GLUON_PDL = False  # the combine kernel as a programmatic dependent launch (its launch overlaps the decode grid)
+# the combine kernel as a programmatic dependent launch (its launch overlaps the decode grid); same-process A/B at
+# B=16 (round 11): 8k 0.0538 vs 0.0564 / 0.0561 ms, 32k 0.1654 vs 0.1659 ms, B=1 32k (with lean+ilp) 0.0282 vs 0.0296
+GLUON_PDL = True
+# scales (and zero points) two blocks ahead like the codes (STAGES == 3), one byte per lane, read from the page of
+# the codes' copy; the default reads them one block ahead (8 one-byte loads per lane), a DRAM round trip that
+# each loop step may wait for
+GLUON_SRING = False
+GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop steps ahead instead of one
 
 
 def _copy_layout(half: int):
@@ -875,6 +885,39 @@ if HAS_GLUON:
         return ks, vs, kz, vz
 
     @gluon.jit
+    def _g_scales_c(KS, KZ, VS, VZ, page, n0, h, pred, stride_sp, stride_sh: gl.constexpr, PAGE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr):
+        """``SRING``: scales (and zero points) of one full key block in a compact layout (token t in
+        lane t: one 32-byte request per tensor, one register each), predicated on ``pred``; they are
+        moved to the MMA rows' layout (``_g_rows``) when the block is consumed, two blocks later."""
+        cl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+        s_off = page * stride_sp + h * stride_sh + (n0 % PAGE) + gl.arange(0, BLOCK_N, layout=cl)
+        ks = gl.load(KS + s_off, mask=pred)
+        vs = gl.load(VS + s_off, mask=pred)
+        if ZERO_POINT:
+            kz = gl.load(KZ + s_off, mask=pred)
+            vz = gl.load(VZ + s_off, mask=pred)
+        else:
+            kz = ks
+            vz = vs
+        return ks, vs, kz, vz
+
+    @gluon.jit
+    def _g_rows(ks, vs, kz, vz, ZERO_POINT: gl.constexpr):
+        """Compact per-token scales -> the token (row) layout of ``S^T`` (``_g_scales``' layout)."""
+        _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+        tok_l: gl.constexpr = gl.SliceLayout(1, _MMA)
+        ks = gl.convert_layout(ks, tok_l)
+        vs = gl.convert_layout(vs, tok_l)
+        if ZERO_POINT:
+            kz = gl.convert_layout(kz, tok_l)
+            vz = gl.convert_layout(vz, tok_l)
+        else:
+            kz = ks
+            vz = vs
+        return ks, vs, kz, vz
+
+    @gluon.jit
     def _g_rescale(acc_e, acc_o, l_acc, z_acc, alpha, ZERO_POINT: gl.constexpr):
         """Online-softmax rescale of the per-query columns by alpha."""
         acc_e = acc_e * alpha[None, :]
@@ -974,7 +1017,8 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, HAS_CRS: gl.constexpr, SPLIT: gl.constexpr,
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
-        PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False,
+        PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False, SRING: gl.constexpr = False,
+        PTA: gl.constexpr = False, PROBE: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -998,31 +1042,58 @@ if HAS_GLUON:
         q_ptr = Q + b * stride_qb + (h * G + mq // TQ)[:, None] * stride_qh + (mq % TQ)[:, None] * stride_qt
         if LEAN:  # every read that does not need the length is issued first (one memory round trip for all)
             q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
-            pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
-            ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+            if not SRING:
+                pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
+                ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N,
+                                           ZERO_POINT)
         end = gl.minimum(start + SPLIT_LEN, L)
         # ---- the first key blocks' copies are issued before Q is prepared (their latency overlaps it)
         lim = gl.minimum(end, L - TQ + 1)  # keys < lim are seen by every query row
         full_end = start + gl.maximum(lim - start, 0) // BLOCK_N * BLOCK_N
+        if PROBE:  # benchmark probe: one key block per program (launch + prologue + epilogue of the same grid)
+            full_end = gl.minimum(full_end, start + BLOCK_N)
+            end = full_end
         # cp.async ring of STAGES blocks (codes); scales one block ahead in registers
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=4)
         sl: gl.constexpr = gl.SwizzledSharedLayout(vec=SW_VEC, per_phase=SW_PHASE, max_phase=SW_MAX, order=[1, 0])
         smem_k = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
         smem_v = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
-        for i in gl.static_range(STAGES - 1):
-            nb = start + i * BLOCK_N
-            if LEAN:  # page-table reads in parallel with the length read (the copies are predicated on it)
-                pg = gl.load(ptb + gl.minimum(nb // PAGE, NPT - 1)).to(gl.int64)
+        if SRING:  # STAGES == 3: blocks 0 and 1 -- codes into the ring, scales (compact) into registers
+            nb = start + BLOCK_N
+            if LEAN:
+                pga = gl.load(ptb + gl.minimum(start // PAGE, NPT - 1)).to(gl.int64)
+                pgb = gl.load(ptb + gl.minimum(nb // PAGE, NPT - 1)).to(gl.int64)
             else:
-                pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
-            _g_issue(smem_k, smem_v, i, KC, VC, pg, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
+                pga = gl.load(ptb + gl.minimum(start, end - 1) // PAGE).to(gl.int64)
+                pgb = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
+            _g_issue(smem_k, smem_v, 0, KC, VC, pga, start, h, start < full_end, stride_cp, stride_ch, stride_cn,
                      HALF, PAGE, BLOCK_N, CL)
+            _g_issue(smem_k, smem_v, 1, KC, VC, pgb, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
+                     HALF, PAGE, BLOCK_N, CL)
+            ks_a, vs_a, kz_a, vz_a = _g_scales_c(KS, KZ, VS, VZ, pga, start, h, start < full_end, stride_sp, stride_sh,
+                                                 PAGE, BLOCK_N, ZERO_POINT)
+            ks_b, vs_b, kz_b, vz_b = _g_scales_c(KS, KZ, VS, VZ, pgb, nb, h, nb < full_end, stride_sp, stride_sh,
+                                                 PAGE, BLOCK_N, ZERO_POINT)
+        else:
+            for i in gl.static_range(STAGES - 1):
+                nb = start + i * BLOCK_N
+                if LEAN:  # page-table reads in parallel with the length read (the copies are predicated on it)
+                    pg = gl.load(ptb + gl.minimum(nb // PAGE, NPT - 1)).to(gl.int64)
+                else:
+                    pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
+                _g_issue(smem_k, smem_v, i, KC, VC, pg, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
+                         HALF, PAGE, BLOCK_N, CL)
         last = gl.maximum(full_end - BLOCK_N, start)  # scale prefetches stay inside the split's full blocks
-        pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
+        if not SRING:
+            pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
         pgs = gl.load(ptb + gl.minimum(start + (STAGES - 1) * BLOCK_N, end - 1) // PAGE).to(gl.int64)
+        if PTA:  # the page of the copy after that too (page-table reads two loop steps ahead)
+            pgs2 = gl.load(ptb + gl.minimum(start + STAGES * BLOCK_N, end - 1) // PAGE).to(gl.int64)
         if not LEAN:
-            pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
-            ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+            if not SRING:
+                pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
+                ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N,
+                                           ZERO_POINT)
             q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
         # ---- Q [BLOCK_Q, D] fp32 (row r = g * TQ + t), CRS, INT8 plane(s), B operand [HALF, BLOCK_Q]
         q = q.to(gl.float32)
@@ -1056,7 +1127,30 @@ if HAS_GLUON:
         acc_e = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
         acc_o = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
         it = 0
-        if AHEAD:  # S^T of the next block is computed before this block's softmax (independent work for the scheduler)
+        if SRING:  # scales two blocks ahead (like the codes), read from the page of the codes' copy
+            for n0 in range(start, full_end, BLOCK_N):
+                _async_copy.wait_group(STAGES - 2)
+                gl.thread_barrier()
+                kc = smem_k.index(it % STAGES).load(a8)
+                vc = smem_v.index(it % STAGES).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
+                nf = n0 + (STAGES - 1) * BLOCK_N
+                _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
+                         stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
+                ks_n, vs_n, kz_n, vz_n = _g_scales_c(KS, KZ, VS, VZ, pgs, nf, h, nf < full_end, stride_sp, stride_sh,
+                                                     PAGE, BLOCK_N, ZERO_POINT)
+                if PTA:
+                    pgs = pgs2
+                    pgs2 = gl.load(ptb + gl.minimum(nf + 2 * BLOCK_N, end - 1) // PAGE).to(gl.int64)
+                else:
+                    pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
+                ks, vs, kz, vz = _g_rows(ks_a, vs_a, kz_a, vz_a, ZERO_POINT)
+                acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
+                                                          end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
+                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP)
+                ks_a, vs_a, kz_a, vz_a = ks_b, vs_b, kz_b, vz_b
+                ks_b, vs_b, kz_b, vz_b = ks_n, vs_n, kz_n, vz_n
+                it += 1
+        elif AHEAD:  # S^T of the next block is computed before this block's softmax (independent work for the scheduler)
             _async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
             x_cur = _g_qk(smem_k.index(0).load(a8), qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8)
@@ -1148,7 +1242,7 @@ if HAS_GLUON:
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
-                  pdl=None, lean=None, ilp=None):
+                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring)."""
     B, Hq, TQ, D = q.shape
@@ -1163,8 +1257,10 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
     lazy = GLUON_LAZY if lazy is None else bool(lazy)
+    sring = (GLUON_SRING if sring is None else bool(sring)) and stages == 3 and not ahead
+    pta = sring and (GLUON_PTA if pta is None else bool(pta))
     occ_key = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-               crs_q is not None)
+               crs_q is not None, sring, pta)
     if num_splits is None:
         num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(occ_key),
                                    good=GLUON_GOOD_WAVE)
@@ -1192,7 +1288,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
         AHEAD=ahead, PDL=pdl, LEAN=GLUON_LEAN if lean is None else bool(lean), ILP=GLUON_ILP if ilp is None else bool(ilp),
-        num_warps=1, **({"maxnreg": mr} if mr else {}),
+        SRING=sring, PTA=pta, PROBE=bool(probe), num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     if occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = _ctas_per_sm(kernel, 1)

@@ -25,7 +25,11 @@ import triton
 import triton.language as tl
 
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
+from lowbit.kernels.rope import rope_row
 
+# warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
+# (fireq, ROPE_Q + PDL, tokens/s): B=1 1k 375 (1 warp) vs 383 (4 warps), 8k 366 vs 366, B=16 1k 4970 vs 4948.
+ROPE_Q_WARPS = 4
 _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to an integer, ties to even
 
 
@@ -69,7 +73,7 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
 @triton.jit
 def _kv4_append_kernel(
     # pointers
-    K, V, COS, SIN, CRSK, PT, START, KC, KS, KZ, VC, VS, VZ,
+    K, V, COS, SIN, CRSK, PT, START, KC, KS, KZ, VC, VS, VZ, Q, QO,
     # sizes
     T,
     # strides
@@ -77,9 +81,11 @@ def _kv4_append_kernel(
     stride_cb, stride_ct,
     stride_ptb,
     stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+    stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot,
     # constexpr
     HALF: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_CRS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
+    ROPE_Q: tl.constexpr = False, G: tl.constexpr = 1, Q_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -132,10 +138,22 @@ def _kv4_append_kernel(
     if ZERO_POINT:
         tl.store(VZ + s_off, z.to(tl.uint8))
 
+    if ROPE_Q:  # (models area) the G query heads of KV head h, half-precision RoPE as lowbit.kernels.rope
+        for g in tl.static_range(G):
+            rope_row(Q + b * stride_qb + (h * G + g) * stride_qh + t * stride_qt,
+                     QO + b * stride_ob + (h * G + g) * stride_oh + t * stride_ot,
+                     COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
+                     2 * HALF, Q_BF16, INTERPRET)
+
 
 def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
-                      crs_k=None, k_zero=None, v_zero=None, interleaved=False):
-    """Launcher (arguments checked by ``lowbit.ops.kv4.kv4_append``); writes the cache in place."""
+                      crs_k=None, k_zero=None, v_zero=None, interleaved=False, q=None, q_out=None):
+    """Launcher (arguments checked by ``lowbit.ops.kv4.kv4_append``); writes the cache in place.
+    ``q`` / ``q_out`` (models area, optional; bf16/fp16 ``[B, Hq, T, D]``, unit stride on D, half-split
+    RoPE given by cos/sin): also writes RoPE(q) to ``q_out`` in the same launch, with the rounding of
+    ``lowbit.kernels.rope`` (the eager half-precision ops), saving the runner a launch per layer."""
+    from lowbit._utils import interpret_mode
+
     B, Hkv, T, D = k.shape
     if B * T == 0:
         return
@@ -145,14 +163,24 @@ def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, star
     scale_kind = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[k_scale.dtype]
     cos_ = cos if rope else k
     sin_ = sin if rope else k
+    rope_q = q is not None
+    if rope_q and (not rope or interleaved or q_out is None or q.shape[1] % Hkv or q.stride(-1) != 1
+                   or q_out.stride(-1) != 1 or q.dtype not in (torch.bfloat16, torch.float16)
+                   or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        raise ValueError("q rope in kv4_append needs half-split cos/sin, bf16/fp16 q and q_out with unit stride on D")
+    q_, qo_ = (q, q_out) if rope_q else (k, k)
     _kv4_append_kernel[(B * T, Hkv)](
         k, v, cos_, sin_, crs_k if crs_k is not None else k, page_table, start,
         k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
+        q_, qo_,
         T,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cos_.stride(0) if rope else 0, cos_.stride(1) if rope else 0,
         page_table.stride(0),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
+        q_.stride(0), q_.stride(1), q_.stride(2), qo_.stride(0), qo_.stride(1), qo_.stride(2),
         HALF=D // 2, PAGE=PAGE, ROPE=rope, INTERLEAVED=interleaved, HAS_CRS=crs_k is not None,
-        ZERO_POINT=zero_point, SCALE_KIND=scale_kind, num_warps=1,
+        ZERO_POINT=zero_point, SCALE_KIND=scale_kind,
+        ROPE_Q=rope_q, G=q.shape[1] // Hkv if rope_q else 1, Q_BF16=rope_q and q.dtype == torch.bfloat16,
+        INTERPRET=interpret_mode(), num_warps=ROPE_Q_WARPS if rope_q else 1,
     )

@@ -590,6 +590,132 @@ _SCALE_ASM_F = tl.constexpr("""{
 }""")
 
 
+# cp.async ring of the code words (option RING): each lane copies its own 16-byte fragment vector
+# into its own shared-memory slot and later reads back only what it wrote itself, so no barrier is
+# needed -- ``cp.async.wait_group`` makes the lane's own copies visible to it. Operands (pack=4):
+# outputs $0..$3 (dummy), source address $4, destination offset $8, predicate $12.
+_CP_ASM = tl.constexpr("""{
+ .reg .pred p; .reg .u32 d; setp.ne.s32 p, $12, 0;
+ mov.u32 d, global_smem; add.u32 d, d, $8;
+ @p cp.async.cg.shared.global [d], [$4], 16;
+ cp.async.commit_group;
+ mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+}""")
+
+
+def _ring_read_asm(pending: int) -> str:
+    """Wait until at most ``pending`` commit groups of this lane are in flight, then read its slot."""
+    return ("{ .reg .u32 d; cp.async.wait_group " + str(pending) + "; mov.u32 d, global_smem; add.u32 d, d, $4; "
+            "ld.shared.v4.b32 {$0, $1, $2, $3}, [d]; }")
+
+
+def _ring_read3_asm(pending: int) -> str:
+    """3-bit: the lane's code words ($0..$3) and its 8 bytes of the high-bit plane as (h0, h0, h1, h1) ($4..$7)."""
+    return ("{ .reg .u32 d; cp.async.wait_group " + str(pending) + "; mov.u32 d, global_smem; add.u32 d, d, $8; "
+            "ld.shared.v4.b32 {$0, $1, $2, $3}, [d]; mov.u32 d, global_smem; add.u32 d, d, $12; "
+            "ld.shared.v2.b32 {$4, $6}, [d]; mov.b32 $5, $4; mov.b32 $7, $6; }")
+
+
+# 3-bit high-bit plane: 8 bytes per lane and row tile (cp.async.ca: .cg copies 16 bytes only)
+_CPH_ASM = tl.constexpr("""{
+ .reg .pred p; .reg .u32 d; setp.ne.s32 p, $12, 0;
+ mov.u32 d, global_smem; add.u32 d, d, $8;
+ @p cp.async.ca.shared.global [d], [$4], 8;
+ cp.async.commit_group;
+ mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
+}""")
+_RING_RD = {n: tl.constexpr(_ring_read_asm(n)) for n in (0, 1, 2, 3, 4, 6, 7, 12, 14, 28)}
+_RD0, _RD1, _RD2, _RD3, _RD4, _RD6, _RD7, _RD12, _RD14, _RD28 = (_RING_RD[n] for n in (0, 1, 2, 3, 4, 6, 7, 12, 14, 28))
+_RING_RD3 = {n: tl.constexpr(_ring_read3_asm(n)) for n in (2, 4, 6, 8, 12, 14, 24, 28, 56)}
+_RH2, _RH4, _RH6, _RH8, _RH12, _RH14, _RH24, _RH28, _RH56 = (_RING_RD3[n] for n in (2, 4, 6, 8, 12, 14, 24, 28, 56))
+
+
+@triton.jit
+def _ring_issue(Q, q_off, cidx, ok, dst):
+    """cp.async of chunk ``cidx``'s code words (16 bytes per lane and row tile) to shared offset ``dst``."""
+    addr = Q.to(tl.int64, bitcast=True) + ((q_off + cidx * 128) * 4).to(tl.int64)
+    tl.inline_asm_elementwise(_CP_ASM, "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [addr, dst, ok.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=4)
+
+
+@triton.jit
+def _ring_issue_hi(QH, rt, lane, NC, cidx, ok, dst):
+    """cp.async of chunk ``cidx``'s high-bit plane (3-bit: 8 bytes per lane and row tile) to shared ``dst``."""
+    haddr = QH.to(tl.int64, bitcast=True) + ((rt * NC + cidx) * 256 + lane * 8).to(tl.int64)
+    tl.inline_asm_elementwise(_CPH_ASM, "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [haddr, dst, ok.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=4)
+
+
+@triton.jit
+def _ring_read3(src, hsrc, PENDING: tl.constexpr):
+    if PENDING == 2:
+        a: tl.constexpr = _RH2
+    elif PENDING == 4:
+        a: tl.constexpr = _RH4
+    elif PENDING == 6:
+        a: tl.constexpr = _RH6
+    elif PENDING == 8:
+        a: tl.constexpr = _RH8
+    elif PENDING == 12:
+        a: tl.constexpr = _RH12
+    elif PENDING == 14:
+        a: tl.constexpr = _RH14
+    elif PENDING == 24:
+        a: tl.constexpr = _RH24
+    elif PENDING == 28:
+        a: tl.constexpr = _RH28
+    else:
+        a: tl.constexpr = _RH56
+    return tl.inline_asm_elementwise(a, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r", [src, hsrc],
+                                     dtype=(tl.int32, tl.int32), is_pure=False, pack=4)
+
+
+@triton.jit
+def _load_scales(S, gi, stride_sg, rt, g, ok, S_BF16: tl.constexpr):
+    """Scales of group ``gi`` for the C registers (rows g and g + 8 of each row tile), float32."""
+    saddr = S.to(tl.int64, bitcast=True) + ((gi * stride_sg + rt * 16 + g) * 2).to(tl.int64)
+    return tl.inline_asm_elementwise(_SCALE_ASM_BF if S_BF16 else _SCALE_ASM_F, "=f,=f,=f,=f,l,l,l,l,r,r,r,r",
+                                     [saddr, ok.to(tl.int32)], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _store_pair_table(P, BITS: tl.constexpr):
+    """The lane-duplicated pair table into shared memory (see ``_lut_mma_kernel``), then a barrier."""
+    NE: tl.constexpr = 1 << (2 * BITS)
+    f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies of entry f // 8
+    pv = tl.load(P + f // 8)
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
+        "mov.b32 $0, 0; }",
+        "=r,r,r", [f * 16, pv], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _ring_read(src, PENDING: tl.constexpr):
+    if PENDING == 0:
+        a: tl.constexpr = _RD0
+    elif PENDING == 1:
+        a: tl.constexpr = _RD1
+    elif PENDING == 2:
+        a: tl.constexpr = _RD2
+    elif PENDING == 3:
+        a: tl.constexpr = _RD3
+    elif PENDING == 4:
+        a: tl.constexpr = _RD4
+    elif PENDING == 6:
+        a: tl.constexpr = _RD6
+    elif PENDING == 7:
+        a: tl.constexpr = _RD7
+    elif PENDING == 12:
+        a: tl.constexpr = _RD12
+    elif PENDING == 14:
+        a: tl.constexpr = _RD14
+    else:
+        a: tl.constexpr = _RD28
+    return tl.inline_asm_elementwise(a, "=r,=r,=r,=r,r,r,r,r", [src], dtype=tl.int32, is_pure=False, pack=4)
+
+
 @triton.jit
 def _xfrag(X, m, t, stride_xm, kc, M, BITS: tl.constexpr):
     """x fragment words [1, S] (int32 = 2 activations) of rows m for the chunk at K offset kc:
@@ -606,6 +732,22 @@ def _xfrag(X, m, t, stride_xm, kc, M, BITS: tl.constexpr):
             _XFRAG16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l,r,r,r,r", [addr, ok],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4)
     return x0, x1, x2, x3
+
+
+@triton.jit
+def _xall(X, m0, t, stride_xm, kc, M, BITS: tl.constexpr, NT: tl.constexpr):
+    """x fragments of all NT n-tiles of one chunk as one tuple (a0..a3, b0..b3, c0..c3, e0..e3;
+    n-tiles beyond NT repeat n-tile 0): with ``XH == 2`` they are loaded one scale group ahead."""
+    a0, a1, a2, a3 = _xfrag(X, m0, t, stride_xm, kc, M, BITS)
+    b0, b1, b2, b3 = a0, a1, a2, a3
+    c0, c1, c2, c3 = a0, a1, a2, a3
+    e0, e1, e2, e3 = a0, a1, a2, a3
+    if NT >= 2:
+        b0, b1, b2, b3 = _xfrag(X, m0 + 8, t, stride_xm, kc, M, BITS)
+    if NT >= 4:
+        c0, c1, c2, c3 = _xfrag(X, m0 + 16, t, stride_xm, kc, M, BITS)
+        e0, e1, e2, e3 = _xfrag(X, m0 + 24, t, stride_xm, kc, M, BITS)
+    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3)
 
 
 @triton.jit
@@ -723,7 +865,9 @@ def _lut_mma_kernel(
     # constexpr flags
     BITS: tl.constexpr, GROUP: tl.constexpr, NT: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     IS_BF16: tl.constexpr, USE_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
-    S_BF16: tl.constexpr, GU: tl.constexpr,
+    S_BF16: tl.constexpr, GU: tl.constexpr, XH: tl.constexpr = 0,  # XH: 0 or 2 (x one group ahead)
+    RING: tl.constexpr = 0, RING_BASE: tl.constexpr = 0,  # cp.async ring depth (chunks; 0 = off), its smem offset
+    SP: tl.constexpr = False,  # scales of the next group loaded one group ahead
 ):
     """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
 
@@ -738,6 +882,16 @@ def _lut_mma_kernel(
     of one scale group are scaled once (``acc += C * s``, float32). The inline PTX keeps every
     tensor in the layout of the code load (element i of a tensor = register of the same lane),
     which is what makes the loaded words the lanes' mma fragments.
+
+    Options (GPU only, off by default until a same-round A/B measures them faster):
+    ``XH == 2`` loads the x (B) fragments of the next scale group while the current group computes
+    (a register double buffer; without it each chunk's x loads sit right before their mma and every
+    L1/L2 latency is exposed, which is what separates M = 16 from M = 1); ``RING = n`` streams the
+    code words through a per-lane ``cp.async`` ring of n chunks in shared memory after the table
+    (``RING_BASE``): each lane copies and later reads only its own 16 bytes, so ``cp.async.wait_group``
+    is the only synchronisation, and n - 1 chunks stay in flight without holding registers; ``SP``
+    loads the next group's scales with the current group (otherwise their load sits right before the
+    scale FMA, one exposed memory latency per group).
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -757,7 +911,7 @@ def _lut_mma_kernel(
     m0 = pid_m * (8 * NT) + g  # x rows of the B fragments (n-tile j adds 8 j)
     mc = pid_m * (8 * NT) + 2 * t + (v % 2)  # token of C register v (n-tile j adds 8 j)
     laneb = lane * 4
-    if not INTERPRET:
+    if not INTERPRET and RING == 0:  # (with RING the first copies are issued first, table after them)
         NE: tl.constexpr = 1 << (2 * BITS)
         f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies of entry f // 8
         pv = tl.load(P + f // 8)
@@ -782,6 +936,29 @@ def _lut_mma_kernel(
         if CPG >= 4:
             w2, u2 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 2, g0 < g1, BITS)
             w3, u3 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 3, g0 < g1, BITS)
+    if XH == 2:  # x fragments of the next group in flight with the current group's mma
+        kx0 = tl.where(g0 < g1, g0 * CPG, 0) * CK
+        xn0 = _xall(X, m0, t, stride_xm, kx0, M, BITS, NT)
+        xn1 = xn0
+        if CPG >= 2:
+            xn1 = _xall(X, m0, t, stride_xm, kx0 + CK, M, BITS, NT)
+    if RING > 0:  # chunks c0 .. c0 + RING - 2 in flight before the loop (GU == 1, no PREFETCH)
+        rc0 = g0 * CPG
+        nch = (g1 - g0) * CPG
+        # layout anchor: the inline asm below must see each lane's 4 words as its 4 consecutive elements
+        # (the layout Triton gives the 16-byte code load); with no load among their operands the ring ops
+        # would get the default one-element-per-thread layout (R12: misaligned cp.async). This load never
+        # executes (K < 0 is false) and reads as 0; its layout propagates to every ring operand.
+        lz = tl.load(Q + q_off + g0 * CPG * 128, mask=rt_ok & (K < 0), other=0)
+        rdst = RING_BASE + (rr * SW + (i // 4) * 4) * 4 + lz  # this lane's 16 bytes in slot 0
+        hdst = RING_BASE + RING * R * SW * 4 + (rr * (SW // 4) + i // 4) * 8 + lz  # 3-bit: hi plane, slot 0
+        for sidx in tl.static_range(RING - 1):
+            _ring_issue(Q, q_off, rc0 + sidx, rt_ok & (sidx < nch), rdst + sidx * (R * SW * 4))
+            if BITS == 3:
+                _ring_issue_hi(QH, rt, lane, NC, rc0 + sidx, rt_ok & (sidx < nch), hdst + sidx * (R * SW * 2))
+        _store_pair_table(P, BITS)  # while the first chunks are in flight (the ring lies after the table)
+    if SP:  # the first group's scales (GU == 1, GPU only)
+        s_nxt = _load_scales(S, g0, stride_sg, rt, g, (row < N) & (g0 < g1), S_BF16)
     CH: tl.constexpr = GU * CPG  # chunks per loop step
     UNR: tl.constexpr = GU > 1 and not INTERPRET and not PF
     for gs in range(g0, g1, GU):
@@ -819,6 +996,16 @@ def _lut_mma_kernel(
                 if CPG >= 4:
                     w2, u2 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, (gi + 1) * CPG + 2, nxt, BITS)
                     w3, u3 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, (gi + 1) * CPG + 3, nxt, BITS)
+            if SP:
+                s_cur = s_nxt
+                s_nxt = _load_scales(S, gi + 1, stride_sg, rt, g, (row < N) & (gi + 1 < g1), S_BF16)
+            if XH == 2:  # this group's x fragments were loaded one group ago; load the next group's
+                xq0, xq1 = xn0, xn1
+                kxn = tl.where(gi + 1 < g1, (gi + 1) * CPG, 0) * CK
+                xn0 = _xall(X, m0, t, stride_xm, kxn, M, BITS, NT)
+                xn1 = xn0
+                if CPG >= 2:
+                    xn1 = _xall(X, m0, t, stride_xm, kxn + CK, M, BITS, NT)
             for cc in tl.static_range(CPG):
                 cidx = gi * CPG + cc
                 if INTERPRET:
@@ -832,7 +1019,19 @@ def _lut_mma_kernel(
                         p3 = _emulate_mma(Q, QH, T, X, row, mc + 24, M, N, K, stride_xm, cidx, p3, NC, BITS, IS_BF16,
                                           gok)
                 else:
-                    if PF:
+                    if RING > 0:
+                        kk = (gi - g0) * CPG + cc
+                        _ring_issue(Q, q_off, rc0 + kk + RING - 1, rt_ok & (kk + RING - 1 < nch),
+                                    rdst + ((kk + RING - 1) % RING) * (R * SW * 4))
+                        if BITS == 3:
+                            _ring_issue_hi(QH, rt, lane, NC, rc0 + kk + RING - 1, rt_ok & (kk + RING - 1 < nch),
+                                           hdst + ((kk + RING - 1) % RING) * (R * SW * 2))
+                            words, hi = _ring_read3(rdst + (kk % RING) * (R * SW * 4),
+                                                    hdst + (kk % RING) * (R * SW * 2), (RING - 1) * R * 2)
+                        else:
+                            words = _ring_read(rdst + (kk % RING) * (R * SW * 4), (RING - 1) * R)
+                            hi = words
+                    elif PF:
                         words = _pick4(cc, cw0, cw1, cw2, cw3)
                         hi = _pick4(cc, cu0, cu1, cu2, cu3)
                     elif UNR:
@@ -840,20 +1039,29 @@ def _lut_mma_kernel(
                         hi = _pick8(uu * CPG + cc, h0, h1, h2, h3, h4, h5, h6, h7)
                     else:
                         words, hi = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, cidx, gok, BITS)
-                    kc = tl.where(gok, cidx, 0) * CK  # x reads stay inside the padded row
-                    a0, a1, a2, a3 = _xfrag(X, m0, t, stride_xm, kc, M, BITS)
-                    b0, b1, b2, b3 = a0, a1, a2, a3
-                    c0, c1, c2, c3 = a0, a1, a2, a3
-                    e0, e1, e2, e3 = a0, a1, a2, a3
-                    if NT >= 2:
-                        b0, b1, b2, b3 = _xfrag(X, m0 + 8, t, stride_xm, kc, M, BITS)
-                    if NT >= 4:
-                        c0, c1, c2, c3 = _xfrag(X, m0 + 16, t, stride_xm, kc, M, BITS)
-                        e0, e1, e2, e3 = _xfrag(X, m0 + 24, t, stride_xm, kc, M, BITS)
+                    if XH > 0:
+                        if cc == 0:
+                            xq = xq0
+                        else:
+                            xq = xq1
+                        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3 = xq
+                    else:
+                        kc = tl.where(gok, cidx, 0) * CK  # x reads stay inside the padded row
+                        a0, a1, a2, a3 = _xfrag(X, m0, t, stride_xm, kc, M, BITS)
+                        b0, b1, b2, b3 = a0, a1, a2, a3
+                        c0, c1, c2, c3 = a0, a1, a2, a3
+                        e0, e1, e2, e3 = a0, a1, a2, a3
+                        if NT >= 2:
+                            b0, b1, b2, b3 = _xfrag(X, m0 + 8, t, stride_xm, kc, M, BITS)
+                        if NT >= 4:
+                            c0, c1, c2, c3 = _xfrag(X, m0 + 16, t, stride_xm, kc, M, BITS)
+                            e0, e1, e2, e3 = _xfrag(X, m0 + 24, t, stride_xm, kc, M, BITS)
                     p0, p1, p2, p3 = _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
                                                e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16)
             if INTERPRET:
                 s = tl.load(S + gi * stride_sg + row, mask=(row < N) & gok, other=0.0).to(tl.float32)
+            elif SP:
+                s = s_cur
             else:
                 saddr = S.to(tl.int64, bitcast=True) + ((gi * stride_sg + rt * 16 + g) * 2).to(tl.int64)
                 s = tl.inline_asm_elementwise(_SCALE_ASM_BF if S_BF16 else _SCALE_ASM_F,
@@ -865,6 +1073,8 @@ def _lut_mma_kernel(
             if NT >= 4:
                 acc2 += p2 * s
                 acc3 += p3 * s
+    if RING > 0:  # no copy may land in Triton's scratch after the loop (all are predicated; be sure)
+        _ring_read(rdst, 0)
     if not INTERPRET:
         tl.debug_barrier()  # the table's bytes are Triton's scratch from here on
     for j in tl.static_range(NT):
@@ -1084,6 +1294,27 @@ def mma_table_bytes(bits: int) -> int:
     return (1 << (2 * bits)) * 32 * 4
 
 
+def balanced_split(tiles: int, ng: int, sms: int, ctas_per_sm: int) -> int:
+    """Split-K count that balances the SMs (option ``balance``): programs are handed out round-robin,
+    so the busiest SM runs ``ceil(tiles * s / sms)`` programs of ``ceil(ng / s)`` groups each; pick
+    the s minimising that product (the run time of a memory-bound launch), among splits that give
+    at least ``sms`` and at most ``max(4 * ctas_per_sm, 8) * sms`` programs; ties -> the one nearest
+    ``ctas_per_sm * sms`` programs. Example (H200, 132 SMs): gate_up M=1 r2 w8 (112 tiles, 32 groups)
+    gets 8 (896 programs, 28 groups on the busiest SM vs 27.2 on average) where the ctas_per_sm rule
+    gives 3 (336 programs, 33 groups: 82% balance)."""
+    best = None
+    for s in range(1, ng + 1):
+        n = tiles * s
+        if s > 1 and (n > max(4 * ctas_per_sm, 8) * sms or cdiv(ng, s) == cdiv(ng, s - 1)):
+            continue
+        if n < sms and s < ng and tiles * ng >= sms:
+            continue
+        key = (cdiv(n, sms) * cdiv(ng, s), abs(n - ctas_per_sm * sms))
+        if best is None or key < best[0]:
+            best = (key, s)
+    return best[1] if best else 1
+
+
 def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
     """Launch parameters of the fragment kernel (nt = n-tiles of 8 tokens)."""
     nt = 1 if M <= 8 else (2 if M <= 16 else 4)
@@ -1136,6 +1367,8 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
         x = xp
     grid_n, grid_m = cdiv(nrt, nw * r), cdiv(M, 8 * nt)
     split = cfg.get("split_k")
+    if split is None and cfg.get("balance"):
+        split = balanced_split(grid_n * grid_m, ng, _sm_count(x.device), cfg["ctas_per_sm"])
     if split is None:
         target = cfg["ctas_per_sm"] * _sm_count(x.device)
         split = max(1, min(ng, cdiv(target, grid_n * grid_m)))
@@ -1154,22 +1387,42 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     gu = min(int(cfg.get("gu", 1)), 8 // (G // ck))  # at most 8 chunks (loads) per loop step
     if gu not in (1, 2, 4, 8):
         raise ValueError(f"gu (groups per loop step) must be 1, 2, 4 or 8, got {gu}")
-    pf = bool(cfg.get("prefetch", False)) and gu == 1
+    # ring: cp.async ring of the code words, that many chunks deep (gu == 1; replaces prefetch) -- GPU only
+    ring = int(cfg.get("ring", 0)) if (gu == 1 and not interpret_mode()) else 0
+    if ring not in (0, 2, 4, 8):
+        raise ValueError(f"ring must be 0, 2, 4 or 8, got {ring}")
+    pf = bool(cfg.get("prefetch", False)) and gu == 1 and not ring
+    # xh: x fragments loaded one scale group ahead (2; register double buffer) -- GPU only, gu == 1, <= 2 chunks/group
+    xh = int(cfg.get("xh", 0)) if (gu == 1 and G // ck <= 2 and not interpret_mode()) else 0
+    if xh not in (0, 2):
+        raise ValueError(f"xh must be 0 or 2, got {xh}")
     kw = dict(BITS=bits, GROUP=G, NT=nt, R=r, W=nw, IS_BF16=x.dtype == torch.bfloat16, USE_SPLIT=split > 1,
               INTERPRET=interpret_mode(), PREFETCH=pf, S_BF16=scales.dtype == torch.bfloat16, GU=gu, num_warps=nw,
               num_stages=1)
+    if xh:  # passed only when set: the default launch (and its compiled kernel) stays as measured
+        kw["XH"] = xh
+    sp = bool(cfg.get("sp", False)) and gu == 1 and not interpret_mode()
+    if sp:  # scales one group ahead
+        kw["SP"] = True
+    smem = mma_table_bytes(bits)
+    if ring:
+        kw["RING"], kw["RING_BASE"] = ring, smem
+        smem += ring * r * nw * (512 if bits == 4 else 768)  # 16 (+ 8 at 3-bit) bytes per lane, row tile, slot
     if not interpret_mode():
         # ints are not specialized (do_not_specialize): the compiled kernel depends only on the
         # constexprs and the 16-byte alignment of the pointers
-        key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu,
+        key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu, xh, ring, sp,
                tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
         if key not in _MMA_PATCHED:  # the pair table lives in dynamic shared memory Triton does not
             # know about: raise the launch's dynamic shared size to hold it (compile once, patch)
             k = _lut_mma_kernel.warmup(*args, grid=grid, **kw)
+            if smem > 48 * 1024 and k.module is None and k.metadata.shared < smem:
+                # above 48 KB the loader must opt in to the larger dynamic size: it does when the metadata asks
+                k.metadata = k.metadata._replace(shared=smem)
             k._init_handles()
             nwarps, nctas, shared = k.packed_metadata
-            if shared < mma_table_bytes(bits):
-                k.packed_metadata = (nwarps, nctas, mma_table_bytes(bits))
+            if shared < smem:
+                k.packed_metadata = (nwarps, nctas, smem)
             _MMA_PATCHED.add(key)
     LAST_COMPILED["mma"] = _lut_mma_kernel[grid](*args, **kw)
     return y

@@ -18,6 +18,15 @@ Work decomposition (flash-decoding):
   max), BLOCK_DV = 256 (accumulator 128 x 256 fp32 = 128 registers per thread), BLOCK_N = 64, and
   the loop split into an unmasked part over whole blocks (``EVEN_LOOP``) and a masked tail.
   Device R7 (B=32, H=128, L=16k): 260 vs 213 TFLOP/s for the 64-row tile with S_AHEAD;
+- few rows per sequence (``FEW``, GPU, e.g. 16 heads x 1 query token, memory-bound): a 64-row
+  wgmma tile is 3/4 padding, and its per-block cost is that of 64 heads. bf16 takes a 16/32-row
+  tile (Triton emits mma.sync), 32-token blocks, 4 warps, 2 programs per SM: 3.62-3.64 TB/s vs
+  2.05-2.07 for the 64-row tile (R12/R13). FP8 takes ``TOKENS_M``: both dots transposed,
+  ``S^T = K · Q^T`` and ``O^T = V^T · P^T`` (the block's 64 tokens and the value columns are the wgmma M
+  dimension, the 16 rows N; accumulator [512, 16]): 1.107 vs 1.299 ms (R13). The fp8 mma.sync
+  tile does not pay here: Hopper has no FP8 mma.sync, Triton upcasts every fragment to fp16 (F2FP)
+  and the one FP8 K tile cannot serve both dots' shared layouts, so it is not pipelined either
+  (``DEQ16``, options: 0.86-1.02 TB/s);
 - the sequence is cut into ``num_splits`` chunks of ``chunk`` tokens (a multiple of BLOCK_N);
   grid = (row blocks x column slices, splits, batch), row blocks fastest so that the programs
   reading the same KV run side by side and share it through L2;
@@ -90,6 +99,15 @@ the wide tile (210), a block-wide P scale (292, and 1.8-6x the P error on peaked
 ``T_STEP`` softmax (row scale inside the exp2 argument) measured 300 vs 304 without it: equal within
 noise, fewer instructions; it is on (R8's suite table measured it).
 
+Pipelining (what Triton 3.6 generates, read in the TTGIR/SASS of R11-R13): with ``num_stages=2`` the
+copies of block j+1 are issued at the END of iteration j (after its dots) and waited for at the top
+of iteration j+1 (``async_wait num=0``, SASS ``DEPBAR.LE SB0, 0x0``), so the HBM latency of every block
+is exposed once per iteration, overlapped at most with the last asynchronous wgmma. Three stages of
+the wide FP8 tile do not fit shared memory at 64-token blocks (254976 B > 232448 B: an sm_90 compile);
+at 32-token blocks, 3 and 4 stages (loads 2-3 blocks ahead) measured 262 and 259 TFLOP/s vs 300 for
+the 64-token 2-stage default (R13): the per-token instruction cost of the smaller block outweighs the
+hidden latency.
+
 ``S_AHEAD`` (loop order): with the plain loop Triton sees QK's result feed the PV dot and assigns
 all 8 warps along M (``warpsPerCTA [8, 1]`` for a "chained" dot), so with BLOCK_M = 64 both
 warpgroups compute the same whole S tile. Computing S of block j beside P·V of block j-1 (P carried
@@ -133,11 +151,11 @@ S_AHEAD = {"bf16": False, "fp8": True, "fp8-bf16pv": False, "fp8-f16pv": False}
 DV_SPLITS = {"bf16": 1, "fp8": 1, "fp8-bf16pv": 1, "fp8-f16pv": 1}
 # unmasked loop over the whole blocks + a masked tail (plain loop order only); the RoPE dot
 # accumulating into the content dot's accumulator
-# (B=32 H=128 L=16k sweeps: bf16 263 vs 246 TFLOP/s in R8 and 262 vs 245 in R10 with both on, 26 B
-# of spills; measured in sweeps only, not yet in the suite's table, so bf16 keeps the R6 loop by
-# default (the next default flip to try); the FP8 wide tile turns both on)
-EVEN_LOOP = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
-ONE_ACC = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
+# (B=32 H=128 L=16k sweeps: bf16 263 vs 246 TFLOP/s in R8, 262 vs 245 in R10 and 262 vs 247 in R11
+# with both on (26 B of spills), output within 1.5e-4 of the R6 loop: on for bf16 since session 5;
+# the FP8 wide tile turns both on)
+EVEN_LOOP = {"bf16": True, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
+ONE_ACC = {"bf16": True, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
 # FP8 P scale per block from max s_k (``_softmax_step_t``, BLOCK_RULE) instead of the per-row max of P̃ (option)
 P_BLOCK = {"bf16": False, "fp8": False, "fp8-bf16pv": False, "fp8-f16pv": False}
 # FP8-PV softmax on t = acc * s_k with the row scale inside the exp2 argument (``_softmax_step_t``)
@@ -149,6 +167,21 @@ T_STEP = {"bf16": False, "fp8": True, "fp8-bf16pv": False, "fp8-f16pv": False}
 # duplicated QK, no cross-warpgroup softmax reductions), the 512 output columns over 2 programs
 # (accumulator 128 x 256 = 128 registers per thread); unset launcher arguments take these
 WIDE = {"fp8": dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one_acc=True)}
+# GPU, at most FEW_ROWS rows per sequence (e.g. 16 heads, one query token: memory-bound): a
+# 64-row wgmma tile would be 3/4 padding, so such shapes may take a small-M tile instead
+# (BLOCK_M < 64: Triton emits mma.sync), several programs resident per SM and more splits.
+# bf16 (R12/R13 sweeps, B=128 H=16 L=16k, same-round A/B): 16-row tile (mma.sync), 32-token blocks,
+# 4 warps, 2 programs per SM (185 registers, 57 KB smem), 2 splits: 0.663 / 0.667 ms = 3.64 / 3.62 TB/s
+# vs 1.170 / 1.179 ms for the 64-row wgmma tile (R13 suite: 0.668 ms, 2.05x the bmm path).
+# FP8 (R13 sweep, same shape): tokens as the M dimension (``tokens_m``: K·Q^T then V^T·P^T, 64-token
+# wgmma tiles, 16 rows as N), 4 warps: 1.107 ms vs 1.299 ms for the 64-row tile (output within 1.6e-4);
+# 16 rows at most (32 rows spill 240 B); the fp16-MMA variants (``deq16``) measured 1.32-1.57 ms.
+# block_m: the rows rounded up to a power of two; max_rows: the largest row count a path takes
+FEW_ROWS = 32
+FEW = {"bf16": dict(block_n=32, num_warps=4, num_stages=2, s_ahead=False, even_loop=True, one_acc=True,
+                    ctas_per_sm=2),
+       "fp8": dict(tokens_m=True, block_m=16, block_n=64, num_warps=4, num_stages=2, even_loop=True, one_acc=True,
+                   ctas_per_sm=1, max_rows=16)}
 
 
 @triton.jit
@@ -159,6 +192,28 @@ def _dot(a, b, acc, INTERPRET: tl.constexpr):
             a = a.to(tl.float32)
             b = b.to(tl.float32)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _cdot(a, b, acc, IMPRECISE: tl.constexpr, DEQ16: tl.constexpr):
+    """The content dot of QK. FP8 operands: one fp8 wgmma chain, ``IMPRECISE`` products between fp32
+    promotions. ``DEQ16``: the operands are the FP8 values upcast to fp16 (exact), fp32 accumulation."""
+    if DEQ16:
+        r = tl.dot(a, b, acc)  # (DEQ16 = 2: FP8 operands on the mma.sync path; Triton upcasts the fragments)
+    else:
+        r = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
+    return r
+
+
+@triton.jit
+def _e4m3_to_f16(x, INTERPRET: tl.constexpr):
+    """FP8 E4M3 -> fp16 (exact). On the GPU one ``cvt.rn.f16x2.e4m3x2`` per 2 values in inline PTX,
+    which Triton cannot move past the layout conversions after it (a plain ``.to`` is sunk into
+    each dot operand's fragments and converted once per dot)."""
+    if INTERPRET:
+        return x.to(tl.float16)
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=tl.float16, is_pure=False,
+                                     pack=2)
 
 
 @triton.jit
@@ -295,19 +350,28 @@ def _block_slots(PT, b, stride_pt, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.cons
 def _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim, sm_scale_log2e,
             DC: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
             IMPRECISE: tl.constexpr, INTERPRET: tl.constexpr, MASK: tl.constexpr = True,
-            ONE_ACC: tl.constexpr = False, T_STEP: tl.constexpr = False):
+            ONE_ACC: tl.constexpr = False, T_STEP: tl.constexpr = False, TOKENS_M: tl.constexpr = False,
+            DEQ16: tl.constexpr = False):
     """Base-2 scores of the block at n0 ([BLOCK_M, BLOCK_N], -inf where masked), the tokens' FP8
     scales (FP8) and the block's K tile (the bf16 path reuses it as V). ``MASK=False``: the block
     is whole and visible to every row (no token or causal mask at all). ``ONE_ACC``: the RoPE dot
     accumulates straight into the content dot's fp32 accumulator (one wgmma chain, one wait, one
     scaling: SnapMLA's single accumulator literally), instead of two accumulators scaled and added.
     ``T_STEP`` (FP8): returns ``t = acc * s_k`` without the row scale ``s_q * sm_scale * log2(e)``,
-    which ``_softmax_step_t`` applies inside its exp2 argument (one FFMA)."""
+    which ``_softmax_step_t`` applies inside its exp2 argument (one FFMA). ``TOKENS_M``: both dots
+    computed transposed (``K · Q^T``: the block's tokens are the M dimension, the rows N; one
+    accumulator), the [BLOCK_N, BLOCK_M] result transposed back (a register layout change). ``DEQ16``
+    (FP8, few rows): the K tile is upcast to fp16 once (exact; ``qc`` is fp16 too) and returned so for
+    P·V, both dots on fp16 MMAs (mma.sync for a 16-row tile) with the FP8 kernel's numerics."""
     slot, tok_ok, _ = _block_slots(PT, b, stride_pt, n0, end, BLOCK_N, PAGE, INTERPRET)
     offs_c = tl.arange(0, DC)
     offs_r = tl.arange(0, DR)
     kc = _ld(KC + slot[:, None] * stride_kc + offs_c[None, :], tok_ok[:, None], 0.0, MASK, True)
     kr = _ld(KR + slot[:, None] * stride_kr + offs_r[None, :], tok_ok[:, None], 0.0, MASK, False)
+    if DEQ16 == 1:
+        kc = kc.to(tl.float16)
+    elif DEQ16 == 3:  # converted right at the load (inline PTX), one fp16 tile for both dots
+        kc = _e4m3_to_f16(kc, INTERPRET)
     # QK^T: the content groups and the RoPE group in the same pre-scaled domain, one fp32 sum,
     # then the two scales (pre-scaled domain alignment). The RoPE dot has its own accumulator and
     # both products are scaled before the add: a dot feeding another dot's accumulator (which
@@ -318,14 +382,19 @@ def _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, 
             f = ks[None, :]
         else:
             f = qscale[:, None] * ks[None, :]
-        if ONE_ACC:
-            s = _dot(qr, tl.trans(kr), tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE), INTERPRET) * f
+        if TOKENS_M:
+            st = _dot(kr, tl.trans(qr), _cdot(kc, tl.trans(qc), None, IMPRECISE, DEQ16), INTERPRET)
+            s = tl.trans(st) * f
+        elif ONE_ACC:
+            s = _dot(qr, tl.trans(kr), _cdot(qc, tl.trans(kc), None, IMPRECISE, DEQ16), INTERPRET) * f
         else:
-            s = tl.dot(qc, tl.trans(kc), max_num_imprecise_acc=IMPRECISE) * f
+            s = _cdot(qc, tl.trans(kc), None, IMPRECISE, DEQ16) * f
             s = s + _dot(qr, tl.trans(kr), None, INTERPRET) * f
     else:
         ks = tok_ok.to(tl.float32)
-        if ONE_ACC:
+        if TOKENS_M:
+            s = tl.trans(_dot(kr, tl.trans(qr), _dot(kc, tl.trans(qc), None, INTERPRET), INTERPRET)) * sm_scale_log2e
+        elif ONE_ACC:
             s = _dot(qr, tl.trans(kr), _dot(qc, tl.trans(kc), None, INTERPRET), INTERPRET) * sm_scale_log2e
         else:
             s = _dot(qc, tl.trans(kc), None, INTERPRET) * sm_scale_log2e
@@ -427,14 +496,21 @@ def _softmax_any(s, ks, qscale, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, FP8: tl.
 def _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, dv0,
              DC: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
              PV_FP8: tl.constexpr, V_PRMT: tl.constexpr, PV_PROMOTE: tl.constexpr, S_AHEAD: tl.constexpr,
-             TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr, MASK: tl.constexpr = True):
+             TAU: tl.constexpr, PV16: tl.constexpr, INTERPRET: tl.constexpr, MASK: tl.constexpr = True,
+             TOKENS_M: tl.constexpr = False, DEQ16: tl.constexpr = False):
     """acc = acc * rescale + P · V for the block at n0. V = the block's content rows: the K tile
     itself (bf16, unless S_AHEAD, where K and V belong to different blocks), or (FP8) the rows
     loaded again (an L2 hit), in the layout its wgmma needs (see the module docstring). With
-    ``BLOCK_DV`` < DC only the value columns ``[dv0, dv0 + BLOCK_DV)`` (always loaded on their own)."""
+    ``BLOCK_DV`` < DC only the value columns ``[dv0, dv0 + BLOCK_DV)`` (always loaded on their own).
+    ``TOKENS_M``: ``acc`` is the transposed accumulator [BLOCK_DV, BLOCK_M] and the product is
+    ``V^T · P^T`` (the value columns are the M dimension; bf16: V^T is the K tile read MN-major)."""
     offs_c = dv0 + tl.arange(0, BLOCK_DV)
     REUSE_K: tl.constexpr = (BLOCK_DV == DC) and not S_AHEAD
-    if FP8 and (PV16 or not PV_FP8) and REUSE_K:  # the K tile itself, upcast (exact): no second load
+    if DEQ16:  # the K tile of _scores (REUSE_K: the launcher's rule); 1: fp16 K tile, P̂ upcast (exact)
+        vc = kc
+        if DEQ16 == 1 or DEQ16 == 3:
+            p_op = p_op.to(tl.float16)
+    elif FP8 and (PV16 or not PV_FP8) and REUSE_K:  # the K tile itself, upcast (exact): no second load
         vc = kc.to(tl.float16 if (PV_FP8 and PV16) else tl.bfloat16)
     elif FP8 or not REUSE_K:
         slot, tok_ok, slot4 = _block_slots(PT, b, stride_pt, n0, end, BLOCK_N, PAGE, INTERPRET)
@@ -449,16 +525,27 @@ def _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, d
             vc = vc.to(tl.bfloat16)
     else:
         vc = kc
-    if TAU > 0:  # skip the 128-registers-per-thread rescale when no row needs it (CTA-uniform branch)
-        if tl.min(rescale, 0) < 1.0:
-            acc = acc * rescale[:, None]
+    # (no early return inside a constexpr branch: the GPU frontend still type-checks the code after it)
+    if TOKENS_M:  # (TAU = 0, no PV_PROMOTE: the launcher's rule)
+        acc = acc * rescale[None, :]
+        if FP8 and PV_FP8 and not PV16:
+            acc = tl.dot(tl.trans(vc), tl.trans(p_op), acc)
+        else:
+            acc = _dot(tl.trans(vc), tl.trans(p_op), acc, INTERPRET)
     else:
-        acc = acc * rescale[:, None]
-    if FP8 and PV_FP8 and not PV16:
-        if PV_PROMOTE:  # each block's P̂·ĉ in a fresh fp32 tile: exact fp32 sum, 2x acc registers
-            return acc + tl.dot(p_op, vc)
-        return tl.dot(p_op, vc, acc)  # tensor-core fp8 accumulation (docstring)
-    return _dot(p_op, vc, acc, INTERPRET)
+        if TAU > 0:  # skip the 128-registers-per-thread rescale when no row needs it (CTA-uniform branch)
+            if tl.min(rescale, 0) < 1.0:
+                acc = acc * rescale[:, None]
+        else:
+            acc = acc * rescale[:, None]
+        if FP8 and PV_FP8 and not PV16 and not DEQ16:
+            if PV_PROMOTE:  # each block's P̂·ĉ in a fresh fp32 tile: exact fp32 sum, 2x acc registers
+                acc = acc + tl.dot(p_op, vc)
+            else:
+                acc = tl.dot(p_op, vc, acc)  # tensor-core fp8 accumulation (docstring)
+        else:
+            acc = _dot(p_op, vc, acc, INTERPRET)
+    return acc
 
 
 @triton.jit(do_not_specialize=["H", "SQ", "ROWS", "chunk"])  # one compile for every Sq, H, plan
@@ -474,7 +561,7 @@ def _mla_decode_kernel(
     PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
     PV_PROMOTE: tl.constexpr, PV_FP8: tl.constexpr, V_PRMT: tl.constexpr, S_AHEAD: tl.constexpr,
     TAU: tl.constexpr, PV16: tl.constexpr, EVEN_LOOP: tl.constexpr, ONE_ACC: tl.constexpr, T_STEP: tl.constexpr,
-    BLOCK_RULE: tl.constexpr,
+    BLOCK_RULE: tl.constexpr, TOKENS_M: tl.constexpr, DEQ16: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     NDV: tl.constexpr = DC // BLOCK_DV  # programs sharing a row block, one per slice of the output columns
@@ -493,6 +580,8 @@ def _mla_decode_kernel(
     offs_c = tl.arange(0, DC)
     offs_r = tl.arange(0, DR)
     qc = tl.load(QC + rows[:, None] * stride_qc + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+    if DEQ16 == 1 or DEQ16 == 3:
+        qc = qc.to(tl.float16)  # exact
     qr = tl.load(QR + rows[:, None] * stride_qr + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     if FP8:
         qscale = tl.load(QS + rows, mask=row_ok, other=1.0) * sm_scale_log2e  # > 0 (T_STEP relies on it)
@@ -502,7 +591,10 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     sig_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if TOKENS_M:  # transposed accumulator: the value columns are the M dimension of the PV dot
+        acc = tl.zeros([BLOCK_DV, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if S_AHEAD:
         # software-pipelined by hand: iteration j computes P·V of block j-1 and the scores of block j.
         # The QK dot's result then reaches the PV dot only through the loop-carried P, so Triton
@@ -530,21 +622,26 @@ def _mla_decode_kernel(
             full_end = start + tl.maximum(vis - start, 0) // BLOCK_N * BLOCK_N
             for n0 in range(start, full_end, BLOCK_N):  # monotone block order (SnapMLA App. C)
                 s, ks, kc = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
-                                    sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, False, ONE_ACC, T_STEP)
+                                    sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, False, ONE_ACC, T_STEP,
+                                    TOKENS_M, DEQ16)
                 p_op, rescale, m_i, l_i, sig_i = _softmax_any(s, ks, qscale, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
                                                                PV_FP8, TAU, PV16, T_STEP, BLOCK_RULE, INTERPRET)
                 acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, dv0, DC, BLOCK_DV,
-                               BLOCK_N, PAGE, FP8, PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET, False)
+                               BLOCK_N, PAGE, FP8, PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET, False, TOKENS_M,
+                               DEQ16)
         else:
             full_end = start
         for n0 in range(full_end, end, BLOCK_N):  # the ragged / causal tail (or every block), masked
             s, ks, kc = _scores(qc, qr, qscale, KC, KR, KS, PT, b, stride_pt, stride_kc, stride_kr, n0, end, lim,
-                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, True, ONE_ACC, T_STEP)
+                                sm_scale_log2e, DC, DR, BLOCK_N, PAGE, FP8, IMPRECISE, INTERPRET, True, ONE_ACC, T_STEP,
+                                TOKENS_M, DEQ16)
             p_op, rescale, m_i, l_i, sig_i = _softmax_any(s, ks, qscale, m_i, l_i, sig_i, KC.dtype.element_ty, FP8,
                                                            PV_FP8, TAU, PV16, T_STEP, BLOCK_RULE, INTERPRET)
             acc = _pv_step(acc, p_op, rescale, KC, PT, b, stride_pt, stride_kc, n0, end, kc, dv0, DC, BLOCK_DV, BLOCK_N, PAGE, FP8,
-                           PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET)
+                           PV_FP8, V_PRMT, PV_PROMOTE, S_AHEAD, TAU, PV16, INTERPRET, True, TOKENS_M, DEQ16)
 
+    if TOKENS_M:
+        acc = tl.trans(acc)
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     offs_v = dv0 + tl.arange(0, BLOCK_DV)
     out = acc * inv_l[:, None]
@@ -614,7 +711,8 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
                       num_warps: int | None = None,
                       num_stages: int | None = None, dv_splits: int | None = None,
                       even_loop: bool | None = None, one_acc: bool | None = None, p_block: bool | None = None,
-                      t_step: bool | None = None,
+                      t_step: bool | None = None, ctas_per_sm: int | None = None, tokens_m: bool | None = None,
+                      deq16: bool | None = None,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
@@ -634,14 +732,32 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         s_ahead = wide["s_ahead"] if s_ahead is None else s_ahead
         even_loop = wide["even_loop"] if even_loop is None else even_loop
         one_acc = wide["one_acc"] if one_acc is None else one_acc
+    few = FEW.get(path) if (not interp and ROWS <= FEW.get(path, {}).get("max_rows", FEW_ROWS) and not tau) else None
+    if few:
+        block_m = few.get("block_m", max(16, triton.next_power_of_2(ROWS))) if block_m is None else block_m
+        block_n = few.get("block_n") if block_n is None else block_n
+        num_warps = few.get("num_warps") if num_warps is None else num_warps
+        num_stages = few.get("num_stages") if num_stages is None else num_stages
+        s_ahead = few.get("s_ahead") if s_ahead is None else s_ahead
+        even_loop = few.get("even_loop") if even_loop is None else even_loop
+        one_acc = few.get("one_acc") if one_acc is None else one_acc
+        ctas_per_sm = few.get("ctas_per_sm") if ctas_per_sm is None else ctas_per_sm
+    tokens_m = bool((few or {}).get("tokens_m", False) if tokens_m is None else tokens_m)
+    deq16 = int((few or {}).get("deq16", 0) if deq16 is None else deq16) if (fp8 and pv_fp8 and not pv16) else 0
+    if deq16:  # K tile upcast once, reused as V: plain loop, all columns per program, no lazy max
+        s_ahead, tau, pv_promote, dv_splits = False, 0.0, False, 1
+    if tokens_m:  # the transposed dots: plain loop, no lazy max, no promoted PV, all columns per program
+        s_ahead, tau, pv_promote, dv_splits = False, 0.0, False, 1
+        if block_m is None:
+            block_m = max(16, min(64, triton.next_power_of_2(ROWS)))
     if block_m is None:
         block_m = 64 if not interp else max(16, min(64, triton.next_power_of_2(ROWS)))
     if block_n is None:
         block_n = PV_BLOCK_N[path] if not interp else 16
-    if dev.type == "cuda" and block_m < 64:
-        raise ValueError("block_m must be >= 64 on the GPU (wgmma tile)")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m ({block_m}) must be a power of two >= 16 (< 64: mma.sync on the GPU)")
     ok4 = fp8 and pv_fp8 and page_size % 4 == 0 and block_n % 4 == 0 and DC % 16 == 0 and kc.stride(0) % 4 == 0
-    v_prmt = int(v_prmt) if (ok4 and not pv16) else 0
+    v_prmt = int(v_prmt) if (ok4 and not pv16 and not deq16) else 0
     if s_ahead is None:
         s_ahead = S_AHEAD[path]
     if dv_splits is None:
@@ -654,9 +770,11 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         ("block" if P_BLOCK[path] else "row") if p_block is None else ("block" if p_block else "row"))
     row_blocks = cdiv(ROWS, block_m)
     if num_warps is None:
-        num_warps = 8 if (not interp and DC >= 256) else 4
+        num_warps = (4 * max(1, block_n // 64) if tokens_m else 8) if (not interp and DC >= 256) else 4
     # 4 warps, 64 rows, half the columns: 255 registers x 128 threads and ~100 KB smem fit 2 per SM
     resident = 2 if (num_warps == 4 and block_m == 64 and dv_splits >= 2 and not interp) else 1
+    if ctas_per_sm is not None:  # programs resident per SM, for the split plan (sweeps, small tiles)
+        resident = max(1, int(ctas_per_sm))
     splits, chunk = plan_splits(B, row_blocks * dv_splits, max_seq_len, block_n, dev, num_splits, resident)
     out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
     qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
@@ -680,7 +798,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         V_PRMT=v_prmt, S_AHEAD=s_ahead, TAU=float(tau), PV16=bool(pv16 and fp8 and pv_fp8),
         EVEN_LOOP=bool(EVEN_LOOP[path] if even_loop is None else even_loop),
         ONE_ACC=bool(ONE_ACC[path] if one_acc is None else one_acc), BLOCK_RULE=p_rule == "block",
-        T_STEP=t_step_on,
+        T_STEP=t_step_on, TOKENS_M=tokens_m, DEQ16=int(deq16),
         INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -692,5 +810,6 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     if return_plan:
         return out, {"splits": splits, "chunk": chunk, "block_n": block_n, "block_m": block_m, "v_prmt": v_prmt,
                      "dv_splits": dv_splits, "p_rule": p_rule, "num_warps": num_warps, "num_stages": num_stages,
-                     "s_ahead": s_ahead, "kernel": kernel}
+                     "s_ahead": s_ahead, "ctas_per_sm": resident, "tokens_m": tokens_m, "deq16": deq16,
+                     "kernel": kernel}
     return out

@@ -51,9 +51,13 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
 
 - ``PDL`` (config key, default ``lowbit.kernels.act_quant.PDL_DEFAULT``): programmatic dependent
   launch -- the GEMM waits (``griddepcontrol.wait``) for the previous kernel (the activation
-  quantization) before its first load, so its launch overlaps that kernel. ``TILED``: tile-major
+  quantization) before its first load, so its launch overlaps that kernel; ``PDL_TRIGGER`` (default
+  True) also lets the next PDL kernel launch at once (False: when this grid ends). ``TILED``: tile-major
   codes (``lowbit.formats.w4a8_fp8.tile_codes``). ``LUT2``: both halves of a code word in one asm
-  instance (``_fp8_lookup2``). All three leave the arithmetic unchanged.
+  instance (``_fp8_lookup2``). ``CAT``: the two 64-column halves joined along K
+  (``tl.join``/``permute``/``reshape``, a register renaming in the wgmma operand layout) into one
+  K=128 dot per tile against the whole x tile: the same k32 wgmma steps in the same order, half the
+  commit/wait pairs. All of them leave the arithmetic unchanged (bit-equal on the GPU, R12).
 
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
 Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
@@ -94,6 +98,32 @@ def _split_k(tiles: int, k_tiles: int, target: int) -> int:
 #   per-program absmax prologue over the whole K and the in-loop quantization cost more than the
 #   separate launch. It stays available (w4a8_fp8_linear_fused, FUSED_QUANT_MAX_M > 0), off by default.
 FUSED_QUANT_MAX_M = 0  # w4a8_fp8_linear: activation quantization inside the GEMM up to this M
+# - programmatic dependent launch of act_quant -> GEMM: w4a8_fp8_linear runs both launches PDL (op
+#   lowbit::w4a8_fp8_linear_pdl; the GEMM waits but does not trigger its own dependents early) up to this M.
+#   R12 (H200, act_quant + GEMM, us, plain / PDL / PDL without the GEMM's trigger): M=1 gate_up 28.3 / 27.3 /
+#   27.2, down 19.6 / 18.8 / 18.6, qkv 14.8 / 14.0 / 13.8, o 13.2 / 12.1 / 12.0; M=16 gate_up 28.5 / 27.7 /
+#   27.7 but down 22.3 / 24.6 / 24.7, qkv 15.4 / 16.0 / 15.9, o 13.9 / 14.1 / 13.9 (R11 the same): M = 1 only.
+PDL_LINEAR_MAX_M = 1
+# ... and up to this M where the config has no split-K (gate_up, lm_head): R12 / R13 gate_up M=16 27.7 / 25.9
+# us with PDL vs 28.5 / 27.0 without (the M=16 losses above are all split-K configs).
+PDL_NOSPLIT_MAX_M = 16
+
+
+def use_pdl_linear(M: int, N: int, K: int) -> bool:
+    """Whether w4a8_fp8_linear launches act_quant -> GEMM with programmatic dependent launch."""
+    if M <= PDL_LINEAR_MAX_M:
+        return True
+    return M <= PDL_NOSPLIT_MAX_M and pick_config(M, N, K).get("SPLIT_K", 1) == 1 and M < DEQUANT_MIN_M
+# - flags added to the fused-dequant configs; each output bit-equal to the plain config on the GPU (R12).
+#   LUT2: one asm for both code halves; CAT: [w_lo | w_hi] as one K=128 dot per tile (2 wgmma waits per
+#   KSTEP=2 iteration instead of 4; offline SASS: gate_up loop 621 -> 552 instructions). R12, GEMM alone,
+#   us, plain / LUT2 / LUT2+CAT: gate_up M=1 25.3 / 24.0 / 23.3, M=16 25.7 / - / 23.8; qkv M=1 12.1 / 12.0 /
+#   11.7, M=16 12.6 / - / 11.7; o M=1 10.4 / 10.3 / 10.2, M=16 11.2 / - / 10.7; lm_head 75.7 / - / 71.6;
+#   down (long K, split-K) M=1 16.1 / 15.9 / 16.6, M=16 18.4 / - / 17.9; M=128 gate_up 58.5 / 58.6 / 54.5,
+#   down 39.2 / 40.5 / 34.5.
+DECODE_FLAGS: dict = {"LUT2": True, "CAT": True}  # M <= 64, 128-row wide-N and 64-row paths
+LONG_K_FLAGS: dict = {"LUT2": True}  # M <= 64, long-K (down) path: CAT lost at M = 1
+MID_FLAGS: dict = {"LUT2": True, "CAT": True}  # 64 < M < DEQUANT_MIN_M
 # - from M = 512: dequantize the weight once to FP8 and use torch._scaled_mm row-wise (R4, gate_up
 #   M=1024: 233.9 us vs 431.5 us fused-dequant and 348.0 us for the Triton W_FP8 GEMM; R5, M=512:
 #   gate_up 148.6 vs 187.9 us, down 72.5 vs 122.2, 4096^2 26.2 vs 41.9 for the swap-AB kernel; at
@@ -122,6 +152,9 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
       tiles without swap; R4), split-K until one wave.
     - M >= DEQUANT_MIN_M: ``MODE=DEQUANT_GEMM`` (dequantize once + FP8 GEMM); the tile entries are
       used by the Triton W_FP8 GEMM (``MODE="dequant"``, and where _scaled_mm cannot run).
+    - Every fused-dequant config adds ``DECODE_FLAGS`` / ``LONG_K_FLAGS`` / ``MID_FLAGS`` (``LUT2``,
+      ``CAT``: fewer instructions and wgmma waits per K tile, same products in the same order; R12
+      numbers beside the constants).
     Accumulation is precise everywhere (FP32 promotion every K = 64 or 128); ``FAST_ACC=True`` (no
     promotion) is an option for experiments: 1.6x faster at M = 1024 but it lost 22% (rel-L2) on an
     all-positive K = 14336 product on the H200.
@@ -134,18 +167,18 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         if cdiv(N, 128) >= n_sm:
             return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=3, GROUP_M=1,
-                        ACC_TILE=True, SWORD=True, TMA=True, KSTEP=2)
+                        ACC_TILE=True, SWORD=True, TMA=True, KSTEP=2, **DECODE_FLAGS)
         if k_tiles >= 64:  # long K (down): 128 rows, split-K to ~1.5 programs per SM
             split = _split_k(cdiv(N, 128) * cdiv(M, bm), k_tiles, 3 * n_sm // 2)
             return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
-                        ACC_TILE=True, SWORD=True, TMA=True)
+                        ACC_TILE=True, SWORD=True, TMA=True, **LONG_K_FLAGS)
         bn = 64
         split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
-                    ACC_TILE=True, SWORD=False)
+                    ACC_TILE=True, SWORD=False, **DECODE_FLAGS)
     split = _split_k(cdiv(N, 64) * cdiv(M, 128), k_tiles, n_sm)
     return dict(BLOCK_M=128, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
-                ACC_TILE=True, SWORD=False)
+                ACC_TILE=True, SWORD=False, **MID_FLAGS)
 
 
 # ------------------------------------------------------------------------------------ kernel
@@ -446,7 +479,7 @@ def _gemm_tile(
     SWAP_AB: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr,
     W_FP8: tl.constexpr, SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr,
-    TMA: tl.constexpr, TILED: tl.constexpr, LUT2: tl.constexpr,
+    TMA: tl.constexpr, TILED: tl.constexpr, LUT2: tl.constexpr, CAT: tl.constexpr = False,
 ):
     """K tiles [kt0, kt1) of output tile (pid_m, pid_n) -> (acc [BLOCK_M, BLOCK_N] fp32 before
     scaling, the tile rows' per-token scales sx [BLOCK_M])."""
@@ -532,6 +565,12 @@ def _gemm_tile(
                 nv_hi = tl.load(q_rows + HALF_K + nk_lo[None, :], mask=pmask & (nk_lo + HALF_K < K)[None, :], other=0.0)
                 a_lo = _quant_rows(v_lo.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
                 a_hi = _quant_rows(v_hi.to(tl.float32), sxq, rxq, QROWS, RSTEP, BLOCK_M, EMU)
+            elif CAT:  # the whole K tile in one piece (k_lo, k_hi contiguous)
+                k_all = k0 + tl.arange(0, 2 * HALF_K)
+                kmask = k_all < K
+                if KSTEP > 1:
+                    kmask = kmask & (kt < kt1)
+                a_all = tl.load(a_rows + k_all[None, :], mask=mask_m[:, None] & kmask[None, :], other=0.0)
             else:
                 a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & kmask_lo[None, :], other=0.0)
                 a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & kmask_hi[None, :], other=0.0)
@@ -542,7 +581,20 @@ def _gemm_tile(
                 w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, wmask_n, offs_h, Bdesc,
                                             pid_n * BLOCK_N, Bq, k_tiles, GROUP, BLOCK_N, LUT, SWORD, TMA, TILED,
                                             LUT2)
-            if ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
+            if CAT:  # one K=128 dot per tile: [w_lo | w_hi] (columns in order) against the whole x tile
+                if QUANT_A:
+                    a_all = tl.reshape(tl.permute(tl.join(a_lo, a_hi), (0, 2, 1)), [BLOCK_M, 2 * HALF_K])
+                w_all = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, 2 * HALF_K])
+                if ACC_TILE:
+                    if SWAP_AB:
+                        acc += tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                    else:
+                        acc += tl.dot(a_all, tl.trans(w_all), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32))
+                elif SWAP_AB:
+                    acc = tl.dot(w_all, tl.trans(a_all), acc, max_num_imprecise_acc=IMPRECISE)
+                else:
+                    acc = tl.dot(a_all, tl.trans(w_all), acc, max_num_imprecise_acc=IMPRECISE)
+            elif ACC_TILE:  # fast FP8 accumulation within the K tile, promoted to FP32 once per tile
                 if SWAP_AB:
                     part = tl.dot(w_lo, tl.trans(a_lo), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
                     part = tl.dot(w_hi, tl.trans(a_hi), part)
@@ -580,9 +632,9 @@ def _w4a8_fp8_gemm_kernel(
     SILU_MUL: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
     SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr, TMA: tl.constexpr,
-    TILED: tl.constexpr, LUT2: tl.constexpr, PDL: tl.constexpr,
+    TILED: tl.constexpr, LUT2: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, CAT: tl.constexpr,
 ):
-    pdl_prologue(PDL)  # PDL launch: wait for the producer of x / sx before any load
+    pdl_prologue(PDL, PDL_TRIGGER)  # PDL launch: wait for the producer of x / sx before any load
     k_tiles = tl.cdiv(K, 2 * HALF_K)
     num_m = tl.cdiv(M, QROWS)
     # ---- tile indices (grouped ordering along M for L2 reuse of the weight tiles). A program
@@ -608,7 +660,7 @@ def _w4a8_fp8_gemm_kernel(
     acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
                          pid_m, pid_n, pid_k, kt0, kt1, GROUP, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, LUT, IMPRECISE,
                          ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA, TILED,
-                         LUT2)
+                         LUT2, CAT)
     offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -772,6 +824,7 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         QUANT_A=quant_a, QROWS=qrows, RSTEP=bm // qrows, QCH=qch, QWIDE=qwide, W_FP8=w_fp8, SK_SEM=sk_sem, EMU=interpret_mode(), SWORD=cfg.get("SWORD", True),
         KSTEP=1 if quant_a else cfg.get("KSTEP", 1), TMA=tma, TILED=tiled, LUT2=bool(cfg.get("LUT2", False)),
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(a, cfg.get("PDL")) else {"PDL": False}),
+        PDL_TRIGGER=bool(cfg.get("PDL_TRIGGER", True)), CAT=bool(cfg.get("CAT", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:

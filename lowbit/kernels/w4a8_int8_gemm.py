@@ -64,7 +64,8 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
-from lowbit.kernels.act_quant import silu_mul_rounded
+from lowbit.kernels.act_quant import pdl_enabled, silu_mul_rounded
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 AMAX_EPS = tl.constexpr(_AMAX_EPS)
 
@@ -89,8 +90,13 @@ CONFIGS = {
 # (399 = 1206 TOP/s), M=1024 148 vs 133 (104), M=512 134 vs 131; but K=4096 loses: gate_up
 # N=28672 M=4096 877 vs 944, M=1024 221 vs 282; o M=4096 129 vs 139; qkv M=4096 190 vs 205 (the
 # in-register kernel already runs ~1060-1100 TOP/s there, and the dequantization costs 9-61 us).
+# Same-round A/B of this rule against the in-register default (R11, down N=4096 K=14336, x pre-quantized,
+# us): M=1024 145.4 vs 133.3, M=4096 561.0 vs 428.1, outputs bit-equal; on since session 5.
+# Cost (counted in every timing: the dequantization runs inside each call): one read of the packed
+# codes + one write of a transient int8 [N, Kp] buffer (2x the packed weight, from the caching
+# allocator, freed when the call returns; peak memory + N*Kp bytes during the call), ~32 us for down.
 W8_CONFIG = (128, 256, 8, 3, {})
-W8_MIN_M = 1 << 62  # off until a suite round measures it as the default (session 4: crossover 1024 in r7-r9 sweeps).
+W8_MIN_M = 1024
 # measured crossover (r7-r9). The r8/r9 'dequantize_w8 != dequantize_int8' FAIL was a benchmark bug:
 # its inputs took qweight, gscale and gzs from three different weights (a generator re-ran quantize per field),
 # so q4*s2 - zs left INT8 and the packed 4-lane PTX carried into the neighbour byte; real (s2, zs) pairs keep
@@ -111,6 +117,18 @@ FUSE_QUANT_MAX_TILES = 8  # k-tiles of 128 per program
 # SiLU*mul + quantization inside the down GEMM (lowbit.ops.w4a8_int8_silu_mul_linear): measured
 # slower at every M tried (r5, K = 11008: M=1 35.8 vs 24.4 us, M=4 54.3 vs 25.0), so off by default
 FUSE_SILU_MAX_M = 0
+# Programmatic dependent launch (Hopper) of the act-quant kernel -> this GEMM, for M <= PDL_MAX_M
+# (the unfused linear, ``lowbit.ops.w4a8_int8``): the GEMM's programs launch while the act-quant kernel
+# runs, optionally ask L2 for their first ``PDL_L2_TILES`` k-tiles of weight codes, then wait
+# (``griddepcontrol.wait``: the act-quant grid has finished and its codes are visible) before any
+# other load. Same numerics (bit-equal). 0 = off until a same-round A/B measures it faster.
+PDL_MAX_M = 0
+PDL_L2_TILES = 0
+
+
+def use_pdl(M: int) -> bool:
+    """True when the unfused linear launches act-quant -> GEMM as a programmatic dependent pair."""
+    return 0 < M <= PDL_MAX_M
 
 
 def use_fused_quant(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132) -> bool:
@@ -276,7 +294,7 @@ def _w4a8_int8_gemm_kernel(
     FUSE_QUANT: tl.constexpr, QROWS: tl.constexpr, QCHUNK: tl.constexpr, UNROLL_REDUCE: tl.constexpr,
     ACT: tl.constexpr, L2_PREFETCH: tl.constexpr, JOIN_K: tl.constexpr, W8: tl.constexpr,
     KSTEP: tl.constexpr, PF_DIST: tl.constexpr, PF_BULK: tl.constexpr, W_TILED: tl.constexpr,
-    DP4A: tl.constexpr,
+    DP4A: tl.constexpr, PDL: tl.constexpr = False,
 ):
     BLOCK_K: tl.constexpr = 128  # = lowbit.formats.w4a8_int8.CHUNK
     HALF: tl.constexpr = 64
@@ -312,7 +330,7 @@ def _w4a8_int8_gemm_kernel(
     else:
         w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
     t0 = pid_k * TILES_PER_SPLIT  # the last split may run past KP: its loads are masked off
-    if L2_PREFETCH > 0 and USE_ASM and not W_TILED:
+    if L2_PREFETCH > 0 and USE_ASM and not W_TILED and not W8:
         # start the first weight tiles on their way to L2 before the activation pass below (its L2
         # round trip would otherwise precede the pipeline's first loads)
         pf = tl.arange(0, L2_PREFETCH)
@@ -320,6 +338,9 @@ def _w4a8_int8_gemm_kernel(
         tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                   [W + rn[:, None] * stride_wn + pk[None, :]], dtype=tl.int32,
                                   is_pure=False, pack=1)
+    if PDL:  # launched as a dependent grid: only the (immutable) weight codes above were touched so far
+        gdc_wait()
+        gdc_launch_dependents()
     if FUSE_QUANT:
         # float rows, masked (not clamped): rows >= M move no bytes and quantize to 0
         x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_h[None, :] * stride_xk
@@ -595,14 +616,17 @@ def dequantize_w8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor
 def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor, wscale: torch.Tensor,
            gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, k: int,
            group_size: int, out_dtype: torch.dtype, config: dict | None = None, *, up_offset: int | None = None,
-           w8: torch.Tensor | None = None):
+           w8: torch.Tensor | None = None, pdl: bool = False):
     """Launch the kernel. ``xq`` int8 [M, K] with ``xscale`` fp32 [M], or ``xq`` float [M, K] with
     ``xscale=None``: the per-token INT8 quantization then runs inside the GEMM (``FUSE_QUANT``;
     M <= 16). Weight fields as in ``lowbit.formats.w4a8_int8``; ``group_size`` = columns per group
     (per-channel: Kp). ``up_offset`` (fused path only): x is the gate half of a gate_up output and
     the value quantized is ``silu(gate) * up`` with ``up`` ``up_offset`` elements after ``gate``
     (same strides). ``w8`` (int8 [N, Kp], ``dequantize_w8(qweight, ...)``): run the plain W8A8
-    GEMM on it instead of dequantizing in registers (large M; needs ``xscale``). Arguments are
+    GEMM on it instead of dequantizing in registers (large M; needs ``xscale``). ``pdl``: launch as a
+    programmatic dependent grid of the kernel before it in the stream (see ``PDL_MAX_M``; ignored
+    under the interpreter, before Hopper and with ``w8``; the L2 prefetch depth is the config's
+    ``L2_PREFETCH``, default ``PDL_L2_TILES``). Arguments are
     validated by ``lowbit.ops.w4a8_int8``. Returns
     ``(out, compiled_kernel)`` (the compiled kernel for PTX inspection; None when nothing ran)."""
     M, K = xq.shape
@@ -630,7 +654,8 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     use_asm = cfg.pop("USE_ASM", not interpret_mode() and os.environ.get("LOWBIT_W4A8_INT8_NO_ASM", "0") != "1")
     swap = cfg.pop("SWAP_AB", w8 is None)
     prefetch = cfg.pop("PREFETCH", False)
-    l2pf = cfg.pop("L2_PREFETCH", 0)  # k-tiles per row prefetched to L2 up front (power of 2; 0 = off)
+    pdl = bool(pdl) and w8 is None and pdl_enabled(xq, True)
+    l2pf = cfg.pop("L2_PREFETCH", PDL_L2_TILES if pdl else 0)  # k-tiles per row prefetched to L2 up front (power of 2; 0 = off)
     words = cfg.pop("GS_WORDS", False)  # r4: the byte loads (L1 hits) beat the pipelined words
     gs, gz, stride_g = gscale, gzs, gscale.stride(0)
     if words and group_size % bk == 0 and group_size != PER_CHANNEL_GROUP:
@@ -677,7 +702,8 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
         PREFETCH=prefetch, FUSE_QUANT=fuse_quant, QROWS=qrows, QCHUNK=qchunk, UNROLL_REDUCE=unroll,
         ACT=0 if up_offset is None else 1, L2_PREFETCH=l2pf,
         JOIN_K=cfg.pop("JOIN_K", False), W8=w8 is not None, KSTEP=kstep, PF_DIST=pf_dist, PF_BULK=pf_bulk,
-        W_TILED=cfg.pop("W_TILED", False) and w8 is None, DP4A=dp4a, **cfg,
+        W_TILED=cfg.pop("W_TILED", False) and w8 is None, DP4A=dp4a, PDL=pdl, **cfg,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, kernel
 

@@ -34,6 +34,13 @@ residual adds of ``o_proj``/``down_proj`` go into the w4a8-fp8 epilogue. RoPE co
 once per forward (shared by all layers). The codes and scales are bit-identical to the eager
 modules' (tests), so fused and unfused runs give the same tokens.
 
+RoPE (session 5): one launch of ``lowbit.kernels.rope`` rotates q and k together (they are adjacent
+slices of the fused q/k/v output) with transformers' rounding (each half-precision op rounded, bit
+for bit; ``ROPE_KERNEL``); over the KV4 cache the decode step rotates q inside the ``kv4_append``
+launch that already rotates k (``ROPE_Q_APPEND``), so RoPE costs no launch of its own. At batch 1
+(``pdl_max_m``) the W4A8-FP8 act-quant and GEMM kernels are programmatic dependent launches (Hopper),
+so each launch overlaps the previous kernel's tail inside the CUDA graph; same numerics.
+
 CPU: the same code runs eagerly (no graphs); kernels run under the Triton interpreter or fall
 back to their references, so tests compare the runner's greedy tokens with ``model.generate``.
 """
@@ -164,16 +171,27 @@ def _fuse_rows(mods):
     return f
 
 
+# RoPE of q (and k) by ``lowbit.kernels.rope`` (one launch, same bits as the eager ops) instead of
+# transformers' four ops per tensor. R13 A/B (H200, Llama-3-8B shapes, tokens/s, same run): decode B=1 1k
+# fireq 326 -> 345, bf16 138 -> 141; prefill 16 x 1024 fireq 63.0k -> 70.1k; bit-equal to the eager ops (8/8
+# GPU cases, R13) and the same greedy tokens (bf16 and fireq runners).
+ROPE_KERNEL = True
+# decode over the KV4 cache: q rotated inside the append kernel (``kv4_append``'s ROPE_Q), one launch
+# fewer per layer. R12 + R13 A/B vs ``ROPE_KERNEL`` alone: B=1 1k 346 / 345 vs 343 / 345, 8k 337 / 345 vs
+# 337 / 341, B=16 1k 4897 / 5026 vs 4868 / 4972 (same greedy tokens).
+ROPE_Q_APPEND = True
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE values depend on the position only
 _ACT_FORMAT = {"w4a8-fp8": "fp8", "w4a8-int8": "int8"}  # scheme -> per-token activation format
 _RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * norm(x).to(dtype)
 
 
-def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up: torch.Tensor | None = None):
+def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up: torch.Tensor | None = None,
+                pdl: bool = False):
     """Per-token quantization of ``x2 [M, K]`` to ``fmt`` ('fp8' / 'int8') in ONE launch, optionally
     fused with the op producing it: ``norm`` (an HF RMSNorm: quantize ``norm(x2)``) or ``up``
     (quantize ``silu(x2) * up``). Kernel ``lowbit.kernels.act_quant`` (bit-exact with the eager
-    modules followed by ``quantize_per_token``); without Triton the eager modules + reference."""
+    modules followed by ``quantize_per_token``); without Triton the eager modules + reference.
+    ``pdl``: launch it as a programmatic dependent launch (``lowbit.kernels.act_quant``; same codes)."""
     from lowbit._utils import use_triton
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
 
@@ -183,10 +201,10 @@ def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up
 
         if norm is not None:
             return per_token_quant_triton(x2, dtype, fuse="rmsnorm", weight=norm.weight,
-                                          eps=float(norm.variance_epsilon))
+                                          eps=float(norm.variance_epsilon), pdl=pdl)
         if up is not None:
-            return per_token_quant_triton(x2, dtype, fuse="silu_mul", up=up)
-        return per_token_quant_triton(x2, dtype)
+            return per_token_quant_triton(x2, dtype, fuse="silu_mul", up=up, pdl=pdl)
+        return per_token_quant_triton(x2, dtype, pdl=pdl)
     if norm is not None:
         x2 = norm(x2)
     elif up is not None:
@@ -212,6 +230,11 @@ class _Proj:
         self.mod = mod
         self.aq = _ACT_FORMAT.get(getattr(mod, "scheme", None))
         self.silu_mul = getattr(mod, "activation", None) == "silu_mul"
+        self.pdl_max_m = 0  # set by the Generator: programmatic dependent launch up to this many rows
+
+    def pdl(self, m: int) -> bool:
+        """Launch this projection's act-quant + GEMM as programmatic dependent launches for ``m`` rows?"""
+        return self.aq == "fp8" and 0 < m <= self.pdl_max_m
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``mod(x)`` (+ ``residual``, in the GEMM epilogue where the module has one)."""
@@ -224,7 +247,16 @@ class _Proj:
         """The module's GEMM on per-token codes ``xq [M, K]`` / scales ``sx [M]`` -> ``[*lead, N]``."""
         m = self.mod
         res = None if residual is None else residual.reshape(xq.shape[0], -1)
-        if self.aq == "fp8":
+        if self.aq == "fp8" and self.pdl(xq.shape[0]) and xq.is_cuda:
+            # the op's GEMM launched as a programmatic dependent launch (lowbit::w4a8_fp8_linear_pdl's
+            # kernel call with a pre-quantized x): same kernel, config and numerics, launch overlapped
+            from lowbit.kernels.w4a8_fp8_gemm import pick_config
+            from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
+
+            cfg = dict(pick_config(xq.shape[0], m.codes.shape[0], m.in_features), PDL=True)
+            y = kernel(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, bias=m.bias,
+                       residual=res, silu_mul=self.silu_mul, out_dtype=dtype, config=cfg)
+        elif self.aq == "fp8":
             from lowbit.ops.w4a8_fp8 import w4a8_fp8_gemm
 
             y = w4a8_fp8_gemm(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, m.bias,
@@ -290,7 +322,8 @@ class _FusedLayer:
         """``x`` (the residual stream ``[B, S, H]``) -> q, k, v ``[B, S, *]`` (input norm included)."""
         if self.qkv_p is not None:
             if self.norm_q:
-                xq, sx = _quant_rows(x.reshape(-1, x.shape[-1]), self.norm_q, norm=self.in_norm)
+                x2 = x.reshape(-1, x.shape[-1])
+                xq, sx = _quant_rows(x2, self.norm_q, norm=self.in_norm, pdl=self.qkv_p.pdl(x2.shape[0]))
                 y = self.qkv_p.gemm(xq, sx, x.shape[:-1], x.dtype)
             else:
                 y = self.qkv_p(self.in_norm(x))
@@ -301,7 +334,8 @@ class _FusedLayer:
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``x + o_proj(o)`` then the MLP block with its residual: the layer's output."""
         if self.o_q:  # separate quant + GEMM (R4, w4a8_fp8 area: faster than quantizing in the GEMM)
-            xq, sx = _quant_rows(o.reshape(-1, o.shape[-1]), self.o_q)
+            o2 = o.reshape(-1, o.shape[-1])
+            xq, sx = _quant_rows(o2, self.o_q, pdl=self.o.pdl(o2.shape[0]))
             x = self.o.gemm(xq, sx, x.shape[:-1], x.dtype, residual=x)
         else:
             x = self.o(o, residual=x)
@@ -309,7 +343,8 @@ class _FusedLayer:
         if self.gate_up_p is None and self.down is None:  # some other MLP: the module itself
             return x + self.mlp(self.post_norm(x))
         if self.post_q:
-            xq, sx = _quant_rows(x.reshape(-1, x.shape[-1]), self.post_q, norm=self.post_norm)
+            x2 = x.reshape(-1, x.shape[-1])
+            xq, sx = _quant_rows(x2, self.post_q, norm=self.post_norm, pdl=self.gate_up_p.pdl(x2.shape[0]))
             gu = self.gate_up_p.gemm(xq, sx, lead, x.dtype)
         elif self.gate_up_p is not None:
             gu = self.gate_up_p(self.post_norm(x))
@@ -322,7 +357,7 @@ class _FusedLayer:
                 a = gu
             elif self.down_q:
                 g, u = gu.reshape(-1, gu.shape[-1]).split(self.inter, dim=-1)
-                xq, sx = _quant_rows(g, self.down_q, up=u)
+                xq, sx = _quant_rows(g, self.down_q, up=u, pdl=self.down.pdl(g.shape[0]))
                 return self.down.gemm(xq, sx, lead, x.dtype, residual=x)
             else:
                 g, u = gu.split(self.inter, dim=-1)
@@ -379,7 +414,7 @@ class PagedKV4:
     name = "kv4"
 
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, zero_point=False, page=64, crs=None,
-                 scale_dtype=torch.float8_e4m3fn):
+                 scale_dtype=torch.float8_e4m3fn, splits: int | None = None):
         from lowbit.ops import kv4 as kv4ops  # noqa: F401  (fails early with ImportError)
 
         self.ops = kv4ops
@@ -404,6 +439,7 @@ class PagedKV4:
         self.page_table = torch.arange(n_pages, device=device, dtype=torch.int32).view(batch, self.pages_per_seq)
         # per layer CRS: (crs_k [Hkv, D] multiplies post-RoPE K, crs_q = 1 / crs_k for Q) or None
         self.crs = crs or [None] * n_layers
+        self.splits = int(splits or 0)  # decode_kv4's split-KV count (0 = the kernel's own choice)
 
     def bytes(self) -> int:
         ts = [t for t in self.kc + self.ks + self.kz + self.vc + self.vs + self.vz if t is not None]
@@ -451,14 +487,24 @@ class PagedKV4:
         start = pos.to(torch.int32)
         return start, start + 1
 
-    def decode(self, layer, q, k, v, st, cos=None, sin=None):
+    def decode(self, layer, q, k, v, st, cos=None, sin=None, q_rope=False):
+        """``q_rope``: q arrives pre-RoPE and the append kernel rotates it too (``ROPE_Q``, one launch)."""
         start, lengths = st
         B = q.shape[0]
         crs = self.crs[layer]
-        self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
-                            crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
+        if q_rope:
+            from lowbit.kernels.kv4_append import kv4_append_triton
+
+            qo = torch.empty(B, q.shape[2], q.shape[1], q.shape[3], device=q.device, dtype=q.dtype).transpose(1, 2)
+            kv4_append_triton(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
+                              crs_k=None if crs is None else crs[0], q=q, q_out=qo, **self._cache_kw(layer))
+            q = qo
+        else:
+            self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
+                                crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
         return self.ops.decode_kv4(q, page_table=self.page_table[:B], lengths=lengths, max_len=self.smax,
-                                   crs_q=None if crs is None else crs[1], **self._cache_kw(layer))
+                                   crs_q=None if crs is None else crs[1], num_splits=self.splits,
+                                   **self._cache_kw(layer))
 
 
 def _attn_configs(layers):
@@ -488,11 +534,21 @@ class Generator:
     (the semantics of ``install_quantized_attention``'s transformers path and of perplexity with a
     KV4 cache) instead of the fresh float K/V (default; FireQ App. D prefills from unquantized
     (FP8) K/V and it saves a dequantization pass).
+    ``rope_kernel``: RoPE of q (and of k where the cache does not rotate it) in one launch of
+    ``lowbit.kernels.rope`` (bf16 / fp16, half-split RoPE; the same bits as ``_apply_rope``);
+    None = ``ROPE_KERNEL``. ``rope_q_append`` (CUDA, KV4 cache, decode): q is rotated by the KV4 append
+    launch instead (same bits); None = ``ROPE_Q_APPEND``. ``decode_splits``: split-KV count of the KV4
+    decode attention (None = ``lowbit.kernels.decode_kv4.choose_splits``; an experiment knob).
+    ``pdl_max_m``: up to this many rows (B x S) the W4A8-FP8 projections' act-quant and GEMM kernels are
+    launched as programmatic dependent launches (Hopper; same numerics, each launch overlaps its
+    producer's tail); None = ``lowbit.kernels.w4a8_fp8_gemm.PDL_LINEAR_MAX_M`` (1: the decode step
+    at batch 1), 0 = off.
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
-                 prefill_from_cache: bool = False, fuse: bool = True):
+                 prefill_from_cache: bool = False, fuse: bool = True, rope_kernel: bool | None = None,
+                 rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -523,10 +579,22 @@ class Generator:
         else:
             crs = _crs(cfgs, self.device)
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
-                                  zero_point=self.kv == "kv4-zp", page=page_size, crs=crs)
+                                  zero_point=self.kv == "kv4-zp", page=page_size, crs=crs, splits=decode_splits)
         self.prefill_from_cache = bool(prefill_from_cache) and self.kv is not None
         self.fused = [_FusedLayer(layer, self.dtype, fuse) for layer in self.a.layers]
         self.head = _Proj(self.a.lm_head)
+        if pdl_max_m is None:
+            try:
+                from lowbit.kernels.w4a8_fp8_gemm import PDL_LINEAR_MAX_M as pdl_max_m
+            except ImportError:  # no Triton: nothing to launch
+                pdl_max_m = 0
+        self.pdl_max_m = int(pdl_max_m)
+        for f in self.fused:
+            for pr in (f.qkv_p, f.q, f.k, f.v, f.o, f.gate_up_p, f.down, getattr(f, "gate_p", None),
+                       getattr(f, "up_p", None)):
+                if pr is not None:
+                    pr.pdl_max_m = self.pdl_max_m
+        self.head.pdl_max_m = self.pdl_max_m
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
@@ -538,6 +606,8 @@ class Generator:
             c, s_, ss = self._rope_compute(torch.empty(0, device=self.device, dtype=self.dtype), pos)
             self._rope_table = (c[0], s_[0], None if ss is None else ss[0])
         self.sm_scale = self.a.d ** -0.5
+        self.rope_kernel = ROPE_KERNEL if rope_kernel is None else bool(rope_kernel)
+        self.rope_q_append = ROPE_Q_APPEND if rope_q_append is None else bool(rope_q_append)
 
     # -------------------------------------------------------------------------- pieces
     def _sec(self, name: str):
@@ -575,7 +645,7 @@ class Generator:
         rot = torch.cat((xs[..., h:], xs[..., :h]), dim=-1)
         return (xs * cos.unsqueeze(2) + rot * sin_signed.unsqueeze(2)).transpose(1, 2)
 
-    def _qkv(self, i, layer, x, rope):
+    def _qkv(self, i, layer, x, rope, q_in_append: bool = False):
         attn = layer.self_attn
         B, S, _ = x.shape
         with self._sec("norm+qkv"):
@@ -587,10 +657,64 @@ class Generator:
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             cos, sin, _ = rope
-            q = self._apply_rope(q, *rope)
-            if not self.cache.rope_in_append:
-                k = self._apply_rope(k, *rope)
+            if q_in_append:  # the KV4 append kernel rotates q (decode, ``rope_q_append``)
+                pass
+            elif self._rope_kernel_ok(q):
+                q, k = self._rope_qk(q, k, rope, with_k=not self.cache.rope_in_append)
+            else:
+                q = self._apply_rope(q, *rope)
+                if not self.cache.rope_in_append:
+                    k = self._apply_rope(k, *rope)
         return q, k, v, cos, sin
+
+    def _q_in_append(self, layer) -> bool:
+        """Decode: rotate q inside the KV4 append launch (``rope_q_append``) for this layer?"""
+        return (self.rope_q_append and self.cache.rope_in_append and not hasattr(layer.self_attn, "q_norm")
+                and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                and not self.a.interleaved and self.a.d >= 16 and not self.a.d & (self.a.d - 1))
+
+    def _rope_kernel_ok(self, x) -> bool:
+        """Use ``lowbit.kernels.rope`` (one launch, the same bits as ``_apply_rope``) for ``x``?"""
+        if not self.rope_kernel or self.a.interleaved:
+            return False
+        from lowbit._utils import use_triton
+
+        if not use_triton(x):
+            return False
+        from lowbit.kernels.rope import rope_supported
+
+        return rope_supported(x.transpose(1, 2))
+
+    def _rope_qk(self, q, k, rope, *, with_k: bool):
+        """RoPE of q (and k when ``with_k``), ``[B, H, S, D]`` transposed views, by the fused kernel. When
+        k directly follows q in memory (slices of the fused q/k/v output), both go in ONE launch over
+        the ``[B, S, Hq + Hkv, D]`` view; the results are views of one dense buffer."""
+        from lowbit.kernels.rope import rope_triton
+
+        cos, sin = rope[0], rope[1]
+        qs = q.transpose(1, 2)
+        if not with_k:
+            return rope_triton(qs, cos, sin).transpose(1, 2), k
+        ks = k.transpose(1, 2)
+        (B, S, hq, D), hk = qs.shape, ks.shape[2]
+        # strides of size-1 dims are arbitrary (reshape of a [B, 1, N] slice): compare the others
+        same = all(n == 1 or a == b for a, b, n in zip(qs.stride()[:2], ks.stride()[:2], (B, S)))
+        dense_heads = (hq == 1 or qs.stride(2) == D) and (hk == 1 or ks.stride(2) == D)
+        if (same and dense_heads and ks.shape[:2] == qs.shape[:2] and ks.shape[3] == D and qs.dtype == ks.dtype
+                and ks.untyped_storage().data_ptr() == qs.untyped_storage().data_ptr()
+                and ks.data_ptr() == qs.data_ptr() + hq * D * qs.element_size()):
+            both = qs.as_strided((B, S, hq + hk, D), (qs.stride(0), qs.stride(1), D, 1))
+            out = rope_triton(both, cos, sin)
+            return out[:, :, :hq].transpose(1, 2), out[:, :, hq:].transpose(1, 2)
+        return rope_triton(qs, cos, sin).transpose(1, 2), rope_triton(ks, cos, sin).transpose(1, 2)
+
+    def _rope_k(self, k, rope):
+        """RoPE of keys alone (prefill over a KV4 cache, whose append rotates its own copy)."""
+        if self._rope_kernel_ok(k):
+            from lowbit.kernels.rope import rope_triton
+
+            return rope_triton(k.transpose(1, 2), rope[0], rope[1]).transpose(1, 2)
+        return self._apply_rope(k, *rope)
 
     def _finish(self, i, layer, x, o):
         B, S = x.shape[:2]
@@ -602,7 +726,7 @@ class Generator:
         recipes) the norm is fused into the head's activation quantization."""
         with self._sec("norm+lm_head"):
             if self.head_q:
-                xq, sx = _quant_rows(h, self.head_q, norm=self.a.norm)
+                xq, sx = _quant_rows(h, self.head_q, norm=self.a.norm, pdl=self.head.pdl(h.shape[0]))
                 return self.head.gemm(xq, sx, h.shape[:-1], h.dtype).float()
             return self.head(self.a.norm(h)).float()
 
@@ -634,7 +758,7 @@ class Generator:
                 if self.prefill_from_cache:
                     q, k, v = self.cache.read_prefill(i, q, S)
                 elif self.cache.rope_in_append:
-                    k = self._apply_rope(k, *rope)
+                    k = self._rope_k(k, rope)
                 if pad is not None:
                     q, k, v = q * pad, k * pad, v * pad
                 o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
@@ -650,9 +774,11 @@ class Generator:
             rope = self._rope_tables(x, pos.view(B, 1))
             st = self.cache.step_state(pos, rows)
         for i, layer in enumerate(self.a.layers):
-            q, k, v, cos, sin = self._qkv(i, layer, x, rope)
+            qa = self._q_in_append(layer)
+            q, k, v, cos, sin = self._qkv(i, layer, x, rope, q_in_append=qa)
             with self._sec("kv write+attention"):
-                o = self.cache.decode(i, q, k, v, st, cos, sin)
+                o = self.cache.decode(i, q, k, v, st, cos, sin, q_rope=True) if qa else \
+                    self.cache.decode(i, q, k, v, st, cos, sin)
             x = self._finish(i, layer, x, o)
         return self._logits(x[:, 0])
 

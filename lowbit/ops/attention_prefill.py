@@ -131,9 +131,12 @@ def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Te
                                             causal=causal, sm_scale=sm_scale)
         from lowbit.kernels.attention_quant import kv4_to_fp8_triton
 
-        kc, ks, vt, vs = kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, block=bn)
+        from lowbit.kernels.attention_prefill import VPERM_FP8
+
+        vp = bool(VPERM_FP8) and bn % 32 == 0  # V^T in the VPERM key order (see the kernel's default_config)
+        kc, ks, vt, vs = kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, block=bn, vperm=vp)
         return attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
-                                        v_block=bn, k_block=bn)
+                                        v_block=bn, k_block=bn, config={"vperm": vp})
     if use_triton(q):
         warn_once(f"fp8-kv4 attention: head_dim {D} has no kernel; using the PyTorch reference")
     from lowbit.formats.attention_quant import kv4_to_fp8_blocks, quantize_qk

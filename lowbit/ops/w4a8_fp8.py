@@ -5,6 +5,8 @@
 
 - ``M <= FUSED_QUANT_MAX_M`` (``lowbit.kernels.w4a8_fp8_gemm``; decode): one launch, the per-token
   FP8 quantization of x runs inside the GEMM kernel (same codes and scales as the separate kernel);
+- else where ``use_pdl_linear`` (M = 1; M <= 16 without split-K): op ``lowbit::w4a8_fp8_linear_pdl``, the quantization kernel and the
+  GEMM launched with programmatic dependent launch (same numerics, the GEMM's launch overlapped);
 - larger M: per-token FP8 quantization of ``x`` (``lowbit.ops.quant``; its Triton kernel on GPU)
   followed by ``lowbit::w4a8_fp8_gemm`` (whose launcher picks the fused-dequant kernel or, from
   ``DEQUANT_MIN_M``, dequantize-once + FP8 GEMM).
@@ -28,6 +30,12 @@ def _fused_quant_max_m() -> int:
     from lowbit.kernels import w4a8_fp8_gemm as kmod
 
     return kmod.FUSED_QUANT_MAX_M
+
+
+def _use_pdl(M: int, N: int, K: int) -> bool:
+    from lowbit.kernels import w4a8_fp8_gemm as kmod
+
+    return kmod.use_pdl_linear(M, N, K)
 
 
 def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype):
@@ -108,6 +116,31 @@ def _(x, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul):
     return x.new_empty((x.shape[0], n))
 
 
+@torch.library.custom_op("lowbit::w4a8_fp8_linear_pdl", mutates_args=())
+def _w4a8_fp8_linear_pdl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
+                         group_size: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                         silu_mul: bool) -> torch.Tensor:
+    """Per-token FP8 quantization of x then the GEMM, both launched with programmatic dependent
+    launch (the GEMM's launch overlaps the quantization; each waits for its producer before any
+    load): the same codes, scales and output as the two separate ops."""
+    if use_triton(x, codes):
+        from lowbit.kernels.act_quant import per_token_quant_triton
+        from lowbit.kernels.w4a8_fp8_gemm import pick_config
+        from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
+
+        xq, sx = per_token_quant_triton(x, FP8_E4M3, pdl=True)
+        cfg = dict(pick_config(x.shape[0], codes.shape[0], k), PDL=True, PDL_TRIGGER=False)
+        return kernel(xq, sx, codes, scales, inv_delta, k, group_size, bias=bias, residual=residual,
+                      silu_mul=silu_mul, out_dtype=x.dtype, config=cfg)
+    return reference_linear(x, codes, scales, inv_delta, k, group_size, bias, residual=residual, silu_mul=silu_mul)
+
+
+@_w4a8_fp8_linear_pdl.register_fake
+def _(x, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul):
+    n = codes.shape[0] // 2 if silu_mul else codes.shape[0]
+    return x.new_empty((x.shape[0], n))
+
+
 def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
                     group_size: int = 128, bias: torch.Tensor | None = None, *,
                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -123,12 +156,12 @@ def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     res = None if residual is None else residual.reshape(x2.shape[0], -1)
-    if x2.shape[0] <= _fused_quant_max_m() and x2.shape[0] > 0:
-        # decode: the quantization of x runs inside the GEMM (one launch)
+    if x2.shape[0] > 0 and (x2.shape[0] <= _fused_quant_max_m() or _use_pdl(x2.shape[0], codes.shape[0], k)):
+        # decode: the quantization of x runs inside the GEMM (one launch), or both launches PDL
         _check_weight(x2.shape[0], codes, scales, k, group_size, bias, res, silu_mul, x.dtype)
         check_same_device(x=x2, codes=codes, scales=scales, bias=bias, residual=res)
-        y = _w4a8_fp8_linear_fused(x2, codes, scales, float(inv_delta), int(k), int(group_size), bias, res,
-                                   bool(silu_mul))
+        op = _w4a8_fp8_linear_fused if x2.shape[0] <= _fused_quant_max_m() else _w4a8_fp8_linear_pdl
+        y = op(x2.contiguous(), codes, scales, float(inv_delta), int(k), int(group_size), bias, res, bool(silu_mul))
         return y.reshape(*lead, y.shape[-1])
     xq, sx = per_token_quant(x2, "fp8")
     y = w4a8_fp8_gemm(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual=res, silu_mul=silu_mul,

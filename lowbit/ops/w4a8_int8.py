@@ -89,10 +89,15 @@ def _w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tens
     Kp = 2 * qweight.shape[1]
     g = Kp // gscale.shape[1]
     if use_triton(x, qweight):
-        from lowbit.kernels.w4a8_int8_gemm import use_fused_quant, w4a8_int8_gemm_triton
+        from lowbit.kernels.w4a8_int8_gemm import use_fused_quant, use_pdl, w4a8_int8_gemm_triton
 
         if use_fused_quant(x.shape[0], qweight.shape[0], Kp, g):  # decode: quantization inside the GEMM
             return w4a8_int8_gemm_triton(x, None, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype)
+        if use_pdl(x.shape[0]):  # act-quant -> GEMM as a programmatic dependent pair (same codes, same sums)
+            from lowbit.kernels.act_quant import per_token_quant_triton
+
+            xq, xs = per_token_quant_triton(x, torch.int8, pdl=True)
+            return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype, pdl=True)
         from lowbit.ops.quant import per_token_quant
 
         xq, xs = per_token_quant(x, "int8")

@@ -5,7 +5,8 @@ Shapes: B=4, H=32, D=128, S in {1k, 4k, 16k}, causal and not (ANCHORS' attention
 lowbit rows take bf16 Q/K/V and **include** quantization (one quantization launch, then the
 attention; fp8 quantizes Q in that launch too (``q_pre``, session 3), int8 / int8-qk in each
 attention program's prologue; ``lowbit-fp8-qreg`` is fp8 with Q in the prologue, for comparison;
-``lowbit-fp8-tl`` / ``lowbit-fp8-gluon`` force the tl / the Gluon (session 4) fp8 attention kernel);
+``lowbit-fp8-tl`` / ``lowbit-fp8-gluon`` force the tl / the Gluon fp8 attention kernel, ``*-plain`` /
+``*-vperm`` the plain / the VPERM V^T key order (session 5, config ``vperm``);
 ``*-kvquant-only`` / ``*-qkvquant-only`` rows time the quantization launch alone,
 ``*-2launch`` rows call the same two launches through the kernel API (``*-fused`` would be the
 one-launch option ``fuse_kv=True``, measured slower in session 2); ``fp8-kv4`` reads K/V already in the KV4 cache format
@@ -24,6 +25,7 @@ from lowbit.bench import peers
 from lowbit.bench.harness import attention_flops, rotating_inputs, time_cuda
 
 BASELINE = "sdpa-cudnn"
+GLUON = {"gluon": True, "vperm": True}  # row ``lowbit-fp8-gluon``: the Gluon kernel (FlashAttention-3 order), VPERM
 SHAPE = dict(B=4, H=32, D=128)
 
 
@@ -100,10 +102,16 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
                       qs, peak="fp8")
                 del kv, qs
             # fp8 on the tl kernel (the default up to session 3) and on the Gluon kernel (session 4), same run
-            for gname, gcfg in (("lowbit-fp8-tl", {"gluon": False}), ("lowbit-fp8-gluon", {"gluon": True})):
+            for gname, gcfg in (("lowbit-fp8-tl", {"gluon": False}), ("lowbit-fp8-gluon", GLUON),
+                                ("lowbit-fp8-plain", {"gluon": False, "vperm": False}),
+                                ("lowbit-fp8-vperm", {"gluon": False, "vperm": True})):
                 timed(gname, lambda q, k, v, gcfg=gcfg: quant_attention_triton(
                     q, k, v, mode="fp8", causal=causal, sm_scale=D ** -0.5, v_granularity="block", k_per_block=True,
                     fuse_kv=False, config=gcfg), sets, peak="fp8")
+            for iname, icfg in (("lowbit-int8-plain", {"vperm": False}), ("lowbit-int8-vperm", {"vperm": True})):
+                timed(iname, lambda q, k, v, icfg=icfg: quant_attention_triton(
+                    q, k, v, mode="int8", causal=causal, sm_scale=D ** -0.5, v_granularity="channel",
+                    fuse_kv=False, config=icfg), sets, peak="int8")
             # fp8 with Q quantized in the attention prologue (the default up to session 2), same run
             timed("lowbit-fp8-qreg", lambda q, k, v: quant_attention_triton(
                 q, k, v, mode="fp8", causal=causal, sm_scale=D ** -0.5, v_granularity="block", k_per_block=True,
@@ -114,21 +122,23 @@ def run(rec, quick: bool = False, *, seq_lens=None, causals=(False, True), provi
                 # same pass (``q_pre``, the default): its rows are named ``qkvquant``; int8
                 # quantizes Q in the attention prologue
                 qp = bool(default_config(mode, D, causal, S).get("q_pre", False))
+                vp = bool(default_config(mode, D, causal, S).get("vperm", False))  # the default V^T key order
                 timed(f"lowbit-{mode}-2launch", lambda q, k, v, mode=mode, kb=kb, vg=vg: quant_attention_triton(
                     q, k, v, mode=mode, causal=causal, sm_scale=D ** -0.5, v_granularity=vg, k_per_block=kb is not None,
                     fuse_kv=False), sets, peak="fp8" if mode == "fp8" else "int8")
-                timed(f"lowbit-{mode}-{'qkv' if qp else 'kv'}quant-only", lambda q, k, v, dt=dt, kb=kb, vg=vg, qp=qp:
-                      quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, q=q if qp else None), sets)
+                timed(f"lowbit-{mode}-{'qkv' if qp else 'kv'}quant-only", lambda q, k, v, dt=dt, kb=kb, vg=vg, qp=qp, vp=vp:
+                      quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, q=q if qp else None, vperm=vp),
+                      sets)
                 name = f"lowbit-{mode}-attn-only"
                 if not want(name):
                     continue
                 pre = []
                 for q, k, v in sets:
-                    r = quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, q=q if qp else None)
+                    r = quantize_kv_triton(k, v, dtype=dt, k_block=kb, v_granularity=vg, q=q if qp else None, vperm=vp)
                     pre.append((q, *r[:4], r[4:] if qp else None))
-                timed(name, lambda q, kc, ks, vt, vs, qc, mode=mode, kb=kb: attention_prefill_triton(
-                    q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5, k_block=kb, q_codes=qc), pre,
-                    peak="fp8" if mode == "fp8" else "int8")
+                timed(name, lambda q, kc, ks, vt, vs, qc, mode=mode, kb=kb, vp=vp: attention_prefill_triton(
+                    q, kc, ks, vt, vs, mode=mode, causal=causal, sm_scale=D ** -0.5, k_block=kb, q_codes=qc,
+                    config={"vperm": vp}), pre, peak="fp8" if mode == "fp8" else "int8")
                 del pre
             if want("sageattention-1.0.6"):
                 try:

@@ -193,6 +193,19 @@ def report_markdown(run_dir, accuracy_json=None, round_name: str = "") -> str:
                            f"{r.get('shared_bytes')} |")
             else:
                 out.append(f"| {r.get('name', '')} | error: {r.get('error', '')[:80]} | | | | | | |")
+    if res.get("sweep_few_heads"):
+        out += ["", "Memory-bound variants (B=128, H=16, L=16384, Sq=1: 16 rows per sequence; TB/s of the cache bytes, "
+                "1152 B/token bf16, 644 B/token FP8; 'tokens-as-M' = K·Q^T and V^T·P^T, the block's tokens / the value "
+                "columns as the MMA M dimension; m16 = 16-row tile, mma.sync):", "",
+                "| variant | ms | TB/s | tile (rows, tokens, warps, stages) | splits | regs | spills | smem B |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in res["sweep_few_heads"]:
+            if "ms" in r:
+                out.append(f"| {r.get('name', '')} | {r['ms']:.3f} | {r.get('TBps', 0):.2f} | {r.get('block_m')}, "
+                           f"{r.get('block_n')}, {r.get('num_warps')}, {r.get('num_stages')} | {r.get('splits')} | "
+                           f"{r.get('n_regs')} | {r.get('n_spills')} | {r.get('shared_bytes')} |")
+            else:
+                out.append(f"| {r.get('name', '')} | error: {r.get('error', '')[:80]} | | | | | | |")
     if accuracy_json is not None and Path(accuracy_json).exists():
         acc = json.loads(Path(accuracy_json).read_text())
         title = (f"Accuracy (SnapMLA Table 2 configurations; `lowbit.eval.mla_accuracy`, L={acc.get('L')}, "
