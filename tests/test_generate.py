@@ -39,7 +39,7 @@ def test_eos_and_errors():
         Generator(model, max_batch=1, max_seq=8, kv="int2")
 
 
-@pytest.mark.parametrize("recipe", ["fireq", "qserve"])
+@pytest.mark.parametrize("recipe", ["fireq", "qserve", "flute-nf4", "flute-nf3"])
 def test_runner_fuses_quantized_projections(recipe, monkeypatch):
     import lowbit
 

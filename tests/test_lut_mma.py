@@ -134,3 +134,26 @@ def test_balanced_split():
     assert K.balanced_split(16, 112, 132, 2) == 16  # down: 256 programs of 7 groups
     assert K.balanced_split(1, 1, 132, 4) == 1 and K.balanced_split(500, 1, 132, 4) == 1
     assert _run(2, 24, 640, 128, torch.bfloat16, "cpu", balance=True) < KERNEL_VS_REF[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(16, 20480, 1024), (12, 4096, 2048), (32, 16384, 1024), (24, 3000, 1111)])
+def test_gpu_default_configs_small_m(m, n, k):
+    """GPU: the 4-bit M = 9..32 defaults of ``mma_config`` (R14 sweep: ``ring``/``xh``/``sp``/``balance``
+    variants, which the interpreter does not run) against float64, both sides of the N >= 16384 rule,
+    ragged N and K."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = K.mma_config(m, n, k, 4, 128)
+    assert cfg.get("xh") == 2
+    assert _run(m, n, k, 128, torch.bfloat16, "cuda") < KERNEL_VS_REF[torch.bfloat16]
+
+
+def test_small_m_config_rule():
+    """The 4-bit M = 9..32 rule: gate_up-like N (>= 16384) vs down-like N take the R14 sweep's winners."""
+    assert K.mma_config(16, 28672, 4096, 4, 128)["prefetch"] and not K.mma_config(16, 28672, 4096, 4, 128).get("ring")
+    assert K.mma_config(16, 4096, 14336, 4, 128)["ring"] == 4 and K.mma_config(16, 4096, 14336, 4, 128)["sp"]
+    assert K.mma_config(32, 28672, 4096, 4, 128)["ring"] == 4
+    assert K.mma_config(32, 8192, 8192, 4, 128)["prefetch"]
+    assert K.mma_config(1, 28672, 4096, 4, 128) == dict(nt=1, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
+    assert K.mma_config(48, 4096, 4096, 4, 128)["nt"] == 4 and "xh" not in K.mma_config(48, 4096, 4096, 4, 128)

@@ -54,7 +54,7 @@ AQ_STUDY = os.environ.get("LOWBIT_MODEL_AQ", "0") == "1"  # answered in R11 (act
 # recipe, and the pre-session defaults beside them (``+norope+noropeq+nopdl``; ``bf16+norope``)
 RECIPES = ("fireq", "bf16+norope", "fireq+norope+noropeq+nopdl", "fireq+nopdl", "fireq+head", "qserve",
            "qserve+head", "flute-nf4", "int8-attention", "fireq+fused")
-PROFILE = ("bf16", "fireq", "fireq+head")
+PROFILE = ("bf16", "fireq", "fireq+head", "flute-nf4")
 DECODE_CTX = [1024, 8192]
 # measured on the CPU (FP32, torch 2.11, 1 thread) with the same code: lowbit eval's 8192 tokens
 CPU_REF = {"python": "3.11.7", "text_chars": 465126, "text_sha": "71f2ff5d99bdc1f9", "n_ids": 113108,

@@ -1047,15 +1047,8 @@ def _lut_mma_kernel(
                         a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3 = xq
                     else:
                         kc = tl.where(gok, cidx, 0) * CK  # x reads stay inside the padded row
-                        a0, a1, a2, a3 = _xfrag(X, m0, t, stride_xm, kc, M, BITS)
-                        b0, b1, b2, b3 = a0, a1, a2, a3
-                        c0, c1, c2, c3 = a0, a1, a2, a3
-                        e0, e1, e2, e3 = a0, a1, a2, a3
-                        if NT >= 2:
-                            b0, b1, b2, b3 = _xfrag(X, m0 + 8, t, stride_xm, kc, M, BITS)
-                        if NT >= 4:
-                            c0, c1, c2, c3 = _xfrag(X, m0 + 16, t, stride_xm, kc, M, BITS)
-                            e0, e1, e2, e3 = _xfrag(X, m0 + 24, t, stride_xm, kc, M, BITS)
+                        a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3 = _xall(
+                            X, m0, t, stride_xm, kc, M, BITS, NT)
                     p0, p1, p2, p3 = _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
                                                e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16)
             if INTERPRET:
@@ -1325,6 +1318,20 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
         return dict(nt=nt, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
     if M <= 8:  # r6 sweep row "lut3 r1 cps8 gu1": 27.7/18.2/18.8 us
         return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)
+    if bits == 4 and M <= 32:
+        # R14 sweep (H200, same run, us gate_up / down / 8192^2; `benchmarks/results/h200/lut_sweep.json`),
+        # against the R5 default (r1 w8 cps4 pf: M=16 64.7/42.0/38.6, M=32 87.2/62.1/58.7 in R14's table):
+        # M=16  pf xh2: 50.3/38.8/37.0; cps2 ring4 xh2 sp bal: 56.5/27.5/29.1
+        # M=32  pf xh2: 81.4/58.1/53.3; cps2 ring4 xh2:        76.0/60.0/56.1
+        # -> many row tiles (N >= 16384: gate_up) and few (down, 8192^2) take different variants.
+        # ``ring``/``xh``/``sp`` are GPU-only (the interpreter runs the plain loop, same numerics).
+        many = N >= 16384
+        if M <= 16 and not many:
+            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1,
+                        prefetch=False)
+        if M > 16 and many:
+            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, gu=1, prefetch=False)
+        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
     if bits == 4:  # r5: M=16 64.4/41.9/37.8 (r1 w4 cps8: 66/50/48); M=32 85.6/61.2/57.3 (91/66/64)
         return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, gu=1)
     return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)  # 3-bit: prefetch no gain (r5)

@@ -101,10 +101,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
 def _fuse_rows(mods):
     """One module computing ``cat([m(x) for m in mods], -1)``, or None when the modules cannot be
     stacked exactly. ``nn.Linear``: weights concatenated. ``QuantLinear``: same class, same
-    ``config()`` (e.g. the same PTS exponent), every buffer either row-major (dim 0 = that
-    module's out_features: concatenated) or identical across modules (shared, e.g. a table);
-    the fused module comes from ``cls.empty``. The originals' tensors become views of the fused
-    ones, so no memory is duplicated and the transformers path keeps working."""
+    ``config()`` (e.g. the same PTS exponent), every buffer either stacking along the rows as
+    ``QuantLinear.fuse_layout`` says (``(dim, r)``: size ``out_features / r`` along ``dim``, every
+    module's out_features a multiple of ``r``: concatenated along ``dim``; default ``(0, 1)``,
+    row-major) or identical across modules (shared, e.g. a table); the fused module comes from
+    ``cls.empty`` and must have the same buffer shapes, else None (never an inexact fusion). The
+    originals' tensors become views of the fused ones (narrowed along ``dim``), so no memory is
+    duplicated and the transformers path keeps working."""
     from lowbit.nn.base import QuantLinear
 
     if all(type(m) is nn.Linear for m in mods):
@@ -135,16 +138,30 @@ def _fuse_rows(mods):
     if any(c != cfgs[0] for c in cfgs) or len({(m.in_features, m.dtype) for m in mods}) != 1:
         return None
     names = [n for n, _ in m0.named_buffers(recurse=False)]
+    try:
+        lays = [m.fuse_layout() for m in mods]
+    except NotImplementedError:
+        return None
     plan = {}
     for n in names:
         ts = [dict(m.named_buffers(recurse=False)).get(n) for m in mods]
         if any(t is None for t in ts):
             return None
-        if all(t.ndim >= 1 and t.shape[0] == m.out_features and t.shape[1:] == ts[0].shape[1:]
-               for t, m in zip(ts, mods)):
-            plan[n] = ("rows", torch.cat(ts, 0))
-        elif all(t.shape == ts[0].shape and torch.equal(t, ts[0]) for t in ts):
-            plan[n] = ("shared", ts[0])
+        lay = {lay_m.get(n, (0, 1)) for lay_m in lays}
+        if len(lay) != 1:
+            return None
+        lay = lay.pop()
+        if lay is not None:
+            d, r = lay
+            stacks = all(
+                t.ndim > d and r >= 1 and m.out_features % r == 0 and t.shape[d] == m.out_features // r
+                and t.shape[:d] + t.shape[d + 1:] == ts[0].shape[:d] + ts[0].shape[d + 1:]
+                for t, m in zip(ts, mods))
+            if stacks:
+                plan[n] = ("rows", d, r, torch.cat(ts, d))
+                continue
+        if all(t.shape == ts[0].shape and torch.equal(t, ts[0]) for t in ts):
+            plan[n] = ("shared", 0, 1, ts[0])
         else:
             return None
     out = sum(m.out_features for m in mods)
@@ -155,19 +172,18 @@ def _fuse_rows(mods):
     fb = dict(f.named_buffers(recurse=False))
     if set(fb) != set(plan):
         return None
-    for n, (_, t) in plan.items():
+    for n, (_, _, _, t) in plan.items():
         if fb[n].shape != t.shape or fb[n].dtype != t.dtype:
             return None
-    f = f.to(plan[names[0]][1].device)
-    for n, (_, t) in plan.items():
+    f = f.to(plan[names[0]][3].device)
+    for n, (_, _, _, t) in plan.items():
         f._buffers[n] = t
     a = 0
     for m in mods:
-        b = a + m.out_features
-        for n, (kind, t) in plan.items():
+        for n, (kind, d, r, t) in plan.items():
             if kind == "rows":
-                m._buffers[n] = t[a:b]
-        a = b
+                m._buffers[n] = t.narrow(d, a // r, m.out_features // r)
+        a += m.out_features
     return f
 
 

@@ -35,6 +35,16 @@ class QuantLinear(nn.Module):
         """Options that ``empty`` needs to rebuild this module (JSON-serialisable)."""
         raise NotImplementedError
 
+    def fuse_layout(self) -> dict[str, tuple[int, int] | None]:
+        """How each registered buffer follows the output features, for stacking modules into one
+        (``lowbit.models.generate._fuse_rows``): ``{name: (dim, rows_per_index)}`` says that index
+        ``i`` along ``dim`` covers output rows ``[i * rows_per_index, (i + 1) * rows_per_index)``, so
+        modules whose ``out_features`` are multiples of ``rows_per_index`` concatenate along ``dim``
+        exactly. ``None``: the buffer does not follow the rows (it must be identical across the
+        modules and is shared). Default: ``(0, 1)`` for every buffer (row-major; a buffer that is
+        not row-major is still shared when identical across the modules)."""
+        return {n: (0, 1) for n, _ in self.named_buffers(recurse=False)}
+
     # --- inspection ---------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
         """The effective weight [out_features, in_features] in float32 (for tests and export)."""

@@ -108,6 +108,14 @@ class LUTLinear(QuantLinear):
         return {"bits": self.bits, "group_size": self.group_size, "table_kind": self.table_kind,
                 "lookup": self.lookup, "layout": self.layout}
 
+    def fuse_layout(self) -> dict[str, tuple[int, int] | None]:
+        """``qweight``/``qweight_hi``: row tiles of 16 along dim 0 in the 'mma' layout (N padded to
+        a multiple of 16: only modules with N % 16 == 0 stack), rows along dim 0 in 'planar';
+        ``scales`` [groups, N]: N along dim 1; ``bias``: rows; ``table``/``pairs``: shared."""
+        r = 16 if self.layout == "mma" else 1
+        return {"qweight": (0, r), "qweight_hi": (0, r), "scales": (1, 1), "bias": (0, 1),
+                "table": None, "pairs": None}
+
     # --- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xin = x
