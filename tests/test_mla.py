@@ -187,6 +187,18 @@ def test_p_scale_rules_on_peaked_attention():
         assert err["row"] < 1e-2 and err["block"] > 1.5 * err["row"]  # 1.8x (std 3), 6x (std 8)
 
 
+def _kernel_args(q, cache, fp8):
+    """``mla_decode_triton``'s leading arguments for q ``[B, Sq, H, DC + DR]`` over one layer's cache:
+    FP8 (Fused-Q-Quant codes, RoPE part, scales + the FP8 latent) or bf16 (q split, no scales)."""
+    B, Sq, H, _ = q.shape
+    if fp8:
+        qc, qs, qr = quantize_latent(q.reshape(-1, DC + DR), DC)
+        return (qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H), cache[0].flatten(0, 1),
+                cache[1].flatten(0, 1), cache[2].flatten(0, 1))
+    q3 = q.view(B, Sq * H, DC + DR)
+    return q3[..., :DC], q3[..., DC:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_decode_loop_orders_bit_equal(dev, fp8):
     """Decision test (S_AHEAD): computing the scores of block j beside P·V of block j-1 (the default
@@ -199,13 +211,7 @@ def test_decode_loop_orders_bit_equal(dev, fp8):
     B = len(lens)
     q = torch.randn(B, Sq, H, DC + DR, device=dev, dtype=torch.bfloat16)
     cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
-    if fp8:
-        qc, qs, qr = quantize_latent(q.reshape(-1, DC + DR), DC)
-        args = (qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H), cache[0].flatten(0, 1),
-                cache[1].flatten(0, 1), cache[2].flatten(0, 1))
-    else:
-        q3 = q.view(B, Sq * H, DC + DR)
-        args = (q3[..., :DC], q3[..., DC:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None)
+    args = _kernel_args(q, cache, fp8)
     outs = [mla_decode_triton(*args, pt, sl, num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens),
                               page_size=PAGE, fp8=fp8, num_splits=4, s_ahead=sa) for sa in (False, True)]
     assert torch.equal(outs[0], outs[1])
@@ -345,17 +351,10 @@ def test_opcheck(dev):
                            scale.clone()), test_utils=("test_faketensor",))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("Sq", [1, 2])
-def test_gpu_wide_tile_and_unmasked_loop(Sq):
-    """GPU (DeepSeek-V3 widths): the default FP8 tile (128 rows x 256 columns, unmasked main loop,
-    one QK accumulator) and the default bf16 kernel against float64 and against the kernel's
-    emulated P quantization; ragged lengths, one length below one block."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from lowbit.kernels.mla_decode import mla_decode_triton
-
-    dc, dr, H, lens = 512, 64, 128, [3001, 129, 40]
+def _gpu_ragged_cases(H, Sq):
+    """GPU cases at DeepSeek-V3 widths (latent 512 + RoPE 64), ragged lengths (one below one block),
+    shuffled pages, RoPE part 4x wider: yields (fp8, q, cache, page_table, seq_lens, lens) for bf16 and FP8."""
+    dc, dr, lens = 512, 64, [3001, 129, 40]
     torch.manual_seed(0)
     B = len(lens)
     for fp8 in (False, True):
@@ -366,7 +365,22 @@ def test_gpu_wide_tile_and_unmasked_loop(Sq):
         c.lengths[0] = list(lens)
         c._seq_lens[0] = None
         q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
-        cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+        yield fp8, q, c.layers[0], c.page_table, c.seq_lens(0), lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Sq", [1, 2])
+def test_gpu_wide_tile_and_unmasked_loop(Sq):
+    """GPU (DeepSeek-V3 widths): the default FP8 tile (128 rows x 256 columns, unmasked main loop,
+    one QK accumulator) and the default bf16 kernel against float64 and against the kernel's
+    emulated P quantization; ragged lengths, one length below one block."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    dc, dr, H = 512, 64, 128
+    for fp8, q, cache, pt, sl, lens in _gpu_ragged_cases(H, Sq):
+        B = len(lens)
         out = mla_decode(q, cache, pt, sl, max_seq_len=max(lens))
         ref = mla_decode_ref(q, cache, pt, sl)
         assert rel_l2(out, ref) < (1e-2 if not fp8 else 3e-2)
@@ -395,13 +409,7 @@ def test_decode_tokens_as_m_matches_default(dev, fp8):
     B = len(lens)
     q = torch.randn(B, Sq, H, DC + DR, device=dev, dtype=torch.bfloat16)
     cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
-    if fp8:
-        qc, qs, qr = quantize_latent(q.reshape(-1, DC + DR), DC)
-        args = (qc.view(B, Sq * H, DC), qr.view(B, Sq * H, DR), qs.view(B, Sq * H), cache[0].flatten(0, 1),
-                cache[1].flatten(0, 1), cache[2].flatten(0, 1))
-    else:
-        q3 = q.view(B, Sq * H, DC + DR)
-        args = (q3[..., :DC], q3[..., DC:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None)
+    args = _kernel_args(q, cache, fp8)
     kw = dict(num_heads=H, sm_scale=(DC + DR) ** -0.5, max_seq_len=max(lens), page_size=PAGE, fp8=fp8, num_splits=2)
     base = mla_decode_triton(*args, pt, sl, **kw)
     if fp8:  # option deq16: the K tile upcast to fp16 once (exact), both dots on fp16 MMAs, same P quantization
@@ -426,17 +434,6 @@ def test_gpu_few_rows_tile(Sq):
     mma.sync tile, 2 programs per SM) where one is set: against float64, ragged lengths."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    dc, dr, H, lens = 512, 64, 16, [3001, 129, 40]
-    torch.manual_seed(0)
-    B = len(lens)
-    for fp8 in (False, True):
-        c = PagedMLACache(1, B, max(lens), dc, dr, fp8=fp8, page_size=64, device="cuda", shuffle_pages=True, seed=0)
-        kv = torch.randn(B, max(lens), dc + dr, device="cuda", dtype=torch.bfloat16)
-        kv[..., dc:] *= 4
-        c.append(0, kv)
-        c.lengths[0] = list(lens)
-        c._seq_lens[0] = None
-        q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
-        cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    for fp8, q, cache, pt, sl, lens in _gpu_ragged_cases(16, Sq):
         out = mla_decode(q, cache, pt, sl, max_seq_len=max(lens))
         assert rel_l2(out, mla_decode_ref(q, cache, pt, sl)) < (1e-2 if not fp8 else 3e-2)

@@ -51,6 +51,14 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------- (1) correctness
+def _write_rows(name: str, rows: list) -> None:
+    """``rows`` as ``{"env": ..., "rows": rows}`` (GPU, versions, command with every committed JSON)."""
+    from lowbit.bench.harness import env_info
+
+    (OUT / name).write_text(json.dumps({"env": env_info(f"benchmarks/device/w4a8_fp8.py ({name})"), "rows": rows},
+                                       indent=1))
+
+
 def check():
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
     from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm
@@ -143,7 +151,7 @@ def check():
         if lut_errors and len(lut_errors) == len([r for r in rows if r["case"] != "LUT=False"]):
             os.environ["LOWBIT_W4A8_LUT"] = "0"
             SUMMARY.append("every LUT case failed: LOWBIT_W4A8_LUT=0 (arithmetic dequant) for the rest of the run")
-    (OUT / "check.json").write_text(json.dumps(rows, indent=1))
+    _write_rows("check.json", rows)
     n_ok = sum(r["pass"] for r in rows)
     SUMMARY.append(f"correctness: {n_ok}/{len(rows)} PASS")
 
@@ -592,10 +600,10 @@ def decode_sweep(until: float):
             del wb, lin
         except Exception as exc:
             log(f"decode {shape} bf16: {exc}")
-        (OUT / "decode.json").write_text(json.dumps(rows, indent=1))
+        _write_rows("decode.json", rows)
     cache.clear()
     torch.cuda.empty_cache()
-    (OUT / "decode.json").write_text(json.dumps(rows, indent=1))
+    _write_rows("decode.json", rows)
     for r in rows:
         if "median_us" in r:
             SUMMARY.append(f"decode {r['shape']} M={r['M']} {r['label'][:90]}: {r['median_us']:.1f} us"

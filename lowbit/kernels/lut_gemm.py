@@ -594,13 +594,14 @@ _SCALE_ASM_F = tl.constexpr("""{
 # into its own shared-memory slot and later reads back only what it wrote itself, so no barrier is
 # needed -- ``cp.async.wait_group`` makes the lane's own copies visible to it. Operands (pack=4):
 # outputs $0..$3 (dummy), source address $4, destination offset $8, predicate $12.
-_CP_ASM = tl.constexpr("""{
- .reg .pred p; .reg .u32 d; setp.ne.s32 p, $12, 0;
- mov.u32 d, global_smem; add.u32 d, d, $8;
- @p cp.async.cg.shared.global [d], [$4], 16;
- cp.async.commit_group;
- mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-}""")
+def _cp_async_asm(cache_op: str, nbytes: int) -> str:
+    """One predicated ``cp.async.<cache_op>`` of ``nbytes`` to the lane's slot, committed as its own group."""
+    return ("{\n .reg .pred p; .reg .u32 d; setp.ne.s32 p, $12, 0;\n mov.u32 d, global_smem; add.u32 d, d, $8;\n"
+            f" @p cp.async.{cache_op}.shared.global [d], [$4], {nbytes};\n cp.async.commit_group;\n"
+            " mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;\n}")
+
+
+_CP_ASM = tl.constexpr(_cp_async_asm("cg", 16))
 
 
 def _ring_read_asm(pending: int) -> str:
@@ -617,13 +618,7 @@ def _ring_read3_asm(pending: int) -> str:
 
 
 # 3-bit high-bit plane: 8 bytes per lane and row tile (cp.async.ca: .cg copies 16 bytes only)
-_CPH_ASM = tl.constexpr("""{
- .reg .pred p; .reg .u32 d; setp.ne.s32 p, $12, 0;
- mov.u32 d, global_smem; add.u32 d, d, $8;
- @p cp.async.ca.shared.global [d], [$4], 8;
- cp.async.commit_group;
- mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;
-}""")
+_CPH_ASM = tl.constexpr(_cp_async_asm("ca", 8))
 _RING_RD = {n: tl.constexpr(_ring_read_asm(n)) for n in (0, 1, 2, 3, 4, 6, 7, 12, 14, 28)}
 _RD0, _RD1, _RD2, _RD3, _RD4, _RD6, _RD7, _RD12, _RD14, _RD28 = (_RING_RD[n] for n in (0, 1, 2, 3, 4, 6, 7, 12, 14, 28))
 _RING_RD3 = {n: tl.constexpr(_ring_read3_asm(n)) for n in (2, 4, 6, 8, 12, 14, 24, 28, 56)}
@@ -912,14 +907,7 @@ def _lut_mma_kernel(
     mc = pid_m * (8 * NT) + 2 * t + (v % 2)  # token of C register v (n-tile j adds 8 j)
     laneb = lane * 4
     if not INTERPRET and RING == 0:  # (with RING the first copies are issued first, table after them)
-        NE: tl.constexpr = 1 << (2 * BITS)
-        f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies of entry f // 8
-        pv = tl.load(P + f // 8)
-        tl.inline_asm_elementwise(
-            "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
-            "mov.b32 $0, 0; }",
-            "=r,r,r", [f * 16, pv], dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
+        _store_pair_table(P, BITS)
     CPG: tl.constexpr = GROUP // CK
     g0 = pid_k * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)

@@ -895,14 +895,17 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
                   inv_delta: float, k: int, group_size: int, *, bias: torch.Tensor | None = None,
                   residual: torch.Tensor | None = None, silu_mul: bool = False,
                   out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
-                  return_compiled: bool = False, tiled: bool = False):
+                  return_compiled: bool = False, tiled: bool = False, pdl: bool = False,
+                  pdl_trigger: bool = True):
     """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8 (tile-major
     ``lowbit.formats.w4a8_fp8.tile_codes`` with ``tiled=True``), ``scales [N, G]`` fp8 ->
     ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``. See the module docstring.
     ``config`` overrides ``pick_config``; ``config["MODE"]``: ``"fused"`` (dequant in the GEMM
     loop), ``"dequant"`` (``dequantize_to_fp8`` once, then the same kernel with ``W_FP8``) or
     ``"scaled_mm"`` (``dequantize_to_fp8`` + ``torch._scaled_mm`` row-wise). ``return_compiled``
-    also returns the compiled GEMM kernel (for PTX inspection)."""
+    also returns the compiled GEMM kernel (for PTX inspection). ``pdl``: launched as a programmatic
+    dependent launch (config ``PDL``; ``pdl_trigger`` = ``PDL_TRIGGER``: True when the caller's next
+    kernel is a PDL launch too, as in the generation runner's chain; the standalone op passes False)."""
     check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
     M, K = xq.shape
     if K != k:
@@ -917,6 +920,8 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
         xq = xq.contiguous()
     codes, scales = codes.contiguous(), scales.contiguous()
     cfg = dict(pick_config(M, N, K) if config is None else config)
+    if pdl:
+        cfg.update(PDL=True, PDL_TRIGGER=bool(pdl_trigger))
     mode = cfg.get("MODE", "fused")
     if mode == "scaled_mm" and (K % 16 or N % 16 or out_dtype != torch.bfloat16 or interpret_mode()
                                 or not xq.is_cuda):  # _scaled_mm's row-wise limits: bf16 out, 16-aligned

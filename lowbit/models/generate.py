@@ -264,14 +264,12 @@ class _Proj:
         m = self.mod
         res = None if residual is None else residual.reshape(xq.shape[0], -1)
         if self.aq == "fp8" and self.pdl(xq.shape[0]) and xq.is_cuda:
-            # the op's GEMM launched as a programmatic dependent launch (lowbit::w4a8_fp8_linear_pdl's
-            # kernel call with a pre-quantized x): same kernel, config and numerics, launch overlapped
-            from lowbit.kernels.w4a8_fp8_gemm import pick_config
+            # the GEMM launched as a programmatic dependent launch (the kernel of lowbit::w4a8_fp8_linear_pdl,
+            # x pre-quantized): same config and numerics; it triggers the next PDL launch of the chain early
             from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
 
-            cfg = dict(pick_config(xq.shape[0], m.codes.shape[0], m.in_features), PDL=True)
             y = kernel(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, bias=m.bias,
-                       residual=res, silu_mul=self.silu_mul, out_dtype=dtype, config=cfg)
+                       residual=res, silu_mul=self.silu_mul, out_dtype=dtype, pdl=True)
         elif self.aq == "fp8":
             from lowbit.ops.w4a8_fp8 import w4a8_fp8_gemm
 

@@ -110,10 +110,13 @@ def _w4a8_fp8_linear_fused(x: torch.Tensor, codes: torch.Tensor, scales: torch.T
     return reference_linear(x, codes, scales, inv_delta, k, group_size, bias, residual=residual, silu_mul=silu_mul)
 
 
-@_w4a8_fp8_linear_fused.register_fake
-def _(x, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul):
+def _linear_fake(x, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul):
+    """Fake of the x-in ops (fused and PDL): ``[M, N]`` (``N / 2`` with the SiLU*mul epilogue), x's dtype."""
     n = codes.shape[0] // 2 if silu_mul else codes.shape[0]
     return x.new_empty((x.shape[0], n))
+
+
+_w4a8_fp8_linear_fused.register_fake(_linear_fake)
 
 
 @torch.library.custom_op("lowbit::w4a8_fp8_linear_pdl", mutates_args=())
@@ -125,20 +128,15 @@ def _w4a8_fp8_linear_pdl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     load): the same codes, scales and output as the two separate ops."""
     if use_triton(x, codes):
         from lowbit.kernels.act_quant import per_token_quant_triton
-        from lowbit.kernels.w4a8_fp8_gemm import pick_config
         from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
 
         xq, sx = per_token_quant_triton(x, FP8_E4M3, pdl=True)
-        cfg = dict(pick_config(x.shape[0], codes.shape[0], k), PDL=True, PDL_TRIGGER=False)
         return kernel(xq, sx, codes, scales, inv_delta, k, group_size, bias=bias, residual=residual,
-                      silu_mul=silu_mul, out_dtype=x.dtype, config=cfg)
+                      silu_mul=silu_mul, out_dtype=x.dtype, pdl=True, pdl_trigger=False)
     return reference_linear(x, codes, scales, inv_delta, k, group_size, bias, residual=residual, silu_mul=silu_mul)
 
 
-@_w4a8_fp8_linear_pdl.register_fake
-def _(x, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul):
-    n = codes.shape[0] // 2 if silu_mul else codes.shape[0]
-    return x.new_empty((x.shape[0], n))
+_w4a8_fp8_linear_pdl.register_fake(_linear_fake)
 
 
 def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, inv_delta: float, k: int,
