@@ -55,7 +55,7 @@ def test_generate_uses_paged_cache_and_matches_fake_quant_forward(reference_ops,
 
     def spy(*a, **k):
         r = orig(*a, **k)
-        seen.append(a[1]["past_key_values"])
+        seen.append(a[1].get("cache", a[1].get("past_key_values")))  # 'cache' on transformers 5.24
         return r
 
     m._prepare_cache_for_generation = spy

@@ -65,7 +65,9 @@ def _get_cache(attn, past_key_values, B: int, S: int, device):
     return cache, attn.layer_idx
 
 
-def _mla_forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+def _mla_forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, past_key_values=None,
+                 **kwargs):
+    past_key_values = cache if cache is not None else past_key_values  # ``cache`` on transformers 5.24 (seen)
     B, S = hidden_states.shape[:2]
     H, nope, dr, dc, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.v_head_dim
     if self.q_lora_rank is None:

@@ -198,8 +198,10 @@ def _fake_quant(cfg: _AttnConfig, k, v, cos, sin):
     return pc.dequantize(0, k.dtype)
 
 
-def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                    **kwargs):
+def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                    past_key_values=None, **kwargs):
+    # transformers 5.24 (seen) passes the cache as ``cache``, earlier 5.x as ``past_key_values``
+    past_key_values = cache if cache is not None else past_key_values
     cfg: _AttnConfig = self._lowbit
     B, T, _ = hidden_states.shape
     D = self.head_dim
@@ -318,6 +320,11 @@ def install_quantized_attention(model, *, kv: str | None = "kv4", prefill: str =
     return model
 
 
+def _cache_key(model_kwargs: dict) -> str:
+    """Where ``generate`` keeps its cache: ``'cache'`` (transformers 5.24, seen) or ``'past_key_values'``."""
+    return "cache" if "cache" in model_kwargs or "past_key_values" not in model_kwargs else "past_key_values"
+
+
 def _patch_generate_cache(model, kv, page_size, scale_dtype, interleaved):
     """Make ``generate`` build a LowbitKVCache where it would build its default DynamicCache."""
     orig = getattr(model, "_lowbit_orig_prepare_cache", None) or model._prepare_cache_for_generation
@@ -330,12 +337,13 @@ def _patch_generate_cache(model, kv, page_size, scale_dtype, interleaved):
         from transformers.cache_utils import DynamicCache
 
         r = orig(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        key = _cache_key(model_kwargs)
+        cache = model_kwargs.get(key)
         if type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False):
             named = dict(zip(("generation_mode", "batch_size", "max_cache_length"), args), **kwargs)
             bs, max_len = named.get("batch_size"), named.get("max_cache_length")
             pages = bs * math.ceil(max_len / page_size) if isinstance(bs, int) and isinstance(max_len, int) else None
-            model_kwargs["past_key_values"] = LowbitKVCache(model.config, numerics=kv, page_size=page_size,
+            model_kwargs[key] = LowbitKVCache(model.config, numerics=kv, page_size=page_size,
                                                             scale_dtype=scale_dtype, num_pages=pages,
                                                             interleaved=interleaved)
         return r
