@@ -137,11 +137,12 @@ def test_balanced_split():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(16, 20480, 1024), (12, 4096, 2048), (32, 16384, 1024), (24, 3000, 1111)])
+@pytest.mark.parametrize("m,n,k", [(16, 20480, 1024), (12, 4096, 2048), (32, 16384, 1024), (24, 3000, 1111),
+                                   (64, 16400, 1024), (48, 3000, 1111), (40, 4096, 2048)])
 def test_gpu_default_configs_small_m(m, n, k):
-    """GPU: the 4-bit M = 9..32 defaults of ``mma_config`` (R14 sweep: ``ring``/``xh``/``sp``/``balance``
-    variants, which the interpreter does not run) against float64, both sides of the N >= 16384 rule,
-    ragged N and K."""
+    """GPU: the 4-bit M = 9..64 defaults of ``mma_config`` (R14 sweep and the session-8 probe: ``ring`` /
+    ``xh`` / ``sp`` / ``balance`` / 2 row tiles per warp, which the interpreter does not run) against
+    float64, both sides of the N >= 16384 rule, ragged N and K."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cfg = K.mma_config(m, n, k, 4, 128)
@@ -150,10 +151,13 @@ def test_gpu_default_configs_small_m(m, n, k):
 
 
 def test_small_m_config_rule():
-    """The 4-bit M = 9..32 rule: gate_up-like N (>= 16384) vs down-like N take the R14 sweep's winners."""
+    """The 4-bit M = 9..64 rule: gate_up-like N (>= 16384) vs down-like N take the R14 sweep's and the
+    session-8 probe's winners (M > 16: 4 warps per program; gate_up-like N: 2 row tiles per warp)."""
     assert K.mma_config(16, 28672, 4096, 4, 128)["prefetch"] and not K.mma_config(16, 28672, 4096, 4, 128).get("ring")
     assert K.mma_config(16, 4096, 14336, 4, 128)["ring"] == 4 and K.mma_config(16, 4096, 14336, 4, 128)["sp"]
-    assert K.mma_config(32, 28672, 4096, 4, 128)["ring"] == 4
-    assert K.mma_config(32, 8192, 8192, 4, 128)["prefetch"]
+    assert K.mma_config(32, 28672, 4096, 4, 128)["ring"] == 4 and K.mma_config(32, 28672, 4096, 4, 128)["r"] == 2
+    assert K.mma_config(32, 8192, 8192, 4, 128)["prefetch"] and K.mma_config(32, 8192, 8192, 4, 128)["num_warps"] == 4
     assert K.mma_config(1, 28672, 4096, 4, 128) == dict(nt=1, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
-    assert K.mma_config(48, 4096, 4096, 4, 128)["nt"] == 4 and "xh" not in K.mma_config(48, 4096, 4096, 4, 128)
+    for m, n in ((48, 4096), (64, 28672)):
+        c = K.mma_config(m, n, 4096, 4, 128)
+        assert c["nt"] == 4 and c["xh"] == 2 and c["num_warps"] == 4

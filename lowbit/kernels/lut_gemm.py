@@ -1313,15 +1313,25 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
         # M=32  pf xh2: 81.4/58.1/53.3; cps2 ring4 xh2:        76.0/60.0/56.1
         # -> many row tiles (N >= 16384: gate_up) and few (down, 8192^2) take different variants.
         # ``ring``/``xh``/``sp`` are GPU-only (the interpreter runs the plain loop, same numerics).
+        # Session 8 probe (H200, same run, us gate_up / down / 8192^2, `benchmarks/results/h200/lut_variants_s8_probe.json`):
+        # M=32 with 4 warps per program: gate_up r2 w4 72.3 vs 76.0 (r1 w8), down / 8192^2 r1 w4 48.0 / 50.8
+        # vs 57.6 / 53.2; M=16 unchanged (r1 w4 48.1 / 33.1 / 35.4 vs 49.8 / 27.4 / 28.4).
         many = N >= 16384
         if M <= 16 and not many:
             return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1,
                         prefetch=False)
-        if M > 16 and many:
-            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, gu=1, prefetch=False)
-        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
-    if bits == 4:  # r5: M=16 64.4/41.9/37.8 (r1 w4 cps8: 66/50/48); M=32 85.6/61.2/57.3 (91/66/64)
-        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, gu=1)
+        if M <= 16:
+            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
+        if many:
+            return dict(nt=nt, r=2, num_warps=4, ctas_per_sm=2, ring=4, xh=2, gu=1, prefetch=False)
+        return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
+    if bits == 4:
+        # M = 33..64 (MAX_KERNEL_M), session 8 probe, us gate_up / down / 8192^2 at M=64: r2 w4 ring4 xh2
+        # 134.8 / 88.2 / 86.9, r1 w4 pf xh2 139.7 / 72.0 / 71.0, old default r1 w8 pf 151.3 / 90.1 / 96.7
+        # (r5: M=16 64.4/41.9/37.8 (r1 w4 cps8: 66/50/48); M=32 85.6/61.2/57.3 (91/66/64))
+        if N >= 16384:
+            return dict(nt=nt, r=2, num_warps=4, ctas_per_sm=4, ring=4, xh=2, gu=1, prefetch=False)
+        return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
     return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)  # 3-bit: prefetch no gain (r5)
 
 

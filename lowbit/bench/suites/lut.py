@@ -167,6 +167,11 @@ def crossover_rows(rec, quick: bool, name="gate_up", ms=(64, 128, 256, 512, 1024
             mk = [mma_fn(p) for p in packs]
             _try(rec, case, "lut4-mma-kernel", lambda: _time(rec, case, "lut4-mma-kernel", mk, xs, flops=fl,
                                                              byts=lut_bytes(M, N, K, 4, 128), reps=50))
+            if M == 64:  # the pre-session-8 M = 33..64 config, for the same-round A/B
+                mo = [mma_fn(p, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, gu=1, ring=0, xh=0) for p in packs]
+                _try(rec, case, "lut4-mma-kernel r1 w8 pf (old)",
+                     lambda: _time(rec, case, "lut4-mma-kernel r1 w8 pf (old)", mo, xs, flops=fl,
+                                   byts=lut_bytes(M, N, K, 4, 128), reps=50))
             md = [mma_dequant_cublas_fn(p, K) for p in packs]
             _try(rec, case, "lut4-mma-dequant+cublas", lambda: _time(rec, case, "lut4-mma-dequant+cublas", md, xs,
                                                                      flops=fl, byts=lut_bytes(M, N, K, 4, 128),
