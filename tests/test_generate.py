@@ -198,3 +198,44 @@ def test_kv4_append_rotates_q_too(dtype):
         assert torch.equal(c0[n].view(torch.uint8), c1[n].view(torch.uint8)), n
     ref = rope_triton(q.transpose(1, 2), cos, sin).transpose(1, 2)
     assert torch.equal(qo.contiguous().view(torch.int16), ref.contiguous().view(torch.int16))
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_dense_decode_kernel_same_tokens(head_dim):
+    """``dense_decode='kernel'`` (``lowbit.ops.kv4.decode_float`` over the float cache; the Triton
+    kernel under the interpreter) gives transformers' greedy tokens on a ragged batch, like SDPA."""
+    model = tiny_llama(head_dim=head_dim, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (7, 3)]
+    gen = Generator(model, max_batch=2, max_seq=16, dense_decode="kernel")
+    assert gen.cache.kernel and Generator(model, max_batch=1, max_seq=8).dense_decode == "sdpa"
+    got = gen.generate(prompts, 5)
+    ref = Generator(model, max_batch=2, max_seq=16, dense_decode="sdpa").generate(prompts, 5)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="dense_decode"):
+        Generator(model, max_batch=1, max_seq=8, dense_decode="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dense_decode_kernel_gpu_graphs():
+    """GPU: the float-cache decode kernel under CUDA graphs gives SDPA's decode logits (bf16, D = 128,
+    ragged lengths, 3 steps)."""
+    from tests.tolerances import rel_l2
+
+    model = tiny_llama(head_dim=128, hidden=256, dtype=torch.bfloat16).cuda()
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([70, 5, 33], device="cuda")
+    ids = torch.randint(1, 128, (3, 70), generator=g).cuda()
+    gens = [Generator(model, max_batch=3, max_seq=200, dense_decode=m) for m in ("sdpa", "kernel")]
+    outs = []
+    for gen in gens:
+        gen.prefill(ids, lens)
+        tok, steps = torch.tensor([3, 4, 5], device="cuda"), []
+        for i in range(3):
+            steps.append(gen.decode(tok, lens + i).float())
+        outs.append(steps)
+    assert gens[1]._graphs and gens[1].cache.kernel
+    for a, b in zip(*outs):
+        assert rel_l2(b, a) < 2e-2

@@ -33,7 +33,7 @@ T0 = time.time()
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run of part (1) only")
-ap.add_argument("--budget", type=float, default=140.0)  # MODEL_LIMIT 150 s (session 3)
+ap.add_argument("--budget", type=float, default=float(os.environ.get("LOWBIT_MODEL_BUDGET", 140.0)))  # MODEL_LIMIT 150 s (session 3)
 a = ap.parse_args()
 os.makedirs(a.out, exist_ok=True)
 if a.cpu_smoke:
@@ -54,7 +54,12 @@ AQ_STUDY = os.environ.get("LOWBIT_MODEL_AQ", "0") == "1"  # answered in R11 (act
 # recipe, and the pre-session defaults beside them (``+norope+noropeq+nopdl``; ``bf16+norope``)
 RECIPES = ("fireq", "bf16+norope", "fireq+norope+noropeq+nopdl", "fireq+nopdl", "fireq+head", "qserve",
            "qserve+head", "flute-nf4", "int8-attention", "fireq+fused")
+# session 8: env LOWBIT_MODEL_RECIPES (comma-separated providers) picks a round's rows without an edit
+if os.environ.get("LOWBIT_MODEL_RECIPES"):
+    RECIPES = tuple(r for r in os.environ["LOWBIT_MODEL_RECIPES"].split(",") if r)
 PROFILE = ("bf16", "fireq", "fireq+head", "flute-nf4")
+if os.environ.get("LOWBIT_MODEL_PROFILE") is not None:
+    PROFILE = tuple(r for r in os.environ["LOWBIT_MODEL_PROFILE"].split(",") if r)
 DECODE_CTX = [1024, 8192]
 # measured on the CPU (FP32, torch 2.11, 1 thread) with the same code: lowbit eval's 8192 tokens
 CPU_REF = {"python": "3.11.7", "text_chars": 465126, "text_sha": "71f2ff5d99bdc1f9", "n_ids": 113108,

@@ -381,17 +381,23 @@ class _FusedLayer:
 
 # ---------------------------------------------------------------------------- KV backends
 class DenseKV:
-    """Static float cache, one ``[B, Hkv, S_max, D]`` K and V per layer."""
+    """Static float cache, one ``[B, Hkv, S_max, D]`` K and V per layer.
+
+    Decode attention (``kernel``): False = SDPA with a length mask (transformers' path: the bf16
+    baseline), True = ``lowbit.ops.kv4.decode_float``, the split-KV Triton kernel, reading this
+    cache as one page of ``S_max`` tokens per request (``page_table[b] = [b]``, ``lengths = pos + 1``)."""
 
     name = "dense"
     rope_in_append = False
 
-    def __init__(self, n_layers, batch, hkv, smax, d, dtype, device):
+    def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, kernel: bool = False):
         smax = -(-smax // 64) * 64  # aligned key length: SDPA's memory-efficient kernel takes the mask
         self.k = [torch.zeros(batch, hkv, smax, d, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.smax = smax
         self.keys_pos = torch.arange(smax, device=device)
+        self.kernel = bool(kernel)
+        self.page_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -405,6 +411,8 @@ class DenseKV:
         """What every layer's ``decode`` of one step shares (computed once per step): the length
         mask of the new tokens."""
         B = pos.shape[0]
+        if self.kernel:
+            return pos, rows, (pos + 1).to(torch.int32)
         return pos, rows, self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1)
 
     def decode(self, layer, q, k, v, st, cos=None, sin=None):
@@ -416,6 +424,10 @@ class DenseKV:
         kc[rows, :, pos] = k[:, :, 0]
         vc[rows, :, pos] = v[:, :, 0]
         hkv = kc.shape[1]
+        if self.kernel:  # mask = lengths (int32 [B]) from step_state
+            from lowbit.ops.kv4 import decode_float
+
+            return decode_float(q, kc, vc, self.page_table[:B], mask, sm_scale=D ** -0.5, max_len=self.smax)
         qg = q.view(B, hkv, Hq // hkv, D)
         o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
         return o.reshape(B, Hq, 1, D)
@@ -557,12 +569,16 @@ class Generator:
     launched as programmatic dependent launches (Hopper; same numerics, each launch overlaps its
     producer's tail); None = ``lowbit.kernels.w4a8_fp8_gemm.PDL_LINEAR_MAX_M`` (1: the decode step
     at batch 1), 0 = off.
+    ``dense_decode`` (float cache, ``kv=None``): 'sdpa' (masked SDPA, transformers' path), 'kernel'
+    (``lowbit.ops.kv4.decode_float``, split-KV Triton) or 'auto' = 'kernel' on CUDA for a model
+    quantized by lowbit (``model.lowbit_recipe``), 'sdpa' otherwise (the bf16 baseline stays HF + SDPA).
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
                  prefill_from_cache: bool = False, fuse: bool = True, rope_kernel: bool | None = None,
-                 rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None):
+                 rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None,
+                 dense_decode: str = "auto"):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -588,8 +604,14 @@ class Generator:
         if self.max_batch < 1 or self.max_seq < 2:
             raise ValueError("max_batch must be >= 1 and max_seq >= 2")
         n = len(self.a.layers)
+        if dense_decode not in ("auto", "sdpa", "kernel"):
+            raise ValueError(f"dense_decode must be 'auto', 'sdpa' or 'kernel', got {dense_decode!r}")
+        if dense_decode == "auto":  # lowbit's kernel for lowbit-quantized models; SDPA for plain ones (baseline)
+            dense_decode = "kernel" if info and self.device.type == "cuda" else "sdpa"
+        self.dense_decode = dense_decode
         if self.kv is None:
-            self.cache = DenseKV(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device)
+            self.cache = DenseKV(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
+                                 kernel=dense_decode == "kernel")
         else:
             crs = _crs(cfgs, self.device)
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,

@@ -175,18 +175,16 @@ class PagedKVCache:
     def decode(self, layer: int, q: torch.Tensor, *, crs_q=None, sm_scale=None) -> torch.Tensor:
         """Attention of the step's queries ``q [B, Hq, T, D]`` (post-RoPE, T <= 16, causal among
         them) over everything cached for ``layer``. Returns q's shape and dtype."""
-        if self.numerics == "bf16":
-            from lowbit.ops.attention import sdpa_attention
+        pool = self.pools[layer]
+        if self.numerics == "bf16":  # split-KV kernel over the float pages (ragged batches too)
+            from lowbit.ops.kv4 import decode_float
 
-            k, v = self.dequantize(layer, q.dtype)
             if crs_q is not None:
-                q = q * crs_q.to(q.dtype).repeat_interleave(q.shape[1] // k.shape[1], 0)[:, None, :]
-            if len(set(self.host_lengths)) > 1:
-                raise NotImplementedError("bf16 paged decode needs equal lengths (use kv4 for ragged batches)")
-            return sdpa_attention(q, k, v, causal=True, sm_scale=sm_scale)
+                q = q * crs_q.to(q.dtype).repeat_interleave(q.shape[1] // self.num_kv_heads, 0)[:, None, :]
+            return decode_float(q, pool["k"], pool["v"], self.page_table, self.lengths, sm_scale=sm_scale,
+                                max_len=self.max_length)
         from lowbit.ops.kv4 import decode_kv4
 
-        pool = self.pools[layer]
         return decode_kv4(q, pool["k_codes"], pool["k_scale"], pool["v_codes"], pool["v_scale"], self.page_table,
                           self.lengths, k_zero=pool.get("k_zero"), v_zero=pool.get("v_zero"), crs_q=crs_q,
                           sm_scale=sm_scale, max_len=self.max_length)

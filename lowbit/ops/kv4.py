@@ -1,6 +1,7 @@
-"""KV4 cache ops: ``lowbit::kv4_append`` (RoPE + CRS + quantize + paged write) and
-``lowbit::decode_kv4`` (decode attention over the paged INT4 cache), with their plain-PyTorch
-references (same numerics, used on CPU and by the tests).
+"""Paged KV cache ops: ``lowbit::kv4_append`` (RoPE + CRS + quantize + paged write),
+``lowbit::decode_kv4`` (decode attention over the paged INT4 cache) and ``lowbit::decode_float``
+(the same over the unquantized bf16 / fp16 pages, ``k, v [num_pages, Hkv, PAGE, D]``), with their
+plain-PyTorch references (same numerics, used on CPU and by the tests).
 
 Cache tensors (one layer; see ``lowbit.nn.kv_cache.PagedKVCache``)::
 
@@ -25,7 +26,8 @@ from lowbit._utils import check_tensor, use_triton
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
-__all__ = ["rope_ref", "kv4_append", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4"]
+__all__ = ["rope_ref", "kv4_append", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4", "decode_float",
+           "decode_float_ref"]
 
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -115,6 +117,21 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
     return out
 
 
+def decode_float_ref(q, k, v, page_table, lengths, *, sm_scale=None) -> torch.Tensor:
+    """Reference of ``decode_float``: each sequence's pages gathered and ``attention_ref`` (float64,
+    bottom-right causal) on Q rounded to the cache dtype (the kernel's Q); returns q's dtype."""
+    B, Hq, TQ, D = q.shape
+    P = k.shape[2]
+    out = torch.empty_like(q)
+    for b in range(B):
+        pos = torch.arange(int(lengths[b]), device=k.device)
+        page, off = page_table[b].long()[pos // P], pos % P
+        kb, vb = k[page, :, off].transpose(0, 1), v[page, :, off].transpose(0, 1)  # [Hkv, L, D]
+        qb = q[b].to(k.dtype)
+        out[b] = attention_ref(qb[None], kb[None], vb[None], causal=True, sm_scale=sm_scale)[0].to(q.dtype)
+    return out
+
+
 # Decode numerics of Q: 2 = two INT8 planes per row (~15 bits; the INT8 tensor-core QK^T at fp16-Q accuracy),
 # 1 = one INT8 plane (FireQ's 8-bit Q; 5e-2 extra error with outlier channels), 0 = fp16 (row-normalised).
 # Equal to ``lowbit.kernels.decode_kv4.DEFAULT_QK8`` (tested); the CPU reference follows it too.
@@ -163,6 +180,23 @@ def _(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero
 
 
 # ---- public functions ---------------------------------------------------------------------------
+
+@torch.library.custom_op("lowbit::decode_float", mutates_args=())
+def _decode_float(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor,
+                  sm_scale: float, max_len: int, num_splits: int) -> torch.Tensor:
+    if use_triton(q, k) and k.dtype in (torch.float16, torch.bfloat16):  # fp32 pages: the reference
+        from lowbit.kernels.decode_float import decode_float_triton
+
+        cap = page_table.shape[1] * k.shape[2]
+        return decode_float_triton(q, k, v, page_table, lengths, sm_scale=sm_scale,
+                                   max_len=min(max_len or cap, cap), num_splits=num_splits or None)
+    return decode_float_ref(q, k, v, page_table, lengths, sm_scale=sm_scale)
+
+
+@_decode_float.register_fake
+def _(q, k, v, page_table, lengths, sm_scale, max_len, num_splits):
+    return torch.empty_like(q)
+
 
 def _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, head_dim):
     check_tensor(k_codes, "k_codes", dtype=torch.uint8, ndim=4, contiguous=True)
@@ -251,3 +285,37 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
         raise ValueError(f"q_int8 must be False/0 (fp16 Q), True/1 (INT8 Q) or 2 (two INT8 planes), got {q_int8!r}")
     return _decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                        sm_scale, int(max_len), int(num_splits), int(q_int8))
+
+
+def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 0, num_splits: int = 0) -> torch.Tensor:
+    """Decode attention of ``q [B, Hq, TQ, D]`` (post-RoPE, TQ in 1..16, causal among the TQ new
+    tokens, already in the cache) over a paged float cache ``k, v [num_pages, Hkv, PAGE, D]`` (bf16 or
+    fp16 for the kernel; fp32 runs the reference; unit stride along D; PAGE a multiple of 16). ``lengths[b]`` counts every cached token of
+    sequence b (ragged batches are fine); ``max_len`` (host int, optional) bounds it and sizes the
+    split-KV grid without a device sync; ``num_splits`` 0 = automatic. Kernel:
+    ``lowbit.kernels.decode_float``."""
+    check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
+    B, Hq, TQ, D = q.shape
+    if not 1 <= TQ <= 16:
+        raise ValueError(f"decode_float takes 1..16 query tokens per sequence, got {TQ}")
+    check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
+    check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
+    _, Hkv, PAGE, Dk = k.shape
+    if Dk != D or D < 16 or D & (D - 1):
+        raise ValueError(f"k's head dim ({Dk}) must equal q's ({D}) and be a power of two >= 16")
+    if PAGE % 16:
+        raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must have unit stride along the head dim")
+    if Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
+    check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
+    check_tensor(lengths, "lengths", dtype=torch.int32, shape=[B])
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    return _decode_float(q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))

@@ -1,0 +1,117 @@
+"""Decode attention over the paged float (bf16 / fp16) cache: the Triton kernel (interpreter on CPU)
+vs its float64 reference, the ``lowbit::decode_float`` op (validation, opcheck), the runner's dense
+cache and ``PagedKVCache(numerics='bf16')`` on ragged batches."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from lowbit.kernels.decode_float import decode_float_triton
+from lowbit.ops import kv4 as ops
+from tests.tolerances import rel_l2
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _paged(lens, Hkv, page, D, dtype, seed=0):
+    """Random pages (stale values everywhere, so masking is exercised) and a shuffled page table."""
+    g = torch.Generator().manual_seed(seed)
+    npg = [-(-L // page) for L in lens]
+    P = sum(npg) + 2
+    k = torch.randn(P, Hkv, page, D, generator=g).to(dtype)
+    v = torch.randn(P, Hkv, page, D, generator=g).to(dtype)
+    perm = torch.randperm(P, generator=g)
+    pt = torch.zeros(len(lens), max(npg) + 1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(npg):
+        pt[b, :n] = perm[i:i + n]
+        i += n
+    return k.to(DEV), v.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+# (lengths, Hq, Hkv, TQ, D, page, splits): ragged, GQA / MQA / MHA, 1-4 new tokens, lengths not a
+# multiple of the page or of BLOCK_N, one split and several (the combine kernel)
+CASES = [
+    ([37, 5], 4, 2, 1, 64, 16, None),
+    ([70, 129], 8, 2, 2, 128, 32, 3),
+    ([3, 64, 17], 4, 1, 4, 64, 64, 1),
+    ([100], 2, 2, 3, 32, 16, 5),
+]
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv,TQ,D,page,splits", CASES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_kernel_matches_reference(lens, Hq, Hkv, TQ, D, page, splits, dtype):
+    k, v, pt, lengths = _paged(lens, Hkv, page, D, dtype)
+    q = torch.randn(len(lens), Hq, TQ, D).to(dtype).to(DEV)
+    out = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16 if page == 16 else 32)
+    ref = ops.decode_float_ref(q, k, v, pt, lengths)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_l2(out, ref) < (1.5e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+@settings(deadline=None, max_examples=6)
+@given(b=st.integers(1, 3), hkv=st.sampled_from([1, 2]), grp=st.sampled_from([1, 2, 4]), tq=st.integers(1, 4),
+       L=st.integers(4, 90), splits=st.sampled_from([None, 1, 2, 7]))
+def test_kernel_fuzz_shapes(b, hkv, grp, tq, L, splits):
+    lens = [max(tq, L - 13 * i) for i in range(b)]
+    k, v, pt, lengths = _paged(lens, hkv, 16, 32, torch.bfloat16, seed=L)
+    q = torch.randn(b, hkv * grp, tq, 32).to(torch.bfloat16).to(DEV)
+    out = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16)
+    assert rel_l2(out, ops.decode_float_ref(q, k, v, pt, lengths)) < 1.5e-2
+
+
+def test_dense_cache_is_one_page_per_sequence():
+    """The runner's dense ``[B, Hkv, S, D]`` cache = pages of S tokens, page_table[b] = [b]."""
+    B, Hkv, S, D = 2, 2, 48, 64
+    kd = torch.randn(B, Hkv, S, D).to(torch.bfloat16).to(DEV)
+    vd = torch.randn(B, Hkv, S, D).to(torch.bfloat16).to(DEV)
+    pt = torch.arange(B, dtype=torch.int32, device=DEV)[:, None]
+    lengths = torch.tensor([30, 47], dtype=torch.int32, device=DEV)
+    q = torch.randn(B, 4, 1, D).to(torch.bfloat16).to(DEV)
+    out = ops.decode_float(q, kd, vd, pt, lengths, max_len=S)
+    from lowbit.ops.attention import attention_ref
+
+    for b in range(B):
+        L = int(lengths[b])
+        ref = attention_ref(q[b:b + 1], kd[b:b + 1, :, :L], vd[b:b + 1, :, :L], causal=True)
+        assert rel_l2(out[b:b + 1], ref) < 1.5e-2
+
+
+def test_op_validation_and_opcheck():
+    k, v, pt, lengths = _paged([9], 1, 16, 32, torch.bfloat16)
+    q = torch.randn(1, 2, 1, 32).to(DEV)
+    with pytest.raises(ValueError, match="1..16"):
+        ops.decode_float(torch.randn(1, 2, 17, 32).to(DEV), k, v, pt, lengths)
+    with pytest.raises(ValueError, match="multiple of the cache's KV heads"):
+        ops.decode_float(torch.randn(1, 3, 1, 32).to(DEV), torch.cat([k, k], 1), torch.cat([v, v], 1), pt, lengths)
+    with pytest.raises(ValueError, match="head dim"):
+        ops.decode_float(torch.randn(1, 2, 1, 64).to(DEV), k, v, pt, lengths)
+    with pytest.raises(ValueError, match="page size"):
+        ops.decode_float(q, k[:, :, :8], v[:, :, :8], pt, lengths)
+    with pytest.raises(TypeError, match="lengths"):
+        ops.decode_float(q, k, v, pt, lengths.long())
+    with pytest.raises(TypeError, match="v must have dtype"):
+        ops.decode_float(q, k, v.half(), pt, lengths)
+    torch.library.opcheck(torch.ops.lowbit.decode_float.default, (q, k, v, pt, lengths, 32 ** -0.5, 0, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_paged_bf16_cache_ragged_decode():
+    """``PagedKVCache(numerics='bf16').decode`` on a ragged batch (was: NotImplementedError)."""
+    from lowbit.nn.kv_cache import PagedKVCache
+
+    H, D = 2, 32
+    pc = PagedKVCache(1, H, D, numerics="bf16", batch_size=2, page_size=16, device=DEV, dtype=torch.bfloat16)
+    pc.begin_step(20)
+    pc.append(0, torch.randn(2, H, 20, D).to(torch.bfloat16).to(DEV), torch.randn(2, H, 20, D).to(torch.bfloat16).to(DEV))
+    pc.release(1)
+    pc.begin_step(3)  # lengths 23 and 3
+    pc.append(0, torch.randn(2, H, 3, D).to(torch.bfloat16).to(DEV), torch.randn(2, H, 3, D).to(torch.bfloat16).to(DEV))
+    q = torch.randn(2, 2 * H, 3, D).to(torch.bfloat16).to(DEV)
+    out = pc.decode(0, q)
+    kd, vd = pc.dequantize(0)
+    from lowbit.ops.attention import attention_ref
+
+    for b, L in enumerate((23, 3)):
+        ref = attention_ref(q[b:b + 1], kd[b:b + 1, :, :L], vd[b:b + 1, :, :L], causal=True)
+        assert rel_l2(out[b:b + 1], ref) < 1.5e-2
