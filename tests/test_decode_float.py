@@ -115,3 +115,16 @@ def test_paged_bf16_cache_ragged_decode():
     for b, L in enumerate((23, 3)):
         ref = attention_ref(q[b:b + 1], kd[b:b + 1, :, :L], vd[b:b + 1, :, :L], causal=True)
         assert rel_l2(out[b:b + 1], ref) < 1.5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,Hq,Hkv,TQ,D,page,splits", CASES + [([1000, 37, 513], 32, 8, 1, 128, 64, None),
+                                                                  ([4100, 70], 32, 8, 4, 128, 64, 9)])
+def test_gpu_kernel_ragged(lens, Hq, Hkv, TQ, D, page, splits):
+    """GPU (compiled kernel): ragged paged batches vs the float64 reference, bf16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    k, v, pt, lengths = _paged(lens, Hkv, page, D, torch.bfloat16)
+    q = torch.randn(len(lens), Hq, TQ, D).to(torch.bfloat16).cuda()
+    out = ops.decode_float(q, k, v, pt, lengths, num_splits=splits or 0)
+    assert rel_l2(out, ops.decode_float_ref(q, k, v, pt, lengths)) < 1e-2

@@ -239,3 +239,53 @@ def test_dense_decode_kernel_gpu_graphs():
     assert gens[1]._graphs and gens[1].cache.kernel
     for a, b in zip(*outs):
         assert rel_l2(b, a) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_kernels_same_tokens(dtype):
+    """``float_kernels=True``: RMSNorm and SiLU*mul of the float projections as one Triton launch each
+    (interpreter on CPU) give the eager runner's greedy tokens; the fused rows equal the eager modules."""
+    from lowbit.kernels.act_quant import fused_rows_triton
+
+    model = tiny_llama(head_dim=16, dtype=dtype)
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(3, 5, 64).to(dtype)
+    assert torch.allclose(fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=norm.variance_epsilon).float(),
+                          norm(x).float(), rtol=1e-2, atol=1e-2)
+    g, u = torch.randn(7, 300).to(dtype), torch.randn(7, 300).to(dtype)
+    got, want = fused_rows_triton(g, fuse="silu_mul", up=u), torch.nn.functional.silu(g) * u
+    if dtype == torch.float16:  # bit-equal (numpy's fp16 rounds like the GPU); the interpreter's bf16
+        assert torch.equal(got, want)  # conversions (triton 3.9) can differ from RNE by an ulp
+    else:
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-3)
+    prompts = [torch.tensor([5, 6, 7, 8, 9]), torch.tensor([3, 4])]
+    a = Generator(model, max_batch=2, max_seq=16, float_kernels=False).generate(prompts, 5)
+    gen = Generator(model, max_batch=2, max_seq=16, float_kernels=True)
+    assert gen.fused[0].norm_f and gen.fused[0].post_f and gen.fused[0].silu_f
+    b = gen.generate(prompts, 5)
+    for x_, y_ in zip(a, b):
+        assert torch.equal(x_, y_)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_float_kernels_gpu_bit_equal():
+    """GPU: the fused RMSNorm / SiLU*mul rows equal the eager modules bit for bit (bf16, fp16; K = 4096,
+    14336 and a ragged 3000), and the runner's tokens with ``float_kernels`` on and off agree."""
+    from lowbit.kernels.act_quant import fused_rows_triton
+
+    for dtype in (torch.bfloat16, torch.float16):
+        model = tiny_llama(head_dim=64, hidden=256, dtype=dtype).cuda()
+        norm = model.model.layers[0].input_layernorm
+        for K in (4096, 14336, 3000):
+            x = torch.randn(5, K, device="cuda", dtype=dtype)
+            u = torch.randn_like(x)
+            assert torch.equal(fused_rows_triton(x, fuse="silu_mul", up=u), torch.nn.functional.silu(x) * u)
+        x = torch.randn(5, 256, device="cuda", dtype=dtype)
+        assert torch.equal(fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=norm.variance_epsilon),
+                           norm(x))
+        prompts = [torch.tensor([5, 6, 7, 8, 9], device="cuda"), torch.tensor([3, 4], device="cuda")]
+        a = Generator(model, max_batch=2, max_seq=16, float_kernels=False).generate(prompts, 6)
+        b = Generator(model, max_batch=2, max_seq=16, float_kernels=True).generate(prompts, 6)
+        for x_, y_ in zip(a, b):
+            assert torch.equal(x_.cpu(), y_.cpu())

@@ -179,6 +179,7 @@ def _per_token_quant_kernel(
     stride_xm, stride_gm, stride_qm,  # row strides (last dim contiguous)
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = False,
+    QUANT: tl.constexpr = True,  # False: store the fused value in Q's (float) dtype, no scale
 ):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -193,8 +194,24 @@ def _per_token_quant_kernel(
             x = tl.load(Xr + offs, mask=mask, other=0.0).to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
         v = _fused_value(Xr, Gr, W, offs, mask, rstd, FUSE)
-        scale, rcp = _row_scale(v, amax_eps, QMAX)
-        _quant_store(Qr, offs, mask, v, scale, rcp, QMAX, IS_INT8, FAST)
+        if QUANT:
+            scale, rcp = _row_scale(v, amax_eps, QMAX)
+            _quant_store(Qr, offs, mask, v, scale, rcp, QMAX, IS_INT8, FAST)
+        else:
+            tl.store(Qr + offs, v.to(Q.dtype.element_ty), mask=mask)
+    elif not QUANT:
+        rstd = 1.0
+        if FUSE == 1:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                m = (k0 + offs) < K
+                x = tl.load(Xr + k0 + offs, mask=m, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+        for k0 in range(0, K, BLOCK_K):
+            m = (k0 + offs) < K
+            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
+            tl.store(Qr + k0 + offs, v.to(Q.dtype.element_ty), mask=m)
     else:
         rstd = 1.0
         if FUSE == 1:
@@ -214,7 +231,8 @@ def _per_token_quant_kernel(
             m = (k0 + offs) < K
             v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
             _quant_store(Qr, k0 + offs, m, v, scale, rcp, QMAX, IS_INT8, FAST)
-    tl.store(S + row, scale)
+    if QUANT:
+        tl.store(S + row, scale)
 
 
 _FUSE = {None: 0, "rmsnorm": 1, "silu_mul": 2}
@@ -272,3 +290,43 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fu
     elif M:
         s.fill_(AMAX_EPS / QMAX[dtype])
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
+
+
+def fused_rows_triton(x: torch.Tensor, *, fuse: str, weight: torch.Tensor | None = None, eps: float = 1e-6,
+                      up: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """The fused value of ``per_token_quant_triton`` without the quantization, in ``x``'s dtype, one
+    launch: ``fuse='rmsnorm'`` -> ``RMSNorm(x) * weight`` (HF Llama numerics), ``fuse='silu_mul'`` ->
+    ``silu(x) * up`` (each intermediate rounded to x's dtype, as the eager model). For the runner's
+    float (weight-only) projections, which take these activations unquantized."""
+    if fuse not in ("rmsnorm", "silu_mul"):
+        raise ValueError(f"fuse must be 'rmsnorm' or 'silu_mul', got {fuse!r}")
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim")
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    g2, w = x2, x2
+    if fuse == "rmsnorm":
+        check_tensor(weight, "weight", dtype=x.dtype, shape=(K,))
+        w = weight.contiguous()
+    else:
+        check_tensor(up, "up", dtype=x.dtype, shape=tuple(x.shape))
+        g2 = up.reshape(-1, K)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+    y = torch.empty((M, K), dtype=x.dtype, device=x.device)
+    if M and K:
+        single = K <= _SINGLE_MAX
+        block = triton.next_power_of_2(K) if single else 4096
+        _per_token_quant_kernel[(M,)](
+            x2, g2, w, y, y,
+            K, float(eps), AMAX_EPS,
+            x2.stride(0), g2.stride(0), y.stride(0),
+            QMAX=448.0, IS_INT8=False, FUSE=_FUSE[fuse], BLOCK_K=block, SINGLE=single, FAST=False,
+            QUANT=False, num_warps=default_warps(M, block),
+            **({"PDL": True, "launch_pdl": True} if pdl_enabled(x2, pdl) else {}),
+        )
+    return y.reshape(x.shape)

@@ -228,6 +228,21 @@ def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up
     return quantize_per_token(x2, dtype)
 
 
+def _float_rows(x: torch.Tensor, *, norm: nn.Module | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``norm(x)`` (an HF RMSNorm) or ``silu(x) * up`` for float (weight-only) projections: one launch
+    of ``lowbit.kernels.act_quant.fused_rows_triton`` (the eager rounding of each intermediate) where
+    Triton runs, else the eager modules."""
+    from lowbit._utils import use_triton
+
+    if use_triton(x):
+        from lowbit.kernels.act_quant import fused_rows_triton
+
+        if norm is not None:
+            return fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=float(norm.variance_epsilon))
+        return fused_rows_triton(x, fuse="silu_mul", up=up)
+    return norm(x) if norm is not None else F.silu(x) * up
+
+
 def _fusable_norm(norm, dtype) -> bool:
     """The act-quant kernel's RMSNorm is HF Llama's: only fuse those, with a weight in x's dtype."""
     w = getattr(norm, "weight", None)
@@ -296,7 +311,7 @@ class _FusedLayer:
       ``o_proj`` / ``down_proj`` go into the w4a8-fp8 epilogue.
     """
 
-    def __init__(self, layer, dtype, fuse: bool = True):
+    def __init__(self, layer, dtype, fuse: bool = True, float_kernels: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
         self.in_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj]) if fuse else None
@@ -327,6 +342,11 @@ class _FusedLayer:
         gu = self.gate_up_p.aq if self.gate_up_p is not None else None
         self.post_q = gu if fuse and gu and _fusable_norm(self.post_norm, dtype) else None
         silu_act = type(getattr(self, "act", None)).__name__ in ("SiLU", "SiLUActivation")
+        # float (weight-only / bf16) inputs: RMSNorm and SiLU*mul as one launch each (``_float_rows``)
+        fk = fuse and float_kernels
+        self.norm_f = fk and not self.norm_q and _fusable_norm(self.in_norm, dtype)
+        self.post_f = fk and not self.post_q and _fusable_norm(self.post_norm, dtype)
+        self.silu_f = fk and silu_act
         self.down_q = self.down.aq if (fuse and self.down is not None and self.down.aq and
                                        self.gate_up_p is not None and not self.gate_up_p.silu_mul and
                                        silu_act) else None
@@ -340,10 +360,16 @@ class _FusedLayer:
                 xq, sx = _quant_rows(x2, self.norm_q, norm=self.in_norm, pdl=self.qkv_p.pdl(x2.shape[0]))
                 y = self.qkv_p.gemm(xq, sx, x.shape[:-1], x.dtype)
             else:
-                y = self.qkv_p(self.in_norm(x))
+                y = self.qkv_p(self._in_norm(x))
             return y.split(self.split, dim=-1)
-        h = self.in_norm(x)
+        h = self._in_norm(x)
         return self.q(h), self.k(h), self.v(h)
+
+    def _in_norm(self, x):
+        return _float_rows(x, norm=self.in_norm) if self.norm_f else self.in_norm(x)
+
+    def _post_norm(self, x):
+        return _float_rows(x, norm=self.post_norm) if self.post_f else self.post_norm(x)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``x + o_proj(o)`` then the MLP block with its residual: the layer's output."""
@@ -361,9 +387,9 @@ class _FusedLayer:
             xq, sx = _quant_rows(x2, self.post_q, norm=self.post_norm, pdl=self.gate_up_p.pdl(x2.shape[0]))
             gu = self.gate_up_p.gemm(xq, sx, lead, x.dtype)
         elif self.gate_up_p is not None:
-            gu = self.gate_up_p(self.post_norm(x))
+            gu = self.gate_up_p(self._post_norm(x))
         else:
-            h = self.post_norm(x)
+            h = self._post_norm(x)
             gu = None
             a = self.act(self.gate_p(h)) * self.up_p(h)
         if gu is not None:
@@ -375,7 +401,7 @@ class _FusedLayer:
                 return self.down.gemm(xq, sx, lead, x.dtype, residual=x)
             else:
                 g, u = gu.split(self.inter, dim=-1)
-                a = self.act(g) * u
+                a = _float_rows(g, up=u) if self.silu_f else self.act(g) * u
         return self.down(a, residual=x)
 
 
@@ -572,13 +598,16 @@ class Generator:
     ``dense_decode`` (float cache, ``kv=None``): 'sdpa' (masked SDPA, transformers' path), 'kernel'
     (``lowbit.ops.kv4.decode_float``, split-KV Triton) or 'auto' = 'kernel' on CUDA for a model
     quantized by lowbit (``model.lowbit_recipe``), 'sdpa' otherwise (the bf16 baseline stays HF + SDPA).
+    ``float_kernels``: RMSNorm and SiLU*mul feeding float (weight-only, bf16) projections as one Triton
+    launch each (``lowbit.kernels.act_quant.fused_rows_triton``) instead of the eager modules; 'auto' =
+    on CUDA for lowbit-quantized models (the W4A8 projections fuse them into their quantization anyway).
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
                  prefill_from_cache: bool = False, fuse: bool = True, rope_kernel: bool | None = None,
                  rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None,
-                 dense_decode: str = "auto"):
+                 dense_decode: str = "auto", float_kernels: bool | str = "auto"):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -617,7 +646,10 @@ class Generator:
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
                                   zero_point=self.kv == "kv4-zp", page=page_size, crs=crs, splits=decode_splits)
         self.prefill_from_cache = bool(prefill_from_cache) and self.kv is not None
-        self.fused = [_FusedLayer(layer, self.dtype, fuse) for layer in self.a.layers]
+        if float_kernels == "auto":  # like dense_decode: lowbit-quantized models only (the baseline stays eager)
+            float_kernels = bool(info) and self.device.type == "cuda"
+        self.float_kernels = bool(float_kernels)
+        self.fused = [_FusedLayer(layer, self.dtype, fuse, self.float_kernels) for layer in self.a.layers]
         self.head = _Proj(self.a.lm_head)
         if pdl_max_m is None:
             try:
