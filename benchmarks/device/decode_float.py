@@ -110,6 +110,35 @@ for B in (1, 16, 64):
             except Exception as exc:
                 rec.record(case, name, None, note=f"{type(exc).__name__}: {exc}"[:200])
                 print(f"B={B} L={L} {name} FAIL {type(exc).__name__}: {exc}", flush=True)
+# 3. split-count / block sweep at small batch (the runner's dense cache: one page of L + 64 per request)
+sweep = harness.Recorder("decode_float_sweep", ceilings=ceil)
+for B in (1, 4, 16):
+    for L in (1024, 8192):
+        smax = L + 64
+        kd = torch.randn(B, HKV, smax, D, device="cuda", dtype=torch.bfloat16)
+        vd = torch.randn_like(kd)
+        xs = [(torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16),) for _ in range(3)]
+        lengths = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        pt_dense = torch.arange(B, dtype=torch.int32, device="cuda")[:, None]
+        case = {"B": B, "L": L}
+        ref = ops.decode_float(xs[0][0], kd, vd, pt_dense, lengths, max_len=smax).float()
+        for bn in (32, 64):
+            for ns in (None, 4, 8, 16, 32, 64, 128):
+                from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_triton
+
+                def fn(q, bn=bn, ns=ns):
+                    return decode_float_triton(q, kd, vd, pt_dense, lengths, max_len=smax, num_splits=ns, block_n=bn)
+                try:
+                    err = rel(fn(*xs[0]), ref)
+                    used = LAST_LAUNCH["num_splits"]
+                    t = harness.time_cuda(fn, xs, reps=100)
+                    sweep.record(case, f"bn{bn} splits={ns or 'auto'}", t, bytes_moved=2 * B * HKV * L * D * 2,
+                                 note=f"splits used {used}; rel-L2 vs default {err:.1e}")
+                    print(f"sweep B={B} L={L} bn={bn} splits={ns} (used {used}): {t['median_ms'] * 1e3:.1f} us", flush=True)
+                except Exception as exc:
+                    print(f"sweep B={B} L={L} bn={bn} splits={ns} FAIL {exc}", flush=True)
+        del kd, vd
+sweep.write(args.out)
 rec.note(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} pass; " + json.dumps(checks))
 rec.write(args.out, baseline="sdpa-mask (runner bf16)")
 print(f"checks {sum(c['ok'] for c in checks)}/{len(checks)}; total {time.time() - T0:.1f}s")

@@ -297,7 +297,10 @@ def fused_rows_triton(x: torch.Tensor, *, fuse: str, weight: torch.Tensor | None
     """The fused value of ``per_token_quant_triton`` without the quantization, in ``x``'s dtype, one
     launch: ``fuse='rmsnorm'`` -> ``RMSNorm(x) * weight`` (HF Llama numerics), ``fuse='silu_mul'`` ->
     ``silu(x) * up`` (each intermediate rounded to x's dtype, as the eager model). For the runner's
-    float (weight-only) projections, which take these activations unquantized."""
+    float (weight-only) projections, which take these activations unquantized. Not bit-equal to the
+    eager modules on the GPU: SiLU's ``tl.exp`` is the fast exp, and rounds S8d-S8f (H200, H100) showed
+    SiLU*mul values 1-2 ulps of x's dtype apart (within the quantization step when the value is
+    quantized next, as in ``per_token_quant_triton``; tested to two ulps here)."""
     if fuse not in ("rmsnorm", "silu_mul"):
         raise ValueError(f"fuse must be 'rmsnorm' or 'silu_mul', got {fuse!r}")
     check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))

@@ -23,16 +23,20 @@ page memory never reaches the output.
 Split-KV: grid ``(B * Hkv, NUM_SPLITS)``; split s handles keys ``[s*SPLIT_LEN, (s+1)*SPLIT_LEN)``
 and writes its un-normalised fp32 accumulator, running max (log2 domain) and denominator in the
 partial layout of ``lowbit.kernels.decode_kv4``, whose combine kernel finishes the rows (one
-kernel for both caches). With one split the kernel writes O directly. The split count comes from
-``decode_kv4.choose_splits`` (about one wave of programs, every split >= 4 key blocks).
+kernel for both caches). With one split the kernel writes O directly. Split count: about 4 programs
+per SM (``16 // num_warps * SMs / (B * Hkv)``), at least one key block per split, at most 256 (H200
+sweep, round S8e, ``benchmarks/results/h200/decode_float_sweep.json``: B=1 L=1k 9.6 us vs 12.3 us with
+``decode_kv4.choose_splits``' 4-blocks-per-split rule; B=4 / B=16 the same split counts as before).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms, choose_splits
+from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms
 
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
@@ -120,8 +124,9 @@ def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
     nw = num_warps or DEFAULT_WARPS
-    if num_splits is None:
-        num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), nw)
+    if num_splits is None:  # ~4 one-warp-group programs per SM, splits of >= 1 key block (S8e sweep)
+        num_splits = max(1, min(math.ceil(16 // nw * _num_sms(q.device) / max(1, B * Hkv)),
+                                math.ceil(max(max_len, 1) / bn), 256))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), bn) * bn
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     LAST_LAUNCH["num_splits"] = num_splits
