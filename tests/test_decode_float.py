@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from lowbit.bench.suites.kv4 import random_float_pages
 from lowbit.kernels.decode_float import decode_float_triton
 from lowbit.ops import kv4 as ops
 from tests.tolerances import rel_l2
@@ -13,19 +14,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _paged(lens, Hkv, page, D, dtype, seed=0):
-    """Random pages (stale values everywhere, so masking is exercised) and a shuffled page table."""
-    g = torch.Generator().manual_seed(seed)
-    npg = [-(-L // page) for L in lens]
-    P = sum(npg) + 2
-    k = torch.randn(P, Hkv, page, D, generator=g).to(dtype)
-    v = torch.randn(P, Hkv, page, D, generator=g).to(dtype)
-    perm = torch.randperm(P, generator=g)
-    pt = torch.zeros(len(lens), max(npg) + 1, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(npg):
-        pt[b, :n] = perm[i:i + n]
-        i += n
-    return k.to(DEV), v.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return random_float_pages(lens, Hkv, page, D, dtype, seed=seed, device=DEV)
 
 
 # (lengths, Hq, Hkv, TQ, D, page, splits): ragged, GQA / MQA / MHA, 1-4 new tokens, lengths not a

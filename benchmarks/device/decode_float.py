@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.bench import harness
+from lowbit.bench.suites.kv4 import random_float_pages
 from lowbit.ops import kv4 as ops
 
 ap = argparse.ArgumentParser()
@@ -36,18 +37,7 @@ def rel(a, b):
 
 
 def paged(lens, hkv, page, d, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    npg = [-(-L // page) for L in lens]
-    P = sum(npg) + 2
-    k = torch.randn(P, hkv, page, d, generator=g).bfloat16().cuda()
-    v = torch.randn(P, hkv, page, d, generator=g).bfloat16().cuda()
-    perm = torch.randperm(P, generator=g)
-    pt = torch.zeros(len(lens), max(npg) + 1, dtype=torch.int32)
-    i = 0
-    for b, n in enumerate(npg):
-        pt[b, :n] = perm[i:i + n]
-        i += n
-    return k, v, pt.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
+    return random_float_pages(lens, hkv, page, d, torch.bfloat16, seed=seed)
 
 
 for lens, hq, hkv, tq, d, page, splits in [([1000, 37, 513], 32, 8, 1, 128, 64, None), ([4097, 70], 32, 8, 4, 128, 64, 7),

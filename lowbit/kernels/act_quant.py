@@ -173,6 +173,20 @@ def _row_scale(v, amax_eps, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _rstd_chunked(Xr, K, eps, offs, BLOCK_K: tl.constexpr, FUSE: tl.constexpr):
+    """RMSNorm's 1 / sqrt(mean(x^2) + eps) of a row walked in BLOCK_K chunks (FUSE == 1), else 1."""
+    rstd = 1.0
+    if FUSE == 1:
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            m = (k0 + offs) < K
+            x = tl.load(Xr + k0 + offs, mask=m, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+    return rstd
+
+
+@triton.jit
 def _per_token_quant_kernel(
     X, G, W, Q, S,  # pointers: input, up (FUSE=2), norm weight (FUSE=1), codes, scales
     K, eps, amax_eps,  # sizes / scalars
@@ -200,27 +214,13 @@ def _per_token_quant_kernel(
         else:
             tl.store(Qr + offs, v.to(Q.dtype.element_ty), mask=mask)
     elif not QUANT:
-        rstd = 1.0
-        if FUSE == 1:
-            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                m = (k0 + offs) < K
-                x = tl.load(Xr + k0 + offs, mask=m, other=0.0).to(tl.float32)
-                acc += x * x
-            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+        rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
             v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
             tl.store(Qr + k0 + offs, v.to(Q.dtype.element_ty), mask=m)
     else:
-        rstd = 1.0
-        if FUSE == 1:
-            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                m = (k0 + offs) < K
-                x = tl.load(Xr + k0 + offs, mask=m, other=0.0).to(tl.float32)
-                acc += x * x
-            rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
+        rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE)
         amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
@@ -236,6 +236,28 @@ def _per_token_quant_kernel(
 
 
 _FUSE = {None: 0, "rmsnorm": 1, "silu_mul": 2}
+
+
+def _row_operands(x, fuse, weight, up):
+    """Checked kernel operands: ``x`` as rows ``[M, K]`` (unit stride along K), the second input
+    (``up`` rows for 'silu_mul', else x again) and the norm weight (for 'rmsnorm', else x again)."""
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim")
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    g2, w = x2, x2
+    if fuse == "rmsnorm":
+        check_tensor(weight, "weight", dtype=x.dtype, shape=(K,))
+        w = weight.contiguous()
+    elif fuse == "silu_mul":
+        check_tensor(up, "up", dtype=x.dtype, shape=tuple(x.shape))
+        g2 = up.reshape(-1, K)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+    return x2, g2, w
 
 
 def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fuse: str | None = None,
@@ -255,23 +277,8 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fu
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
     if fuse not in _FUSE:
         raise ValueError(f"fuse must be one of None, 'rmsnorm', 'silu_mul', got {fuse!r}")
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    g2, w = x2, x2
-    if fuse == "rmsnorm":
-        check_tensor(weight, "weight", dtype=x.dtype, shape=(K,))
-        w = weight.contiguous()
-    elif fuse == "silu_mul":
-        check_tensor(up, "up", dtype=x.dtype, shape=tuple(x.shape))
-        g2 = up.reshape(-1, K)
-        if g2.stride(-1) != 1:
-            g2 = g2.contiguous()
+    x2, g2, w = _row_operands(x, fuse, weight, up)
+    M, K = x2.shape
     q = torch.empty((M, K), dtype=dtype, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M and K:
@@ -303,23 +310,8 @@ def fused_rows_triton(x: torch.Tensor, *, fuse: str, weight: torch.Tensor | None
     quantized next, as in ``per_token_quant_triton``; tested to two ulps here)."""
     if fuse not in ("rmsnorm", "silu_mul"):
         raise ValueError(f"fuse must be 'rmsnorm' or 'silu_mul', got {fuse!r}")
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    g2, w = x2, x2
-    if fuse == "rmsnorm":
-        check_tensor(weight, "weight", dtype=x.dtype, shape=(K,))
-        w = weight.contiguous()
-    else:
-        check_tensor(up, "up", dtype=x.dtype, shape=tuple(x.shape))
-        g2 = up.reshape(-1, K)
-        if g2.stride(-1) != 1:
-            g2 = g2.contiguous()
+    x2, g2, w = _row_operands(x, fuse, weight, up)
+    M, K = x2.shape
     y = torch.empty((M, K), dtype=x.dtype, device=x.device)
     if M and K:
         single = K <= _SINGLE_MAX

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms
+from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms, split_rows, split_workspace
 
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
@@ -55,17 +55,7 @@ def _decode_float_kernel(
     G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    sid = tl.program_id(1)
-    b = pid_bh // Hkv
-    h = pid_bh % Hkv
-    L = tl.load(LENS + b)
-    start = sid * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, L)
-    m_idx = tl.arange(0, BLOCK_M)
-    g = m_idx // TQ
-    t = m_idx % TQ
-    row_ok = m_idx < G * TQ
+    pid_bh, sid, b, h, L, start, end, m_idx, g, t, row_ok = split_rows(LENS, SPLIT_LEN, Hkv, G, TQ, BLOCK_M)
     d = tl.arange(0, D)
     q_ptr = Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(K.dtype.element_ty)
@@ -132,12 +122,7 @@ def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=
     LAST_LAUNCH["num_splits"] = num_splits
     out = torch.empty_like(q)
     split = num_splits > 1
-    if split:
-        op = torch.empty(B * Hkv * num_splits * BLOCK_M * D, device=q.device, dtype=torch.float32)
-        mp = torch.empty(B * Hkv * num_splits * BLOCK_M, device=q.device, dtype=torch.float32)
-        lp = torch.empty_like(mp)
-    else:
-        op = mp = lp = out
+    op, mp, lp = split_workspace(out, B * Hkv, num_splits, BLOCK_M, D)
     _decode_float_kernel[(B * Hkv, num_splits)](
         q, k, v, page_table, lengths, out, op, mp, lp,
         sm_scale * LOG2E, split_len, Hkv,

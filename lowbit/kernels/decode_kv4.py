@@ -210,13 +210,10 @@ def _convert(c, XOR: tl.constexpr, OFFSET: tl.constexpr, ZERO_POINT: tl.constexp
 
 
 @triton.jit
-def _prologue(Q, LENS, CRSQ, qk_scale, SPLIT_LEN, Hkv, stride_qb, stride_qh, stride_qt,
-              G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
-              ZERO_POINT: tl.constexpr, HAS_CRS: tl.constexpr, QK8: tl.constexpr):
-    """Shared by both loop orientations: program ids, split bounds, and Q as two fp16 tiles
-    ``[BLOCK_M, HALF]`` (even / odd channels) normalised per row by their absmax, whose scale
-    (times ``sm_scale * log2 e``) is returned as ``row_scale``; ``qsum`` is the row sum of the
-    fp16 Q (zero-point correction), ``qpos`` the absolute position of each query row."""
+def split_rows(LENS, SPLIT_LEN, Hkv, G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Grid ``(B * Hkv, NUM_SPLITS)`` of the split-KV decode kernels (this one and
+    ``lowbit.kernels.decode_float``): this program's sequence b, KV head h, length L, key range
+    ``[start, end)`` and its query rows ``m = g * TQ + t`` (``row_ok``: m < G * TQ)."""
     pid_bh = tl.program_id(0)
     sid = tl.program_id(1)
     b = pid_bh // Hkv
@@ -228,6 +225,18 @@ def _prologue(Q, LENS, CRSQ, qk_scale, SPLIT_LEN, Hkv, stride_qb, stride_qh, str
     g = m_idx // TQ
     t = m_idx % TQ
     row_ok = m_idx < G * TQ
+    return pid_bh, sid, b, h, L, start, end, m_idx, g, t, row_ok
+
+
+@triton.jit
+def _prologue(Q, LENS, CRSQ, qk_scale, SPLIT_LEN, Hkv, stride_qb, stride_qh, stride_qt,
+              G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
+              ZERO_POINT: tl.constexpr, HAS_CRS: tl.constexpr, QK8: tl.constexpr):
+    """Shared by both loop orientations: program ids, split bounds, and Q as two fp16 tiles
+    ``[BLOCK_M, HALF]`` (even / odd channels) normalised per row by their absmax, whose scale
+    (times ``sm_scale * log2 e``) is returned as ``row_scale``; ``qsum`` is the row sum of the
+    fp16 Q (zero-point correction), ``qpos`` the absolute position of each query row."""
+    pid_bh, sid, b, h, L, start, end, m_idx, g, t, row_ok = split_rows(LENS, SPLIT_LEN, Hkv, G, TQ, BLOCK_M)
     j = tl.arange(0, HALF)
     d = tl.arange(0, 2 * HALF)
     q_ptr = Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt
@@ -668,12 +677,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     vz = v_zero if zero_point else v_scale
     crs = crs_q if crs_q is not None else q
     split = num_splits > 1
-    if split:
-        op = torch.empty(B * Hkv * num_splits * BLOCK_M * D, device=q.device, dtype=torch.float32)
-        mp = torch.empty(B * Hkv * num_splits * BLOCK_M, device=q.device, dtype=torch.float32)
-        lp = torch.empty_like(mp)
-    else:
-        op = mp = lp = out
+    op, mp, lp = split_workspace(out, B * Hkv, num_splits, BLOCK_M, D)
     grid = (B * Hkv, num_splits)
     kernel = _decode_kv4_kernel[grid](
         q, k_codes, k_scale, kz, v_codes, v_scale, vz, page_table, lengths, crs, out, op, mp, lp,
@@ -697,6 +701,17 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if split:
         _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D)
     return (out, kernel) if return_kernel else out
+
+
+def split_workspace(out, programs: int, num_splits: int, BLOCK_M: int, D: int):
+    """fp32 partials of the split-KV kernels (accumulator ``[programs, splits, BLOCK_M, D]``, running
+    max and denominator ``[programs, splits, BLOCK_M]``, flat), read by ``_combine``; with one split
+    nothing is allocated (``out`` stands in for all three)."""
+    if num_splits <= 1:
+        return out, out, out
+    op = torch.empty(programs * num_splits * BLOCK_M * D, device=out.device, dtype=torch.float32)
+    mp = torch.empty(programs * num_splits * BLOCK_M, device=out.device, dtype=torch.float32)
+    return op, mp, torch.empty_like(mp)
 
 
 def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
@@ -1270,12 +1285,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     out = torch.empty_like(q)
     zero_point = k_zero is not None
     split = num_splits > 1
-    if split:
-        op = torch.empty(B * Hkv * num_splits * BQ * D, device=q.device, dtype=torch.float32)
-        mp = torch.empty(B * Hkv * num_splits * BQ, device=q.device, dtype=torch.float32)
-        lp = torch.empty_like(mp)
-    else:
-        op = mp = lp = out
+    op, mp, lp = split_workspace(out, B * Hkv, num_splits, BQ, D)
     pdl = split and (GLUON_PDL if pdl is None else bool(pdl))
     kernel = _decode_kv4_gluon_kernel[(B * Hkv, num_splits)](
         q, k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,

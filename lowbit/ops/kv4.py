@@ -252,6 +252,25 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
                 k_zero, v_zero, bool(interleaved))
 
 
+def _check_decode_args(q, Hkv, page_table, lengths, sm_scale, name: str):
+    """Checks shared by the decode ops: 1..16 query tokens, GQA grouping, int32 page table with one
+    row per sequence and int32 lengths, a positive ``sm_scale`` (None = 1/sqrt(D)). Returns
+    (q with unit stride along D, sm_scale)."""
+    B, Hq, TQ, D = q.shape
+    if not 1 <= TQ <= 16:
+        raise ValueError(f"{name} takes 1..16 query tokens per sequence, got {TQ}")
+    if Hq % Hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
+    check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
+    check_tensor(lengths, "lengths", dtype=torch.int32, shape=[B])
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    return (q if q.stride(-1) == 1 else q.contiguous()), sm_scale
+
+
 def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None, v_zero=None,
                crs_q=None, sm_scale=None, max_len: int = 0, num_splits: int = 0, q_int8=None) -> torch.Tensor:
     """Decode attention of ``q [B, Hq, TQ, D]`` (post-RoPE, TQ in 1..4, causal among the TQ new
@@ -262,23 +281,11 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
     (FireQ's 8-bit Q; see ``lowbit.kernels.decode_kv4``), else fp16 Q; P, V and O as before."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     B, Hq, TQ, D = q.shape
-    if not 1 <= TQ <= 16:
-        raise ValueError(f"decode_kv4 takes 1..16 query tokens per sequence, got {TQ}")
     _, Hkv, PAGE = _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, D)
-    if Hq % Hkv:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
-    check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
-    check_tensor(lengths, "lengths", dtype=torch.int32, shape=[B])
-    if page_table.shape[0] != B:
-        raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_kv4")
     if crs_q is not None:
         check_tensor(crs_q, "crs_q", shape=[Hkv, D])
         crs_q = crs_q.float().contiguous()
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    if not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
     if q_int8 is None:
         q_int8 = Q_INT8_DEFAULT
     if int(q_int8) not in (0, 1, 2):
@@ -296,8 +303,6 @@ def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 
     ``lowbit.kernels.decode_float``."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     B, Hq, TQ, D = q.shape
-    if not 1 <= TQ <= 16:
-        raise ValueError(f"decode_float takes 1..16 query tokens per sequence, got {TQ}")
     check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
     _, Hkv, PAGE, Dk = k.shape
@@ -307,15 +312,5 @@ def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 
         raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have unit stride along the head dim")
-    if Hq % Hkv:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
-    check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
-    check_tensor(lengths, "lengths", dtype=torch.int32, shape=[B])
-    if page_table.shape[0] != B:
-        raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    if not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
+    q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float")
     return _decode_float(q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))

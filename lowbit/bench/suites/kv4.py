@@ -39,6 +39,25 @@ def random_cache(B, Hkv, D, L, *, page=64, zero_point=False, device="cuda", seed
     return out
 
 
+def random_float_pages(lens, Hkv, page, D, dtype=torch.bfloat16, *, seed=0, device="cuda"):
+    """Float pages ``k, v [P, Hkv, page, D]`` (random everywhere, so stale slots exercise the masks) for
+    sequences of lengths ``lens``, scattered in the pool by a shuffled page table; returns
+    (k, v, page_table int32 [B, max_pages + 1], lengths int32 [B]) -- ``lowbit.ops.kv4.decode_float``'s
+    cache arguments."""
+    g = torch.Generator().manual_seed(seed)
+    npg = [-(-L // page) for L in lens]
+    P = sum(npg) + 2
+    k = torch.randn(P, Hkv, page, D, generator=g).to(dtype)
+    v = torch.randn(P, Hkv, page, D, generator=g).to(dtype)
+    perm = torch.randperm(P, generator=g)
+    pt = torch.zeros(len(lens), max(npg) + 1, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(npg):
+        pt[b, :n] = perm[i:i + n]
+        i += n
+    return k.to(device), v.to(device), pt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
 def kv4_bytes(B, Hq, Hkv, D, L, tq, zero_point):
     per = D // 2 + 1 + (1 if zero_point else 0)
     return 2 * B * Hkv * L * per + 2 * 2 * B * Hq * tq * D
