@@ -118,6 +118,25 @@ def test_lm_head_qserve(reference_kernels):
     assert Generator(model, max_batch=1, max_seq=8).head_q == "int8"
 
 
+@pytest.mark.parametrize("recipe", ["flute-nf4", "flute-nf3"])
+def test_lm_head_flute(recipe, tmp_path):
+    """``lm_head=True`` in the lut recipes: the head is a LUTLinear (kernel under the interpreter),
+    the runner and the saved -> loaded model give the in-memory model's greedy tokens."""
+    from lowbit.nn.lut import LUTLinear
+
+    model = tiny_llama(head_dim=16, tie=True)
+    lowbit.quantize_model(model, recipe, progress=False, lm_head=True)
+    assert isinstance(model.lm_head, LUTLinear) and model.config.tie_word_embeddings is False
+    assert model.lowbit_recipe["options"]["lm_head"] is True
+    p = torch.tensor([5, 6, 7, 8])
+    ref = greedy(model, p.unsqueeze(0), 4)[0]
+    assert torch.equal(Generator(model, max_batch=1, max_seq=12).generate([p], 4)[0], ref)
+    lowbit.save_quantized(model, tmp_path / "q")
+    m2 = lowbit.load_quantized(tmp_path / "q")
+    assert isinstance(m2.lm_head, LUTLinear)
+    assert torch.equal(greedy(m2, p.unsqueeze(0), 4)[0], ref)
+
+
 def test_install_attention_after_linears_quantized(reference_kernels):
     """install_quantized_attention reads no float weight: it works once q/k/v are QuantLinears
     (CRS only), and RPN (which must fold into float weights) fails with a clear error."""

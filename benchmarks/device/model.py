@@ -52,8 +52,8 @@ AQ_STUDY = os.environ.get("LOWBIT_MODEL_AQ", "0") == "1"  # answered in R11 (act
 # this round's providers (session 5 A/B plan: the fused RoPE kernel and PDL beside the defaults, same run)
 # R14 (final): the committed defaults (RoPE kernel, q rotated in the KV4 append, PDL at M=1) for every
 # recipe, and the pre-session defaults beside them (``+norope+noropeq+nopdl``; ``bf16+norope``)
-RECIPES = ("fireq", "bf16+norope", "fireq+norope+noropeq+nopdl", "fireq+nopdl", "fireq+head", "qserve",
-           "qserve+head", "flute-nf4", "int8-attention", "fireq+fused")
+RECIPES = ("fireq", "fireq+head", "qserve", "qserve+head", "flute-nf4", "flute-nf4+head", "flute-nf3",
+           "int8-attention", "flute-nf4+nofk+dsdpa", "bf16+dk+fk")  # session 8: the committed defaults + the A/B rows
 # session 8: env LOWBIT_MODEL_RECIPES (comma-separated providers) picks a round's rows without an edit
 if os.environ.get("LOWBIT_MODEL_RECIPES"):
     RECIPES = tuple(r for r in os.environ["LOWBIT_MODEL_RECIPES"].split(",") if r)

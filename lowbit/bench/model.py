@@ -47,7 +47,8 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n
                  num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
 FULL_LAYERS = 32
-RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3")
+RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3",
+           "flute-nf4+head")
 # provider -> (recipe, options): "+head" = lm_head quantized too (recipe option lm_head=True)
 VARIANTS = {"fireq+fused": ("fireq", {"fuse_mlp": True}), "fireq+head": ("fireq", {"lm_head": True}),
             "qserve+head": ("qserve", {"lm_head": True})}

@@ -4,7 +4,7 @@ A recipe is ``fn(model, calibration=None, **options) -> model`` (registered in
 ``lowbit.registry``, called through ``lowbit.quantize_model``). It works on any Llama-family
 ``*ForCausalLM`` of transformers through ``lowbit.models.arch.decoder_layers`` and quantizes
 the seven linears of every decoder layer in place; ``embed_tokens`` and ``lm_head`` stay float
-(``lm_head=True`` in ``fireq`` / ``qserve`` quantizes the head too).
+(``lm_head=True`` in ``fireq`` / ``qserve`` / ``flute-nf4`` / ``flute-nf3`` quantizes the head too).
 
 Common options (every recipe):
 
@@ -444,12 +444,12 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
 
 
 def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, group_size, table, learn_scales,
-           lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress):
+           lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress, lm_head=False):
     _check_common(name, model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, bits=bits, table=table,
                    learn_scales=learn_scales, lr=lr, epochs=epochs, linear_options=linear_options, skip=list(skip),
-                   seed=seed, n_samples=n_samples, seq_len=seq_len)
+                   seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head)
     learn = _need(name, "lowbit.ptq.nfl", "learn_nf_scales") if learn_scales else None
     if linear is not None:
         from lowbit import registry
@@ -476,6 +476,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
                                       seq_len=seq_len, seed=seed)
         extra = dict(opts, skip=tuple(skip)) if ste else {}
         reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress, **extra)
+    if lm_head and linear is not None:  # after learned NF: the head keeps its RTN NF scales
+        _quantize_lm_head(model, linear, opts, name, lm_head)
     _record(model, name, options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
     return model
 
@@ -484,27 +486,31 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
 def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | None = None,
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
-              n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+              n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
+              lm_head: bool | dict = False):
     """FLUTE (seed 001): 4-bit NormalFloat lookup-table weights, g128, activations in the model's
-    float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration)."""
+    float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration). ``lm_head=True`` (or
+    a dict of head-only linear options) quantizes the output projection too (RTN NF scales; FLUTE
+    keeps it 16-bit: off by default)."""
     with torch.enable_grad():
         return _flute("flute-nf4", 4, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head)
 
 
 @torch.no_grad()
 def flute_nf3(model, calibration=None, *, linear: str | None = "lut", kv: str | None = None,
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
-              n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
+              n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
+              lm_head: bool | dict = False):
     """FLUTE 3-bit NormalFloat lookup-table weights, g128 (see ``flute_nf4``)."""
     with torch.enable_grad():
         return _flute("flute-nf3", 3, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head)
 
 
 @torch.no_grad()
