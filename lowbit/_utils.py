@@ -155,7 +155,7 @@ def _patch_triton_interpreter_39() -> None:
     except ImportError:
         return
     builder = getattr(itp, "InterpreterBuilder", None)
-    if builder is None or getattr(builder, "_lowbit_bool_masks", False):
+    if builder is None or getattr(builder, "_lowbit_patched_39", False):
         return
     load, store = builder.create_masked_load, builder.create_masked_store
 
@@ -186,7 +186,7 @@ def _patch_triton_interpreter_39() -> None:
             return dot(self, widen(a), widen(b), d, *args, **kwargs)
 
         builder.create_dot = create_dot
-    builder._lowbit_bool_masks = True
+    builder._lowbit_patched_39 = True
 
 
 if interpret_mode():

@@ -271,7 +271,7 @@ def test_float_kernels_same_tokens(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_float_kernels_gpu_close_to_eager():
     """GPU: the fused RMSNorm / SiLU*mul rows match the eager modules to two ulps of the dtype (SiLU's
-    exp is the GPU's fast exp: S8d-S8f found SiLU*mul values 1-2 ulps apart, so not bit-equal) for bf16 and fp16
+    exp is the GPU's fast exp: session-8 device runs found SiLU*mul values 1-2 ulps apart, so not bit-equal) for bf16 and fp16
     at K = 4096, 14336 and a ragged 3000, and the runner's greedy tokens with ``float_kernels`` on and
     off agree (>= 90% of 12 tokens on a random tiny model)."""
     from lowbit.kernels.act_quant import fused_rows_triton

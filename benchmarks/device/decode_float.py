@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from lowbit.bench import harness
 from lowbit.bench.suites.kv4 import random_float_pages
+from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_triton
 from lowbit.ops import kv4 as ops
 
 ap = argparse.ArgumentParser()
@@ -114,8 +115,6 @@ for B in (1, 4, 16):
         ref = ops.decode_float(xs[0][0], kd, vd, pt_dense, lengths, max_len=smax).float()
         for bn in (32, 64):
             for ns in (None, 4, 8, 16, 32, 64, 128):
-                from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_triton
-
                 def fn(q, bn=bn, ns=ns):
                     return decode_float_triton(q, kd, vd, pt_dense, lengths, max_len=smax, num_splits=ns, block_n=bn)
                 try:

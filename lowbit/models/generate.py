@@ -435,7 +435,7 @@ class DenseKV:
 
     def step_state(self, pos, rows):
         """What every layer's ``decode`` of one step shares (computed once per step): the length
-        mask of the new tokens."""
+        mask of the new tokens (SDPA) or the lengths ``pos + 1`` (the kernel)."""
         B = pos.shape[0]
         if self.kernel:
             return pos, rows, (pos + 1).to(torch.int32)
@@ -635,8 +635,9 @@ class Generator:
         n = len(self.a.layers)
         if dense_decode not in ("auto", "sdpa", "kernel"):
             raise ValueError(f"dense_decode must be 'auto', 'sdpa' or 'kernel', got {dense_decode!r}")
+        quantized_on_gpu = bool(info) and self.device.type == "cuda"  # the 'auto' rule of both options below
         if dense_decode == "auto":  # lowbit's kernel for lowbit-quantized models; SDPA for plain ones (baseline)
-            dense_decode = "kernel" if info and self.device.type == "cuda" else "sdpa"
+            dense_decode = "kernel" if quantized_on_gpu else "sdpa"
         self.dense_decode = dense_decode
         if self.kv is None:
             self.cache = DenseKV(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
@@ -646,8 +647,10 @@ class Generator:
             self.cache = PagedKV4(n, self.max_batch, self.a.hkv, self.max_seq, self.a.d, self.dtype, self.device,
                                   zero_point=self.kv == "kv4-zp", page=page_size, crs=crs, splits=decode_splits)
         self.prefill_from_cache = bool(prefill_from_cache) and self.kv is not None
+        if float_kernels not in ("auto", True, False):
+            raise ValueError(f"float_kernels must be 'auto', True or False, got {float_kernels!r}")
         if float_kernels == "auto":  # like dense_decode: lowbit-quantized models only (the baseline stays eager)
-            float_kernels = bool(info) and self.device.type == "cuda"
+            float_kernels = quantized_on_gpu
         self.float_kernels = bool(float_kernels)
         self.fused = [_FusedLayer(layer, self.dtype, fuse, self.float_kernels) for layer in self.a.layers]
         self.head = _Proj(self.a.lm_head)

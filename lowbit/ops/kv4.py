@@ -26,8 +26,8 @@ from lowbit._utils import check_tensor, use_triton
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
-__all__ = ["rope_ref", "kv4_append", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4", "decode_float",
-           "decode_float_ref"]
+__all__ = ["rope_ref", "kv4_append", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4", "gather_pages",
+           "decode_float", "decode_float_ref"]
 
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -73,15 +73,18 @@ def kv4_append_ref(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, 
             zero[pi, hi, oi] = z
 
 
+def gather_pages(t, page_table_row, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from a paged pool ``t [num_pages, Hkv, PAGE, ...]``,
+    as ``[Hkv, length, ...]`` (reference path)."""
+    P = t.shape[2]
+    pos = torch.arange(length, device=t.device)
+    return t[page_table_row.long()[pos // P], :, pos % P].transpose(0, 1)
+
+
 def gather_kv4(codes, scale, zero, page_table_row, length: int, *, dtype=torch.float32) -> torch.Tensor:
     """Dequantized ``[Hkv, length, D]`` of one sequence (reference path)."""
-    P = codes.shape[2]
-    pos = torch.arange(length, device=codes.device)
-    page = page_table_row.long()[pos // P]
-    off = pos % P
-    c = codes[page, :, off].transpose(0, 1)  # [H, L, D/2]
-    s = scale[page, :, off].transpose(0, 1)
-    z = zero[page, :, off].transpose(0, 1) if zero is not None else None
+    c, s = gather_pages(codes, page_table_row, length), gather_pages(scale, page_table_row, length)
+    z = gather_pages(zero, page_table_row, length) if zero is not None else None
     return dequantize_kv4(c, s, z, dtype=dtype)
 
 
@@ -120,13 +123,10 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
 def decode_float_ref(q, k, v, page_table, lengths, *, sm_scale=None) -> torch.Tensor:
     """Reference of ``decode_float``: each sequence's pages gathered and ``attention_ref`` (float64,
     bottom-right causal) on Q rounded to the cache dtype (the kernel's Q); returns q's dtype."""
-    B, Hq, TQ, D = q.shape
-    P = k.shape[2]
     out = torch.empty_like(q)
-    for b in range(B):
-        pos = torch.arange(int(lengths[b]), device=k.device)
-        page, off = page_table[b].long()[pos // P], pos % P
-        kb, vb = k[page, :, off].transpose(0, 1), v[page, :, off].transpose(0, 1)  # [Hkv, L, D]
+    for b in range(q.shape[0]):
+        L = int(lengths[b])
+        kb, vb = gather_pages(k, page_table[b], L), gather_pages(v, page_table[b], L)  # [Hkv, L, D]
         qb = q[b].to(k.dtype)
         out[b] = attention_ref(qb[None], kb[None], vb[None], causal=True, sm_scale=sm_scale)[0].to(q.dtype)
     return out
