@@ -17,6 +17,13 @@ which are exactly the low and high nibbles of the packed bytes, so packing is on
 Layouts: k, v ``[B, Hkv, T, D]`` (any strides, last dim contiguous); cos, sin ``[B, T, D]``
 (transformers' layout: ``cos[..., i] == cos[..., i + D/2]`` for half-split RoPE); crs_k fp32
 ``[Hkv, D]``; cache tensors as in ``lowbit.kernels.decode_kv4``; start int32 ``[B]``.
+
+``FLOAT`` (``float_append_triton``): the same launch for the float pages of numerics ``'bf16'``
+(``lowbit.kernels.decode_float``'s layout ``[num_pages, Hkv, PAGE, D]``; the fast runner's dense cache
+is one page per sequence). k is rotated with the half-precision rounding of ``lowbit.kernels.rope``
+(what transformers' eager ops store in a bf16/fp16 cache: bit for bit the runner's unfused path),
+v is copied; with ``ROPE_Q`` the query heads are rotated in the same launch. At decode this replaces
+the rope launch and the two ``index_put`` writes of every layer.
 """
 from __future__ import annotations
 
@@ -71,34 +78,14 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
 
 
 @triton.jit
-def _kv4_append_kernel(
-    # pointers
-    K, V, COS, SIN, CRSK, PT, START, KC, KS, KZ, VC, VS, VZ, Q, QO,
-    # sizes
-    T,
-    # strides
-    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_cb, stride_ct,
-    stride_ptb,
-    stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
-    stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot,
-    # constexpr
-    HALF: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_CRS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
-    ROPE_Q: tl.constexpr = False, G: tl.constexpr = 1, Q_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-):
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    b = pid // T
-    t = pid % T
-    pos = tl.load(START + b) + t
-    page = tl.load(PT + b * stride_ptb + pos // PAGE).to(tl.int64)
-    off = pos % PAGE
+def _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, page, off,
+                stride_cb, stride_ct, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+                HALF: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CRS: tl.constexpr,
+                ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
+    """RoPE (fp32) + CRS + INT4 quantization of one K row and one V row, written to slot ``off`` of ``page``."""
     j = tl.arange(0, HALF)
     de = 2 * j
     do = 2 * j + 1
-
-    k_row = K + b * stride_kb + h * stride_kh + t * stride_kt
     xe = tl.load(k_row + de).to(tl.float32)
     xo = tl.load(k_row + do).to(tl.float32)
     if ROPE:
@@ -129,7 +116,6 @@ def _kv4_append_kernel(
     if ZERO_POINT:
         tl.store(KZ + s_off, z.to(tl.uint8))
 
-    v_row = V + b * stride_vb + h * stride_vh + t * stride_vt
     ve = tl.load(v_row + de).to(tl.float32)
     vo = tl.load(v_row + do).to(tl.float32)
     packed, s, z = _quantize_row(ve, vo, ZERO_POINT, SCALE_KIND)
@@ -137,6 +123,49 @@ def _kv4_append_kernel(
     tl.store(VS + s_off, s.to(VS.dtype.element_ty))
     if ZERO_POINT:
         tl.store(VZ + s_off, z.to(tl.uint8))
+
+
+@triton.jit
+def _kv4_append_kernel(
+    # pointers
+    K, V, COS, SIN, CRSK, PT, START, KC, KS, KZ, VC, VS, VZ, Q, QO,
+    # sizes
+    T,
+    # strides
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_cb, stride_ct,
+    stride_ptb,
+    stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+    stride_qb, stride_qh, stride_qt, stride_ob, stride_oh, stride_ot,
+    # constexpr
+    HALF: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_CRS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
+    ROPE_Q: tl.constexpr = False, G: tl.constexpr = 1, Q_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    FLOAT: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid // T
+    t = pid % T
+    pos = tl.load(START + b) + t
+    page = tl.load(PT + b * stride_ptb + pos // PAGE).to(tl.int64)
+    off = pos % PAGE
+    k_row = K + b * stride_kb + h * stride_kh + t * stride_kt
+    v_row = V + b * stride_vb + h * stride_vh + t * stride_vt
+    if FLOAT:  # float pages: half-precision RoPE of k (lowbit.kernels.rope's bits), v copied
+        D_: tl.constexpr = 2 * HALF
+        dst = page * stride_cp + h * stride_ch + off * stride_cn
+        d = tl.arange(0, D_)
+        if ROPE:
+            rope_row(k_row, KC + dst, COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
+                     D_, Q_BF16, INTERPRET)
+        else:
+            tl.store(KC + dst + d, tl.load(k_row + d))
+        tl.store(VC + dst + d, tl.load(v_row + d))
+    else:
+        _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, page, off,
+                    stride_cb, stride_ct, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+                    HALF, ROPE, INTERLEAVED, HAS_CRS, ZERO_POINT, SCALE_KIND)
 
     if ROPE_Q:  # (models area) the G query heads of KV head h, half-precision RoPE as lowbit.kernels.rope
         for g in tl.static_range(G):
@@ -152,35 +181,62 @@ def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, star
     ``q`` / ``q_out`` (models area, optional; bf16/fp16 ``[B, Hq, T, D]``, unit stride on D, half-split
     RoPE given by cos/sin): also writes RoPE(q) to ``q_out`` in the same launch, with the rounding of
     ``lowbit.kernels.rope`` (the eager half-precision ops), saving the runner a launch per layer."""
+    _launch(k, v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_table, start, cos, sin, crs_k,
+            interleaved, q, q_out, float_pages=False)
+
+
+def float_append_triton(k, v, k_cache, v_cache, page_table, start, *, cos=None, sin=None, q=None, q_out=None):
+    """``FLOAT`` launcher (module docstring): write k (half-split RoPE by cos/sin when given, the
+    rounding of ``lowbit.kernels.rope``) and v, bf16/fp16 ``[B, Hkv, T, D]`` with unit stride on D, to
+    slots ``start[b] + t`` of the float pages ``k_cache``, ``v_cache [num_pages, Hkv, PAGE, D]`` (same
+    strides, k's dtype); ``q`` / ``q_out`` as ``kv4_append_triton``. The runner's decode step calls it."""
+    if (k.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != k.dtype or v.dtype != k.dtype
+            or v_cache.dtype != k.dtype or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride()
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.shape[1:2] != k.shape[1:2]
+            or k_cache.shape[3] != k.shape[3] or v.shape != k.shape):
+        raise ValueError(f"float_append_triton: k, v [B, Hkv, T, D] and k_cache, v_cache [pages, Hkv, PAGE, D] "
+                         f"must share one bf16/fp16 dtype, unit stride on D, and the caches one shape and strides; "
+                         f"got k {k.dtype} {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if cos is not None and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    _launch(k, v, k_cache, None, None, v_cache, None, None, page_table, start, cos, sin, None, False, q, q_out,
+            float_pages=True)
+
+
+def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, interleaved, q, q_out, *, float_pages):
     from lowbit._utils import interpret_mode
 
     B, Hkv, T, D = k.shape
     if B * T == 0:
         return
-    PAGE = k_codes.shape[2]
-    zero_point = k_zero is not None
+    PAGE = kc.shape[2]
+    zero_point = kz is not None
     rope = cos is not None
-    scale_kind = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[k_scale.dtype]
+    scale_kind = 0 if float_pages else {torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[ks.dtype]
     cos_ = cos if rope else k
     sin_ = sin if rope else k
     rope_q = q is not None
     if rope_q and (not rope or interleaved or q_out is None or q.shape[1] % Hkv or q.stride(-1) != 1
                    or q_out.stride(-1) != 1 or q.dtype not in (torch.bfloat16, torch.float16)
-                   or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+                   or cos.stride(-1) != 1 or sin.stride() != cos.stride() or (float_pages and q.dtype != k.dtype)):
         raise ValueError("q rope in kv4_append needs half-split cos/sin, bf16/fp16 q and q_out with unit stride on D")
     q_, qo_ = (q, q_out) if rope_q else (k, k)
+    ks_ = kc if float_pages else ks  # placeholders for pointers a constexpr branch never reads
+    vs_ = vc if float_pages else vs
     _kv4_append_kernel[(B * T, Hkv)](
         k, v, cos_, sin_, crs_k if crs_k is not None else k, page_table, start,
-        k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
+        kc, ks_, kz if zero_point else ks_, vc, vs_, vz if zero_point else vs_,
         q_, qo_,
         T,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cos_.stride(0) if rope else 0, cos_.stride(1) if rope else 0,
         page_table.stride(0),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), ks_.stride(0), ks_.stride(1),
         q_.stride(0), q_.stride(1), q_.stride(2), qo_.stride(0), qo_.stride(1), qo_.stride(2),
         HALF=D // 2, PAGE=PAGE, ROPE=rope, INTERLEAVED=interleaved, HAS_CRS=crs_k is not None,
         ZERO_POINT=zero_point, SCALE_KIND=scale_kind,
-        ROPE_Q=rope_q, G=q.shape[1] // Hkv if rope_q else 1, Q_BF16=rope_q and q.dtype == torch.bfloat16,
-        INTERPRET=interpret_mode(), num_warps=ROPE_Q_WARPS if rope_q else 1,
+        ROPE_Q=rope_q, G=q.shape[1] // Hkv if rope_q else 1,
+        Q_BF16=(q if rope_q else k).dtype == torch.bfloat16,  # rows rotated by rope_row (q; float-page k)
+        INTERPRET=interpret_mode(), FLOAT=float_pages, num_warps=ROPE_Q_WARPS if rope_q else 1,
     )
