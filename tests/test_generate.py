@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from lowbit._utils import use_triton
 from lowbit.models.generate import Generator, generate
 from tests._tiny_models import greedy, tiny_llama, toy_quantize
 
@@ -88,7 +89,6 @@ def test_rope_kernel_bit_equal_to_eager(dtype):
     """``lowbit.kernels.rope`` (interpreter on CPU) == the runner's eager RoPE, bit for bit: strided
     q/k slices of a fused projection output, H not a power of two, cos/sin per request or shared."""
     pytest.importorskip("triton")
-    from lowbit._utils import use_triton
     from lowbit.kernels.rope import rope_triton
     from lowbit.models.generate import _rope
 
@@ -114,7 +114,6 @@ def test_runner_rope_kernel_same_tokens():
     """bf16 model, dense cache: q and k rotated in ONE launch over the fused q/k/v output (kernel
     under the interpreter on CPU) give the eager runner's tokens."""
     pytest.importorskip("triton")
-    from lowbit._utils import use_triton
 
     model = tiny_llama(head_dim=16, dtype=torch.bfloat16)
     if not use_triton(next(model.parameters())):
@@ -162,25 +161,32 @@ def test_rope_kernel_gpu_and_graph_runner():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kv4_append_rotates_q_too(dtype):
-    """``kv4_append``'s ROPE_Q (the runner's ``rope_q_append``): the cache written is the one without
-    it, and q_out is ``lowbit.kernels.rope``'s result bit for bit (interpreter on CPU)."""
-    pytest.importorskip("triton")
-    from lowbit._utils import use_triton
-    from lowbit.kernels.kv4_append import kv4_append_triton
-    from lowbit.kernels.rope import rope_triton
-
-    g = torch.Generator().manual_seed(3)
-    B, Hkv, G, T, D, PAGE = 2, 2, 2, 3, 16, 16
-    qkv = (torch.randn(B, T, (Hkv * G + 2 * Hkv) * D, generator=g) * 3).to(dtype)
+def _qkv_rope_inputs(g, B, T, Hkv, G, D, dtype, dev):
+    """q, k, v ``[B, H, T, D]`` as transposed slices of one fused q/k/v output (the runner's layout) and
+    half-split cos/sin ``[B, T, D]``; skips when Triton cannot run here."""
+    qkv = (torch.randn(B, T, (Hkv * G + 2 * Hkv) * D, generator=g) * 3).to(dtype).to(dev)
     if not use_triton(qkv):
         pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
     q = qkv[..., : Hkv * G * D].view(B, T, Hkv * G, D).transpose(1, 2)
     k = qkv[..., Hkv * G * D: (Hkv * G + Hkv) * D].view(B, T, Hkv, D).transpose(1, 2)
     v = qkv[..., (Hkv * G + Hkv) * D:].view(B, T, Hkv, D).transpose(1, 2)
     ang = torch.randn(B, T, D // 2, generator=g) * 7
-    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype).to(dev)
+    sin = torch.cat((ang.sin(), ang.sin()), -1).to(dtype).to(dev)
+    return q, k, v, cos, sin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv4_append_rotates_q_too(dtype):
+    """``kv4_append``'s ROPE_Q (the runner's ``rope_q_append``): the cache written is the one without
+    it, and q_out is ``lowbit.kernels.rope``'s result bit for bit (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    from lowbit.kernels.kv4_append import kv4_append_triton
+    from lowbit.kernels.rope import rope_triton
+
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, T, D, PAGE = 2, 2, 2, 3, 16, 16
+    q, k, v, cos, sin = _qkv_rope_inputs(g, B, T, Hkv, G, D, dtype, "cpu")
     pt = torch.arange(2 * B, dtype=torch.int32).view(B, 2)
     start = torch.tensor([0, 5], dtype=torch.int32)
 
@@ -200,6 +206,57 @@ def test_kv4_append_rotates_q_too(dtype):
     assert torch.equal(qo.contiguous().view(torch.int16), ref.contiguous().view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hkv,G,T,page", [(2, 2, 1, 16), (1, 3, 2, 8), (3, 1, 3, 32)])
+def test_float_append_rope_bit_equal(dtype, Hkv, G, T, page):
+    """``float_append_triton`` (the float cache's decode append): the pages hold exactly
+    ``lowbit.kernels.rope``'s k and the raw v at slots ``start[b] + t`` (crossing a page), other slots
+    untouched; q_out is rope(q) bit for bit; no RoPE = plain copy. Bad dtypes raise naming the shapes."""
+    _check_float_append(dtype, Hkv, G, T, page, 32, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Hkv,G,T,page,D", [(8, 4, 1, 64, 128), (1, 8, 4, 16, 64), (3, 1, 2, 32, 128)])
+def test_float_append_rope_bit_equal_gpu(dtype, Hkv, G, T, page, D):
+    """GPU: the same bit-equality (compiled kernel vs compiled ``rope_triton`` + indexed writes)."""
+    _check_float_append(dtype, Hkv, G, T, page, D, "cuda")
+
+
+def _check_float_append(dtype, Hkv, G, T, page, D, dev):
+    pytest.importorskip("triton")
+    from lowbit.kernels.kv4_append import float_append_triton
+    from lowbit.kernels.rope import rope_triton
+
+    g = torch.Generator().manual_seed(5)
+    B = 2
+    q, k, v, cos, sin = _qkv_rope_inputs(g, B, T, Hkv, G, D, dtype, dev)
+    P = 3
+    pt = torch.randperm(B * P, generator=g).to(torch.int32).view(B, P).to(dev)
+    start = torch.tensor([page - 1, 2], dtype=torch.int32, device=dev)  # b = 0 crosses a page when T > 1
+    kc = torch.randn(B * P, Hkv, page, D, generator=g).to(dtype).to(dev)
+    vc = torch.randn(B * P, Hkv, page, D, generator=g).to(dtype).to(dev)
+    k_ref, v_ref = kc.clone(), vc.clone()
+    krot = rope_triton(k.transpose(1, 2), cos, sin)  # [B, T, Hkv, D]
+    for b in range(B):
+        for t in range(T):
+            pos = int(start[b]) + t
+            k_ref[pt[b, pos // page], :, pos % page] = krot[b, t]
+            v_ref[pt[b, pos // page], :, pos % page] = v[b, :, t]
+    qo = torch.empty(B, T, Hkv * G, D, dtype=dtype, device=dev).transpose(1, 2)
+    float_append_triton(k, v, kc, vc, pt, start, cos=cos, sin=sin, q=q, q_out=qo)
+    assert torch.equal(kc.view(torch.int16), k_ref.view(torch.int16))
+    assert torch.equal(vc.view(torch.int16), v_ref.view(torch.int16))
+    ref = rope_triton(q.transpose(1, 2), cos, sin).transpose(1, 2)
+    assert torch.equal(qo.contiguous().view(torch.int16), ref.contiguous().view(torch.int16))
+    float_append_triton(k, v, kc, vc, pt, start)  # no RoPE: k copied
+    pos = int(start[1])
+    assert torch.equal(kc[pt[1, pos // page], :, pos % page], k[1, :, 0])
+    with pytest.raises(ValueError, match="k_cache"):
+        float_append_triton(k, v, kc.float(), vc, pt, start)
+
+
 @pytest.mark.parametrize("head_dim", [16, 32])
 def test_dense_decode_kernel_same_tokens(head_dim):
     """``dense_decode='kernel'`` (``lowbit.ops.kv4.decode_float`` over the float cache; the Triton
@@ -211,8 +268,11 @@ def test_dense_decode_kernel_same_tokens(head_dim):
     assert gen.cache.kernel and Generator(model, max_batch=1, max_seq=8).dense_decode == "sdpa"
     got = gen.generate(prompts, 5)
     ref = Generator(model, max_batch=2, max_seq=16, dense_decode="sdpa").generate(prompts, 5)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)
+    # the append launch rotating q and k (rope_q_append, the default) vs the rope kernel + index writes
+    old = Generator(model, max_batch=2, max_seq=16, dense_decode="kernel", rope_q_append=False).generate(prompts, 5)
+    assert gen._q_in_append(gen.a.layers[0]) or not use_triton(torch.zeros(1))
+    for a, b, c in zip(got, ref, old):
+        assert torch.equal(a, b) and torch.equal(a, c)
     with pytest.raises(ValueError, match="dense_decode"):
         Generator(model, max_batch=1, max_seq=8, dense_decode="flash")
 
@@ -295,3 +355,31 @@ def test_float_kernels_gpu_close_to_eager():
         b = Generator(model, max_batch=2, max_seq=16, float_kernels=True).generate(prompts, 6)
         same = sum(int((x_.cpu() == y_.cpu()).sum()) for x_, y_ in zip(a, b))
         assert same >= 11, (dtype, a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_runner_launches_lut_directly(dtype, monkeypatch):
+    """LUT (fragment layout) projections: the runner launches the kernel itself (``lut_direct``; PDL on
+    Hopper, off here) instead of the module call; the greedy tokens are the module path's (the same
+    kernel under the interpreter, the residual added by torch in both)."""
+    import lowbit
+    from lowbit.kernels import lut_gemm
+
+    model = tiny_llama(head_dim=16, layers=1, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    lowbit.quantize_model(model, "flute-nf4", calibration=[torch.randint(0, 128, (1, 16), generator=g)],
+                          progress=False)
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2])]
+    calls = []
+    real = lut_gemm.lut_mma_triton
+    monkeypatch.setattr(lut_gemm, "lut_mma_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = Generator(model, max_batch=2, max_seq=16)
+    if not (gen.fused[0].o.lut and use_triton(torch.zeros(1))):
+        pytest.skip("needs the fragment layout and Triton (GPU or interpreter)")
+    got = gen.generate(prompts, 3)
+    direct = sum("pdl" in kw for kw in calls)  # the runner passes pdl=; the op does not
+    assert direct >= 4 * len(gen.fused)  # qkv, o, gate_up, down every step
+    ref = Generator(model, max_batch=2, max_seq=16, lut_direct=False)
+    assert not ref.fused[0].o.lut
+    want = ref.generate(prompts, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

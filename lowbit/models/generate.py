@@ -37,7 +37,9 @@ modules' (tests), so fused and unfused runs give the same tokens.
 RoPE (session 5): one launch of ``lowbit.kernels.rope`` rotates q and k together (they are adjacent
 slices of the fused q/k/v output) with transformers' rounding (each half-precision op rounded, bit
 for bit; ``ROPE_KERNEL``); over the KV4 cache the decode step rotates q inside the ``kv4_append``
-launch that already rotates k (``ROPE_Q_APPEND``), so RoPE costs no launch of its own. At batch 1
+launch that already rotates k (``ROPE_Q_APPEND``), so RoPE costs no launch of its own; over the float
+cache with lowbit's decode kernel (``dense_decode='kernel'``) one ``float_append_triton`` launch per
+layer rotates q and k (the same half-precision bits) and writes the new k/v slots. At batch 1
 (``pdl_max_m``) the W4A8-FP8 act-quant and GEMM kernels are programmatic dependent launches (Hopper),
 so each launch overlaps the previous kernel's tail inside the CUDA graph; same numerics.
 
@@ -54,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit._utils import capture_cuda_graph
+from lowbit._utils import capture_cuda_graph, interpret_mode, triton_available, use_triton
 
 __all__ = ["Generator", "generate"]
 
@@ -193,7 +195,7 @@ def _fuse_rows(mods):
 # GPU cases, R13) and the same greedy tokens (bf16 and fireq runners).
 ROPE_KERNEL = True
 # decode over the KV4 cache: q rotated inside the append kernel (``kv4_append``'s ROPE_Q), one launch
-# fewer per layer. R12 + R13 A/B vs ``ROPE_KERNEL`` alone: B=1 1k 346 / 345 vs 343 / 345, 8k 337 / 345 vs
+# fewer per layer (also the float cache's append with dense_decode='kernel', session 9). R12 + R13 A/B vs ``ROPE_KERNEL`` alone: B=1 1k 346 / 345 vs 343 / 345, 8k 337 / 345 vs
 # 337 / 341, B=16 1k 4897 / 5026 vs 4868 / 4972 (same greedy tokens).
 ROPE_Q_APPEND = True
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE values depend on the position only
@@ -208,7 +210,6 @@ def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up
     (quantize ``silu(x2) * up``). Kernel ``lowbit.kernels.act_quant`` (bit-exact with the eager
     modules followed by ``quantize_per_token``); without Triton the eager modules + reference.
     ``pdl``: launch it as a programmatic dependent launch (``lowbit.kernels.act_quant``; same codes)."""
-    from lowbit._utils import use_triton
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
 
     dtype = FP8_E4M3 if fmt == "fp8" else torch.int8
@@ -228,18 +229,18 @@ def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up
     return quantize_per_token(x2, dtype)
 
 
-def _float_rows(x: torch.Tensor, *, norm: nn.Module | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+def _float_rows(x: torch.Tensor, *, norm: nn.Module | None = None, up: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
     """``norm(x)`` (an HF RMSNorm) or ``silu(x) * up`` for float (weight-only) projections: one launch
     of ``lowbit.kernels.act_quant.fused_rows_triton`` (the eager rounding of each intermediate) where
-    Triton runs, else the eager modules."""
-    from lowbit._utils import use_triton
+    Triton runs, else the eager modules. ``pdl``: a programmatic dependent launch (same values)."""
 
     if use_triton(x):
         from lowbit.kernels.act_quant import fused_rows_triton
 
         if norm is not None:
-            return fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=float(norm.variance_epsilon))
-        return fused_rows_triton(x, fuse="silu_mul", up=up)
+            return fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=float(norm.variance_epsilon), pdl=pdl)
+        return fused_rows_triton(x, fuse="silu_mul", up=up, pdl=pdl)
     return norm(x) if norm is not None else F.silu(x) * up
 
 
@@ -262,16 +263,42 @@ class _Proj:
         self.aq = _ACT_FORMAT.get(getattr(mod, "scheme", None))
         self.silu_mul = getattr(mod, "activation", None) == "silu_mul"
         self.pdl_max_m = 0  # set by the Generator: programmatic dependent launch up to this many rows
+        # a LUT projection on the fragment kernel: the runner launches it itself (residual epilogue, PDL)
+        self.lut = (getattr(mod, "scheme", None) == "lut" and getattr(mod, "layout", None) == "mma"
+                    and getattr(mod, "bias", None) is None)
 
     def pdl(self, m: int) -> bool:
-        """Launch this projection's act-quant + GEMM as programmatic dependent launches for ``m`` rows?"""
-        return self.aq == "fp8" and 0 < m <= self.pdl_max_m
+        """Launch this projection's act-quant (or float rows) + GEMM as programmatic dependent launches
+        for ``m`` rows?"""
+        return (self.aq is not None or self.lut) and 0 < m <= self.pdl_max_m
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``mod(x)`` (+ ``residual``, in the GEMM epilogue where the module has one)."""
         if residual is not None and self.aq == "fp8":
             return self.mod(x, residual=residual)
+        if self.lut and x.dtype == self.mod.dtype and use_triton(x):
+            y = self._lut(x, residual)
+            if y is not None:
+                return y
         y = self.mod(x)
+        return y if residual is None else residual + y
+
+    def _lut(self, x, residual):
+        """The LUT fragment kernel launched directly (M <= ``lowbit.ops.lut.MAX_KERNEL_M``), up to
+        ``pdl_max_m`` rows as a programmatic dependent launch (set-up before the wait); the residual added
+        by torch after it. None where the op's other paths apply. (The kernel's own residual epilogue,
+        ``HAS_RES``, is bit-equal but slower: S9 probe on the H200, M = 1, us plain / residual: o 11.0 /
+        12.3, down 19.5 / 27.7, qkv 12.2 / 15.5; ptxas gives that variant 61 registers instead of 78 and
+        a slower schedule; model A/B S9d: 311 vs 334 tokens/s.)"""
+        from lowbit.kernels.lut_gemm import lut_mma_triton
+        from lowbit.ops.lut import MAX_KERNEL_M
+
+        m, x2 = self.mod, x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > MAX_KERNEL_M or m.pairs.dtype != x.dtype:
+            return None
+        y = lut_mma_triton(x2, m.qweight, m.qweight_hi, m.scales, m.pairs, m.table, bits=m.bits,
+                           group_size=m.group_size, out_features=m.out_features, pdl=self.pdl(x2.shape[0]))
+        y = y.reshape(*x.shape[:-1], m.out_features)
         return y if residual is None else residual + y
 
     def gemm(self, xq: torch.Tensor, sx: torch.Tensor, lead, dtype, residual: torch.Tensor | None = None):
@@ -290,6 +317,13 @@ class _Proj:
 
             y = w4a8_fp8_gemm(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, m.bias,
                               residual=res, silu_mul=self.silu_mul, out_dtype=dtype)
+        elif self.pdl(xq.shape[0]) and xq.is_cuda:  # int8 (QServe): the GEMM as a PDL launch (session 9)
+            from lowbit.kernels.w4a8_int8_gemm import w4a8_int8_gemm_triton
+
+            y = w4a8_int8_gemm_triton(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, xq.shape[1],
+                                      2 * m.qweight.shape[1] // m.gscale.shape[1], dtype, pdl=True)
+            if res is not None:
+                y = res + y
         else:
             from lowbit.ops.w4a8_int8 import w4a8_int8_gemm
 
@@ -360,16 +394,24 @@ class _FusedLayer:
                 xq, sx = _quant_rows(x2, self.norm_q, norm=self.in_norm, pdl=self.qkv_p.pdl(x2.shape[0]))
                 y = self.qkv_p.gemm(xq, sx, x.shape[:-1], x.dtype)
             else:
-                y = self.qkv_p(self._in_norm(x))
+                y = self.qkv_p(self._in_norm(x, self.qkv_p))
             return y.split(self.split, dim=-1)
-        h = self._in_norm(x)
+        h = self._in_norm(x, self.q)
         return self.q(h), self.k(h), self.v(h)
 
-    def _in_norm(self, x):
-        return _float_rows(x, norm=self.in_norm) if self.norm_f else self.in_norm(x)
+    @staticmethod
+    def _rows(x):
+        return x.numel() // x.shape[-1]
 
-    def _post_norm(self, x):
-        return _float_rows(x, norm=self.post_norm) if self.post_f else self.post_norm(x)
+    def _in_norm(self, x, consumer):
+        if self.norm_f:
+            return _float_rows(x, norm=self.in_norm, pdl=consumer.pdl(self._rows(x)))
+        return self.in_norm(x)
+
+    def _post_norm(self, x, consumer):
+        if self.post_f:
+            return _float_rows(x, norm=self.post_norm, pdl=consumer.pdl(self._rows(x)))
+        return self.post_norm(x)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """``x + o_proj(o)`` then the MLP block with its residual: the layer's output."""
@@ -387,9 +429,9 @@ class _FusedLayer:
             xq, sx = _quant_rows(x2, self.post_q, norm=self.post_norm, pdl=self.gate_up_p.pdl(x2.shape[0]))
             gu = self.gate_up_p.gemm(xq, sx, lead, x.dtype)
         elif self.gate_up_p is not None:
-            gu = self.gate_up_p(self._post_norm(x))
+            gu = self.gate_up_p(self._post_norm(x, self.gate_up_p))
         else:
-            h = self._post_norm(x)
+            h = self._post_norm(x, self.gate_p)
             gu = None
             a = self.act(self.gate_p(h)) * self.up_p(h)
         if gu is not None:
@@ -401,7 +443,7 @@ class _FusedLayer:
                 return self.down.gemm(xq, sx, lead, x.dtype, residual=x)
             else:
                 g, u = gu.split(self.inter, dim=-1)
-                a = _float_rows(g, up=u) if self.silu_f else self.act(g) * u
+                a = _float_rows(g, up=u, pdl=self.down.pdl(self._rows(g))) if self.silu_f else self.act(g) * u
         return self.down(a, residual=x)
 
 
@@ -417,6 +459,9 @@ class DenseKV:
     rope_in_append = False
 
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, kernel: bool = False):
+        # decode may take pre-RoPE q/k (``q_rope``): with the kernel, one ``float_append_triton`` launch
+        # per layer rotates q and k and writes k/v (instead of a rope launch + two index_put writes)
+        self.rope_in_decode = bool(kernel)
         smax = -(-smax // 64) * 64  # aligned key length: SDPA's memory-efficient kernel takes the mask
         self.k = [torch.zeros(batch, hkv, smax, d, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
@@ -435,20 +480,28 @@ class DenseKV:
 
     def step_state(self, pos, rows):
         """What every layer's ``decode`` of one step shares (computed once per step): the length
-        mask of the new tokens (SDPA) or the lengths ``pos + 1`` (the kernel)."""
+        mask of the new tokens (SDPA) or the lengths ``pos + 1`` and write slots ``pos`` (the kernel)."""
         B = pos.shape[0]
-        if self.kernel:
-            return pos, rows, (pos + 1).to(torch.int32)
-        return pos, rows, self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1)
+        if self.kernel:  # lengths and the int32 write slots of float_append_triton
+            start = pos.to(torch.int32)
+            return pos, rows, start + 1, start
+        return pos, rows, self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1), None
 
-    def decode(self, layer, q, k, v, st, cos=None, sin=None):
-        """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE; writes slot pos[b] then attends
-        (``st`` from ``step_state``)."""
-        pos, rows, mask = st
+    def decode(self, layer, q, k, v, st, cos=None, sin=None, q_rope=False):
+        """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE (pre-RoPE q and k with ``q_rope``: rotated by the
+        append launch, same bits); writes slot pos[b] then attends (``st`` from ``step_state``)."""
+        pos, rows, mask, start = st
         B, Hq, _, D = q.shape
         kc, vc = self.k[layer][:B], self.v[layer][:B]
-        kc[rows, :, pos] = k[:, :, 0]
-        vc[rows, :, pos] = v[:, :, 0]
+        if q_rope:  # kernel mode only (rope_in_decode); the dense cache is one page per request
+            from lowbit.kernels.kv4_append import float_append_triton
+
+            qo = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype).transpose(1, 2)
+            float_append_triton(k, v, kc, vc, self.page_table[:B], start, cos=cos, sin=sin, q=q, q_out=qo)
+            q = qo
+        else:
+            kc[rows, :, pos] = k[:, :, 0]
+            vc[rows, :, pos] = v[:, :, 0]
         hkv = kc.shape[1]
         if self.kernel:  # mask = lengths (int32 [B]) from step_state
             from lowbit.ops.kv4 import decode_float
@@ -504,6 +557,7 @@ class PagedKV4:
         return kw
 
     rope_in_append = True  # keys arrive pre-RoPE; kv4_append rotates them in fp32 (as the HF path)
+    rope_in_decode = True  # decode may take pre-RoPE q too (``q_rope``: kv4_append's ROPE_Q)
 
     def write_prefill(self, layer, k, v, lengths, cos=None, sin=None):
         B = k.shape[0]
@@ -588,12 +642,13 @@ class Generator:
     (FP8) K/V and it saves a dequantization pass).
     ``rope_kernel``: RoPE of q (and of k where the cache does not rotate it) in one launch of
     ``lowbit.kernels.rope`` (bf16 / fp16, half-split RoPE; the same bits as ``_apply_rope``);
-    None = ``ROPE_KERNEL``. ``rope_q_append`` (CUDA, KV4 cache, decode): q is rotated by the KV4 append
-    launch instead (same bits); None = ``ROPE_Q_APPEND``. ``decode_splits``: split-KV count of the KV4
+    None = ``ROPE_KERNEL``. ``rope_q_append`` (CUDA or the interpreter; decode over the KV4 cache or
+    the float cache with ``dense_decode='kernel'``): q (and k) are rotated by the append launch instead
+    (same bits); None = ``ROPE_Q_APPEND``. ``decode_splits``: split-KV count of the KV4
     decode attention (None = ``lowbit.kernels.decode_kv4.choose_splits``; an experiment knob).
-    ``pdl_max_m``: up to this many rows (B x S) the W4A8-FP8 projections' act-quant and GEMM kernels are
-    launched as programmatic dependent launches (Hopper; same numerics, each launch overlaps its
-    producer's tail); None = ``lowbit.kernels.w4a8_fp8_gemm.PDL_LINEAR_MAX_M`` (1: the decode step
+    ``pdl_max_m``: up to this many rows (B x S) the W4A8 projections' act-quant and GEMM kernels (FP8;
+    INT8 and the LUT projections' float-rows and GEMM kernels since session 9) are launched as programmatic dependent
+    launches (Hopper; same numerics, each launch overlaps its producer's tail); None = ``lowbit.kernels.w4a8_fp8_gemm.PDL_LINEAR_MAX_M`` (1: the decode step
     at batch 1), 0 = off.
     ``dense_decode`` (float cache, ``kv=None``): 'sdpa' (masked SDPA, transformers' path), 'kernel'
     (``lowbit.ops.kv4.decode_float``, split-KV Triton) or 'auto' = 'kernel' on CUDA for a model
@@ -601,13 +656,16 @@ class Generator:
     ``float_kernels``: RMSNorm and SiLU*mul feeding float (weight-only, bf16) projections as one Triton
     launch each (``lowbit.kernels.act_quant.fused_rows_triton``) instead of the eager modules; 'auto' =
     on CUDA for lowbit-quantized models (the W4A8 projections fuse them into their quantization anyway).
+    ``lut_direct``: LUT projections (fragment layout, M <= 64, Triton) are launched by the runner itself,
+    as programmatic dependent launches up to ``pdl_max_m`` rows, with the float rows kernels before
+    them (False: the module call, no PDL; an A/B knob).
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
                  prefill_from_cache: bool = False, fuse: bool = True, rope_kernel: bool | None = None,
                  rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None,
-                 dense_decode: str = "auto", float_kernels: bool | str = "auto"):
+                 dense_decode: str = "auto", float_kernels: bool | str = "auto", lut_direct: bool = True):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -665,7 +723,9 @@ class Generator:
                        getattr(f, "up_p", None)):
                 if pr is not None:
                     pr.pdl_max_m = self.pdl_max_m
+                    pr.lut = pr.lut and bool(lut_direct)
         self.head.pdl_max_m = self.pdl_max_m
+        self.head.lut = self.head.lut and bool(lut_direct)
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
@@ -728,7 +788,7 @@ class Generator:
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             cos, sin, _ = rope
-            if q_in_append:  # the KV4 append kernel rotates q (decode, ``rope_q_append``)
+            if q_in_append:  # the cache's append kernel rotates q and k (decode, ``rope_q_append``)
                 pass
             elif self._rope_kernel_ok(q):
                 q, k = self._rope_qk(q, k, rope, with_k=not self.cache.rope_in_append)
@@ -739,17 +799,16 @@ class Generator:
         return q, k, v, cos, sin
 
     def _q_in_append(self, layer) -> bool:
-        """Decode: rotate q inside the KV4 append launch (``rope_q_append``) for this layer?"""
-        return (self.rope_q_append and self.cache.rope_in_append and not hasattr(layer.self_attn, "q_norm")
-                and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer?"""
+        return (self.rope_q_append and getattr(self.cache, "rope_in_decode", False)
+                and not hasattr(layer.self_attn, "q_norm")
+                and (self.device.type == "cuda" or interpret_mode()) and triton_available() and self.dtype in (torch.bfloat16, torch.float16)
                 and not self.a.interleaved and self.a.d >= 16 and not self.a.d & (self.a.d - 1))
 
     def _rope_kernel_ok(self, x) -> bool:
         """Use ``lowbit.kernels.rope`` (one launch, the same bits as ``_apply_rope``) for ``x``?"""
         if not self.rope_kernel or self.a.interleaved:
             return False
-        from lowbit._utils import use_triton
-
         if not use_triton(x):
             return False
         from lowbit.kernels.rope import rope_supported
