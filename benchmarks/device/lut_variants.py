@@ -1,4 +1,5 @@
-"""Device script: launch-config variants of the LUT fragment kernel (``lut_mma_triton``) at M = 16 / 32 / 64.
+"""Device script: launch-config variants of the LUT fragment kernel (``lut_mma_triton``) at M = 16 / 32 / 64
+(and at M = 1: ``variants_m1``, ``--ms 1 qkv o gate_up down``).
 
 For each Llama-3-8B shape (gate_up, down) and 8192^2, 4-bit NF g128, bf16: the current
 ``mma_config`` default, then row tiles per warp ``r`` x warps per program x {plain, ``xh=2``,
@@ -35,14 +36,34 @@ def run(p, x, **cfg):
                           out_features=p["scales"].shape[1], **cfg)
 
 
+SHAPES = dict(SHAPES, o=(4096, 4096))  # session 9: the attention output projection of the model's decode step
+
+
+def variants_m1(base):
+    """M = 1 (session 9): the decode step's small projections (qkv, o) spend ~9-11 us per launch at
+    1.6-2.1 us of bytes (S9a profile): programs per SM, split-K depth and row tiles per program."""
+    out = [("default", {})]
+    for r, nw in ((2, 8), (1, 8), (2, 4), (1, 4)):
+        for cps in (2, 4, 8):
+            for extra in ({}, {"prefetch": True}, {"ring": 4, "xh": 2}):
+                cfg = dict(base, r=r, num_warps=nw, ctas_per_sm=cps, **extra)
+                out.append((f"r{r} w{nw} cps{cps} " + " ".join(f"{k}={v}" for k, v in extra.items()), cfg))
+    for r, nw in ((2, 8), (1, 4)):
+        for split in (4, 8, 16, 32):
+            for extra in ({}, {"prefetch": True}):
+                cfg = dict(base, r=r, num_warps=nw, split_k=split, **extra)
+                out.append((f"r{r} w{nw} split{split} " + " ".join(f"{k}={v}" for k, v in extra.items()), cfg))
+    return out
+
+
 for name in args.shapes:
     N, K = SHAPES[name]
     packs = [make_packed(torch.randn(N, K, device="cuda"), 4) for _ in range(2 if name == "gate_up" else 3)]
     for M in (int(m) for m in args.ms.split(",")):
         xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in packs]
         base = mma_config(M, N, K, 4, 128)
-        variants = [("default", {})]
-        for r, nw in ((2, 8), (2, 4), (4, 4), (1, 4), (1, 8)):
+        variants = [("default", {})] if M > 1 else variants_m1(base)
+        for r, nw in ((2, 8), (2, 4), (4, 4), (1, 4), (1, 8)) if M > 1 else ():
             for extra in ({}, {"xh": 2}, {"prefetch": True, "xh": 2}, {"ring": 4, "xh": 2, "prefetch": False}):
                 cfg = dict(base, r=r, num_warps=nw, **extra)
                 variants.append((f"r{r} w{nw} " + " ".join(f"{k}={v}" for k, v in extra.items()), cfg))

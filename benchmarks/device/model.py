@@ -350,7 +350,7 @@ def rope_runner_check():
     dt = torch.bfloat16
     out = []
     ok = True
-    for recipe in (None, "fireq"):
+    for recipe in (None, "fireq", "flute-nf4", "qserve"):  # session 9: flute-nf4 (float append, LUT PDL), qserve (INT8 PDL)
         if recipe is not None and DEV != "cuda":
             continue  # the interpreter would take minutes per generate
         m = tiny(dtype=dt)
@@ -364,7 +364,9 @@ def rope_runner_check():
         ref = Generator(m, max_batch=3, max_seq=40, rope_kernel=False, rope_q_append=False,
                         pdl_max_m=0).generate(prompts, 10)
         variants = [("defaults", {})]
-        if recipe and DEV == "cuda":
+        if recipe == "flute-nf4":
+            variants += [("rope kernel + index writes", {"rope_q_append": False})]
+        elif recipe and DEV == "cuda":
             variants += [("rope kernel only", {"rope_q_append": False, "pdl_max_m": 0}),
                          ("ropeq, no pdl", {"pdl_max_m": 0})]
         for label, kw in variants:
@@ -416,7 +418,7 @@ def main():
     # (1) correctness
     check("runner (CUDA graphs) == HF generate, batched lengths 5/17/11", runner_vs_hf)
     check("RoPE kernel (lowbit.kernels.rope) == eager RoPE, bit for bit", rope_kernel_check)
-    check("runner defaults (RoPE kernel, q RoPE in the KV4 append, PDL at M=1) == eager RoPE / no PDL tokens",
+    check("runner defaults (RoPE kernel, q RoPE in the KV4 / float append, PDL at M=1) == eager RoPE / no PDL tokens",
           rope_runner_check)
     if a.cpu_smoke:  # the interpreter would take minutes per generate: references from here on
         os.environ["TRITON_INTERPRET"] = "0"
@@ -424,6 +426,8 @@ def main():
     check("recipe fireq lm_head=True on tiny Llama (hd 64)", recipe_check("fireq", lm_head=True))
     if DEV == "cuda" and left() > 70:
         check("recipe qserve on tiny Llama (hd 64)", recipe_check("qserve"))
+    if DEV == "cuda" and left() > 60:  # session 9: the LUT lm_head's first GPU check
+        check("recipe flute-nf4 lm_head=True on tiny Llama (hd 64)", recipe_check("flute-nf4", lm_head=True))
     if DEV == "cuda" and AQ_STUDY:
         check("act_quant study (FAST path bit-exactness, M=1 warps sweep, large-M bandwidth)", act_quant_study)
     # (2) this area has no Triton kernel of its own
