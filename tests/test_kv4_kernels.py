@@ -211,7 +211,10 @@ def test_decode_bf16_q_and_split_consistency():
 def test_choose_splits():
     assert choose_splits(16, 8, 8192, 64, 132) * 16 * 8 >= 2 * 132
     assert choose_splits(16, 8, 8192, 64, 132, num_warps=1) > choose_splits(16, 8, 8192, 64, 132)
-    assert choose_splits(1, 8, 128, 64, 132) == 1  # short: one split
+    assert choose_splits(1, 8, 128, 64, 132) == 2  # short and small: down to one key block per split
+    assert choose_splits(1, 8, 1025, 32, 132, 1, ctas_per_sm=16) == 33  # the runner's B=1 ctx 1k step (S9)
+    assert choose_splits(1, 8, 8193, 32, 132, 1, ctas_per_sm=16) == 65  # long: >= 4 blocks per split
+    assert choose_splits(16, 8, 1025, 32, 132, 1, ctas_per_sm=16) == 9  # enough programs: >= 4 blocks
     assert choose_splits(64, 8, 32768, 64, 132) == 2
     # with the compiled kernel's occupancy: >= one full wave, and the last wave nearly full
     from lowbit.kernels.decode_kv4 import _splits_used

@@ -61,7 +61,8 @@ GEN_TOKENS = {"rope": {"rope_kernel": True}, "norope": {"rope_kernel": False},
               "dk": {"dense_decode": "kernel"}, "dsdpa": {"dense_decode": "sdpa"},
               "fk": {"float_kernels": True}, "nofk": {"float_kernels": False}, "nolut": {"lut_direct": False}}
 FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
-               "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4)}
+               "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4),
+               "sp0": ("lowbit.kernels.decode_kv4", "SHORT_MIN_PROGRAMS", 0)}  # session 9: the old split cap
 
 
 def provider_spec(name: str) -> tuple[str, dict, dict, list]:

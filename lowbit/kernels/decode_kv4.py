@@ -71,6 +71,17 @@ DEFAULT_ASM = True  # packed PTX nibble conversion (GPU only; the interpreter us
 DEFAULT_WARPS, DEFAULT_STAGES, DEFAULT_BLOCK_N = 1, 3, 16
 DEFAULT_MAXNREG = 128  # register cap per thread: 16 one-warp programs per SM (the compiler alone takes 168)
 DEFAULT_MIN_WAVES = 0.95  # split count: ~one full wave of resident programs (R6 sweep: 0.95 beat 1.9 and 2.9)
+# key blocks per split at least (caps the split count), unless that leaves fewer than ``SHORT_MIN_PROGRAMS``
+# programs per SM: then down to one block per split (session 9). The model area's B=1 sweep (H200, Hq 32 / Hkv 8,
+# D 128, gluon kernel with 32-key blocks, us per call in a CUDA graph; rounds S9a/S9c/S9f/S9g,
+# benchmarks/results/h200/kv4_split_sweep_s9_before.json) read at L=1025:
+# 9 splits (the 4-block cap) 9.35-9.69 us, 16 splits 8.3-9.1, 32 splits 7.6-8.1; at L=8193: 64-65 splits
+# 11.0-11.8 us. Model round S9i: a plain 1-block cap (~250 splits at 8k) lost 10% at B=1 ctx 8k
+# (fireq 326 vs 362 tok/s) while gaining 3% at ctx 1k (370 vs 359); this rule takes only the short-context gain:
+# S9j, same run: auto = 33 splits at L=1025, 7.59 us; ctx 8k unchanged (65 splits); B=1 ctx 1k fireq 375 vs 365 tok/s
+# with the old cap (+sp0), qserve 337 vs 330, fireq+head 405 vs 399 (the run's noise gauge, fireq+fk, read 361).
+MIN_SPLIT_BLOCKS = 4
+SHORT_MIN_PROGRAMS = 2
 DEFAULT_LAZY = True  # skip the accumulator rescale when no row max grew (exact)
 DEFAULT_QK8 = 2  # Q as two INT8 planes (~15 bits) x INT8 16*code K on the INT8 tensor cores (see the docstring)
 
@@ -592,14 +603,16 @@ def _splits_used(max_len: int, splits: int, block_n: int) -> int:
 
 def choose_splits(batch: int, hkv: int, max_len: int, block_n: int, sms: int, num_warps: int = 4,
                   ctas_per_sm: int | None = None, min_waves: float | None = None, good: float = 0.97) -> int:
-    """Split count of the split-KV grid (B*Hkv programs per split). Every split keeps at least 4
-    key blocks. Without occupancy: enough programs for ~16 resident warps per SM. With
+    """Split count of the split-KV grid (B*Hkv programs per split). Every split keeps at least
+    ``MIN_SPLIT_BLOCKS`` key blocks, or one block where that would leave fewer than ``SHORT_MIN_PROGRAMS``
+    programs per SM (short contexts at small batch). Without occupancy: enough programs for ~16 resident warps per SM. With
     ``ctas_per_sm`` (from the compiled kernel's registers / shared memory): at least one full wave
     of ``sms * ctas_per_sm`` programs, and the split count whose programs fill the last wave best
     (all splits cost the same, so a wave that is 6% full costs as much as a full one): the first
     split count from there whose waves are at least ``good`` full."""
-    most = max(1, math.ceil(max_len / (4 * block_n)))
     bh = max(1, batch * hkv)
+    most = max(1, math.ceil(max_len / (MIN_SPLIT_BLOCKS * block_n)),
+               min(math.ceil(max_len / block_n), math.ceil(SHORT_MIN_PROGRAMS * sms / bh)))
     if not ctas_per_sm:
         want = math.ceil(16 // max(1, min(num_warps, 16)) * sms / bh)
         return max(1, min(want, most, 256))
