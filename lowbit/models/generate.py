@@ -195,8 +195,9 @@ def _fuse_rows(mods):
 # GPU cases, R13) and the same greedy tokens (bf16 and fireq runners).
 ROPE_KERNEL = True
 # decode over the KV4 cache: q rotated inside the append kernel (``kv4_append``'s ROPE_Q), one launch
-# fewer per layer (also the float cache's append with dense_decode='kernel', session 9). R12 + R13 A/B vs ``ROPE_KERNEL`` alone: B=1 1k 346 / 345 vs 343 / 345, 8k 337 / 345 vs
-# 337 / 341, B=16 1k 4897 / 5026 vs 4868 / 4972 (same greedy tokens).
+# fewer per layer. R12 + R13 A/B vs ``ROPE_KERNEL`` alone: B=1 1k 346 / 345 vs 343 / 345, 8k 337 / 345 vs
+# 337 / 341, B=16 1k 4897 / 5026 vs 4868 / 4972 (same greedy tokens). Session 9: also the float cache with
+# dense_decode='kernel' (``float_append_triton``: q and k rotated, k/v written; S9a: flute-nf4 B=1 1k 330 vs 314).
 ROPE_Q_APPEND = True
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE values depend on the position only
 _ACT_FORMAT = {"w4a8-fp8": "fp8", "w4a8-int8": "int8"}  # scheme -> per-token activation format
@@ -234,7 +235,6 @@ def _float_rows(x: torch.Tensor, *, norm: nn.Module | None = None, up: torch.Ten
     """``norm(x)`` (an HF RMSNorm) or ``silu(x) * up`` for float (weight-only) projections: one launch
     of ``lowbit.kernels.act_quant.fused_rows_triton`` (the eager rounding of each intermediate) where
     Triton runs, else the eager modules. ``pdl``: a programmatic dependent launch (same values)."""
-
     if use_triton(x):
         from lowbit.kernels.act_quant import fused_rows_triton
 
@@ -263,7 +263,7 @@ class _Proj:
         self.aq = _ACT_FORMAT.get(getattr(mod, "scheme", None))
         self.silu_mul = getattr(mod, "activation", None) == "silu_mul"
         self.pdl_max_m = 0  # set by the Generator: programmatic dependent launch up to this many rows
-        # a LUT projection on the fragment kernel: the runner launches it itself (residual epilogue, PDL)
+        # a LUT projection on the fragment kernel: the runner launches it itself (``_lut``: PDL at small M)
         self.lut = (getattr(mod, "scheme", None) == "lut" and getattr(mod, "layout", None) == "mma"
                     and getattr(mod, "bias", None) is None)
 
@@ -647,9 +647,9 @@ class Generator:
     (same bits); None = ``ROPE_Q_APPEND``. ``decode_splits``: split-KV count of the KV4
     decode attention (None = ``lowbit.kernels.decode_kv4.choose_splits``; an experiment knob).
     ``pdl_max_m``: up to this many rows (B x S) the W4A8 projections' act-quant and GEMM kernels (FP8;
-    INT8 and the LUT projections' float-rows and GEMM kernels since session 9) are launched as programmatic dependent
-    launches (Hopper; same numerics, each launch overlaps its producer's tail); None = ``lowbit.kernels.w4a8_fp8_gemm.PDL_LINEAR_MAX_M`` (1: the decode step
-    at batch 1), 0 = off.
+    INT8 and the LUT projections' float-rows and GEMM kernels since session 9) are launched as
+    programmatic dependent launches (Hopper; same numerics, each launch overlaps its producer's tail);
+    None = ``lowbit.kernels.w4a8_fp8_gemm.PDL_LINEAR_MAX_M`` (1: the decode step at batch 1), 0 = off.
     ``dense_decode`` (float cache, ``kv=None``): 'sdpa' (masked SDPA, transformers' path), 'kernel'
     (``lowbit.ops.kv4.decode_float``, split-KV Triton) or 'auto' = 'kernel' on CUDA for a model
     quantized by lowbit (``model.lowbit_recipe``), 'sdpa' otherwise (the bf16 baseline stays HF + SDPA).
@@ -802,7 +802,8 @@ class Generator:
         """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer?"""
         return (self.rope_q_append and getattr(self.cache, "rope_in_decode", False)
                 and not hasattr(layer.self_attn, "q_norm")
-                and (self.device.type == "cuda" or interpret_mode()) and triton_available() and self.dtype in (torch.bfloat16, torch.float16)
+                and (self.device.type == "cuda" or interpret_mode()) and triton_available()
+                and self.dtype in (torch.bfloat16, torch.float16)
                 and not self.a.interleaved and self.a.d >= 16 and not self.a.d & (self.a.d - 1))
 
     def _rope_kernel_ok(self, x) -> bool:
