@@ -1,6 +1,7 @@
 """Fast generation runner: greedy tokens equal transformers' ``generate`` (CPU, eager path)."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from lowbit._utils import use_triton
 from lowbit.models.generate import Generator, generate
@@ -222,6 +223,14 @@ def test_float_append_rope_bit_equal(dtype, Hkv, G, T, page):
 def test_float_append_rope_bit_equal_gpu(dtype, Hkv, G, T, page, D):
     """GPU: the same bit-equality (compiled kernel vs compiled ``rope_triton`` + indexed writes)."""
     _check_float_append(dtype, Hkv, G, T, page, D, "cuda")
+
+
+@settings(max_examples=12, deadline=None)
+@given(hkv=st.integers(1, 3), grp=st.integers(1, 3), t=st.integers(1, 4), page=st.sampled_from([8, 16, 64]),
+       d=st.sampled_from([16, 64]), bf16=st.booleans())
+def test_float_append_fuzz_shapes(hkv, grp, t, page, d, bf16):
+    """Fuzzed heads / GQA groups / tokens per step / page sizes / head dims (interpreter on CPU)."""
+    _check_float_append(torch.bfloat16 if bf16 else torch.float16, hkv, grp, t, page, d, "cpu")
 
 
 def _check_float_append(dtype, Hkv, G, T, page, D, dev):
