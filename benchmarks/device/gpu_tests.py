@@ -41,7 +41,7 @@ if a.sanitize:
         scmd = ([tool, "--tool", "memcheck", "--error-exitcode", "3"] + cmd[:-2]
                 + ["--timeout", "140", "-x", "tests/test_gpu_kernels.py",
                    "tests/test_generate.py::test_float_append_rope_bit_equal_gpu",  # session 9's new launch mode
-                   "tests/test_lut_mma.py::test_gpu_residual_and_pdl_bit_equal",  # session 9: residual epilogue, PDL
+                   "tests/test_lut_mma.py::test_gpu_pdl_bit_equal",  # session 9: the PDL launch
                    "-k", "not compiles"])
         slog = f"{a.out}/sanitizer.txt"
         with open(slog, "w") as f:

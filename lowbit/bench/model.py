@@ -59,7 +59,7 @@ GEN_TOKENS = {"rope": {"rope_kernel": True}, "norope": {"rope_kernel": False},
               "ropeq": {"rope_kernel": True, "rope_q_append": True}, "noropeq": {"rope_q_append": False},
               "s16": {"decode_splits": 16}, "s32": {"decode_splits": 32}, "nopdl": {"pdl_max_m": 0},
               "dk": {"dense_decode": "kernel"}, "dsdpa": {"dense_decode": "sdpa"},
-              "fk": {"float_kernels": True}, "nofk": {"float_kernels": False}, "nolut": {"lut_direct": False}}
+              "fk": {"float_kernels": True}, "nofk": {"float_kernels": False}}
 FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
                "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4),
                "sp0": ("lowbit.kernels.decode_kv4", "SHORT_MIN_PROGRAMS", 0)}  # session 9: the old split cap

@@ -140,7 +140,7 @@ def _kv4_append_kernel(
     # constexpr
     HALF: tl.constexpr, PAGE: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr,
     HAS_CRS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
-    ROPE_Q: tl.constexpr = False, G: tl.constexpr = 1, Q_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    ROPE_Q: tl.constexpr = False, G: tl.constexpr = 1, ROW_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     FLOAT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -158,7 +158,7 @@ def _kv4_append_kernel(
         d = tl.arange(0, D_)
         if ROPE:
             rope_row(k_row, KC + dst, COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
-                     D_, Q_BF16, INTERPRET)
+                     D_, ROW_BF16, INTERPRET)
         else:
             tl.store(KC + dst + d, tl.load(k_row + d))
         tl.store(VC + dst + d, tl.load(v_row + d))
@@ -172,7 +172,7 @@ def _kv4_append_kernel(
             rope_row(Q + b * stride_qb + (h * G + g) * stride_qh + t * stride_qt,
                      QO + b * stride_ob + (h * G + g) * stride_oh + t * stride_ot,
                      COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
-                     2 * HALF, Q_BF16, INTERPRET)
+                     2 * HALF, ROW_BF16, INTERPRET)
 
 
 def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
@@ -237,6 +237,6 @@ def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, in
         HALF=D // 2, PAGE=PAGE, ROPE=rope, INTERLEAVED=interleaved, HAS_CRS=crs_k is not None,
         ZERO_POINT=zero_point, SCALE_KIND=scale_kind,
         ROPE_Q=rope_q, G=q.shape[1] // Hkv if rope_q else 1,
-        Q_BF16=(q if rope_q else k).dtype == torch.bfloat16,  # rows rotated by rope_row (q; float-page k)
+        ROW_BF16=(q if rope_q else k).dtype == torch.bfloat16,  # the rows rope_row rotates (q; float-page k) are bf16
         INTERPRET=interpret_mode(), FLOAT=float_pages, num_warps=ROPE_Q_WARPS if rope_q else 1,
     )

@@ -675,17 +675,6 @@ def _load_scales(S, gi, stride_sg, rt, g, ok, S_BF16: tl.constexpr):
 
 
 @triton.jit
-def _with_res(a, RES, mj, row, stride_rm, mask, Y, HAS_RES: tl.constexpr):
-    """The output tile in Y's dtype; with ``HAS_RES`` plus the residual (float32 add of the two
-    rounded terms, one rounding: torch's ``residual + y``)."""
-    y = a.to(Y.dtype.element_ty)
-    if HAS_RES:
-        r = tl.load(RES + mj * stride_rm + row, mask=mask, other=0.0)
-        y = (r.to(tl.float32) + y.to(tl.float32)).to(Y.dtype.element_ty)
-    return y
-
-
-@triton.jit
 def _store_pair_table(P, BITS: tl.constexpr):
     """The lane-duplicated pair table into shared memory (see ``_lut_mma_kernel``), then a barrier."""
     NE: tl.constexpr = 1 << (2 * BITS)
@@ -861,22 +850,21 @@ def _pick4(J: tl.constexpr, a0, a1, a2, a3):
 
 
 @triton.jit(do_not_specialize=["M", "N", "K", "NRT", "NC", "NG", "GROUPS_PER_SPLIT", "SPLIT_K", "stride_xm",
-                               "stride_sg", "stride_ym", "stride_rm"])  # every int: see _MMA_PATCHED
+                               "stride_sg", "stride_ym"])  # every int: see _MMA_PATCHED
 def _lut_mma_kernel(
     # pointers
-    X, Q, QH, S, P, T, Y, WS, LOCKS, RES,
+    X, Q, QH, S, P, T, Y, WS, LOCKS,
     # sizes
     M, N, K, NRT, NC, NG, GROUPS_PER_SPLIT, SPLIT_K,
-    # strides (unit stride along K for X, along N for S, Y, RES)
-    stride_xm, stride_sg, stride_ym, stride_rm,
+    # strides (unit stride along K for X, along N for S, Y)
+    stride_xm, stride_sg, stride_ym,
     # constexpr flags
     BITS: tl.constexpr, GROUP: tl.constexpr, NT: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     IS_BF16: tl.constexpr, USE_SPLIT: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
     S_BF16: tl.constexpr, GU: tl.constexpr, XH: tl.constexpr = 0,  # XH: 0 or 2 (x one group ahead)
     RING: tl.constexpr = 0, RING_BASE: tl.constexpr = 0,  # cp.async ring depth (chunks; 0 = off), its smem offset
     SP: tl.constexpr = False,  # scales of the next group loaded one group ahead
-    HAS_RES: tl.constexpr = False,  # Y = RES + X W^T (same rounding as torch's add; slower on H200, S9)
-    PDL: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = True,  # programmatic dependent launch
+    PDL: tl.constexpr = False,  # programmatic dependent launch (triggers the next one after its wait)
 ):
     """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
 
@@ -902,14 +890,12 @@ def _lut_mma_kernel(
     loads the next group's scales with the current group (otherwise their load sits right before the
     scale FMA, one exposed memory latency per group).
 
-    ``HAS_RES``: ``Y = RES + round(X W^T)`` with both terms in Y's dtype added in float32 and rounded
-    once (bit for bit torch's ``residual + y``), in whichever program writes Y. Measured slower than a
-    separate add on the H200 (S9, M = 1: down 27.7 vs 19.5 us; ptxas schedules that variant with 61
-    instead of 78 registers), so the runner does not use it; kept for the A/B on other compilers. ``PDL`` (Hopper,
-    session 9, the runner's batch-1 decode chain): the kernel is a programmatic dependent launch; the
-    pair table (and, with ``PREFETCH``, the first code words: weights never depend on the previous
-    kernel) is loaded before ``griddepcontrol.wait``, so that set-up overlaps the previous kernel's tail;
-    X, the workspace and Y are touched only after the wait.
+    ``PDL`` (Hopper, session 9, the runner's batch-1 decode chain): the kernel is a programmatic
+    dependent launch; the pair table (and, with ``PREFETCH``, the first code words: weights never depend
+    on the previous kernel) is loaded before ``griddepcontrol.wait``, so that set-up overlaps the previous
+    kernel's tail; X, the workspace and Y are touched only after the wait. (A residual add in the
+    epilogue was tried in session 9: bit-equal to torch's add but compiled to a slower 61-register
+    schedule, M = 1 down 27.7 vs 19.5 us on the H200, ``lut_residual_probe_s9e.json``; removed.)
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -947,7 +933,7 @@ def _lut_mma_kernel(
         if CPG >= 4:
             w2, u2 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 2, g0 < g1, BITS)
             w3, u3 = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, g0 * CPG + 3, g0 < g1, BITS)
-    pdl_prologue(PDL, PDL_TRIGGER)  # nothing above reads X or the workspace
+    pdl_prologue(PDL)  # nothing above reads X or the workspace
     if XH == 2:  # x fragments of the next group in flight with the current group's mma
         kx0 = tl.where(g0 < g1, g0 * CPG, 0) * CK
         xn0 = _xall(X, m0, t, stride_xm, kx0, M, BITS, NT)
@@ -1097,8 +1083,7 @@ def _lut_mma_kernel(
             ws_off = mj * N + row
             tl.store(WS + pid_k * M * N + ws_off, a, mask=out_mask)
         else:
-            tl.store(Y + mj * stride_ym + row, _with_res(a, RES, mj, row, stride_rm, out_mask, Y, HAS_RES),
-                     mask=out_mask)
+            tl.store(Y + mj * stride_ym + row, a.to(Y.dtype.element_ty), mask=out_mask)
     if USE_SPLIT:
         tl.debug_barrier()  # every thread's partial is written before the release below
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -1111,8 +1096,7 @@ def _lut_mma_kernel(
                 tot = tl.zeros([R, SW], dtype=tl.float32)
                 for sk in range(0, SPLIT_K):
                     tot += tl.load(WS + sk * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(Y + mj * stride_ym + row, _with_res(tot, RES, mj, row, stride_rm, out_mask, Y, HAS_RES),
-                         mask=out_mask)
+                tl.store(Y + mj * stride_ym + row, tot.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -1289,7 +1273,7 @@ def lut_dequant_triton(qweight, qweight_hi, scales, table, *, bits: int, group_s
 
 # launch keys whose compiled kernel got its dynamic shared size raised for the pair table. The key
 # must identify the compiled kernel: every int argument of ``_lut_mma_kernel`` is in do_not_specialize
-# (S9: a specialized ``stride_rm`` compiled an unpatched variant, and its table writes ran out of bounds)
+# (S9: a specialized int argument compiled an unpatched variant, and its table writes ran out of bounds)
 _MMA_PATCHED: set = set()
 MMA_GROUPS = {4: (64, 128, 256), 3: (128, 256)}  # group sizes the fragment kernel takes (chunk: 64 / 128 K)
 
@@ -1366,15 +1350,12 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
 
 def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
                    pairs: torch.Tensor, table: torch.Tensor, *, bits: int, group_size: int, out_features: int,
-                   residual: torch.Tensor | None = None, pdl: bool = False, pdl_trigger: bool = True,
-                   **overrides) -> torch.Tensor:
+                   pdl: bool = False, **overrides) -> torch.Tensor:
     """Launch ``_lut_mma_kernel``. ``qweight`` (+ ``qweight_hi`` at 3-bit) = ``formats.lut.pack_codes_mma``;
     ``pairs`` = ``pair_table(table, bits, x.dtype)``; ``scales`` [ceil(K/G), N]. ``x`` [M, K] is
     copied to a zero-padded [M, Kp] buffer when K is not a multiple of the group or its rows are not
-    16-byte aligned (the fragment loads read 16-byte vectors up to Kp). ``residual`` [M, N] (x's dtype,
-    unit stride along N): returns ``residual + x W^T`` (kernel docstring, ``HAS_RES``). ``pdl``: launch as
-    a programmatic dependent launch (Hopper; ignored elsewhere), triggering the next one early unless
-    ``pdl_trigger`` is False."""
+    16-byte aligned (the fragment loads read 16-byte vectors up to Kp). ``pdl``: launch as a
+    programmatic dependent launch (Hopper; ignored elsewhere; kernel docstring)."""
     M, K = x.shape
     N = out_features
     G = group_size
@@ -1384,15 +1365,11 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     cfg = mma_config(M, N, K, bits, G)
     cfg.update(overrides)
     nt, r, nw = cfg["nt"], cfg["r"], cfg["num_warps"]
-    if residual is not None and (residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(-1) != 1
-                                 or residual.device != x.device):
-        raise ValueError(f"residual must be [{M}, {N}] in x's dtype {x.dtype} with unit stride along N, got "
-                         f"{residual.dtype} {tuple(residual.shape)} strides {residual.stride()}")
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
     if K == 0:
-        return y.copy_(residual) if residual is not None else y.zero_()
+        return y.zero_()
     ng = cdiv(K, G)
     kp = ng * G
     ck = 64 if bits == 4 else 128
@@ -1424,9 +1401,8 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     pw = pairs.contiguous().view(torch.int32).reshape(-1)
     qh = qweight_hi if qweight_hi is not None else qweight
     grid = (grid_n, grid_m, split)
-    res = residual if residual is not None else y
-    args = (x, qweight, qh, scales, pw, table, y, ws, locks, res, M, N, K, nrt, nc, ng, per, split,
-            x.stride(0), scales.stride(0), y.stride(0), res.stride(0))
+    args = (x, qweight, qh, scales, pw, table, y, ws, locks, M, N, K, nrt, nc, ng, per, split,
+            x.stride(0), scales.stride(0), y.stride(0))
     gu = min(int(cfg.get("gu", 1)), 8 // (G // ck))  # at most 8 chunks (loads) per loop step
     if gu not in (1, 2, 4, 8):
         raise ValueError(f"gu (groups per loop step) must be 1, 2, 4 or 8, got {gu}")
@@ -1444,11 +1420,9 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
               num_stages=1)
     if xh:  # passed only when set: the default launch (and its compiled kernel) stays as measured
         kw["XH"] = xh
-    if residual is not None:
-        kw["HAS_RES"] = True
     pdl = pdl and pdl_enabled(x, True)
     if pdl:
-        kw.update(PDL=True, PDL_TRIGGER=bool(pdl_trigger), launch_pdl=True)
+        kw.update(PDL=True, launch_pdl=True)
     sp = bool(cfg.get("sp", False)) and gu == 1 and not interpret_mode()
     if sp:  # scales one group ahead
         kw["SP"] = True
@@ -1460,7 +1434,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
         # ints are not specialized (do_not_specialize): the compiled kernel depends only on the
         # constexprs and the 16-byte alignment of the pointers
         key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu, xh, ring, sp,
-               residual is not None, pdl, bool(pdl_trigger), tuple(a.data_ptr() % 16 == 0 for a in args[:10]))
+               pdl, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
         if key not in _MMA_PATCHED:  # the pair table lives in dynamic shared memory Triton does not
             # know about: raise the launch's dynamic shared size to hold it (compile once, patch)
             k = _lut_mma_kernel.warmup(*args, grid=grid, **kw)

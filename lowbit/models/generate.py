@@ -251,6 +251,11 @@ def _fusable_norm(norm, dtype) -> bool:
             and w.dtype == dtype)
 
 
+def _rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` as a projection sees them (the leading dims flattened)."""
+    return x.numel() // x.shape[-1]
+
+
 class _Proj:
     """One projection of the runner: the module, and whether it takes pre-quantized activations.
 
@@ -263,9 +268,8 @@ class _Proj:
         self.aq = _ACT_FORMAT.get(getattr(mod, "scheme", None))
         self.silu_mul = getattr(mod, "activation", None) == "silu_mul"
         self.pdl_max_m = 0  # set by the Generator: programmatic dependent launch up to this many rows
-        # a LUT projection on the fragment kernel: the runner launches it itself (``_lut``: PDL at small M)
-        self.lut = (getattr(mod, "scheme", None) == "lut" and getattr(mod, "layout", None) == "mma"
-                    and getattr(mod, "bias", None) is None)
+        # a LUT projection on the fragment kernel: called with ``pdl=`` (its float rows kernels follow suit)
+        self.lut = getattr(mod, "scheme", None) == "lut" and getattr(mod, "layout", None) == "mma"
 
     def pdl(self, m: int) -> bool:
         """Launch this projection's act-quant (or float rows) + GEMM as programmatic dependent launches
@@ -276,29 +280,9 @@ class _Proj:
         """``mod(x)`` (+ ``residual``, in the GEMM epilogue where the module has one)."""
         if residual is not None and self.aq == "fp8":
             return self.mod(x, residual=residual)
-        if self.lut and x.dtype == self.mod.dtype and use_triton(x):
-            y = self._lut(x, residual)
-            if y is not None:
-                return y
-        y = self.mod(x)
-        return y if residual is None else residual + y
-
-    def _lut(self, x, residual):
-        """The LUT fragment kernel launched directly (M <= ``lowbit.ops.lut.MAX_KERNEL_M``), up to
-        ``pdl_max_m`` rows as a programmatic dependent launch (set-up before the wait); the residual added
-        by torch after it. None where the op's other paths apply. (The kernel's own residual epilogue,
-        ``HAS_RES``, is bit-equal but slower: S9 probe on the H200, M = 1, us plain / residual: o 11.0 /
-        12.3, down 19.5 / 27.7, qkv 12.2 / 15.5; ptxas gives that variant 61 registers instead of 78 and
-        a slower schedule; model A/B S9d: 311 vs 334 tokens/s.)"""
-        from lowbit.kernels.lut_gemm import lut_mma_triton
-        from lowbit.ops.lut import MAX_KERNEL_M
-
-        m, x2 = self.mod, x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > MAX_KERNEL_M or m.pairs.dtype != x.dtype:
-            return None
-        y = lut_mma_triton(x2, m.qweight, m.qweight_hi, m.scales, m.pairs, m.table, bits=m.bits,
-                           group_size=m.group_size, out_features=m.out_features, pdl=self.pdl(x2.shape[0]))
-        y = y.reshape(*x.shape[:-1], m.out_features)
+        # LUT at batch 1: a PDL launch. (Its residual add stays a torch op: the kernel with the add in
+        # its epilogue was bit-equal but slower, S9 probe on the H200, M = 1: down 27.7 vs 19.5 us.)
+        y = self.mod(x, pdl=True) if self.lut and self.pdl(_rows(x)) else self.mod(x)
         return y if residual is None else residual + y
 
     def gemm(self, xq: torch.Tensor, sx: torch.Tensor, lead, dtype, residual: torch.Tensor | None = None):
@@ -317,17 +301,11 @@ class _Proj:
 
             y = w4a8_fp8_gemm(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, m.bias,
                               residual=res, silu_mul=self.silu_mul, out_dtype=dtype)
-        elif self.pdl(xq.shape[0]) and xq.is_cuda:  # int8 (QServe): the GEMM as a PDL launch (session 9)
-            from lowbit.kernels.w4a8_int8_gemm import w4a8_int8_gemm_triton
-
-            y = w4a8_int8_gemm_triton(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, xq.shape[1],
-                                      2 * m.qweight.shape[1] // m.gscale.shape[1], dtype, pdl=True)
-            if res is not None:
-                y = res + y
-        else:
+        else:  # int8 (QServe); at batch 1 a PDL launch after the PDL act-quant (session 9)
             from lowbit.ops.w4a8_int8 import w4a8_int8_gemm
 
-            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype)
+            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype,
+                               pdl=self.pdl(xq.shape[0]))
             if res is not None:
                 y = res + y
         return y.reshape(*lead, y.shape[-1])
@@ -399,18 +377,14 @@ class _FusedLayer:
         h = self._in_norm(x, self.q)
         return self.q(h), self.k(h), self.v(h)
 
-    @staticmethod
-    def _rows(x):
-        return x.numel() // x.shape[-1]
-
     def _in_norm(self, x, consumer):
         if self.norm_f:
-            return _float_rows(x, norm=self.in_norm, pdl=consumer.pdl(self._rows(x)))
+            return _float_rows(x, norm=self.in_norm, pdl=consumer.pdl(_rows(x)))
         return self.in_norm(x)
 
     def _post_norm(self, x, consumer):
         if self.post_f:
-            return _float_rows(x, norm=self.post_norm, pdl=consumer.pdl(self._rows(x)))
+            return _float_rows(x, norm=self.post_norm, pdl=consumer.pdl(_rows(x)))
         return self.post_norm(x)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -443,7 +417,7 @@ class _FusedLayer:
                 return self.down.gemm(xq, sx, lead, x.dtype, residual=x)
             else:
                 g, u = gu.split(self.inter, dim=-1)
-                a = _float_rows(g, up=u, pdl=self.down.pdl(self._rows(g))) if self.silu_f else self.act(g) * u
+                a = _float_rows(g, up=u, pdl=self.down.pdl(_rows(g))) if self.silu_f else self.act(g) * u
         return self.down(a, residual=x)
 
 
@@ -459,9 +433,6 @@ class DenseKV:
     rope_in_append = False
 
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, kernel: bool = False):
-        # decode may take pre-RoPE q/k (``q_rope``): with the kernel, one ``float_append_triton`` launch
-        # per layer rotates q and k and writes k/v (instead of a rope launch + two index_put writes)
-        self.rope_in_decode = bool(kernel)
         smax = -(-smax // 64) * 64  # aligned key length: SDPA's memory-efficient kernel takes the mask
         self.k = [torch.zeros(batch, hkv, smax, d, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros_like(t) for t in self.k]
@@ -472,6 +443,12 @@ class DenseKV:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def rope_in_decode(self) -> bool:
+        """Decode may take pre-RoPE q/k (``q_rope``): with the kernel, one ``float_append_triton`` launch
+        per layer rotates q and k and writes k/v (instead of a rope launch + two index_put writes)."""
+        return self.kernel
 
     def write_prefill(self, layer, k, v, lengths, cos=None, sin=None):
         S = k.shape[2]
@@ -656,16 +633,13 @@ class Generator:
     ``float_kernels``: RMSNorm and SiLU*mul feeding float (weight-only, bf16) projections as one Triton
     launch each (``lowbit.kernels.act_quant.fused_rows_triton``) instead of the eager modules; 'auto' =
     on CUDA for lowbit-quantized models (the W4A8 projections fuse them into their quantization anyway).
-    ``lut_direct``: LUT projections (fragment layout, M <= 64, Triton) are launched by the runner itself,
-    as programmatic dependent launches up to ``pdl_max_m`` rows, with the float rows kernels before
-    them (False: the module call, no PDL; an A/B knob).
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
                  prefill_from_cache: bool = False, fuse: bool = True, rope_kernel: bool | None = None,
                  rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None,
-                 dense_decode: str = "auto", float_kernels: bool | str = "auto", lut_direct: bool = True):
+                 dense_decode: str = "auto", float_kernels: bool | str = "auto"):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -723,9 +697,7 @@ class Generator:
                        getattr(f, "up_p", None)):
                 if pr is not None:
                     pr.pdl_max_m = self.pdl_max_m
-                    pr.lut = pr.lut and bool(lut_direct)
         self.head.pdl_max_m = self.pdl_max_m
-        self.head.lut = self.head.lut and bool(lut_direct)
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
@@ -800,7 +772,7 @@ class Generator:
 
     def _q_in_append(self, layer) -> bool:
         """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer?"""
-        return (self.rope_q_append and getattr(self.cache, "rope_in_decode", False)
+        return (self.rope_q_append and self.cache.rope_in_decode
                 and not hasattr(layer.self_attn, "q_norm")
                 and (self.device.type == "cuda" or interpret_mode()) and triton_available()
                 and self.dtype in (torch.bfloat16, torch.float16)

@@ -117,12 +117,13 @@ class LUTLinear(QuantLinear):
                 "table": None, "pairs": None}
 
     # --- compute ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+        """``x @ W_hat^T (+ bias)``; ``pdl``: as ``lowbit.ops.lut.lut_gemm`` (the runner's batch-1 chain)."""
         xin = x
         if x.is_cuda and x.dtype != self.dtype:
             x = x.to(self.dtype)
         y = lut_gemm(x, self.qweight, self.qweight_hi, self.scales, self.table, bits=self.bits,
-                     group_size=self.group_size, lookup=self.lookup, pairs=self.pairs, layout=self.layout)
+                     group_size=self.group_size, lookup=self.lookup, pairs=self.pairs, layout=self.layout, pdl=pdl)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(xin.dtype)

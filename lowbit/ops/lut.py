@@ -76,7 +76,7 @@ def _pairs_for(table: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tens
 @torch.library.custom_op("lowbit::lut_gemm", mutates_args=())
 def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
               table: torch.Tensor, pairs: torch.Tensor | None, bits: int, group_size: int, lookup: str,
-              layout: str = "planar") -> torch.Tensor:
+              layout: str = "planar", pdl: bool = False) -> torch.Tensor:
     N = scales.shape[1]
     K = x.shape[1]
     if layout == "mma":
@@ -87,7 +87,7 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
                 if pairs is None or pairs.dtype != x.dtype:
                     pairs = _pairs_for(table, bits, x.dtype)
                 return lut_mma_triton(x, qweight, qweight_hi, scales, pairs, table, bits=bits, group_size=group_size,
-                                      out_features=N)
+                                      out_features=N, pdl=pdl)
             w = lut_dequant_mma_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
                                        out_features=N, in_features=K, dtype=x.dtype)
             return F.linear(x, w)
@@ -108,20 +108,22 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
 
 
 @_lut_gemm.register_fake
-def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout="planar"):
+def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout="planar", pdl=False):
     return x.new_empty((x.shape[0], scales.shape[1]))
 
 
 def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
              table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto",
-             pairs: torch.Tensor | None = None, layout: str = "planar") -> torch.Tensor:
+             pairs: torch.Tensor | None = None, layout: str = "planar", pdl: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [ceil(K/G), N]/
     ``table`` as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' |
     'affine' | 'pair' ('affine' only for uniform tables; 'pair' needs ``pairs`` =
     ``formats.lut.pair_table(table, bits, x.dtype)``; 'auto' picks 'affine' for uniform tables,
     else 'load'). ``layout``: 'planar' (``formats.lut.pack_codes``) or 'mma' (``formats.lut.pack_codes_mma``,
     the tensor-core fragment kernel; ``lookup`` is then ignored: always the pair table). Float32
-    ``x`` always runs the reference."""
+    ``x`` always runs the reference. ``pdl`` (layout 'mma', M <= ``MAX_KERNEL_M``, Hopper): the kernel
+    is a programmatic dependent launch, its table set-up before the wait (same result; the runner's
+    batch-1 chain)."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:
@@ -170,5 +172,5 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         x2 = x2.contiguous()
     if x.dtype not in _ACT and x.is_cuda:
         warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout)
+    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl))
     return y.reshape(*lead, N)

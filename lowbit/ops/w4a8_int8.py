@@ -55,32 +55,35 @@ def _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
 @torch.library.custom_op("lowbit::w4a8_int8_gemm", mutates_args=())
 def _w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                     gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+                    out_dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
     Kp = 2 * qweight.shape[1]
     g = Kp // gscale.shape[1]
     if use_triton(xq, qweight):
         from lowbit.kernels.w4a8_int8_gemm import w4a8_int8_gemm_triton
 
-        return w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, xq.shape[1], g, out_dtype)
+        return w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, xq.shape[1], g, out_dtype,
+                                     pdl=pdl)
     return gemm_ref(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
 
 
 @_w4a8_int8_gemm.register_fake
-def _(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
+def _(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, pdl=False):
     return xq.new_empty((xq.shape[0], qweight.shape[0]), dtype=out_dtype)
 
 
 def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                    gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, pdl: bool = False) -> torch.Tensor:
     """``y = (xq @ w8^T) * xscale[:, None] * wscale[None, :] + bias`` -> ``out_dtype`` [M, N].
 
     xq int8 [M, K] (per-token codes), xscale fp32 [M]; qweight uint8 [N, Kp/2], wscale fp32 [N],
     gscale/gzs uint8 [N, G] (see ``lowbit.formats.w4a8_int8``); bias [N] or None.
-    INT8 x INT8 products accumulate in INT32; scales apply in fp32 in the epilogue.
+    INT8 x INT8 products accumulate in INT32; scales apply in fp32 in the epilogue. ``pdl``: launch
+    the kernel as a programmatic dependent launch (Hopper; same result; the runner's batch-1 chain
+    after its PDL act-quant launch).
     """
     _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
-    return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
+    return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, bool(pdl))
 
 
 @torch.library.custom_op("lowbit::w4a8_int8_linear", mutates_args=())
