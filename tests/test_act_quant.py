@@ -88,6 +88,34 @@ def test_bad_args(dev):
         per_token_quant_triton(torch.zeros(2, 4, device=dev), fuse="rmsnorm", weight=torch.ones(3, device=dev))
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float16])
+def test_fused_residual_add(dev, xdt, chunked, monkeypatch):
+    """``add=``: the residual add fused before the RMSNorm (session 10). The returned sum equals torch's
+    ``x + add`` bit for bit (bf16 rounded half-even also under the interpreter), and the codes / scales
+    (and the float rows) equal the same kernel run on that sum; ragged K, one- and multi-chunk rows."""
+    import lowbit.kernels.act_quant as aq
+
+    if chunked:
+        monkeypatch.setattr(aq, "_SINGLE_MAX", 64)
+    torch.manual_seed(0)
+    x = (torch.randn(4, 203) * 3).to(xdt).to(dev)
+    d = torch.randn(4, 203).to(xdt).to(dev)
+    w = (torch.rand(203) + 0.5).to(xdt).to(dev)
+    r_ref = x + d
+    for out in DTYPES:
+        q, s, r = aq.per_token_quant_triton(x, out, fuse="rmsnorm", weight=w, eps=1e-5, add=d)
+        assert torch.equal(r, r_ref)
+        _assert_same(q.cpu(), s.cpu(), *aq.per_token_quant_triton(r_ref, out, fuse="rmsnorm", weight=w, eps=1e-5))
+    y, r = aq.fused_rows_triton(x, fuse="rmsnorm", weight=w, eps=1e-5, add=d)
+    assert torch.equal(r, r_ref)
+    assert torch.equal(y, aq.fused_rows_triton(r_ref, fuse="rmsnorm", weight=w, eps=1e-5))
+    with pytest.raises(ValueError, match="add="):
+        aq.per_token_quant_triton(x, FP8_E4M3, add=d)
+    with pytest.raises(ValueError, match="add"):
+        aq.fused_rows_triton(x, fuse="rmsnorm", weight=w, add=d[:, :7])
+
+
 def test_op_dispatches_to_kernel(dev):
     from lowbit.ops.quant import per_token_quant
 

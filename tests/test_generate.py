@@ -366,6 +366,72 @@ def test_float_kernels_gpu_close_to_eager():
         assert same >= 11, (dtype, a, b)
 
 
+@pytest.mark.parametrize("recipe", ["qserve", "flute-nf4", "bf16"])
+def test_fused_add_same_tokens(recipe, monkeypatch):
+    """``fused_add`` (session 10): residual adds of projections without a residual epilogue (INT8, LUT,
+    bf16) are done by the next RMSNorm's launch (act-quant or float rows, ``add=``): the greedy tokens
+    are those of the runner adding them as torch ops, and every layer's input and post-attention norm
+    takes the add (interpreter)."""
+    import lowbit
+    from lowbit.kernels import act_quant
+
+    model = tiny_llama(head_dim=16)
+    if recipe != "bf16":
+        g = torch.Generator().manual_seed(0)
+        lowbit.quantize_model(model, recipe, calibration=[torch.randint(0, 128, (1, 16), generator=g)],
+                              progress=False)
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2])]
+    adds = []
+    for name in ("per_token_quant_triton", "fused_rows_triton"):
+        real = getattr(act_quant, name)
+        monkeypatch.setattr(act_quant, name, lambda *a, _f=real, **kw: adds.append(kw.get("add") is not None) or _f(*a, **kw))
+    want = Generator(model, max_batch=2, max_seq=16, float_kernels=True, fused_add=False).generate(prompts, 4)
+    assert not any(adds)
+    got = Generator(model, max_batch=2, max_seq=16, float_kernels=True).generate(prompts, 4)
+    # prefill + 3 decode steps (the 4th token comes from the 3rd step's logits): 2 layers, the second layer's
+    # input norm and both post-attention norms take a pending add
+    assert sum(adds) == 4 * 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_add_gpu(dtype):
+    """GPU: the fused residual add (``add=``) gives torch's ``x + add`` bit for bit and the codes / float
+    rows of the same kernel run on that sum (K = 4096 and a ragged 3000, with and without PDL); the
+    CUDA-graph runner's greedy tokens with ``fused_add`` on and off agree (qserve, flute-nf4)."""
+    import lowbit
+    from lowbit.formats.common import FP8_E4M3
+    from lowbit.kernels import act_quant as aq
+
+    for K in (4096, 3000):
+        x = torch.randn(3, K, device="cuda", dtype=dtype) * 4
+        d = torch.randn_like(x)
+        w = torch.rand(K, device="cuda", dtype=dtype) + 0.5
+        for pdl in (False, True):
+            for out in (FP8_E4M3, torch.int8):
+                q, s, r = aq.per_token_quant_triton(x, out, fuse="rmsnorm", weight=w, eps=1e-5, add=d, pdl=pdl)
+                q0, s0 = aq.per_token_quant_triton(x + d, out, fuse="rmsnorm", weight=w, eps=1e-5)
+                assert torch.equal(r, x + d) and torch.equal(s, s0)
+                assert torch.equal(q.view(torch.int8), q0.view(torch.int8))
+            y, r = aq.fused_rows_triton(x, fuse="rmsnorm", weight=w, eps=1e-5, add=d, pdl=pdl)
+            assert torch.equal(r, x + d)
+            assert torch.equal(y, aq.fused_rows_triton(x + d, fuse="rmsnorm", weight=w, eps=1e-5))
+    for recipe in ("qserve", "flute-nf4"):
+        model = tiny_llama(head_dim=64, hidden=256, dtype=dtype)
+        g = torch.Generator().manual_seed(0)
+        lowbit.quantize_model(model, recipe, calibration=[torch.randint(0, 128, (1, 16), generator=g)],
+                              progress=False)
+        model = model.cuda()
+        prompts = [torch.tensor([5, 6, 7, 8, 9], device="cuda"), torch.tensor([3, 4], device="cuda")]
+        a = Generator(model, max_batch=2, max_seq=32, fused_add=False).generate(prompts, 8)
+        gen = Generator(model, max_batch=2, max_seq=32)
+        b = gen.generate(prompts, 8)
+        assert gen.fused_add and gen._graphs
+        assert all(torch.equal(x_, y_) for x_, y_ in zip(a, b)), (recipe, a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_runner_lut_pdl_same_tokens(dtype, monkeypatch):
     """LUT (fragment layout) projections at batch 1 with ``pdl_max_m``: the runner calls them with

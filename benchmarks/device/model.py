@@ -360,9 +360,9 @@ def rope_runner_check():
             lowbit.quantize_model(m, recipe, calibration=calib, progress=False)
         g = torch.Generator().manual_seed(2)
         prompts = [torch.randint(1, 256, (n,), generator=g).to(DEV) for n in (6, 13, 9)]
-        # reference: the eager RoPE ops, no PDL (the pre-session runner)
+        # reference: the eager RoPE ops, no PDL, residual adds as torch ops (the pre-session runner)
         ref = Generator(m, max_batch=3, max_seq=40, rope_kernel=False, rope_q_append=False,
-                        pdl_max_m=0).generate(prompts, 10)
+                        pdl_max_m=0, fused_add=False).generate(prompts, 10)
         variants = [("defaults", {})]
         if recipe == "flute-nf4":
             variants += [("rope kernel + index writes", {"rope_q_append": False})]
@@ -376,7 +376,7 @@ def rope_runner_check():
             out.append(f"{recipe or 'bf16'} {label}: {'same' if same else 'DIFFERENT'} tokens")
         if recipe and DEV == "cuda":  # B=1: the PDL path of the default runner (M = 1)
             r1 = Generator(m, max_batch=1, max_seq=40, rope_kernel=False, rope_q_append=False,
-                           pdl_max_m=0).generate(prompts[:1], 10)
+                           pdl_max_m=0, fused_add=False).generate(prompts[:1], 10)
             g1 = Generator(m, max_batch=1, max_seq=40).generate(prompts[:1], 10)
             same = torch.equal(r1[0], g1[0])
             ok &= same
@@ -418,7 +418,8 @@ def main():
     # (1) correctness
     check("runner (CUDA graphs) == HF generate, batched lengths 5/17/11", runner_vs_hf)
     check("RoPE kernel (lowbit.kernels.rope) == eager RoPE, bit for bit", rope_kernel_check)
-    check("runner defaults (RoPE kernel, q RoPE in the KV4 / float append, PDL at M=1) == eager RoPE / no PDL tokens",
+    check("runner defaults (RoPE kernel, q RoPE in the KV4 / float append, PDL at M=1, fused residual adds) "
+          "== eager RoPE / no PDL / torch adds tokens",
           rope_runner_check)
     if a.cpu_smoke:  # the interpreter would take minutes per generate: references from here on
         os.environ["TRITON_INTERPRET"] = "0"

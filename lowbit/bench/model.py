@@ -24,7 +24,8 @@ Providers, side by side in one process and on one GPU:
 - options beside a default, in the same run: ``+head`` (``lm_head=True``), ``+fused``
   (``fuse_mlp=True``), runner options (``+rope``: ``rope_kernel=True``; ``+ropeq``: q rotated in the
   KV4 append too; ``+dk`` / ``+dsdpa``: decode attention over the float cache by lowbit's kernel or
-  SDPA; ``+fk`` / ``+nofk``: RMSNorm and SiLU*mul of float projections as Triton launches or eager)
+  SDPA; ``+fk`` / ``+nofk``: RMSNorm and SiLU*mul of float projections as Triton launches or eager;
+  ``+noadd``: residual adds as torch ops instead of fused into the next norm launch)
   and kernel flags (``+pdl``: programmatic dependent launch of the act-quant / GEMM /
   RoPE kernels), e.g. ``fireq+ropeq+pdl`` or ``bf16+rope`` (``provider_spec``).
 
@@ -59,7 +60,8 @@ GEN_TOKENS = {"rope": {"rope_kernel": True}, "norope": {"rope_kernel": False},
               "ropeq": {"rope_kernel": True, "rope_q_append": True}, "noropeq": {"rope_q_append": False},
               "s16": {"decode_splits": 16}, "s32": {"decode_splits": 32}, "nopdl": {"pdl_max_m": 0},
               "dk": {"dense_decode": "kernel"}, "dsdpa": {"dense_decode": "sdpa"},
-              "fk": {"float_kernels": True}, "nofk": {"float_kernels": False}}
+              "fk": {"float_kernels": True}, "nofk": {"float_kernels": False},
+              "noadd": {"fused_add": False}}  # session 10: residual adds as torch ops (the pre-S10 path)
 FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
                "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4),
                "sp0": ("lowbit.kernels.decode_kv4", "SHORT_MIN_PROGRAMS", 0)}  # session 9: the old split cap

@@ -12,8 +12,8 @@ The quotient is the IEEE round-to-nearest ``v / scale_m``, so the kernel agrees 
 reference bit for bit: on the GPU (``FAST``) by Markstein's correction from the row's correctly
 rounded reciprocal (three FP ops per element, ``_div_fast``) and the hardware RNE FP8 convert; under
 the interpreter (whose FMA rounds twice and whose FP8 cast mis-rounds) by ``tl.div_rn`` and an
-arithmetic FP8 rounding. (The hardware convert keeps the sign of a zero code like the reference;
-the arithmetic rounding gives +0 for tiny negatives.)
+arithmetic FP8 rounding (which keeps the sign of a zero code, like the hardware convert and the
+reference; session 10: before, tiny negatives gave +0 there and a random test failed for some seeds).
 
 ``v`` is, by the constexpr flag ``FUSE``:
 
@@ -22,6 +22,10 @@ the arithmetic rounding gives +0 for tiny negatives.)
   ``v = (w * h).to(dtype)``, i.e. ``quantize(LlamaRMSNorm(x))``;
 - ``2`` SiLU-mul: ``v = (silu(g).to(dtype) * u).to(dtype)``, i.e. ``quantize(act(gate) * up)``
   as HF's ``LlamaMLP`` computes it before ``down_proj``.
+
+``ADD`` (with ``FUSE = 1``; ``add=``): the residual add before the norm, ``x <- (x + d).to(dtype)``
+(torch's half-precision add, bit for bit), and the sum is also stored (the new residual stream):
+one launch instead of an add launch followed by the norm (vLLM's fused_add_rms_norm pattern).
 
 NaN or Inf anywhere in a row gives that row a NaN scale, so the row's GEMM output is NaN (the GPU's
 ``max`` would otherwise skip NaN silently); the reference propagates NaN/Inf the same way. One
@@ -78,12 +82,26 @@ def default_warps(M: int, block: int) -> int:
 
 
 @triton.jit
-def _fused_value(X, G, W, offs, mask, rstd, FUSE: tl.constexpr):
+def _load_x(X, D, offs, mask, ADD: tl.constexpr):
+    """x at ``offs`` of one row, in x's dtype; with ``ADD`` the residual-stream sum ``x + d`` rounded
+    to x's dtype (torch's half-precision add: the fp32 sum of two fp16/bf16 values, rounded once)."""
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    if ADD:
+        s = x.to(tl.float32) + tl.load(D + offs, mask=mask, other=0.0).to(tl.float32)
+        if x.dtype == tl.bfloat16:  # round half-even on the bit pattern (the interpreter's cast truncates)
+            bits = s.to(tl.int32, bitcast=True)
+            s = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        x = s.to(x.dtype)
+    return x
+
+
+@triton.jit
+def _fused_value(X, G, W, offs, mask, rstd, FUSE: tl.constexpr, D=None, ADD: tl.constexpr = False):
     """The value to quantize at ``offs`` of one row, in fp32 (rounded like the eager model)."""
     # Products of two fp16/bf16 values are exact in fp32, so "multiply in fp32, round to the input
     # dtype" equals the eager half-precision multiply (and the interpreter, which has no bf16
     # arithmetic, gets it right too).
-    x = tl.load(X + offs, mask=mask, other=0.0)
+    x = _load_x(X, D, offs, mask, ADD)
     if FUSE == 1:
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
@@ -114,13 +132,15 @@ def round_to_fp8_e4m3(y):
     result is exactly representable, so the following cast to FP8 is exact. The hardware cast
     already rounds like this; the arithmetic exists because Triton 3.6's interpreter mis-rounds
     fp32->fp8 when the carry crosses a binade (126.8 -> 64), and it costs a few ALU ops per
-    element in a memory-bound kernel.
+    element in a memory-bound kernel. A result of zero keeps y's sign (``y * 0``), like the
+    hardware cast (tiny negatives give -0; the adder alone gives +0).
     """
     e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6) - 3
     u = ((e + 127) << 23).to(tl.float32, bitcast=True)
     c = u * 12582912.0
-    return (y + c) - c
+    r = (y + c) - c
+    return tl.where(r == 0.0, y * 0.0, r)
 
 
 @triton.jit
@@ -173,14 +193,19 @@ def _row_scale(v, amax_eps, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _rstd_chunked(Xr, K, eps, offs, BLOCK_K: tl.constexpr, FUSE: tl.constexpr):
-    """RMSNorm's 1 / sqrt(mean(x^2) + eps) of a row walked in BLOCK_K chunks (FUSE == 1), else 1."""
+def _rstd_chunked(Xr, K, eps, offs, BLOCK_K: tl.constexpr, FUSE: tl.constexpr, Dr=None, Rr=None,
+                  ADD: tl.constexpr = False):
+    """RMSNorm's 1 / sqrt(mean(x^2) + eps) of a row walked in BLOCK_K chunks (FUSE == 1), else 1.
+    With ``ADD`` x is the sum ``x + d``, stored to ``Rr`` on this walk."""
     rstd = 1.0
     if FUSE == 1:
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            x = tl.load(Xr + k0 + offs, mask=m, other=0.0).to(tl.float32)
+            xs = _load_x(Xr, Dr, k0 + offs, m, ADD)
+            if ADD:
+                tl.store(Rr + k0 + offs, xs, mask=m)
+            x = xs.to(tl.float32)
             acc += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / K + eps)
     return rstd
@@ -194,42 +219,52 @@ def _per_token_quant_kernel(
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_K: tl.constexpr, SINGLE: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr = False,
     QUANT: tl.constexpr = True,  # False: store the fused value in Q's (float) dtype, no scale
+    D=None, R=None, stride_dm=0, stride_rm=0,  # ADD: the update d added to x, the sum's output
+    ADD: tl.constexpr = False,  # FUSE == 1 only: normalize x + d, and store x + d to R
 ):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     Xr = X + row * stride_xm
     Gr = G + row * stride_gm
     Qr = Q + row * stride_qm
+    Dr = D
+    Rr = R
+    if ADD:
+        Dr = D + row * stride_dm
+        Rr = R + row * stride_rm
     offs = tl.arange(0, BLOCK_K)
     if SINGLE:
         mask = offs < K
         rstd = 1.0
         if FUSE == 1:
-            x = tl.load(Xr + offs, mask=mask, other=0.0).to(tl.float32)
+            xs = _load_x(Xr, Dr, offs, mask, ADD)
+            if ADD:
+                tl.store(Rr + offs, xs, mask=mask)
+            x = xs.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-        v = _fused_value(Xr, Gr, W, offs, mask, rstd, FUSE)
+        v = _fused_value(Xr, Gr, W, offs, mask, rstd, FUSE, Dr, ADD)
         if QUANT:
             scale, rcp = _row_scale(v, amax_eps, QMAX)
             _quant_store(Qr, offs, mask, v, scale, rcp, QMAX, IS_INT8, FAST)
         else:
             tl.store(Qr + offs, v.to(Q.dtype.element_ty), mask=mask)
     elif not QUANT:
-        rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE)
+        rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE, Dr, Rr, ADD)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
+            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE, Dr, ADD)
             tl.store(Qr + k0 + offs, v.to(Q.dtype.element_ty), mask=m)
     else:
-        rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE)
+        rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE, Dr, Rr, ADD)
         amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
+            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE, Dr, ADD)
             amax_v = tl.maximum(amax_v, tl.where(v == v, tl.abs(v), float("inf")))
         scale, rcp = _row_scale(amax_v, amax_eps, QMAX)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE)
+            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE, Dr, ADD)
             _quant_store(Qr, k0 + offs, m, v, scale, rcp, QMAX, IS_INT8, FAST)
     if QUANT:
         tl.store(S + row, scale)
@@ -260,9 +295,22 @@ def _row_operands(x, fuse, weight, up):
     return x2, g2, w
 
 
-def _launch_rows(x2, g2, w, out, s, fuse, eps, qdtype, *, num_warps=None, fast=False, pdl=None) -> None:
+def _add_operands(x, x2, add, fuse):
+    """Rows ``[M, K]`` of ``add`` (shaped like ``x``) and a fresh ``[M, K]`` buffer for ``x + add``."""
+    if fuse != "rmsnorm":
+        raise ValueError(f"add= (the residual update) needs fuse='rmsnorm', got fuse={fuse!r}")
+    check_tensor(add, "add", dtype=x.dtype, shape=tuple(x.shape))
+    d2 = add.reshape(-1, x2.shape[1])
+    if d2.stride(-1) != 1:
+        d2 = d2.contiguous()
+    return d2, torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+
+
+def _launch_rows(x2, g2, w, out, s, fuse, eps, qdtype, *, num_warps=None, fast=False, pdl=None,
+                 add=None) -> None:
     """One program per row of ``x2 [M, K]``: quantized codes to ``out`` and scales to ``s`` for
-    ``qdtype`` FP8 / INT8, or (``qdtype`` None) the fused float value to ``out`` (``QUANT=False``)."""
+    ``qdtype`` FP8 / INT8, or (``qdtype`` None) the fused float value to ``out`` (``QUANT=False``).
+    ``add``: ``(d2, r2)``: the row value is ``x2 + d2`` (rounded to x's dtype), also stored to ``r2``."""
     M, K = x2.shape
     single = K <= _SINGLE_MAX
     block = triton.next_power_of_2(K) if single else 4096
@@ -274,6 +322,8 @@ def _launch_rows(x2, g2, w, out, s, fuse, eps, qdtype, *, num_warps=None, fast=F
         QMAX=QMAX[qdtype] if quant else 448.0, IS_INT8=qdtype == torch.int8, FUSE=_FUSE[fuse],
         BLOCK_K=block, SINGLE=single, FAST=fast and quant, num_warps=num_warps or default_warps(M, block),
         **({} if quant else {"QUANT": False}),  # the quantizing launch keeps its measured signature
+        **({} if add is None else {"D": add[0], "R": add[1], "stride_dm": add[0].stride(0),
+                                   "stride_rm": add[1].stride(0), "ADD": True}),
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(x2, pdl) else {}),
     )
 
@@ -281,12 +331,15 @@ def _launch_rows(x2, g2, w, out, s, fuse, eps, qdtype, *, num_warps=None, fast=F
 def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fuse: str | None = None,
                            weight: torch.Tensor | None = None, eps: float = 1e-6,
                            up: torch.Tensor | None = None, num_warps: int | None = None,
-                           fast: bool | None = None, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           fast: bool | None = None, pdl: bool | None = None,
+                           add: torch.Tensor | None = None):
     """Quantize each row of ``x`` ``[..., K]`` to ``dtype`` (FP8 E4M3 or INT8).
 
     Returns (q ``[..., K]`` dtype, scale ``[...]`` float32). ``fuse='rmsnorm'`` quantizes
     ``RMSNorm(x) * weight`` (``weight [K]``, ``eps``); ``fuse='silu_mul'`` quantizes
     ``silu(x) * up`` (``up`` shaped like ``x``). See the module docstring for the rounding.
+    ``add`` (with ``fuse='rmsnorm'``; shaped like ``x``): the residual add before the norm, fused:
+    the row is ``r = x + add`` (torch's rounding), and the call returns ``(q, scale, r)``.
     ``num_warps`` / ``fast`` (benchmarks, tests): override ``default_warps`` / the GPU fast path
     (``FAST``: Markstein division and the hardware FP8 convert; off under the interpreter).
     ``pdl``: programmatic dependent launch (module docstring; default ``PDL_DEFAULT``).
@@ -296,22 +349,26 @@ def per_token_quant_triton(x: torch.Tensor, dtype: torch.dtype = FP8_E4M3, *, fu
     if fuse not in _FUSE:
         raise ValueError(f"fuse must be one of None, 'rmsnorm', 'silu_mul', got {fuse!r}")
     x2, g2, w = _row_operands(x, fuse, weight, up)
+    ad = None if add is None else _add_operands(x, x2, add, fuse)
     M, K = x2.shape
     q = torch.empty((M, K), dtype=dtype, device=x.device)
     s = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M and K:
         fast = (x.is_cuda and not interpret_mode()) if fast is None else bool(fast)
-        _launch_rows(x2, g2, w, q, s, fuse, eps, dtype, num_warps=num_warps, fast=fast, pdl=pdl)
+        _launch_rows(x2, g2, w, q, s, fuse, eps, dtype, num_warps=num_warps, fast=fast, pdl=pdl, add=ad)
     elif M:
         s.fill_(AMAX_EPS / QMAX[dtype])
+    if ad is not None:
+        return q.reshape(x.shape), s.reshape(x.shape[:-1]), ad[1].reshape(x.shape)
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
 
 def fused_rows_triton(x: torch.Tensor, *, fuse: str, weight: torch.Tensor | None = None, eps: float = 1e-6,
-                      up: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+                      up: torch.Tensor | None = None, pdl: bool | None = None, add: torch.Tensor | None = None):
     """The fused value of ``per_token_quant_triton`` without the quantization, in ``x``'s dtype, one
     launch: ``fuse='rmsnorm'`` -> ``RMSNorm(x) * weight`` (HF Llama numerics), ``fuse='silu_mul'`` ->
-    ``silu(x) * up`` (each intermediate rounded to x's dtype, as the eager model). For the runner's
+    ``silu(x) * up`` (each intermediate rounded to x's dtype, as the eager model). ``add`` (rmsnorm
+    only): normalize ``r = x + add`` and return ``(RMSNorm(r) * weight, r)``. For the runner's
     float (weight-only) projections, which take these activations unquantized. Not bit-equal to the
     eager modules on the GPU: SiLU's ``tl.exp`` is the fast exp, and session-8 device runs (H200, H100) showed
     SiLU*mul values 1-2 ulps of x's dtype apart (within the quantization step when the value is
@@ -319,7 +376,10 @@ def fused_rows_triton(x: torch.Tensor, *, fuse: str, weight: torch.Tensor | None
     if fuse not in ("rmsnorm", "silu_mul"):
         raise ValueError(f"fuse must be 'rmsnorm' or 'silu_mul', got {fuse!r}")
     x2, g2, w = _row_operands(x, fuse, weight, up)
+    ad = None if add is None else _add_operands(x, x2, add, fuse)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if y.numel():
-        _launch_rows(x2, g2, w, y, None, fuse, eps, None, pdl=pdl)
+        _launch_rows(x2, g2, w, y, None, fuse, eps, None, pdl=pdl, add=ad)
+    if ad is not None:
+        return y.reshape(x.shape), ad[1].reshape(x.shape)
     return y.reshape(x.shape)

@@ -199,27 +199,35 @@ ROPE_KERNEL = True
 # 337 / 341, B=16 1k 4897 / 5026 vs 4868 / 4972 (same greedy tokens). Session 9: also the float cache with
 # dense_decode='kernel' (``float_append_triton``: q and k rotated, k/v written; S9a: flute-nf4 B=1 1k 330 vs 314).
 ROPE_Q_APPEND = True
+# the residual adds of projections without a residual epilogue (INT8, LUT, bf16) left pending and done by
+# the next RMSNorm launch (act-quant or float rows kernel, ``add=``: one launch instead of two, same bits).
+FUSED_ADD = True
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # RoPE values depend on the position only
 _ACT_FORMAT = {"w4a8-fp8": "fp8", "w4a8-int8": "int8"}  # scheme -> per-token activation format
 _RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * norm(x).to(dtype)
 
 
 def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up: torch.Tensor | None = None,
-                pdl: bool = False):
+                pdl: bool = False, add: torch.Tensor | None = None):
     """Per-token quantization of ``x2 [M, K]`` to ``fmt`` ('fp8' / 'int8') in ONE launch, optionally
     fused with the op producing it: ``norm`` (an HF RMSNorm: quantize ``norm(x2)``) or ``up``
     (quantize ``silu(x2) * up``). Kernel ``lowbit.kernels.act_quant`` (bit-exact with the eager
     modules followed by ``quantize_per_token``); without Triton the eager modules + reference.
-    ``pdl``: launch it as a programmatic dependent launch (``lowbit.kernels.act_quant``; same codes)."""
+    ``pdl``: launch it as a programmatic dependent launch (``lowbit.kernels.act_quant``; same codes).
+    ``add`` (with ``norm``): the pending residual update: quantize ``norm(x2 + add)`` and return
+    ``(codes, scales, x2 + add)`` (the add fused into the same launch, bit-equal to torch's add)."""
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
 
     dtype = FP8_E4M3 if fmt == "fp8" else torch.int8
+    if add is not None and not use_triton(x2):
+        x2 = x2 + add
+        return (*_quant_rows(x2, fmt, norm=norm, up=up), x2)
     if use_triton(x2):
         from lowbit.kernels.act_quant import per_token_quant_triton
 
         if norm is not None:
             return per_token_quant_triton(x2, dtype, fuse="rmsnorm", weight=norm.weight,
-                                          eps=float(norm.variance_epsilon), pdl=pdl)
+                                          eps=float(norm.variance_epsilon), pdl=pdl, add=add)
         if up is not None:
             return per_token_quant_triton(x2, dtype, fuse="silu_mul", up=up, pdl=pdl)
         return per_token_quant_triton(x2, dtype, pdl=pdl)
@@ -231,16 +239,21 @@ def _quant_rows(x2: torch.Tensor, fmt: str, *, norm: nn.Module | None = None, up
 
 
 def _float_rows(x: torch.Tensor, *, norm: nn.Module | None = None, up: torch.Tensor | None = None,
-                pdl: bool = False) -> torch.Tensor:
+                pdl: bool = False, add: torch.Tensor | None = None):
     """``norm(x)`` (an HF RMSNorm) or ``silu(x) * up`` for float (weight-only) projections: one launch
     of ``lowbit.kernels.act_quant.fused_rows_triton`` (the eager rounding of each intermediate) where
-    Triton runs, else the eager modules. ``pdl``: a programmatic dependent launch (same values)."""
+    Triton runs, else the eager modules. ``pdl``: a programmatic dependent launch (same values).
+    ``add`` (with ``norm``): returns ``(norm(x + add), x + add)``, the residual add in the same launch."""
     if use_triton(x):
         from lowbit.kernels.act_quant import fused_rows_triton
 
         if norm is not None:
-            return fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=float(norm.variance_epsilon), pdl=pdl)
+            return fused_rows_triton(x, fuse="rmsnorm", weight=norm.weight, eps=float(norm.variance_epsilon), pdl=pdl,
+                                     add=add)
         return fused_rows_triton(x, fuse="silu_mul", up=up, pdl=pdl)
+    if add is not None:
+        x = x + add
+        return norm(x), x
     return norm(x) if norm is not None else F.silu(x) * up
 
 
@@ -359,53 +372,77 @@ class _FusedLayer:
         self.norm_f = fk and not self.norm_q and _fusable_norm(self.in_norm, dtype)
         self.post_f = fk and not self.post_q and _fusable_norm(self.post_norm, dtype)
         self.silu_f = fk and silu_act
+        self.fused_add = FUSED_ADD  # set by the Generator (``fused_add``)
         self.down_q = self.down.aq if (fuse and self.down is not None and self.down.aq and
                                        self.gate_up_p is not None and not self.gate_up_p.silu_mul and
                                        silu_act) else None
 
     # ---------------------------------------------------------------------------- compute
-    def qkv_proj(self, x: torch.Tensor):
-        """``x`` (the residual stream ``[B, S, H]``) -> q, k, v ``[B, S, *]`` (input norm included)."""
+    def qkv_proj(self, x: torch.Tensor, pend: torch.Tensor | None = None):
+        """``x`` (the residual stream ``[B, S, H]``) plus the pending update ``pend`` (or None) ->
+        q, k, v ``[B, S, *]`` (input norm included) and the residual stream ``x + pend``."""
         if self.qkv_p is not None:
-            if self.norm_q:
-                x2 = x.reshape(-1, x.shape[-1])
-                xq, sx = _quant_rows(x2, self.norm_q, norm=self.in_norm, pdl=self.qkv_p.pdl(x2.shape[0]))
-                y = self.qkv_p.gemm(xq, sx, x.shape[:-1], x.dtype)
-            else:
-                y = self.qkv_p(self._in_norm(x, self.qkv_p))
-            return y.split(self.split, dim=-1)
-        h = self._in_norm(x, self.q)
-        return self.q(h), self.k(h), self.v(h)
+            h, x = self._norm(x, pend, self.in_norm, self.norm_q, self.norm_f, self.qkv_p)
+            y = self.qkv_p.gemm(*h, x.shape[:-1], x.dtype) if self.norm_q else self.qkv_p(h)
+            return (*y.split(self.split, dim=-1), x)
+        h, x = self._norm(x, pend, self.in_norm, None, self.norm_f, self.q)
+        return self.q(h), self.k(h), self.v(h), x
 
-    def _in_norm(self, x, consumer):
-        if self.norm_f:
-            return _float_rows(x, norm=self.in_norm, pdl=consumer.pdl(_rows(x)))
-        return self.in_norm(x)
+    def _norm(self, x, pend, norm, q_fmt, fused, consumer):
+        """``consumer``'s input ``norm(x + pend)`` (``pend``: a residual update not yet added, or None)
+        and the residual stream ``x + pend``: per-token codes ``(xq [M, K], sx [M])`` when ``q_fmt``
+        (the add, norm and quantization in one launch), the float value of one ``_float_rows`` launch
+        when ``fused``, else the eager add and norm."""
+        if q_fmt:
+            x2 = x.reshape(-1, x.shape[-1])
+            pdl = consumer.pdl(x2.shape[0])
+            if pend is None:
+                return _quant_rows(x2, q_fmt, norm=norm, pdl=pdl), x
+            xq, sx, r = _quant_rows(x2, q_fmt, norm=norm, pdl=pdl, add=pend.reshape(x2.shape))
+            return (xq, sx), r.reshape(x.shape)
+        if fused:
+            pdl = consumer.pdl(_rows(x))
+            if pend is None:
+                return _float_rows(x, norm=norm, pdl=pdl), x
+            return _float_rows(x, norm=norm, pdl=pdl, add=pend)
+        if pend is not None:
+            x = x + pend
+        return norm(x), x
 
-    def _post_norm(self, x, consumer):
-        if self.post_f:
-            return _float_rows(x, norm=self.post_norm, pdl=consumer.pdl(_rows(x)))
-        return self.post_norm(x)
+    def _pending(self, x: torch.Tensor, y: torch.Tensor):
+        """``(x, y)``: the residual update ``y`` left for the next norm launch to add (``fused_add``),
+        or ``(x + y, None)``."""
+        return (x, y) if self.fused_add else (x + y, None)
 
-    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """``x + o_proj(o)`` then the MLP block with its residual: the layer's output."""
+    def finish(self, x: torch.Tensor, o: torch.Tensor):
+        """``x + o_proj(o)`` then the MLP block with its residual. Returns ``(x, pend)``: the layer's
+        output is ``x + pend`` (``pend`` None: ``x`` itself). W4A8-FP8 projections add the residual in
+        their GEMM epilogue; the others leave it pending (``_pending``) for the next layer's input norm
+        (or the final norm) to add in its launch."""
         if self.o_q:  # separate quant + GEMM (R4, w4a8_fp8 area: faster than quantizing in the GEMM)
             o2 = o.reshape(-1, o.shape[-1])
             xq, sx = _quant_rows(o2, self.o_q, pdl=self.o.pdl(o2.shape[0]))
-            x = self.o.gemm(xq, sx, x.shape[:-1], x.dtype, residual=x)
+            if self.o.aq == "fp8":
+                x, pend = self.o.gemm(xq, sx, x.shape[:-1], x.dtype, residual=x), None
+            else:
+                x, pend = self._pending(x, self.o.gemm(xq, sx, x.shape[:-1], x.dtype))
+        elif self.o.aq == "fp8":
+            x, pend = self.o(o, residual=x), None
         else:
-            x = self.o(o, residual=x)
+            x, pend = self._pending(x, self.o(o))
         lead = x.shape[:-1]
         if self.gate_up_p is None and self.down is None:  # some other MLP: the module itself
-            return x + self.mlp(self.post_norm(x))
+            if pend is not None:
+                x = x + pend
+            return x + self.mlp(self.post_norm(x)), None
         if self.post_q:
-            x2 = x.reshape(-1, x.shape[-1])
-            xq, sx = _quant_rows(x2, self.post_q, norm=self.post_norm, pdl=self.gate_up_p.pdl(x2.shape[0]))
+            (xq, sx), x = self._norm(x, pend, self.post_norm, self.post_q, False, self.gate_up_p)
             gu = self.gate_up_p.gemm(xq, sx, lead, x.dtype)
         elif self.gate_up_p is not None:
-            gu = self.gate_up_p(self._post_norm(x, self.gate_up_p))
+            h, x = self._norm(x, pend, self.post_norm, None, self.post_f, self.gate_up_p)
+            gu = self.gate_up_p(h)
         else:
-            h = self._post_norm(x, self.gate_p)
+            h, x = self._norm(x, pend, self.post_norm, None, self.post_f, self.gate_p)
             gu = None
             a = self.act(self.gate_p(h)) * self.up_p(h)
         if gu is not None:
@@ -414,11 +451,15 @@ class _FusedLayer:
             elif self.down_q:
                 g, u = gu.reshape(-1, gu.shape[-1]).split(self.inter, dim=-1)
                 xq, sx = _quant_rows(g, self.down_q, up=u, pdl=self.down.pdl(g.shape[0]))
-                return self.down.gemm(xq, sx, lead, x.dtype, residual=x)
+                if self.down.aq == "fp8":
+                    return self.down.gemm(xq, sx, lead, x.dtype, residual=x), None
+                return self._pending(x, self.down.gemm(xq, sx, lead, x.dtype))
             else:
                 g, u = gu.split(self.inter, dim=-1)
                 a = _float_rows(g, up=u, pdl=self.down.pdl(_rows(g))) if self.silu_f else self.act(g) * u
-        return self.down(a, residual=x)
+        if self.down.aq == "fp8":
+            return self.down(a, residual=x), None
+        return self._pending(x, self.down(a))
 
 
 # ---------------------------------------------------------------------------- KV backends
@@ -633,13 +674,16 @@ class Generator:
     ``float_kernels``: RMSNorm and SiLU*mul feeding float (weight-only, bf16) projections as one Triton
     launch each (``lowbit.kernels.act_quant.fused_rows_triton``) instead of the eager modules; 'auto' =
     on CUDA for lowbit-quantized models (the W4A8 projections fuse them into their quantization anyway).
+    ``fused_add``: the residual adds of projections without a residual epilogue (INT8, LUT, bf16) are
+    left pending and done by the next RMSNorm's launch (act-quant, or float rows with ``float_kernels``;
+    eager add + norm otherwise), bit-equal to torch's add; None = ``FUSED_ADD``, False = add at once.
     """
 
     def __init__(self, model, *, max_batch: int, max_seq: int, kv="auto", prefill="auto",
                  cuda_graphs: bool | None = None, page_size: int = 64, layers: int | None = None,
                  prefill_from_cache: bool = False, fuse: bool = True, rope_kernel: bool | None = None,
                  rope_q_append: bool | None = None, decode_splits: int | None = None, pdl_max_m: int | None = None,
-                 dense_decode: str = "auto", float_kernels: bool | str = "auto"):
+                 dense_decode: str = "auto", float_kernels: bool | str = "auto", fused_add: bool | None = None):
         self.model = model
         self.a = _arch(model)
         if layers is not None:
@@ -685,6 +729,9 @@ class Generator:
             float_kernels = quantized_on_gpu
         self.float_kernels = bool(float_kernels)
         self.fused = [_FusedLayer(layer, self.dtype, fuse, self.float_kernels) for layer in self.a.layers]
+        self.fused_add = FUSED_ADD if fused_add is None else bool(fused_add)
+        for f in self.fused:
+            f.fused_add = self.fused_add
         self.head = _Proj(self.a.lm_head)
         if pdl_max_m is None:
             try:
@@ -748,11 +795,11 @@ class Generator:
         rot = torch.cat((xs[..., h:], xs[..., :h]), dim=-1)
         return (xs * cos.unsqueeze(2) + rot * sin_signed.unsqueeze(2)).transpose(1, 2)
 
-    def _qkv(self, i, layer, x, rope, q_in_append: bool = False):
+    def _qkv(self, i, layer, x, rope, pend=None, q_in_append: bool = False):
         attn = layer.self_attn
         B, S, _ = x.shape
         with self._sec("norm+qkv"):
-            q, k, v = self.fused[i].qkv_proj(x)
+            q, k, v, x = self.fused[i].qkv_proj(x, pend)
         q = q.reshape(B, S, -1, self.a.d).transpose(1, 2)
         k = k.reshape(B, S, -1, self.a.d).transpose(1, 2)
         v = v.reshape(B, S, -1, self.a.d).transpose(1, 2)
@@ -768,7 +815,7 @@ class Generator:
                 q = self._apply_rope(q, *rope)
                 if not self.cache.rope_in_append:
                     k = self._apply_rope(k, *rope)
-        return q, k, v, cos, sin
+        return q, k, v, cos, sin, x
 
     def _q_in_append(self, layer) -> bool:
         """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer?"""
@@ -824,14 +871,15 @@ class Generator:
         with self._sec("o_proj+mlp"):
             return self.fused[i].finish(x, o.transpose(1, 2).reshape(B, S, -1))
 
-    def _logits(self, h):
-        """Final norm + ``lm_head`` of ``h [B, H]`` -> fp32 logits; with a W4A8 head (``lm_head=True``
-        recipes) the norm is fused into the head's activation quantization."""
+    def _logits(self, h, pend=None):
+        """Final norm + ``lm_head`` of ``h [B, H]`` (+ the pending residual update ``pend``) -> fp32
+        logits; with a W4A8 head (``lm_head=True`` recipes) the add and norm are fused into the head's
+        activation quantization (a float head: eager add and norm, once per step)."""
         with self._sec("norm+lm_head"):
             if self.head_q:
-                xq, sx = _quant_rows(h, self.head_q, norm=self.a.norm, pdl=self.head.pdl(h.shape[0]))
+                xq, sx = _quant_rows(h, self.head_q, norm=self.a.norm, pdl=self.head.pdl(h.shape[0]), add=pend)[:2]
                 return self.head.gemm(xq, sx, h.shape[:-1], h.dtype).float()
-            return self.head(self.a.norm(h)).float()
+            return self.head(self.a.norm(h if pend is None else h + pend)).float()
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -853,8 +901,9 @@ class Generator:
         with self._sec("embed+rope tables"):
             x = self.a.embed(ids)
             rope = self._rope_tables(x, pos_ids)
+        pend = None  # a residual update not yet added (``FUSED_ADD``)
         for i, layer in enumerate(self.a.layers):
-            q, k, v, cos, sin = self._qkv(i, layer, x, rope)
+            q, k, v, cos, sin, x = self._qkv(i, layer, x, rope, pend)
             with self._sec("kv write"):
                 self.cache.write_prefill(i, k, v, lengths, cos, sin)
             with self._sec("attention"):
@@ -865,9 +914,9 @@ class Generator:
                 if pad is not None:
                     q, k, v = q * pad, k * pad, v * pad
                 o = lowbit.attention(q, k, v, scheme=self.prefill_scheme, causal=True, sm_scale=self.sm_scale)
-            x = self._finish(i, layer, x, o)
-        last = x[self.rows[:B], lengths - 1]
-        return self._logits(last)
+            x, pend = self._finish(i, layer, x, o)
+        last = (self.rows[:B], lengths - 1)
+        return self._logits(x[last], None if pend is None else pend[last])
 
     def _step(self, tokens, pos):
         B = tokens.shape[0]
@@ -876,14 +925,15 @@ class Generator:
             x = self.a.embed(tokens.view(B, 1))
             rope = self._rope_tables(x, pos.view(B, 1))
             st = self.cache.step_state(pos, rows)
+        pend = None  # a residual update not yet added (``FUSED_ADD``)
         for i, layer in enumerate(self.a.layers):
             qa = self._q_in_append(layer)
-            q, k, v, cos, sin = self._qkv(i, layer, x, rope, q_in_append=qa)
+            q, k, v, cos, sin, x = self._qkv(i, layer, x, rope, pend, q_in_append=qa)
             with self._sec("kv write+attention"):
                 o = self.cache.decode(i, q, k, v, st, cos, sin, q_rope=True) if qa else \
                     self.cache.decode(i, q, k, v, st, cos, sin)
-            x = self._finish(i, layer, x, o)
-        return self._logits(x[:, 0])
+            x, pend = self._finish(i, layer, x, o)
+        return self._logits(x[:, 0], None if pend is None else pend[:, 0])
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
