@@ -118,26 +118,3 @@ def test_gpu_kernel_ragged(lens, Hq, Hkv, TQ, D, page, splits):
     out = ops.decode_float(q, k, v, pt, lengths, num_splits=splits or 0)
     assert rel_l2(out, ops.decode_float_ref(q, k, v, pt, lengths)) < 1e-2
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("lens,Hq,Hkv,TQ,D,page,splits", [([1025], 32, 8, 1, 128, 64, None),
-                                                          ([4100, 70], 32, 8, 4, 128, 64, 9)])
-def test_gpu_combine_pdl_bit_equal(lens, Hq, Hkv, TQ, D, page, splits, monkeypatch):
-    """GPU: the combine as a programmatic dependent launch (``COMBINE_PDL``, session 10) gives the plain
-    launch's output bit for bit, eagerly and replayed in a CUDA graph."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from lowbit.kernels import decode_float as dfk
-
-    k, v, pt, lengths = _paged(lens, Hkv, page, D, torch.bfloat16)
-    q = torch.randn(len(lens), Hq, TQ, D).to(torch.bfloat16).cuda()
-    monkeypatch.setattr(dfk, "COMBINE_PDL", False)
-    want = ops.decode_float(q, k, v, pt, lengths, num_splits=splits or 0)
-    monkeypatch.setattr(dfk, "COMBINE_PDL", True)
-    assert torch.equal(ops.decode_float(q, k, v, pt, lengths, num_splits=splits or 0), want)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        got = ops.decode_float(q, k, v, pt, lengths, num_splits=splits or 0)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)

@@ -1,13 +1,18 @@
-"""Session-10 probe (device): two launch-level A/Bs that the model round could not resolve (noise ~1-2%).
+"""Session-10 probe (device): launch-level A/Bs that a model round cannot resolve (its noise is ~1-2%).
 
     python3 benchmarks/device/s10_probe.py --out DIR
 
-(a) LUT fragment kernel at M = 1 (4-bit NF, g128, bf16): ``SMALL_LAYER_NK`` on (o_proj 4096 x 4096 takes
-    r1 w8 cps2) vs off (r2 w8 cps2), per Llama-3-8B projection;
-(b) ``decode_float`` (split-KV + combine, bf16, Hq 32 / Hkv 8, D 128, page 64): ``COMBINE_PDL`` on vs off at
-    B=1 L=1025 and B=16 L=8193.
-Each timing: per-call time inside a CUDA graph of 20 back-to-back calls, median of 15 replays; the two
-settings alternate 7 times (medians of the 7 reported with the spread). Output: ``s10_probe.json``.
+(c) the W4A8 INT8 GEMM at M = 1, x pre-quantized, PDL launch (the runner's batch-1 call): ``DP4A_CONFIG``
+    (dp4a on CUDA cores) vs the default wgmma config, per Llama-3-8B projection.
+Each timing: per-call time inside a CUDA graph of >= 20 back-to-back calls, median of 15 replays; the two
+settings alternate 7 times (medians of the 7 reported with the spread). The weights rotate over enough copies
+that one replay streams > 2x L2 (``copies``). Output: ``s10_probe.json``.
+
+``benchmarks/results/h200/s10_probe.json`` also holds parts (a) and (b), measured with this script at commit
+d97c436 and removed with the knobs they measured: (a) LUT fragment kernel at M = 1 with one row tile per warp
+for layers of <= 4096 x 4096 weights (o_proj 10.13 vs 9.85 us: slower with the weights streamed from HBM;
+an H100 run without weight rotation, where o_proj's 8.4 MB sat in L2, had shown 7.33 vs 8.28), (b) the
+decode_float combine as a PDL launch (B=1 L=1025 7.86 vs 7.74 us, B=16 L=8193 126.7 vs 126.6: no gain).
 """
 import argparse
 import json
@@ -23,14 +28,20 @@ from lowbit.bench.harness import env_info  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
+ap.add_argument("--parts", default="c")
 a = ap.parse_args()
 os.makedirs(a.out, exist_ok=True)
 
 
 def graph_us(fn, n=20, reps=15):
-    fn()
+    """Per-call us of ``fn`` in a CUDA graph of ``n`` calls; ``fn`` may be a list (one callable per call,
+    cycled: each works on its own copy of the weights, so the graph streams more than 2x L2 from HBM)."""
+    fns = fn if isinstance(fn, list) else [fn]
+    n = max(n, len(fns))
+    for f in fns:
+        f()
     torch.cuda.synchronize()
-    g, _ = capture_cuda_graph(lambda: [fn() for _ in range(n)])
+    g, _ = capture_cuda_graph(lambda: [fns[i % len(fns)]() for i in range(n)])
     g.replay()
     torch.cuda.synchronize()
     ts = []
@@ -55,50 +66,34 @@ def ab(set_flag, fn, rounds=7):
                                     "max": round(max(v), 3)} for k, v in res.items()}
 
 
-doc = {"suite": "s10_probe", "env": env_info("benchmarks/device/s10_probe.py"), "lut_m1": {}, "decode_float": {}}
-# (a) LUT
-from lowbit.bench.suites.lut import SHAPES, make_packed  # noqa: E402
-from lowbit.kernels import lut_gemm  # noqa: E402
+def copies(nbytes: int) -> int:
+    """Weight copies so that one pass over them is > 2x L2."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, -(-2 * l2 // max(nbytes, 1)) + 1)
 
-shapes = dict(SHAPES, o=(4096, 4096))
-keep = lut_gemm.SMALL_LAYER_NK
-for name in ("o", "qkv", "down", "gate_up"):
-    if name not in shapes:
-        continue
-    N, K = shapes[name]
-    p = make_packed(torch.randn(N, K, device="cuda"), 4)
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
 
-    def fn(p=p, x=x):
-        return lut_gemm.lut_mma_triton(x, p["qmma"], p["qmma_hi"], p["scales"], p["pairs"], p["table"], bits=4,
-                                       group_size=128, out_features=p["scales"].shape[1])
+doc = {"suite": "s10_probe", "env": env_info("benchmarks/device/s10_probe.py --parts " + a.parts)}
+if "c" in a.parts:
+    from lowbit.formats.w4a8_int8 import quantize as qoq  # noqa: E402
+    from lowbit.kernels import w4a8_int8_gemm as ik  # noqa: E402
+    from lowbit.ops.w4a8_int8 import w4a8_int8_gemm  # noqa: E402
 
-    ref = fn()
-    r = ab(lambda on: setattr(lut_gemm, "SMALL_LAYER_NK", keep if on else 0), fn)
-    lut_gemm.SMALL_LAYER_NK = keep
-    r["cfg_on"] = lut_gemm.mma_config(1, N, K, 4, 128)
-    r["same_output"] = bool(torch.equal(fn(), ref))
-    doc["lut_m1"][f"{name} N={N} K={K}"] = r
-    print(name, r, flush=True)
-# (b) decode_float
-from lowbit.bench.suites.kv4 import random_float_pages  # noqa: E402
-from lowbit.kernels import decode_float as dfk  # noqa: E402
-from lowbit.ops import kv4 as ops  # noqa: E402
-
-for B, L in ((1, 1025), (16, 8193)):
-    k, v, pt, lengths = random_float_pages([L] * B, 8, 64, 128, torch.bfloat16, seed=0, device="cuda")
-    q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-
-    def fn(q=q, k=k, v=v, pt=pt, lengths=lengths, L=L):
-        return ops.decode_float(q, k, v, pt, lengths, max_len=L)
-
-    dfk.COMBINE_PDL = False
-    ref = fn()
-    r = ab(lambda on: setattr(dfk, "COMBINE_PDL", on), fn)
-    r["splits"] = dfk.LAST_LAUNCH.get("num_splits")
-    dfk.COMBINE_PDL = True
-    r["same_output"] = bool(torch.equal(fn(), ref))
-    doc["decode_float"][f"B={B} L={L}"] = r
-    print(B, L, r, flush=True)
+    doc["int8_m1_dp4a"] = {}
+    for name, (N, K) in {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}.items():
+        w0 = qoq(torch.randn(N, K, device="cuda"), 128)
+        ws = [w0] + [type(w0)(w0.qweight.clone(), w0.wscale.clone(), w0.gscale.clone(), w0.gzs.clone(), K, 128)
+                     for _ in range(copies(N * K // 2) - 1)]
+        xq = torch.randint(-127, 128, (1, K), device="cuda", dtype=torch.int8)
+        sx = torch.rand(1, device="cuda") + 0.5
+        fns = [lambda w=w: w4a8_int8_gemm(xq, sx, w.qweight, w.wscale, w.gscale, w.gzs, None, pdl=True) for w in ws]
+        ik.DP4A_M1 = False
+        ref = fns[0]()
+        r = ab(lambda on: setattr(ik, "DP4A_M1", on), fns)
+        ik.DP4A_M1 = True
+        r["same_output"] = bool(torch.equal(fns[0](), ref))
+        r["copies"] = len(ws)
+        ik.DP4A_M1 = False
+        doc["int8_m1_dp4a"][f"{name} N={N} K={K}"] = r
+        print(name, r, flush=True)
 with open(os.path.join(a.out, "s10_probe.json"), "w") as f:
     json.dump(doc, f, indent=1)

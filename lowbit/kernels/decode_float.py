@@ -27,11 +27,6 @@ kernel for both caches). With one split the kernel writes O directly. Split coun
 per SM (``16 // num_warps * SMs / (B * Hkv)``), at least one key block per split, at most 256 (H200
 sweep, round S8e, ``benchmarks/results/h200/decode_float_sweep.json``: B=1 L=1k 9.6 us vs 12.3 us with
 ``decode_kv4.choose_splits``' 4-blocks-per-split rule, B=4 L=1k 12.2 vs 13.1 us; B=16 gets the same 5 splits).
-
-``COMBINE_PDL`` (Hopper, not under the interpreter): with splits, the combine kernel is a programmatic
-dependent launch (``griddepcontrol``), as for the Gluon KV4 kernel: every split program lets it launch
-before writing its partials, and the combine waits for this whole grid (and its writes) before reading
-them. Same values.
 """
 from __future__ import annotations
 
@@ -40,15 +35,12 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from lowbit.kernels.act_quant import pdl_enabled
 from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms, split_rows, split_workspace
 
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
-COMBINE_PDL = True  # session 10 (module docstring)
 
 
 @triton.jit
@@ -61,7 +53,7 @@ def _decode_float_kernel(
     stride_ptb,
     stride_ob, stride_oh, stride_ot,
     G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_bh, sid, b, h, L, start, end, m_idx, g, t, row_ok = split_rows(LENS, SPLIT_LEN, Hkv, G, TQ, BLOCK_M)
     d = tl.arange(0, D)
@@ -91,8 +83,6 @@ def _decode_float_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if SPLIT:  # partials in decode_kv4's layout: row (pid_bh * NUM_SPLITS + sid) * BLOCK_M + m
-        if PDL:  # the combine (a programmatic dependent launch) may be scheduled; it waits for this grid
-            gdc_launch_dependents()
         base = (pid_bh * tl.num_programs(1) + sid) * BLOCK_M
         tl.store(MP + base + m_idx, m_i, mask=row_ok)
         tl.store(LP + base + m_idx, l_i, mask=row_ok)
@@ -132,7 +122,6 @@ def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=
     LAST_LAUNCH["num_splits"] = num_splits
     out = torch.empty_like(q)
     split = num_splits > 1
-    pdl = split and pdl_enabled(q, COMBINE_PDL)
     op, mp, lp = split_workspace(out, B * Hkv, num_splits, BLOCK_M, D)
     _decode_float_kernel[(B * Hkv, num_splits)](
         q, k, v, page_table, lengths, out, op, mp, lp,
@@ -143,8 +132,8 @@ def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=
         page_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_M=BLOCK_M, D=D, PAGE=PAGE, BLOCK_N=bn, SPLIT=split,
-        num_warps=nw, num_stages=num_stages or DEFAULT_STAGES, **({"PDL": True} if pdl else {}),
+        num_warps=nw, num_stages=num_stages or DEFAULT_STAGES,
     )
     if split:
-        _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=pdl)
+        _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D)
     return out

@@ -1309,20 +1309,12 @@ def balanced_split(tiles: int, ng: int, sms: int, ctas_per_sm: int) -> int:
     return best[1] if best else 1
 
 
-# 4-bit, M <= 8: layers of at most this many weights (Llama-3-8B's o_proj, 4096 x 4096) take one row tile per
-# warp (r1) instead of two: twice the programs for a grid that would otherwise fill the GPU only half
-# (S9 lut_variants, H200, M=1, us: o r1 w8 cps2 9.81 vs r2 w8 cps2 10.88; qkv 6144 x 4096 loses with r1: 12.3 vs 11.6)
-SMALL_LAYER_NK = 4096 * 4096
-
-
 def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
     """Launch parameters of the fragment kernel (nt = n-tiles of 8 tokens)."""
     nt = 1 if M <= 8 else (2 if M <= 16 else 4)
     # M <= 8: r4/r5 sweeps (H200, us gate_up/down/8192^2): 4-bit r2 w8 cps2 26.3/19.4/19.9 (r1 w4 cps8:
     # 39/29/31), 3-bit r1 w4 cps8 27.2/18.0/18.7; time ~ 12.5 us + bytes / 4.4 TB/s, i.e. latency-bound
     # per loop step. gu > 1 (all loads of gu groups issued first) measured slower in r6 (gate_up 36-46 us): off
-    if bits == 4 and M <= 8 and N * K <= SMALL_LAYER_NK:  # session 9 variants (H200, M=1): o 9.8 vs 10.9 us
-        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
     if bits == 4 and M <= 8:  # r6 sweep row "r2 w8 cps2 gu1": 26.4/19.5/20.0 us
         return dict(nt=nt, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
     if M <= 8:  # r6 sweep row "lut3 r1 cps8 gu1": 27.7/18.2/18.8 us

@@ -106,6 +106,11 @@ DEQUANT_CONFIG = (64, 1, 4)  # dequantize_w8: (rows, 128-column chunks per progr
 # M = 1 (x pre-quantized): the dequantized weights meet x in ``dp4a`` on CUDA cores (DP4A; no MMA
 # padding to 16 tokens, no shared memory, plain 16-byte loads, KSTEP chunks per iteration in flight).
 DP4A_M1 = False
+# ... or for layers of at most this many output features (0 = none). Session 10 probe (H200, x pre-quantized, PDL
+# launches back to back in a CUDA graph, weights rotated over > 2x L2; `benchmarks/results/h200/s10_probe.json`),
+# us dp4a vs wgmma: qkv 8.58 vs 11.51, o 6.53 vs 8.32, down (N 4096, K 14336) 15.01 vs 18.53, gate_up (N 28672)
+# 25.06 vs 23.98: the narrow layers have too few 64-row wgmma tiles to hide their latency.
+DP4A_M1_MAX_N = 8192
 DP4A_CONFIG = (16, 64, 0, 4, 1, 4, dict(DP4A=True, KSTEP=4))
 # When lowbit.ops runs the per-token quantization inside the GEMM (``use_fused_quant``). Measured on
 # the H200 (r5, us, fused vs act-quant kernel + GEMM): M=1 o_proj 12.6 vs 13.4, down 27.1 vs 26.1,
@@ -555,11 +560,11 @@ def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, 
                 fused: bool = False) -> dict:
     """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``); ``w8``: the
     plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``):
-    ``DP4A_CONFIG`` when ``DP4A_M1``."""
+    ``DP4A_CONFIG`` when ``DP4A_M1`` or ``N <= DP4A_M1_MAX_N``."""
     if w8:
         bm, bn, warps, stages, extra = W8_CONFIG
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
-    if M == 1 and DP4A_M1 and not fused:
+    if M == 1 and (DP4A_M1 or N <= DP4A_M1_MAX_N) and not fused:
         bm, bn, split, warps, stages, ctas, extra = DP4A_CONFIG
     else:
         for bound in sorted(CONFIGS):
