@@ -42,7 +42,7 @@ if a.cpu_smoke:
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lowbit._utils import capture_cuda_graph  # noqa: E402
+from lowbit.bench.harness import graph_us  # noqa: E402
 
 DEV = "cpu" if a.cpu_smoke or not torch.cuda.is_available() else "cuda"
 SUMMARY = []
@@ -208,26 +208,6 @@ def ppl_gap():
                   f"{CPU_REF['text_chars']} chars; tokens same as CPU: {same_ids}, windows with equal ids: "
                   f"{sum(same_w)}/8 (GPU/CPU loss there: {wl}); |param sum| rel diff {dw:.2e}; "
                   f"GPU ppl (8 windows) {p:.3f} vs CPU {CPU_REF['perplexity']}")
-
-
-def graph_us(fn, n=20, reps=15):
-    """Per-call GPU time of ``fn`` inside a CUDA graph of ``n`` back-to-back calls (what a decode
-    step pays per launch: kernel time + the graph's launch gap), median of ``reps`` replays."""
-    fn()
-    torch.cuda.synchronize()
-    g, _ = capture_cuda_graph(lambda: [fn() for _ in range(n)])
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / n)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def act_quant_study():

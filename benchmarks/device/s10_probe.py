@@ -23,36 +23,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lowbit._utils import capture_cuda_graph  # noqa: E402
-from lowbit.bench.harness import env_info  # noqa: E402
+from lowbit.bench.harness import env_info, graph_us  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--parts", default="c")
 a = ap.parse_args()
 os.makedirs(a.out, exist_ok=True)
-
-
-def graph_us(fn, n=20, reps=15):
-    """Per-call us of ``fn`` in a CUDA graph of ``n`` calls; ``fn`` may be a list (one callable per call,
-    cycled: each works on its own copy of the weights, so the graph streams more than 2x L2 from HBM)."""
-    fns = fn if isinstance(fn, list) else [fn]
-    n = max(n, len(fns))
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g, _ = capture_cuda_graph(lambda: [fns[i % len(fns)]() for i in range(n)])
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3 / n)
-    return sorted(ts)[len(ts) // 2]
 
 
 def ab(set_flag, fn, rounds=7):

@@ -128,6 +128,32 @@ def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps
             "input_sets": n, "host_ms_per_call": host_s * 1e3, "mode": mode}
 
 
+def graph_us(fn, n: int = 20, reps: int = 15) -> float:
+    """Per-call GPU microseconds of ``fn`` inside a CUDA graph of ``n`` back-to-back calls (what a decode
+    step pays per launch: kernel time + the graph's launch gap), median of ``reps`` replays. ``fn`` may be
+    a list of callables, cycled one per call (e.g. each on its own copy of the weights, so a replay
+    streams them from HBM rather than L2); the graph then holds at least one call of each."""
+    from lowbit._utils import capture_cuda_graph
+
+    fns = fn if isinstance(fn, list) else [fn]
+    n = max(n, len(fns))
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g, _ = capture_cuda_graph(lambda: [fns[i % len(fns)]() for i in range(n)])
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e3 / n)
+    return statistics.median(ts)
+
+
 def measure_ceilings() -> dict:
     """Measured peaks for rooflines: HBM copy bandwidth (read+write) and dense GEMM rates."""
     dev = "cuda"
