@@ -2,7 +2,7 @@
 ``lowbit.formats.common.quantize_per_token``: bit-exact codes and scales under the interpreter."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.kernels.act_quant import per_token_quant_triton
@@ -114,6 +114,34 @@ def test_fused_residual_add(dev, xdt, chunked, monkeypatch):
         aq.per_token_quant_triton(x, FP8_E4M3, add=d)
     with pytest.raises(ValueError, match="add"):
         aq.fused_rows_triton(x, fuse="rmsnorm", weight=w, add=d[:, :7])
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 4), k=st.integers(1, 300), xdt=st.sampled_from((torch.float16, torch.bfloat16, torch.float32)),
+       quant=st.booleans(), chunked=st.booleans(), lead3=st.booleans())
+def test_fused_residual_add_fuzz(m, k, xdt, quant, chunked, lead3):
+    """``add=`` over row counts, ragged K, dtypes (fp32 too), 2-D and 3-D inputs, one- and multi-chunk rows:
+    the sum is torch's ``x + add`` bit for bit and the output equals the kernel on that sum."""
+    import lowbit.kernels.act_quant as aq
+
+    torch.manual_seed(k * 7 + m)
+    shape = (m, 1, k) if lead3 else (m, k)
+    x = (torch.randn(shape) * 5).to(xdt).to(DEV)
+    d = torch.randn(shape).to(xdt).to(DEV)
+    w = (torch.rand(k) + 0.5).to(xdt).to(DEV)
+    old = aq._SINGLE_MAX
+    aq._SINGLE_MAX = 16 if chunked else old
+    try:
+        if quant:
+            q, s, r = aq.per_token_quant_triton(x, torch.int8, fuse="rmsnorm", weight=w, eps=1e-6, add=d)
+            q0, s0 = aq.per_token_quant_triton(x + d, torch.int8, fuse="rmsnorm", weight=w, eps=1e-6)
+            assert torch.equal(q, q0) and torch.equal(s, s0) and s.shape == shape[:-1]
+        else:
+            y, r = aq.fused_rows_triton(x, fuse="rmsnorm", weight=w, eps=1e-6, add=d)
+            assert torch.equal(y, aq.fused_rows_triton(x + d, fuse="rmsnorm", weight=w, eps=1e-6))
+        assert torch.equal(r, x + d) and r.shape == shape
+    finally:
+        aq._SINGLE_MAX = old
 
 
 def test_op_dispatches_to_kernel(dev):
