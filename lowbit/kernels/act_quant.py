@@ -96,12 +96,12 @@ def _load_x(X, D, offs, mask, ADD: tl.constexpr):
 
 
 @triton.jit
-def _fused_value(X, G, W, offs, mask, rstd, FUSE: tl.constexpr, D=None, ADD: tl.constexpr = False):
-    """The value to quantize at ``offs`` of one row, in fp32 (rounded like the eager model)."""
+def _fused_value(x, G, W, offs, mask, rstd, FUSE: tl.constexpr):
+    """The value to quantize at ``offs`` of one row, in fp32 (rounded like the eager model), from the
+    row's values ``x`` there (``_load_x``)."""
     # Products of two fp16/bf16 values are exact in fp32, so "multiply in fp32, round to the input
     # dtype" equals the eager half-precision multiply (and the interpreter, which has no bf16
     # arithmetic, gets it right too).
-    x = _load_x(X, D, offs, mask, ADD)
     if FUSE == 1:
         w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
         h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
@@ -196,7 +196,8 @@ def _row_scale(v, amax_eps, QMAX: tl.constexpr):
 def _rstd_chunked(Xr, K, eps, offs, BLOCK_K: tl.constexpr, FUSE: tl.constexpr, Dr=None, Rr=None,
                   ADD: tl.constexpr = False):
     """RMSNorm's 1 / sqrt(mean(x^2) + eps) of a row walked in BLOCK_K chunks (FUSE == 1), else 1.
-    With ``ADD`` x is the sum ``x + d``, stored to ``Rr`` on this walk."""
+    With ``ADD`` x is the sum ``x + d``, stored to ``Rr`` on this walk (the later walks add again rather
+    than read ``Rr`` back: no barrier between this program's stores and loads is needed)."""
     rstd = 1.0
     if FUSE == 1:
         acc = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -236,13 +237,13 @@ def _per_token_quant_kernel(
     if SINGLE:
         mask = offs < K
         rstd = 1.0
+        xs = _load_x(Xr, Dr, offs, mask, ADD)  # the row, loaded (and summed) once
+        if ADD:
+            tl.store(Rr + offs, xs, mask=mask)
         if FUSE == 1:
-            xs = _load_x(Xr, Dr, offs, mask, ADD)
-            if ADD:
-                tl.store(Rr + offs, xs, mask=mask)
             x = xs.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-        v = _fused_value(Xr, Gr, W, offs, mask, rstd, FUSE, Dr, ADD)
+        v = _fused_value(xs, Gr, W, offs, mask, rstd, FUSE)
         if QUANT:
             scale, rcp = _row_scale(v, amax_eps, QMAX)
             _quant_store(Qr, offs, mask, v, scale, rcp, QMAX, IS_INT8, FAST)
@@ -252,19 +253,19 @@ def _per_token_quant_kernel(
         rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE, Dr, Rr, ADD)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE, Dr, ADD)
+            v = _fused_value(_load_x(Xr, Dr, k0 + offs, m, ADD), Gr, W, k0 + offs, m, rstd, FUSE)
             tl.store(Qr + k0 + offs, v.to(Q.dtype.element_ty), mask=m)
     else:
         rstd = _rstd_chunked(Xr, K, eps, offs, BLOCK_K, FUSE, Dr, Rr, ADD)
         amax_v = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE, Dr, ADD)
+            v = _fused_value(_load_x(Xr, Dr, k0 + offs, m, ADD), Gr, W, k0 + offs, m, rstd, FUSE)
             amax_v = tl.maximum(amax_v, tl.where(v == v, tl.abs(v), float("inf")))
         scale, rcp = _row_scale(amax_v, amax_eps, QMAX)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
-            v = _fused_value(Xr, Gr, W, k0 + offs, m, rstd, FUSE, Dr, ADD)
+            v = _fused_value(_load_x(Xr, Dr, k0 + offs, m, ADD), Gr, W, k0 + offs, m, rstd, FUSE)
             _quant_store(Qr, k0 + offs, m, v, scale, rcp, QMAX, IS_INT8, FAST)
     if QUANT:
         tl.store(S + row, scale)

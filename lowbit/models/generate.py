@@ -279,6 +279,7 @@ class _Proj:
     def __init__(self, mod: nn.Module):
         self.mod = mod
         self.aq = _ACT_FORMAT.get(getattr(mod, "scheme", None))
+        self.res_epilogue = self.aq == "fp8"  # its GEMM adds a residual in the epilogue (``residual=``)
         self.silu_mul = getattr(mod, "activation", None) == "silu_mul"
         self.pdl_max_m = 0  # set by the Generator: programmatic dependent launch up to this many rows
         # a LUT projection on the fragment kernel: called with ``pdl=`` (its float rows kernels follow suit)
@@ -290,37 +291,29 @@ class _Proj:
         return (self.aq is not None or self.lut) and 0 < m <= self.pdl_max_m
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``mod(x)`` (+ ``residual``, in the GEMM epilogue where the module has one)."""
-        if residual is not None and self.aq == "fp8":
+        """``mod(x)``; ``residual`` (``res_epilogue`` modules only) is added in the GEMM epilogue."""
+        if residual is not None:
             return self.mod(x, residual=residual)
-        # LUT at batch 1: a PDL launch. (Its residual add stays a torch op: the kernel with the add in
-        # its epilogue was bit-equal but slower, S9 probe on the H200, M = 1: down 27.7 vs 19.5 us.)
-        y = self.mod(x, pdl=True) if self.lut and self.pdl(_rows(x)) else self.mod(x)
-        return y if residual is None else residual + y
+        # LUT at batch 1: a PDL launch. (Its residual add is left to the next norm launch: the kernel with the
+        # add in its epilogue was bit-equal but slower, S9 probe on the H200, M = 1: down 27.7 vs 19.5 us.)
+        return self.mod(x, pdl=True) if self.lut and self.pdl(_rows(x)) else self.mod(x)
 
     def gemm(self, xq: torch.Tensor, sx: torch.Tensor, lead, dtype, residual: torch.Tensor | None = None):
-        """The module's GEMM on per-token codes ``xq [M, K]`` / scales ``sx [M]`` -> ``[*lead, N]``."""
+        """The module's GEMM on per-token codes ``xq [M, K]`` / scales ``sx [M]`` -> ``[*lead, N]``
+        (+ ``residual`` in the epilogue, ``res_epilogue`` modules only); at ``pdl(M)`` rows a programmatic
+        dependent launch after the PDL act-quant (FP8 since session 5, INT8 since session 9)."""
         m = self.mod
-        res = None if residual is None else residual.reshape(xq.shape[0], -1)
-        if self.aq == "fp8" and self.pdl(xq.shape[0]) and xq.is_cuda:
-            # the GEMM launched as a programmatic dependent launch (the kernel of lowbit::w4a8_fp8_linear_pdl,
-            # x pre-quantized): same config and numerics; it triggers the next PDL launch of the chain early
-            from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
-
-            y = kernel(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, bias=m.bias,
-                       residual=res, silu_mul=self.silu_mul, out_dtype=dtype, pdl=True)
-        elif self.aq == "fp8":
+        pdl = self.pdl(xq.shape[0])
+        if self.aq == "fp8":
             from lowbit.ops.w4a8_fp8 import w4a8_fp8_gemm
 
+            res = None if residual is None else residual.reshape(xq.shape[0], -1)
             y = w4a8_fp8_gemm(xq, sx, m.codes, m.scales, m.inv_delta, m.in_features, m.group_size, m.bias,
-                              residual=res, silu_mul=self.silu_mul, out_dtype=dtype)
-        else:  # int8 (QServe); at batch 1 a PDL launch after the PDL act-quant (session 9)
+                              residual=res, silu_mul=self.silu_mul, out_dtype=dtype, pdl=pdl)
+        else:  # int8 (QServe)
             from lowbit.ops.w4a8_int8 import w4a8_int8_gemm
 
-            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype,
-                               pdl=self.pdl(xq.shape[0]))
-            if res is not None:
-                y = res + y
+            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype, pdl=pdl)
         return y.reshape(*lead, y.shape[-1])
 
 
@@ -409,28 +402,26 @@ class _FusedLayer:
             x = x + pend
         return norm(x), x
 
-    def _pending(self, x: torch.Tensor, y: torch.Tensor):
-        """``(x, y)``: the residual update ``y`` left for the next norm launch to add (``fused_add``),
-        or ``(x + y, None)``."""
+    def _residual(self, proj: _Proj, x: torch.Tensor, run):
+        """The residual stream after ``x + proj(...)`` as ``(x, pend)`` (the stream is ``x + pend``; pend
+        None: ``x`` itself). ``run(residual)`` computes the projection: given ``residual=x`` where its GEMM
+        epilogue adds it (``proj.res_epilogue``: W4A8-FP8), else None; the update is then left pending for
+        the next norm launch to add (``fused_add``), or added at once."""
+        if proj.res_epilogue:
+            return run(x), None
+        y = run(None)
         return (x, y) if self.fused_add else (x + y, None)
 
     def finish(self, x: torch.Tensor, o: torch.Tensor):
         """``x + o_proj(o)`` then the MLP block with its residual. Returns ``(x, pend)``: the layer's
-        output is ``x + pend`` (``pend`` None: ``x`` itself). W4A8-FP8 projections add the residual in
-        their GEMM epilogue; the others leave it pending (``_pending``) for the next layer's input norm
-        (or the final norm) to add in its launch."""
+        output is ``x + pend`` (``pend`` None: ``x`` itself; see ``_residual``)."""
+        lead = x.shape[:-1]
         if self.o_q:  # separate quant + GEMM (R4, w4a8_fp8 area: faster than quantizing in the GEMM)
             o2 = o.reshape(-1, o.shape[-1])
             xq, sx = _quant_rows(o2, self.o_q, pdl=self.o.pdl(o2.shape[0]))
-            if self.o.aq == "fp8":
-                x, pend = self.o.gemm(xq, sx, x.shape[:-1], x.dtype, residual=x), None
-            else:
-                x, pend = self._pending(x, self.o.gemm(xq, sx, x.shape[:-1], x.dtype))
-        elif self.o.aq == "fp8":
-            x, pend = self.o(o, residual=x), None
+            x, pend = self._residual(self.o, x, lambda r: self.o.gemm(xq, sx, lead, x.dtype, residual=r))
         else:
-            x, pend = self._pending(x, self.o(o))
-        lead = x.shape[:-1]
+            x, pend = self._residual(self.o, x, lambda r: self.o(o, residual=r))
         if self.gate_up_p is None and self.down is None:  # some other MLP: the module itself
             if pend is not None:
                 x = x + pend
@@ -451,15 +442,11 @@ class _FusedLayer:
             elif self.down_q:
                 g, u = gu.reshape(-1, gu.shape[-1]).split(self.inter, dim=-1)
                 xq, sx = _quant_rows(g, self.down_q, up=u, pdl=self.down.pdl(g.shape[0]))
-                if self.down.aq == "fp8":
-                    return self.down.gemm(xq, sx, lead, x.dtype, residual=x), None
-                return self._pending(x, self.down.gemm(xq, sx, lead, x.dtype))
+                return self._residual(self.down, x, lambda r: self.down.gemm(xq, sx, lead, x.dtype, residual=r))
             else:
                 g, u = gu.split(self.inter, dim=-1)
                 a = _float_rows(g, up=u, pdl=self.down.pdl(_rows(g))) if self.silu_f else self.act(g) * u
-        if self.down.aq == "fp8":
-            return self.down(a, residual=x), None
-        return self._pending(x, self.down(a))
+        return self._residual(self.down, x, lambda r: self.down(a, residual=r))
 
 
 # ---------------------------------------------------------------------------- KV backends

@@ -68,18 +68,20 @@ def _check_weight(M, codes, scales, k, group_size, bias, residual, silu_mul, out
 @torch.library.custom_op("lowbit::w4a8_fp8_gemm", mutates_args=())
 def _w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                    inv_delta: float, k: int, group_size: int, bias: torch.Tensor | None,
-                   residual: torch.Tensor | None, silu_mul: bool, out_dtype: torch.dtype) -> torch.Tensor:
+                   residual: torch.Tensor | None, silu_mul: bool, out_dtype: torch.dtype,
+                   pdl: bool = False) -> torch.Tensor:
     if use_triton(xq, codes):
+        from lowbit.kernels.act_quant import pdl_enabled
         from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm as kernel
 
         return kernel(xq, sx, codes, scales, inv_delta, k, group_size, bias=bias, residual=residual,
-                      silu_mul=silu_mul, out_dtype=out_dtype)
+                      silu_mul=silu_mul, out_dtype=out_dtype, pdl=pdl_enabled(xq, pdl))
     return reference_gemm(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual=residual,
                           silu_mul=silu_mul, out_dtype=out_dtype)
 
 
 @_w4a8_fp8_gemm.register_fake
-def _(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul, out_dtype):
+def _(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul, out_dtype, pdl=False):
     n = codes.shape[0] // 2 if silu_mul else codes.shape[0]
     return xq.new_empty((xq.shape[0], n), dtype=out_dtype)
 
@@ -87,16 +89,18 @@ def _(xq, sx, codes, scales, inv_delta, k, group_size, bias, residual, silu_mul,
 def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   inv_delta: float, k: int, group_size: int = 128, bias: torch.Tensor | None = None, *,
                   residual: torch.Tensor | None = None, silu_mul: bool = False,
-                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, pdl: bool = False) -> torch.Tensor:
     """``y = sx[:, None] * inv_delta * (xq @ Weff^T) + bias`` -> ``out_dtype`` ``[M, N]``.
 
     xq fp8 ``[M, K]``, sx fp32 ``[M]``; codes uint8 ``[N, Kp/2]``, scales fp8 ``[N, Gp]`` (``formats.w4a8_fp8.scale_cols``);
     ``silu_mul``: rows interleaved gate/up, output ``silu(gate) * up`` ``[M, N/2]``; ``residual``
-    added last. FP8 x FP8 products accumulate in FP32.
+    added last. FP8 x FP8 products accumulate in FP32. ``pdl`` (Hopper, not the interpreter): a
+    programmatic dependent launch that also lets the next PDL launch start early (the runner's batch-1
+    chain after its PDL act-quant launch; same result).
     """
     _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype)
     return _w4a8_fp8_gemm(xq, sx, codes, scales, float(inv_delta), int(k), int(group_size), bias, residual,
-                          bool(silu_mul), out_dtype)
+                          bool(silu_mul), out_dtype, bool(pdl))
 
 
 @torch.library.custom_op("lowbit::w4a8_fp8_linear_fused", mutates_args=())
