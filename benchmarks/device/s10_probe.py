@@ -11,7 +11,7 @@ that one replay streams > 2x L2 (``copies``). Output: ``s10_probe.json``.
 ``benchmarks/results/h200/s10_probe.json`` also holds parts (a) and (b), measured with this script at commit
 d97c436 and removed with the knobs they measured: (a) LUT fragment kernel at M = 1 with one row tile per warp
 for layers of <= 4096 x 4096 weights (o_proj 10.13 vs 9.85 us: slower with the weights streamed from HBM;
-an H100 run without weight rotation, where o_proj's 8.4 MB sat in L2, had shown 7.33 vs 8.28), (b) the
+an H100 run without weight rotation, where o_proj's 8.4 MB sat in L2, had shown 7.33 vs 8.28: `results/h100/s10_probe_unrotated.json`), (b) the
 decode_float combine as a PDL launch (B=1 L=1025 7.86 vs 7.74 us, B=16 L=8193 126.7 vs 126.6: no gain).
 """
 import argparse
