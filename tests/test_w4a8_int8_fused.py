@@ -85,7 +85,9 @@ def test_group_words_prefetch_reduce_variants(words, prefetch, unroll, join, dev
         assert torch.equal(y, r), (K, words, prefetch, unroll)
 
 
-def test_fused_quant_rule():
+def test_fused_quant_rule(monkeypatch):
+    assert not use_fused_quant(1, 4096, 4096, 128)  # off by default since session 11 (FUSE_QUANT_MAX_M = 0)
+    monkeypatch.setattr(kmod, "FUSE_QUANT_MAX_M", 1)
     assert use_fused_quant(1, 4096, 4096, 128) and use_fused_quant(1, 6144, 4096, 128)
     assert not use_fused_quant(1, 28672, 4096, 128)  # no split: 32 k-tiles per program
     assert not use_fused_quant(4, 4096, 4096, 128) and not use_fused_quant(0, 4096, 4096, 128)

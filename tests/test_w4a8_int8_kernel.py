@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from lowbit.formats import w4a8_int8 as fmt
 from lowbit.formats.common import quantize_per_token
-from lowbit.kernels.w4a8_int8_gemm import launch, pick_config, w4a8_int8_gemm_triton
+from lowbit.kernels.w4a8_int8_gemm import dequantize_w8, launch, pick_config, w4a8_int8_gemm_triton
 from tolerances import KERNEL_VS_REF, rel_l2
 
 
@@ -147,10 +147,18 @@ def test_row_tiled_codes(dev):
         assert torch.equal(fmt.untile_codes(t), qw.qweight)
         r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
         for bn, split in ((64, 1), (128, 2), (32, 1)):
-            cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=2, W_TILED=True)
+            cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=2)
             y, _ = launch(xq, xs, t, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size,
-                          torch.float32, config=cfg)
+                          torch.float32, config=cfg, tiled=True)
             assert torch.equal(y, r), (N, bn, split)
+        assert torch.equal(fmt.gemm_ref(xq, xs, t, qw.wscale, qw.gscale, qw.gzs, None, torch.float32, tiled=True), r)
+        # the large-M path: dequantize_w8 reads tiled codes into the same row-major int8 weight
+        w8 = dequantize_w8(t, qw.gscale, qw.gzs, tiled=True)
+        assert torch.equal(w8, dequantize_w8(qw.qweight, qw.gscale, qw.gzs))
+        assert torch.equal(w8[:, :K], fmt.dequantize_int8(t, qw.gscale, qw.gzs, K, tiled=True))
+    with pytest.raises(ValueError, match="tiled="):
+        launch(xq, xs, t, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size, torch.float32,
+               config=dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=2, W_TILED=True))
 
 
 @pytest.mark.parametrize("bn,split,kstep,tiled", [(64, 1, 1, False), (128, 2, 2, False), (32, 3, 1, True), (64, 2, 4, True)])
@@ -161,12 +169,27 @@ def test_dp4a_decode_path(bn, split, kstep, tiled, dev):
         qw, xq, xs, _ = _case(1, N, K, g, torch.float32, dev, seed=N + bn)
         r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
         q = fmt.tile_codes(qw.qweight) if tiled else qw.qweight
-        cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=1, DP4A=True, KSTEP=kstep,
-                   W_TILED=tiled)
+        cfg = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=1, DP4A=True, KSTEP=kstep)
         y, _ = launch(xq, xs, q, qw.wscale, qw.gscale, qw.gzs, None, K, qw.effective_group_size, torch.float32,
-                      config=cfg)
+                      config=cfg, tiled=tiled)
         assert torch.equal(y, r), (N, g)
     with pytest.raises(ValueError, match="DP4A"):
         qw, xq, xs, _ = _case(2, 16, 128, 128, torch.float32, dev)
         launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, 128, 128, torch.float32,
                config=dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=1, DP4A=True))
+
+
+@pytest.mark.parametrize("N,K", [(130, 392), (70, 8320)])
+def test_tiled_m1_default_config(N, K, dev):
+    """M = 1 on row-tiled codes with the default config (dp4a, KSTEP 8 up to K = 8192, else KSTEP 4 with
+    8 warps): the reference's integers exactly; row-major codes keep their own M = 1 rule."""
+    from lowbit.kernels import w4a8_int8_gemm as km
+
+    cfg = km.pick_config(1, N, K, 128, tiled=True)
+    assert cfg["DP4A"] and cfg["KSTEP"] == (8 if K <= km.DP4A_TILED_K8_MAX_K else 4)
+    assert "DP4A" not in km.pick_config(1, 28672, 4096, 128)  # row-major gate_up: wgmma
+    qw, xq, xs, _ = _case(1, N, K, 128, torch.float32, dev, seed=K)
+    r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
+    y = w4a8_int8_gemm_triton(xq, xs, fmt.tile_codes(qw.qweight), qw.wscale, qw.gscale, qw.gzs, None, K, 128,
+                              torch.float32, tiled=True)
+    assert torch.equal(y, r)

@@ -84,3 +84,51 @@ def test_torch_compile_fullgraph():
     f = torch.compile(q, fullgraph=True, backend="eager")
     x = torch.randn(2, 128)
     assert torch.equal(f(x), q(x))
+
+
+def test_module_tiled_layout(dev):
+    """from_linear stores the codes row-tiled when out_features is a multiple of 64 (else row-major);
+    both layouts give bit-identical outputs (M = 1 / 3 / 17) and weights; config() carries the layout
+    through empty + load_state_dict; a config without "tiled" (older checkpoints) is row-major."""
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(300, 128, bias=True)
+    t = W4A8INT8Linear.from_linear(lin)
+    r = W4A8INT8Linear.from_linear(lin, tiled=False)
+    assert t.tiled and not r.tiled and t.config() == {"group_size": 128, "tiled": True}
+    assert torch.equal(t.qweight, fmt.tile_codes(r.qweight)) and not torch.equal(t.qweight, r.qweight)
+    assert not W4A8INT8Linear.from_linear(torch.nn.Linear(64, 40)).tiled
+    t, r = t.to(dev), r.to(dev)
+    for M in (1, 3, 17):
+        x = torch.randn(M, 300, device=dev)
+        assert torch.equal(t(x), r(x)), M
+    assert torch.equal(t.dequantize(), r.dequantize())
+    e = W4A8INT8Linear.empty(300, 128, True, t.dtype, **t.config()).to(dev)
+    e.load_state_dict(t.state_dict())
+    assert e.tiled and torch.equal(e(x), t(x))
+    assert not W4A8INT8Linear.empty(300, 128, True, t.dtype, group_size=128).tiled
+    with pytest.raises(TypeError, match="tiled"):
+        W4A8INT8Linear(64, 64, tiled=1)
+
+
+def test_tiled_modules_fuse_only_when_aligned():
+    """Tiled codes stack into one fused projection when every module but the last has a multiple of
+    64 rows (the concatenation is then the tiled stack); otherwise (or with mixed layouts) the codes
+    go back to row-major in place first (``prepare_fusion``)."""
+    from lowbit.models.generate import _fuse_rows
+
+    torch.manual_seed(0)
+    a, b, c = (W4A8INT8Linear.from_linear(torch.nn.Linear(192, n), tiled=True) for n in (128, 64, 40))
+    x = torch.randn(2, 192)
+    want = torch.cat([a(x), b(x), c(x)], -1)
+    rows = torch.cat([fmt.untile_codes(m.qweight) for m in (a, b, c)])
+    f = _fuse_rows([a, b, c])
+    assert f is not None and f.tiled and torch.equal(f(x), want)
+    assert torch.equal(f.qweight, fmt.tile_codes(rows))
+    assert torch.equal(torch.cat([a(x), b(x), c(x)], -1), want)  # the originals, now views of f's buffers
+    # 40 rows before the last, or mixed layouts: both go back to row-major in place, then stack
+    d, e = (W4A8INT8Linear.from_linear(torch.nn.Linear(192, n), tiled=True) for n in (40, 64))
+    h = W4A8INT8Linear.from_linear(torch.nn.Linear(192, 64), tiled=False)
+    for mods in ([d, e], [e, h]):
+        want = torch.cat([m(x) for m in mods], -1)
+        f = _fuse_rows(mods)
+        assert f is not None and not f.tiled and not any(m.tiled for m in mods) and torch.equal(f(x), want)

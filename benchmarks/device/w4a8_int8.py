@@ -307,7 +307,7 @@ def decode_ab(min_left: float = 44.0):
         for M in ms:
             xs = [torch.randn(M, K, device=DEV, dtype=torch.bfloat16) for _ in wq]
             args_ = [(xs[i], *w) for i, w in enumerate(wq)]
-            fn = lambda x, *w: w4a8_int8_linear(x, *w)  # noqa: E731
+            fn = lambda x, *w: w4a8_int8_linear(x, *w, tiled=suite.TILED)  # noqa: E731
             ref = None
             res = {}
             for label, consts in DECODE_AB + (DECODE_AB_M1 if M == 1 else []):
@@ -731,7 +731,8 @@ def r8_sweep(reserve: float = 30.0):
             cfg = dflt(M, N, K) if ex is None else dflt(M, N, K, **({"W_TILED": True} if ex == "T" else ex))
             if tiled:
                 cfg["W_TILED"] = True
-            fn = lambda q, a, b, c, cfg=cfg: km.launch(xq, xs, q, a, b, c, None, K, 128, torch.bfloat16, config=cfg)[0]  # noqa: E731
+            t = cfg.pop("W_TILED", False)  # the layout is launch's tiled= (session 11)
+            fn = lambda q, a, b, c, cfg=cfg, t=t: km.launch(xq, xs, q, a, b, c, None, K, 128, torch.bfloat16, config=cfg, tiled=t)[0]  # noqa: E731
             try:
                 if args.cpu_smoke:
                     fn(*(tsets if tiled else sets)[0])

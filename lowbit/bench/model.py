@@ -65,13 +65,14 @@ GEN_TOKENS = {"rope": {"rope_kernel": True}, "norope": {"rope_kernel": False},
 FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
                "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4),
                "sp0": ("lowbit.kernels.decode_kv4", "SHORT_MIN_PROGRAMS", 0),  # session 9: the old split cap
-               "dp4a0": ("lowbit.kernels.w4a8_int8_gemm", "DP4A_M1_MAX_N", 0)}  # session 10: no DP4A at M=1  # session 10: no small-layer LUT config
+               "dp4a0": ("lowbit.kernels.w4a8_int8_gemm", "DP4A_M1_MAX_N", 0)}  # session 10: no DP4A at M=1
 
 
 def provider_spec(name: str) -> tuple[str, dict, dict, list]:
     """``name`` -> (recipe or 'bf16', quantization options, Generator options, kernel flags).
     ``VARIANTS`` names first; then '+'-separated tokens: ``head`` (lm_head=True), ``fused``
-    (fuse_mlp=True), ``GEN_TOKENS`` and ``FLAG_TOKENS``."""
+    (fuse_mlp=True), ``rows`` (w4a8-int8 codes row-major: linear_options tiled=False), ``GEN_TOKENS``
+    and ``FLAG_TOKENS``."""
     base, *toks = name.split("+")
     recipe, qopts = VARIANTS.get(name, (base, {}))
     qopts, gopts, flags = dict(qopts), {}, []
@@ -81,6 +82,8 @@ def provider_spec(name: str) -> tuple[str, dict, dict, list]:
                 qopts["lm_head"] = True
             elif t == "fused":
                 qopts["fuse_mlp"] = True
+            elif t == "rows":  # session 11: w4a8-int8 codes row-major (the pre-S11 layout)
+                qopts["linear_options"] = {"tiled": False}
             elif t in GEN_TOKENS:
                 gopts.update(GEN_TOKENS[t])
             elif t in FLAG_TOKENS:

@@ -63,6 +63,18 @@ gzs        [N, Kp / group_size]     uint8    zs = z * s2 in [0, 240] (z = gzs / 
 
 ``Kp`` = K padded as above; per-channel (``group_size=-1``) has one group of Kp columns.
 All-zero chunks/groups cost nothing special: s2 = 1, zs = 0, codes 0.
+
+Row-tiled code layout (``tiled``; ``tile_codes`` / ``untile_codes``): the same ``qweight`` bytes
+and shape, regrouped so that each block of ``TILE_ROWS`` = 64 rows x one 128-column chunk (64 bytes
+per row) is 4 contiguous KB, block (t, c) at byte ``(t * Kp/128 + c) * 4096``; rows past the last
+full 64-row block stay row-major. Rows ``64t .. 64t + 63`` of the ``[N, Kp/2]`` view hold exactly
+row tile ``t``, so modules whose row counts are multiples of 64 stack by concatenation
+(``W4A8INT8Linear.fuse_layout``). Decision (session 11): ``W4A8INT8Linear.from_linear`` stores the
+codes tiled by default, because the kernels read each (row tile, chunk) in one contiguous piece;
+measured on an H100 (M = 1, dp4a config, weights streamed from HBM, us): qkv 8.70 vs 9.45, o 6.97
+vs 7.32, down 15.64 vs 17.11, gate_up 25.78 vs 30.26 (the row-major wgmma default; flat-read floor
+20.87), ``benchmarks/results/h100/s11_probe.json``. The layout is part of the module's ``config()``,
+so checkpoints record it; every reference here takes ``tiled`` and untiles first (same integers).
 """
 from __future__ import annotations
 
@@ -90,6 +102,7 @@ class QoQWeight:
     gzs: torch.Tensor
     in_features: int
     group_size: int  # -1 = per-channel
+    tiled: bool = False  # qweight in the row-tiled layout (``tile_codes``)
 
     @property
     def padded_in_features(self) -> int:
@@ -136,7 +149,7 @@ def tile_codes(qweight: torch.Tensor) -> torch.Tensor:
     ``N64 = TILE_ROWS * (N // TILE_ROWS)`` rows are stored as blocks of TILE_ROWS rows x one
     128-column chunk (64 bytes per row), block (t, c) at byte ``(t * Kp/128 + c) * TILE_ROWS * 64``,
     so a kernel reading one row-tile and one chunk reads 4 contiguous KB; the remaining rows follow
-    row-major. Inverse: ``untile_codes``. (A layout for the decode GEMM; not the stored default.)"""
+    row-major. Inverse: ``untile_codes``. (The modules' default layout; see the module docstring.)"""
     return tile_rows(qweight, TILE_ROWS).reshape(qweight.shape)
 
 
@@ -194,9 +207,10 @@ def quantize(w: torch.Tensor, group_size: int = 128) -> QoQWeight:
 
 
 def dequantize_int8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor,
-                    in_features: int | None = None) -> torch.Tensor:
-    """The runtime INT8 weight ``w8 = q4 * s2 - zs`` as int8 [N, in_features] (all of Kp if None)."""
-    q4 = unpack_codes(qweight).to(torch.int32)
+                    in_features: int | None = None, *, tiled: bool = False) -> torch.Tensor:
+    """The runtime INT8 weight ``w8 = q4 * s2 - zs`` as int8 [N, in_features] (all of Kp if None).
+    ``tiled``: ``qweight`` is in the row-tiled layout (``tile_codes``)."""
+    q4 = unpack_codes(untile_codes(qweight) if tiled else qweight).to(torch.int32)
     N, Kp = q4.shape
     G = gscale.shape[1]
     g = Kp // G
@@ -209,19 +223,21 @@ def dequantize_int8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tens
 
 def dequantize(qw: QoQWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The effective float weight ``w8 * s1`` [N, K]."""
-    w8 = dequantize_int8(qw.qweight, qw.gscale, qw.gzs, qw.in_features)
+    w8 = dequantize_int8(qw.qweight, qw.gscale, qw.gzs, qw.in_features, tiled=qw.tiled)
     return (w8.float() * qw.wscale[:, None]).to(dtype)
 
 
 def gemm_ref(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-             gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+             gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+             tiled: bool = False) -> torch.Tensor:
     """Reference of the W4A8 INT8 GEMM, same numerics as the kernel.
 
     xq int8 [M, K], xscale fp32 [M] -> out_dtype [M, N]: the INT8 dot is exact (computed in
     float64, |acc| <= 127 * 127 * K < 2^53), then ``float32(acc) * xscale[m] * wscale[n] (+ bias)``.
+    ``tiled``: ``qweight`` in the row-tiled layout.
     """
     K = xq.shape[-1]
-    w8 = dequantize_int8(qweight, gscale, gzs, K)
+    w8 = dequantize_int8(qweight, gscale, gzs, K, tiled=tiled)
     acc = (xq.double() @ w8.double().t()).float()
     y = acc * xscale.float()[:, None] * wscale.float()[None, :]
     if bias is not None:

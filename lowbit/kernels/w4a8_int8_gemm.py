@@ -112,12 +112,27 @@ DP4A_M1 = False
 # 25.06 vs 23.98: the narrow layers have too few 64-row wgmma tiles to hide their latency.
 DP4A_M1_MAX_N = 8192
 DP4A_CONFIG = (16, 64, 0, 4, 1, 4, dict(DP4A=True, KSTEP=4))
+# Row-tiled codes (``tiled``, the modules' default since session 11): dp4a for every N at M = 1, KSTEP 8 for
+# K <= DP4A_TILED_K8_MAX_K, else KSTEP 4 with 8 warps. Session 11 probe (H100, x pre-quantized, PDL launches in
+# a CUDA graph, weights rotated over > 2x L2, 5 alternations; `benchmarks/results/h100/s11_probe.json`), us:
+#   layer     rows: previous default   tiled: wgmma  dp4a k4  dp4a k4 8 warps  dp4a k8
+#   qkv       9.42 (dp4a)              11.96         8.74     8.66             7.75
+#   o         7.49 (dp4a)              8.91          7.09     6.77             6.83
+#   down      17.33 (dp4a)             18.78         15.72    15.24            17.29
+#   gate_up   29.97 (wgmma)            25.17         25.63    26.26            23.48
+DP4A_TILED_CONFIG = (16, 64, 0, 4, 1, 4, dict(DP4A=True, KSTEP=8))
+DP4A_TILED_LONG_K_CONFIG = (16, 64, 0, 8, 1, 4, dict(DP4A=True, KSTEP=4))
+DP4A_TILED_K8_MAX_K = 8192
 # When lowbit.ops runs the per-token quantization inside the GEMM (``use_fused_quant``). Measured on
 # the H200 (r5, us, fused vs act-quant kernel + GEMM): M=1 o_proj 12.6 vs 13.4, down 27.1 vs 26.1,
 # gate_up 43.3 vs 30.6; M=4 o_proj 15.6 vs 13.8, down 37.8 vs 26.7. Quantizing in the GEMM costs
 # every k-tile (float x loads, the quotient, a shared-memory store), the absmax pass one L2 round
 # trip: it pays only while each program's K range is short (split-K decode of K = 4096 layers).
-FUSE_QUANT_MAX_M = 1
+# Off since session 11: the act-quant kernel as a PDL launch + the GEMM ("nofuse pdl") beat the fused
+# quantization at M = 1 in R14 (H200, row-major codes, us: qkv 13.63 vs 16.34, o 12.19 vs 13.06, gate_up
+# 28.58 vs 29.76) and in session 11 (H100, row-tiled codes, dp4a: qkv 13.02 vs 16.56, o 11.84 vs 13.39,
+# gate_up 28.27 vs 29.60; `benchmarks/results/h100/w4a8_int8_extra_s11.json`).
+FUSE_QUANT_MAX_M = 0
 FUSE_QUANT_MAX_TILES = 8  # k-tiles of 128 per program
 # SiLU*mul + quantization inside the down GEMM (lowbit.ops.w4a8_int8_silu_mul_linear): measured
 # slower at every M tried (r5, K = 11008: M=1 35.8 vs 24.4 us, M=4 54.3 vs 25.0), so off by default
@@ -126,8 +141,11 @@ FUSE_SILU_MAX_M = 0
 # (the unfused linear, ``lowbit.ops.w4a8_int8``): the GEMM's programs launch while the act-quant kernel
 # runs, optionally ask L2 for their first ``PDL_L2_TILES`` k-tiles of weight codes, then wait
 # (``griddepcontrol.wait``: the act-quant grid has finished and its codes are visible) before any
-# other load. Same numerics (bit-equal). 0 = off until a same-round A/B measures it faster.
-PDL_MAX_M = 0
+# other load. Same numerics (bit-equal). On for M <= 16 since session 11: faster or equal on every
+# decode layer in R14 (H200: M=16 gate_up 32.29 vs 33.68, down 24.94 vs 25.46, qkv 15.52 vs 16.08, o 13.22
+# vs 13.73) and in session 11 (H100: 32.45 vs 33.70, 24.90 vs 25.87, 15.81 vs 16.59, 13.62 vs 14.30; M=1
+# down 21.25 vs 22.30).
+PDL_MAX_M = 16
 PDL_L2_TILES = 0
 
 
@@ -177,6 +195,22 @@ def _dequant_halves(b, s2, zs, USE_ASM: tl.constexpr):
         lo = ((bi & 0xF) * s2 - zs).to(tl.int8)
         hi = ((bi >> 4) * s2 - zs).to(tl.int8)
     return lo, hi
+
+
+@triton.jit
+def _code_rows(rn, N, stride_wn, TILED: tl.constexpr):
+    """(byte offset of k-chunk 0, bytes from one 128-column chunk to the next), int64 [BLOCK_N], of
+    code rows ``rn``: row-major (``rn * stride_wn``, 64) or, TILED, the row-tiled layout
+    (``lowbit.formats.w4a8_int8.tile_codes``: rows below ``64 * (N // 64)`` sit in 64-row x 64-byte
+    blocks, one 4 KB block per chunk; the rest row-major)."""
+    if TILED:
+        in_tile = rn < (N // 64) * 64
+        base = tl.where(in_tile, (rn // 64) * (stride_wn * 64) + (rn % 64) * 64, rn * stride_wn)
+        inc = tl.where(in_tile, 64 * 64, 64).to(tl.int64)
+    else:
+        base = rn * stride_wn
+        inc = tl.full(rn.shape, 64, tl.int64)
+    return base, inc
 
 
 @triton.jit
@@ -327,10 +361,8 @@ def _w4a8_int8_gemm_kernel(
     if W8:  # W is the INT8 weight w8 [N, KP] itself (``dequantize_w8``): a plain W8A8 GEMM
         w_ptrs = W + rn[:, None] * stride_wn + offs_k[None, :]
     elif W_TILED:  # row-tiled codes (``lowbit.formats.w4a8_int8.tile_codes``): 64 rows x 64 bytes blocks
-        n64 = (N // 64) * 64
-        tiled = rn < n64
-        w_base = tl.where(tiled, (rn // 64) * (stride_wn * 64) + (rn % 64) * 64, rn * stride_wn)
-        w_inc = tl.where(tiled, 64 * 64, 64)[:, None]  # bytes from one k-tile to the next
+        w_base, w_inc = _code_rows(rn, N, stride_wn, True)
+        w_inc = w_inc[:, None]  # bytes from one k-tile to the next
         w_ptrs = W + w_base[:, None] + offs_h[None, :]
     else:
         w_ptrs = W + rn[:, None] * stride_wn + offs_h[None, :]
@@ -502,19 +534,21 @@ def _dequant_w8_kernel(
     N, NUM_CHUNKS, NUM_GROUPS,
     stride_wn, stride_gn, stride_on,
     GROUP_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, USE_ASM: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     """CHUNKS 128-column chunks of BLOCK_N rows: packed codes -> w8 = q4 * s2 - zs, int8, natural
     column order (the same integers as the GEMM's in-register dequantization); each row reads
-    64 * CHUNKS contiguous bytes and writes 128 * CHUNKS."""
+    64 * CHUNKS contiguous bytes and writes 128 * CHUNKS. TILED: codes in the row-tiled layout."""
     HALF: tl.constexpr = 64
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF)
     rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    w_base, w_inc = _code_rows(rn, N, stride_wn, TILED)
     for j in tl.static_range(CHUNKS):
         c = tl.program_id(1) * CHUNKS + j
         mask = (offs_n < N)[:, None] & (c < NUM_CHUNKS)
-        b = tl.load(W + rn[:, None] * stride_wn + c * HALF + offs_h[None, :], mask=mask, other=0)
+        b = tl.load(W + w_base[:, None] + c * w_inc[:, None] + offs_h[None, :], mask=mask, other=0)
         k0 = c * 128
         if GROUP_SIZE % 128 == 0:  # one group per chunk (per-channel: GROUP_SIZE = PER_CHANNEL_GROUP)
             g = tl.minimum(k0 // GROUP_SIZE, NUM_GROUPS - 1)
@@ -557,14 +591,19 @@ def use_w8(M: int, N: int, K: int) -> bool:
 
 
 def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, w8: bool = False,
-                fused: bool = False) -> dict:
+                fused: bool = False, tiled: bool = False) -> dict:
     """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``); ``w8``: the
-    plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``):
-    ``DP4A_CONFIG`` when ``DP4A_M1`` or ``N <= DP4A_M1_MAX_N``."""
+    plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``): row-tiled
+    codes (``tiled``) ``DP4A_TILED_CONFIG`` (K <= ``DP4A_TILED_K8_MAX_K``) or
+    ``DP4A_TILED_LONG_K_CONFIG``; row-major codes ``DP4A_CONFIG`` when ``DP4A_M1`` or
+    ``N <= DP4A_M1_MAX_N``."""
     if w8:
         bm, bn, warps, stages, extra = W8_CONFIG
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
-    if M == 1 and (DP4A_M1 or N <= DP4A_M1_MAX_N) and not fused:
+    if M == 1 and tiled and not fused and DP4A_M1_MAX_N > 0:
+        bm, bn, split, warps, stages, ctas, extra = (DP4A_TILED_CONFIG if K <= DP4A_TILED_K8_MAX_K
+                                                     else DP4A_TILED_LONG_K_CONFIG)
+    elif M == 1 and (DP4A_M1 or N <= DP4A_M1_MAX_N) and not fused:
         bm, bn, split, warps, stages, ctas, extra = DP4A_CONFIG
     else:
         for bound in sorted(CONFIGS):
@@ -583,7 +622,7 @@ def w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, k, gro
     the W8A8 GEMM on it (freed when the call returns)."""
     if config is None and xscale is not None and "w8" not in kwargs and \
             use_w8(xq.shape[0], qweight.shape[0], 2 * qweight.shape[1]):
-        kwargs["w8"] = dequantize_w8(qweight, gscale, gzs)
+        kwargs["w8"] = dequantize_w8(qweight, gscale, gzs, tiled=kwargs.get("tiled", False))
     return launch(xq, xscale, qweight, wscale, gscale, gzs, bias, k, group_size, out_dtype, config, **kwargs)[0]
 
 
@@ -596,11 +635,11 @@ def _words(t: torch.Tensor):
 
 
 def dequantize_w8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor, block_n: int | None = None,
-                  chunks: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                  chunks: int | None = None, num_warps: int | None = None, *, tiled: bool = False) -> torch.Tensor:
     """The INT8 level-1 weight ``w8 = q4 * s2 - zs`` as int8 [N, Kp] (natural column order), one
     read of the packed codes and one write: ``lowbit.formats.w4a8_int8.dequantize_int8`` (padded
     columns included) on the GPU. Feeds the large-M path of ``launch`` (``w8=``). Tiles default to
-    ``DEQUANT_CONFIG``."""
+    ``DEQUANT_CONFIG``. ``tiled``: ``qweight`` in the row-tiled layout (the output is row-major)."""
     N, kp2 = qweight.shape
     KP = 2 * kp2
     G = gscale.shape[1]
@@ -614,14 +653,14 @@ def dequantize_w8(qweight: torch.Tensor, gscale: torch.Tensor, gzs: torch.Tensor
     nchunks = KP // 128
     _dequant_w8_kernel[(cdiv(N, bn), cdiv(nchunks, ch))](
         qweight, gscale, gzs, out, N, nchunks, G, qweight.stride(0), gscale.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, BLOCK_N=bn, CHUNKS=ch, USE_ASM=use_asm, num_warps=nw)
+        GROUP_SIZE=group_size, BLOCK_N=bn, CHUNKS=ch, USE_ASM=use_asm, TILED=bool(tiled), num_warps=nw)
     return out
 
 
 def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor, wscale: torch.Tensor,
            gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, k: int,
            group_size: int, out_dtype: torch.dtype, config: dict | None = None, *, up_offset: int | None = None,
-           w8: torch.Tensor | None = None, pdl: bool = False):
+           w8: torch.Tensor | None = None, pdl: bool = False, tiled: bool = False):
     """Launch the kernel. ``xq`` int8 [M, K] with ``xscale`` fp32 [M], or ``xq`` float [M, K] with
     ``xscale=None``: the per-token INT8 quantization then runs inside the GEMM (``FUSE_QUANT``;
     M <= 16). Weight fields as in ``lowbit.formats.w4a8_int8``; ``group_size`` = columns per group
@@ -631,7 +670,8 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     GEMM on it instead of dequantizing in registers (large M; needs ``xscale``). ``pdl``: launch as a
     programmatic dependent grid of the kernel before it in the stream (see ``PDL_MAX_M``; ignored
     under the interpreter, before Hopper and with ``w8``; the L2 prefetch depth is the config's
-    ``L2_PREFETCH``, default ``PDL_L2_TILES``). Arguments are
+    ``L2_PREFETCH``, default ``PDL_L2_TILES``). ``tiled``: ``qweight`` is in the row-tiled layout
+    (``lowbit.formats.w4a8_int8.tile_codes``; the kernel's ``W_TILED``). Arguments are
     validated by ``lowbit.ops.w4a8_int8``. Returns
     ``(out, compiled_kernel)`` (the compiled kernel for PTX inspection; None when nothing ran)."""
     M, K = xq.shape
@@ -651,7 +691,7 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     else:
         num_sms = 4
     cfg = dict(config) if config else pick_config(M, N, KP, group_size, num_sms=num_sms, w8=w8 is not None,
-                                                  fused=fuse_quant)
+                                                  fused=fuse_quant, tiled=bool(tiled))
     bm, bn, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")
     cfg.pop("BLOCK_K", None)
     bk = 128
@@ -684,6 +724,8 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     out = torch.empty((M, N), device=xq.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return out, None
+    if "W_TILED" in cfg:
+        raise ValueError("the code layout comes from tiled=, not from the config")
     dp4a = cfg.pop("DP4A", False)  # M = 1: dp4a on CUDA cores instead of the MMA (swap-AB epilogue)
     if dp4a and (M != 1 or fuse_quant or not swap or w8 is not None):
         raise ValueError("DP4A takes one pre-quantized row (M = 1, xscale given), swap-AB, no w8")
@@ -707,7 +749,7 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
         PREFETCH=prefetch, FUSE_QUANT=fuse_quant, QROWS=qrows, QCHUNK=qchunk, UNROLL_REDUCE=unroll,
         ACT=0 if up_offset is None else 1, L2_PREFETCH=l2pf,
         JOIN_K=cfg.pop("JOIN_K", False), W8=w8 is not None, KSTEP=kstep, PF_DIST=pf_dist, PF_BULK=pf_bulk,
-        W_TILED=cfg.pop("W_TILED", False) and w8 is None, DP4A=dp4a, PDL=pdl, **cfg,
+        W_TILED=bool(tiled) and w8 is None, DP4A=dp4a, PDL=pdl, **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out, kernel

@@ -86,7 +86,8 @@ def _w4a8_int8_tensors(mod, pack):
 
     k = mod.in_features
     g = mod.group_size if mod.group_size != -1 else None
-    q4 = fmt.unpack_codes(mod.qweight).to(torch.int32)  # [N, Kp] in [0, 15]
+    codes = fmt.untile_codes(mod.qweight) if getattr(mod, "tiled", False) else mod.qweight
+    q4 = fmt.unpack_codes(codes).to(torch.int32)  # [N, Kp] in [0, 15], natural column order
     s2 = mod.gscale.to(torch.int32)
     zs = mod.gzs.to(torch.int32)
     if (zs % s2.clamp_min(1)).any():

@@ -132,6 +132,7 @@ def _fuse_rows(mods):
     cls = type(mods[0])
     if not isinstance(mods[0], QuantLinear) or any(type(m) is not cls for m in mods):
         return None
+    cls.prepare_fusion(mods)
     try:
         cfgs = [m.config() for m in mods]
     except NotImplementedError:
@@ -154,11 +155,11 @@ def _fuse_rows(mods):
             return None
         lay = lay.pop()
         if lay is not None:
-            d, r = lay
+            d, r, align = (*lay, 1)[:3]
             stacks = all(
                 t.ndim > d and r >= 1 and m.out_features % r == 0 and t.shape[d] == m.out_features // r
                 and t.shape[:d] + t.shape[d + 1:] == ts[0].shape[:d] + ts[0].shape[d + 1:]
-                for t, m in zip(ts, mods))
+                for t, m in zip(ts, mods)) and all(m.out_features % align == 0 for m in mods[:-1])
             if stacks:
                 plan[n] = ("rows", d, r, torch.cat(ts, d))
                 continue
@@ -313,7 +314,8 @@ class _Proj:
         else:  # int8 (QServe)
             from lowbit.ops.w4a8_int8 import w4a8_int8_gemm
 
-            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype, pdl=pdl)
+            y = w4a8_int8_gemm(xq, sx, m.qweight, m.wscale, m.gscale, m.gzs, m.bias, out_dtype=dtype, pdl=pdl,
+                               tiled=m.tiled)
         return y.reshape(*lead, y.shape[-1])
 
 

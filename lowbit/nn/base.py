@@ -40,10 +40,17 @@ class QuantLinear(nn.Module):
         (``lowbit.models.generate._fuse_rows``): ``{name: (dim, rows_per_index)}`` says that index
         ``i`` along ``dim`` covers output rows ``[i * rows_per_index, (i + 1) * rows_per_index)``, so
         modules whose ``out_features`` are multiples of ``rows_per_index`` concatenate along ``dim``
-        exactly. ``None``: the buffer does not follow the rows (it must be identical across the
+        exactly; a third entry ``(dim, rows_per_index, align)``: only while every module but the last
+        has a multiple of ``align`` output rows (a layout tiled in blocks of ``align`` rows). ``None``: the buffer does not follow the rows (it must be identical across the
         modules and is shared). Default: ``(0, 1)`` for every buffer (row-major; a buffer that is
         not row-major is still shared when identical across the modules)."""
         return {n: (0, 1) for n, _ in self.named_buffers(recurse=False)}
+
+    @classmethod
+    def prepare_fusion(cls, mods: list) -> None:
+        """Called by the runner's fusion (``lowbit.models.generate._fuse_rows``) on modules of this
+        class before it stacks them: a class whose buffer layout can change in place (e.g. tiled
+        codes back to row-major) makes the modules stackable here. Default: nothing."""
 
     # --- inspection ---------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:

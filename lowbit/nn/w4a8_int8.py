@@ -24,14 +24,22 @@ from lowbit.ops.w4a8_int8 import w4a8_int8_linear
 class W4A8INT8Linear(QuantLinear):
     """Buffers (see ``lowbit.formats.w4a8_int8``): ``qweight`` uint8 [N, Kp/2], ``wscale`` fp32 [N],
     ``gscale`` uint8 [N, G], ``gzs`` uint8 [N, G], optional ``bias`` [N] in the activation dtype.
-    ``group_size`` = 128 by default, ``-1`` = per-channel (QServe's two options)."""
+    ``group_size`` = 128 by default, ``-1`` = per-channel (QServe's two options). ``tiled``: the
+    codes are in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``, same bytes in 64-row
+    blocks); ``from_linear`` stores them so by default when ``out_features`` is a multiple of 64 (faster
+    decode GEMMs, see the format's docstring; every projection of a real model has such row counts,
+    and only such modules stack into fused projections); a module built without the option
+    (``empty`` from a config that lacks it) is row-major."""
 
     scheme = "w4a8-int8"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.bfloat16,
-                 group_size: int = 128, device=None):
+                 group_size: int = 128, tiled: bool = False, device=None):
         super().__init__(in_features, out_features, dtype)
         self.group_size = fmt.check_group_size(group_size)
+        if not isinstance(tiled, bool):
+            raise TypeError(f"tiled must be a bool, got {type(tiled).__name__}")
+        self.tiled = tiled
         kp = fmt.padded_k(in_features, group_size)
         G = 1 if group_size == -1 else kp // group_size
         self.register_buffer("qweight", torch.zeros(out_features, kp // 2, dtype=torch.uint8, device=device))
@@ -45,16 +53,22 @@ class W4A8INT8Linear(QuantLinear):
 
     # --- construction -------------------------------------------------------------------
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128, dtype: torch.dtype | None = None) -> "W4A8INT8Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, dtype: torch.dtype | None = None,
+                    tiled: bool | None = None) -> "W4A8INT8Linear":
         """Quantize ``linear`` (its weight on any device; the module lands on the same device).
-        ``dtype``: activation/output dtype (default: the linear's weight dtype)."""
+        ``dtype``: activation/output dtype (default: the linear's weight dtype). ``tiled``: store
+        the codes row-tiled or row-major (default None: tiled when ``out_features`` is a multiple of
+        ``TILE_ROWS`` = 64)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         w = linear.weight.detach()
         dtype = dtype or w.dtype
-        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, group_size, device=w.device)
+        if tiled is None:
+            tiled = linear.out_features % fmt.TILE_ROWS == 0
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, group_size, tiled,
+                  device=w.device)
         qw = fmt.quantize(w, group_size)
-        mod.qweight.copy_(qw.qweight)
+        mod.qweight.copy_(fmt.tile_codes(qw.qweight) if tiled else qw.qweight)
         mod.wscale.copy_(qw.wscale)
         mod.gscale.copy_(qw.gscale)
         mod.gzs.copy_(qw.gzs)
@@ -67,11 +81,37 @@ class W4A8INT8Linear(QuantLinear):
         return cls(in_features, out_features, bias, dtype, **config)
 
     def config(self) -> dict:
-        return {"group_size": self.group_size}
+        return {"group_size": self.group_size, "tiled": self.tiled}
+
+    def fuse_layout(self) -> dict:
+        """Row-major buffers stack by rows; tiled codes too, while every module but the last has a
+        multiple of ``fmt.TILE_ROWS`` rows (then the concatenation is the tiled stack)."""
+        lay = super().fuse_layout()
+        if self.tiled:
+            lay["qweight"] = (0, 1, fmt.TILE_ROWS)
+        return lay
+
+    @classmethod
+    def prepare_fusion(cls, mods: list) -> None:
+        """Mixed layouts, or tiled modules that cannot stack (a row count that is not a multiple of
+        64 before the last module): every module's codes go back to row-major, in place."""
+        if any(m.tiled for m in mods) and (not all(m.tiled for m in mods)
+                                           or any(m.out_features % fmt.TILE_ROWS for m in mods[:-1])):
+            for m in mods:
+                m.set_tiled(False)
+
+    def set_tiled(self, tiled: bool) -> None:
+        """Re-lay the codes in place (same storage): row-tiled (True) or row-major (False)."""
+        if bool(tiled) != self.tiled:
+            with torch.no_grad():
+                codes = fmt.tile_codes(self.qweight) if tiled else fmt.untile_codes(self.qweight)
+                self.qweight.copy_(codes)
+            self.tiled = bool(tiled)
 
     # --- inspection ---------------------------------------------------------------------
     def qoq_weight(self) -> fmt.QoQWeight:
-        return fmt.QoQWeight(self.qweight, self.wscale, self.gscale, self.gzs, self.in_features, self.group_size)
+        return fmt.QoQWeight(self.qweight, self.wscale, self.gscale, self.gzs, self.in_features, self.group_size,
+                             self.tiled)
 
     def dequantize(self) -> torch.Tensor:
         return fmt.dequantize(self.qoq_weight(), torch.float32)
@@ -80,4 +120,4 @@ class W4A8INT8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x must have {self.in_features} features in its last dim, got shape {list(x.shape)}")
-        return w4a8_int8_linear(x, self.qweight, self.wscale, self.gscale, self.gzs, self.bias)
+        return w4a8_int8_linear(x, self.qweight, self.wscale, self.gscale, self.gzs, self.bias, tiled=self.tiled)

@@ -55,73 +55,77 @@ def _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
 @torch.library.custom_op("lowbit::w4a8_int8_gemm", mutates_args=())
 def _w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                     gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype, pdl: bool = False) -> torch.Tensor:
+                    out_dtype: torch.dtype, pdl: bool = False, tiled: bool = False) -> torch.Tensor:
     Kp = 2 * qweight.shape[1]
     g = Kp // gscale.shape[1]
     if use_triton(xq, qweight):
         from lowbit.kernels.w4a8_int8_gemm import w4a8_int8_gemm_triton
 
         return w4a8_int8_gemm_triton(xq, xscale, qweight, wscale, gscale, gzs, bias, xq.shape[1], g, out_dtype,
-                                     pdl=pdl)
-    return gemm_ref(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
+                                     pdl=pdl, tiled=tiled)
+    return gemm_ref(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, tiled)
 
 
 @_w4a8_int8_gemm.register_fake
-def _(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, pdl=False):
+def _(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, pdl=False, tiled=False):
     return xq.new_empty((xq.shape[0], qweight.shape[0]), dtype=out_dtype)
 
 
 def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
                    gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   out_dtype: torch.dtype = torch.bfloat16, pdl: bool = False) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, pdl: bool = False, tiled: bool = False) -> torch.Tensor:
     """``y = (xq @ w8^T) * xscale[:, None] * wscale[None, :] + bias`` -> ``out_dtype`` [M, N].
 
     xq int8 [M, K] (per-token codes), xscale fp32 [M]; qweight uint8 [N, Kp/2], wscale fp32 [N],
     gscale/gzs uint8 [N, G] (see ``lowbit.formats.w4a8_int8``); bias [N] or None.
     INT8 x INT8 products accumulate in INT32; scales apply in fp32 in the epilogue. ``pdl``: launch
     the kernel as a programmatic dependent launch (Hopper; same result; the runner's batch-1 chain
-    after its PDL act-quant launch).
+    after its PDL act-quant launch). ``tiled``: ``qweight`` in the row-tiled layout
+    (``lowbit.formats.w4a8_int8.tile_codes``; what ``W4A8INT8Linear`` stores by default).
     """
     _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
-    return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, bool(pdl))
+    return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, bool(pdl), bool(tiled))
 
 
 @torch.library.custom_op("lowbit::w4a8_int8_linear", mutates_args=())
 def _w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
-                      gzs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                      gzs: torch.Tensor, bias: torch.Tensor | None, tiled: bool = False) -> torch.Tensor:
     Kp = 2 * qweight.shape[1]
     g = Kp // gscale.shape[1]
     if use_triton(x, qweight):
         from lowbit.kernels.w4a8_int8_gemm import use_fused_quant, use_pdl, w4a8_int8_gemm_triton
 
         if use_fused_quant(x.shape[0], qweight.shape[0], Kp, g):  # decode: quantization inside the GEMM
-            return w4a8_int8_gemm_triton(x, None, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype)
+            return w4a8_int8_gemm_triton(x, None, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype,
+                                         tiled=tiled)
         if use_pdl(x.shape[0]):  # act-quant -> GEMM as a programmatic dependent pair (same codes, same sums)
             from lowbit.kernels.act_quant import per_token_quant_triton
 
             xq, xs = per_token_quant_triton(x, torch.int8, pdl=True)
-            return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype, pdl=True)
+            return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype, pdl=True,
+                                         tiled=tiled)
         from lowbit.ops.quant import per_token_quant
 
         xq, xs = per_token_quant(x, "int8")
-        return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype)
+        return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, x.shape[1], g, x.dtype, tiled=tiled)
     xq, xs = quantize_per_token(x, torch.int8)
-    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, x.dtype)
+    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, x.dtype, tiled)
 
 
 @_w4a8_int8_linear.register_fake
-def _(x, qweight, wscale, gscale, gzs, bias):
+def _(x, qweight, wscale, gscale, gzs, bias, tiled=False):
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
-                     gzs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     gzs: torch.Tensor, bias: torch.Tensor | None = None, *, tiled: bool = False) -> torch.Tensor:
     """``x`` [..., K] (fp16/bf16/fp32) -> [..., N] in x's dtype: per-token INT8 quantization of x
     (numerics of ``lowbit.formats.common.quantize_per_token``, its cost included) then the W4A8 GEMM.
     Where it was measured faster (``lowbit.kernels.w4a8_int8_gemm.use_fused_quant``: one token,
     short K range per program) the quantization runs inside the GEMM kernel (one launch: each
     program reads its rows' absmax over K from L2, quantizes x tiles in registers); otherwise the
-    ``lowbit.ops.quant`` kernel runs first. Both give the same codes (bit-identical outputs)."""
+    ``lowbit.ops.quant`` kernel runs first. Both give the same codes (bit-identical outputs).
+    ``tiled``: ``qweight`` in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``)."""
     check_tensor(x, "x", dtype=_OUT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dim")
@@ -131,13 +135,14 @@ def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
     check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = _w4a8_int8_linear(x2, qweight, wscale, gscale, gzs, bias)
+    y = _w4a8_int8_linear(x2, qweight, wscale, gscale, gzs, bias, bool(tiled))
     return y.reshape(*lead, qweight.shape[0])
 
 
 @torch.library.custom_op("lowbit::w4a8_int8_silu_mul_linear", mutates_args=())
 def _w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                               gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+                               gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None,
+                               tiled: bool = False) -> torch.Tensor:
     inter = gate_up.shape[1] // 2
     g, u = gate_up[:, :inter], gate_up[:, inter:]
     Kp = 2 * qweight.shape[1]
@@ -147,23 +152,25 @@ def _w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wsc
 
         if 0 < gate_up.shape[0] <= FUSE_SILU_MAX_M:  # SiLU*mul + quantization inside the GEMM (off: slower)
             return w4a8_int8_gemm_triton(g, None, qweight, wscale, gscale, gzs, bias, inter, gsz, gate_up.dtype,
-                                         up_offset=inter)
+                                         up_offset=inter, tiled=tiled)
         from lowbit.kernels.act_quant import per_token_quant_triton
 
         xq, xs = per_token_quant_triton(g, torch.int8, fuse="silu_mul", up=u)
-        return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, inter, gsz, gate_up.dtype)
+        return w4a8_int8_gemm_triton(xq, xs, qweight, wscale, gscale, gzs, bias, inter, gsz, gate_up.dtype,
+                                     tiled=tiled)
     v = (torch.nn.functional.silu(g) * u).to(gate_up.dtype)
     xq, xs = quantize_per_token(v, torch.int8)
-    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, gate_up.dtype)
+    return gemm_ref(xq, xs, qweight, wscale, gscale, gzs, bias, gate_up.dtype, tiled)
 
 
 @_w4a8_int8_silu_mul_linear.register_fake
-def _(gate_up, qweight, wscale, gscale, gzs, bias):
+def _(gate_up, qweight, wscale, gscale, gzs, bias, tiled=False):
     return gate_up.new_empty((gate_up.shape[0], qweight.shape[0]))
 
 
 def w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
-                              gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                              gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None = None, *,
+                              tiled: bool = False) -> torch.Tensor:
     """Down projection of a gated MLP: ``gate_up`` [..., 2I] (gate = first I columns, up = last I)
     -> ``w4a8_int8_linear(silu(gate) * up, ...)`` [..., N] in gate_up's dtype, with HF LlamaMLP's
     rounding (SiLU rounded to the dtype, then the product): ``lowbit.kernels.act_quant``'s fused
@@ -178,5 +185,5 @@ def w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wsca
         h = h.contiguous()
     _check_weight(h.shape[1] // 2, qweight, wscale, gscale, gzs, bias, gate_up.dtype, xname="gate_up's halves")
     check_same_device(gate_up=gate_up, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
-    y = _w4a8_int8_silu_mul_linear(h, qweight, wscale, gscale, gzs, bias)
+    y = _w4a8_int8_silu_mul_linear(h, qweight, wscale, gscale, gzs, bias, bool(tiled))
     return y.reshape(*lead, qweight.shape[0])

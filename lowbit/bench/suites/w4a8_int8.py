@@ -28,10 +28,13 @@ def _reps(m: int) -> int:
     return 30 if m >= 4096 else 60 if m >= 1024 else 100
 
 
+TILED = True  # the codes' layout: W4A8INT8Linear's default (row-tiled; every shape here has N % 64 == 0)
+
+
 def _qoq(n: int, k: int, dev="cuda"):
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5
     q = fmt.quantize(w, 128)
-    return q.qweight, q.wscale, q.gscale, q.gzs
+    return fmt.tile_codes(q.qweight) if TILED else q.qweight, q.wscale, q.gscale, q.gzs
 
 
 def _weight_bytes(n, k):
@@ -79,11 +82,12 @@ def linear_rows(rec, quick: bool = False, ms=None, layers=None):
             t = time_cuda(lambda w, x: F.linear(x, w), [(w, xs[i]) for i, (w,) in enumerate(wb)], reps=reps)
             rec.record(case, "cublas-bf16", t, flops=fl, bytes_moved=2 * (M * K + N * K + M * N), peak="bf16")
             try:
-                t = time_cuda(lambda x, *w: w4a8_int8_linear(x, *w), [(xs[i], *w) for i, w in enumerate(wq)], reps=reps)
+                t = time_cuda(lambda x, *w: w4a8_int8_linear(x, *w, tiled=TILED), [(xs[i], *w) for i, w in enumerate(wq)],
+                              reps=reps)
                 rec.record(case, "lowbit-w4a8-int8", t, flops=fl, peak="int8",
                            bytes_moved=2 * M * K + _weight_bytes(N, K) + 2 * M * N)
                 xq = [per_token_quant(xs[i], "int8") for i in range(len(wq))]
-                t = time_cuda(lambda a, s, *w: w4a8_int8_gemm(a, s, *w, out_dtype=torch.bfloat16),
+                t = time_cuda(lambda a, s, *w: w4a8_int8_gemm(a, s, *w, out_dtype=torch.bfloat16, tiled=TILED),
                               [(*xq[i], *w) for i, w in enumerate(wq)], reps=reps)
                 rec.record(case, "lowbit-w4a8-int8-gemm", t, flops=fl, peak="int8",
                            bytes_moved=M * K + 4 * M + _weight_bytes(N, K) + 2 * M * N)
@@ -113,11 +117,11 @@ def _ffn_int8(hidden: int, inter: int, fused: bool):
     dn = _qoq(hidden, inter)
 
     def ffn(x):
-        h = w4a8_int8_linear(x, *gu)
+        h = w4a8_int8_linear(x, *gu, tiled=TILED)
         if fused:
-            return w4a8_int8_silu_mul_linear(h, *dn)
+            return w4a8_int8_silu_mul_linear(h, *dn, tiled=TILED)
         q, s = per_token_quant(F.silu(h[:, :inter]) * h[:, inter:], "int8")
-        return w4a8_int8_gemm(q, s, *dn, out_dtype=x.dtype)
+        return w4a8_int8_gemm(q, s, *dn, out_dtype=x.dtype, tiled=TILED)
 
     return ffn
 
