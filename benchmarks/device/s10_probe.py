@@ -14,7 +14,6 @@ for layers of <= 4096 x 4096 weights (o_proj 10.13 vs 9.85 us: slower with the w
 an H100 run without weight rotation, where o_proj's 8.4 MB sat in L2, had shown 7.33 vs 8.28: `results/h100/s10_probe_unrotated.json`), (b) the
 decode_float combine as a PDL launch (B=1 L=1025 7.86 vs 7.74 us, B=16 L=8193 126.7 vs 126.6: no gain).
 """
-import argparse
 import json
 import os
 import statistics
@@ -23,13 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lowbit.bench.harness import env_info, graph_us  # noqa: E402
+from lowbit.bench.harness import env_info, graph_us, probe_args, rotation_copies as copies  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
-ap.add_argument("--parts", default="c")
-a = ap.parse_args()
-os.makedirs(a.out, exist_ok=True)
+a = probe_args("c")
 
 
 def ab(set_flag, fn, rounds=7):
@@ -41,12 +36,6 @@ def ab(set_flag, fn, rounds=7):
             res[on].append(graph_us(fn))
     return {("on" if k else "off"): {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
                                     "max": round(max(v), 3)} for k, v in res.items()}
-
-
-def copies(nbytes: int) -> int:
-    """Weight copies so that one pass over them is > 2x L2."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return max(2, -(-2 * l2 // max(nbytes, 1)) + 1)
 
 
 doc = {"suite": "s10_probe", "env": env_info("benchmarks/device/s10_probe.py --parts " + a.parts)}

@@ -13,10 +13,8 @@
     vs row-major codes, 7 alternations.
 Output: ``s11_probe.json``.
 """
-import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -24,28 +22,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lowbit.bench.harness import env_info, graph_us  # noqa: E402
+from lowbit.bench.harness import alternate_us as rounds, env_info, probe_args, rotation_copies as copies  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("--out", required=True)
-ap.add_argument("--parts", default="ab")
-a = ap.parse_args()
-os.makedirs(a.out, exist_ok=True)
+a = probe_args("ab")
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
-
-
-def copies(nbytes: int) -> int:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return max(2, -(-2 * l2 // max(nbytes, 1)) + 1)
-
-
-def rounds(fns_by_name: dict, n=5) -> dict:
-    res = {k: [] for k in fns_by_name}
-    for _ in range(n):
-        for k, f in fns_by_name.items():
-            res[k].append(graph_us(f))
-    return {k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
-            for k, v in res.items()}
 
 
 @triton.jit

@@ -154,6 +154,37 @@ def graph_us(fn, n: int = 20, reps: int = 15) -> float:
     return statistics.median(ts)
 
 
+def probe_args(default_parts: str):
+    """Command line of a device probe script: ``--out DIR`` (created) and ``--parts`` (letters of the parts
+    to run, default ``default_parts``)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default=default_parts)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def rotation_copies(nbytes: int) -> int:
+    """How many copies of an ``nbytes`` weight to rotate over so that one pass streams > 2x L2 (the weights
+    then come from HBM, as in a real model, not from L2)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, -(-2 * l2 // max(nbytes, 1)) + 1)
+
+
+def alternate_us(fns_by_name: dict, rounds: int = 5) -> dict:
+    """Launch-level A/B: ``graph_us`` of each entry (a callable or a list of callables, see there), the
+    entries alternating ``rounds`` times; ``{name: {median, min, max}}`` over the rounds (us)."""
+    res = {k: [] for k in fns_by_name}
+    for _ in range(rounds):
+        for k, f in fns_by_name.items():
+            res[k].append(graph_us(f))
+    return {k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3), "max": round(max(v), 3)}
+            for k, v in res.items()}
+
+
 def measure_ceilings() -> dict:
     """Measured peaks for rooflines: HBM copy bandwidth (read+write) and dense GEMM rates."""
     dev = "cuda"
