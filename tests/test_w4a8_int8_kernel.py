@@ -193,3 +193,15 @@ def test_tiled_m1_default_config(N, K, dev):
     y = w4a8_int8_gemm_triton(xq, xs, fmt.tile_codes(qw.qweight), qw.wscale, qw.gscale, qw.gzs, None, K, 128,
                               torch.float32, tiled=True)
     assert torch.equal(y, r)
+
+
+@given(st.integers(1, 3), st.integers(1, 200), st.integers(2, 400), st.sampled_from([128, 64, -1]))
+def test_tiled_default_path_hypothesis(M, N, K, g):
+    """Row-tiled codes through the default dispatch (M = 1: the tiled dp4a config; M > 1: wgmma tiles):
+    the reference's integers exactly (float32 out), any N (tail rows below a 64-row block stay row-major)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    qw, xq, xs, _ = _case(M, N, K, g, torch.float32, dev, seed=M * 1000 + N + K)
+    r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
+    y = w4a8_int8_gemm_triton(xq, xs, fmt.tile_codes(qw.qweight), qw.wscale, qw.gscale, qw.gzs, None, K,
+                              qw.effective_group_size, torch.float32, tiled=True)
+    assert torch.equal(y, r)

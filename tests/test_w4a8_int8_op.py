@@ -132,3 +132,5 @@ def test_tiled_modules_fuse_only_when_aligned():
         want = torch.cat([m(x) for m in mods], -1)
         f = _fuse_rows(mods)
         assert f is not None and not f.tiled and not any(m.tiled for m in mods) and torch.equal(f(x), want)
+    with pytest.raises(RuntimeError, match="view"):
+        a._set_tiled(False)  # a's codes are now a view of the fused buffer

@@ -98,10 +98,13 @@ class W4A8INT8Linear(QuantLinear):
         if any(m.tiled for m in mods) and (not all(m.tiled for m in mods)
                                            or any(m.out_features % fmt.TILE_ROWS for m in mods[:-1])):
             for m in mods:
-                m.set_tiled(False)
+                m._set_tiled(False)
 
-    def set_tiled(self, tiled: bool) -> None:
-        """Re-lay the codes in place (same storage): row-tiled (True) or row-major (False)."""
+    def _set_tiled(self, tiled: bool) -> None:
+        """Re-lay the codes in place (same storage): row-tiled (True) or row-major (False). Only while the
+        module owns its codes: after the runner's fusion they are views of (or viewed by) a fused buffer."""
+        if self.qweight._base is not None:
+            raise RuntimeError("this module's codes are a view of a fused buffer; re-laying them would corrupt it")
         if bool(tiled) != self.tiled:
             with torch.no_grad():
                 codes = fmt.tile_codes(self.qweight) if tiled else fmt.untile_codes(self.qweight)
