@@ -71,9 +71,9 @@ full 64-row block stay row-major. Rows ``64t .. 64t + 63`` of the ``[N, Kp/2]`` 
 row tile ``t``, so modules whose row counts are multiples of 64 stack by concatenation
 (``W4A8INT8Linear.fuse_layout``). Decision (session 11): ``W4A8INT8Linear.from_linear`` stores the
 codes tiled by default, because the kernels read each (row tile, chunk) in one contiguous piece;
-measured on an H100 (M = 1, dp4a config, weights streamed from HBM, us): qkv 8.70 vs 9.45, o 6.97
-vs 7.32, down 15.64 vs 17.11, gate_up 25.78 vs 30.26 (the row-major wgmma default; flat-read floor
-20.87), ``benchmarks/results/h100/s11_probe.json``. The layout is part of the module's ``config()``,
+measured on an H100 (M = 1, each layout with its default config, weights streamed from HBM, us):
+qkv 7.50 vs 9.18, o 6.62 vs 7.45, down 14.89 vs 16.90, gate_up 23.59 vs 30.07 (a flat read of the
+gate_up codes: 20.87); M = 16 / 128 3-13% faster; ``benchmarks/results/h100/s11_probe.json``. The layout is part of the module's ``config()``,
 so checkpoints record it; every reference here takes ``tiled`` and untiles first (same integers).
 """
 from __future__ import annotations

@@ -14,9 +14,11 @@ INT32 cannot overflow for K < 2^31 / 127^2 = 133,143.
 Layouts:
 - x8 ``[M, K]`` int8, any strides; sx ``[M]`` fp32 (per-token scale, ``lowbit.ops.quant``);
   or, with ``FUSE_QUANT``, x ``[M, K]`` fp16/bf16/fp32 and no sx (see below);
-- qweight ``[N, Kp/2]`` uint8, row-major, chunk-reordered: in each 128-column chunk byte j holds
-  column j (low nibble) and column 64 + j (high nibble); Kp >= K is the padded K (a multiple of
-  lcm(group, 128); the kernel masks x at k >= K, so padded columns add 0);
+- qweight ``[N, Kp/2]`` uint8, chunk-reordered: in each 128-column chunk byte j holds column j (low
+  nibble) and column 64 + j (high nibble); Kp >= K is the padded K (a multiple of lcm(group, 128);
+  the kernel masks x at k >= K, so padded columns add 0). Row-major, or (``W_TILED``, launch's
+  ``tiled``; the modules' default) row-tiled: each 64-row x 64-byte (row tile, chunk) block is 4
+  contiguous KB (``lowbit.formats.w4a8_int8.tile_codes``; ``_code_rows`` computes the addresses);
 - s1 ``[N]`` fp32; s2, zs ``[N, G]`` uint8 (G = Kp / GROUP_SIZE groups along k);
 - out ``[M, N]`` fp16/bf16/fp32.
 
@@ -53,6 +55,9 @@ NaN/Inf in a row gives that row a NaN scale (NaN output row), like the act-quant
 gate_up output directly; rounding as ``lowbit.kernels.act_quant``'s ``silu_mul``). When each is the
 faster choice is measured, not assumed: see ``use_fused_quant`` below.
 ``JOIN_K`` joins the two halves into one K = 128 dot (one wgmma wait per tile; not measured yet, off).
+
+``DP4A`` (M = 1, x pre-quantized): no MMA; the dequantized INT8 weights meet x in ``dp4a`` on CUDA
+cores, int32 lanes summed per row after the loop (the M = 1 default: ``pick_config``).
 """
 from __future__ import annotations
 
