@@ -89,7 +89,8 @@ def test_torch_compile_fullgraph():
 def test_module_tiled_layout(dev):
     """from_linear stores the codes row-tiled when out_features is a multiple of 64 (else row-major);
     both layouts give bit-identical outputs (M = 1 / 3 / 17) and weights; config() carries the layout
-    through empty + load_state_dict; a config without "tiled" (older checkpoints) is row-major."""
+    through empty + load_state_dict; a config without "tiled" (older checkpoints) loads row-major codes
+    and re-lays them tiled (64-row multiples only)."""
     torch.manual_seed(1)
     lin = torch.nn.Linear(300, 128, bias=True)
     t = W4A8INT8Linear.from_linear(lin)
@@ -105,7 +106,14 @@ def test_module_tiled_layout(dev):
     e = W4A8INT8Linear.empty(300, 128, True, t.dtype, **t.config()).to(dev)
     e.load_state_dict(t.state_dict())
     assert e.tiled and torch.equal(e(x), t(x))
-    assert not W4A8INT8Linear.empty(300, 128, True, t.dtype, group_size=128).tiled
+    # a config without "tiled" (a checkpoint from before session 11): row-major codes, re-laid tiled on load
+    old = W4A8INT8Linear.empty(300, 128, True, t.dtype, group_size=128).to(dev)
+    assert not old.tiled
+    old.load_state_dict(r.state_dict())
+    assert old.tiled and torch.equal(old.qweight, t.qweight) and torch.equal(old(x), r(x))
+    old40 = W4A8INT8Linear.empty(64, 40, False, t.dtype, group_size=128)
+    old40.load_state_dict(W4A8INT8Linear.from_linear(torch.nn.Linear(64, 40, bias=False), tiled=False).state_dict())
+    assert not old40.tiled  # 40 rows: stays row-major
     with pytest.raises(TypeError, match="tiled"):
         W4A8INT8Linear(64, 64, tiled=1)
 

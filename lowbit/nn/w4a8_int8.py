@@ -28,8 +28,8 @@ class W4A8INT8Linear(QuantLinear):
     codes are in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``, same bytes in 64-row
     blocks); ``from_linear`` stores them so by default when ``out_features`` is a multiple of 64 (faster
     decode GEMMs, see the format's docstring; every projection of a real model has such row counts,
-    and only such modules stack into fused projections); a module built without the option
-    (``empty`` from a config that lacks it) is row-major."""
+    and only such modules stack into fused projections); ``empty`` from a config that lacks the
+    option (an older checkpoint) loads row-major codes and re-lays them (see ``empty``)."""
 
     scheme = "w4a8-int8"
 
@@ -78,7 +78,18 @@ class W4A8INT8Linear(QuantLinear):
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, **config) -> "W4A8INT8Linear":
-        return cls(in_features, out_features, bias, dtype, **config)
+        """A module to load into. A config without ``tiled`` (checkpoints saved before session 11) builds a
+        row-major module that re-lays its codes tiled once they are loaded (``load_state_dict``), when
+        ``out_features`` is a multiple of 64: old checkpoints get the faster layout, same outputs."""
+        mod = cls(in_features, out_features, bias, dtype, **config)
+        mod._tile_on_load = "tiled" not in config and out_features % fmt.TILE_ROWS == 0
+        return mod
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if getattr(self, "_tile_on_load", False) and prefix + "qweight" in state_dict:
+            self._tile_on_load = False
+            self._set_tiled(True)
 
     def config(self) -> dict:
         return {"group_size": self.group_size, "tiled": self.tiled}
