@@ -126,3 +126,16 @@ def test_env_and_slug_without_gpu():
     assert harness.l2_bytes() == 50 << 20
     info = harness.env_info("cmd")
     assert info["command"] == "cmd" and "gpu" not in info
+
+
+def test_model_bench_provider_tokens():
+    """Provider names of the model benchmark: '+'-tokens map to quantization options, runner options
+    and kernel flags; unknown tokens are refused by name."""
+    from lowbit.bench.model import provider_spec
+
+    assert provider_spec("qserve+rows") == ("qserve", {"linear_options": {"tiled": False}}, {}, [])
+    assert provider_spec("qserve+head") == ("qserve", {"lm_head": True}, {}, [])
+    r, q, g, f = provider_spec("fireq+noadd+dp4a0")
+    assert (r, q, g) == ("fireq", {}, {"fused_add": False}) and f[0][1] == "DP4A_M1_MAX_N"
+    with pytest.raises(ValueError, match="bogus"):
+        provider_spec("fireq+bogus")
