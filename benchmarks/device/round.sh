@@ -20,6 +20,11 @@ if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/gguf_parts/ggufpart.
   [ "$(md5sum $M/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat /tmp/gguf_parts/md5)" ] || { echo "gguf md5 mismatch"; rm -rf $M; }
 fi
 [ -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && export PYTHONPATH=$PYTHONPATH:/tmp/site_model && echo "embedded model available"
+# Triton's compile cache: a cache carried from an earlier call (.triton_cache, git-ignored; name it in
+# `carry`) is used in place of a cold one, and with LOWBIT_TRITON_CACHE_OUT=1 this call's cache comes back
+# as $OUT/triton_cache.tgz.partNN (15 MB parts; `cat parts | tar xz -C .triton_cache` to carry it next time).
+# Entries are keyed by kernel source, options, GPU arch and Triton version, so a stale one is never used.
+[ -d .triton_cache ] && export TRITON_CACHE_DIR=$PWD/.triton_cache && echo "triton cache: carried ($(du -sh .triton_cache | cut -f1))"
 W=$OUT/work; mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$W/nvidia-smi.txt" 2>&1
 areas=("$@")
@@ -38,4 +43,9 @@ for a in "${areas[@]}"; do
   tail -n 25 "$W/$a/log.txt"
 done
 tar czf "$OUT/round.tgz" -C "$W" . && rm -rf "$W"
+if [ "${LOWBIT_TRITON_CACHE_OUT:-0}" = 1 ]; then
+  C=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+  tar czf /tmp/triton_cache.tgz -C "$C" . && split -b 15M -d /tmp/triton_cache.tgz "$OUT/triton_cache.tgz.part"
+  [ "$(ls "$OUT"/triton_cache.tgz.part* | wc -l)" -le 4 ] || { echo "triton cache over 60 MB: not returned"; rm -f "$OUT"/triton_cache.tgz.part*; }
+fi
 ls -la "$OUT"
