@@ -87,10 +87,10 @@ def test_torch_compile_fullgraph():
 
 
 def test_module_tiled_layout(dev):
-    """from_linear stores the codes row-tiled when out_features is a multiple of 64 (else row-major);
-    both layouts give bit-identical outputs (M = 1 / 3 / 17) and weights; config() carries the layout
-    through empty + load_state_dict; a config without "tiled" (older checkpoints) loads row-major codes
-    and re-lays them tiled (64-row multiples only)."""
+    """The codes sit row-tiled in memory when out_features is a multiple of 64 (else row-major, or as
+    asked); both layouts give bit-identical outputs (M = 1 / 3 / 17) and weights. The state_dict always
+    holds the row-major codes, so it loads into a module of either layout (older checkpoints too), and
+    config() carries the layout through ``empty``."""
     torch.manual_seed(1)
     lin = torch.nn.Linear(300, 128, bias=True)
     t = W4A8INT8Linear.from_linear(lin)
@@ -98,24 +98,31 @@ def test_module_tiled_layout(dev):
     assert t.tiled and not r.tiled and t.config() == {"group_size": 128, "tiled": True}
     assert torch.equal(t.qweight, fmt.tile_codes(r.qweight)) and not torch.equal(t.qweight, r.qweight)
     assert not W4A8INT8Linear.from_linear(torch.nn.Linear(64, 40)).tiled
+    assert W4A8INT8Linear(64, 128).tiled and not W4A8INT8Linear(64, 40).tiled  # the constructor's default agrees
     t, r = t.to(dev), r.to(dev)
     for M in (1, 3, 17):
         x = torch.randn(M, 300, device=dev)
         assert torch.equal(t(x), r(x)), M
     assert torch.equal(t.dequantize(), r.dequantize())
-    e = W4A8INT8Linear.empty(300, 128, True, t.dtype, **t.config()).to(dev)
-    e.load_state_dict(t.state_dict())
-    assert e.tiled and torch.equal(e(x), t(x))
-    # a config without "tiled" (a checkpoint from before session 11): row-major codes, re-laid tiled on load
-    old = W4A8INT8Linear.empty(300, 128, True, t.dtype, group_size=128).to(dev)
-    assert not old.tiled
-    old.load_state_dict(r.state_dict())
-    assert old.tiled and torch.equal(old.qweight, t.qweight) and torch.equal(old(x), r(x))
-    old40 = W4A8INT8Linear.empty(64, 40, False, t.dtype, group_size=128)
-    old40.load_state_dict(W4A8INT8Linear.from_linear(torch.nn.Linear(64, 40, bias=False), tiled=False).state_dict())
-    assert not old40.tiled  # 40 rows: stays row-major
+    st, sr = t.state_dict(), r.state_dict()
+    assert all(torch.equal(st[k], sr[k]) for k in sr) and torch.equal(st["qweight"], r.qweight)  # row-major codes
+    assert torch.equal(t.qweight, fmt.tile_codes(r.qweight))  # saving left the module's codes alone
+    for cfg in (t.config(), {"group_size": 128}, {"group_size": 128, "tiled": False}):  # {group_size}: an old config
+        e = W4A8INT8Linear.empty(300, 128, True, t.dtype, **cfg).to(dev)
+        e.load_state_dict(st)
+        assert e.tiled == cfg.get("tiled", True) and torch.equal(e(x), t(x)), cfg
+    a = W4A8INT8Linear.empty(300, 128, True, t.dtype, **t.config()).to(dev)
+    before = sr["qweight"].clone()
+    a.load_state_dict(sr, assign=True)
+    assert torch.equal(sr["qweight"], before) and torch.equal(a(x), t(x))  # the caller's tensor untouched
     with pytest.raises(TypeError, match="tiled"):
         W4A8INT8Linear(64, 64, tiled=1)
+    n, b = t.qweight.shape
+    wide = torch.zeros(n, 2 * b, dtype=torch.uint8, device=dev)[:, :b]  # rows at a 2b-byte stride
+    with pytest.raises(ValueError, match="contiguous"):
+        w4a8_int8_linear(x, wide, t.wscale, t.gscale, t.gzs, t.bias, tiled=True)
+    with pytest.raises(ValueError, match="unit stride"):
+        w4a8_int8_linear(x, t.qweight.t().contiguous().t(), t.wscale, t.gscale, t.gzs, t.bias)
 
 
 def test_tiled_modules_fuse_only_when_aligned():

@@ -22,7 +22,8 @@ fi
 [ -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && export PYTHONPATH=$PYTHONPATH:/tmp/site_model && echo "embedded model available"
 # Triton's compile cache: a cache carried from an earlier call (.triton_cache, git-ignored; name it in
 # `carry`) is used in place of a cold one, and with LOWBIT_TRITON_CACHE_OUT=1 this call's cache comes back
-# as $OUT/triton_cache.tgz.partNN (15 MB parts; `cat parts | tar xz -C .triton_cache` to carry it next time).
+# as $OUT/triton_cache.tgz.partNN (15 MB parts; `mkdir -p .triton_cache && cat parts | tar xz -C .triton_cache`
+# to carry it next time).
 # Entries are keyed by kernel source, options, GPU arch and Triton version, so a stale one is never used.
 [ -d .triton_cache ] && export TRITON_CACHE_DIR=$PWD/.triton_cache && echo "triton cache: carried ($(du -sh .triton_cache | cut -f1))"
 W=$OUT/work; mkdir -p "$W"

@@ -74,8 +74,9 @@ codes tiled by default, because the kernels read each (row tile, chunk) in one c
 measured on an H100 (M = 1, each layout with its default config, weights streamed from HBM, us):
 qkv 7.50 vs 9.18, o 6.62 vs 7.45, down 14.89 vs 16.90, gate_up 23.59 vs 30.07 (a flat read of the
 gate_up codes: 20.87); M = 16 / 128 2-13% faster; ``benchmarks/results/h100/s11_probe.json``. The
-layout is part of the module's ``config()``, so checkpoints record it (a config without it is
-row-major); every reference here takes ``tiled`` and untiles first (same integers).
+layout is a runtime property of the module (its ``config()`` records it; its ``state_dict`` and so
+every checkpoint hold the row-major codes); every reference here takes ``tiled`` and untiles first
+(same integers).
 """
 from __future__ import annotations
 

@@ -600,8 +600,8 @@ def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, 
     """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``); ``w8``: the
     plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``): row-tiled
     codes (``tiled``) ``DP4A_TILED_CONFIG`` (K <= ``DP4A_TILED_K8_MAX_K``) or
-    ``DP4A_TILED_LONG_K_CONFIG``; row-major codes ``DP4A_CONFIG`` when ``DP4A_M1`` or
-    ``N <= DP4A_M1_MAX_N``."""
+    ``DP4A_TILED_LONG_K_CONFIG`` (unless ``DP4A_M1_MAX_N`` is 0: dp4a off); row-major codes
+    ``DP4A_CONFIG`` when ``DP4A_M1`` or ``N <= DP4A_M1_MAX_N``."""
     if w8:
         bm, bn, warps, stages, extra = W8_CONFIG
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
@@ -676,7 +676,8 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     programmatic dependent grid of the kernel before it in the stream (see ``PDL_MAX_M``; ignored
     under the interpreter, before Hopper and with ``w8``; the L2 prefetch depth is the config's
     ``L2_PREFETCH``, default ``PDL_L2_TILES``). ``tiled``: ``qweight`` is in the row-tiled layout
-    (``lowbit.formats.w4a8_int8.tile_codes``; the kernel's ``W_TILED``). Arguments are
+    (``lowbit.formats.w4a8_int8.tile_codes``; the kernel's ``W_TILED``; the L2 prefetch options
+    ``L2_PREFETCH``, ``PF_DIST`` and ``PF_BULK`` address row-major codes and are skipped then). Arguments are
     validated by ``lowbit.ops.w4a8_int8``. Returns
     ``(out, compiled_kernel)`` (the compiled kernel for PTX inspection; None when nothing ran)."""
     M, K = xq.shape

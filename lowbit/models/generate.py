@@ -106,7 +106,9 @@ def _fuse_rows(mods):
     ``config()`` (e.g. the same PTS exponent), every buffer either stacking along the rows as
     ``QuantLinear.fuse_layout`` says (``(dim, r)``: size ``out_features / r`` along ``dim``, every
     module's out_features a multiple of ``r``: concatenated along ``dim``; default ``(0, 1)``,
-    row-major) or identical across modules (shared, e.g. a table); the fused module comes from
+    row-major; ``(dim, r, align)``: also every module but the last a multiple of ``align`` rows) or
+    identical across modules (shared, e.g. a table), after the class's ``prepare_fusion`` hook had
+    its chance to make them stackable (e.g. tiled codes back to row-major); the fused module comes from
     ``cls.empty`` and must have the same buffer shapes, else None (never an inexact fusion). The
     originals' tensors become views of the fused ones (narrowed along ``dim``), so no memory is
     duplicated and the transformers path keeps working."""
@@ -132,13 +134,15 @@ def _fuse_rows(mods):
     cls = type(mods[0])
     if not isinstance(mods[0], QuantLinear) or any(type(m) is not cls for m in mods):
         return None
-    cls.prepare_fusion(mods)
+    m0 = mods[0]
+    if len({(m.in_features, m.dtype) for m in mods}) != 1:
+        return None
+    cls.prepare_fusion(mods)  # e.g. a layout change in place that makes the modules stackable
     try:
         cfgs = [m.config() for m in mods]
     except NotImplementedError:
         return None
-    m0 = mods[0]
-    if any(c != cfgs[0] for c in cfgs) or len({(m.in_features, m.dtype) for m in mods}) != 1:
+    if any(c != cfgs[0] for c in cfgs):
         return None
     names = [n for n, _ in m0.named_buffers(recurse=False)]
     try:

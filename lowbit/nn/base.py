@@ -35,7 +35,7 @@ class QuantLinear(nn.Module):
         """Options that ``empty`` needs to rebuild this module (JSON-serialisable)."""
         raise NotImplementedError
 
-    def fuse_layout(self) -> dict[str, tuple[int, int] | None]:
+    def fuse_layout(self) -> dict[str, tuple[int, ...] | None]:
         """How each registered buffer follows the output features, for stacking modules into one
         (``lowbit.models.generate._fuse_rows``): ``{name: (dim, rows_per_index)}`` says that index
         ``i`` along ``dim`` covers output rows ``[i * rows_per_index, (i + 1) * rows_per_index)``, so

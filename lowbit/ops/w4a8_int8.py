@@ -1,9 +1,9 @@
 """W4A8 INT8 linear (QServe QoQ): ``lowbit::w4a8_int8_gemm`` and ``w4a8_int8_linear``.
 
 ``w4a8_int8_linear(x, ...)`` (op ``lowbit::w4a8_int8_linear``) = per-token INT8 quantization of
-``x`` followed by the W4A8 GEMM (``lowbit.kernels.w4a8_int8_gemm``): for single-token decode of
-short-K layers (``use_fused_quant``) the quantization runs inside the GEMM kernel (one launch),
-otherwise the ``lowbit.ops.quant`` kernel runs first; the plain-PyTorch reference (``quantize_per_token`` + ``gemm_ref``, same
+``x`` followed by the W4A8 GEMM (``lowbit.kernels.w4a8_int8_gemm``): the act-quant kernel then the
+GEMM, for M <= ``PDL_MAX_M`` as a programmatic dependent pair (or, where ``use_fused_quant`` says so
+-- off by default since session 11 -- the quantization inside the GEMM kernel); the plain-PyTorch reference (``quantize_per_token`` + ``gemm_ref``, same
 numerics) on CPU without the interpreter.
 Weight fields and their layouts: ``lowbit.formats.w4a8_int8`` (the group size is implied by
 the shapes: ``Kp / G`` columns per group, ``Kp = 2 * qweight.shape[1]``).
@@ -21,10 +21,14 @@ from lowbit.formats.w4a8_int8 import gemm_ref
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_weight(K, qweight, wscale, gscale, gzs, bias, out_dtype, xname="xq"):
+def _check_weight(K, qweight, wscale, gscale, gzs, bias, out_dtype, xname="xq", tiled=False):
     check_tensor(qweight, "qweight", dtype=torch.uint8, ndim=2)
     N, kp2 = qweight.shape
     Kp = 2 * kp2
+    if qweight.numel() and qweight.stride(1) != 1:
+        raise ValueError(f"qweight must have unit stride along its last dim, got strides {list(qweight.stride())}")
+    if tiled and not qweight.is_contiguous():
+        raise ValueError("tiled qweight must be contiguous (its 64-row blocks are contiguous bytes)")
     check_tensor(wscale, "wscale", dtype=torch.float32, shape=[N])
     check_tensor(gscale, "gscale", dtype=torch.uint8, ndim=2)
     G = gscale.shape[1]
@@ -43,11 +47,11 @@ def _check_weight(K, qweight, wscale, gscale, gzs, bias, out_dtype, xname="xq"):
     return g
 
 
-def _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype):
+def _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, tiled=False):
     check_tensor(xq, "xq", dtype=torch.int8, ndim=2)
     M, K = xq.shape
     check_tensor(xscale, "xscale", dtype=torch.float32, shape=[M])
-    g = _check_weight(K, qweight, wscale, gscale, gzs, bias, out_dtype)
+    g = _check_weight(K, qweight, wscale, gscale, gzs, bias, out_dtype, tiled=tiled)
     check_same_device(xq=xq, xscale=xscale, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
     return g
 
@@ -83,7 +87,7 @@ def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor
     after its PDL act-quant launch). ``tiled``: ``qweight`` in the row-tiled layout
     (``lowbit.formats.w4a8_int8.tile_codes``; what ``W4A8INT8Linear`` stores by default).
     """
-    _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype)
+    _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, tiled)
     return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, bool(pdl), bool(tiled))
 
 
@@ -120,18 +124,17 @@ def _(x, qweight, wscale, gscale, gzs, bias, tiled=False):
 def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
                      gzs: torch.Tensor, bias: torch.Tensor | None = None, *, tiled: bool = False) -> torch.Tensor:
     """``x`` [..., K] (fp16/bf16/fp32) -> [..., N] in x's dtype: per-token INT8 quantization of x
-    (numerics of ``lowbit.formats.common.quantize_per_token``, its cost included) then the W4A8 GEMM.
-    Where it was measured faster (``lowbit.kernels.w4a8_int8_gemm.use_fused_quant``: one token,
-    short K range per program) the quantization runs inside the GEMM kernel (one launch: each
-    program reads its rows' absmax over K from L2, quantizes x tiles in registers); otherwise the
-    ``lowbit.ops.quant`` kernel runs first. Both give the same codes (bit-identical outputs).
+    (numerics of ``lowbit.formats.common.quantize_per_token``, its cost included) then the W4A8 GEMM:
+    the act-quant kernel first (for M <= 16 launched with the GEMM as a programmatic dependent pair),
+    or, where ``lowbit.kernels.w4a8_int8_gemm.use_fused_quant`` allows it (off by default since
+    session 11: measured slower), inside the GEMM kernel. All give the same codes (bit-identical outputs).
     ``tiled``: ``qweight`` in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``)."""
     check_tensor(x, "x", dtype=_OUT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dim")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x")
+    _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x", tiled=tiled)
     check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -183,7 +186,8 @@ def w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wsca
     h = gate_up.reshape(-1, gate_up.shape[-1])
     if h.stride(-1) != 1:
         h = h.contiguous()
-    _check_weight(h.shape[1] // 2, qweight, wscale, gscale, gzs, bias, gate_up.dtype, xname="gate_up's halves")
+    _check_weight(h.shape[1] // 2, qweight, wscale, gscale, gzs, bias, gate_up.dtype, xname="gate_up's halves",
+                  tiled=tiled)
     check_same_device(gate_up=gate_up, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
     y = _w4a8_int8_silu_mul_linear(h, qweight, wscale, gscale, gzs, bias, bool(tiled))
     return y.reshape(*lead, qweight.shape[0])
