@@ -188,6 +188,12 @@ def test_tiled_m1_default_config(N, K, dev):
     cfg = km.pick_config(1, N, K, 128, tiled=True)
     assert cfg["DP4A"] and cfg["KSTEP"] == (8 if K <= km.DP4A_TILED_K8_MAX_K else 4)
     assert "DP4A" not in km.pick_config(1, 28672, 4096, 128)  # row-major gate_up: wgmma
+    old = km.DP4A_M1_MAX_N
+    try:
+        km.DP4A_M1_MAX_N = {"rows": 0, "tiled": 0}  # dp4a off (the model bench's +dp4a0)
+        assert "DP4A" not in km.pick_config(1, N, K, 128, tiled=True)
+    finally:
+        km.DP4A_M1_MAX_N = old
     qw, xq, xs, _ = _case(1, N, K, 128, torch.float32, dev, seed=K)
     r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
     y = w4a8_int8_gemm_triton(xq, xs, fmt.tile_codes(qw.qweight), qw.wscale, qw.gscale, qw.gzs, None, K, 128,

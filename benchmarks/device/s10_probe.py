@@ -52,13 +52,15 @@ if "c" in a.parts:
         xq = torch.randint(-127, 128, (1, K), device="cuda", dtype=torch.int8)
         sx = torch.rand(1, device="cuda") + 0.5
         fns = [lambda w=w: w4a8_int8_gemm(xq, sx, w.qweight, w.wscale, w.gscale, w.gzs, None, pdl=True) for w in ws]
-        ik.DP4A_M1 = False
+        saved = ik.DP4A_M1_MAX_N
+        setting = {True: dict(saved, rows=1 << 62), False: dict(saved, rows=0)}  # dp4a on / off (row-major codes)
+        ik.DP4A_M1_MAX_N = setting[False]
         ref = fns[0]()
-        r = ab(lambda on: setattr(ik, "DP4A_M1", on), fns)
-        ik.DP4A_M1 = True
+        r = ab(lambda on: setattr(ik, "DP4A_M1_MAX_N", setting[on]), fns)
+        ik.DP4A_M1_MAX_N = setting[True]
         r["same_output"] = bool(torch.equal(fns[0](), ref))
         r["copies"] = len(ws)
-        ik.DP4A_M1 = False
+        ik.DP4A_M1_MAX_N = saved
         doc["int8_m1_dp4a"][f"{name} N={N} K={K}"] = r
         print(name, r, flush=True)
 with open(os.path.join(a.out, "s10_probe.json"), "w") as f:

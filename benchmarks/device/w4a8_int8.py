@@ -279,7 +279,7 @@ DECODE_AB = [  # (label, kernel-module constants) for the decode linear (x bf16,
 ]
 DECODE_AB_M1 = [  # M = 1 only: the fused-quant rule off (o/qkv) and DP4A, each with PDL
     ("nofuse pdl", dict(FUSE_QUANT_MAX_M=0, PDL_MAX_M=16, PDL_L2_TILES=0)),
-    ("nofuse pdl dp4a", dict(FUSE_QUANT_MAX_M=0, PDL_MAX_M=16, PDL_L2_TILES=0, DP4A_M1=True)),
+    ("nofuse pdl dp4a", dict(FUSE_QUANT_MAX_M=0, PDL_MAX_M=16, PDL_L2_TILES=0, DP4A_M1_MAX_N={"rows": 1 << 62, "tiled": 1 << 62})),
 ]
 
 

@@ -109,13 +109,13 @@ W8_MIN_M = 1024
 W8_MIN_K = 8192
 DEQUANT_CONFIG = (64, 1, 4)  # dequantize_w8: (rows, 128-column chunks per program, warps)
 # M = 1 (x pre-quantized): the dequantized weights meet x in ``dp4a`` on CUDA cores (DP4A; no MMA
-# padding to 16 tokens, no shared memory, plain 16-byte loads, KSTEP chunks per iteration in flight).
-DP4A_M1 = False
-# ... or for layers of at most this many output features (0 = none). Session 10 probe (H200, x pre-quantized, PDL
-# launches back to back in a CUDA graph, weights rotated over > 2x L2; `benchmarks/results/h200/s10_probe.json`),
-# us dp4a vs wgmma: qkv 8.58 vs 11.51, o 6.53 vs 8.32, down (N 4096, K 14336) 15.01 vs 18.53, gate_up (N 28672)
-# 25.06 vs 23.98: the narrow layers have too few 64-row wgmma tiles to hide their latency.
-DP4A_M1_MAX_N = 8192
+# padding to 16 tokens, no shared memory, plain 16-byte loads, KSTEP chunks per iteration in flight), for
+# layers of at most ``DP4A_M1_MAX_N[layout]`` output features (0: never), by the codes' layout.
+# Row-major codes: N <= 8192. Session 10 probe (H200, x pre-quantized, PDL launches back to back in a CUDA
+# graph, weights rotated over > 2x L2; `benchmarks/results/h200/s10_probe.json`), us dp4a vs wgmma: qkv 8.58
+# vs 11.51, o 6.53 vs 8.32, down (N 4096, K 14336) 15.01 vs 18.53, gate_up (N 28672) 25.06 vs 23.98: the
+# narrow layers have too few 64-row wgmma tiles to hide their latency.
+DP4A_M1_MAX_N = {"rows": 8192, "tiled": 1 << 62}
 DP4A_CONFIG = (16, 64, 0, 4, 1, 4, dict(DP4A=True, KSTEP=4))
 # Row-tiled codes (``tiled``, the modules' default since session 11): dp4a for every N at M = 1, KSTEP 8 for
 # K <= DP4A_TILED_K8_MAX_K, else KSTEP 4 with 8 warps. Session 11 probe (H100, x pre-quantized, PDL launches in
@@ -598,18 +598,16 @@ def use_w8(M: int, N: int, K: int) -> bool:
 def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, w8: bool = False,
                 fused: bool = False, tiled: bool = False) -> dict:
     """Tile config by M bucket (``CONFIGS``); split-K for small M (``auto_split``); ``w8``: the
-    plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``): row-tiled
-    codes (``tiled``) ``DP4A_TILED_CONFIG`` (K <= ``DP4A_TILED_K8_MAX_K``) or
-    ``DP4A_TILED_LONG_K_CONFIG`` (unless ``DP4A_M1_MAX_N`` is 0: dp4a off); row-major codes
-    ``DP4A_CONFIG`` when ``DP4A_M1`` or ``N <= DP4A_M1_MAX_N``."""
+    plain W8A8 GEMM's tiles (``W8_CONFIG``); M = 1 with x pre-quantized (not ``fused``) and
+    ``N <= DP4A_M1_MAX_N[layout]``: the dp4a config of the codes' layout (row-tiled, ``tiled``:
+    ``DP4A_TILED_CONFIG`` for K <= ``DP4A_TILED_K8_MAX_K``, else ``DP4A_TILED_LONG_K_CONFIG``;
+    row-major: ``DP4A_CONFIG``)."""
     if w8:
         bm, bn, warps, stages, extra = W8_CONFIG
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_warps=warps, num_stages=stages, **extra)
-    if M == 1 and tiled and not fused and DP4A_M1_MAX_N > 0:
-        bm, bn, split, warps, stages, ctas, extra = (DP4A_TILED_CONFIG if K <= DP4A_TILED_K8_MAX_K
-                                                     else DP4A_TILED_LONG_K_CONFIG)
-    elif M == 1 and (DP4A_M1 or N <= DP4A_M1_MAX_N) and not fused:
-        bm, bn, split, warps, stages, ctas, extra = DP4A_CONFIG
+    if M == 1 and not fused and N <= DP4A_M1_MAX_N["tiled" if tiled else "rows"]:
+        bm, bn, split, warps, stages, ctas, extra = (
+            DP4A_CONFIG if not tiled else DP4A_TILED_CONFIG if K <= DP4A_TILED_K8_MAX_K else DP4A_TILED_LONG_K_CONFIG)
     else:
         for bound in sorted(CONFIGS):
             if M <= bound:
