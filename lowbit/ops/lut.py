@@ -3,11 +3,13 @@
 ``lut_gemm(x [..., K], packed weight) -> y [..., N]``, y = x @ W_hat^T with W_hat = T[c] * s
 (layouts: ``lowbit.formats.lut``). Dispatch:
 
-- bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): the Triton kernel
+- bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): layout 'mma' at 4 bits, from 17 tokens
+  (9 for N < 16384 and K < 8192; ``kernels.lut_wgmma.wgmma_preferred``) up to ``MAX_WGMMA_M`` (= 128): the
+  register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12); otherwise the Triton kernels of
   ``lowbit.kernels.lut_gemm`` for M <= ``MAX_KERNEL_M`` (= 64) rows; above that, the
   Triton dequantize kernel + cuBLAS (``F.linear``), which wins once the product is
   compute-bound (crossover measured by ``lowbit/bench/suites/lut.py`` on H200, gate_up 4-bit:
-  kernel faster at M = 64, dequantize + cuBLAS faster from M = 128). The kernel itself is
+  kernel faster at M = 64, dequantize + cuBLAS faster from M = 128). The kernels themselves are
   correct for any M (tested up to 300);
 - otherwise (float32 ``x``, CPU without the interpreter): the plain-PyTorch reference
   ``lut_gemm_ref`` (dequantize in float32, float32 matmul, cast to x's dtype).
@@ -82,8 +84,14 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
     if layout == "mma":
         if x.dtype in _ACT and use_triton(x, qweight, scales, table):
             from lowbit.kernels.lut_gemm import lut_dequant_mma_triton, lut_mma_triton
+            from lowbit.kernels.lut_wgmma import MAX_WGMMA_M, lut_wgmma_triton, wgmma_preferred
 
-            if x.shape[0] <= MAX_KERNEL_M:
+            M = x.shape[0]
+            if bits == 4 and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K):
+                if pairs is None or pairs.dtype != x.dtype:
+                    pairs = _pairs_for(table, bits, x.dtype)
+                return lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N)
+            if M <= MAX_KERNEL_M:
                 if pairs is None or pairs.dtype != x.dtype:
                     pairs = _pairs_for(table, bits, x.dtype)
                 return lut_mma_triton(x, qweight, qweight_hi, scales, pairs, table, bits=bits, group_size=group_size,
@@ -121,9 +129,9 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     ``formats.lut.pair_table(table, bits, x.dtype)``; 'auto' picks 'affine' for uniform tables,
     else 'load'). ``layout``: 'planar' (``formats.lut.pack_codes``) or 'mma' (``formats.lut.pack_codes_mma``,
     the tensor-core fragment kernel; ``lookup`` is then ignored: always the pair table). Float32
-    ``x`` always runs the reference. ``pdl`` (layout 'mma', M <= ``MAX_KERNEL_M``, Hopper): the kernel
+    ``x`` always runs the reference. ``pdl`` (layout 'mma', the fragment kernel's range, Hopper): the kernel
     is a programmatic dependent launch, its table set-up before the wait (same result; the runner's
-    batch-1 chain)."""
+    batch-1 chain); the register-table kernel (9..128 tokens) ignores it."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:

@@ -138,6 +138,10 @@ def target_rows(rec, quick: bool, shapes=("gate_up", "down", "8192sq"), ms=(1, 1
                 fns = [lut_fn(p) for p in packs[b]]
                 _try(rec, case, f"lut{b}-nf-g128", lambda: _time(rec, case, f"lut{b}-nf-g128", fns, xs, flops=fl,
                                                                  byts=lut_bytes(M, N, K, b, 128)))
+            if M >= 9 and 4 in packs and "qmma" in packs[4][0]:  # the fragment kernel, A/B to the op's choice
+                mk = [mma_fn(p) for p in packs[4]]
+                _try(rec, case, "lut4-mma-kernel", lambda: _time(rec, case, "lut4-mma-kernel", mk, xs, flops=fl,
+                                                                 byts=lut_bytes(M, N, K, 4, 128)))
             if extra is not None:
                 extra(name, ws, packs, xs, case)
         del ws, packs, bf, tg, bn
@@ -160,6 +164,9 @@ def crossover_rows(rec, quick: bool, name="gate_up", ms=(64, 128, 256, 512, 1024
         kern = [lut_fn(p, block_m=min(64, max(16, M)) if M <= 64 else 64) for p in packs]
         _try(rec, case, "lut4-kernel", lambda: _time(rec, case, "lut4-kernel", kern, xs, flops=fl,
                                                      byts=lut_bytes(M, N, K, 4, 128), reps=50))
+        op = [lut_fn(p) for p in packs]  # the op's dispatch (LUTLinear): register-table kernel up to M = 128
+        _try(rec, case, "lut4-op", lambda: _time(rec, case, "lut4-op", op, xs, flops=fl,
+                                                 byts=lut_bytes(M, N, K, 4, 128), reps=50))
         dq = [dequant_cublas_fn(p, K) for p in packs]
         _try(rec, case, "lut4-dequant+cublas", lambda: _time(rec, case, "lut4-dequant+cublas", dq, xs, flops=fl,
                                                              byts=lut_bytes(M, N, K, 4, 128), reps=50))

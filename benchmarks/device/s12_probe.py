@@ -1,0 +1,192 @@
+"""Session-12 probe (device): the W4A8-FP8 fused GEMM between decode and the dequantize + _scaled_mm path.
+
+    python3 benchmarks/device/s12_probe.py --out DIR [--parts f]
+
+(f) M = 128 / 256 on the Llama-3-8B projections, x pre-quantized (the GEMM alone), CUDA graphs of back-to-back
+    launches with the weights rotated over > 2x L2, variants alternated over 3 rounds (median, min, max):
+    the committed default (``pick_config``: swap-AB, 128 x-rows x 64 weight rows, 4 warps, 4 stages) against
+    wider weight tiles (128 rows, 8 warps), 256 x-rows per tile (the weight dequantized once per 256 tokens),
+    3 stages, twice the split-K, Triton's own FP8 promotion (``max_num_imprecise_acc`` = 128, no ``ACC_TILE``),
+    the decode path's TMA + scale-word + 2 K tiles per step, and the dequantize + ``torch._scaled_mm`` mode;
+    peers cuBLAS bf16 and ``_scaled_mm`` row-wise on a pre-dequantized FP8 weight in the same alternation.
+    Every variant's output is compared with the default's (max |diff| / max |y|).
+(g) the register-table LUT kernel (``lowbit.kernels.lut_wgmma``, 4-bit NF g128, bf16) at M = 16 / 32 / 64 / 128
+    against the fragment kernel's default (M <= 64) and cuBLAS bf16, launch variants (stages, row tiles per
+    program, prefetch, programs per SM, warps), rel-L2 to the float64 reference, registers / spills / wgmma count.
+(h) as (g) with the second variant set: one dot per decoded half vs the halves stacked into one dot (``one_dot``),
+    64 or 128 rows per program, 1 / 2 / 4 programs per SM; above M = 64 also the op's dequantize + cuBLAS path.
+(i) as (g): the stacked 128-row dot over 8 warps (two warpgroups of 64 rows) against the committed configs.
+Output: ``s12_probe.json``.
+"""
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from lowbit.bench.harness import alternate_us as rounds, env_info, probe_args, rotation_copies as copies  # noqa: E402
+
+a = probe_args("f")
+LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096)}
+doc = {"suite": "s12_probe", "env": env_info("benchmarks/device/s12_probe.py --parts " + a.parts)}
+
+
+def dump():
+    with open(os.path.join(a.out, "s12_probe.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if "f" in a.parts:
+    from lowbit.formats.common import FP8_E4M3
+    from lowbit.formats.w4a8_fp8 import quantize_weight
+    from lowbit.kernels import w4a8_fp8_gemm as fk
+    from lowbit.kernels.act_quant import per_token_quant_triton
+
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    doc["fp8_mid_m"] = {}
+    for name, (N, K) in LAYERS.items():
+        w = torch.randn(N, K, device="cuda") * 0.02
+        codes, sc, invd = quantize_weight(w, 128, 6)
+        invd = float(invd)
+        del w
+        ws = [(codes, sc)] + [(codes.clone(), sc.clone()) for _ in range(copies(codes.numel()) - 1)]
+        wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
+        wf = fk.dequantize_to_fp8(codes, sc, K, 128)
+        wfs = [wf] + [wf.clone() for _ in range(copies(wf.numel()) - 1)]
+        kt = K // 128
+        for M in (128, 256):
+            key = f"{name} N={N} K={K} M={M}"
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            xq, sx = per_token_quant_triton(x, FP8_E4M3)
+            base = fk.pick_config(M, N, K, nsm)
+            mid = dict(SWAP_AB=True, GROUP_M=1, ACC_TILE=True, SWORD=False, **fk.MID_FLAGS)
+            var = {"default": base}
+            var["bn128_w8"] = dict(mid, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4,
+                                   SPLIT_K=fk._split_k(-(-N // 128) * -(-M // 128), kt, nsm))
+            var["st3"] = dict(base, num_stages=3)
+            var["split2x"] = dict(base, SPLIT_K=min(kt // 4, 2 * base["SPLIT_K"]))
+            var["imprecise128"] = dict(base, ACC_TILE=False, IMPRECISE=128)
+            var["tma_sword_k2"] = dict(mid, BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, SWORD=True, TMA=True,
+                                       KSTEP=2, SPLIT_K=1)
+            var["bm64_w4"] = dict(mid, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4,
+                                  SPLIT_K=fk._split_k(-(-N // 128) * -(-M // 64), kt, nsm))
+            if M == 256:
+                var["bm256_w4"] = dict(mid, BLOCK_M=256, BLOCK_N=64, num_warps=4, num_stages=3,
+                                       SPLIT_K=fk._split_k(-(-N // 64), kt, nsm))
+                var["bm256_bn128_w8"] = dict(mid, BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3,
+                                             SPLIT_K=fk._split_k(-(-N // 128), kt, nsm))
+            var["scaled_mm_mode"] = dict(base, MODE="scaled_mm")
+            res = {"configs": {k: {kk: vv for kk, vv in v.items()} for k, v in var.items()}, "check": {}}
+            ref = fk.w4a8_fp8_gemm(xq, sx, codes, sc, invd, K, 128).float()
+            fns = {}
+            for vn, cfg in var.items():
+                try:
+                    y = fk.w4a8_fp8_gemm(xq, sx, codes, sc, invd, K, 128, config=cfg).float()
+                    torch.cuda.synchronize()
+                    err = ((y - ref).abs().max() / ref.abs().max()).item()
+                    res["check"][vn] = err
+                    fns[vn] = [lambda c=c, s=s, cfg=cfg: fk.w4a8_fp8_gemm(xq, sx, c, s, invd, K, 128, config=cfg)
+                               for c, s in ws]
+                except Exception as exc:  # a config that does not compile or fit: recorded, not timed
+                    traceback.print_exc()
+                    res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
+            sa = sx.reshape(M, 1)
+            sb = torch.full((1, N), invd, device="cuda", dtype=torch.float32)
+            fns["peer_scaled_mm_fp8"] = [lambda f=f: torch._scaled_mm(xq, f.t(), scale_a=sa, scale_b=sb,
+                                                                      out_dtype=torch.bfloat16) for f in wfs]
+            fns["peer_cublas_bf16"] = [lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]
+            try:
+                res["us"] = rounds(fns, rounds=3)
+            except Exception as exc:
+                traceback.print_exc()
+                res["error"] = str(exc)[:300]
+            doc["fp8_mid_m"][key] = res
+            print(key, json.dumps(res.get("us")), json.dumps(res["check"]), flush=True)
+            dump()
+        del ws, wbs, wfs, wf, wb
+        torch.cuda.empty_cache()
+dump()  # (f)
+
+if "g" in a.parts or "h" in a.parts or "i" in a.parts:
+    # (g) the register-table LUT kernel (lowbit.kernels.lut_wgmma) against the fragment kernel's default and
+    # cuBLAS bf16 at M = 16 / 32 / 64 / 128 (4-bit NF g128, bf16), launch configs alternated over 3 rounds
+    from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quantize_lut
+    from lowbit.kernels import lut_gemm as LG
+    from lowbit.kernels import lut_wgmma as LW
+
+    PART_G2 = "h" in a.parts  # (h): the second variant set of (g)
+    PART_G3 = "i" in a.parts  # (i): the third
+    TAG = "_3" if PART_G3 else ("_2" if PART_G2 else "")
+    doc["lut_wgmma" + TAG] = {}
+    for name, (N, K) in LAYERS.items():
+        q = quantize_lut(torch.randn(N, K, device="cuda"), bits=4, group_size=128, scale_dtype=torch.bfloat16)
+        qm, _ = pack_codes_mma(q.codes, 4, 128, K)
+        qm = qm.cuda()
+        sc = q.scales.t().contiguous()
+        pairs = pair_table(q.table, 4, torch.bfloat16).cuda()
+        tab = q.table.cuda()
+        wsets = [(qm, sc)] + [(qm.clone(), sc.clone()) for _ in range(copies(qm.numel() * 4) - 1)]
+        wb = dequantize_lut(q).to(torch.bfloat16)
+        wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
+        del q
+        for M in (16, 32, 64, 128):
+            key = f"{name} N={N} K={K} M={M}"
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = (x.double() @ wb.double().t())
+            if PART_G3:  # third round: the stacked dot over two warpgroups (8 warps, 64 rows each)
+                var = {f"w_{'o' if od else 'd'}{rt}w{nw}_c{c}": {"one_dot": od, "rt": rt, "ctas_per_sm": c,
+                                                                 "num_warps": nw}
+                       for od, rt, nw, c in ((False, 8, 4, 2), (False, 8, 4, 4), (True, 8, 8, 1), (True, 8, 8, 2),
+                                             (True, 8, 8, 4), (True, 4, 4, 2))}
+            elif PART_G2:  # second round: two dots vs one stacked dot (one_dot), 128 or 64 rows per program
+                var = {f"w_{'o' if od else 'd'}{rt}_c{c}": {"one_dot": od, "rt": rt, "ctas_per_sm": c}
+                       for od, rt, c in ((False, 8, 1), (False, 8, 2), (False, 8, 4), (True, 8, 1), (True, 8, 2),
+                                         (True, 8, 4), (True, 4, 2), (True, 4, 4))}
+                var["w_o4_c4_s4"] = {"one_dot": True, "rt": 4, "ctas_per_sm": 4, "num_stages": 4}
+            else:
+                var = {"w_default": {}, "w_s2": {"num_stages": 2}, "w_s4": {"num_stages": 4}, "w_rt4": {"rt": 4},
+                       "w_nopf": {"prefetch": False}, "w_c1": {"ctas_per_sm": 1}, "w_c4": {"ctas_per_sm": 4},
+                       "w_w8": {"num_warps": 8}}
+                if M == 128:
+                    var["w_bm128"] = {"block_m": 128}
+            res = {"check": {}, "compiled": {}}
+            fns = {}
+            if M <= 64:
+                y = LG.lut_mma_triton(x, qm, None, sc, pairs, tab, bits=4, group_size=128, out_features=N)
+                res["check"]["mma_default"] = ((y.double() - ref).norm() / ref.norm()).item()
+                fns["mma_default"] = [lambda c=c, s=s: LG.lut_mma_triton(x, c, None, s, pairs, tab, bits=4, group_size=128,
+                                                                         out_features=N) for c, s in wsets]
+            for vn, ov in var.items():
+                try:
+                    y = LW.lut_wgmma_triton(x, qm, sc, pairs, group_size=128, out_features=N, **ov)
+                    torch.cuda.synchronize()
+                    res["check"][vn] = ((y.double() - ref).norm() / ref.norm()).item()
+                    k = LW.LAST_COMPILED["wgmma"]
+                    ptx = k.asm.get("ptx", "")
+                    res["compiled"][vn] = {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                                           "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+                                           "prmt": ptx.count("prmt.b32"), "shared": k.metadata.shared}
+                    fns[vn] = [lambda c=c, s=s, ov=ov: LW.lut_wgmma_triton(x, c, s, pairs, group_size=128, out_features=N,
+                                                                           **ov) for c, s in wsets]
+                except Exception as exc:
+                    traceback.print_exc()
+                    res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
+            fns["peer_cublas_bf16"] = [lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]
+            if M > 64:  # the op's path above MAX_KERNEL_M: dequantize (fragment layout) + cuBLAS
+                fns["dequant_cublas"] = [lambda c=c, s=s: torch.nn.functional.linear(x, LG.lut_dequant_mma_triton(
+                    c, None, s, tab, bits=4, group_size=128, out_features=N, in_features=K, dtype=torch.bfloat16))
+                    for c, s in wsets]
+            try:
+                res["us"] = rounds(fns, rounds=3)
+            except Exception as exc:
+                traceback.print_exc()
+                res["error"] = str(exc)[:300]
+            doc["lut_wgmma" + TAG][key] = res
+            print(key, json.dumps(res.get("us")), json.dumps(res["check"]), json.dumps(res["compiled"]), flush=True)
+            dump()
+        del wsets, wbs, wb
+        torch.cuda.empty_cache()
+    dump()

@@ -1,0 +1,349 @@
+"""Triton LUT GEMM for 9..128 tokens: the 4-bit table in registers (``prmt``), ``tl.dot`` on the tensor cores.
+
+Same product and format as ``lowbit.kernels.lut_gemm`` (FLUTE, seed 002)::
+
+    Y[m, n] = sum_k X[m, k] * T[c[n, k]] * s[k // G, n]
+
+and the same packed codes: the fragment layout of ``formats.lut.pack_codes_mma`` (4-bit, G in 64/128/256), so
+a ``LUTLinear`` holds one copy of its weight for both kernels. Where the fragment kernel (``_lut_mma_kernel``)
+looks every code pair up in a shared-memory table and issues ``mma.sync`` itself -- the right trade at M <= 16,
+where its instruction stream is all lookups -- this kernel leaves the multiply to Triton's ``tl.dot`` (wgmma on
+Hopper; the activation tile staged in shared memory by Triton's pipeliner, read once per program) and makes the
+lookup a pure register computation:
+
+- The 16 table entries in the activation dtype are split into their low and high bytes, 4 + 4 registers
+  (``L0..L3``, ``H0..H3``: entry e's low byte is byte e % 4 of ``L[e // 4]``). One code word holds the 8 codes
+  of one lane and k-step (``pack_codes_mma``: nibble ``j = 4 bh + 2 rh + h`` = row ``16 rt + g + 8 rh``,
+  K ``64 c + 16 t + 4 s + 2 bh + h``). Per group of 4 nibbles: the low 3 bits of each (``& 0x7777``) select a
+  byte of ``{L0, L1}`` and of ``{L2, L3}`` in one ``prmt`` each, the high bit -- expanded to a byte mask by one
+  sign-replicating ``prmt`` of the word and the word shifted by 4 -- picks between them (``lop3``); the same
+  for the high bytes, and two ``prmt`` interleave low and high bytes into the four 16-bit values. 22
+  integer instructions per 8 codes, no memory access, no shared memory.
+- Per chunk (64 K) and program (``16 RT`` rows), the words are loaded as ``[8 RT, 16]`` (row ``(rt, g)``,
+  column ``4 t + s`` = 64 contiguous bytes per row), decoded into two ``[8 RT, 64]`` tiles -- rows ``g`` and
+  ``g + 8`` of every row tile, K in natural order -- and each tile is one ``tl.dot`` against the ``[64, BLOCK_M]``
+  activation tile ("swap AB": the weights are the wide M side, the tokens the narrow N side).
+- FP32 accumulation; the products of one scale group are summed first and scaled once
+  (``acc += part * s``, FP32), as in the fragment kernel. The table values are rounded to the activation dtype
+  (``formats.lut.pair_table``, the fragment kernel's rounding).
+- Split-K over scale groups with the fragment kernel's deterministic in-kernel reduction (FP32 partials, the
+  last program of a tile to arrive sums them in split order).
+
+The interpreter (CPU tests) decodes the nibbles with shifts and a table load (``EMU``); the PTX path is checked
+against it and the reference on the GPU (``tests/test_lut_wgmma.py``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import cdiv, interpret_mode
+from lowbit.formats.lut import MMA_CHUNK, mma_shapes
+
+# one code word (8 nibbles) + the 8 byte-table registers -> the 8 values, nibble order (16-bit outputs)
+_DECODE_ASM = tl.constexpr("""{
+.reg .b32 sa, sb, w4, ma, mb, x, y, lo, hi, o;
+and.b32 sa, $8, 0x7777;
+shr.u32 sb, $8, 16;
+and.b32 sb, sb, 0x7777;
+shl.b32 w4, $8, 4;
+prmt.b32 ma, w4, $8, 0xD9C8;
+prmt.b32 mb, w4, $8, 0xFBEA;
+prmt.b32 x, $9, $10, sa;
+prmt.b32 y, $11, $12, sa;
+lop3.b32 lo, x, y, ma, 0xD8;
+prmt.b32 x, $13, $14, sa;
+prmt.b32 y, $15, $16, sa;
+lop3.b32 hi, x, y, ma, 0xD8;
+prmt.b32 o, lo, hi, 0x5140;
+mov.b32 {$0, $1}, o;
+prmt.b32 o, lo, hi, 0x7362;
+mov.b32 {$2, $3}, o;
+prmt.b32 x, $9, $10, sb;
+prmt.b32 y, $11, $12, sb;
+lop3.b32 lo, x, y, mb, 0xD8;
+prmt.b32 x, $13, $14, sb;
+prmt.b32 y, $15, $16, sb;
+lop3.b32 hi, x, y, mb, 0xD8;
+prmt.b32 o, lo, hi, 0x5140;
+mov.b32 {$4, $5}, o;
+prmt.b32 o, lo, hi, 0x7362;
+mov.b32 {$6, $7}, o;
+}""")
+_DECODE_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
+
+
+@triton.jit
+def _byte_tables(P):
+    """The 16 entries (``pairs[e, 0]`` = T[e] in the activation dtype, int16 bits) -> the 8 byte-table
+    registers: ``L[j]`` byte i = low byte of T[4 j + i], ``H[j]`` the high bytes."""
+    PI = P.to(tl.pointer_type(tl.int16))
+    lo0 = tl.full([], 0, tl.int32)
+    lo1 = lo0
+    lo2 = lo0
+    lo3 = lo0
+    hi0 = lo0
+    hi1 = lo0
+    hi2 = lo0
+    hi3 = lo0
+    for e in tl.static_range(16):
+        v = tl.load(PI + 2 * e).to(tl.int32) & 0xFFFF
+        lb = (v & 0xFF) << (8 * (e % 4))
+        hb = (v >> 8) << (8 * (e % 4))
+        if e // 4 == 0:
+            lo0 |= lb
+            hi0 |= hb
+        elif e // 4 == 1:
+            lo1 |= lb
+            hi1 |= hb
+        elif e // 4 == 2:
+            lo2 |= lb
+            hi2 |= hb
+        else:
+            lo3 |= lb
+            hi3 |= hb
+    return lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
+
+
+@triton.jit
+def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """Code words ``[R, 16]`` -> (rows g, rows g + 8) ``[R, 64]`` in the activation dtype, K in natural order."""
+    if EMU:
+        PI = P.to(tl.pointer_type(OUT_DTYPE))
+        n0 = tl.load(PI + 2 * (words & 15))
+        n1 = tl.load(PI + 2 * ((words >> 4) & 15))
+        n2 = tl.load(PI + 2 * ((words >> 8) & 15))
+        n3 = tl.load(PI + 2 * ((words >> 12) & 15))
+        n4 = tl.load(PI + 2 * ((words >> 16) & 15))
+        n5 = tl.load(PI + 2 * ((words >> 20) & 15))
+        n6 = tl.load(PI + 2 * ((words >> 24) & 15))
+        n7 = tl.load(PI + 2 * ((words >> 28) & 15))
+    else:
+        lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
+        args = [words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3]
+        if OUT_DTYPE == tl.bfloat16:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                _DECODE_ASM, _DECODE_CONS, args, is_pure=True, pack=1,
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                       tl.bfloat16))
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+                _DECODE_ASM, _DECODE_CONS, args, is_pure=True, pack=1,
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16))
+    R: tl.constexpr = words.shape[0]
+    # nibble j = 4 bh + 2 rh + h -> tile rh, column 4 (4 t + s) + 2 bh + h
+    w0 = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n1, n5)), [R, 64])
+    w1 = tl.reshape(tl.join(tl.join(n2, n6), tl.join(n3, n7)), [R, 64])
+    return w0, w1
+
+
+@triton.jit
+def _lut_wgmma_kernel(
+    # pointers
+    X, Q, S, P, Y, WS, LOCKS,
+    # sizes
+    M, N, NRT, NC, NG, GROUPS_PER_SPLIT, SPLIT_K,
+    # strides (unit stride along K for X, along N for S and Y)
+    stride_xm, stride_sg, stride_ym,
+    # constexpr flags
+    GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
+    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr,
+):
+    """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
+    ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
+    multiplied by one ``tl.dot`` per chunk; otherwise one dot per half."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    BR: tl.constexpr = 8 * RT  # (row tile, g) rows per half
+    CPG: tl.constexpr = GROUP // 64  # chunks per scale group
+    ODT: tl.constexpr = Y.dtype.element_ty
+    i = tl.arange(0, BR)
+    rt = pid_n * RT + i // 8
+    rt_ok = rt < NRT
+    n0 = rt * 16 + i % 8  # rows of half 0 (half 1: + 8)
+    n1 = n0 + 8
+    if ONE_DOT:  # row rh * BR + i of the stacked tile = weight row 16 rt + 8 rh + g
+        r2 = tl.arange(0, 2 * BR)
+        n0 = (pid_n * RT + (r2 % BR) // 8) * 16 + 8 * (r2 // BR) + r2 % 8
+        RB: tl.constexpr = 2 * BR
+    else:
+        RB: tl.constexpr = BR
+    q_rows = Q + (rt.to(tl.int64) * (NC * 128) + (i % 8) * 16)[:, None] + tl.arange(0, 16)[None, :]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]
+    tabs = _byte_tables(P)  # (unused by the interpreter's decode)
+    g0 = pid_k * GROUPS_PER_SPLIT
+    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
+    acc0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
+    acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)  # (two-dot mode only)
+    if PREFETCH:  # the first group's words (register double buffer across groups)
+        nw0 = tl.load(q_rows + g0 * CPG * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
+        nw1 = nw0
+        nw2 = nw0
+        nw3 = nw0
+        if CPG >= 2:
+            nw1 = tl.load(q_rows + (g0 * CPG + 1) * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
+        if CPG >= 4:
+            nw2 = tl.load(q_rows + (g0 * CPG + 2) * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
+            nw3 = tl.load(q_rows + (g0 * CPG + 3) * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
+    for gi in range(g0, g1):
+        p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
+        p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+        if PREFETCH:
+            cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
+            nxt = rt_ok[:, None] & (gi + 1 < g1)
+            nw0 = tl.load(q_rows + (gi + 1) * CPG * 128, mask=nxt, other=0)
+            if CPG >= 2:
+                nw1 = tl.load(q_rows + ((gi + 1) * CPG + 1) * 128, mask=nxt, other=0)
+            if CPG >= 4:
+                nw2 = tl.load(q_rows + ((gi + 1) * CPG + 2) * 128, mask=nxt, other=0)
+                nw3 = tl.load(q_rows + ((gi + 1) * CPG + 3) * 128, mask=nxt, other=0)
+        for cc in tl.static_range(CPG):
+            c = gi * CPG + cc
+            if PREFETCH:
+                if cc == 0:
+                    words = cw0
+                elif cc == 1:
+                    words = cw1
+                elif cc == 2:
+                    words = cw2
+                else:
+                    words = cw3
+            else:
+                words = tl.load(q_rows + c * 128, mask=rt_ok[:, None], other=0)
+            xt = tl.load(x_rows + c * 64, mask=m_ok[:, None], other=0.0)
+            w0, w1 = _decode(words, P, tabs, EMU, ODT)
+            if ONE_DOT:
+                w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, 64])
+                p0 = tl.dot(w01, tl.trans(xt), p0)
+            else:
+                p0 = tl.dot(w0, tl.trans(xt), p0)
+                p1 = tl.dot(w1, tl.trans(xt), p1)
+        s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
+        acc0 += p0 * s0[:, None]
+        if not ONE_DOT:
+            s1 = tl.load(S + gi * stride_sg + n1, mask=n1 < N, other=0.0).to(tl.float32)
+            acc1 += p1 * s1[:, None]
+    mask0 = (n0 < N)[:, None] & m_ok[None, :]
+    mask1 = (n1 < N)[:, None] & m_ok[None, :]
+    if USE_SPLIT:
+        ws = WS + pid_k.to(tl.int64) * M * N + offs_m[None, :] * N
+        tl.store(ws + n0[:, None], acc0, mask=mask0)
+        if not ONE_DOT:
+            tl.store(ws + n1[:, None], acc1, mask=mask1)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            t0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
+            t1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+            wr = WS + offs_m[None, :] * N
+            for sk in range(0, SPLIT_K):
+                t0 += tl.load(wr + sk * M * N + n0[:, None], mask=mask0, other=0.0, cache_modifier=".cg")
+                if not ONE_DOT:
+                    t1 += tl.load(wr + sk * M * N + n1[:, None], mask=mask1, other=0.0, cache_modifier=".cg")
+            yr = Y + offs_m[None, :] * stride_ym
+            tl.store(yr + n0[:, None], t0.to(ODT), mask=mask0)
+            if not ONE_DOT:
+                tl.store(yr + n1[:, None], t1.to(ODT), mask=mask1)
+            tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        yr = Y + offs_m[None, :] * stride_ym
+        tl.store(yr + n0[:, None], acc0.to(ODT), mask=mask0)
+        if not ONE_DOT:
+            tl.store(yr + n1[:, None], acc1.to(ODT), mask=mask1)
+
+
+WGMMA_GROUPS = (64, 128, 256)
+MAX_WGMMA_M = 128  # the op's limit for this kernel (above: dequantize + cuBLAS; M = 128 gate_up 129 vs 219 us, H100)
+LAST_COMPILED: dict = {}  # the last launch's compiled kernel (PTX / register inspection in the device scripts)
+
+
+def wgmma_preferred(M: int, N: int, K: int) -> bool:
+    """Whether the op takes this kernel over the fragment kernel (4-bit 'mma' layout, ``M <= MAX_WGMMA_M``).
+    Session-12 probe (H100, us, GEMM alone, `benchmarks/results/h100/s12_probe.json` part h; qkv / o / down /
+    gate_up of Llama-3-8B): M = 16 fragment 23.6 / 14.7 / 25.4 / 48.6 vs this 17.4 / 13.6 / 30.6 / 49.6;
+    M = 32 30.8 / 27.4 / 47.1 / 71.3 vs 19.4 / 15.5 / 34.7 / 58.4; M = 64 40.1 / 32.0 / 69.3 / 134.0 vs
+    25.1 / 19.8 / 49.5 / 67.7. So: from 17 tokens always, at 9..16 where N < 16384 and K < 8192."""
+    if M >= 17:
+        return True
+    return M >= 9 and N < 16384 and K < 8192
+
+
+def wgmma_config(M: int, N: int, K: int, group_size: int) -> dict:
+    """Launch parameters: ``rt`` row tiles of 16 per program, ``block_m`` tokens, split-K to fill ``ctas_per_sm``
+    programs per SM, ``one_dot`` (stacked halves). The best of the session-12 probe per M range (H100, us;
+    ``d8`` = two dots, rt 8; ``o4`` = one dot, rt 4; cN = ctas_per_sm): M <= 16 d8 c2; M <= 32 d8 c2 (gate_up
+    c4: 58.4 vs 63.3); M <= 64 gate_up d8 c1 67.7 (c2 78.2), down / o o4 c2 49.5 / 19.8 (d8 c2 59.7 / 21.9),
+    qkv d8 c2 25.1 (o4 c2 27.7); M <= 128 (two token blocks) gate_up d8 c1 129.1, qkv / o / down o4 c2
+    36.5 / 26.7 / 78.0 (d8 c1 40.3 / 30.8 / 80.9). One dot of 128 rows (o8) lost everywhere (255 registers)."""
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False)
+    o4 = dict(rt=4, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=True, ctas_per_sm=2)
+    many = N >= 16384
+    if M <= 32:
+        return dict(d8, ctas_per_sm=4 if (many and M > 16) else 2)
+    if M <= 64:
+        if many:
+            return dict(d8, ctas_per_sm=1)
+        return o4 if (N <= 4096 or K >= 8192) else dict(d8, ctas_per_sm=2)
+    return dict(d8, ctas_per_sm=1) if many else o4
+
+
+def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
+                     group_size: int, out_features: int, **overrides) -> torch.Tensor:
+    """Launch ``_lut_wgmma_kernel`` (4-bit only). ``qweight`` = ``formats.lut.pack_codes_mma(codes, 4, G)``
+    (int32 ``[NRT, NC * 128]``), ``pairs`` = ``pair_table(table, 4, x.dtype)`` (entry e = ``pairs[e, 0]``),
+    ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]`` bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K
+    is not a multiple of the group or its rows are not 16-byte aligned. ``overrides`` replace fields of
+    ``wgmma_config`` (``split_k`` fixes the split)."""
+    from lowbit.kernels.lut_gemm import _sm_count, _workspace
+
+    M, K = x.shape
+    N, G = out_features, group_size
+    if G not in WGMMA_GROUPS:
+        raise ValueError(f"lut_wgmma_triton needs group_size in {WGMMA_GROUPS} (4-bit fragment layout), got {G}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    if pairs.dtype != x.dtype or pairs.shape != (256, 2) or not pairs.is_contiguous():
+        raise ValueError("pairs must be the contiguous pair_table(table, 4, x.dtype) [256, 2]")
+    if scales.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
+    nrt, nc = mma_shapes(N, K, 4, G)
+    if qweight.dtype != torch.int32 or qweight.numel() != nrt * nc * 128:
+        raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] at 4 bits ({nrt * nc * 128} int32 words)")
+    cfg = wgmma_config(M, N, K, G)
+    cfg.update(overrides)
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    ng = cdiv(K, G)
+    kp = nc * MMA_CHUNK[4]
+    if kp != K or x.stride(-1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        xp = torch.zeros((M, kp), device=x.device, dtype=x.dtype)
+        xp[:, :K] = x
+        x = xp
+    rt, bm = int(cfg["rt"]), int(cfg["block_m"])
+    grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
+    split = cfg.get("split_k")
+    if split is None:
+        split = cdiv(cfg["ctas_per_sm"] * _sm_count(x.device), grid_n * grid_m)
+    split = max(1, min(int(split), ng))
+    per = cdiv(ng, split)
+    split = cdiv(ng, per)  # no empty ranges
+    if split > 1:
+        ws, locks = _workspace(x.device, split * M * N, grid_n * grid_m)
+    else:
+        ws, locks = y, y
+    LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[(grid_n, grid_m, split)](
+        x, qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
+        x.stride(0), scales.stride(0), y.stride(0),
+        GROUP=G, RT=rt, BLOCK_M=bm, USE_SPLIT=split > 1, EMU=interpret_mode(),
+        PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    return y

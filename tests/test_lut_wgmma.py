@@ -1,0 +1,111 @@
+"""The register-table LUT kernel (``lowbit.kernels.lut_wgmma``) on the fragment layout: against the float64
+reference under the interpreter (nibble decode by shifts + table loads) and, on the GPU, the ``prmt`` decode
+against the fragment kernel and the reference."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quantize_lut
+from lowbit.kernels import lut_gemm as LG
+from lowbit.kernels import lut_wgmma as LW
+from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+
+def _case(m, n, k, g, dtype, dev, table="nf", zero_rows=0):
+    torch.manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, device=dev)
+    w[:zero_rows] = 0.0
+    q = quantize_lut(w, bits=4, group_size=g, table=table, scale_dtype=dtype)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    qm, _ = pack_codes_mma(q.codes, 4, g, k)
+    pairs = pair_table(q.table, 4, dtype).to(dev)
+    return q, x, qm.to(dev), q.scales.t().contiguous().to(dev), pairs
+
+
+def _ref(q, x):
+    return x.double() @ dequantize_lut(q).double().t().to(x.device)
+
+
+@pytest.mark.parametrize("m,n,k,g,dtype,cfg", [
+    (1, 40, 200, 64, torch.bfloat16, {}),                          # K not a multiple of the group: x padded
+    (17, 33, 130, 128, torch.float16, {"split_k": 2}),             # split-K reduction, fp16, N % 16 != 0
+    (32, 70, 256, 256, torch.bfloat16, {"rt": 2}),                 # 2 row tiles per program, 5 programs
+    (40, 24, 384, 128, torch.bfloat16, {"block_m": 16, "split_k": 3}),  # 3 token blocks, 3 splits
+    (9, 130, 128, 64, torch.float16, {"rt": 4, "block_m": 16}),
+    (20, 70, 256, 128, torch.bfloat16, {"rt": 2, "one_dot": True}),  # joined halves, one dot per chunk
+    (33, 40, 300, 64, torch.float16, {"rt": 1, "one_dot": True, "split_k": 2}),
+])
+def test_wgmma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
+    q, x, qm, s, pairs = _case(m, n, k, g, dtype, dev)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, **cfg)
+    assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
+
+
+@settings(max_examples=6, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(1, 50), k=st.integers(1, 300), g=st.sampled_from([64, 128]),
+       table=st.sampled_from(["nf", "int"]))
+def test_wgmma_kernel_fuzz_shapes(m, n, k, g, table):
+    q, x, qm, s, pairs = _case(m, n, k, g, torch.bfloat16, "cpu", table=table)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, rt=1, block_m=16)
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+
+
+def test_wgmma_all_zero_rows_give_zero(dev):
+    q, x, qm, s, pairs = _case(20, 24, 256, 128, torch.bfloat16, dev, zero_rows=5)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=24, rt=2)
+    assert torch.isfinite(y).all() and (y[:, :5] == 0).all()
+
+
+def test_wgmma_bad_inputs_name_the_argument():
+    q, x, qm, s, pairs = _case(4, 24, 128, 128, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="group_size"):
+        LW.lut_wgmma_triton(x, qm, s, pairs, group_size=32, out_features=24)
+    with pytest.raises(ValueError, match="qweight"):
+        LW.lut_wgmma_triton(x, qm[:, :-1], s, pairs, group_size=128, out_features=24)
+    with pytest.raises(ValueError, match="pairs"):
+        LW.lut_wgmma_triton(x, qm, s, pairs.half(), group_size=128, out_features=24)
+    with pytest.raises(TypeError, match="x must"):
+        LW.lut_wgmma_triton(x.float(), qm, s, pairs, group_size=128, out_features=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
+                                           (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16)])
+@pytest.mark.parametrize("one_dot", [False, True])
+def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot):
+    """The PTX decode (``prmt`` byte tables) against the reference and the fragment kernel."""
+    q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot)
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
+    if m <= 64:
+        y2 = LG.lut_mma_triton(x, qm, None, s, pairs, q.table.cuda(), bits=4, group_size=g, out_features=n)
+        assert rel_l2(y, y2) < KERNEL_VS_REF[dtype]
+
+
+def test_op_dispatch_by_m(monkeypatch):
+    """The op (layout 'mma', 4-bit) takes this kernel from 17 tokens (9 for small N and K) up to MAX_WGMMA_M, the
+    fragment kernel below, dequantize + matmul above; every path equals the reference."""
+    from lowbit.ops import lut as lut_ops
+
+    calls = []
+    real = LW.lut_wgmma_triton
+    monkeypatch.setattr(LW, "lut_wgmma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    q, _, qm, s, _ = _case(1, 24, 256, 128, torch.bfloat16, "cpu")
+    monkeypatch.setattr(LW, "MAX_WGMMA_M", 40)
+    for m in (4, 12, 20, 41):
+        x = torch.randn(m, 256, dtype=torch.bfloat16)
+        y = lut_ops.lut_gemm(x, qm, None, s, q.table, bits=4, group_size=128, layout="mma")
+        assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+    assert calls == [12, 20]
+
+
+def test_dispatch_rule_and_configs():
+    assert not LW.wgmma_preferred(8, 4096, 4096) and not LW.wgmma_preferred(16, 28672, 4096)
+    assert not LW.wgmma_preferred(16, 4096, 14336) and LW.wgmma_preferred(16, 6144, 4096)
+    assert all(LW.wgmma_preferred(m, 28672, 14336) for m in (17, 64, 128))
+    for m, n, k in [(16, 6144, 4096), (32, 28672, 4096), (64, 4096, 14336), (64, 6144, 4096), (128, 28672, 4096),
+                    (100, 4096, 4096)]:
+        cfg = LW.wgmma_config(m, n, k, 128)
+        assert cfg["block_m"] == min(64, max(16, 1 << (m - 1).bit_length()))
+        assert cfg["rt"] in (4, 8) and cfg["ctas_per_sm"] in (1, 2, 4) and cfg["one_dot"] == (cfg["rt"] == 4)
