@@ -109,3 +109,67 @@ def test_dispatch_rule_and_configs():
         cfg = LW.wgmma_config(m, n, k, 128)
         assert cfg["block_m"] == min(64, max(16, 1 << (m - 1).bit_length()))
         assert cfg["rt"] in (4, 8) and cfg["ctas_per_sm"] in (1, 2, 4) and cfg["one_dot"] == (cfg["rt"] == 4)
+
+
+def _run_ptx(asm: str, operands: dict) -> dict:
+    """A tiny interpreter of the integer PTX the decode uses (and/shr/shl/prmt/lop3 .b32, mov.b32 {h, h}):
+    ``prmt`` default mode (selector nibble bit 3 = replicate the selected byte's sign), ``lop3`` immLut over
+    (a, b, c) = (0xF0, 0xCC, 0xAA)."""
+    import re
+
+    M32 = 0xFFFFFFFF
+    reg = dict(operands)
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) & M32 if tok[0].isdigit() else reg[tok]
+
+    for ins in asm.replace("{", " ").replace("}", " ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        if op == "mov.b32":  # mov.b32 {$a, $b}, r  (the braces were stripped: "$a, $b, r")
+            lo, hi, src = [t.strip() for t in rest.split(",")]
+            reg[lo], reg[hi] = reg[src] & 0xFFFF, reg[src] >> 16
+            continue
+        d, *args = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in args]
+        if op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "shr.u32":
+            r = a[0] >> a[1]
+        elif op == "shl.b32":
+            r = (a[0] << a[1]) & M32
+        elif op == "prmt.b32":
+            src = [(a[0] >> 8 * i) & 0xFF for i in range(4)] + [(a[1] >> 8 * i) & 0xFF for i in range(4)]
+            r = 0
+            for i in range(4):
+                sel = (a[2] >> 4 * i) & 0xF
+                byte = src[sel & 7]
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                r |= byte << 8 * i
+        elif op == "lop3.b32":
+            r = 0
+            for bit in range(32):
+                idx = (((a[0] >> bit) & 1) << 2) | (((a[1] >> bit) & 1) << 1) | ((a[2] >> bit) & 1)
+                r |= ((a[3] >> idx) & 1) << bit
+        else:
+            raise AssertionError(f"unexpected PTX op {op!r}")
+        reg[d] = r
+        assert re.fullmatch(r"[a-z0-9$]+", d)
+    return reg
+
+
+@settings(max_examples=200, deadline=None)
+@given(word=st.integers(0, 2 ** 32 - 1), table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16))
+def test_decode_asm_is_a_table_lookup(word, table):
+    """The PTX of the register-table decode returns T[nibble j] for the 8 nibbles of any word and any 16-entry table
+    of 16-bit values (the byte tables built as ``_byte_tables`` does)."""
+    ops = {"$8": word}
+    for j in range(4):
+        ops[f"${9 + j}"] = sum((table[4 * j + i] & 0xFF) << 8 * i for i in range(4))
+        ops[f"${13 + j}"] = sum((table[4 * j + i] >> 8) << 8 * i for i in range(4))
+    out = _run_ptx(LW._DECODE_ASM.value, ops)
+    assert [out[f"${j}"] for j in range(8)] == [table[(word >> 4 * j) & 15] for j in range(8)]
