@@ -1348,6 +1348,17 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
     return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)  # 3-bit: prefetch no gain (r5)
 
 
+def fragment_x(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """``x`` [M, K] as the fragment-layout kernels read it: 16-byte vectors up to the padded K ``kp`` -- a zero-padded
+    ``[M, kp]`` copy when K < kp or the rows are not 16-byte aligned, else ``x`` itself."""
+    M, K = x.shape
+    if kp != K or x.stride(-1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
+        xp = torch.zeros((M, kp), device=x.device, dtype=x.dtype)
+        xp[:, :K] = x
+        return xp
+    return x
+
+
 def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
                    pairs: torch.Tensor, table: torch.Tensor, *, bits: int, group_size: int, out_features: int,
                    pdl: bool = False, **overrides) -> torch.Tensor:
@@ -1380,10 +1391,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
         raise ValueError("lut_mma_triton: the weight is too large for 32-bit offsets; use layout='planar'")
     if scales.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
-    if kp != K or x.stride(-1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
-        xp = torch.zeros((M, kp), device=x.device, dtype=x.dtype)
-        xp[:, :K] = x
-        x = xp
+    x = fragment_x(x, kp)
     grid_n, grid_m = cdiv(nrt, nw * r), cdiv(M, 8 * nt)
     split = cfg.get("split_k")
     if split is None and cfg.get("balance"):

@@ -40,37 +40,27 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
+from lowbit.kernels.lut_gemm import _pick4, _sm_count, _workspace, fragment_x
 
-# one code word (8 nibbles) + the 8 byte-table registers -> the 8 values, nibble order (16-bit outputs)
-_DECODE_ASM = tl.constexpr("""{
-.reg .b32 sa, sb, w4, ma, mb, x, y, lo, hi, o;
-and.b32 sa, $8, 0x7777;
-shr.u32 sb, $8, 16;
-and.b32 sb, sb, 0x7777;
-shl.b32 w4, $8, 4;
-prmt.b32 ma, w4, $8, 0xD9C8;
-prmt.b32 mb, w4, $8, 0xFBEA;
-prmt.b32 x, $9, $10, sa;
-prmt.b32 y, $11, $12, sa;
-lop3.b32 lo, x, y, ma, 0xD8;
-prmt.b32 x, $13, $14, sa;
-prmt.b32 y, $15, $16, sa;
-lop3.b32 hi, x, y, ma, 0xD8;
-prmt.b32 o, lo, hi, 0x5140;
-mov.b32 {$0, $1}, o;
-prmt.b32 o, lo, hi, 0x7362;
-mov.b32 {$2, $3}, o;
-prmt.b32 x, $9, $10, sb;
-prmt.b32 y, $11, $12, sb;
-lop3.b32 lo, x, y, mb, 0xD8;
-prmt.b32 x, $13, $14, sb;
-prmt.b32 y, $15, $16, sb;
-lop3.b32 hi, x, y, mb, 0xD8;
-prmt.b32 o, lo, hi, 0x5140;
-mov.b32 {$4, $5}, o;
-prmt.b32 o, lo, hi, 0x7362;
-mov.b32 {$6, $7}, o;
-}""")
+def _decode_asm() -> str:
+    """PTX of one code word (8 nibbles, ``$8``) + the 8 byte-table registers (``$9..$12`` low bytes, ``$13..$16``
+    high bytes) -> the 8 values in nibble order (16-bit outputs ``$0..$7``). Per group of 4 nibbles (selector ``sa``
+    / ``sb``, byte mask ``ma`` / ``mb``): a low-byte and a high-byte lookup (two ``prmt`` + one ``lop3`` select each),
+    then two ``prmt`` interleave them into the 16-bit values."""
+    lines = ["{", ".reg .b32 sa, sb, w4, ma, mb, x, y, lo, hi, o;",
+             "and.b32 sa, $8, 0x7777;", "shr.u32 sb, $8, 16;", "and.b32 sb, sb, 0x7777;", "shl.b32 w4, $8, 4;",
+             "prmt.b32 ma, w4, $8, 0xD9C8;",  # byte i = sign of nibble i's bit 3 (nibbles 0..3)
+             "prmt.b32 mb, w4, $8, 0xFBEA;"]  # nibbles 4..7
+    for sel, mask, out in (("sa", "ma", 0), ("sb", "mb", 4)):
+        for dst, t in (("lo", 9), ("hi", 13)):  # entries 0-7 from {T0, T1}, 8-15 from {T2, T3}; mask picks
+            lines += [f"prmt.b32 x, ${t}, ${t + 1}, {sel};", f"prmt.b32 y, ${t + 2}, ${t + 3}, {sel};",
+                      f"lop3.b32 {dst}, x, y, {mask}, 0xD8;"]
+        lines += ["prmt.b32 o, lo, hi, 0x5140;", f"mov.b32 {{${out}, ${out + 1}}}, o;",
+                  "prmt.b32 o, lo, hi, 0x7362;", f"mov.b32 {{${out + 2}, ${out + 3}}}, o;"]
+    return "\n".join(lines + ["}"])
+
+
+_DECODE_ASM = tl.constexpr(_decode_asm())
 _DECODE_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
 
 
@@ -139,6 +129,21 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _group_words(q_rows, c0, ok, CPG: tl.constexpr):
+    """The code words ``[8 RT, 16]`` of chunks c0 .. c0 + CPG - 1 (at most 4; unused slots repeat chunk c0)."""
+    w0 = tl.load(q_rows + c0 * 128, mask=ok, other=0)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if CPG >= 2:
+        w1 = tl.load(q_rows + (c0 + 1) * 128, mask=ok, other=0)
+    if CPG >= 4:
+        w2 = tl.load(q_rows + (c0 + 2) * 128, mask=ok, other=0)
+        w3 = tl.load(q_rows + (c0 + 3) * 128, mask=ok, other=0)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _lut_wgmma_kernel(
     # pointers
     X, Q, S, P, Y, WS, LOCKS,
@@ -180,38 +185,17 @@ def _lut_wgmma_kernel(
     acc0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)  # (two-dot mode only)
     if PREFETCH:  # the first group's words (register double buffer across groups)
-        nw0 = tl.load(q_rows + g0 * CPG * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
-        nw1 = nw0
-        nw2 = nw0
-        nw3 = nw0
-        if CPG >= 2:
-            nw1 = tl.load(q_rows + (g0 * CPG + 1) * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
-        if CPG >= 4:
-            nw2 = tl.load(q_rows + (g0 * CPG + 2) * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
-            nw3 = tl.load(q_rows + (g0 * CPG + 3) * 128, mask=rt_ok[:, None] & (g0 < g1), other=0)
+        nw0, nw1, nw2, nw3 = _group_words(q_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG)
     for gi in range(g0, g1):
         p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
         p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
         if PREFETCH:
             cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-            nxt = rt_ok[:, None] & (gi + 1 < g1)
-            nw0 = tl.load(q_rows + (gi + 1) * CPG * 128, mask=nxt, other=0)
-            if CPG >= 2:
-                nw1 = tl.load(q_rows + ((gi + 1) * CPG + 1) * 128, mask=nxt, other=0)
-            if CPG >= 4:
-                nw2 = tl.load(q_rows + ((gi + 1) * CPG + 2) * 128, mask=nxt, other=0)
-                nw3 = tl.load(q_rows + ((gi + 1) * CPG + 3) * 128, mask=nxt, other=0)
+            nw0, nw1, nw2, nw3 = _group_words(q_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG)
         for cc in tl.static_range(CPG):
             c = gi * CPG + cc
             if PREFETCH:
-                if cc == 0:
-                    words = cw0
-                elif cc == 1:
-                    words = cw1
-                elif cc == 2:
-                    words = cw2
-                else:
-                    words = cw3
+                words = _pick4(cc, cw0, cw1, cw2, cw3)
             else:
                 words = tl.load(q_rows + c * 128, mask=rt_ok[:, None], other=0)
             xt = tl.load(x_rows + c * 64, mask=m_ok[:, None], other=0.0)
@@ -240,11 +224,12 @@ def _lut_wgmma_kernel(
         if arrived == SPLIT_K - 1:
             t0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
             t1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
-            wr = WS + offs_m[None, :] * N
-            for sk in range(0, SPLIT_K):
-                t0 += tl.load(wr + sk * M * N + n0[:, None], mask=mask0, other=0.0, cache_modifier=".cg")
+            wsk = WS + offs_m[None, :] * N
+            for sk in range(0, SPLIT_K):  # split sk's partials: the pointer advances M * N per split (64-bit)
+                t0 += tl.load(wsk + n0[:, None], mask=mask0, other=0.0, cache_modifier=".cg")
                 if not ONE_DOT:
-                    t1 += tl.load(wr + sk * M * N + n1[:, None], mask=mask1, other=0.0, cache_modifier=".cg")
+                    t1 += tl.load(wsk + n1[:, None], mask=mask1, other=0.0, cache_modifier=".cg")
+                wsk += M * N
             yr = Y + offs_m[None, :] * stride_ym
             tl.store(yr + n0[:, None], t0.to(ODT), mask=mask0)
             if not ONE_DOT:
@@ -300,7 +285,6 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]`` bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K
     is not a multiple of the group or its rows are not 16-byte aligned. ``overrides`` replace fields of
     ``wgmma_config`` (``split_k`` fixes the split)."""
-    from lowbit.kernels.lut_gemm import _sm_count, _workspace
 
     M, K = x.shape
     N, G = out_features, group_size
@@ -324,10 +308,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         return y.zero_()
     ng = cdiv(K, G)
     kp = nc * MMA_CHUNK[4]
-    if kp != K or x.stride(-1) != 1 or (M > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
-        xp = torch.zeros((M, kp), device=x.device, dtype=x.dtype)
-        xp[:, :K] = x
-        x = xp
+    x = fragment_x(x, kp)
     rt, bm = int(cfg["rt"]), int(cfg["block_m"])
     grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
     split = cfg.get("split_k")
