@@ -11,6 +11,9 @@ from lowbit.kernels import lut_wgmma as LW
 from tests.tolerances import KERNEL_VS_REF, rel_l2
 
 
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (hypothesis tests take no fixtures)
+
+
 def _case(m, n, k, g, dtype, dev, table="nf", zero_rows=0):
     torch.manual_seed(m * 7 + n + k)
     w = torch.randn(n, k, device=dev)
@@ -46,7 +49,7 @@ def test_wgmma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
 @given(m=st.integers(1, 70), n=st.integers(1, 50), k=st.integers(1, 300), g=st.sampled_from([64, 128]),
        table=st.sampled_from(["nf", "int"]))
 def test_wgmma_kernel_fuzz_shapes(m, n, k, g, table):
-    q, x, qm, s, pairs = _case(m, n, k, g, torch.bfloat16, "cpu", table=table)
+    q, x, qm, s, pairs = _case(m, n, k, g, torch.bfloat16, _DEV, table=table)
     y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, rt=1, block_m=16)
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
 
@@ -91,11 +94,11 @@ def test_op_dispatch_by_m(monkeypatch):
     calls = []
     real = LW.lut_wgmma_triton
     monkeypatch.setattr(LW, "lut_wgmma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    q, _, qm, s, _ = _case(1, 24, 256, 128, torch.bfloat16, "cpu")
+    q, _, qm, s, _ = _case(1, 24, 256, 128, torch.bfloat16, _DEV)
     monkeypatch.setattr(LW, "MAX_WGMMA_M", 40)
     for m in (4, 12, 20, 41):
-        x = torch.randn(m, 256, dtype=torch.bfloat16)
-        y = lut_ops.lut_gemm(x, qm, None, s, q.table, bits=4, group_size=128, layout="mma")
+        x = torch.randn(m, 256, dtype=torch.bfloat16, device=_DEV)
+        y = lut_ops.lut_gemm(x, qm, None, s, q.table.to(_DEV), bits=4, group_size=128, layout="mma")
         assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
     assert calls == [12, 20]
 
