@@ -14,14 +14,16 @@ from tests.tolerances import KERNEL_VS_REF, rel_l2
 _DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (hypothesis tests take no fixtures)
 
 
-def _case(m, n, k, g, dtype, dev, table="nf", zero_rows=0):
+def _case(m, n, k, g, dtype, dev, table="nf", zero_rows=0, bits=4):
     torch.manual_seed(m * 7 + n + k)
     w = torch.randn(n, k, device=dev)
     w[:zero_rows] = 0.0
-    q = quantize_lut(w, bits=4, group_size=g, table=table, scale_dtype=dtype)
+    q = quantize_lut(w, bits=bits, group_size=g, table=table, scale_dtype=dtype)
     x = torch.randn(m, k, device=dev, dtype=dtype)
-    qm, _ = pack_codes_mma(q.codes, 4, g, k)
-    pairs = pair_table(q.table, 4, dtype).to(dev)
+    qm, qh = pack_codes_mma(q.codes, bits, g, k)
+    pairs = pair_table(q.table, bits, dtype).to(dev)
+    if bits == 3:
+        return q, x, qm.to(dev), q.scales.t().contiguous().to(dev), pairs, qh.to(dev)
     return q, x, qm.to(dev), q.scales.t().contiguous().to(dev), pairs
 
 
@@ -43,6 +45,47 @@ def test_wgmma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
     y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, **cfg)
     assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
+
+
+@pytest.mark.parametrize("m,n,k,g,dtype,cfg", [
+    (20, 40, 300, 128, torch.bfloat16, {}),                        # K padded to the group, 3-bit planes merged
+    (33, 70, 512, 256, torch.float16, {"rt": 2, "split_k": 2}),    # 2 chunks per group, split-K, fp16
+    (9, 24, 256, 128, torch.bfloat16, {"rt": 1, "one_dot": True, "block_m": 16}),
+])
+def test_wgmma_kernel_3bit_matches_reference(m, n, k, g, dtype, cfg, dev):
+    q, x, qm, s, pairs, qh = _case(m, n, k, g, dtype, dev, bits=3)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, bits=3, qweight_hi=qh, **cfg)
+    assert y.shape == (m, n) and torch.isfinite(y).all()
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
+
+
+def test_words3_merges_the_planes_into_4bit_words():
+    """``_words3`` (run through a tiny Triton kernel under the interpreter / on the GPU): every nibble of the merged
+    word is the 3-bit code of the fragment layout's formula."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(LO, HI, OUT):
+        r = tl.arange(0, 8)[:, None]
+        lo = tl.load(LO + r * 16 + tl.arange(0, 16)[None, :])
+        hi = tl.load(HI + r * 8 + tl.arange(0, 8)[None, :])
+        tl.store(OUT + r * 32 + tl.arange(0, 32)[None, :], LW._words3(lo, hi))
+
+    n, kk = 16, 128  # one row tile, one 3-bit chunk
+    c = torch.randint(0, 8, (n, kk), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    qm, qh = pack_codes_mma(c, 3, 128)
+    lo = qm.reshape(8, 16).to(_DEV)  # row g: lanes 4 g .. 4 g + 3, 4 words each (column 4 t + e)
+    hi = qh.reshape(8, 8).to(_DEV)   # column 2 t + q
+    out = torch.empty(8, 32, dtype=torch.int32, device=_DEV)
+    k[(1,)](lo, hi, out)
+    out = out.cpu().to(torch.int64) & 0xFFFFFFFF
+    for g in range(8):
+        for col in range(32):
+            t, st = divmod(col, 8)
+            for j in range(8):  # nibble j = 4 bh + 2 rh + h
+                bh, rh, h = j >> 2, (j >> 1) & 1, j & 1
+                assert (int(out[g, col]) >> 4 * j) & 15 == int(c[g + 8 * rh, 32 * t + 4 * st + 2 * bh + h])
 
 
 @settings(max_examples=6, deadline=None)
@@ -74,10 +117,18 @@ def test_wgmma_bad_inputs_name_the_argument():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
-                                           (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16)])
+                                           (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16),
+                                           (40, 1000, 4096, 128, "3bit")])
 @pytest.mark.parametrize("one_dot", [False, True])
 def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot):
     """The PTX decode (``prmt`` byte tables) against the reference and the fragment kernel."""
+    if dtype == "3bit":  # the 3-bit planes (merged in registers) against the reference and the fragment kernel
+        q, x, qm, s, pairs, qh = _case(m, n, k, g, torch.bfloat16, "cuda", bits=3)
+        y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, bits=3, qweight_hi=qh)
+        assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+        y2 = LG.lut_mma_triton(x, qm, qh, s, pairs, q.table.cuda(), bits=3, group_size=g, out_features=n)
+        assert rel_l2(y, y2) < KERNEL_VS_REF[torch.bfloat16]
+        return
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
     y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot)
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]

@@ -4,8 +4,9 @@ Same product and format as ``lowbit.kernels.lut_gemm`` (FLUTE, seed 002)::
 
     Y[m, n] = sum_k X[m, k] * T[c[n, k]] * s[k // G, n]
 
-and the same packed codes: the fragment layout of ``formats.lut.pack_codes_mma`` (4-bit, G in 64/128/256), so
-a ``LUTLinear`` holds one copy of its weight for both kernels. Where the fragment kernel (``_lut_mma_kernel``)
+and the same packed codes: the fragment layout of ``formats.lut.pack_codes_mma`` (4-bit, G in 64/128/256; 3-bit,
+G in 128/256, merged in registers into the 4-bit word layout first, ``_words3``), so a ``LUTLinear`` holds one copy
+of its weight for both kernels. Where the fragment kernel (``_lut_mma_kernel``)
 looks every code pair up in a shared-memory table and issues ``mma.sync`` itself -- the right trade at M <= 16,
 where its instruction stream is all lookups -- this kernel leaves the multiply to Triton's ``tl.dot`` (wgmma on
 Hopper; the activation tile staged in shared memory by Triton's pipeliner, read once per program) and makes the
@@ -65,9 +66,20 @@ _DECODE_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
 
 
 @triton.jit
-def _byte_tables(P):
-    """The 16 entries (``pairs[e, 0]`` = T[e] in the activation dtype, int16 bits) -> the 8 byte-table
-    registers: ``L[j]`` byte i = low byte of T[4 j + i], ``H[j]`` the high bytes."""
+def _entry_row(e, BITS: tl.constexpr):
+    """Row of ``pair_table`` whose first value is table entry e (4-bit: e; 3-bit: the pair index with lo bits
+    ``e & 3`` and hi bit ``e >> 2`` of the first code, ``formats.lut.pair_table``)."""
+    if BITS == 4:
+        return e
+    else:
+        return (e & 3) + 16 * (e >> 2)
+
+
+@triton.jit
+def _byte_tables(P, BITS: tl.constexpr):
+    """The 2**BITS entries (``pairs[row, 0]`` = T[e] in the activation dtype, int16 bits) -> the 8 byte-table
+    registers: ``L[j]`` byte i = low byte of T[4 j + i], ``H[j]`` the high bytes (3-bit: ``L2, L3, H2, H3`` = 0,
+    never selected: the decoded nibbles' bit 3 is 0)."""
     PI = P.to(tl.pointer_type(tl.int16))
     lo0 = tl.full([], 0, tl.int32)
     lo1 = lo0
@@ -77,8 +89,8 @@ def _byte_tables(P):
     hi1 = lo0
     hi2 = lo0
     hi3 = lo0
-    for e in tl.static_range(16):
-        v = tl.load(PI + 2 * e).to(tl.int32) & 0xFFFF
+    for e in tl.static_range(1 << BITS):
+        v = tl.load(PI + 2 * _entry_row(e, BITS)).to(tl.int32) & 0xFFFF
         lb = (v & 0xFF) << (8 * (e % 4))
         hb = (v >> 8) << (8 * (e % 4))
         if e // 4 == 0:
@@ -97,18 +109,19 @@ def _byte_tables(P):
 
 
 @triton.jit
-def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """Code words ``[R, 16]`` -> (rows g, rows g + 8) ``[R, 64]`` in the activation dtype, K in natural order."""
+def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl.constexpr):
+    """4-bit-layout code words ``[R, W]`` (column = 4 t + s at 4 bits, 8 t + s at 3 bits: ``_words3``) ->
+    (rows g, rows g + 8) ``[R, 4 W]`` in the activation dtype, K in natural order."""
     if EMU:
         PI = P.to(tl.pointer_type(OUT_DTYPE))
-        n0 = tl.load(PI + 2 * (words & 15))
-        n1 = tl.load(PI + 2 * ((words >> 4) & 15))
-        n2 = tl.load(PI + 2 * ((words >> 8) & 15))
-        n3 = tl.load(PI + 2 * ((words >> 12) & 15))
-        n4 = tl.load(PI + 2 * ((words >> 16) & 15))
-        n5 = tl.load(PI + 2 * ((words >> 20) & 15))
-        n6 = tl.load(PI + 2 * ((words >> 24) & 15))
-        n7 = tl.load(PI + 2 * ((words >> 28) & 15))
+        n0 = tl.load(PI + 2 * _entry_row(words & 15, BITS))
+        n1 = tl.load(PI + 2 * _entry_row((words >> 4) & 15, BITS))
+        n2 = tl.load(PI + 2 * _entry_row((words >> 8) & 15, BITS))
+        n3 = tl.load(PI + 2 * _entry_row((words >> 12) & 15, BITS))
+        n4 = tl.load(PI + 2 * _entry_row((words >> 16) & 15, BITS))
+        n5 = tl.load(PI + 2 * _entry_row((words >> 20) & 15, BITS))
+        n6 = tl.load(PI + 2 * _entry_row((words >> 24) & 15, BITS))
+        n7 = tl.load(PI + 2 * _entry_row((words >> 28) & 15, BITS))
     else:
         lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
         args = [words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3]
@@ -122,38 +135,62 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr):
                 _DECODE_ASM, _DECODE_CONS, args, is_pure=True, pack=1,
                 dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16))
     R: tl.constexpr = words.shape[0]
-    # nibble j = 4 bh + 2 rh + h -> tile rh, column 4 (4 t + s) + 2 bh + h
-    w0 = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n1, n5)), [R, 64])
-    w1 = tl.reshape(tl.join(tl.join(n2, n6), tl.join(n3, n7)), [R, 64])
+    W: tl.constexpr = words.shape[1]
+    # nibble j = 4 bh + 2 rh + h -> tile rh, column 4 (word column) + 2 bh + h
+    w0 = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n1, n5)), [R, 4 * W])
+    w1 = tl.reshape(tl.join(tl.join(n2, n6), tl.join(n3, n7)), [R, 4 * W])
     return w0, w1
 
 
 @triton.jit
-def _group_words(q_rows, c0, ok, CPG: tl.constexpr):
-    """The code words ``[8 RT, 16]`` of chunks c0 .. c0 + CPG - 1 (at most 4; unused slots repeat chunk c0)."""
-    w0 = tl.load(q_rows + c0 * 128, mask=ok, other=0)
+def _words3(lo, hi):
+    """3-bit fragment planes -> 4-bit-layout words ``[R, 32]`` (column 8 t + s, s = k-step 0..7), each nibble
+    ``j = 4 bh + 2 rh + h`` = the 3-bit code (bit 3 zero). ``lo`` ``[R, 16]`` (column 4 t + e): byte b = 2 bh + rh
+    holds k-step 2 e in its low nibble, 2 e + 1 in its high one, 2 bits per code (h 0 at bits 0-1, h 1 at 2-3);
+    ``hi`` ``[R, 8]`` (column 2 t + q): byte b holds the high bits of k-steps 4 q + 2, 4 q + 3, 4 q, 4 q + 1 at bit
+    pairs 0-1, 2-3, 4-5, 6-7 (``formats.lut.pack_codes_mma``)."""
+    R: tl.constexpr = lo.shape[0]
+    ls = tl.reshape(tl.join(lo, lo >> 4), [R, 32])  # column 8 t + 2 e + (s % 2) = 8 t + s
+    hs = tl.reshape(tl.join(tl.join(hi >> 4, hi), tl.join(hi >> 6, hi >> 2)), [R, 32])  # (t, q, j = s % 4)
+    return ((ls & 0x03030303) | ((ls << 2) & 0x30303030) | ((hs & 0x01010101) << 2)
+            | ((hs & 0x02020202) << 5))
+
+
+@triton.jit
+def _chunk_words(q_rows, h_rows, c, ok, BITS: tl.constexpr):
+    """The 4-bit-layout code words of chunk c: ``[8 RT, 16]`` (4-bit) or, from the two 3-bit planes, ``[8 RT, 32]``."""
+    if BITS == 4:
+        return tl.load(q_rows + c * 128, mask=ok, other=0)
+    else:
+        return _words3(tl.load(q_rows + c * 128, mask=ok, other=0), tl.load(h_rows + c * 64, mask=ok, other=0))
+
+
+@triton.jit
+def _group_words(q_rows, h_rows, c0, ok, CPG: tl.constexpr, BITS: tl.constexpr):
+    """The code words of chunks c0 .. c0 + CPG - 1 (at most 4; unused slots repeat chunk c0)."""
+    w0 = _chunk_words(q_rows, h_rows, c0, ok, BITS)
     w1 = w0
     w2 = w0
     w3 = w0
     if CPG >= 2:
-        w1 = tl.load(q_rows + (c0 + 1) * 128, mask=ok, other=0)
+        w1 = _chunk_words(q_rows, h_rows, c0 + 1, ok, BITS)
     if CPG >= 4:
-        w2 = tl.load(q_rows + (c0 + 2) * 128, mask=ok, other=0)
-        w3 = tl.load(q_rows + (c0 + 3) * 128, mask=ok, other=0)
+        w2 = _chunk_words(q_rows, h_rows, c0 + 2, ok, BITS)
+        w3 = _chunk_words(q_rows, h_rows, c0 + 3, ok, BITS)
     return w0, w1, w2, w3
 
 
 @triton.jit
 def _lut_wgmma_kernel(
     # pointers
-    X, Q, S, P, Y, WS, LOCKS,
+    X, Q, QH, S, P, Y, WS, LOCKS,
     # sizes
     M, N, NRT, NC, NG, GROUPS_PER_SPLIT, SPLIT_K,
     # strides (unit stride along K for X, along N for S and Y)
     stride_xm, stride_sg, stride_ym,
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
-    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
@@ -162,7 +199,8 @@ def _lut_wgmma_kernel(
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     BR: tl.constexpr = 8 * RT  # (row tile, g) rows per half
-    CPG: tl.constexpr = GROUP // 64  # chunks per scale group
+    CK: tl.constexpr = 64 if BITS == 4 else 128  # K per chunk (the fragment layout's)
+    CPG: tl.constexpr = GROUP // CK  # chunks per scale group
     ODT: tl.constexpr = Y.dtype.element_ty
     i = tl.arange(0, BR)
     rt = pid_n * RT + i // 8
@@ -176,32 +214,34 @@ def _lut_wgmma_kernel(
     else:
         RB: tl.constexpr = BR
     q_rows = Q + (rt.to(tl.int64) * (NC * 128) + (i % 8) * 16)[:, None] + tl.arange(0, 16)[None, :]
+    h_rows = QH + (rt.to(tl.int64) * (NC * 64) + (i % 8) * 8)[:, None] + tl.arange(0, 8)[None, :]  # 3-bit hi plane
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]
-    tabs = _byte_tables(P)  # (unused by the interpreter's decode)
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, CK)[None, :]
+    tabs = _byte_tables(P, BITS)  # (unused by the interpreter's decode)
     g0 = pid_k * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
     acc0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)  # (two-dot mode only)
     if PREFETCH:  # the first group's words (register double buffer across groups)
-        nw0, nw1, nw2, nw3 = _group_words(q_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG)
+        nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
     for gi in range(g0, g1):
         p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
         p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
         if PREFETCH:
             cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-            nw0, nw1, nw2, nw3 = _group_words(q_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG)
+            nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG,
+                                              BITS)
         for cc in tl.static_range(CPG):
             c = gi * CPG + cc
             if PREFETCH:
                 words = _pick4(cc, cw0, cw1, cw2, cw3)
             else:
-                words = tl.load(q_rows + c * 128, mask=rt_ok[:, None], other=0)
-            xt = tl.load(x_rows + c * 64, mask=m_ok[:, None], other=0.0)
-            w0, w1 = _decode(words, P, tabs, EMU, ODT)
+                words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
+            xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
+            w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
             if ONE_DOT:
-                w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, 64])
+                w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
                 p0 = tl.dot(w01, tl.trans(xt), p0)
             else:
                 p0 = tl.dot(w0, tl.trans(xt), p0)
@@ -243,6 +283,7 @@ def _lut_wgmma_kernel(
 
 
 WGMMA_GROUPS = (64, 128, 256)
+WGMMA_BITS = (4,)  # code widths the op sends here (3-bit: implemented, not yet timed on the device)
 MAX_WGMMA_M = 128  # the op's limit for this kernel (above: dequantize + cuBLAS; M = 128 gate_up 129 vs 219 us, H100)
 LAST_COMPILED: dict = {}  # the last launch's compiled kernel (PTX / register inspection in the device scripts)
 
@@ -279,26 +320,33 @@ def wgmma_config(M: int, N: int, K: int, group_size: int) -> dict:
 
 
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
-                     group_size: int, out_features: int, **overrides) -> torch.Tensor:
-    """Launch ``_lut_wgmma_kernel`` (4-bit only). ``qweight`` = ``formats.lut.pack_codes_mma(codes, 4, G)``
-    (int32 ``[NRT, NC * 128]``), ``pairs`` = ``pair_table(table, 4, x.dtype)`` (entry e = ``pairs[e, 0]``),
-    ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]`` bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K
-    is not a multiple of the group or its rows are not 16-byte aligned. ``overrides`` replace fields of
-    ``wgmma_config`` (``split_k`` fixes the split)."""
-
+                     group_size: int, out_features: int, bits: int = 4, qweight_hi: torch.Tensor | None = None,
+                     **overrides) -> torch.Tensor:
+    """Launch ``_lut_wgmma_kernel``. ``qweight`` (+ ``qweight_hi`` at 3 bits) = ``formats.lut.pack_codes_mma(codes,
+    bits, G)``, ``pairs`` = ``pair_table(table, bits, x.dtype)``, ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]``
+    bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K is not a multiple of the group or its rows are
+    not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split).
+    3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
+    integer ops per 8 codes) before the same decode; interpreter- and GPU-tested, not yet timed on the device, so
+    the op does not dispatch to it (``WGMMA_BITS``)."""
     M, K = x.shape
     N, G = out_features, group_size
-    if G not in WGMMA_GROUPS:
-        raise ValueError(f"lut_wgmma_triton needs group_size in {WGMMA_GROUPS} (4-bit fragment layout), got {G}")
+    if bits not in (3, 4) or G not in WGMMA_GROUPS or G % MMA_CHUNK[bits]:
+        raise ValueError(f"lut_wgmma_triton needs bits 4 with group_size in {WGMMA_GROUPS} or bits 3 with group_size "
+                         f"in (128, 256) (the fragment layout), got bits={bits}, group_size={G}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
-    if pairs.dtype != x.dtype or pairs.shape != (256, 2) or not pairs.is_contiguous():
-        raise ValueError("pairs must be the contiguous pair_table(table, 4, x.dtype) [256, 2]")
+    if pairs.dtype != x.dtype or pairs.shape != (4 ** bits, 2) or not pairs.is_contiguous():
+        raise ValueError(f"pairs must be the contiguous pair_table(table, {bits}, x.dtype) [{4 ** bits}, 2]")
     if scales.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
-    nrt, nc = mma_shapes(N, K, 4, G)
+    nrt, nc = mma_shapes(N, K, bits, G)
     if qweight.dtype != torch.int32 or qweight.numel() != nrt * nc * 128:
-        raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] at 4 bits ({nrt * nc * 128} int32 words)")
+        raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] at {bits} bits ({nrt * nc * 128} int32 "
+                         f"words)")
+    if bits == 3 and (qweight_hi is None or qweight_hi.dtype != torch.int32 or qweight_hi.numel() != nrt * nc * 64):
+        raise ValueError(f"qweight_hi must be the high-bit plane of pack_codes_mma(...) of [{N}, {K}] at 3 bits "
+                         f"({nrt * nc * 64} int32 words)")
     cfg = wgmma_config(M, N, K, G)
     cfg.update(overrides)
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
@@ -307,7 +355,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if K == 0:
         return y.zero_()
     ng = cdiv(K, G)
-    kp = nc * MMA_CHUNK[4]
+    kp = nc * MMA_CHUNK[bits]
     x = fragment_x(x, kp)
     rt, bm = int(cfg["rt"]), int(cfg["block_m"])
     grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
@@ -322,9 +370,10 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     else:
         ws, locks = y, y
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[(grid_n, grid_m, split)](
-        x, qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
+        x, qweight, qweight_hi if bits == 3 else qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
         x.stride(0), scales.stride(0), y.stride(0),
         GROUP=G, RT=rt, BLOCK_M=bm, USE_SPLIT=split > 1, EMU=interpret_mode(),
         PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
+        BITS=bits,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return y

@@ -84,13 +84,14 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
     if layout == "mma":
         if x.dtype in _ACT and use_triton(x, qweight, scales, table):
             from lowbit.kernels.lut_gemm import lut_dequant_mma_triton, lut_mma_triton
-            from lowbit.kernels.lut_wgmma import MAX_WGMMA_M, lut_wgmma_triton, wgmma_preferred
+            from lowbit.kernels.lut_wgmma import MAX_WGMMA_M, WGMMA_BITS, lut_wgmma_triton, wgmma_preferred
 
             M = x.shape[0]
-            if bits == 4 and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K):
+            if bits in WGMMA_BITS and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K):
                 if pairs is None or pairs.dtype != x.dtype:
                     pairs = _pairs_for(table, bits, x.dtype)
-                return lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N)
+                return lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N, bits=bits,
+                                        qweight_hi=qweight_hi)
             if M <= MAX_KERNEL_M:
                 if pairs is None or pairs.dtype != x.dtype:
                     pairs = _pairs_for(table, bits, x.dtype)
