@@ -39,6 +39,8 @@ def _ref(q, x):
     (9, 130, 128, 64, torch.float16, {"rt": 4, "block_m": 16}),
     (20, 70, 256, 128, torch.bfloat16, {"rt": 2, "one_dot": True}),  # joined halves, one dot per chunk
     (33, 40, 300, 64, torch.float16, {"rt": 1, "one_dot": True, "split_k": 2}),
+    (20, 70, 384, 128, torch.bfloat16, {"rt": 2, "scale_w": True, "split_k": 2}),  # scales folded into the tile
+    (40, 24, 300, 64, torch.float16, {"rt": 1, "one_dot": True, "scale_w": True}),
 ])
 def test_wgmma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, dev)
@@ -51,6 +53,7 @@ def test_wgmma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
     (20, 40, 300, 128, torch.bfloat16, {}),                        # K padded to the group, 3-bit planes merged
     (33, 70, 512, 256, torch.float16, {"rt": 2, "split_k": 2}),    # 2 chunks per group, split-K, fp16
     (9, 24, 256, 128, torch.bfloat16, {"rt": 1, "one_dot": True, "block_m": 16}),
+    (17, 40, 512, 256, torch.bfloat16, {"rt": 2, "scale_w": True}),
 ])
 def test_wgmma_kernel_3bit_matches_reference(m, n, k, g, dtype, cfg, dev):
     q, x, qm, s, pairs, qh = _case(m, n, k, g, dtype, dev, bits=3)
@@ -119,18 +122,19 @@ def test_wgmma_bad_inputs_name_the_argument():
 @pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
                                            (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16),
                                            (40, 1000, 4096, 128, "3bit")])
-@pytest.mark.parametrize("one_dot", [False, True])
-def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot):
+@pytest.mark.parametrize("one_dot,scale_w", [(False, False), (True, False), (False, True)])
+def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
     """The PTX decode (``prmt`` byte tables) against the reference and the fragment kernel."""
     if dtype == "3bit":  # the 3-bit planes (merged in registers) against the reference and the fragment kernel
         q, x, qm, s, pairs, qh = _case(m, n, k, g, torch.bfloat16, "cuda", bits=3)
-        y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, bits=3, qweight_hi=qh)
+        y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, bits=3, qweight_hi=qh,
+                                scale_w=scale_w)
         assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
         y2 = LG.lut_mma_triton(x, qm, qh, s, pairs, q.table.cuda(), bits=3, group_size=g, out_features=n)
         assert rel_l2(y, y2) < KERNEL_VS_REF[torch.bfloat16]
         return
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
-    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w)
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
     if m <= 64:
         y2 = LG.lut_mma_triton(x, qm, None, s, pairs, q.table.cuda(), bits=4, group_size=g, out_features=n)

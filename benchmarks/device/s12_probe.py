@@ -16,6 +16,10 @@
 (h) as (g) with the second variant set: one dot per decoded half vs the halves stacked into one dot (``one_dot``),
     64 or 128 rows per program, 1 / 2 / 4 programs per SM; above M = 64 also the op's dequantize + cuBLAS path.
 (i) as (g): the stacked 128-row dot over 8 warps (two warpgroups of 64 rows) against the committed configs.
+(j) as (g): ``scale_w`` (scales folded into the decoded tile, a flat chunk loop with the accumulator carried, which
+    lets Triton pipeline the loads and keep wgmma groups in flight) in several configs against the committed default;
+    rel-L2 shows the extra rounding of T[c] * s to bf16. Session-13 candidate.
+(k) as (g) with 3-bit codes (NF3 g128): the register-table kernel (default, ``scale_w``) against the fragment kernel.
 Output: ``s12_probe.json``.
 """
 import json
@@ -110,7 +114,7 @@ if "f" in a.parts:
         torch.cuda.empty_cache()
 dump()  # (f)
 
-if "g" in a.parts or "h" in a.parts or "i" in a.parts:
+if set("ghijk") & set(a.parts):
     # (g) the register-table LUT kernel (lowbit.kernels.lut_wgmma) against the fragment kernel's default and
     # cuBLAS bf16 at M = 16 / 32 / 64 / 128 (4-bit NF g128, bf16), launch configs alternated over 3 rounds
     from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quantize_lut
@@ -119,16 +123,21 @@ if "g" in a.parts or "h" in a.parts or "i" in a.parts:
 
     PART_G2 = "h" in a.parts  # (h): the second variant set of (g)
     PART_G3 = "i" in a.parts  # (i): the third
-    TAG = "_3" if PART_G3 else ("_2" if PART_G2 else "")
+    PART_SW = "j" in a.parts  # (j): scales folded into the decoded tile (scale_w) against the committed configs
+    PART_B3 = "k" in a.parts  # (k): 3-bit codes, the kernel (default, scale_w) against the fragment kernel
+    BITS = 3 if PART_B3 else 4
+    TAG = {"k": "_3bit", "j": "_sw", "i": "_3", "h": "_2"}.get(next((c for c in "kjih" if c in a.parts), ""), "")
     doc["lut_wgmma" + TAG] = {}
     for name, (N, K) in LAYERS.items():
-        q = quantize_lut(torch.randn(N, K, device="cuda"), bits=4, group_size=128, scale_dtype=torch.bfloat16)
-        qm, _ = pack_codes_mma(q.codes, 4, 128, K)
+        q = quantize_lut(torch.randn(N, K, device="cuda"), bits=BITS, group_size=128, scale_dtype=torch.bfloat16)
+        qm, qh = pack_codes_mma(q.codes, BITS, 128, K)
         qm = qm.cuda()
+        qh = qh.cuda() if qh is not None else None
         sc = q.scales.t().contiguous()
-        pairs = pair_table(q.table, 4, torch.bfloat16).cuda()
+        pairs = pair_table(q.table, BITS, torch.bfloat16).cuda()
         tab = q.table.cuda()
-        wsets = [(qm, sc)] + [(qm.clone(), sc.clone()) for _ in range(copies(qm.numel() * 4) - 1)]
+        wsets = [(qm, sc, qh)] + [(qm.clone(), sc.clone(), None if qh is None else qh.clone())
+                                  for _ in range(copies(qm.numel() * 4 * BITS // 4) - 1)]
         wb = dequantize_lut(q).to(torch.bfloat16)
         wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
         del q
@@ -136,7 +145,18 @@ if "g" in a.parts or "h" in a.parts or "i" in a.parts:
             key = f"{name} N={N} K={K} M={M}"
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = (x.double() @ wb.double().t())
-            if PART_G3:  # third round: the stacked dot over two warpgroups (8 warps, 64 rows each)
+            if PART_SW:  # scale_w: flat chunk loop, accumulator carried (async wgmma in the sm_90 PTX)
+                var = {"w_default": {}}
+                for od, rt, c, st in ((False, 8, 1, 3), (False, 8, 2, 3), (False, 8, 4, 3), (True, 4, 2, 3),
+                                      (False, 8, 2, 2), (False, 8, 2, 4), (True, 4, 4, 4)):
+                    var[f"sw_{'o' if od else 'd'}{rt}_c{c}_s{st}"] = {"scale_w": True, "one_dot": od, "rt": rt,
+                                                                       "ctas_per_sm": c, "num_stages": st}
+            elif PART_B3:
+                var = {"w_default": {}, "sw_default": {"scale_w": True}, "sw_d8_c2_s4": {"scale_w": True, "rt": 8,
+                                                                                         "one_dot": False,
+                                                                                         "ctas_per_sm": 2,
+                                                                                         "num_stages": 4}}
+            elif PART_G3:  # third round: the stacked dot over two warpgroups (8 warps, 64 rows each)
                 var = {f"w_{'o' if od else 'd'}{rt}w{nw}_c{c}": {"one_dot": od, "rt": rt, "ctas_per_sm": c,
                                                                  "num_warps": nw}
                        for od, rt, nw, c in ((False, 8, 4, 2), (False, 8, 4, 4), (True, 8, 8, 1), (True, 8, 8, 2),
@@ -155,13 +175,15 @@ if "g" in a.parts or "h" in a.parts or "i" in a.parts:
             res = {"check": {}, "compiled": {}}
             fns = {}
             if M <= 64:
-                y = LG.lut_mma_triton(x, qm, None, sc, pairs, tab, bits=4, group_size=128, out_features=N)
+                y = LG.lut_mma_triton(x, qm, qh, sc, pairs, tab, bits=BITS, group_size=128, out_features=N)
                 res["check"]["mma_default"] = ((y.double() - ref).norm() / ref.norm()).item()
-                fns["mma_default"] = [lambda c=c, s=s: LG.lut_mma_triton(x, c, None, s, pairs, tab, bits=4, group_size=128,
-                                                                         out_features=N) for c, s in wsets]
+                fns["mma_default"] = [lambda c=c, s=s, h=h: LG.lut_mma_triton(x, c, h, s, pairs, tab, bits=BITS,
+                                                                              group_size=128, out_features=N)
+                                      for c, s, h in wsets]
             for vn, ov in var.items():
                 try:
-                    y = LW.lut_wgmma_triton(x, qm, sc, pairs, group_size=128, out_features=N, **ov)
+                    y = LW.lut_wgmma_triton(x, qm, sc, pairs, group_size=128, out_features=N, bits=BITS, qweight_hi=qh,
+                                            **ov)
                     torch.cuda.synchronize()
                     res["check"][vn] = ((y.double() - ref).norm() / ref.norm()).item()
                     k = LW.LAST_COMPILED["wgmma"]
@@ -169,16 +191,18 @@ if "g" in a.parts or "h" in a.parts or "i" in a.parts:
                     res["compiled"][vn] = {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
                                            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
                                            "prmt": ptx.count("prmt.b32"), "shared": k.metadata.shared}
-                    fns[vn] = [lambda c=c, s=s, ov=ov: LW.lut_wgmma_triton(x, c, s, pairs, group_size=128, out_features=N,
-                                                                           **ov) for c, s in wsets]
+                    fns[vn] = [lambda c=c, s=s, h=h, ov=ov: LW.lut_wgmma_triton(x, c, s, pairs, group_size=128,
+                                                                                out_features=N, bits=BITS,
+                                                                                qweight_hi=h, **ov)
+                               for c, s, h in wsets]
                 except Exception as exc:
                     traceback.print_exc()
                     res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
             fns["peer_cublas_bf16"] = [lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]
             if M > 64:  # the op's path above MAX_KERNEL_M: dequantize (fragment layout) + cuBLAS
-                fns["dequant_cublas"] = [lambda c=c, s=s: torch.nn.functional.linear(x, LG.lut_dequant_mma_triton(
-                    c, None, s, tab, bits=4, group_size=128, out_features=N, in_features=K, dtype=torch.bfloat16))
-                    for c, s in wsets]
+                fns["dequant_cublas"] = [lambda c=c, s=s, h=h: torch.nn.functional.linear(x, LG.lut_dequant_mma_triton(
+                    c, h, s, tab, bits=BITS, group_size=128, out_features=N, in_features=K, dtype=torch.bfloat16))
+                    for c, s, h in wsets]
             try:
                 res["us"] = rounds(fns, rounds=3)
             except Exception as exc:

@@ -143,6 +143,16 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _scaled(w, s, EMU: tl.constexpr):
+    """``w [R, C] * s [R]`` in the activation dtype, correctly rounded (the interpreter's 16-bit float arithmetic is
+    not: it multiplies in float32 and rounds once, the same value)."""
+    if EMU:
+        return (w.to(tl.float32) * s.to(tl.float32)[:, None]).to(w.dtype)
+    else:
+        return w * s[:, None]
+
+
+@triton.jit
 def _words3(lo, hi):
     """3-bit fragment planes -> 4-bit-layout words ``[R, 32]`` (column 8 t + s, s = k-step 0..7), each nibble
     ``j = 4 bh + 2 rh + h`` = the 3-bit code (bit 3 zero). ``lo`` ``[R, 16]`` (column 4 t + e): byte b = 2 bh + rh
@@ -190,11 +200,16 @@ def _lut_wgmma_kernel(
     stride_xm, stride_sg, stride_ym,
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
-    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4,
+    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = False,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
-    multiplied by one ``tl.dot`` per chunk; otherwise one dot per half."""
+    multiplied by one ``tl.dot`` per chunk; otherwise one dot per half.
+    ``SCALE_W`` (option, off): the decoded tile is multiplied by its rows' group scales in the activation dtype
+    (``T[c] * s`` rounded once, as FLUTE's own kernel and dequantize-then-MMA kernels do) and the dots accumulate
+    straight into the FP32 accumulator over a flat loop of chunks; with the accumulator carried, Triton pipelines
+    the code and activation loads (``cp.async``) and keeps the wgmma groups in flight (``wait_group 3`` instead of
+    ``0`` in the sm_90 PTX) -- the overlap of decode and wgmma the default lacks. Not yet timed on the device."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -223,34 +238,48 @@ def _lut_wgmma_kernel(
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
     acc0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)  # (two-dot mode only)
-    if PREFETCH:  # the first group's words (register double buffer across groups)
-        nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
-    for gi in range(g0, g1):
-        p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
-        p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
-        if PREFETCH:
-            cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-            nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG,
-                                              BITS)
-        for cc in tl.static_range(CPG):
-            c = gi * CPG + cc
-            if PREFETCH:
-                words = _pick4(cc, cw0, cw1, cw2, cw3)
-            else:
-                words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
+    if SCALE_W:  # scales folded into the decoded tile; one loop over chunks, the accumulator carried across it
+        for c in range(g0 * CPG, g1 * CPG):
+            words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
             xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
             w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
-            if ONE_DOT:
+            s0 = tl.load(S + (c // CPG) * stride_sg + n0, mask=n0 < N, other=0.0).to(ODT)
+            if ONE_DOT:  # (n0 holds the stacked tile's rows)
                 w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
-                p0 = tl.dot(w01, tl.trans(xt), p0)
+                acc0 = tl.dot(_scaled(w01, s0, EMU), tl.trans(xt), acc0)
             else:
-                p0 = tl.dot(w0, tl.trans(xt), p0)
-                p1 = tl.dot(w1, tl.trans(xt), p1)
-        s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
-        acc0 += p0 * s0[:, None]
-        if not ONE_DOT:
-            s1 = tl.load(S + gi * stride_sg + n1, mask=n1 < N, other=0.0).to(tl.float32)
-            acc1 += p1 * s1[:, None]
+                s1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)
+                acc0 = tl.dot(_scaled(w0, s0, EMU), tl.trans(xt), acc0)
+                acc1 = tl.dot(_scaled(w1, s1, EMU), tl.trans(xt), acc1)
+    else:
+        if PREFETCH:  # the first group's words (register double buffer across groups)
+            nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
+        for gi in range(g0, g1):
+            p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
+            p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+            if PREFETCH:
+                cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
+                nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG,
+                                                  BITS)
+            for cc in tl.static_range(CPG):
+                c = gi * CPG + cc
+                if PREFETCH:
+                    words = _pick4(cc, cw0, cw1, cw2, cw3)
+                else:
+                    words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
+                xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
+                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
+                if ONE_DOT:
+                    w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
+                    p0 = tl.dot(w01, tl.trans(xt), p0)
+                else:
+                    p0 = tl.dot(w0, tl.trans(xt), p0)
+                    p1 = tl.dot(w1, tl.trans(xt), p1)
+            s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
+            acc0 += p0 * s0[:, None]
+            if not ONE_DOT:
+                s1 = tl.load(S + gi * stride_sg + n1, mask=n1 < N, other=0.0).to(tl.float32)
+                acc1 += p1 * s1[:, None]
     mask0 = (n0 < N)[:, None] & m_ok[None, :]
     mask1 = (n1 < N)[:, None] & m_ok[None, :]
     if USE_SPLIT:
@@ -374,6 +403,6 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x.stride(0), scales.stride(0), y.stride(0),
         GROUP=G, RT=rt, BLOCK_M=bm, USE_SPLIT=split > 1, EMU=interpret_mode(),
         PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
-        BITS=bits,
+        BITS=bits, SCALE_W=bool(cfg.get("scale_w", False)),
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return y
