@@ -18,7 +18,7 @@
 (i) as (g): the stacked 128-row dot over 8 warps (two warpgroups of 64 rows) against the committed configs.
 (j) as (g): ``scale_w`` (scales folded into the decoded tile, a flat chunk loop with the accumulator carried, which
     lets Triton pipeline the loads and keep wgmma groups in flight) in several configs against the committed default;
-    rel-L2 shows the extra rounding of T[c] * s to bf16. Session-13 candidate.
+    rel-L2 shows the extra rounding of T[c] * s to bf16; M = 1 too (the fragment kernel's range). Session-13 candidate.
 (k) as (g) with 3-bit codes (NF3 g128): the register-table kernel (default, ``scale_w``) against the fragment kernel.
 Output: ``s12_probe.json``.
 """
@@ -141,7 +141,7 @@ if set("ghijk") & set(a.parts):
         wb = dequantize_lut(q).to(torch.bfloat16)
         wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
         del q
-        for M in (16, 32, 64, 128):
+        for M in ((1, 16, 32, 64, 128) if PART_SW else (16, 32, 64, 128)):
             key = f"{name} N={N} K={K} M={M}"
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = (x.double() @ wb.double().t())
