@@ -41,6 +41,7 @@ def _ref(q, x):
     (33, 40, 300, 64, torch.float16, {"rt": 1, "one_dot": True, "split_k": 2}),
     (20, 70, 384, 128, torch.bfloat16, {"rt": 2, "scale_w": True, "split_k": 2}),  # scales folded into the tile
     (40, 24, 300, 64, torch.float16, {"rt": 1, "one_dot": True, "scale_w": True}),
+    (12, 40, 256, 128, torch.bfloat16, {"rt": 1, "scale_w": "asm", "block_m": 16}),  # (interpreter: as True)
 ])
 def test_wgmma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, dev)
@@ -114,6 +115,8 @@ def test_wgmma_bad_inputs_name_the_argument():
         LW.lut_wgmma_triton(x, qm[:, :-1], s, pairs, group_size=128, out_features=24)
     with pytest.raises(ValueError, match="pairs"):
         LW.lut_wgmma_triton(x, qm, s, pairs.half(), group_size=128, out_features=24)
+    with pytest.raises(ValueError, match="scale_w"):
+        LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=24, scale_w="yes")
     with pytest.raises(TypeError, match="x must"):
         LW.lut_wgmma_triton(x.float(), qm, s, pairs, group_size=128, out_features=24)
 
@@ -122,7 +125,7 @@ def test_wgmma_bad_inputs_name_the_argument():
 @pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
                                            (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16),
                                            (40, 1000, 4096, 128, "3bit")])
-@pytest.mark.parametrize("one_dot,scale_w", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("one_dot,scale_w", [(False, False), (True, False), (False, True), (True, "asm")])
 def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
     """The PTX decode (``prmt`` byte tables) against the reference and the fragment kernel."""
     if dtype == "3bit":  # the 3-bit planes (merged in registers) against the reference and the fragment kernel
@@ -136,6 +139,9 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
     y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w)
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
+    if scale_w == "asm":  # the packed multiply in the PTX gives the same tile as Triton's multiply: same result
+        y1 = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, scale_w=True)
+        assert torch.equal(y, y1)
     if m <= 64:
         y2 = LG.lut_mma_triton(x, qm, None, s, pairs, q.table.cuda(), bits=4, group_size=g, out_features=n)
         assert rel_l2(y, y2) < KERNEL_VS_REF[dtype]
@@ -213,6 +219,12 @@ def _run_ptx(asm: str, operands: dict) -> dict:
             for bit in range(32):
                 idx = (((a[0] >> bit) & 1) << 2) | (((a[1] >> bit) & 1) << 1) | ((a[2] >> bit) & 1)
                 r |= ((a[3] >> idx) & 1) << bit
+        elif op in ("mul.rn.bf16x2", "mul.rn.f16x2"):  # two 16-bit floats per register, round to nearest even
+            dt = torch.bfloat16 if "bf16" in op else torch.float16
+            halves = torch.tensor([[a[0] & 0xFFFF, a[0] >> 16], [a[1] & 0xFFFF, a[1] >> 16]], dtype=torch.int32)
+            f = halves.to(torch.int16).view(dt).float()  # (int32 -> int16 wraps to the same bits)
+            prod = (f[0] * f[1]).to(dt).view(torch.int16).to(torch.int32) & 0xFFFF
+            r = int(prod[0]) | int(prod[1]) << 16
         else:
             raise AssertionError(f"unexpected PTX op {op!r}")
         reg[d] = r
@@ -231,3 +243,25 @@ def test_decode_asm_is_a_table_lookup(word, table):
         ops[f"${13 + j}"] = sum((table[4 * j + i] >> 8) << 8 * i for i in range(4))
     out = _run_ptx(LW._DECODE_ASM.value, ops)
     assert [out[f"${j}"] for j in range(8)] == [table[(word >> 4 * j) & 15] for j in range(8)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(word=st.integers(0, 2 ** 32 - 1), seed=st.integers(0, 2 ** 16), half=st.sampled_from(["bf16", "f16"]))
+def test_decode_scaled_asm_is_lookup_times_scale(word, seed, half):
+    """The scaled decode PTX (``scale_w='asm'``) returns round(T[nibble] * s) with s of the value's row half (rows g
+    for nibbles 0, 1, 4, 5; g + 8 for 2, 3, 6, 7), correctly rounded as ``w * s`` in the activation dtype."""
+    dt = torch.bfloat16 if half == "bf16" else torch.float16
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(16, generator=g).to(dt)
+    sc = (torch.rand(2, generator=g) * 3 + 0.01).to(dt)
+    tb = (table.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    sb = (sc.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    ops = {"$8": word, "$17": sb[0] | sb[0] << 16, "$18": sb[1] | sb[1] << 16}
+    for j in range(4):
+        ops[f"${9 + j}"] = sum((tb[4 * j + i] & 0xFF) << 8 * i for i in range(4))
+        ops[f"${13 + j}"] = sum((tb[4 * j + i] >> 8) << 8 * i for i in range(4))
+    out = _run_ptx(LW._decode_asm(half), ops)
+    for j in range(8):
+        want = (table[(word >> 4 * j) & 15].float() * sc[(j >> 1) & 1].float()).to(dt)
+        got = torch.tensor([out[f"${j}"]], dtype=torch.int32).to(torch.int16).view(dt)[0]
+        assert torch.equal(got, want) or (torch.isnan(got) and torch.isnan(want))

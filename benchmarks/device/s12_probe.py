@@ -151,6 +151,8 @@ if set("ghijk") & set(a.parts):
                                       (False, 8, 2, 2), (False, 8, 2, 4), (True, 4, 4, 4)):
                     var[f"sw_{'o' if od else 'd'}{rt}_c{c}_s{st}"] = {"scale_w": True, "one_dot": od, "rt": rt,
                                                                        "ctas_per_sm": c, "num_stages": st}
+                var["swasm_d8_c2_s3"] = {"scale_w": "asm", "one_dot": False, "rt": 8, "ctas_per_sm": 2}
+                var["swasm_d8_c4_s4"] = {"scale_w": "asm", "one_dot": False, "rt": 8, "ctas_per_sm": 4, "num_stages": 4}
             elif PART_B3:
                 var = {"w_default": {}, "sw_default": {"scale_w": True}, "sw_d8_c2_s4": {"scale_w": True, "rt": 8,
                                                                                          "one_dot": False,

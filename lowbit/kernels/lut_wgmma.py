@@ -43,11 +43,13 @@ from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
 from lowbit.kernels.lut_gemm import _pick4, _sm_count, _workspace, fragment_x
 
-def _decode_asm() -> str:
+def _decode_asm(scaled: str | None = None) -> str:
     """PTX of one code word (8 nibbles, ``$8``) + the 8 byte-table registers (``$9..$12`` low bytes, ``$13..$16``
     high bytes) -> the 8 values in nibble order (16-bit outputs ``$0..$7``). Per group of 4 nibbles (selector ``sa``
     / ``sb``, byte mask ``ma`` / ``mb``): a low-byte and a high-byte lookup (two ``prmt`` + one ``lop3`` select each),
-    then two ``prmt`` interleave them into the 16-bit values."""
+    then two ``prmt`` interleave them into the 16-bit values. ``scaled`` ('bf16' / 'f16'): each value pair is then
+    multiplied by its rows' scale pair (``$17`` rows g, ``$18`` rows g + 8, the scale in both halves; ``mul.rn``:
+    correctly rounded, the value ``T[c] * s`` of ``scale_w``, one packed multiply per 2 weights)."""
     lines = ["{", ".reg .b32 sa, sb, w4, ma, mb, x, y, lo, hi, o;",
              "and.b32 sa, $8, 0x7777;", "shr.u32 sb, $8, 16;", "and.b32 sb, sb, 0x7777;", "shl.b32 w4, $8, 4;",
              "prmt.b32 ma, w4, $8, 0xD9C8;",  # byte i = sign of nibble i's bit 3 (nibbles 0..3)
@@ -56,12 +58,18 @@ def _decode_asm() -> str:
         for dst, t in (("lo", 9), ("hi", 13)):  # entries 0-7 from {T0, T1}, 8-15 from {T2, T3}; mask picks
             lines += [f"prmt.b32 x, ${t}, ${t + 1}, {sel};", f"prmt.b32 y, ${t + 2}, ${t + 3}, {sel};",
                       f"lop3.b32 {dst}, x, y, {mask}, 0xD8;"]
-        lines += ["prmt.b32 o, lo, hi, 0x5140;", f"mov.b32 {{${out}, ${out + 1}}}, o;",
-                  "prmt.b32 o, lo, hi, 0x7362;", f"mov.b32 {{${out + 2}, ${out + 3}}}, o;"]
+        for sel_o, rh in (("0x5140", 0), ("0x7362", 1)):  # nibbles (4 bh + 2 rh, + 1): rows g + 8 rh
+            lines.append(f"prmt.b32 o, lo, hi, {sel_o};")
+            if scaled:
+                lines.append(f"mul.rn.{'bf16x2' if scaled == 'bf16' else 'f16x2'} o, o, ${17 + rh};")
+            lines.append(f"mov.b32 {{${out + 2 * rh}, ${out + 2 * rh + 1}}}, o;")
     return "\n".join(lines + ["}"])
 
 
 _DECODE_ASM = tl.constexpr(_decode_asm())
+_DECODE_BF_SCALED_ASM = tl.constexpr(_decode_asm("bf16"))
+_DECODE_F_SCALED_ASM = tl.constexpr(_decode_asm("f16"))
+_DECODE_SCALED_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 11))
 _DECODE_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
 
 
@@ -143,6 +151,32 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _decode_scaled(words, tabs, s0, s1, OUT_DTYPE: tl.constexpr):
+    """``_decode`` with the rows' scales applied inside the PTX (GPU only): ``s0`` / ``s1`` ``[R]`` in the activation
+    dtype for rows g / g + 8, each packed into both halves of a 32-bit operand for ``mul.rn.{bf16x2,f16x2}``."""
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    p0 = tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W])
+    p1 = tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
+    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
+    args = [words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, p0, p1]
+    if OUT_DTYPE == tl.bfloat16:
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            _DECODE_BF_SCALED_ASM, _DECODE_SCALED_CONS, args, is_pure=True, pack=1,
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16))
+    else:
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            _DECODE_F_SCALED_ASM, _DECODE_SCALED_CONS, args, is_pure=True, pack=1,
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16))
+    w0 = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n1, n5)), [R, 4 * W])
+    w1 = tl.reshape(tl.join(tl.join(n2, n6), tl.join(n3, n7)), [R, 4 * W])
+    return w0, w1
+
+
+@triton.jit
 def _scaled(w, s, EMU: tl.constexpr):
     """``w [R, C] * s [R]`` in the activation dtype, correctly rounded (the interpreter's 16-bit float arithmetic is
     not: it multiplies in float32 and rounds once, the same value)."""
@@ -200,7 +234,7 @@ def _lut_wgmma_kernel(
     stride_xm, stride_sg, stride_ym,
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
-    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = False,
+    PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = 0,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
@@ -209,7 +243,8 @@ def _lut_wgmma_kernel(
     (``T[c] * s`` rounded once, as FLUTE's own kernel and dequantize-then-MMA kernels do) and the dots accumulate
     straight into the FP32 accumulator over a flat loop of chunks; with the accumulator carried, Triton pipelines
     the code and activation loads (``cp.async``) and keeps the wgmma groups in flight (``wait_group 3`` instead of
-    ``0`` in the sm_90 PTX) -- the overlap of decode and wgmma the default lacks. Not yet timed on the device."""
+    ``0`` in the sm_90 PTX) -- the overlap of decode and wgmma the default lacks. ``SCALE_W == 2``: the multiply
+    inside the decode PTX (``mul.rn.bf16x2``, same values). Not yet timed on the device."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -238,19 +273,24 @@ def _lut_wgmma_kernel(
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
     acc0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
     acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)  # (two-dot mode only)
-    if SCALE_W:  # scales folded into the decoded tile; one loop over chunks, the accumulator carried across it
+    if SCALE_W > 0:  # scales folded into the decoded tile; one loop over chunks, the accumulator carried across it
         for c in range(g0 * CPG, g1 * CPG):
             words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
             xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
-            w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
-            s0 = tl.load(S + (c // CPG) * stride_sg + n0, mask=n0 < N, other=0.0).to(ODT)
-            if ONE_DOT:  # (n0 holds the stacked tile's rows)
-                w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
-                acc0 = tl.dot(_scaled(w01, s0, EMU), tl.trans(xt), acc0)
+            sh0 = tl.load(S + (c // CPG) * stride_sg + n1 - 8, mask=n1 - 8 < N, other=0.0).to(ODT)  # rows g
+            sh1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)  # rows g + 8
+            if SCALE_W == 2 and not EMU:  # the multiply inside the decode PTX, 2 weights per instruction
+                w0, w1 = _decode_scaled(words, tabs, sh0, sh1, ODT)
             else:
-                s1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)
-                acc0 = tl.dot(_scaled(w0, s0, EMU), tl.trans(xt), acc0)
-                acc1 = tl.dot(_scaled(w1, s1, EMU), tl.trans(xt), acc1)
+                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
+                w0 = _scaled(w0, sh0, EMU)
+                w1 = _scaled(w1, sh1, EMU)
+            if ONE_DOT:
+                w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
+                acc0 = tl.dot(w01, tl.trans(xt), acc0)
+            else:
+                acc0 = tl.dot(w0, tl.trans(xt), acc0)
+                acc1 = tl.dot(w1, tl.trans(xt), acc1)
     else:
         if PREFETCH:  # the first group's words (register double buffer across groups)
             nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
@@ -354,7 +394,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """Launch ``_lut_wgmma_kernel``. ``qweight`` (+ ``qweight_hi`` at 3 bits) = ``formats.lut.pack_codes_mma(codes,
     bits, G)``, ``pairs`` = ``pair_table(table, bits, x.dtype)``, ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]``
     bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K is not a multiple of the group or its rows are
-    not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split).
+    not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split;
+    ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode; interpreter- and GPU-tested, not yet timed on the device, so
     the op does not dispatch to it (``WGMMA_BITS``)."""
@@ -386,6 +427,9 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     ng = cdiv(K, G)
     kp = nc * MMA_CHUNK[bits]
     x = fragment_x(x, kp)
+    sw = {False: 0, True: 1, "asm": 2}.get(cfg.get("scale_w", False))
+    if sw is None:
+        raise ValueError(f"scale_w must be False, True or 'asm', got {cfg.get('scale_w')!r}")
     rt, bm = int(cfg["rt"]), int(cfg["block_m"])
     grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
     split = cfg.get("split_k")
@@ -403,6 +447,6 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x.stride(0), scales.stride(0), y.stride(0),
         GROUP=G, RT=rt, BLOCK_M=bm, USE_SPLIT=split > 1, EMU=interpret_mode(),
         PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
-        BITS=bits, SCALE_W=bool(cfg.get("scale_w", False)),
+        BITS=bits, SCALE_W=sw,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return y
