@@ -1,0 +1,65 @@
+"""Offline sm_90a build of the register-table LUT kernel (no GPU needed): registers, spills, shared memory and the
+wgmma waits of each launch variant, from Triton's PTX assembled by the ptxas bundled with Triton.
+
+    python3 benchmarks/offline_ptx.py [--bm 64] [--rt 8] [--bits 4]
+
+What the device's Triton 3.6 + ptxas emit can differ from this machine's Triton: the numbers are a guide for which
+variants to time, not a measurement (session 12: 239 registers offline vs 239 on the H100 for the default at 64
+tokens, 120 vs 123 at 16). The PTX's ``.version`` line is lowered to what the bundled ptxas reads when it is newer.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lowbit.kernels import lut_wgmma as LW  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--bm", type=int, default=64, help="tokens per program (BLOCK_M)")
+ap.add_argument("--rt", type=int, default=8, help="16-row tiles per program")
+ap.add_argument("--bits", type=int, default=4)
+ap.add_argument("--stages", type=int, default=3)
+args = ap.parse_args()
+
+SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
+       "M": "i32", "N": "i32", "NRT": "i32", "NC": "i32", "NG": "i32", "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32",
+       "stride_xm": "i32", "stride_sg": "i32", "stride_ym": "i32"}
+# pointers and the strides / N divisible by 16, as Triton specializes them for the Llama shapes
+ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 15, 16, 17]}
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def build(one_dot: bool, scale_w: int, rt: int) -> dict:
+    consts = {"GROUP": 128, "RT": rt, "BLOCK_M": args.bm, "USE_SPLIT": True, "EMU": False, "PREFETCH": True,
+              "ONE_DOT": one_dot, "BITS": args.bits, "SCALE_W": scale_w}
+    sig = dict(SIG, **{k: "constexpr" for k in consts})
+    k = triton.compile(ASTSource(fn=LW._lut_wgmma_kernel, signature=sig, constexprs=consts, attrs=ATTRS),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": args.stages})
+    ptx = k.asm["ptx"]
+    row = {"shared_B": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+           "waits": re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx), "cp.async": ptx.count("cp.async.cg"),
+           "prmt": ptx.count("prmt.b32")}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
+        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True,
+                           text=True)
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    row.update(regs=int(regs[0]) if regs else None, spill_B=int(spills[0]) if spills else None,
+               ptxas_ok=r.returncode == 0)
+    return row
+
+
+for one_dot, rt in ((False, args.rt), (True, args.rt // 2)):
+    for sw in (0, 1, 2):
+        name = f"{'one_dot rt' if one_dot else 'two dots rt'}{rt} scale_w={['off', 'on', 'asm'][sw]}"
+        print(f"{name:32s}", build(one_dot, sw, rt), flush=True)
