@@ -92,13 +92,33 @@ def test_words3_merges_the_planes_into_4bit_words():
                 assert (int(out[g, col]) >> 4 * j) & 15 == int(c[g + 8 * rh, 32 * t + 4 * st + 2 * bh + h])
 
 
-@settings(max_examples=6, deadline=None)
-@given(m=st.integers(1, 70), n=st.integers(1, 50), k=st.integers(1, 300), g=st.sampled_from([64, 128]),
-       table=st.sampled_from(["nf", "int"]))
-def test_wgmma_kernel_fuzz_shapes(m, n, k, g, table):
-    q, x, qm, s, pairs = _case(m, n, k, g, torch.bfloat16, _DEV, table=table)
-    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, rt=1, block_m=16)
+@settings(max_examples=8, deadline=None)
+@given(m=st.integers(1, 70), n=st.integers(1, 50), k=st.integers(1, 300), g=st.sampled_from([64, 128, 256]),
+       table=st.sampled_from(["nf", "int"]), bits=st.sampled_from([3, 4]), scale_w=st.sampled_from([False, True]),
+       one_dot=st.booleans(), split=st.sampled_from([None, 2]))
+def test_wgmma_kernel_fuzz_shapes(m, n, k, g, table, bits, scale_w, one_dot, split):
+    if bits == 3 and g == 64:
+        g = 128  # the 3-bit fragment layout needs g >= 128
+    case = _case(m, n, k, g, torch.bfloat16, _DEV, table=table, bits=bits)
+    q, x, qm, s, pairs = case[:5]
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, rt=1, block_m=16, bits=bits,
+                            qweight_hi=case[5] if bits == 3 else None, scale_w=scale_w, one_dot=one_dot, split_k=split)
+    assert y.shape == (m, n) and torch.isfinite(y).all()
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+
+
+def test_op_opcheck_and_compile_on_the_register_table_path():
+    """``lowbit::lut_gemm`` at 20 tokens (layout 'mma', 4-bit: this kernel): schema and fake tensor checks, and
+    ``torch.compile(fullgraph=True)`` through it."""
+    from lowbit.ops.lut import lut_gemm
+
+    q, x, qm, s, pairs = _case(20, 24, 256, 128, torch.bfloat16, _DEV)
+    t = q.table.to(_DEV)
+    torch.library.opcheck(torch.ops.lowbit.lut_gemm.default, (x, qm, None, s, t, pairs, 4, 128, "load", "mma"),
+                          test_utils=("test_schema", "test_faketensor"))
+    f = torch.compile(lambda a: lut_gemm(a, qm, None, s, t, bits=4, group_size=128, pairs=pairs, layout="mma"),
+                      fullgraph=True, backend="eager")
+    assert rel_l2(f(x), _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
 
 
 def test_wgmma_all_zero_rows_give_zero(dev):
