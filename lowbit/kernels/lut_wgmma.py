@@ -117,9 +117,28 @@ def _byte_tables(P, BITS: tl.constexpr):
 
 
 @triton.jit
-def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl.constexpr):
+def _run_decode(args, ASM_BF: tl.constexpr, ASM_F: tl.constexpr, CONS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """The decode PTX (``ASM_BF`` / ``ASM_F`` by the activation dtype) -> its 8 values per word."""
+    if OUT_DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            ASM_BF, CONS, args, is_pure=True, pack=1,
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16))
+    else:
+        return tl.inline_asm_elementwise(
+            ASM_F, CONS, args, is_pure=True, pack=1,
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16))
+
+
+@triton.jit
+def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl.constexpr, s0, s1,
+            SCALE: tl.constexpr):
     """4-bit-layout code words ``[R, W]`` (column = 4 t + s at 4 bits, 8 t + s at 3 bits: ``_words3``) ->
-    (rows g, rows g + 8) ``[R, 4 W]`` in the activation dtype, K in natural order."""
+    (rows g, rows g + 8) ``[R, 4 W]`` in the activation dtype, K in natural order. ``SCALE`` (``scale_w``): 1 =
+    the values times their rows' scales ``s0`` / ``s1`` ``[R]`` (activation dtype) by Triton's multiply, 2 = inside
+    the PTX, each scale packed into both halves of a ``mul.rn.{bf16x2,f16x2}`` operand (the same values)."""
+    R: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
     if EMU:
         PI = P.to(tl.pointer_type(OUT_DTYPE))
         n0 = tl.load(PI + 2 * _entry_row(words & 15, BITS))
@@ -130,49 +149,25 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
         n5 = tl.load(PI + 2 * _entry_row((words >> 20) & 15, BITS))
         n6 = tl.load(PI + 2 * _entry_row((words >> 24) & 15, BITS))
         n7 = tl.load(PI + 2 * _entry_row((words >> 28) & 15, BITS))
+    elif SCALE == 2:
+        v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        p0 = tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W])
+        p1 = tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
+        lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
+        n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, p0, p1],
+                                                     _DECODE_BF_SCALED_ASM, _DECODE_F_SCALED_ASM,
+                                                     _DECODE_SCALED_CONS, OUT_DTYPE)
     else:
         lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
-        args = [words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3]
-        if OUT_DTYPE == tl.bfloat16:
-            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-                _DECODE_ASM, _DECODE_CONS, args, is_pure=True, pack=1,
-                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                       tl.bfloat16))
-        else:
-            n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-                _DECODE_ASM, _DECODE_CONS, args, is_pure=True, pack=1,
-                dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16))
-    R: tl.constexpr = words.shape[0]
-    W: tl.constexpr = words.shape[1]
+        n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3],
+                                                     _DECODE_ASM, _DECODE_ASM, _DECODE_CONS, OUT_DTYPE)
     # nibble j = 4 bh + 2 rh + h -> tile rh, column 4 (word column) + 2 bh + h
     w0 = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n1, n5)), [R, 4 * W])
     w1 = tl.reshape(tl.join(tl.join(n2, n6), tl.join(n3, n7)), [R, 4 * W])
-    return w0, w1
-
-
-@triton.jit
-def _decode_scaled(words, tabs, s0, s1, OUT_DTYPE: tl.constexpr):
-    """``_decode`` with the rows' scales applied inside the PTX (GPU only): ``s0`` / ``s1`` ``[R]`` in the activation
-    dtype for rows g / g + 8, each packed into both halves of a 32-bit operand for ``mul.rn.{bf16x2,f16x2}``."""
-    R: tl.constexpr = words.shape[0]
-    W: tl.constexpr = words.shape[1]
-    v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    p0 = tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W])
-    p1 = tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
-    lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
-    args = [words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, p0, p1]
-    if OUT_DTYPE == tl.bfloat16:
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            _DECODE_BF_SCALED_ASM, _DECODE_SCALED_CONS, args, is_pure=True, pack=1,
-            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-                   tl.bfloat16))
-    else:
-        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
-            _DECODE_F_SCALED_ASM, _DECODE_SCALED_CONS, args, is_pure=True, pack=1,
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16))
-    w0 = tl.reshape(tl.join(tl.join(n0, n4), tl.join(n1, n5)), [R, 4 * W])
-    w1 = tl.reshape(tl.join(tl.join(n2, n6), tl.join(n3, n7)), [R, 4 * W])
+    if SCALE == 1 or (SCALE == 2 and EMU):
+        w0 = _scaled(w0, s0, EMU)
+        w1 = _scaled(w1, s1, EMU)
     return w0, w1
 
 
@@ -279,12 +274,7 @@ def _lut_wgmma_kernel(
             xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
             sh0 = tl.load(S + (c // CPG) * stride_sg + n1 - 8, mask=n1 - 8 < N, other=0.0).to(ODT)  # rows g
             sh1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)  # rows g + 8
-            if SCALE_W == 2 and not EMU:  # the multiply inside the decode PTX, 2 weights per instruction
-                w0, w1 = _decode_scaled(words, tabs, sh0, sh1, ODT)
-            else:
-                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
-                w0 = _scaled(w0, sh0, EMU)
-                w1 = _scaled(w1, sh1, EMU)
+            w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, sh0, sh1, SCALE_W)
             if ONE_DOT:
                 w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
                 acc0 = tl.dot(w01, tl.trans(xt), acc0)
@@ -308,7 +298,7 @@ def _lut_wgmma_kernel(
                 else:
                     words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
                 xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
-                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS)
+                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0)
                 if ONE_DOT:
                     w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
                     p0 = tl.dot(w01, tl.trans(xt), p0)
