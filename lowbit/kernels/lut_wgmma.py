@@ -220,6 +220,22 @@ def _group_words(q_rows, h_rows, c0, ok, CPG: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _tile_dots(w0, w1, xt, a0, a1, ONE_DOT: tl.constexpr):
+    """The decoded halves (rows g, g + 8; ``[BR, CK]``) against the activation tile ``xt`` ``[BLOCK_M, CK]``: one dot
+    per half into ``a0`` / ``a1``, or (``ONE_DOT``) the halves stacked into one ``[2 BR, CK]`` tile, one dot into
+    ``a0`` (``a1`` unused)."""
+    if ONE_DOT:
+        BR: tl.constexpr = w0.shape[0]
+        CK: tl.constexpr = w0.shape[1]
+        w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
+        a0 = tl.dot(w01, tl.trans(xt), a0)
+    else:
+        a0 = tl.dot(w0, tl.trans(xt), a0)
+        a1 = tl.dot(w1, tl.trans(xt), a1)
+    return a0, a1
+
+
+@triton.jit
 def _lut_wgmma_kernel(
     # pointers
     X, Q, QH, S, P, Y, WS, LOCKS,
@@ -275,12 +291,7 @@ def _lut_wgmma_kernel(
             sh0 = tl.load(S + (c // CPG) * stride_sg + n1 - 8, mask=n1 - 8 < N, other=0.0).to(ODT)  # rows g
             sh1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)  # rows g + 8
             w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, sh0, sh1, SCALE_W)
-            if ONE_DOT:
-                w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
-                acc0 = tl.dot(w01, tl.trans(xt), acc0)
-            else:
-                acc0 = tl.dot(w0, tl.trans(xt), acc0)
-                acc1 = tl.dot(w1, tl.trans(xt), acc1)
+            acc0, acc1 = _tile_dots(w0, w1, xt, acc0, acc1, ONE_DOT)
     else:
         if PREFETCH:  # the first group's words (register double buffer across groups)
             nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
@@ -299,12 +310,7 @@ def _lut_wgmma_kernel(
                     words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
                 xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
                 w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0)
-                if ONE_DOT:
-                    w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
-                    p0 = tl.dot(w01, tl.trans(xt), p0)
-                else:
-                    p0 = tl.dot(w0, tl.trans(xt), p0)
-                    p1 = tl.dot(w1, tl.trans(xt), p1)
+                p0, p1 = _tile_dots(w0, w1, xt, p0, p1, ONE_DOT)
             s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
             acc0 += p0 * s0[:, None]
             if not ONE_DOT:
