@@ -24,9 +24,12 @@ lookup a pure register computation:
   column ``4 t + s`` = 64 contiguous bytes per row), decoded into two ``[8 RT, 64]`` tiles -- rows ``g`` and
   ``g + 8`` of every row tile, K in natural order -- and each tile is one ``tl.dot`` against the ``[64, BLOCK_M]``
   activation tile ("swap AB": the weights are the wide M side, the tokens the narrow N side).
+  3-bit: 128 K per chunk, the two planes merged into ``[8 RT, 32]`` words of the 4-bit layout first.
 - FP32 accumulation; the products of one scale group are summed first and scaled once
   (``acc += part * s``, FP32), as in the fragment kernel. The table values are rounded to the activation dtype
-  (``formats.lut.pair_table``, the fragment kernel's rounding).
+  (``formats.lut.pair_table``, the fragment kernel's rounding). Decision (numerics): this exact group scaling is
+  the default; the option ``scale_w`` (the kernel's ``SCALE_W``) instead rounds ``T[c] * s`` once to the activation
+  dtype, as FLUTE's own kernel does, which lets Triton keep wgmma groups in flight -- faster on paper, to be timed.
 - Split-K over scale groups with the fragment kernel's deterministic in-kernel reduction (FP32 partials, the
   last program of a tile to arrive sums them in split order).
 
