@@ -285,3 +285,13 @@ def test_decode_scaled_asm_is_lookup_times_scale(word, seed, half):
         want = (table[(word >> 4 * j) & 15].float() * sc[(j >> 1) & 1].float()).to(dt)
         got = torch.tensor([out[f"${j}"]], dtype=torch.int32).to(torch.int16).view(dt)[0]
         assert torch.equal(got, want) or (torch.isnan(got) and torch.isnan(want))
+
+
+def test_tensor_parallel_shard_k():
+    """K = 10944 (a Llama-2-70B-like down_proj shard, not a multiple of 128): the codes and x are padded to the
+    group, the result equals the reference (op path, 20 tokens)."""
+    from lowbit.ops.lut import lut_gemm
+
+    q, x, qm, s, pairs = _case(20, 24, 10944, 128, torch.bfloat16, _DEV)
+    y = lut_gemm(x, qm, None, s, q.table.to(_DEV), bits=4, group_size=128, pairs=pairs, layout="mma")
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
