@@ -1,7 +1,7 @@
 """Offline sm_90a build of the register-table LUT kernel (no GPU needed): registers, spills, shared memory and the
 wgmma waits of each launch variant, from Triton's PTX assembled by the ptxas bundled with Triton.
 
-    python3 benchmarks/offline_ptx.py [--bm 64] [--rt 8] [--bits 4]
+    python3 benchmarks/offline_ptx.py [--bm 64] [--rt 8] [--bits 4] [--out FILE.json]
 
 What the device's Triton 3.6 + ptxas emit can differ from this machine's Triton: the numbers are a guide for which
 variants to time, not a measurement (session 12: 239 registers offline vs 239 on the H100 for the default at 64
@@ -26,6 +26,7 @@ ap.add_argument("--bm", type=int, default=64, help="tokens per program (BLOCK_M)
 ap.add_argument("--rt", type=int, default=8, help="16-row tiles per program")
 ap.add_argument("--bits", type=int, default=4)
 ap.add_argument("--stages", type=int, default=3)
+ap.add_argument("--out", help="also write the rows as JSON (with versions and the command)")
 args = ap.parse_args()
 
 SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
@@ -59,7 +60,18 @@ def build(one_dot: bool, scale_w: int, rt: int) -> dict:
     return row
 
 
+rows = {}
 for one_dot, rt in ((False, args.rt), (True, args.rt // 2)):
     for sw in (0, 1, 2):
         name = f"{'one_dot rt' if one_dot else 'two dots rt'}{rt} scale_w={['off', 'on', 'asm'][sw]}"
-        print(f"{name:32s}", build(one_dot, sw, rt), flush=True)
+        rows[name] = build(one_dot, sw, rt)
+        print(f"{name:32s}", rows[name], flush=True)
+if args.out:
+    import json
+    import platform
+
+    ver = subprocess.run([PTXAS, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    env = {"kind": "offline build, no GPU (target sm_90a)", "triton": triton.__version__, "ptxas": ver,
+           "python": platform.python_version(), "command": "python3 benchmarks/offline_ptx.py " + " ".join(sys.argv[1:])}
+    with open(args.out, "w") as f:
+        json.dump({"env": env, "config": vars(args), "rows": rows}, f, indent=1)

@@ -1151,6 +1151,33 @@ def _workspace(device, numel_ws: int, numel_locks: int):
     return ws, locks
 
 
+def gemm_output(x: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, bool]:
+    """The ``[M, N]`` output in x's dtype, and whether it is already final without a launch (no rows or columns:
+    empty; K = 0: zeros)."""
+    M = x.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0 or N == 0:
+        return y, True
+    if K == 0:
+        return y.zero_(), True
+    return y, False
+
+
+def split_plan(split: int | None, units: int, tiles: int, ctas_per_sm: int, y: torch.Tensor):
+    """Split-K over ``units`` (loop steps or scale groups) for ``tiles`` output tiles of ``y`` [M, N]: ``split``
+    (None: enough programs for ``ctas_per_sm`` per SM) clamped to [1, units] with no empty range -> (split, units per
+    split, FP32 workspace, counters); the workspace and counters are ``y`` itself (unused) without a split."""
+    if split is None:
+        split = cdiv(ctas_per_sm * _sm_count(y.device), tiles)
+    split = max(1, min(int(split), units))
+    per = cdiv(units, split)
+    split = cdiv(units, per)
+    if split == 1:
+        return 1, per, y, y
+    ws, locks = _workspace(y.device, split * y.shape[0] * y.shape[1], tiles)
+    return split, per, ws, locks
+
+
 def _sm_count(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1191,24 +1218,12 @@ def lut_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Te
             lookup = "smem" if fma else "global"
     if lookup == "smem" and (cfg["use_dot"] or cfg["num_stages"] != 1):
         lookup = "global"  # the shared-memory table is only safe where Triton uses no smem in the loop
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if M == 0 or N == 0:
+    y, done = gemm_output(x, N, K)
+    if done:
         return y
-    if K == 0:
-        return y.zero_()
     num_iters = packed_k(K, bits) // pack_block(bits)
     grid_n, grid_m = cdiv(N, bn), cdiv(M, bm)
-    split = cfg.get("split_k")
-    if split is None:
-        target = cfg["ctas_per_sm"] * _sm_count(x.device)
-        split = max(1, min(num_iters, cdiv(target, grid_n * grid_m)))
-    split = max(1, min(int(split), num_iters))
-    per = cdiv(num_iters, split)
-    split = cdiv(num_iters, per)  # no empty ranges
-    if split > 1:
-        ws, locks = _workspace(x.device, split * M * N, grid_n * grid_m)
-    else:
-        ws, locks = y, y  # unused
+    split, per, ws, locks = split_plan(cfg.get("split_k"), num_iters, grid_n * grid_m, cfg["ctas_per_sm"], y)
     qh = qweight_hi if qweight_hi is not None else qweight
     if lookup == "pair":
         if pairs is None or pairs.shape != (4 ** bits, 2) or pairs.dtype != x.dtype:
@@ -1376,11 +1391,9 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     cfg = mma_config(M, N, K, bits, G)
     cfg.update(overrides)
     nt, r, nw = cfg["nt"], cfg["r"], cfg["num_warps"]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if M == 0 or N == 0:
+    y, done = gemm_output(x, N, K)
+    if done:
         return y
-    if K == 0:
-        return y.zero_()
     ng = cdiv(K, G)
     kp = ng * G
     ck = 64 if bits == 4 else 128
@@ -1396,16 +1409,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     split = cfg.get("split_k")
     if split is None and cfg.get("balance"):
         split = balanced_split(grid_n * grid_m, ng, _sm_count(x.device), cfg["ctas_per_sm"])
-    if split is None:
-        target = cfg["ctas_per_sm"] * _sm_count(x.device)
-        split = max(1, min(ng, cdiv(target, grid_n * grid_m)))
-    split = max(1, min(int(split), ng))
-    per = cdiv(ng, split)
-    split = cdiv(ng, per)
-    if split > 1:
-        ws, locks = _workspace(x.device, split * M * N, grid_n * grid_m)
-    else:
-        ws, locks = y, y
+    split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
     pw = pairs.contiguous().view(torch.int32).reshape(-1)
     qh = qweight_hi if qweight_hi is not None else qweight
     grid = (grid_n, grid_m, split)

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
-from lowbit.kernels.lut_gemm import _pick4, _sm_count, _workspace, fragment_x
+from lowbit.kernels.lut_gemm import _pick4, fragment_x, gemm_output, split_plan
 
 def _decode_asm(scaled: str | None = None) -> str:
     """PTX of one code word (8 nibbles, ``$8``) + the 8 byte-table registers (``$9..$12`` low bytes, ``$13..$16``
@@ -269,8 +269,9 @@ def _lut_wgmma_kernel(
     i = tl.arange(0, BR)
     rt = pid_n * RT + i // 8
     rt_ok = rt < NRT
-    n0 = rt * 16 + i % 8  # rows of half 0 (half 1: + 8)
-    n1 = n0 + 8
+    nh0 = rt * 16 + i % 8  # weight rows of half 0 (rows g of each tile)
+    n1 = nh0 + 8  # half 1 (rows g + 8)
+    n0 = nh0
     if ONE_DOT:  # row rh * BR + i of the stacked tile = weight row 16 rt + 8 rh + g
         r2 = tl.arange(0, 2 * BR)
         n0 = (pid_n * RT + (r2 % BR) // 8) * 16 + 8 * (r2 // BR) + r2 % 8
@@ -291,8 +292,8 @@ def _lut_wgmma_kernel(
         for c in range(g0 * CPG, g1 * CPG):
             words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
             xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
-            sh0 = tl.load(S + (c // CPG) * stride_sg + n1 - 8, mask=n1 - 8 < N, other=0.0).to(ODT)  # rows g
-            sh1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)  # rows g + 8
+            sh0 = tl.load(S + (c // CPG) * stride_sg + nh0, mask=nh0 < N, other=0.0).to(ODT)
+            sh1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)
             w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, sh0, sh1, SCALE_W)
             acc0, acc1 = _tile_dots(w0, w1, xt, acc0, acc1, ONE_DOT)
     else:
@@ -418,11 +419,11 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                          f"({nrt * nc * 64} int32 words)")
     cfg = wgmma_config(M, N, K, G)
     cfg.update(overrides)
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if M == 0 or N == 0:
+    if M * N >= 2 ** 31:
+        raise ValueError(f"lut_wgmma_triton: M * N = {M * N} needs 64-bit output offsets (< 2**31 supported)")
+    y, done = gemm_output(x, N, K)
+    if done:
         return y
-    if K == 0:
-        return y.zero_()
     ng = cdiv(K, G)
     kp = nc * MMA_CHUNK[bits]
     x = fragment_x(x, kp)
@@ -431,16 +432,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError(f"scale_w must be False, True or 'asm', got {cfg.get('scale_w')!r}")
     rt, bm = int(cfg["rt"]), int(cfg["block_m"])
     grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
-    split = cfg.get("split_k")
-    if split is None:
-        split = cdiv(cfg["ctas_per_sm"] * _sm_count(x.device), grid_n * grid_m)
-    split = max(1, min(int(split), ng))
-    per = cdiv(ng, split)
-    split = cdiv(ng, per)  # no empty ranges
-    if split > 1:
-        ws, locks = _workspace(x.device, split * M * N, grid_n * grid_m)
-    else:
-        ws, locks = y, y
+    split, per, ws, locks = split_plan(cfg.get("split_k"), ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[(grid_n, grid_m, split)](
         x, qweight, qweight_hi if bits == 3 else qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
         x.stride(0), scales.stride(0), y.stride(0),

@@ -87,14 +87,12 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
             from lowbit.kernels.lut_wgmma import MAX_WGMMA_M, WGMMA_BITS, lut_wgmma_triton, wgmma_preferred
 
             M = x.shape[0]
+            if pairs is None or pairs.dtype != x.dtype:  # both kernels read the pair table (cached per table)
+                pairs = _pairs_for(table, bits, x.dtype)
             if bits in WGMMA_BITS and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K):
-                if pairs is None or pairs.dtype != x.dtype:
-                    pairs = _pairs_for(table, bits, x.dtype)
                 return lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N, bits=bits,
                                         qweight_hi=qweight_hi)
             if M <= MAX_KERNEL_M:
-                if pairs is None or pairs.dtype != x.dtype:
-                    pairs = _pairs_for(table, bits, x.dtype)
                 return lut_mma_triton(x, qweight, qweight_hi, scales, pairs, table, bits=bits, group_size=group_size,
                                       out_features=N, pdl=pdl)
             w = lut_dequant_mma_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
