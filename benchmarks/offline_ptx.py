@@ -1,5 +1,6 @@
 """Offline sm_90a build of the register-table LUT kernel (no GPU needed): registers, spills, shared memory and the
-wgmma waits of each launch variant, from Triton's PTX assembled by the ptxas bundled with Triton.
+wgmma waits of each launch variant, from Triton's PTX assembled by the ptxas bundled with Triton; ``ldmatrix`` /
+``bar.sync`` counts show whether the decoded tile goes through shared memory (it does not with ``REG_A``).
 
     python3 benchmarks/offline_ptx.py [--bm 64] [--rt 8] [--bits 4] [--out FILE.json]
 
@@ -37,16 +38,18 @@ ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 15, 1
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def build(one_dot: bool, scale_w: int, rt: int) -> dict:
+def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False) -> dict:
     consts = {"GROUP": 128, "RT": rt, "BLOCK_M": args.bm, "USE_SPLIT": True, "EMU": False, "PREFETCH": True,
-              "ONE_DOT": one_dot, "BITS": args.bits, "SCALE_W": scale_w}
+              "ONE_DOT": one_dot, "BITS": args.bits, "SCALE_W": scale_w,
+              "REG_A": reg_a}
     sig = dict(SIG, **{k: "constexpr" for k in consts})
     k = triton.compile(ASTSource(fn=LW._lut_wgmma_kernel, signature=sig, constexprs=consts, attrs=ATTRS),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": args.stages})
     ptx = k.asm["ptx"]
     row = {"shared_B": k.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
            "waits": re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx), "cp.async": ptx.count("cp.async.cg"),
-           "prmt": ptx.count("prmt.b32")}
+           "prmt": ptx.count("prmt.b32"),
+           "ldmatrix": ptx.count("ldmatrix"), "bar.sync": ptx.count("bar.sync")}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -63,9 +66,13 @@ def build(one_dot: bool, scale_w: int, rt: int) -> dict:
 rows = {}
 for one_dot, rt in ((False, args.rt), (True, args.rt // 2)):
     for sw in (0, 1, 2):
-        name = f"{'one_dot rt' if one_dot else 'two dots rt'}{rt} scale_w={['off', 'on', 'asm'][sw]}"
-        rows[name] = build(one_dot, sw, rt)
-        print(f"{name:32s}", rows[name], flush=True)
+        for reg_a in (False, True):  # REG_A: 4-bit, 64-row tiles, not with the 'asm' scaling
+            if reg_a and (args.bits != 4 or rt * (16 if one_dot else 8) != 64 or sw == 2):
+                continue
+            name = (f"{'one_dot rt' if one_dot else 'two dots rt'}{rt} scale_w={['off', 'on', 'asm'][sw]}"
+                    + (" reg_a" if reg_a else ""))
+            rows[name] = build(one_dot, sw, rt, reg_a)
+            print(f"{name:40s}", rows[name], flush=True)
 if args.out:
     import json
     import platform

@@ -107,6 +107,27 @@ def test_wgmma_kernel_fuzz_shapes(m, n, k, g, table, bits, scale_w, one_dot, spl
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
 
 
+@pytest.mark.parametrize("m,n,k,g,dtype,bits,cfg", [
+    (5, 130, 300, 128, torch.bfloat16, 4, {"rt": 8, "one_dot": False}),  # ragged N and K, 3 programs
+    (20, 70, 384, 64, torch.float16, 4, {"rt": 4, "one_dot": True}),  # stacked dot, fp16
+    (33, 200, 256, 128, torch.bfloat16, 4, {"rt": 8, "one_dot": False, "scale_w": True, "split_k": 2}),  # split-K
+    (17, 64, 512, 256, torch.bfloat16, 4, {"rt": 4, "one_dot": True, "scale_w": True, "block_m": 16}),
+    (20, 70, 600, 128, torch.float16, 3, {"rt": 4, "one_dot": True, "scale_w": True}),  # 3-bit: 128 K per chunk
+    (9, 40, 256, 256, torch.bfloat16, 3, {"rt": 8, "one_dot": False, "split_k": 2}),
+])
+def test_reg_a_relabelling_matches_the_reference(m, n, k, g, dtype, bits, cfg):
+    """``reg_a`` (the decoded tile relabelled into the wgmma A-register fragment, the activation gathered in the
+    same column order, output rows mapped back) gives the reference product and the shared-memory path's result
+    up to summation order."""
+    case = _case(m, n, k, g, dtype, _DEV, bits=bits)
+    q, x, qm, s, pairs = case[:5]
+    kw = dict(group_size=g, out_features=n, bits=bits, qweight_hi=case[5] if bits == 3 else None, **cfg)
+    y1 = LW.lut_wgmma_triton(x, qm, s, pairs, reg_a=True, **kw)
+    y0 = LW.lut_wgmma_triton(x, qm, s, pairs, reg_a=False, **kw)
+    assert rel_l2(y1, _ref(q, x)) < KERNEL_VS_REF[dtype]
+    assert rel_l2(y1, y0.double()) < 1e-2 * KERNEL_VS_REF[dtype] + 2e-3
+
+
 def test_op_opcheck_and_compile_on_the_register_table_path():
     """``lowbit::lut_gemm`` at 20 tokens (layout 'mma', 4-bit: this kernel): schema and fake tensor checks, and
     ``torch.compile(fullgraph=True)`` through it."""
@@ -137,6 +158,10 @@ def test_wgmma_bad_inputs_name_the_argument():
         LW.lut_wgmma_triton(x, qm, s, pairs.half(), group_size=128, out_features=24)
     with pytest.raises(ValueError, match="scale_w"):
         LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=24, scale_w="yes")
+    with pytest.raises(ValueError, match="reg_a"):  # 16-row tile: no A-register relabelling
+        LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=24, rt=2, reg_a=True)
+    with pytest.raises(ValueError, match="reg_a"):
+        LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=24, reg_a="yes")
     with pytest.raises(TypeError, match="x must"):
         LW.lut_wgmma_triton(x.float(), qm, s, pairs, group_size=128, out_features=24)
 
@@ -160,26 +185,30 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
     y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w)
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
     if scale_w == "asm":  # the packed multiply in the PTX gives the same tile as Triton's multiply: same result
-        y1 = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, scale_w=True)
+        y1 = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, one_dot=one_dot, scale_w=True,
+                                 reg_a=False)  # ('asm' has no reg_a: the same summation order)
         assert torch.equal(y, y1)
     if m <= 64:
         y2 = LG.lut_mma_triton(x, qm, None, s, pairs, q.table.cuda(), bits=4, group_size=g, out_features=n)
         assert rel_l2(y, y2) < KERNEL_VS_REF[dtype]
 
 
-def test_op_dispatch_by_m(monkeypatch):
-    """The op (layout 'mma', 4-bit) takes this kernel from 17 tokens (9 for small N and K) up to MAX_WGMMA_M, the
-    fragment kernel below, dequantize + matmul above; every path equals the reference."""
+@pytest.mark.parametrize("bits", [4, 3])
+def test_op_dispatch_by_m(monkeypatch, bits):
+    """The op (layout 'mma', 3 or 4 bits) takes this kernel from 17 tokens (9 for small N and K) up to
+    MAX_WGMMA_M, the fragment kernel below, dequantize + matmul above; every path equals the reference."""
     from lowbit.ops import lut as lut_ops
 
     calls = []
     real = LW.lut_wgmma_triton
     monkeypatch.setattr(LW, "lut_wgmma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    q, _, qm, s, _ = _case(1, 24, 256, 128, torch.bfloat16, _DEV)
+    case = _case(1, 24, 256, 128, torch.bfloat16, _DEV, bits=bits)
+    q, qm, s = case[0], case[2], case[3]
+    qh = case[5] if bits == 3 else None
     monkeypatch.setattr(LW, "MAX_WGMMA_M", 40)
     for m in (4, 12, 20, 41):
         x = torch.randn(m, 256, dtype=torch.bfloat16, device=_DEV)
-        y = lut_ops.lut_gemm(x, qm, None, s, q.table.to(_DEV), bits=4, group_size=128, layout="mma")
+        y = lut_ops.lut_gemm(x, qm, qh, s, q.table.to(_DEV), bits=bits, group_size=128, layout="mma")
         assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
     assert calls == [12, 20]
 
@@ -193,6 +222,12 @@ def test_dispatch_rule_and_configs():
         cfg = LW.wgmma_config(m, n, k, 128)
         assert cfg["block_m"] == min(64, max(16, 1 << (m - 1).bit_length()))
         assert cfg["rt"] in (4, 8) and cfg["ctas_per_sm"] in (1, 2, 4) and cfg["one_dot"] == (cfg["rt"] == 4)
+        assert cfg["scale_w"] is False and cfg["reg_a"] == "auto"  # 4-bit: exact group scaling, A in registers
+        cfg3 = LW.wgmma_config(m, n, k, 128, bits=3)
+        assert cfg3["scale_w"] is True and cfg3["block_m"] == cfg["block_m"]
+        assert cfg3["reg_a"] == ("auto" if m <= 32 else False)
+        assert cfg3["one_dot"] == (not (n >= 16384 and m > 32))
+    assert LW.wgmma_preferred(9, 28672, 4096, bits=3) and not LW.wgmma_preferred(8, 4096, 4096, bits=3)
 
 
 def _run_ptx(asm: str, operands: dict) -> dict:

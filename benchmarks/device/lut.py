@@ -549,7 +549,7 @@ print("| layer | M | bf16 ms | lut4 | x bf16 | x tinygemm | x bnb | lut3 x bf16 
 for (layer, M, prov), ms in sorted(cell.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0)):
     if prov != "cublas-bf16":
         continue
-    l4 = cell.get((layer, M, "lut4-nf-g128")) or cell.get((layer, M, "lut4-kernel"))
+    l4 = cell.get((layer, M, "lut4-nf-g128")) or cell.get((layer, M, "lut4-op"))  # the op (LUTLinear) path
     l3 = cell.get((layer, M, "lut3-nf-g128"))
     tg, bn = cell.get((layer, M, "tinygemm-int4")), cell.get((layer, M, "bnb-nf4"))
     f = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731

@@ -20,6 +20,12 @@
     lets Triton pipeline the loads and keep wgmma groups in flight) in several configs against the committed default;
     rel-L2 shows the extra rounding of T[c] * s to bf16; M = 1 too (the fragment kernel's range). Session-13 candidate.
 (k) as (g) with 3-bit codes (NF3 g128): the register-table kernel (default, ``scale_w``) against the fragment kernel.
+(l) session 13, after (j) / (k): ``scale_w`` on top of the committed per-shape configs (4-bit), with programs per SM,
+    stages, the stacked dot and the 'asm' decode varied around them.
+(m) as (l) with 3-bit codes (NF3 g128).
+(o) session 13: ``reg_a`` on 3-bit codes (NF3 g128) against the same configs without it.
+(n) session 13: ``reg_a`` (the decoded tile relabelled into the wgmma A-register fragment: no shared-memory round
+    trip, x gathered in 4-byte pairs) against the committed configs, with and without ``scale_w``, 4-bit.
 Output: ``s12_probe.json``.
 """
 import json
@@ -114,7 +120,7 @@ if "f" in a.parts:
         torch.cuda.empty_cache()
 dump()  # (f)
 
-if set("ghijk") & set(a.parts):
+if set("ghijklmno") & set(a.parts):
     # (g) the register-table LUT kernel (lowbit.kernels.lut_wgmma) against the fragment kernel's default and
     # cuBLAS bf16 at M = 16 / 32 / 64 / 128 (4-bit NF g128, bf16), launch configs alternated over 3 rounds
     from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quantize_lut
@@ -125,8 +131,12 @@ if set("ghijk") & set(a.parts):
     PART_G3 = "i" in a.parts  # (i): the third
     PART_SW = "j" in a.parts  # (j): scales folded into the decoded tile (scale_w) against the committed configs
     PART_B3 = "k" in a.parts  # (k): 3-bit codes, the kernel (default, scale_w) against the fragment kernel
-    BITS = 3 if PART_B3 else 4
-    TAG = {"k": "_3bit", "j": "_sw", "i": "_3", "h": "_2"}.get(next((c for c in "kjih" if c in a.parts), ""), "")
+    PART_SD = bool(set("lm") & set(a.parts))  # (l) / (m): scale_w around the committed configs, 4 / 3 bits
+    BITS = 3 if (PART_B3 or "m" in a.parts or "o" in a.parts) else 4
+    PART_RA = "n" in a.parts
+    PART_RA3 = "o" in a.parts
+    TAG = {"o": "_rega3", "n": "_rega", "m": "_sw3", "l": "_sw4", "k": "_3bit", "j": "_sw", "i": "_3", "h": "_2"}.get(
+        next((c for c in "onmlkjih" if c in a.parts), ""), "")
     doc["lut_wgmma" + TAG] = {}
     for name, (N, K) in LAYERS.items():
         q = quantize_lut(torch.randn(N, K, device="cuda"), bits=BITS, group_size=128, scale_dtype=torch.bfloat16)
@@ -141,11 +151,31 @@ if set("ghijk") & set(a.parts):
         wb = dequantize_lut(q).to(torch.bfloat16)
         wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
         del q
-        for M in ((1, 16, 32, 64, 128) if PART_SW else (16, 32, 64, 128)):
+        for M in ((1, 16, 32, 64, 128) if (PART_SW or PART_RA) else (16, 32, 64, 128)):
             key = f"{name} N={N} K={K} M={M}"
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ref = (x.double() @ wb.double().t())
-            if PART_SW:  # scale_w: flat chunk loop, accumulator carried (async wgmma in the sm_90 PTX)
+            if PART_RA3:  # 3-bit: the committed configs (reg_a 'auto' = on) against reg_a off, and the stacked dot
+                var = {"w_default": {}, "w_noreg": {"reg_a": False},
+                       "ra_o4": {"reg_a": True, "rt": 4, "one_dot": True, "ctas_per_sm": 2},
+                       "ra_o4_c4": {"reg_a": True, "rt": 4, "one_dot": True, "ctas_per_sm": 4},
+                       "ra_d8_c1": {"reg_a": True, "rt": 8, "one_dot": False, "ctas_per_sm": 1},
+                       "ra_o4_nosw": {"reg_a": True, "rt": 4, "one_dot": True, "ctas_per_sm": 2, "scale_w": False}}
+            elif PART_RA:  # the A tile in registers (reg_a) on the committed configs and their scale_w variants
+                var = {"w_default": {}, "ra_default": {"reg_a": True},
+                       "ra_d8": {"reg_a": True, "rt": 8, "one_dot": False, "scale_w": False},
+                       "ra_d8_sw": {"reg_a": True, "rt": 8, "one_dot": False, "scale_w": True},
+                       "ra_o4_sw": {"reg_a": True, "rt": 4, "one_dot": True, "scale_w": True, "ctas_per_sm": 2},
+                       "ra_o4": {"reg_a": True, "rt": 4, "one_dot": True, "scale_w": False, "ctas_per_sm": 2},
+                       "ra_d8_c4": {"reg_a": True, "rt": 8, "one_dot": False, "scale_w": False, "ctas_per_sm": 4},
+                       "ra_d8_s4": {"reg_a": True, "rt": 8, "one_dot": False, "scale_w": False, "num_stages": 4}}
+            elif PART_SD:  # scale_w on the committed configs, varied around them
+                var = {"w_default": {}, "sw_default": {"scale_w": True}, "sw_c1": {"scale_w": True, "ctas_per_sm": 1},
+                       "sw_c4": {"scale_w": True, "ctas_per_sm": 4}, "sw_s4": {"scale_w": True, "num_stages": 4},
+                       "sw_o4_c2": {"scale_w": True, "one_dot": True, "rt": 4, "ctas_per_sm": 2},
+                       "sw_d8_c2": {"scale_w": True, "one_dot": False, "rt": 8, "ctas_per_sm": 2},
+                       "swasm_default": {"scale_w": "asm"}}
+            elif PART_SW:  # scale_w: flat chunk loop, accumulator carried (async wgmma in the sm_90 PTX)
                 var = {"w_default": {}}
                 for od, rt, c, st in ((False, 8, 1, 3), (False, 8, 2, 3), (False, 8, 4, 3), (True, 4, 2, 3),
                                       (False, 8, 2, 2), (False, 8, 2, 4), (True, 4, 4, 4)):

@@ -27,9 +27,22 @@ lookup a pure register computation:
   3-bit: 128 K per chunk, the two planes merged into ``[8 RT, 32]`` words of the 4-bit layout first.
 - FP32 accumulation; the products of one scale group are summed first and scaled once
   (``acc += part * s``, FP32), as in the fragment kernel. The table values are rounded to the activation dtype
-  (``formats.lut.pair_table``, the fragment kernel's rounding). Decision (numerics): this exact group scaling is
-  the default; the option ``scale_w`` (the kernel's ``SCALE_W``) instead rounds ``T[c] * s`` once to the activation
-  dtype, as FLUTE's own kernel does, which lets Triton keep wgmma groups in flight -- faster on paper, to be timed.
+  (``formats.lut.pair_table``, the fragment kernel's rounding). The option ``scale_w`` (the kernel's ``SCALE_W``)
+  instead rounds ``T[c] * s`` once to the activation dtype, as FLUTE's own kernel and the op's dequantize +
+  cuBLAS path (M > 128) do, and runs one flat loop with the accumulator carried, which lets Triton keep wgmma
+  groups in flight. Decision (numerics, session 13): the launch config picks it where it was measured faster
+  (``wgmma_config``: 3-bit; 4-bit keeps the exact group scaling, faster there once ``REG_A`` removed the
+  shared-memory round trip); both roundings stay within the bf16 / fp16 rounding of the weight (rel-L2 to the
+  float64 product 2.15e-3 vs 2.23e-3 at NF4 g128, H100).
+- ``REG_A`` (64-row tiles; on by default since session 13, at 3 bits up to 32 tokens): Triton otherwise passes
+  the decoded tile through shared memory (``local_alloc`` + ``ldmatrix``) to reach the wgmma A-register
+  fragment. Each thread already holds the right values under the code words' load layout (4 warps x 8 lanes over
+  rows, 4 lanes x CK / 16 words over K); only their indices differ. ``_reg_a`` relabels them (rows
+  ``32 i + 8 v + g`` -> ``16 v + 8 i + g``, K ``(CK / 4) t + 4 s + 2 a + b`` -> column ``16 s + 8 a + 2 t + b``),
+  the activation tile is gathered in the same column order (4-byte pairs) and the output rows follow the
+  relabelling, so the conversion is a register renaming: no ``ldmatrix``, fewer barriers (PTX checked offline
+  with ``benchmarks/offline_ptx.py``). 5-20 % faster at 16..128 tokens at 4 bits, up to 18 % at 16..32 tokens
+  at 3 bits (H200, ``wgmma_config``).
 - Split-K over scale groups with the fragment kernel's deterministic in-kernel reduction (FP32 partials, the
   last program of a tile to arrive sums them in split order).
 
@@ -223,7 +236,18 @@ def _group_words(q_rows, h_rows, c0, ok, CPG: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _tile_dots(w0, w1, xt, a0, a1, ONE_DOT: tl.constexpr):
+def _reg_a(w):
+    """``[64, CK]`` decoded tile (row ``32 i + 8 v + g``, K ``(CK / 4) t + 4 s + 2 a + b`` natural, s < CK / 16)
+    -> the same values relabelled (row ``16 v + 8 i + g``, column ``16 s + 8 a + 2 t + b``): the indices each
+    thread already holds under the code words' load layout (4 warps v x 8 lanes g over rows, 4 lanes t x CK / 16
+    words s over K) become those of the wgmma A-register fragment, so no shared-memory round trip is needed."""
+    CK: tl.constexpr = w.shape[1]
+    w = tl.reshape(w, [2, 4, 8, 4, CK // 16, 2, 2])
+    return tl.reshape(tl.permute(w, (1, 0, 2, 4, 5, 3, 6)), [64, CK])
+
+
+@triton.jit
+def _tile_dots(w0, w1, xt, a0, a1, ONE_DOT: tl.constexpr, REG_A: tl.constexpr = False):
     """The decoded halves (rows g, g + 8; ``[BR, CK]``) against the activation tile ``xt`` ``[BLOCK_M, CK]``: one dot
     per half into ``a0`` / ``a1``, or (``ONE_DOT``) the halves stacked into one ``[2 BR, CK]`` tile, one dot into
     ``a0`` (``a1`` unused)."""
@@ -231,8 +255,13 @@ def _tile_dots(w0, w1, xt, a0, a1, ONE_DOT: tl.constexpr):
         BR: tl.constexpr = w0.shape[0]
         CK: tl.constexpr = w0.shape[1]
         w01 = tl.reshape(tl.permute(tl.join(w0, w1), (2, 0, 1)), [2 * BR, CK])
+        if REG_A:
+            w01 = _reg_a(w01)
         a0 = tl.dot(w01, tl.trans(xt), a0)
     else:
+        if REG_A:
+            w0 = _reg_a(w0)
+            w1 = _reg_a(w1)
         a0 = tl.dot(w0, tl.trans(xt), a0)
         a1 = tl.dot(w1, tl.trans(xt), a1)
     return a0, a1
@@ -249,6 +278,7 @@ def _lut_wgmma_kernel(
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = 0,
+    REG_A: tl.constexpr = False,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
@@ -257,8 +287,9 @@ def _lut_wgmma_kernel(
     (``T[c] * s`` rounded once, as FLUTE's own kernel and dequantize-then-MMA kernels do) and the dots accumulate
     straight into the FP32 accumulator over a flat loop of chunks; with the accumulator carried, Triton pipelines
     the code and activation loads (``cp.async``) and keeps the wgmma groups in flight (``wait_group 3`` instead of
-    ``0`` in the sm_90 PTX) -- the overlap of decode and wgmma the default lacks. ``SCALE_W == 2``: the multiply
-    inside the decode PTX (``mul.rn.bf16x2``, same values). Not yet timed on the device."""
+    ``0`` in the sm_90 PTX). ``SCALE_W == 2``: the multiply inside the decode PTX (``mul.rn.bf16x2``, same
+    values). ``REG_A``: the decoded tile relabelled into the wgmma A-register fragment (``_reg_a``); tile rows then
+    map to weight rows through ``it``, the activation tile's columns to K through ``kx``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -269,11 +300,17 @@ def _lut_wgmma_kernel(
     i = tl.arange(0, BR)
     rt = pid_n * RT + i // 8
     rt_ok = rt < NRT
-    nh0 = rt * 16 + i % 8  # weight rows of half 0 (rows g of each tile)
+    nw0 = rt * 16 + i % 8  # weight rows of the words' rows g (half 1: + 8)
+    it = i
+    if REG_A and not ONE_DOT:  # tile row -> its words' row (``_reg_a``)
+        it = 32 * ((i // 8) % 2) + 8 * (i // 16) + i % 8
+    nh0 = (pid_n * RT + it // 8) * 16 + it % 8  # weight rows of half 0 (rows g of each tile)
     n1 = nh0 + 8  # half 1 (rows g + 8)
     n0 = nh0
     if ONE_DOT:  # row rh * BR + i of the stacked tile = weight row 16 rt + 8 rh + g
         r2 = tl.arange(0, 2 * BR)
+        if REG_A:
+            r2 = 32 * ((r2 // 8) % 2) + 8 * (r2 // 16) + r2 % 8
         n0 = (pid_n * RT + (r2 % BR) // 8) * 16 + 8 * (r2 // BR) + r2 % 8
         RB: tl.constexpr = 2 * BR
     else:
@@ -282,7 +319,10 @@ def _lut_wgmma_kernel(
     h_rows = QH + (rt.to(tl.int64) * (NC * 64) + (i % 8) * 8)[:, None] + tl.arange(0, 8)[None, :]  # 3-bit hi plane
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
-    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + tl.arange(0, CK)[None, :]
+    kx = tl.arange(0, CK)
+    if REG_A:  # tile column L = 16 s + 8 a + 2 t + b holds K 16 t + 4 s + 2 a + b (``_reg_a``)
+        kx = (CK // 4) * ((kx // 2) % 4) + 4 * (kx // 16) + 2 * ((kx // 8) % 2) + kx % 2
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + kx[None, :]
     tabs = _byte_tables(P, BITS)  # (unused by the interpreter's decode)
     g0 = pid_k * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
@@ -292,10 +332,10 @@ def _lut_wgmma_kernel(
         for c in range(g0 * CPG, g1 * CPG):
             words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
             xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
-            sh0 = tl.load(S + (c // CPG) * stride_sg + nh0, mask=nh0 < N, other=0.0).to(ODT)
-            sh1 = tl.load(S + (c // CPG) * stride_sg + n1, mask=n1 < N, other=0.0).to(ODT)
+            sh0 = tl.load(S + (c // CPG) * stride_sg + nw0, mask=nw0 < N, other=0.0).to(ODT)
+            sh1 = tl.load(S + (c // CPG) * stride_sg + nw0 + 8, mask=nw0 + 8 < N, other=0.0).to(ODT)
             w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, sh0, sh1, SCALE_W)
-            acc0, acc1 = _tile_dots(w0, w1, xt, acc0, acc1, ONE_DOT)
+            acc0, acc1 = _tile_dots(w0, w1, xt, acc0, acc1, ONE_DOT, REG_A)
     else:
         if PREFETCH:  # the first group's words (register double buffer across groups)
             nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
@@ -314,7 +354,7 @@ def _lut_wgmma_kernel(
                     words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
                 xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
                 w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0)
-                p0, p1 = _tile_dots(w0, w1, xt, p0, p1, ONE_DOT)
+                p0, p1 = _tile_dots(w0, w1, xt, p0, p1, ONE_DOT, REG_A)
             s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
             acc0 += p0 * s0[:, None]
             if not ONE_DOT:
@@ -352,40 +392,60 @@ def _lut_wgmma_kernel(
 
 
 WGMMA_GROUPS = (64, 128, 256)
-WGMMA_BITS = (4,)  # code widths the op sends here (3-bit: implemented, not yet timed on the device)
+WGMMA_BITS = (3, 4)  # code widths the op sends here (3-bit timed in session 13: faster than the fragment kernel)
 MAX_WGMMA_M = 128  # the op's limit for this kernel (above: dequantize + cuBLAS; M = 128 gate_up 129 vs 219 us, H100)
 LAST_COMPILED: dict = {}  # the last launch's compiled kernel (PTX / register inspection in the device scripts)
 
 
-def wgmma_preferred(M: int, N: int, K: int) -> bool:
-    """Whether the op takes this kernel over the fragment kernel (4-bit 'mma' layout, ``M <= MAX_WGMMA_M``).
+def wgmma_preferred(M: int, N: int, K: int, bits: int = 4) -> bool:
+    """Whether the op takes this kernel over the fragment kernel (3/4-bit 'mma' layout, ``M <= MAX_WGMMA_M``).
     Session-12 probe (H100, us, GEMM alone, `benchmarks/results/h100/s12_probe.json` part h; qkv / o / down /
     gate_up of Llama-3-8B): M = 16 fragment 23.6 / 14.7 / 25.4 / 48.6 vs this 17.4 / 13.6 / 30.6 / 49.6;
     M = 32 30.8 / 27.4 / 47.1 / 71.3 vs 19.4 / 15.5 / 34.7 / 58.4; M = 64 40.1 / 32.0 / 69.3 / 134.0 vs
-    25.1 / 19.8 / 49.5 / 67.7. So: from 17 tokens always, at 9..16 where N < 16384 and K < 8192."""
-    if M >= 17:
+    25.1 / 19.8 / 49.5 / 67.7. So: from 17 tokens always, at 9..16 where N < 16384 and K < 8192.
+    3-bit (session 13, ``s13_probe.json`` part m, this kernel's 3-bit config): M = 16 fragment 20.2 / 17.1 /
+    32.5 / 56.1 vs 18.2 / 13.2 / 32.6 / 56.1 (H100); with ``reg_a`` (part o, H200) 20.4 / 17.1 / 33.3 / 57.2
+    vs 15.7 / 12.7 / 28.4 / 47.4 -- so 3-bit takes this kernel from 9 tokens on every shape."""
+    if M >= 17 or (bits == 3 and M >= 9):
         return True
     return M >= 9 and N < 16384 and K < 8192
 
 
-def wgmma_config(M: int, N: int, K: int, group_size: int) -> dict:
+def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict:
     """Launch parameters: ``rt`` row tiles of 16 per program, ``block_m`` tokens, split-K to fill ``ctas_per_sm``
-    programs per SM, ``one_dot`` (stacked halves). The best of the session-12 probe per M range (H100, us;
-    ``d8`` = two dots, rt 8; ``o4`` = one dot, rt 4; cN = ctas_per_sm): M <= 16 d8 c2; M <= 32 d8 c2 (gate_up
-    c4: 58.4 vs 63.3); M <= 64 gate_up d8 c1 67.7 (c2 78.2), down / o o4 c2 49.5 / 19.8 (d8 c2 59.7 / 21.9),
-    qkv d8 c2 25.1 (o4 c2 27.7); M <= 128 (two token blocks) gate_up d8 c1 129.1, qkv / o / down o4 c2
-    36.5 / 26.7 / 78.0 (d8 c1 40.3 / 30.8 / 80.9). One dot of 128 rows (o8) lost everywhere (255 registers)."""
+    programs per SM, ``one_dot`` (stacked halves), ``scale_w`` (scales folded into the decoded tile), ``reg_a``
+    (the decoded tile relabelled into the wgmma A-register fragment; 'auto' = wherever the tile allows).
+
+    4-bit, session-13 probe part n (H200, us, ``s13_probe.json``; ``d8`` = two dots, rt 8; ``o4`` = one dot, rt 4;
+    cN = ctas_per_sm; qkv / o / down / gate_up of Llama-3-8B): ``reg_a`` beats the shared-memory round trip of the
+    session-12 kernel at every M >= 16 (M = 32 17.2 / 12.6 / 30.7 / 51.8 vs 19.4 / 15.2 / 35.7 / 58.4;
+    M = 128 30.8 / 22.7 / 61.3 / 114.1 vs 34.4 / 25.4 / 70.9 / 129.3) and with it ``scale_w`` no longer pays
+    (o4 M = 64 o / down 16.6 / 39.8 without, 19.1 / 45.4 with), so 4-bit keeps the exact FP32 group scaling.
+    Per shape: from 17 tokens o4 c2 where N <= 4096 or K >= 8192 (o, down), and above 64 tokens wherever
+    N < 16384 (qkv M = 128 30.8 vs d8 39.1); d8 otherwise, c2, gate_up-sized N (>= 16384) c4 at 17..32 and
+    above 64 tokens (M = 128 114.1 vs c1 119.5), c1 at 33..64 (62.4).
+
+    3-bit (the two code planes merged in registers), session-13 parts k / m (H100): ``scale_w`` with the stacked
+    dot wins at every M measured (M = 32 qkv / o / down / gate_up 20.0 / 14.0 / 34.8 / 57.9 vs the 4-bit
+    session-12 configs on 3-bit codes 22.8 / 18.5 / 51.2 / 79.5 and the fragment kernel 48.6 / 44.6 / 69.4 /
+    100.1), except gate_up-sized N above 32 tokens, where d8 c1 with ``scale_w`` keeps it (M = 64 60.3 vs o4
+    77.1). Part o (H200): ``reg_a`` with 4 programs per SM pays up to 32 tokens (M = 16 15.7 / 12.7 / 28.4 / 47.4
+    vs 18.3 / 13.1 / 33.2 / 57.9 without) and loses above (M = 64 gate_up 86.5 vs 62.2: the merged-plane words
+    then need their own layout conversion), so it is on only there."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False)
-    o4 = dict(rt=4, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=True, ctas_per_sm=2)
+    d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
+              reg_a="auto", ctas_per_sm=2)
+    o4 = dict(d8, rt=4, one_dot=True)
     many = N >= 16384
-    if M <= 32:
-        return dict(d8, ctas_per_sm=4 if (many and M > 16) else 2)
-    if M <= 64:
-        if many:
-            return dict(d8, ctas_per_sm=1)
-        return o4 if (N <= 4096 or K >= 8192) else dict(d8, ctas_per_sm=2)
-    return dict(d8, ctas_per_sm=1) if many else o4
+    if bits == 3:
+        if M <= 32:
+            return dict(o4, scale_w=True, ctas_per_sm=4)
+        return dict(d8 if many else o4, ctas_per_sm=1 if many else 2, scale_w=True, reg_a=False)
+    if M <= 16:
+        return d8
+    if not many:
+        return o4 if (M > 64 or N <= 4096 or K >= 8192) else d8
+    return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4)
 
 
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
@@ -395,10 +455,10 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     bits, G)``, ``pairs`` = ``pair_table(table, bits, x.dtype)``, ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]``
     bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K is not a multiple of the group or its rows are
     not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split;
-    ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2).
+    ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2; ``reg_a``: False, True or 'auto'
+    = on for 64-row tiles without ``scale_w='asm'``).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
-    integer ops per 8 codes) before the same decode; interpreter- and GPU-tested, not yet timed on the device, so
-    the op does not dispatch to it (``WGMMA_BITS``)."""
+    integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
     M, K = x.shape
     N, G = out_features, group_size
     if bits not in (3, 4) or G not in WGMMA_GROUPS or G % MMA_CHUNK[bits]:
@@ -417,7 +477,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if bits == 3 and (qweight_hi is None or qweight_hi.dtype != torch.int32 or qweight_hi.numel() != nrt * nc * 64):
         raise ValueError(f"qweight_hi must be the high-bit plane of pack_codes_mma(...) of [{N}, {K}] at 3 bits "
                          f"({nrt * nc * 64} int32 words)")
-    cfg = wgmma_config(M, N, K, G)
+    cfg = wgmma_config(M, N, K, G, bits)
     cfg.update(overrides)
     if M * N >= 2 ** 31:
         raise ValueError(f"lut_wgmma_triton: M * N = {M * N} needs 64-bit output offsets (< 2**31 supported)")
@@ -431,6 +491,13 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if sw is None:
         raise ValueError(f"scale_w must be False, True or 'asm', got {cfg.get('scale_w')!r}")
     rt, bm = int(cfg["rt"]), int(cfg["block_m"])
+    reg_ok = rt * (16 if cfg.get("one_dot", False) else 8) == 64 and sw != 2
+    reg_a = cfg.get("reg_a", "auto")
+    if reg_a not in (False, True, "auto"):
+        raise ValueError(f"reg_a must be False, True or 'auto', got {reg_a!r}")
+    if reg_a is True and not reg_ok:
+        raise ValueError("reg_a needs a 64-row tile (rt 8, or rt 4 with one_dot) and scale_w != 'asm'")
+    reg_a = reg_ok if reg_a == "auto" else reg_a
     grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
     split, per, ws, locks = split_plan(cfg.get("split_k"), ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[(grid_n, grid_m, split)](
@@ -438,6 +505,6 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x.stride(0), scales.stride(0), y.stride(0),
         GROUP=G, RT=rt, BLOCK_M=bm, USE_SPLIT=split > 1, EMU=interpret_mode(),
         PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
-        BITS=bits, SCALE_W=sw,
+        BITS=bits, SCALE_W=sw, REG_A=reg_a,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     return y

@@ -46,15 +46,6 @@ def mma_fn(p: dict, **cfg):
                                     group_size=p["group_size"], out_features=N, **cfg)
 
 
-def wgmma_fn(p: dict, **cfg):
-    """Callable x -> y through the register-table kernel (``lut_wgmma_triton``) on the fragment-layout codes."""
-    from lowbit.kernels.lut_wgmma import lut_wgmma_triton
-
-    N = p["scales"].shape[1]
-    return lambda x: lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=p["group_size"], out_features=N,
-                                      bits=p["bits"], qweight_hi=p["qmma_hi"], **cfg)
-
-
 def lut_bytes(M: int, N: int, K: int, bits: int, group_size: int) -> float:
     return N * K * bits / 8 + N * (K // group_size) * 2 + 2 * M * K + 2 * M * N
 
@@ -147,14 +138,11 @@ def target_rows(rec, quick: bool, shapes=("gate_up", "down", "8192sq"), ms=(1, 1
                 fns = [lut_fn(p) for p in packs[b]]
                 _try(rec, case, f"lut{b}-nf-g128", lambda: _time(rec, case, f"lut{b}-nf-g128", fns, xs, flops=fl,
                                                                  byts=lut_bytes(M, N, K, b, 128)))
-            if M >= 9 and 4 in packs and "qmma" in packs[4][0]:  # the fragment kernel, A/B to the op's choice
-                mk = [mma_fn(p) for p in packs[4]]
-                _try(rec, case, "lut4-mma-kernel", lambda: _time(rec, case, "lut4-mma-kernel", mk, xs, flops=fl,
-                                                                 byts=lut_bytes(M, N, K, 4, 128)))
-            if M >= 9 and 3 in packs and "qmma" in packs[3][0]:  # 3-bit register-table kernel (not yet dispatched)
-                w3 = [wgmma_fn(p) for p in packs[3]]
-                _try(rec, case, "lut3-wgmma-kernel", lambda: _time(rec, case, "lut3-wgmma-kernel", w3, xs, flops=fl,
-                                                                   byts=lut_bytes(M, N, K, 3, 128)))
+            for b in bits_list:  # the fragment kernel, A/B to the op's choice (the register-table kernel at M >= 9)
+                if M >= 9 and "qmma" in packs[b][0]:
+                    mk = [mma_fn(p) for p in packs[b]]
+                    _try(rec, case, f"lut{b}-mma-kernel", lambda: _time(rec, case, f"lut{b}-mma-kernel", mk, xs,
+                                                                        flops=fl, byts=lut_bytes(M, N, K, b, 128)))
             if extra is not None:
                 extra(name, ws, packs, xs, case)
         del ws, packs, bf, tg, bn
