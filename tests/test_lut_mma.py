@@ -193,3 +193,58 @@ def test_gpu_pdl_bit_equal(m, n, k):
         pytest.skip("needs CUDA")
     got_pdl, ref = _pdl_case(m, n, k, torch.bfloat16, "cuda")
     assert torch.equal(got_pdl, ref)
+
+
+def test_prmt_option_contract():
+    """``prmt`` (the table in registers, ``lowbit.kernels.lut_prmt``): the decode writes the 4 A-fragment pairs
+    (pair p = nibbles 2 p, 2 p + 1, low half first) for any word and table; the mma asm then reads no shared
+    memory and takes the 8 byte-table operands where the lane offsets were; under the interpreter the option
+    runs the emulation (same numerics); 3-bit codes are refused."""
+    from lowbit.kernels.lut_prmt import DECODE_REGS, decode_lines
+    from tests.test_lut_wgmma import _run_ptx
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        table = torch.randint(0, 2 ** 16, (16,), generator=gen).tolist()
+        word = int(torch.randint(0, 2 ** 32, (1,), generator=gen, dtype=torch.int64))
+        ops = {"$0": word}
+        for j in range(4):
+            ops[f"$L{j}"] = sum((table[4 * j + i] & 0xFF) << 8 * i for i in range(4))
+            ops[f"$H{j}"] = sum((table[4 * j + i] >> 8) << 8 * i for i in range(4))
+        asm = "\n".join([DECODE_REGS] + decode_lines("$0", [f"$L{j}" for j in range(4)], [f"$H{j}" for j in range(4)],
+                                                     ["a0", "a1", "a2", "a3"]))
+        out = _run_ptx(asm.replace("$L", "$l").replace("$H", "$h"),
+                       {k.replace("$L", "$l").replace("$H", "$h"): v for k, v in ops.items()})
+        for p in range(4):
+            nib = [(word >> 4 * (2 * p + h)) & 15 for h in (0, 1)]
+            assert out[f"a{p}"] == table[nib[0]] | table[nib[1]] << 16
+    asm = K._mma_asm(2, True, 4, prmt=True)
+    assert "ld.shared" not in asm and asm.count("mma.sync") == 8 and asm.count("prmt.b32") == 4 * 14
+    assert "$12," in asm and "$19," in asm  # C out 0..7, words 8..11, L 12..15, H 16..19
+    assert K._MMA4_2_CP.value.count("r") == 12 + 2 * 2 * 4
+    assert _run(3, 24, 256, 128, torch.bfloat16, "cpu", prmt=True) < KERNEL_VS_REF[torch.bfloat16]
+    with pytest.raises(ValueError, match="prmt"):
+        _run(3, 24, 256, 128, torch.bfloat16, "cpu", bits=3, prmt=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,dtype,cfg", [
+    (1, 6144, 4096, torch.bfloat16, {}), (1, 4096, 14336, torch.float16, {}), (1, 3000, 1111, torch.bfloat16, {}),
+    (5, 28672, 4096, torch.bfloat16, {"nt": 1, "r": 2, "num_warps": 8}), (16, 4096, 4096, torch.bfloat16, {}),
+    (16, 28672, 4096, torch.float16, {"ring": 4, "xh": 2}), (32, 4096, 14336, torch.bfloat16, {"nt": 4}),
+    (12, 8192, 8192, torch.bfloat16, {"prefetch": True, "split_k": 4}),
+])
+def test_gpu_prmt_bit_equal(m, n, k, dtype, cfg):
+    """GPU: the register-table lookup gives exactly the shared-memory pair table's output (the same A values,
+    mma order and accumulation), with the default launch configs and with ring / xh / prefetch / split-K."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(m + n)
+    w = torch.randn(n, k, device="cuda")
+    q = quantize_lut(w, bits=4, group_size=128, scale_dtype=dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    qm, _ = pack_codes_mma(q.codes, 4, 128, k)
+    args = (x, qm, None, q.scales.t().contiguous(), pair_table(q.table, 4, dtype).cuda(), q.table.cuda())
+    y0 = K.lut_mma_triton(*args, bits=4, group_size=128, out_features=n, **cfg)
+    y1 = K.lut_mma_triton(*args, bits=4, group_size=128, out_features=n, prmt=True, **cfg)
+    assert torch.equal(y0, y1)

@@ -24,6 +24,9 @@
     stages, the stacked dot and the 'asm' decode varied around them.
 (m) as (l) with 3-bit codes (NF3 g128).
 (o) session 13: ``reg_a`` on 3-bit codes (NF3 g128) against the same configs without it.
+(p) session 13 (for session 14): the fragment kernel with the table in registers (``prmt=True``: the lut_prmt
+    decode instead of shared-memory pair lookups; no 32 KB table, so more programs per SM fit) against its default
+    at M = 1 / 4 / 16 on the four projections, with programs per SM and warps varied; outputs compared bit for bit.
 (n) session 13: ``reg_a`` (the decoded tile relabelled into the wgmma A-register fragment: no shared-memory round
     trip, x gathered in 4-byte pairs) against the committed configs, with and without ``scale_w``, 4-bit.
 Output: ``s12_probe.json``.
@@ -46,6 +49,19 @@ doc = {"suite": "s12_probe", "env": env_info("benchmarks/device/s12_probe.py --p
 def dump():
     with open(os.path.join(a.out, "s12_probe.json"), "w") as f:
         json.dump(doc, f, indent=1)
+
+
+def finish(section, key, res, fns, x, wbs):
+    """Add the cuBLAS bf16 peer, time every variant (3 alternated rounds), record and print the row, write."""
+    fns["peer_cublas_bf16"] = [lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]
+    try:
+        res["us"] = rounds(fns, rounds=3)
+    except Exception as exc:
+        traceback.print_exc()
+        res["error"] = str(exc)[:300]
+    doc[section][key] = res
+    print(key, json.dumps(res.get("us")), json.dumps(res["check"]), json.dumps(res.get("compiled", {})), flush=True)
+    dump()
 
 
 if "f" in a.parts:
@@ -107,15 +123,7 @@ if "f" in a.parts:
             sb = torch.full((1, N), invd, device="cuda", dtype=torch.float32)
             fns["peer_scaled_mm_fp8"] = [lambda f=f: torch._scaled_mm(xq, f.t(), scale_a=sa, scale_b=sb,
                                                                       out_dtype=torch.bfloat16) for f in wfs]
-            fns["peer_cublas_bf16"] = [lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]
-            try:
-                res["us"] = rounds(fns, rounds=3)
-            except Exception as exc:
-                traceback.print_exc()
-                res["error"] = str(exc)[:300]
-            doc["fp8_mid_m"][key] = res
-            print(key, json.dumps(res.get("us")), json.dumps(res["check"]), flush=True)
-            dump()
+            finish("fp8_mid_m", key, res, fns, x, wbs)
         del ws, wbs, wfs, wf, wb
         torch.cuda.empty_cache()
 dump()  # (f)
@@ -230,19 +238,59 @@ if set("ghijklmno") & set(a.parts):
                 except Exception as exc:
                     traceback.print_exc()
                     res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
-            fns["peer_cublas_bf16"] = [lambda b=b: torch.nn.functional.linear(x, b) for b in wbs]
             if M > 64:  # the op's path above MAX_KERNEL_M: dequantize (fragment layout) + cuBLAS
                 fns["dequant_cublas"] = [lambda c=c, s=s, h=h: torch.nn.functional.linear(x, LG.lut_dequant_mma_triton(
                     c, h, s, tab, bits=BITS, group_size=128, out_features=N, in_features=K, dtype=torch.bfloat16))
                     for c, s, h in wsets]
-            try:
-                res["us"] = rounds(fns, rounds=3)
-            except Exception as exc:
-                traceback.print_exc()
-                res["error"] = str(exc)[:300]
-            doc["lut_wgmma" + TAG][key] = res
-            print(key, json.dumps(res.get("us")), json.dumps(res["check"]), json.dumps(res["compiled"]), flush=True)
-            dump()
+            finish("lut_wgmma" + TAG, key, res, fns, x, wbs)
+        del wsets, wbs, wb
+        torch.cuda.empty_cache()
+    dump()
+
+
+if "p" in a.parts:  # (p) the fragment kernel's prmt lookup vs its shared-memory pair table, M = 1 / 4 / 16
+    from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut
+    from lowbit.kernels import lut_gemm as LG
+
+    doc["lut_mma_prmt"] = {}
+    for name, (N, K) in LAYERS.items():
+        q = quantize_lut(torch.randn(N, K, device="cuda"), bits=4, group_size=128, scale_dtype=torch.bfloat16)
+        qm, _ = pack_codes_mma(q.codes, 4, 128, K)
+        qm = qm.cuda()
+        sc = q.scales.t().contiguous()
+        pairs = pair_table(q.table, 4, torch.bfloat16).cuda()
+        tab = q.table.cuda()
+        wsets = [(qm, sc)] + [(qm.clone(), sc.clone()) for _ in range(copies(qm.numel() * 4) - 1)]
+        wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
+        for M in (1, 4, 16):
+            key = f"{name} N={N} K={K} M={M}"
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            base = LG.mma_config(M, N, K, 4, 128)
+            var = {"default": {}, "prmt": {"prmt": True},
+                   "prmt_c2x": {"prmt": True, "ctas_per_sm": 2 * base["ctas_per_sm"]},
+                   "prmt_c4x": {"prmt": True, "ctas_per_sm": 4 * base["ctas_per_sm"]},
+                   "prmt_w4": {"prmt": True, "num_warps": 4}, "prmt_w8": {"prmt": True, "num_warps": 8}}
+            res = {"config": {k: str(v) for k, v in base.items()}, "check": {}, "compiled": {}}
+            fns = {}
+            y0 = LG.lut_mma_triton(x, qm, None, sc, pairs, tab, bits=4, group_size=128, out_features=N)
+            for vn, ov in var.items():
+                try:
+                    y = LG.lut_mma_triton(x, qm, None, sc, pairs, tab, bits=4, group_size=128, out_features=N, **ov)
+                    torch.cuda.synchronize()
+                    res["check"][vn] = "bit-equal" if torch.equal(y, y0) else (
+                        f"max |diff| {(y.float() - y0.float()).abs().max().item():.3g}")
+                    k = LG.LAST_COMPILED["mma"]
+                    ptx = k.asm.get("ptx", "")
+                    res["compiled"][vn] = {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                                           "ld.shared": ptx.count("ld.shared"), "prmt": ptx.count("prmt.b32")}
+                    fns[vn] = [lambda c=c, s_=s_, ov=ov: LG.lut_mma_triton(x, c, None, s_, pairs, tab, bits=4,
+                                                                          group_size=128, out_features=N, **ov)
+                               for c, s_ in wsets]
+                except Exception as exc:
+                    traceback.print_exc()
+                    res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
+            finish("lut_mma_prmt", key, res, fns, x, wbs)
         del wsets, wbs, wb
         torch.cuda.empty_cache()
     dump()

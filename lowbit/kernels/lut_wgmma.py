@@ -58,27 +58,20 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
 from lowbit.kernels.lut_gemm import _pick4, fragment_x, gemm_output, split_plan
+from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, _entry_row, decode_lines
 
 def _decode_asm(scaled: str | None = None) -> str:
     """PTX of one code word (8 nibbles, ``$8``) + the 8 byte-table registers (``$9..$12`` low bytes, ``$13..$16``
-    high bytes) -> the 8 values in nibble order (16-bit outputs ``$0..$7``). Per group of 4 nibbles (selector ``sa``
-    / ``sb``, byte mask ``ma`` / ``mb``): a low-byte and a high-byte lookup (two ``prmt`` + one ``lop3`` select each),
-    then two ``prmt`` interleave them into the 16-bit values. ``scaled`` ('bf16' / 'f16'): each value pair is then
-    multiplied by its rows' scale pair (``$17`` rows g, ``$18`` rows g + 8, the scale in both halves; ``mul.rn``:
-    correctly rounded, the value ``T[c] * s`` of ``scale_w``, one packed multiply per 2 weights)."""
-    lines = ["{", ".reg .b32 sa, sb, w4, ma, mb, x, y, lo, hi, o;",
-             "and.b32 sa, $8, 0x7777;", "shr.u32 sb, $8, 16;", "and.b32 sb, sb, 0x7777;", "shl.b32 w4, $8, 4;",
-             "prmt.b32 ma, w4, $8, 0xD9C8;",  # byte i = sign of nibble i's bit 3 (nibbles 0..3)
-             "prmt.b32 mb, w4, $8, 0xFBEA;"]  # nibbles 4..7
-    for sel, mask, out in (("sa", "ma", 0), ("sb", "mb", 4)):
-        for dst, t in (("lo", 9), ("hi", 13)):  # entries 0-7 from {T0, T1}, 8-15 from {T2, T3}; mask picks
-            lines += [f"prmt.b32 x, ${t}, ${t + 1}, {sel};", f"prmt.b32 y, ${t + 2}, ${t + 3}, {sel};",
-                      f"lop3.b32 {dst}, x, y, {mask}, 0xD8;"]
-        for sel_o, rh in (("0x5140", 0), ("0x7362", 1)):  # nibbles (4 bh + 2 rh, + 1): rows g + 8 rh
-            lines.append(f"prmt.b32 o, lo, hi, {sel_o};")
-            if scaled:
-                lines.append(f"mul.rn.{'bf16x2' if scaled == 'bf16' else 'f16x2'} o, o, ${17 + rh};")
-            lines.append(f"mov.b32 {{${out + 2 * rh}, ${out + 2 * rh + 1}}}, o;")
+    high bytes) -> the 8 values in nibble order (16-bit outputs ``$0..$7``; the lookup: ``lut_prmt.decode_lines``).
+    ``scaled`` ('bf16' / 'f16'): each value pair is then multiplied by its rows' scale pair (``$17`` rows g, ``$18``
+    rows g + 8, the scale in both halves; ``mul.rn``: correctly rounded, the value ``T[c] * s`` of ``scale_w``, one
+    packed multiply per 2 weights)."""
+    lines = ["{", DECODE_REGS, ".reg .b32 o0, o1, o2, o3;"]
+    lines += decode_lines("$8", ["$9", "$10", "$11", "$12"], ["$13", "$14", "$15", "$16"], ["o0", "o1", "o2", "o3"])
+    for p in range(4):  # pair p = (bh, rh) = (p // 2, p % 2): nibbles 2 p, 2 p + 1
+        if scaled:
+            lines.append(f"mul.rn.{'bf16x2' if scaled == 'bf16' else 'f16x2'} o{p}, o{p}, ${17 + p % 2};")
+        lines.append(f"mov.b32 {{${2 * p}, ${2 * p + 1}}}, o{p};")
     return "\n".join(lines + ["}"])
 
 
@@ -87,49 +80,6 @@ _DECODE_BF_SCALED_ASM = tl.constexpr(_decode_asm("bf16"))
 _DECODE_F_SCALED_ASM = tl.constexpr(_decode_asm("f16"))
 _DECODE_SCALED_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 11))
 _DECODE_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
-
-
-@triton.jit
-def _entry_row(e, BITS: tl.constexpr):
-    """Row of ``pair_table`` whose first value is table entry e (4-bit: e; 3-bit: the pair index with lo bits
-    ``e & 3`` and hi bit ``e >> 2`` of the first code, ``formats.lut.pair_table``)."""
-    if BITS == 4:
-        return e
-    else:
-        return (e & 3) + 16 * (e >> 2)
-
-
-@triton.jit
-def _byte_tables(P, BITS: tl.constexpr):
-    """The 2**BITS entries (``pairs[row, 0]`` = T[e] in the activation dtype, int16 bits) -> the 8 byte-table
-    registers: ``L[j]`` byte i = low byte of T[4 j + i], ``H[j]`` the high bytes (3-bit: ``L2, L3, H2, H3`` = 0,
-    never selected: the decoded nibbles' bit 3 is 0)."""
-    PI = P.to(tl.pointer_type(tl.int16))
-    lo0 = tl.full([], 0, tl.int32)
-    lo1 = lo0
-    lo2 = lo0
-    lo3 = lo0
-    hi0 = lo0
-    hi1 = lo0
-    hi2 = lo0
-    hi3 = lo0
-    for e in tl.static_range(1 << BITS):
-        v = tl.load(PI + 2 * _entry_row(e, BITS)).to(tl.int32) & 0xFFFF
-        lb = (v & 0xFF) << (8 * (e % 4))
-        hb = (v >> 8) << (8 * (e % 4))
-        if e // 4 == 0:
-            lo0 |= lb
-            hi0 |= hb
-        elif e // 4 == 1:
-            lo1 |= lb
-            hi1 |= hb
-        elif e // 4 == 2:
-            lo2 |= lb
-            hi2 |= hb
-        else:
-            lo3 |= lb
-            hi3 |= hb
-    return lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
 
 
 @triton.jit
