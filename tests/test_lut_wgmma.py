@@ -231,7 +231,7 @@ def test_dispatch_rule_and_configs():
 
 
 def _run_ptx(asm: str, operands: dict) -> dict:
-    """A tiny interpreter of the integer PTX the decode uses (and/shr/shl/prmt/lop3 .b32, mov.b32 {h, h}):
+    """A tiny interpreter of the integer PTX the decode uses (and/or/shr/shl/prmt/lop3 .b32, mov.b32 {h, h}):
     ``prmt`` default mode (selector nibble bit 3 = replicate the selected byte's sign), ``lop3`` immLut over
     (a, b, c) = (0xF0, 0xCC, 0xAA)."""
     import re
@@ -256,6 +256,8 @@ def _run_ptx(asm: str, operands: dict) -> dict:
         a = [val(t) for t in args]
         if op == "and.b32":
             r = a[0] & a[1]
+        elif op == "or.b32":
+            r = a[0] | a[1]
         elif op == "shr.u32":
             r = a[0] >> a[1]
         elif op == "shl.b32":

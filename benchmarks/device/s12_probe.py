@@ -26,7 +26,8 @@
 (o) session 13: ``reg_a`` on 3-bit codes (NF3 g128) against the same configs without it.
 (p) session 13 (for session 14): the fragment kernel with the table in registers (``prmt=True``: the lut_prmt
     decode instead of shared-memory pair lookups; no 32 KB table, so more programs per SM fit) against its default
-    at M = 1 / 4 / 16 on the four projections, with programs per SM and warps varied; outputs compared bit for bit.
+    at M = 1 / 4 / 16 on the four projections, 4- and 3-bit, with programs per SM and warps varied; outputs
+    compared bit for bit.
 (n) session 13: ``reg_a`` (the decoded tile relabelled into the wgmma A-register fragment: no shared-memory round
     trip, x gathered in 4-byte pairs) against the committed configs, with and without ``scale_w``, 4-bit.
 Output: ``s12_probe.json``.
@@ -253,44 +254,47 @@ if "p" in a.parts:  # (p) the fragment kernel's prmt lookup vs its shared-memory
     from lowbit.kernels import lut_gemm as LG
 
     doc["lut_mma_prmt"] = {}
-    for name, (N, K) in LAYERS.items():
-        q = quantize_lut(torch.randn(N, K, device="cuda"), bits=4, group_size=128, scale_dtype=torch.bfloat16)
-        qm, _ = pack_codes_mma(q.codes, 4, 128, K)
-        qm = qm.cuda()
-        sc = q.scales.t().contiguous()
-        pairs = pair_table(q.table, 4, torch.bfloat16).cuda()
-        tab = q.table.cuda()
-        wsets = [(qm, sc)] + [(qm.clone(), sc.clone()) for _ in range(copies(qm.numel() * 4) - 1)]
-        wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
-        for M in (1, 4, 16):
-            key = f"{name} N={N} K={K} M={M}"
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            base = LG.mma_config(M, N, K, 4, 128)
-            var = {"default": {}, "prmt": {"prmt": True},
-                   "prmt_c2x": {"prmt": True, "ctas_per_sm": 2 * base["ctas_per_sm"]},
-                   "prmt_c4x": {"prmt": True, "ctas_per_sm": 4 * base["ctas_per_sm"]},
-                   "prmt_w4": {"prmt": True, "num_warps": 4}, "prmt_w8": {"prmt": True, "num_warps": 8}}
-            res = {"config": {k: str(v) for k, v in base.items()}, "check": {}, "compiled": {}}
-            fns = {}
-            y0 = LG.lut_mma_triton(x, qm, None, sc, pairs, tab, bits=4, group_size=128, out_features=N)
-            for vn, ov in var.items():
-                try:
-                    y = LG.lut_mma_triton(x, qm, None, sc, pairs, tab, bits=4, group_size=128, out_features=N, **ov)
-                    torch.cuda.synchronize()
-                    res["check"][vn] = "bit-equal" if torch.equal(y, y0) else (
-                        f"max |diff| {(y.float() - y0.float()).abs().max().item():.3g}")
-                    k = LG.LAST_COMPILED["mma"]
-                    ptx = k.asm.get("ptx", "")
-                    res["compiled"][vn] = {"regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
-                                           "ld.shared": ptx.count("ld.shared"), "prmt": ptx.count("prmt.b32")}
-                    fns[vn] = [lambda c=c, s_=s_, ov=ov: LG.lut_mma_triton(x, c, None, s_, pairs, tab, bits=4,
-                                                                          group_size=128, out_features=N, **ov)
-                               for c, s_ in wsets]
-                except Exception as exc:
-                    traceback.print_exc()
-                    res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
-            finish("lut_mma_prmt", key, res, fns, x, wbs)
-        del wsets, wbs, wb
-        torch.cuda.empty_cache()
+    for bits in (4, 3):
+        for name, (N, K) in LAYERS.items():
+            q = quantize_lut(torch.randn(N, K, device="cuda"), bits=bits, group_size=128, scale_dtype=torch.bfloat16)
+            qm, qh = pack_codes_mma(q.codes, bits, 128, K)
+            qm, qh = qm.cuda(), (qh.cuda() if qh is not None else None)
+            sc = q.scales.t().contiguous()
+            pairs = pair_table(q.table, bits, torch.bfloat16).cuda()
+            tab = q.table.cuda()
+            wsets = [(qm, sc, qh)] + [(qm.clone(), sc.clone(), None if qh is None else qh.clone())
+                                      for _ in range(copies(qm.numel() * 4 * bits // 4) - 1)]
+            wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+            wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
+            for M in (1, 4, 16):
+                key = f"bits={bits} {name} N={N} K={K} M={M}"
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                base = LG.mma_config(M, N, K, bits, 128)
+                var = {"default": {}, "prmt": {"prmt": True},
+                       "prmt_c2x": {"prmt": True, "ctas_per_sm": 2 * base["ctas_per_sm"]},
+                       "prmt_c4x": {"prmt": True, "ctas_per_sm": 4 * base["ctas_per_sm"]},
+                       "prmt_w4": {"prmt": True, "num_warps": 4}, "prmt_w8": {"prmt": True, "num_warps": 8}}
+                res = {"config": {k: str(v) for k, v in base.items()}, "check": {}, "compiled": {}}
+                fns = {}
+                kw = dict(bits=bits, group_size=128, out_features=N)
+                y0 = LG.lut_mma_triton(x, qm, qh, sc, pairs, tab, **kw)
+                for vn, ov in var.items():
+                    try:
+                        y = LG.lut_mma_triton(x, qm, qh, sc, pairs, tab, **kw, **ov)
+                        torch.cuda.synchronize()
+                        res["check"][vn] = "bit-equal" if torch.equal(y, y0) else (
+                            f"max |diff| {(y.float() - y0.float()).abs().max().item():.3g}")
+                        k = LG.LAST_COMPILED["mma"]
+                        ptx = k.asm.get("ptx", "")
+                        res["compiled"][vn] = {"regs": getattr(k, "n_regs", None),
+                                               "spills": getattr(k, "n_spills", None),
+                                               "ld.shared": ptx.count("ld.shared"), "prmt": ptx.count("prmt.b32")}
+                        fns[vn] = [lambda c=c, s_=s_, h=h, ov=ov: LG.lut_mma_triton(x, c, h, s_, pairs, tab, **kw, **ov)
+                                   for c, s_, h in wsets]
+                    except Exception as exc:
+                        traceback.print_exc()
+                        res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
+                finish("lut_mma_prmt", key, res, fns, x, wbs)
+            del wsets, wbs, wb
+            torch.cuda.empty_cache()
     dump()

@@ -75,7 +75,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode, warn_once
 from lowbit.formats.lut import pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
-from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, decode_lines
+from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, decode_lines, nibbles3_lines
 
 LOOKUPS = {"global": 0, "select": 1, "affine": 2, "pair": 3, "smem": 4}
 
@@ -492,10 +492,11 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
     single select (``lop3``), see ``formats.lut.pack_codes_mma``.
     Operands: C out (nt x 4) | words 4 | [3-bit: hi words 4] | lane offsets 4 |
     x words (nt x NX x 4: word w of n-tile j at j*4*NX + w) | C in (nt x 4).
-    ``prmt`` (4-bit, option of session 13): the A registers come from the register-table decode of
-    ``lowbit.kernels.lut_prmt`` (22 integer ops per k-step, no shared-memory table) instead of the 4 lookups;
-    the lane offsets' operand slot carries the low-byte tables ``L0..L3`` and 4 more operands the high-byte
-    tables ``H0..H3`` (each lane's 4 elements), before the x words."""
+    ``prmt`` (option of session 13): the A registers come from the register-table decode of
+    ``lowbit.kernels.lut_prmt`` (22 integer ops per k-step, no shared-memory table; 3-bit: the merged pair
+    bytes first spread to nibbles, ``nibbles3_lines``) instead of the 4 lookups; the lane offsets' operand slot
+    carries the low-byte tables ``L0..L3`` and 4 more operands the high-byte tables ``H0..H3`` (each lane's 4
+    elements), before the x words."""
     ty = "bf16" if bf16 else "f16"
     nx = 2 if bits == 4 else 4  # x tensors per n-tile (8 or 16 words: b0/b1 of each k-step)
     o_w = 4 * nt
@@ -504,8 +505,6 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
     o_x = o_l + (8 if prmt else 4)
     o_c = o_x + 4 * nx * nt
     mask = "0x7F80" if bits == 4 else "0x1F80"
-    if prmt and bits != 4:
-        raise ValueError("the prmt lookup is 4-bit only")
     lines = ["{", ".reg .b32 a0, a1, a2, a3, t, m, u, gs, sel;", "mov.u32 gs, global_smem;",
              "mov.b32 sel, 0x0F0F0F0F;"] + ([DECODE_REGS] if prmt else [])
     ks = 4 if bits == 4 else 8
@@ -525,6 +524,9 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
                 lines.append(f"{hsh[0]}.b32 t, {hi}, {hsh[1]}; lop3.b32 m, {lo_e}, t, sel, 0xE4;")
             m = "m"
         if prmt:
+            if bits == 3:
+                lines += nibbles3_lines(m, "dn")
+                m = "dn"
             lines += decode_lines(m, [f"${o_l + r}" for r in range(4)], [f"${o_l + 4 + r}" for r in range(4)],
                                   ["a0", "a1", "a2", "a3"])
         else:
@@ -544,7 +546,7 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
 
 def _mma_cons(nt: int, bits: int, prmt: bool = False) -> str:
     nx = 2 if bits == 4 else 4
-    return ",".join(["=f"] * (4 * nt) + ["r"] * (12 if (bits == 3 or prmt) else 8) + ["r"] * (4 * nx * nt)
+    return ",".join(["=f"] * (4 * nt) + ["r"] * (8 + 4 * (bits == 3) + 4 * prmt) + ["r"] * (4 * nx * nt)
                     + ["f"] * (4 * nt))
 
 
@@ -555,10 +557,9 @@ def _asm_table():
             out[f"_MMA{bits}_{nt}_BF"] = tl.constexpr(_mma_asm(nt, True, bits))
             out[f"_MMA{bits}_{nt}_F"] = tl.constexpr(_mma_asm(nt, False, bits))
             out[f"_MMA{bits}_{nt}_C"] = tl.constexpr(_mma_cons(nt, bits))
-    for nt in (1, 2, 4):  # the prmt lookup (4-bit)
-        out[f"_MMA4_{nt}_BFP"] = tl.constexpr(_mma_asm(nt, True, 4, prmt=True))
-        out[f"_MMA4_{nt}_FP"] = tl.constexpr(_mma_asm(nt, False, 4, prmt=True))
-        out[f"_MMA4_{nt}_CP"] = tl.constexpr(_mma_cons(nt, 4, prmt=True))
+            out[f"_MMA{bits}_{nt}_BFP"] = tl.constexpr(_mma_asm(nt, True, bits, prmt=True))  # the prmt lookup
+            out[f"_MMA{bits}_{nt}_FP"] = tl.constexpr(_mma_asm(nt, False, bits, prmt=True))
+            out[f"_MMA{bits}_{nt}_CP"] = tl.constexpr(_mma_cons(nt, bits, prmt=True))
     return out
 
 
@@ -763,25 +764,42 @@ def _xall(X, m0, t, stride_xm, kc, M, BITS: tl.constexpr, NT: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3,
+def _mma_step(words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3,
               p0, p1, p2, p3, NT: tl.constexpr, BITS: tl.constexpr, IS_BF16: tl.constexpr, PRMT: tl.constexpr = False):
-    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3. ``PRMT`` (4-bit):
-    ``laneb`` / ``hi`` carry the low / high byte tables (``_mma_asm``'s prmt variant) instead of the lane offsets."""
+    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3. ``PRMT``:
+    ``laneb`` / ``tabh`` carry the low / high byte tables (``_mma_asm``'s prmt variant) instead of the lane
+    offsets."""
     F: tl.constexpr = (tl.float32, tl.float32, tl.float32, tl.float32)
     if BITS == 4 and PRMT:
         if NT == 1:
             r0 = tl.inline_asm_elementwise(_MMA4_1_BFP if IS_BF16 else _MMA4_1_FP, _MMA4_1_CP,
-                                           [words, laneb, hi, a0, a1, p0], dtype=tl.float32, is_pure=True, pack=4)
+                                           [words, laneb, tabh, a0, a1, p0], dtype=tl.float32, is_pure=True, pack=4)
             r1, r2, r3 = p1, p2, p3
         elif NT == 2:
             r0, r1 = tl.inline_asm_elementwise(_MMA4_2_BFP if IS_BF16 else _MMA4_2_FP, _MMA4_2_CP,
-                                               [words, laneb, hi, a0, a1, b0, b1, p0, p1],
+                                               [words, laneb, tabh, a0, a1, b0, b1, p0, p1],
                                                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
             r2, r3 = p2, p3
         else:
             r0, r1, r2, r3 = tl.inline_asm_elementwise(
                 _MMA4_4_BFP if IS_BF16 else _MMA4_4_FP, _MMA4_4_CP,
-                [words, laneb, hi, a0, a1, b0, b1, c0, c1, e0, e1, p0, p1, p2, p3], dtype=F, is_pure=True, pack=4)
+                [words, laneb, tabh, a0, a1, b0, b1, c0, c1, e0, e1, p0, p1, p2, p3], dtype=F, is_pure=True, pack=4)
+    elif PRMT:  # 3-bit
+        if NT == 1:
+            r0 = tl.inline_asm_elementwise(_MMA3_1_BFP if IS_BF16 else _MMA3_1_FP, _MMA3_1_CP,
+                                           [words, hi, laneb, tabh, a0, a1, a2, a3, p0], dtype=tl.float32,
+                                           is_pure=True, pack=4)
+            r1, r2, r3 = p1, p2, p3
+        elif NT == 2:
+            r0, r1 = tl.inline_asm_elementwise(_MMA3_2_BFP if IS_BF16 else _MMA3_2_FP, _MMA3_2_CP,
+                                               [words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, p0, p1],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            r2, r3 = p2, p3
+        else:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                _MMA3_4_BFP if IS_BF16 else _MMA3_4_FP, _MMA3_4_CP,
+                [words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3, p0, p1, p2,
+                 p3], dtype=F, is_pure=True, pack=4)
     elif BITS == 4:
         if NT == 1:
             r0 = tl.inline_asm_elementwise(_MMA4_1_BF if IS_BF16 else _MMA4_1_F, _MMA4_1_C,
@@ -896,7 +914,7 @@ def _lut_mma_kernel(
     RING: tl.constexpr = 0, RING_BASE: tl.constexpr = 0,  # cp.async ring depth (chunks; 0 = off), its smem offset
     SP: tl.constexpr = False,  # scales of the next group loaded one group ahead
     PDL: tl.constexpr = False,  # programmatic dependent launch (triggers the next one after its wait)
-    PRMT: tl.constexpr = False,  # 4-bit: the table in registers (``lut_prmt``), no shared-memory pair table
+    PRMT: tl.constexpr = False,  # the table in registers (``lut_prmt``), no shared-memory pair table
 ):
     """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
 
@@ -920,10 +938,10 @@ def _lut_mma_kernel(
     (``RING_BASE``): each lane copies and later reads only its own 16 bytes, so ``cp.async.wait_group``
     is the only synchronisation, and n - 1 chunks stay in flight without holding registers; ``SP``
     loads the next group's scales with the current group (otherwise their load sits right before the
-    scale FMA, one exposed memory latency per group). ``PRMT`` (4-bit, session 13, not yet timed): the A
+    scale FMA, one exposed memory latency per group). ``PRMT`` (session 13, not yet timed): the A
     registers come from the register-table decode of ``lowbit.kernels.lut_prmt`` (8 byte-table registers, 22
-    integer ops per k-step) instead of the shared-memory pair lookups: no table in shared memory (32 KB less per
-    program), no ``ld.shared`` on the lookup chain (session 8's ncu: 38-46% of the issue gaps waited on it), the
+    integer ops per k-step; 3-bit: the merged pair bytes spread to nibbles first) instead of the shared-memory pair
+    lookups: no table in shared memory (32 KB less per program at 4-bit, 8 KB at 3-bit), no ``ld.shared`` on the lookup chain (session 8's ncu: 38-46% of the issue gaps waited on it), the
     same A values (bit-equal output, a GPU test); offline sm_90a build, nt 2 r 1 w 4 prefetch: 72 -> 64 registers.
 
     ``PDL`` (Hopper, session 9, the runner's batch-1 decode chain): the kernel is a programmatic
@@ -1079,8 +1097,6 @@ def _lut_mma_kernel(
                         hi = _pick8(uu * CPG + cc, h0, h1, h2, h3, h4, h5, h6, h7)
                     else:
                         words, hi = _load_chunk(Q, QH, q_off, rt, lane, rt_ok, NC, cidx, gok, BITS)
-                    if PRMT:
-                        hi = tabh  # (4-bit: the high-byte tables ride in the hi-plane slot)
                     if XH > 0:
                         if cc == 0:
                             xq = xq0
@@ -1091,8 +1107,8 @@ def _lut_mma_kernel(
                         kc = tl.where(gok, cidx, 0) * CK  # x reads stay inside the padded row
                         a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3 = _xall(
                             X, m0, t, stride_xm, kc, M, BITS, NT)
-                    p0, p1, p2, p3 = _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
-                                               e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16, PRMT)
+                    p0, p1, p2, p3 = _mma_step(words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2,
+                                               c3, e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16, PRMT)
             if INTERPRET:
                 s = tl.load(S + gi * stride_sg + row, mask=(row < N) & gok, other=0.0).to(tl.float32)
             elif SP:
@@ -1483,8 +1499,6 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     if sp:  # scales one group ahead
         kw["SP"] = True
     prmt = bool(cfg.get("prmt", False))
-    if prmt and bits != 4:
-        raise ValueError("prmt (the table in registers) needs 4-bit codes")
     if prmt and not interpret_mode():  # passed only when set, like xh
         kw["PRMT"] = True
     smem = 0 if prmt else mma_table_bytes(bits)

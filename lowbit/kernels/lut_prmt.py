@@ -16,7 +16,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-DECODE_REGS = ".reg .b32 dsa, dsb, dw4, dma, dmb, dx, dy, dlo, dhi;"
+DECODE_REGS = ".reg .b32 dsa, dsb, dw4, dma, dmb, dx, dy, dlo, dhi, dn;"
+
+
+def nibbles3_lines(src: str, dst: str) -> list[str]:
+    """PTX lines turning a word of 4 merged 3-bit pair bytes (``formats.lut.pair_table``'s 3-bit pair index
+    ``lo_0 | lo_1 << 2 | hi_0 << 4 | hi_1 << 5`` in bits 0-5 of each byte, bits 6-7 ignored) into 4-bit nibbles
+    ``c_0 | c_1 << 4`` per byte, the input of ``decode_lines`` (bit 3 of every nibble 0: entries 0-7 only)."""
+    return [f"and.b32 {dst}, {src}, 0x03030303;",
+            f"shr.u32 dx, {src}, 2;", "and.b32 dx, dx, 0x04040404;", f"or.b32 {dst}, {dst}, dx;",  # hi_0 -> bit 2
+            f"shl.b32 dx, {src}, 2;", "and.b32 dx, dx, 0x30303030;", f"or.b32 {dst}, {dst}, dx;",  # lo_1 -> 4-5
+            f"shl.b32 dx, {src}, 1;", "and.b32 dx, dx, 0x40404040;", f"or.b32 {dst}, {dst}, dx;"]  # hi_1 -> 6
 
 
 def decode_lines(word: str, lo: list[str], hi: list[str], out: list[str]) -> list[str]:
