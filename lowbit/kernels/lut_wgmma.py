@@ -354,8 +354,9 @@ def wgmma_preferred(M: int, N: int, K: int, bits: int = 4) -> bool:
     M = 32 30.8 / 27.4 / 47.1 / 71.3 vs 19.4 / 15.5 / 34.7 / 58.4; M = 64 40.1 / 32.0 / 69.3 / 134.0 vs
     25.1 / 19.8 / 49.5 / 67.7. So: from 17 tokens always, at 9..16 where N < 16384 and K < 8192.
     3-bit (session 13, ``s13_probe.json`` part m, this kernel's 3-bit config): M = 16 fragment 20.2 / 17.1 /
-    32.5 / 56.1 vs 18.2 / 13.2 / 32.6 / 56.1 (H100); with ``reg_a`` (part o, H200) 20.4 / 17.1 / 33.3 / 57.2
-    vs 15.7 / 12.7 / 28.4 / 47.4 -- so 3-bit takes this kernel from 9 tokens on every shape."""
+    32.5 / 56.1 vs 18.2 / 13.2 / 32.6 / 56.1 (H100); with ``reg_a`` (part o, H200, ``s13_probe_rega3.json``)
+    20.4 / 17.1 / 33.3 / 57.2 vs 15.7 / 12.7 / 28.4 / 47.4 -- so 3-bit takes this kernel from 9 tokens on every
+    shape."""
     if M >= 17 or (bits == 3 and M >= 9):
         return True
     return M >= 9 and N < 16384 and K < 8192
@@ -379,9 +380,11 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     dot wins at every M measured (M = 32 qkv / o / down / gate_up 20.0 / 14.0 / 34.8 / 57.9 vs the 4-bit
     session-12 configs on 3-bit codes 22.8 / 18.5 / 51.2 / 79.5 and the fragment kernel 48.6 / 44.6 / 69.4 /
     100.1), except gate_up-sized N above 32 tokens, where d8 c1 with ``scale_w`` keeps it (M = 64 60.3 vs o4
-    77.1). Part o (H200): ``reg_a`` with 4 programs per SM pays up to 32 tokens (M = 16 15.7 / 12.7 / 28.4 / 47.4
-    vs 18.3 / 13.1 / 33.2 / 57.9 without) and loses above (M = 64 gate_up 86.5 vs 62.2: the merged-plane words
-    then need their own layout conversion), so it is on only there."""
+    77.1). Part o (H200, ``s13_probe_rega3.json``): ``reg_a`` with 4 programs per SM pays up to 32 tokens
+    (M = 16 15.7 / 12.7 / 28.4 / 47.4 vs 18.3 / 13.1 / 33.2 / 57.9 without) and loses above (M = 64 gate_up
+    86.5 vs 62.2: there Triton pipelines the two code planes through shared memory and reads them back 8 words per
+    thread, not in the [8 rows x 4 lanes] layout the relabelling assumes, so a real conversion remains), so it is
+    on only there."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
               reg_a="auto", ctas_per_sm=2)
