@@ -505,8 +505,8 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
     o_x = o_l + (8 if prmt else 4)
     o_c = o_x + 4 * nx * nt
     mask = "0x7F80" if bits == 4 else "0x1F80"
-    lines = ["{", ".reg .b32 a0, a1, a2, a3, t, m, u, gs, sel;", "mov.u32 gs, global_smem;",
-             "mov.b32 sel, 0x0F0F0F0F;"] + ([DECODE_REGS] if prmt else [])
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, t, m, u, gs, sel;", "mov.b32 sel, 0x0F0F0F0F;"]
+    lines += [DECODE_REGS] if prmt else ["mov.u32 gs, global_smem;"]  # (prmt: no shared-memory table)
     ks = 4 if bits == 4 else 8
     for s in range(ks):
         lb = f"${o_l}"
@@ -941,8 +941,10 @@ def _lut_mma_kernel(
     scale FMA, one exposed memory latency per group). ``PRMT`` (session 13, not yet timed): the A
     registers come from the register-table decode of ``lowbit.kernels.lut_prmt`` (8 byte-table registers, 22
     integer ops per k-step; 3-bit: the merged pair bytes spread to nibbles first) instead of the shared-memory pair
-    lookups: no table in shared memory (32 KB less per program at 4-bit, 8 KB at 3-bit), no ``ld.shared`` on the lookup chain (session 8's ncu: 38-46% of the issue gaps waited on it), the
-    same A values (bit-equal output, a GPU test); offline sm_90a build, nt 2 r 1 w 4 prefetch: 72 -> 64 registers.
+    lookups: no table in shared memory (32 KB less per program at 4-bit, 8 KB at 3-bit), no ``ld.shared`` on the
+    lookup chain (session 8's ncu: 38-46% of the issue gaps waited on it), the same A values (bit-equal output, a
+    GPU test); offline sm_90a build, nt 2 r 1 w 4 prefetch: 72 -> 64 registers
+    (``benchmarks/results/offline/lut_mma_prmt_bits4_s13.json``).
 
     ``PDL`` (Hopper, session 9, the runner's batch-1 decode chain): the kernel is a programmatic
     dependent launch; the pair table (and, with ``PREFETCH``, the first code words: weights never depend

@@ -1,4 +1,4 @@
-"""Triton LUT GEMM for 9..128 tokens: the 4-bit table in registers (``prmt``), ``tl.dot`` on the tensor cores.
+"""Triton LUT GEMM for 9..128 tokens: the 3/4-bit table in registers (``prmt``), ``tl.dot`` on the tensor cores.
 
 Same product and format as ``lowbit.kernels.lut_gemm`` (FLUTE, seed 002)::
 
@@ -197,6 +197,20 @@ def _reg_a(w):
 
 
 @triton.jit
+def _reg_a_row(r):
+    """The decoded tile's row behind row ``r`` of the ``_reg_a``-relabelled tile (``16 v + 8 i + g`` ->
+    ``32 i + 8 v + g``)."""
+    return 32 * ((r // 8) % 2) + 8 * (r // 16) + r % 8
+
+
+@triton.jit
+def _reg_a_k(c, CK: tl.constexpr):
+    """The K offset (within a chunk) of column ``c`` of the ``_reg_a``-relabelled tile (``16 s + 8 a + 2 t + b``
+    -> ``(CK / 4) t + 4 s + 2 a + b``): the activation tile is gathered in this order."""
+    return (CK // 4) * ((c // 2) % 4) + 4 * (c // 16) + 2 * ((c // 8) % 2) + c % 2
+
+
+@triton.jit
 def _tile_dots(w0, w1, xt, a0, a1, ONE_DOT: tl.constexpr, REG_A: tl.constexpr = False):
     """The decoded halves (rows g, g + 8; ``[BR, CK]``) against the activation tile ``xt`` ``[BLOCK_M, CK]``: one dot
     per half into ``a0`` / ``a1``, or (``ONE_DOT``) the halves stacked into one ``[2 BR, CK]`` tile, one dot into
@@ -233,13 +247,13 @@ def _lut_wgmma_kernel(
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
     multiplied by one ``tl.dot`` per chunk; otherwise one dot per half.
-    ``SCALE_W`` (option, off): the decoded tile is multiplied by its rows' group scales in the activation dtype
+    ``SCALE_W`` (the 3-bit configs' choice): the decoded tile is multiplied by its rows' group scales in the activation dtype
     (``T[c] * s`` rounded once, as FLUTE's own kernel and dequantize-then-MMA kernels do) and the dots accumulate
     straight into the FP32 accumulator over a flat loop of chunks; with the accumulator carried, Triton pipelines
     the code and activation loads (``cp.async``) and keeps the wgmma groups in flight (``wait_group 3`` instead of
     ``0`` in the sm_90 PTX). ``SCALE_W == 2``: the multiply inside the decode PTX (``mul.rn.bf16x2``, same
     values). ``REG_A``: the decoded tile relabelled into the wgmma A-register fragment (``_reg_a``); tile rows then
-    map to weight rows through ``it``, the activation tile's columns to K through ``kx``."""
+    map to weight rows through ``_reg_a_row``, the activation tile's columns to K through ``_reg_a_k``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -252,15 +266,15 @@ def _lut_wgmma_kernel(
     rt_ok = rt < NRT
     nw0 = rt * 16 + i % 8  # weight rows of the words' rows g (half 1: + 8)
     it = i
-    if REG_A and not ONE_DOT:  # tile row -> its words' row (``_reg_a``)
-        it = 32 * ((i // 8) % 2) + 8 * (i // 16) + i % 8
+    if REG_A and not ONE_DOT:  # tile row -> its words' row
+        it = _reg_a_row(i)
     nh0 = (pid_n * RT + it // 8) * 16 + it % 8  # weight rows of half 0 (rows g of each tile)
     n1 = nh0 + 8  # half 1 (rows g + 8)
     n0 = nh0
     if ONE_DOT:  # row rh * BR + i of the stacked tile = weight row 16 rt + 8 rh + g
         r2 = tl.arange(0, 2 * BR)
         if REG_A:
-            r2 = 32 * ((r2 // 8) % 2) + 8 * (r2 // 16) + r2 % 8
+            r2 = _reg_a_row(r2)
         n0 = (pid_n * RT + (r2 % BR) // 8) * 16 + 8 * (r2 // BR) + r2 % 8
         RB: tl.constexpr = 2 * BR
     else:
@@ -270,8 +284,8 @@ def _lut_wgmma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     kx = tl.arange(0, CK)
-    if REG_A:  # tile column L = 16 s + 8 a + 2 t + b holds K 16 t + 4 s + 2 a + b (``_reg_a``)
-        kx = (CK // 4) * ((kx // 2) % 4) + 4 * (kx // 16) + 2 * ((kx // 8) % 2) + kx % 2
+    if REG_A:  # the activation columns in the relabelled tile's K order
+        kx = _reg_a_k(kx, CK)
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + kx[None, :]
     tabs = _byte_tables(P, BITS)  # (unused by the interpreter's decode)
     g0 = pid_k * GROUPS_PER_SPLIT

@@ -41,9 +41,10 @@ class QuantLinear(nn.Module):
         ``i`` along ``dim`` covers output rows ``[i * rows_per_index, (i + 1) * rows_per_index)``, so
         modules whose ``out_features`` are multiples of ``rows_per_index`` concatenate along ``dim``
         exactly; a third entry ``(dim, rows_per_index, align)``: only while every module but the last
-        has a multiple of ``align`` output rows (a layout tiled in blocks of ``align`` rows). ``None``: the buffer does not follow the rows (it must be identical across the
-        modules and is shared). Default: ``(0, 1)`` for every buffer (row-major; a buffer that is
-        not row-major is still shared when identical across the modules)."""
+        has a multiple of ``align`` output rows (a layout tiled in blocks of ``align`` rows). ``None``:
+        the buffer does not follow the rows (it must be identical across the modules and is shared).
+        Default: ``(0, 1)`` for every buffer (row-major; a buffer that is not row-major is still shared
+        when identical across the modules)."""
         return {n: (0, 1) for n, _ in self.named_buffers(recurse=False)}
 
     @classmethod

@@ -4,8 +4,9 @@ Buffers (layouts in ``lowbit.formats.lut``; all registered, so ``state_dict`` ro
 
 - ``qweight``: packed codes in one of two layouts (``layout``, part of ``config()``):
   ``'mma'`` (tensor-core fragment order, ``formats.lut.pack_codes_mma``; int32 ``[ceil(N/16), NC*128]``;
-  4-bit with group >= 64 and 3-bit with group >= 128; read by the fragment kernel ``kernels.lut_gemm`` at few tokens
-  and, 4-bit, by the register-table kernel ``kernels.lut_wgmma`` at 9..128, ``ops.lut``) or ``'planar'`` (``formats.lut.pack_codes``;
+  4-bit with group >= 64 and 3-bit with group >= 128; read by the fragment kernel ``kernels.lut_gemm`` at few
+  tokens and by the register-table kernel ``kernels.lut_wgmma`` at 9..128, ``ops.lut``) or ``'planar'``
+  (``formats.lut.pack_codes``;
   int32 ``[N, Kp*bits/32]`` at 2/4-bit, int64 ``[N, Kp/32]`` 3-bit low-2-bit plane);
 - ``qweight_hi``: 3-bit high-bit plane (int32, ``[ceil(N/16), NC*64]`` or ``[N, Kp/32]``), ``None`` otherwise;
 - ``scales``: ``[Kp/group_size, N]`` in ``dtype`` (bf16 or fp16), group-major;
