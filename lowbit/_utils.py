@@ -85,6 +85,23 @@ def capture_cuda_graph(fn, warmup: int = 1):
     return graph, out
 
 
+def resident_ctas(kernel, num_warps: int) -> int | None:
+    """Resident programs per SM of a compiled Triton kernel on Hopper (64K registers allocated per warp in units
+    of 8 per thread, 227 KB shared memory + 1 KB per program, 64 warps, 32 programs per SM); None when the kernel
+    carries no metadata (interpreter)."""
+    try:
+        regs = int(kernel.n_regs)
+        smem = int(kernel.metadata.shared)
+    except Exception:
+        return None
+    if regs <= 0:
+        return None
+    regs = -(-regs // 8) * 8
+    by_regs = 65536 // (regs * 32 * num_warps)
+    by_smem = (227 * 1024) // (smem + 1024)
+    return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
+
+
 def _warned(msg: str) -> bool:
     warnings.warn(msg, stacklevel=3)
     return True

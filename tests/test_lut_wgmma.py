@@ -193,6 +193,33 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
         assert rel_l2(y, y2) < KERNEL_VS_REF[dtype]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,bits", [(16, 28672, 4096, 4), (32, 6144, 4096, 4), (64, 4096, 14336, 3),
+                                        (20, 1000, 576, 4)])
+def test_balanced_split_gpu(m, n, k, bits):
+    """``balance`` (the committed M <= 64 configs): the split planned from the compiled kernel's residency; the
+    output matches the reference and a fixed split."""
+    q, x, qm, s, pairs, *qh = _case(m, n, k, 128, torch.bfloat16, "cuda", bits=bits)
+    kw = dict(group_size=128, out_features=n, bits=bits, qweight_hi=qh[0] if bits == 3 else None)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, **kw)
+    assert LW.wgmma_config(m, n, k, 128, bits)["balance"] and LW.LAST_COMPILED["wgmma_split"] >= 1
+    assert LW._RESIDENT and all(isinstance(v, int) and v >= 1 for v in LW._RESIDENT.values())  # planned from regs
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+    y1 = LW.lut_wgmma_triton(x, qm, s, pairs, split_k=1, **kw)
+    assert rel_l2(y, y1) < 1e-2
+
+
+def test_resident_ctas_counts_registers_and_shared_memory():
+    from types import SimpleNamespace as NS
+
+    from lowbit._utils import resident_ctas
+
+    assert resident_ctas(NS(n_regs=167, metadata=NS(shared=24576)), 4) == 3  # ncu, M = 32 gate_up: 3 per SM
+    assert resident_ctas(NS(n_regs=246, metadata=NS(shared=24576)), 4) == 2
+    assert resident_ctas(NS(n_regs=64, metadata=NS(shared=100 * 1024)), 4) == 2  # shared memory bound
+    assert resident_ctas(object(), 4) is None
+
+
 @pytest.mark.parametrize("bits", [4, 3])
 def test_op_dispatch_by_m(monkeypatch, bits):
     """The op (layout 'mma', 3 or 4 bits) takes this kernel from 17 tokens (9 for small N and K) up to
@@ -214,7 +241,7 @@ def test_op_dispatch_by_m(monkeypatch, bits):
 
 
 def test_dispatch_rule_and_configs():
-    assert not LW.wgmma_preferred(8, 4096, 4096) and not LW.wgmma_preferred(16, 28672, 4096)
+    assert not LW.wgmma_preferred(8, 4096, 4096) and LW.wgmma_preferred(16, 28672, 4096)
     assert not LW.wgmma_preferred(16, 4096, 14336) and LW.wgmma_preferred(16, 6144, 4096)
     assert all(LW.wgmma_preferred(m, 28672, 14336) for m in (17, 64, 128))
     for m, n, k in [(16, 6144, 4096), (32, 28672, 4096), (64, 4096, 14336), (64, 6144, 4096), (128, 28672, 4096),
@@ -227,6 +254,7 @@ def test_dispatch_rule_and_configs():
         assert cfg3["scale_w"] is True and cfg3["block_m"] == cfg["block_m"]
         assert cfg3["reg_a"] == ("auto" if m <= 32 else False)
         assert cfg3["one_dot"] == (not (n >= 16384 and m > 32))
+        assert cfg["balance"] == cfg3["balance"] == (m <= 64)
     assert LW.wgmma_preferred(9, 28672, 4096, bits=3) and not LW.wgmma_preferred(8, 4096, 4096, bits=3)
 
 

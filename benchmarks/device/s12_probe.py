@@ -30,6 +30,9 @@
     compared bit for bit.
 (n) session 13: ``reg_a`` (the decoded tile relabelled into the wgmma A-register fragment: no shared-memory round
     trip, x gathered in 4-byte pairs) against the committed configs, with and without ``scale_w``, 4-bit.
+(q) session 14: the register-table kernel's split-K count (4-bit NF g128; ``r``: 3-bit NF3) at M = 16 / 32 / 64 / 128:
+    the committed rule (enough programs for ``ctas_per_sm`` per SM) against ``balance`` (the split that evens out the
+    SMs for the programs that really fit, from the compiled kernel's registers / shared memory) and fixed splits.
 Output: ``s12_probe.json``.
 """
 import json
@@ -63,6 +66,21 @@ def finish(section, key, res, fns, x, wbs):
     doc[section][key] = res
     print(key, json.dumps(res.get("us")), json.dumps(res["check"]), json.dumps(res.get("compiled", {})), flush=True)
     dump()
+
+
+def packed_sets(N, K, bits):
+    """Random NF codes of an [N, K] weight packed for the 'mma' layout on the GPU, and enough copies of (codes,
+    scales, high plane) to rotate through > 2x L2: (qm, qh, scales, pairs, table, wsets)."""
+    from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut
+
+    q = quantize_lut(torch.randn(N, K, device="cuda"), bits=bits, group_size=128, scale_dtype=torch.bfloat16)
+    qm, qh = pack_codes_mma(q.codes, bits, 128, K)
+    qm, qh = qm.cuda(), (qh.cuda() if qh is not None else None)
+    sc = q.scales.t().contiguous()
+    pairs = pair_table(q.table, bits, torch.bfloat16).cuda()
+    wsets = [(qm, sc, qh)] + [(qm.clone(), sc.clone(), None if qh is None else qh.clone())
+                              for _ in range(copies(qm.numel() * 4 * bits // 4) - 1)]
+    return qm, qh, sc, pairs, q.table.cuda(), wsets
 
 
 if "f" in a.parts:
@@ -250,20 +268,12 @@ if set("ghijklmno") & set(a.parts):
 
 
 if "p" in a.parts:  # (p) the fragment kernel's prmt lookup vs its shared-memory pair table, M = 1 / 4 / 16
-    from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut
     from lowbit.kernels import lut_gemm as LG
 
     doc["lut_mma_prmt"] = {}
     for bits in (4, 3):
         for name, (N, K) in LAYERS.items():
-            q = quantize_lut(torch.randn(N, K, device="cuda"), bits=bits, group_size=128, scale_dtype=torch.bfloat16)
-            qm, qh = pack_codes_mma(q.codes, bits, 128, K)
-            qm, qh = qm.cuda(), (qh.cuda() if qh is not None else None)
-            sc = q.scales.t().contiguous()
-            pairs = pair_table(q.table, bits, torch.bfloat16).cuda()
-            tab = q.table.cuda()
-            wsets = [(qm, sc, qh)] + [(qm.clone(), sc.clone(), None if qh is None else qh.clone())
-                                      for _ in range(copies(qm.numel() * 4 * bits // 4) - 1)]
+            qm, qh, sc, pairs, tab, wsets = packed_sets(N, K, bits)
             wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
             wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
             for M in (1, 4, 16):
@@ -295,6 +305,60 @@ if "p" in a.parts:  # (p) the fragment kernel's prmt lookup vs its shared-memory
                         traceback.print_exc()
                         res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
                 finish("lut_mma_prmt", key, res, fns, x, wbs)
+            del wsets, wbs, wb
+            torch.cuda.empty_cache()
+    dump()
+
+
+if set("qr") & set(a.parts):  # (q) / (r) split-K of the register-table kernel: committed rule vs balance vs fixed
+    from lowbit._utils import cdiv, resident_ctas
+    from lowbit.kernels import lut_wgmma as LW
+    from lowbit.kernels.lut_gemm import _sm_count
+
+    for bits in [b for b, c in ((4, "q"), (3, "r")) if c in a.parts]:
+        sec = f"lut_wgmma_split_bits{bits}"
+        doc[sec] = {}
+        for name, (N, K) in LAYERS.items():
+            qm, qh, sc, pairs, _, wsets = packed_sets(N, K, bits)
+            wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+            wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
+            ng = cdiv(K, 128)
+            for M in (16, 32, 64, 128):
+                key = f"{name} N={N} K={K} M={M}"
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                kw = dict(group_size=128, out_features=N, bits=bits, qweight_hi=qh)
+                cfg = LW.wgmma_config(M, N, K, 128, bits)
+                y0 = LW.lut_wgmma_triton(x, qm, sc, pairs, **kw)
+                torch.cuda.synchronize()
+                k = LW.LAST_COMPILED["wgmma"]
+                occ = resident_ctas(k, cfg["num_warps"])
+                split0 = LW.LAST_COMPILED["wgmma_split"]
+                tiles = cdiv(cdiv(N, 16), cfg["rt"]) * cdiv(M, cfg["block_m"])
+                LW.lut_wgmma_triton(x, qm, sc, pairs, balance=True, **kw)
+                sbal = LW.LAST_COMPILED["wgmma_split"]
+                res = {"config": {kk: str(v) for kk, v in cfg.items()}, "tiles": tiles, "groups": ng,
+                       "regs": getattr(k, "n_regs", None), "resident": occ, "split_default": split0,
+                       "split_balance": sbal, "sms": _sm_count(x.device), "check": {
+                           "_plan": f"tiles {tiles} groups {ng} regs {getattr(k, 'n_regs', None)} resident {occ} "
+                                    f"split default {split0} balance {sbal}"}}
+                var = {"default": {}, "balance": {"balance": True}}
+                for sk in (1, 2, 4, 8, 16):
+                    if sk not in (split0, sbal) and sk <= ng:
+                        var[f"split{sk}"] = {"split_k": sk}
+                fns = {}
+                for vn, ov in var.items():
+                    try:
+                        y = LW.lut_wgmma_triton(x, qm, sc, pairs, **kw, **ov)
+                        torch.cuda.synchronize()
+                        res["check"][vn] = (f"split {LW.LAST_COMPILED['wgmma_split']}, max|diff| vs default "
+                                            f"{(y.float() - y0.float()).abs().max().item():.3g}")
+                        fns[vn] = [lambda c=c, s_=s_, h=h, ov=ov: LW.lut_wgmma_triton(
+                            x, c, s_, pairs, group_size=128, out_features=N, bits=bits, qweight_hi=h, **ov)
+                            for c, s_, h in wsets]
+                    except Exception as exc:
+                        traceback.print_exc()
+                        res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
+                finish(sec, key, res, fns, x, wbs)
             del wsets, wbs, wb
             torch.cuda.empty_cache()
     dump()

@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit._utils import resident_ctas
+
 LOG2E = 1.4426950408889634
 # Defaults = the fastest correct fp16-Q configuration of the device sweep (B=16, L=8k).
 DEFAULT_TRANS = False  # query rows as the MMA M dimension (mma.sync, one warp: no cross-warp softmax)
@@ -634,22 +636,6 @@ LAST_LAUNCH: dict = {}  # the split count of the latest launch (benchmarks repor
 _OCCUPANCY: dict = {}  # launch configuration -> resident programs per SM (filled after the first launch)
 
 
-def _ctas_per_sm(kernel, num_warps: int) -> int | None:
-    """Resident programs per SM of a compiled kernel on Hopper (64K registers, 227 KB shared
-    memory, 64 warps, 32 blocks per SM); None when the kernel carries no metadata (interpreter)."""
-    try:
-        regs = int(kernel.n_regs)
-        smem = int(kernel.metadata.shared)
-    except Exception:
-        return None
-    if regs <= 0:
-        return None
-    regs = -(-regs // 8) * 8
-    by_regs = 65536 // (regs * 32 * num_warps)
-    by_smem = (227 * 1024) // (smem + 1024)
-    return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
-
-
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
@@ -710,7 +696,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
         **({"maxnreg": mr} if (mr := DEFAULT_MAXNREG if maxnreg is None else maxnreg) and q.is_cuda else {}),
     )
     if q.is_cuda and occ_key not in _OCCUPANCY:
-        _OCCUPANCY[occ_key] = _ctas_per_sm(kernel, nw)
+        _OCCUPANCY[occ_key] = resident_ctas(kernel, nw)
     if split:
         _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D)
     return (out, kernel) if return_kernel else out
@@ -1314,7 +1300,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         SRING=sring, PTA=pta, PROBE=bool(probe), num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     if occ_key not in _OCCUPANCY:
-        _OCCUPANCY[occ_key] = _ctas_per_sm(kernel, 1)
+        _OCCUPANCY[occ_key] = resident_ctas(kernel, 1)
     if split and not skip_combine:  # skip_combine: benchmarks time the main kernel alone
         _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BQ, D, pdl=pdl)
     return (out, kernel) if return_kernel else out

@@ -938,7 +938,8 @@ def _lut_mma_kernel(
     (``RING_BASE``): each lane copies and later reads only its own 16 bytes, so ``cp.async.wait_group``
     is the only synchronisation, and n - 1 chunks stay in flight without holding registers; ``SP``
     loads the next group's scales with the current group (otherwise their load sits right before the
-    scale FMA, one exposed memory latency per group). ``PRMT`` (session 13, not yet timed): the A
+    scale FMA, one exposed memory latency per group). ``PRMT`` (session 13; off: slower where the op uses this
+    kernel, H200 session 14, ``s14_probe_prmt.json``: 4-bit M = 1 down 27.9 vs 17.4 us, gate_up 42.5 vs 24.3): the A
     registers come from the register-table decode of ``lowbit.kernels.lut_prmt`` (8 byte-table registers, 22
     integer ops per k-step; 3-bit: the merged pair bytes spread to nibbles first) instead of the shared-memory pair
     lookups: no table in shared memory (32 KB less per program at 4-bit, 8 KB at 3-bit), no ``ld.shared`` on the
@@ -1365,6 +1366,13 @@ def mma_table_bytes(bits: int) -> int:
     return (1 << (2 * bits)) * 32 * 4
 
 
+def busiest_sm_groups(tiles: int, ng: int, split: int, sms: int) -> int:
+    """Scale groups the busiest SM runs when ``tiles`` output tiles are split ``split`` ways over ``ng`` groups and
+    the programs are handed out round-robin: ``ceil(tiles * split / sms) * ceil(ng / split)`` (``balanced_split``'s
+    measure of a launch)."""
+    return cdiv(tiles * split, sms) * cdiv(ng, split)
+
+
 def balanced_split(tiles: int, ng: int, sms: int, ctas_per_sm: int) -> int:
     """Split-K count that balances the SMs (option ``balance``): programs are handed out round-robin,
     so the busiest SM runs ``ceil(tiles * s / sms)`` programs of ``ceil(ng / s)`` groups each; pick
@@ -1380,7 +1388,7 @@ def balanced_split(tiles: int, ng: int, sms: int, ctas_per_sm: int) -> int:
             continue
         if n < sms and s < ng and tiles * ng >= sms:
             continue
-        key = (cdiv(n, sms) * cdiv(ng, s), abs(n - ctas_per_sm * sms))
+        key = (busiest_sm_groups(tiles, ng, s, sms), abs(n - ctas_per_sm * sms))
         if best is None or key < best[0]:
             best = (key, s)
     return best[1] if best else 1

@@ -55,9 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode
+from lowbit._utils import cdiv, interpret_mode, resident_ctas
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
-from lowbit.kernels.lut_gemm import _pick4, fragment_x, gemm_output, split_plan
+from lowbit.kernels.lut_gemm import (_pick4, _sm_count, balanced_split, busiest_sm_groups, fragment_x, gemm_output,
+                                     split_plan)
 from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, _entry_row, decode_lines
 
 def _decode_asm(scaled: str | None = None) -> str:
@@ -357,6 +358,15 @@ def _lut_wgmma_kernel(
 
 WGMMA_GROUPS = (64, 128, 256)
 WGMMA_BITS = (3, 4)  # code widths the op sends here (3-bit timed in session 13: faster than the fragment kernel)
+# ``balance`` (split-K evening out the SMs' scale groups, ``lut_gemm.balanced_split`` with the config's ctas_per_sm
+# as its tie-break) only where at least this many programs fit per SM (session 14, ``s14_probe_split.json``: with 2
+# resident -- 246-255 registers -- it lost, e.g. 4-bit M = 64 qkv 25.0 vs 21.3 us, 3-bit gate_up 92.7 vs 61.2;
+# breaking the ties toward the resident count instead lost on o / down at M = 16: 14.3 vs 11.3 us, ``s14_split_ab``)
+BALANCE_MIN_RESIDENT = 3
+# ... and only where it cuts the busiest SM's scale groups to at most this fraction of the plain rule's: the measure
+# ignores how many programs share an SM, so a small predicted gain can be a loss (8192 x 8192 at M = 32: 64 vs 66
+# groups predicted, 33.6 vs 30.1 us measured, ``s14_split_ab_fill.json``); every measured win predicted >= 12 %
+BALANCE_MIN_GAIN = 0.9
 MAX_WGMMA_M = 128  # the op's limit for this kernel (above: dequantize + cuBLAS; M = 128 gate_up 129 vs 219 us, H100)
 LAST_COMPILED: dict = {}  # the last launch's compiled kernel (PTX / register inspection in the device scripts)
 
@@ -370,10 +380,12 @@ def wgmma_preferred(M: int, N: int, K: int, bits: int = 4) -> bool:
     3-bit (session 13, ``s13_probe.json`` part m, this kernel's 3-bit config): M = 16 fragment 20.2 / 17.1 /
     32.5 / 56.1 vs 18.2 / 13.2 / 32.6 / 56.1 (H100); with ``reg_a`` (part o, H200, ``s13_probe_rega3.json``)
     20.4 / 17.1 / 33.3 / 57.2 vs 15.7 / 12.7 / 28.4 / 47.4 -- so 3-bit takes this kernel from 9 tokens on every
-    shape."""
+    shape. Session 14 (H200, ``s14_probe_split.json``, with the ``balance`` split): 4-bit M = 16 gate_up 42.7 vs the
+    fragment kernel's 47.4 (part p, same session), down 26.5 vs 25.3 -- so 4-bit takes it at 9..16 tokens wherever
+    K < 8192."""
     if M >= 17 or (bits == 3 and M >= 9):
         return True
-    return M >= 9 and N < 16384 and K < 8192
+    return M >= 9 and K < 8192
 
 
 def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict:
@@ -398,10 +410,16 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     (M = 16 15.7 / 12.7 / 28.4 / 47.4 vs 18.3 / 13.1 / 33.2 / 57.9 without) and loses above (M = 64 gate_up
     86.5 vs 62.2: there Triton pipelines the two code planes through shared memory and reads them back 8 words per
     thread, not in the [8 rows x 4 lanes] layout the relabelling assumes, so a real conversion remains), so it is
-    on only there."""
+    on only there.
+
+    ``balance`` (session 14, both widths up to 64 tokens): the split-K count from ``lut_gemm.balanced_split`` (the
+    busiest SM's programs x groups per program, minimised) instead of "enough programs for ctas_per_sm per SM",
+    applied where >= ``BALANCE_MIN_RESIDENT`` programs fit (``_resident``). H200, CUDA graphs,
+    ``s14_probe_split.json`` / ``s14_split_ab.json``: 4-bit gate_up M = 16 / 32 42.6 / 48.8 vs 47.0 / 51.3 us, down
+    M = 64 36.6 vs 39.6; 3-bit qkv M = 64 20.9 vs 25.2; elsewhere within 1-2 %."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
-              reg_a="auto", ctas_per_sm=2)
+              reg_a="auto", ctas_per_sm=2, balance=M <= 64)
     o4 = dict(d8, rt=4, one_dot=True)
     many = N >= 16384
     if bits == 3:
@@ -466,12 +484,40 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError("reg_a needs a 64-row tile (rt 8, or rt 4 with one_dot) and scale_w != 'asm'")
     reg_a = reg_ok if reg_a == "auto" else reg_a
     grid_n, grid_m = cdiv(nrt, rt), cdiv(M, bm)
-    split, per, ws, locks = split_plan(cfg.get("split_k"), ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
+    qh = qweight_hi if bits == 3 else qweight
+    kw = dict(GROUP=G, RT=rt, BLOCK_M=bm, EMU=interpret_mode(),
+              PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
+              BITS=bits, SCALE_W=sw, REG_A=reg_a, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    split = cfg.get("split_k")
+    if split is None and cfg.get("balance") and not interpret_mode():
+        occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
+        if occ is not None and occ >= BALANCE_MIN_RESIDENT:
+            tiles, sms = grid_n * grid_m, _sm_count(x.device)
+            sb = balanced_split(tiles, ng, sms, cfg["ctas_per_sm"])
+            s0 = split_plan(None, ng, tiles, cfg["ctas_per_sm"], y)[0]  # the rule without balance
+            if busiest_sm_groups(tiles, ng, sb, sms) <= BALANCE_MIN_GAIN * busiest_sm_groups(tiles, ng, s0, sms):
+                split = sb
+    split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[(grid_n, grid_m, split)](
-        x, qweight, qweight_hi if bits == 3 else qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
-        x.stride(0), scales.stride(0), y.stride(0),
-        GROUP=G, RT=rt, BLOCK_M=bm, USE_SPLIT=split > 1, EMU=interpret_mode(),
-        PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
-        BITS=bits, SCALE_W=sw, REG_A=reg_a,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+        x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
+        x.stride(0), scales.stride(0), y.stride(0), USE_SPLIT=split > 1, **kw)
+    LAST_COMPILED["wgmma_split"] = split
     return y
+
+
+_RESIDENT: dict = {}  # compiled split-K variant's key -> its resident programs per SM
+
+
+def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | None:
+    """Resident programs per SM of the split-K variant of this launch (compiled once, without launching), which
+    gates the ``balance`` option: ``ctas_per_sm`` is only a wish, the registers decide (session 14, ncu at M = 32
+    gate_up: 167 registers, 3 programs per SM, not the 4 the split was sized for, so 672 programs ran in 1.7
+    waves; ``balance`` gives 896 programs of 8 groups, the busiest SM 7 of them)."""
+    key = (x.device.index, x.dtype, scales.dtype, tuple(sorted(kw.items())))
+    if key not in _RESIDENT:
+        _, _, ws, locks = split_plan(2, max(ng, 2), 1, 1, y)
+        k = _lut_wgmma_kernel.warmup(x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, 1, 2,
+                                     x.stride(0), scales.stride(0), y.stride(0), USE_SPLIT=True, grid=(1, 1, 1), **kw)
+        k._init_handles()  # (a kernel compiled but never launched has no register count before this)
+        _RESIDENT[key] = resident_ctas(k, kw["num_warps"])
+    return _RESIDENT[key]

@@ -4,7 +4,7 @@
 (layouts: ``lowbit.formats.lut``). Dispatch:
 
 - bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): layout 'mma' (3 or 4 bits), from 17 tokens
-  (9 at 3 bits or for N < 16384 and K < 8192; ``kernels.lut_wgmma.wgmma_preferred``) up to ``MAX_WGMMA_M`` (= 128): the
+  (9 at 3 bits or for K < 8192; ``kernels.lut_wgmma.wgmma_preferred``) up to ``MAX_WGMMA_M`` (= 128): the
   register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12; 3-bit from session 13); otherwise the
   Triton kernels of ``lowbit.kernels.lut_gemm`` for M <= ``MAX_KERNEL_M`` (= 64) rows; above that, the
   Triton dequantize kernel + cuBLAS (``F.linear``), which wins once the product is
