@@ -255,6 +255,7 @@ def test_dispatch_rule_and_configs():
         assert cfg3["reg_a"] == ("auto" if m <= 32 else False)
         assert cfg3["one_dot"] == (not (n >= 16384 and m > 32))
         assert cfg["balance"] == cfg3["balance"] == (m <= 64)
+        assert cfg.get("maxnreg") == (128 if m <= 16 else None) and "maxnreg" not in cfg3
     assert LW.wgmma_preferred(9, 28672, 4096, bits=3) and not LW.wgmma_preferred(8, 4096, 4096, bits=3)
 
 

@@ -7,7 +7,6 @@ and the fragment kernel, 4-bit NF g128, timed both ways the project uses:
     python3 benchmarks/device/s14_split_ab.py --out DIR
 Output: ``s14_split_ab.json``.
 """
-import json
 import os
 import sys
 
@@ -15,7 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lowbit._utils import resident_ctas  # noqa: E402
-from lowbit.bench.harness import env_info, graph_us, probe_args, rotating_inputs, time_cuda  # noqa: E402
+from lowbit.bench.harness import (env_info, graph_us, probe_args, probe_row, rotating_inputs, time_cuda,
+                                  write_probe)  # noqa: E402
 from lowbit.bench.suites.lut import make_packed  # noqa: E402
 from lowbit.kernels import lut_gemm as LG  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
@@ -73,9 +73,7 @@ for name, (N, K) in LAYERS.items():
         row["split_balance"] = LW.LAST_COMPILED["wgmma_split"]
         row["split_fill"], row["resident"], row["tiles"] = s_fill, occ, tiles
         key = f"{name} N={N} K={K} M={M}"
-        doc["rows"][key] = row
-        print(key, json.dumps(row), flush=True)
+        probe_row(doc, key, row)
     del packs
     torch.cuda.empty_cache()
-with open(os.path.join(a.out, "s14_split_ab.json"), "w") as f:
-    json.dump(doc, f, indent=1)
+write_probe(doc, a.out, "s14_split_ab.json")

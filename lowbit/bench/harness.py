@@ -167,6 +167,20 @@ def probe_args(default_parts: str):
     return args
 
 
+def probe_row(doc: dict, key: str, row: dict) -> None:
+    """Store one row of a device probe under ``doc['rows'][key]`` and print it (the device log keeps it even if a
+    later row faults)."""
+    doc.setdefault("rows", {})[key] = row
+    print(key, json.dumps(row), flush=True)
+
+
+def write_probe(doc: dict, out: str, name: str) -> str:
+    """Write a probe's ``doc`` to ``out/name`` (JSON); returns the path."""
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path
+
 def rotation_copies(nbytes: int) -> int:
     """How many copies of an ``nbytes`` weight to rotate over so that one pass streams > 2x L2 (the weights
     then come from HBM, as in a real model, not from L2)."""

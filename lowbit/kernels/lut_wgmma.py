@@ -416,7 +416,12 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     busiest SM's programs x groups per program, minimised) instead of "enough programs for ctas_per_sm per SM",
     applied where >= ``BALANCE_MIN_RESIDENT`` programs fit (``_resident``). H200, CUDA graphs,
     ``s14_probe_split.json`` / ``s14_split_ab.json``: 4-bit gate_up M = 16 / 32 42.6 / 48.8 vs 47.0 / 51.3 us, down
-    M = 64 36.6 vs 39.6; 3-bit qkv M = 64 20.9 vs 25.2; elsewhere within 1-2 %."""
+    M = 64 36.6 vs 39.6; 3-bit qkv M = 64 20.9 vs 25.2; elsewhere within 1-2 %.
+
+    ``maxnreg`` (a register cap, ptxas spills above it), session 14 (H200, ``s14_maxnreg.json``): 128 on the 4-bit
+    16-token tile (130 registers without it, no spill with it, 4 programs per SM instead of 3): gate_up 40.4 vs 42.6
+    us, o 11.1 vs 11.2, qkv 14.1 vs 14.1; at 32 / 64 tokens the cap spills (28-38 B) and loses (gate_up M = 32 53.9
+    vs 49.2, down M = 64 49.6 vs 36.5), so it is set only there."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
               reg_a="auto", ctas_per_sm=2, balance=M <= 64)
@@ -426,8 +431,8 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
         if M <= 32:
             return dict(o4, scale_w=True, ctas_per_sm=4)
         return dict(d8 if many else o4, ctas_per_sm=1 if many else 2, scale_w=True, reg_a=False)
-    if M <= 16:
-        return d8
+    if M <= 16:  # 130 -> 128 registers, no spill: 4 programs per SM instead of 3 (s14_maxnreg.json)
+        return dict(d8, maxnreg=128)
     if not many:
         return o4 if (M > 64 or N <= 4096 or K >= 8192) else d8
     return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4)
@@ -488,6 +493,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     kw = dict(GROUP=G, RT=rt, BLOCK_M=bm, EMU=interpret_mode(),
               PREFETCH=bool(cfg.get("prefetch", True)) and not interpret_mode(), ONE_DOT=bool(cfg.get("one_dot", False)),
               BITS=bits, SCALE_W=sw, REG_A=reg_a, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
+    if cfg.get("maxnreg"):  # register cap per thread (ptxas spills above it; passed only when set)
+        kw["maxnreg"] = int(cfg["maxnreg"])
     split = cfg.get("split_k")
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
