@@ -209,6 +209,29 @@ def test_balanced_split_gpu(m, n, k, bits):
     assert rel_l2(y, y1) < 1e-2
 
 
+def test_balance_split_decisions_of_the_session_14_measurements():
+    """``balance_split`` on the shapes the session-14 A/B measured (H200, 132 SMs; tiles = row programs x token
+    blocks, 32 / 112 / 64 scale groups): balance where it won, the plain rule where it lost."""
+    assert LW.balance_split(224, 32, 132, 2, 3) == 4   # gate_up M = 16: 42.6 vs 47.1 us
+    assert LW.balance_split(224, 32, 132, 4, 3) == 4   # gate_up M = 32: 48.9 vs 51.5
+    assert LW.balance_split(64, 112, 132, 2, 3) == 4   # down M = 64 (o4): 36.4 vs 39.7
+    assert LW.balance_split(48, 32, 132, 2, 2) is None  # qkv M = 64: 2 resident (balancing lost 25.0 vs 21.3)
+    assert LW.balance_split(128, 64, 132, 2, 4) is None  # 8192^2 M = 32: 64 vs 66 groups predicted, lost 33.6 vs 30.1
+    assert LW.balance_split(32, 32, 132, 2, 3) is None  # o M = 16: the plain rule's split is already balanced
+    assert LW.balance_split(224, 32, 132, 2, None) is None  # interpreter / no metadata
+
+
+@given(tiles=st.integers(1, 2000), ng=st.integers(1, 200), ctas=st.sampled_from([1, 2, 4, 8]),
+       resident=st.integers(1, 8))
+@settings(max_examples=200, deadline=None)
+def test_balance_split_is_a_valid_split_and_never_predicted_worse(tiles, ng, ctas, resident):
+    s = LW.balance_split(tiles, ng, 132, ctas, resident)
+    if s is not None:
+        s0 = LG.planned_split(None, ng, tiles, ctas, 132)
+        assert 1 <= s <= ng
+        assert LG.busiest_sm_groups(tiles, ng, s, 132) <= 0.9 * LG.busiest_sm_groups(tiles, ng, s0, 132)
+
+
 def test_resident_ctas_counts_registers_and_shared_memory():
     from types import SimpleNamespace as NS
 

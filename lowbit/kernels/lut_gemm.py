@@ -1226,15 +1226,21 @@ def gemm_output(x: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, bool]:
     return y, False
 
 
+def planned_split(split: int | None, units: int, tiles: int, ctas_per_sm: int, sms: int) -> int:
+    """The split count ``split_plan`` launches: ``split`` (None: enough programs for ``ctas_per_sm`` per SM) clamped to
+    [1, units] and reduced to the fewest splits with the same units per split (no empty range)."""
+    if split is None:
+        split = cdiv(ctas_per_sm * sms, tiles)
+    split = max(1, min(int(split), units))
+    return cdiv(units, cdiv(units, split))
+
+
 def split_plan(split: int | None, units: int, tiles: int, ctas_per_sm: int, y: torch.Tensor):
     """Split-K over ``units`` (loop steps or scale groups) for ``tiles`` output tiles of ``y`` [M, N]: ``split``
     (None: enough programs for ``ctas_per_sm`` per SM) clamped to [1, units] with no empty range -> (split, units per
     split, FP32 workspace, counters); the workspace and counters are ``y`` itself (unused) without a split."""
-    if split is None:
-        split = cdiv(ctas_per_sm * _sm_count(y.device), tiles)
-    split = max(1, min(int(split), units))
+    split = planned_split(split, units, tiles, ctas_per_sm, _sm_count(y.device))
     per = cdiv(units, split)
-    split = cdiv(units, per)
     if split == 1:
         return 1, per, y, y
     ws, locks = _workspace(y.device, split * y.shape[0] * y.shape[1], tiles)

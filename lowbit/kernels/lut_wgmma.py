@@ -58,7 +58,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode, resident_ctas
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
 from lowbit.kernels.lut_gemm import (_pick4, _sm_count, balanced_split, busiest_sm_groups, fragment_x, gemm_output,
-                                     split_plan)
+                                     planned_split, split_plan)
 from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, _entry_row, decode_lines
 
 def _decode_asm(scaled: str | None = None) -> str:
@@ -498,18 +498,26 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     split = cfg.get("split_k")
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
-        if occ is not None and occ >= BALANCE_MIN_RESIDENT:
-            tiles, sms = grid_n * grid_m, _sm_count(x.device)
-            sb = balanced_split(tiles, ng, sms, cfg["ctas_per_sm"])
-            s0 = split_plan(None, ng, tiles, cfg["ctas_per_sm"], y)[0]  # the rule without balance
-            if busiest_sm_groups(tiles, ng, sb, sms) <= BALANCE_MIN_GAIN * busiest_sm_groups(tiles, ng, s0, sms):
-                split = sb
+        split = balance_split(grid_n * grid_m, ng, _sm_count(x.device), cfg["ctas_per_sm"], occ)
     split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[(grid_n, grid_m, split)](
         x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
         x.stride(0), scales.stride(0), y.stride(0), USE_SPLIT=split > 1, **kw)
     LAST_COMPILED["wgmma_split"] = split
     return y
+
+
+def balance_split(tiles: int, ng: int, sms: int, ctas_per_sm: int, resident: int | None) -> int | None:
+    """The ``balance`` option's split count, or None (keep the plain rule): ``lut_gemm.balanced_split`` where at least
+    ``BALANCE_MIN_RESIDENT`` programs fit per SM and it cuts the busiest SM's scale groups to at most
+    ``BALANCE_MIN_GAIN`` of the plain rule's (``planned_split``)."""
+    if resident is None or resident < BALANCE_MIN_RESIDENT:
+        return None
+    sb = balanced_split(tiles, ng, sms, ctas_per_sm)
+    s0 = planned_split(None, ng, tiles, ctas_per_sm, sms)
+    if busiest_sm_groups(tiles, ng, sb, sms) <= BALANCE_MIN_GAIN * busiest_sm_groups(tiles, ng, s0, sms):
+        return sb
+    return None
 
 
 _RESIDENT: dict = {}  # compiled split-K variant's key -> its resident programs per SM
