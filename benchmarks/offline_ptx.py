@@ -1,10 +1,10 @@
-"""Offline sm_90a build of the register-table LUT kernel (``--kernel mma``: the fragment kernel with and without
-its ``prmt`` option) with no GPU: registers, spills, shared memory and the wgmma waits of each launch variant, from
-Triton's PTX assembled by the ptxas bundled with Triton; ``ldmatrix`` / ``bar.sync`` counts show whether the decoded
-tile goes through shared memory (it does not with ``REG_A``), ``ld.shared`` whether the fragment kernel reads its
-table there (it does not with ``prmt``).
+"""Offline sm_90a build of the register-table LUT kernel with no GPU: registers, spills, shared memory and the wgmma
+waits of each launch variant, from Triton's PTX assembled by the ptxas bundled with Triton; ``ldmatrix`` /
+``bar.sync`` counts show whether the decoded tile goes through shared memory (it does not with ``REG_A``). (Session
+13's ``--kernel mma`` mode, the fragment kernel's ``prmt`` option, left with that option in session 14; its outputs
+stay in ``benchmarks/results/offline/lut_mma_prmt_bits{4,3}_s13.json``.)
 
-    python3 benchmarks/offline_ptx.py [--kernel wgmma|mma] [--bm 64] [--rt 8] [--bits 4] [--out FILE.json]
+    python3 benchmarks/offline_ptx.py [--bm 64] [--rt 8] [--bits 4] [--out FILE.json]
 
 What the device's Triton 3.6 + ptxas emit can differ from this machine's Triton: the numbers are a guide for which
 variants to time, not a measurement (session 12: 239 registers offline vs 239 on the H100 for the default at 64
@@ -30,8 +30,6 @@ ap.add_argument("--rt", type=int, default=8, help="16-row tiles per program")
 ap.add_argument("--bits", type=int, default=4)
 ap.add_argument("--stages", type=int, default=3)
 ap.add_argument("--out", help="also write the rows as JSON (with versions and the command)")
-ap.add_argument("--kernel", choices=("wgmma", "mma"), default="wgmma",
-                help="the register-table kernel's variants, or the fragment kernel's prmt option")
 args = ap.parse_args()
 
 SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
@@ -57,24 +55,6 @@ def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False) -> dict:
     return assemble(ptx, row)
 
 
-def build_mma(nt: int, r: int, w: int, prefetch: bool, prmt: bool) -> dict:
-    """The fragment kernel (``lut_gemm._lut_mma_kernel``) in one launch config, with or without ``PRMT``."""
-    from lowbit.kernels import lut_gemm as LG
-
-    sig = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*i32", "T": "*fp32", "Y": "*bf16",
-           "WS": "*fp32", "LOCKS": "*i32", "M": "i32", "N": "i32", "K": "i32", "NRT": "i32", "NC": "i32", "NG": "i32",
-           "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32", "stride_xm": "i32", "stride_sg": "i32", "stride_ym": "i32"}
-    consts = dict(BITS=args.bits, GROUP=128, NT=nt, R=r, W=w, IS_BF16=True, USE_SPLIT=True, INTERPRET=False,
-                  PREFETCH=prefetch, S_BF16=True, GU=1, XH=0, RING=0, RING_BASE=0, SP=False, PDL=False, PRMT=prmt)
-    sig.update({k: "constexpr" for k in consts})
-    k = triton.compile(ASTSource(fn=LG._lut_mma_kernel, signature=sig, constexprs=consts,
-                                 attrs={(i,): [["tt.divisibility", 16]] for i in range(9)}),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": w, "num_stages": 1})
-    ptx = k.asm["ptx"]
-    return assemble(ptx, {"ld.shared": ptx.count("ld.shared"), "prmt": ptx.count("prmt.b32"),
-                          "mma.sync": ptx.count("mma.sync")})
-
-
 def assemble(ptx: str, row: dict) -> dict:
     """``row`` + registers / spills of ``ptx`` assembled for sm_90a by Triton's bundled ptxas."""
     with tempfile.TemporaryDirectory() as d:
@@ -91,7 +71,7 @@ def assemble(ptx: str, row: dict) -> dict:
 
 
 rows = {}
-for one_dot, rt in (((False, args.rt), (True, args.rt // 2)) if args.kernel == "wgmma" else ()):
+for one_dot, rt in ((False, args.rt), (True, args.rt // 2)):
     for sw in (0, 1, 2):
         for reg_a in (False, True):  # REG_A: 4-bit, 64-row tiles, not with the 'asm' scaling
             if reg_a and (args.bits != 4 or rt * (16 if one_dot else 8) != 64 or sw == 2):
@@ -99,12 +79,6 @@ for one_dot, rt in (((False, args.rt), (True, args.rt // 2)) if args.kernel == "
             name = (f"{'one_dot rt' if one_dot else 'two dots rt'}{rt} scale_w={['off', 'on', 'asm'][sw]}"
                     + (" reg_a" if reg_a else ""))
             rows[name] = build(one_dot, sw, rt, reg_a)
-            print(f"{name:40s}", rows[name], flush=True)
-if args.kernel == "mma":  # the fragment kernel's default configs at M <= 8 (nt 1) and 9..16 (nt 2), prmt off / on
-    for nt, r, w, pf in ((1, 2, 8, False), (2, 1, 4, True)) if args.bits == 4 else ((1, 1, 4, False), (2, 1, 4, True)):
-        for prmt in (False, True):
-            name = f"nt{nt} r{r} w{w}{' prefetch' if pf else ''} prmt={'on' if prmt else 'off'}"
-            rows[name] = build_mma(nt, r, w, pf, prmt)
             print(f"{name:40s}", rows[name], flush=True)
 if args.out:
     import json

@@ -195,11 +195,9 @@ def test_gpu_pdl_bit_equal(m, n, k):
     assert torch.equal(got_pdl, ref)
 
 
-def test_prmt_option_contract():
-    """``prmt`` (the table in registers, ``lowbit.kernels.lut_prmt``): the decode writes the 4 A-fragment pairs
-    (pair p = nibbles 2 p, 2 p + 1, low half first) for any word and table; the mma asm then reads no shared
-    memory and takes the 8 byte-table operands where the lane offsets were; 3-bit spreads the merged pair bytes to
-    nibbles first; under the interpreter the option runs the emulation (same numerics)."""
+def test_prmt_decode_lines_contract():
+    """``lut_prmt.decode_lines`` (the register-table kernel's decode): the 4 A-fragment pairs (pair p = nibbles
+    2 p, 2 p + 1, low half first) for any word and table."""
     from lowbit.kernels.lut_prmt import DECODE_REGS, decode_lines
     from tests.test_lut_wgmma import _run_ptx
 
@@ -218,45 +216,3 @@ def test_prmt_option_contract():
         for p in range(4):
             nib = [(word >> 4 * (2 * p + h)) & 15 for h in (0, 1)]
             assert out[f"a{p}"] == table[nib[0]] | table[nib[1]] << 16
-    asm = K._mma_asm(2, True, 4, prmt=True)
-    assert "ld.shared" not in asm and asm.count("mma.sync") == 8 and asm.count("prmt.b32") == 4 * 14
-    assert "$12," in asm and "$19," in asm  # C out 0..7, words 8..11, L 12..15, H 16..19
-    assert K._MMA4_2_CP.value.count("r") == 12 + 2 * 2 * 4
-    asm3 = K._mma_asm(1, True, 3, prmt=True)
-    assert "ld.shared" not in asm3 and asm3.count("mma.sync") == 8 and asm3.count("prmt.b32") == 8 * 14
-    assert "$12, $13, dsa" in asm3 and "$18, $19, dsb" in asm3 and "{$20, $21}" in asm3  # L 12..15, H 16..19, x 20..
-    # 3-bit: the merged pair byte (pair_table's index, bits 6-7 garbage) -> nibbles c0 | c1 << 4
-    from lowbit.kernels.lut_prmt import nibbles3_lines
-    for _ in range(50):
-        word = int(torch.randint(0, 2 ** 32, (1,), generator=gen, dtype=torch.int64))
-        out = _run_ptx("\n".join([DECODE_REGS] + nibbles3_lines("$0", "dn")), {"$0": word})["dn"]
-        for b in range(4):
-            i = (word >> 8 * b) & 0xFF
-            c0, c1 = (i & 3) | (((i >> 4) & 1) << 2), ((i >> 2) & 3) | (((i >> 5) & 1) << 2)
-            assert (out >> 8 * b) & 0xFF == c0 | c1 << 4
-    assert _run(3, 24, 256, 128, torch.bfloat16, "cpu", prmt=True) < KERNEL_VS_REF[torch.bfloat16]
-    assert _run(3, 24, 256, 128, torch.bfloat16, "cpu", bits=3, prmt=True) < KERNEL_VS_REF[torch.bfloat16]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,dtype,cfg", [
-    (1, 6144, 4096, torch.bfloat16, {}), (1, 4096, 14336, torch.float16, {}), (1, 3000, 1111, torch.bfloat16, {}),
-    (5, 28672, 4096, torch.bfloat16, {"nt": 1, "r": 2, "num_warps": 8}), (16, 4096, 4096, torch.bfloat16, {}),
-    (16, 28672, 4096, torch.float16, {"ring": 4, "xh": 2}), (32, 4096, 14336, torch.bfloat16, {"nt": 4}),
-    (12, 8192, 8192, torch.bfloat16, {"prefetch": True, "split_k": 4}),
-])
-@pytest.mark.parametrize("bits", [4, 3])
-def test_gpu_prmt_bit_equal(m, n, k, dtype, cfg, bits):
-    """GPU: the register-table lookup gives exactly the shared-memory pair table's output (the same A values,
-    mma order and accumulation), with the default launch configs and with ring / xh / prefetch / split-K."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    torch.manual_seed(m + n)
-    w = torch.randn(n, k, device="cuda")
-    q = quantize_lut(w, bits=bits, group_size=128, scale_dtype=dtype)
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    qm, qh = pack_codes_mma(q.codes, bits, 128, k)
-    args = (x, qm, qh, q.scales.t().contiguous(), pair_table(q.table, bits, dtype).cuda(), q.table.cuda())
-    y0 = K.lut_mma_triton(*args, bits=bits, group_size=128, out_features=n, **cfg)
-    y1 = K.lut_mma_triton(*args, bits=bits, group_size=128, out_features=n, prmt=True, **cfg)
-    assert torch.equal(y0, y1)

@@ -24,10 +24,8 @@
     stages, the stacked dot and the 'asm' decode varied around them.
 (m) as (l) with 3-bit codes (NF3 g128).
 (o) session 13: ``reg_a`` on 3-bit codes (NF3 g128) against the same configs without it.
-(p) session 13 (for session 14): the fragment kernel with the table in registers (``prmt=True``: the lut_prmt
-    decode instead of shared-memory pair lookups; no 32 KB table, so more programs per SM fit) against its default
-    at M = 1 / 4 / 16 on the four projections, 4- and 3-bit, with programs per SM and warps varied; outputs
-    compared bit for bit.
+(p) session 13, run in session 14 (``results/h200/s14_probe_prmt.json``): the fragment kernel's ``prmt`` option
+    against its default at M = 1 / 4 / 16; the option was removed after it (slower), and this part with it.
 (n) session 13: ``reg_a`` (the decoded tile relabelled into the wgmma A-register fragment: no shared-memory round
     trip, x gathered in 4-byte pairs) against the committed configs, with and without ``scale_w``, 4-bit.
 (q) session 14: the register-table kernel's split-K count (4-bit NF g128; ``r``: 3-bit NF3) at M = 16 / 32 / 64 / 128:
@@ -264,49 +262,6 @@ if set("ghijklmno") & set(a.parts):
             finish("lut_wgmma" + TAG, key, res, fns, x, wbs)
         del wsets, wbs, wb
         torch.cuda.empty_cache()
-    dump()
-
-
-if "p" in a.parts:  # (p) the fragment kernel's prmt lookup vs its shared-memory pair table, M = 1 / 4 / 16
-    from lowbit.kernels import lut_gemm as LG
-
-    doc["lut_mma_prmt"] = {}
-    for bits in (4, 3):
-        for name, (N, K) in LAYERS.items():
-            qm, qh, sc, pairs, tab, wsets = packed_sets(N, K, bits)
-            wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-            wbs = [wb] + [wb.clone() for _ in range(copies(wb.numel() * 2) - 1)]
-            for M in (1, 4, 16):
-                key = f"bits={bits} {name} N={N} K={K} M={M}"
-                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                base = LG.mma_config(M, N, K, bits, 128)
-                var = {"default": {}, "prmt": {"prmt": True},
-                       "prmt_c2x": {"prmt": True, "ctas_per_sm": 2 * base["ctas_per_sm"]},
-                       "prmt_c4x": {"prmt": True, "ctas_per_sm": 4 * base["ctas_per_sm"]},
-                       "prmt_w4": {"prmt": True, "num_warps": 4}, "prmt_w8": {"prmt": True, "num_warps": 8}}
-                res = {"config": {k: str(v) for k, v in base.items()}, "check": {}, "compiled": {}}
-                fns = {}
-                kw = dict(bits=bits, group_size=128, out_features=N)
-                y0 = LG.lut_mma_triton(x, qm, qh, sc, pairs, tab, **kw)
-                for vn, ov in var.items():
-                    try:
-                        y = LG.lut_mma_triton(x, qm, qh, sc, pairs, tab, **kw, **ov)
-                        torch.cuda.synchronize()
-                        res["check"][vn] = "bit-equal" if torch.equal(y, y0) else (
-                            f"max |diff| {(y.float() - y0.float()).abs().max().item():.3g}")
-                        k = LG.LAST_COMPILED["mma"]
-                        ptx = k.asm.get("ptx", "")
-                        res["compiled"][vn] = {"regs": getattr(k, "n_regs", None),
-                                               "spills": getattr(k, "n_spills", None),
-                                               "ld.shared": ptx.count("ld.shared"), "prmt": ptx.count("prmt.b32")}
-                        fns[vn] = [lambda c=c, s_=s_, h=h, ov=ov: LG.lut_mma_triton(x, c, h, s_, pairs, tab, **kw, **ov)
-                                   for c, s_, h in wsets]
-                    except Exception as exc:
-                        traceback.print_exc()
-                        res["check"][vn] = f"{type(exc).__name__}: {exc}"[:300]
-                finish("lut_mma_prmt", key, res, fns, x, wbs)
-            del wsets, wbs, wb
-            torch.cuda.empty_cache()
     dump()
 
 

@@ -181,6 +181,7 @@ def write_probe(doc: dict, out: str, name: str) -> str:
         json.dump(doc, f, indent=1)
     return path
 
+
 def rotation_copies(nbytes: int) -> int:
     """How many copies of an ``nbytes`` weight to rotate over so that one pass streams > 2x L2 (the weights
     then come from HBM, as in a real model, not from L2)."""

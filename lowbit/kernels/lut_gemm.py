@@ -75,7 +75,6 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode, warn_once
 from lowbit.formats.lut import pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
-from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, decode_lines, nibbles3_lines
 
 LOOKUPS = {"global": 0, "select": 1, "affine": 2, "pair": 3, "smem": 4}
 
@@ -483,7 +482,7 @@ def _lut_dequant_kernel(
 
 
 # ----------------------------------------------------------------------------- MMA fragment kernel
-def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
+def _mma_asm(nt: int, bf16: bool, bits: int) -> str:
     """PTX of one pack=4 instance of ``_lut_mma_kernel``'s step (4 int32 code words per lane =
     one 16-byte load): ``KS`` k-steps (4 at 4-bit, 8 at 3-bit) x ``nt`` n-tiles of
     ``mma.sync.m16n8k16`` with f32 accumulation. Per k-step, 4 pair lookups (shift; and + or with
@@ -491,22 +490,17 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
     f16x2 A registers. 3-bit first merges the 2-bit and 1-bit planes into one byte per pair with a
     single select (``lop3``), see ``formats.lut.pack_codes_mma``.
     Operands: C out (nt x 4) | words 4 | [3-bit: hi words 4] | lane offsets 4 |
-    x words (nt x NX x 4: word w of n-tile j at j*4*NX + w) | C in (nt x 4).
-    ``prmt`` (option of session 13): the A registers come from the register-table decode of
-    ``lowbit.kernels.lut_prmt`` (22 integer ops per k-step, no shared-memory table; 3-bit: the merged pair
-    bytes first spread to nibbles, ``nibbles3_lines``) instead of the 4 lookups; the lane offsets' operand slot
-    carries the low-byte tables ``L0..L3`` and 4 more operands the high-byte tables ``H0..H3`` (each lane's 4
-    elements), before the x words."""
+    x words (nt x NX x 4: word w of n-tile j at j*4*NX + w) | C in (nt x 4)."""
     ty = "bf16" if bf16 else "f16"
     nx = 2 if bits == 4 else 4  # x tensors per n-tile (8 or 16 words: b0/b1 of each k-step)
     o_w = 4 * nt
     o_h = o_w + 4
     o_l = o_h + (4 if bits == 3 else 0)
-    o_x = o_l + (8 if prmt else 4)
+    o_x = o_l + 4
     o_c = o_x + 4 * nx * nt
     mask = "0x7F80" if bits == 4 else "0x1F80"
-    lines = ["{", ".reg .b32 a0, a1, a2, a3, t, m, u, gs, sel;", "mov.b32 sel, 0x0F0F0F0F;"]
-    lines += [DECODE_REGS] if prmt else ["mov.u32 gs, global_smem;"]  # (prmt: no shared-memory table)
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, t, m, u, gs, sel;", "mov.b32 sel, 0x0F0F0F0F;",
+             "mov.u32 gs, global_smem;"]
     ks = 4 if bits == 4 else 8
     for s in range(ks):
         lb = f"${o_l}"
@@ -523,17 +517,10 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
             else:
                 lines.append(f"{hsh[0]}.b32 t, {hi}, {hsh[1]}; lop3.b32 m, {lo_e}, t, sel, 0xE4;")
             m = "m"
-        if prmt:
-            if bits == 3:
-                lines += nibbles3_lines(m, "dn")
-                m = "dn"
-            lines += decode_lines(m, [f"${o_l + r}" for r in range(4)], [f"${o_l + 4 + r}" for r in range(4)],
-                                  ["a0", "a1", "a2", "a3"])
-        else:
-            shifts = ("shl.b32 t, {w}, 7;", "shr.u32 t, {w}, 1;", "shr.u32 t, {w}, 9;", "shr.u32 t, {w}, 17;")
-            for b, sh in enumerate(shifts):
-                lines.append(sh.format(w=m) + f" and.b32 t, t, {mask}; or.b32 t, t, {lb}; add.u32 t, t, gs; "
-                             f"ld.shared.b32 a{b}, [t];")
+        shifts = ("shl.b32 t, {w}, 7;", "shr.u32 t, {w}, 1;", "shr.u32 t, {w}, 9;", "shr.u32 t, {w}, 17;")
+        for b, sh in enumerate(shifts):
+            lines.append(sh.format(w=m) + f" and.b32 t, t, {mask}; or.b32 t, t, {lb}; add.u32 t, t, gs; "
+                         f"ld.shared.b32 a{b}, [t];")
         for j in range(nt):
             d = ", ".join(f"${4 * j + r}" for r in range(4))
             cin = d if s else ", ".join(f"${o_c + 4 * j + r}" for r in range(4))
@@ -544,10 +531,9 @@ def _mma_asm(nt: int, bf16: bool, bits: int, prmt: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _mma_cons(nt: int, bits: int, prmt: bool = False) -> str:
+def _mma_cons(nt: int, bits: int) -> str:
     nx = 2 if bits == 4 else 4
-    return ",".join(["=f"] * (4 * nt) + ["r"] * (8 + 4 * (bits == 3) + 4 * prmt) + ["r"] * (4 * nx * nt)
-                    + ["f"] * (4 * nt))
+    return ",".join(["=f"] * (4 * nt) + ["r"] * (12 if bits == 3 else 8) + ["r"] * (4 * nx * nt) + ["f"] * (4 * nt))
 
 
 def _asm_table():
@@ -557,9 +543,6 @@ def _asm_table():
             out[f"_MMA{bits}_{nt}_BF"] = tl.constexpr(_mma_asm(nt, True, bits))
             out[f"_MMA{bits}_{nt}_F"] = tl.constexpr(_mma_asm(nt, False, bits))
             out[f"_MMA{bits}_{nt}_C"] = tl.constexpr(_mma_cons(nt, bits))
-            out[f"_MMA{bits}_{nt}_BFP"] = tl.constexpr(_mma_asm(nt, True, bits, prmt=True))  # the prmt lookup
-            out[f"_MMA{bits}_{nt}_FP"] = tl.constexpr(_mma_asm(nt, False, bits, prmt=True))
-            out[f"_MMA{bits}_{nt}_CP"] = tl.constexpr(_mma_cons(nt, bits, prmt=True))
     return out
 
 
@@ -764,43 +747,11 @@ def _xall(X, m0, t, stride_xm, kc, M, BITS: tl.constexpr, NT: tl.constexpr):
 
 
 @triton.jit
-def _mma_step(words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3,
-              p0, p1, p2, p3, NT: tl.constexpr, BITS: tl.constexpr, IS_BF16: tl.constexpr, PRMT: tl.constexpr = False):
-    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3. ``PRMT``:
-    ``laneb`` / ``tabh`` carry the low / high byte tables (``_mma_asm``'s prmt variant) instead of the lane
-    offsets."""
+def _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3,
+              p0, p1, p2, p3, NT: tl.constexpr, BITS: tl.constexpr, IS_BF16: tl.constexpr):
+    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3."""
     F: tl.constexpr = (tl.float32, tl.float32, tl.float32, tl.float32)
-    if BITS == 4 and PRMT:
-        if NT == 1:
-            r0 = tl.inline_asm_elementwise(_MMA4_1_BFP if IS_BF16 else _MMA4_1_FP, _MMA4_1_CP,
-                                           [words, laneb, tabh, a0, a1, p0], dtype=tl.float32, is_pure=True, pack=4)
-            r1, r2, r3 = p1, p2, p3
-        elif NT == 2:
-            r0, r1 = tl.inline_asm_elementwise(_MMA4_2_BFP if IS_BF16 else _MMA4_2_FP, _MMA4_2_CP,
-                                               [words, laneb, tabh, a0, a1, b0, b1, p0, p1],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-            r2, r3 = p2, p3
-        else:
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(
-                _MMA4_4_BFP if IS_BF16 else _MMA4_4_FP, _MMA4_4_CP,
-                [words, laneb, tabh, a0, a1, b0, b1, c0, c1, e0, e1, p0, p1, p2, p3], dtype=F, is_pure=True, pack=4)
-    elif PRMT:  # 3-bit
-        if NT == 1:
-            r0 = tl.inline_asm_elementwise(_MMA3_1_BFP if IS_BF16 else _MMA3_1_FP, _MMA3_1_CP,
-                                           [words, hi, laneb, tabh, a0, a1, a2, a3, p0], dtype=tl.float32,
-                                           is_pure=True, pack=4)
-            r1, r2, r3 = p1, p2, p3
-        elif NT == 2:
-            r0, r1 = tl.inline_asm_elementwise(_MMA3_2_BFP if IS_BF16 else _MMA3_2_FP, _MMA3_2_CP,
-                                               [words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, p0, p1],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
-            r2, r3 = p2, p3
-        else:
-            r0, r1, r2, r3 = tl.inline_asm_elementwise(
-                _MMA3_4_BFP if IS_BF16 else _MMA3_4_FP, _MMA3_4_CP,
-                [words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3, p0, p1, p2,
-                 p3], dtype=F, is_pure=True, pack=4)
-    elif BITS == 4:
+    if BITS == 4:
         if NT == 1:
             r0 = tl.inline_asm_elementwise(_MMA4_1_BF if IS_BF16 else _MMA4_1_F, _MMA4_1_C,
                                            [words, laneb, a0, a1, p0], dtype=tl.float32, is_pure=True, pack=4)
@@ -914,7 +865,6 @@ def _lut_mma_kernel(
     RING: tl.constexpr = 0, RING_BASE: tl.constexpr = 0,  # cp.async ring depth (chunks; 0 = off), its smem offset
     SP: tl.constexpr = False,  # scales of the next group loaded one group ahead
     PDL: tl.constexpr = False,  # programmatic dependent launch (triggers the next one after its wait)
-    PRMT: tl.constexpr = False,  # the table in registers (``lut_prmt``), no shared-memory pair table
 ):
     """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
 
@@ -938,14 +888,9 @@ def _lut_mma_kernel(
     (``RING_BASE``): each lane copies and later reads only its own 16 bytes, so ``cp.async.wait_group``
     is the only synchronisation, and n - 1 chunks stay in flight without holding registers; ``SP``
     loads the next group's scales with the current group (otherwise their load sits right before the
-    scale FMA, one exposed memory latency per group). ``PRMT`` (session 13; off: slower where the op uses this
-    kernel, H200 session 14, ``s14_probe_prmt.json``: 4-bit M = 1 down 27.9 vs 17.4 us, gate_up 42.5 vs 24.3): the A
-    registers come from the register-table decode of ``lowbit.kernels.lut_prmt`` (8 byte-table registers, 22
-    integer ops per k-step; 3-bit: the merged pair bytes spread to nibbles first) instead of the shared-memory pair
-    lookups: no table in shared memory (32 KB less per program at 4-bit, 8 KB at 3-bit), no ``ld.shared`` on the
-    lookup chain (session 8's ncu: 38-46% of the issue gaps waited on it), the same A values (bit-equal output, a
-    GPU test); offline sm_90a build, nt 2 r 1 w 4 prefetch: 72 -> 64 registers
-    (``benchmarks/results/offline/lut_mma_prmt_bits4_s13.json``).
+    scale FMA, one exposed memory latency per group). (The register-table decode of ``lowbit.kernels.lut_prmt``
+    in place of the pair lookups was built in session 13 and removed in session 14: bit-equal but slower where the
+    op uses this kernel, H200 ``s14_probe_prmt.json``: 4-bit M = 1 down 27.9 vs 17.4 us, gate_up 42.5 vs 24.3.)
 
     ``PDL`` (Hopper, session 9, the runner's batch-1 decode chain): the kernel is a programmatic
     dependent launch; the pair table (and, with ``PREFETCH``, the first code words: weights never depend
@@ -972,12 +917,7 @@ def _lut_mma_kernel(
     m0 = pid_m * (8 * NT) + g  # x rows of the B fragments (n-tile j adds 8 j)
     mc = pid_m * (8 * NT) + 2 * t + (v % 2)  # token of C register v (n-tile j adds 8 j)
     laneb = lane * 4
-    tabh = laneb
-    if PRMT and not INTERPRET:  # lane element v holds L[v] / H[v] (the asm reads a lane's 4 elements)
-        lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = _byte_tables(P, BITS)
-        laneb = tl.where(v == 0, lo0, tl.where(v == 1, lo1, tl.where(v == 2, lo2, lo3)))
-        tabh = tl.where(v == 0, hi0, tl.where(v == 1, hi1, tl.where(v == 2, hi2, hi3)))
-    if not INTERPRET and RING == 0 and not PRMT:  # (with RING the first copies are issued first, table after them)
+    if not INTERPRET and RING == 0:  # (with RING the first copies are issued first, table after them)
         _store_pair_table(P, BITS)
     CPG: tl.constexpr = GROUP // CK
     g0 = pid_k * GROUPS_PER_SPLIT
@@ -1016,8 +956,7 @@ def _lut_mma_kernel(
             _ring_issue(Q, q_off, rc0 + sidx, rt_ok & (sidx < nch), rdst + sidx * (R * SW * 4))
             if BITS == 3:
                 _ring_issue_hi(QH, rt, lane, NC, rc0 + sidx, rt_ok & (sidx < nch), hdst + sidx * (R * SW * 2))
-        if not PRMT:
-            _store_pair_table(P, BITS)  # while the first chunks are in flight (the ring lies after the table)
+        _store_pair_table(P, BITS)  # while the first chunks are in flight (the ring lies after the table)
     if SP:  # the first group's scales (GU == 1, GPU only)
         s_nxt = _load_scales(S, g0, stride_sg, rt, g, (row < N) & (g0 < g1), S_BF16)
     CH: tl.constexpr = GU * CPG  # chunks per loop step
@@ -1110,8 +1049,8 @@ def _lut_mma_kernel(
                         kc = tl.where(gok, cidx, 0) * CK  # x reads stay inside the padded row
                         a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3 = _xall(
                             X, m0, t, stride_xm, kc, M, BITS, NT)
-                    p0, p1, p2, p3 = _mma_step(words, hi, laneb, tabh, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2,
-                                               c3, e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16, PRMT)
+                    p0, p1, p2, p3 = _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
+                                               e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16)
             if INTERPRET:
                 s = tl.load(S + gi * stride_sg + row, mask=(row < N) & gok, other=0.0).to(tl.float32)
             elif SP:
@@ -1514,10 +1453,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     sp = bool(cfg.get("sp", False)) and gu == 1 and not interpret_mode()
     if sp:  # scales one group ahead
         kw["SP"] = True
-    prmt = bool(cfg.get("prmt", False))
-    if prmt and not interpret_mode():  # passed only when set, like xh
-        kw["PRMT"] = True
-    smem = 0 if prmt else mma_table_bytes(bits)
+    smem = mma_table_bytes(bits)
     if ring:
         kw["RING"], kw["RING_BASE"] = ring, smem
         smem += ring * r * nw * (512 if bits == 4 else 768)  # 16 (+ 8 at 3-bit) bytes per lane, row tile, slot
@@ -1525,7 +1461,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
         # ints are not specialized (do_not_specialize): the compiled kernel depends only on the
         # constexprs and the 16-byte alignment of the pointers
         key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu, xh, ring, sp,
-               pdl, prmt, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
+               pdl, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
         if key not in _MMA_PATCHED:  # the pair table lives in dynamic shared memory Triton does not
             # know about: raise the launch's dynamic shared size to hold it (compile once, patch)
             k = _lut_mma_kernel.warmup(*args, grid=grid, **kw)

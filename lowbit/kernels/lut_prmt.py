@@ -1,7 +1,7 @@
 """Register-table lookup of 4-bit codes by ``prmt`` (the table of the LUT kernels held in 8 registers).
 
-Shared by the register-table LUT GEMM (``lowbit.kernels.lut_wgmma``) and, as the option ``prmt`` of the fragment
-kernel (``lowbit.kernels.lut_gemm._lut_mma_kernel``), by the mma.sync path. A 16-entry table of 16-bit values
+Used by the register-table LUT GEMM (``lowbit.kernels.lut_wgmma``). (The fragment kernel carried it as an option in
+place of its shared-memory pair table in session 13; timed slower at 1-4 tokens, removed in session 14.) A 16-entry table of 16-bit values
 (the activation dtype) is split into its low and high bytes, 4 + 4 registers (``L0..L3``, ``H0..H3``: entry e's
 low byte is byte e % 4 of ``L[e // 4]``). A code word holds 8 nibbles ``j = 4 bh + 2 rh + h`` (the fragment layout
 of ``formats.lut.pack_codes_mma``: row g + 8 rh of the row tile, K pair 2 bh + h of the lane's k-step); per group of
@@ -17,16 +17,6 @@ import triton
 import triton.language as tl
 
 DECODE_REGS = ".reg .b32 dsa, dsb, dw4, dma, dmb, dx, dy, dlo, dhi, dn;"
-
-
-def nibbles3_lines(src: str, dst: str) -> list[str]:
-    """PTX lines turning a word of 4 merged 3-bit pair bytes (``formats.lut.pair_table``'s 3-bit pair index
-    ``lo_0 | lo_1 << 2 | hi_0 << 4 | hi_1 << 5`` in bits 0-5 of each byte, bits 6-7 ignored) into 4-bit nibbles
-    ``c_0 | c_1 << 4`` per byte, the input of ``decode_lines`` (bit 3 of every nibble 0: entries 0-7 only)."""
-    return [f"and.b32 {dst}, {src}, 0x03030303;",
-            f"shr.u32 dx, {src}, 2;", "and.b32 dx, dx, 0x04040404;", f"or.b32 {dst}, {dst}, dx;",  # hi_0 -> bit 2
-            f"shl.b32 dx, {src}, 2;", "and.b32 dx, dx, 0x30303030;", f"or.b32 {dst}, {dst}, dx;",  # lo_1 -> 4-5
-            f"shl.b32 dx, {src}, 1;", "and.b32 dx, dx, 0x40404040;", f"or.b32 {dst}, {dst}, dx;"]  # hi_1 -> 6
 
 
 def decode_lines(word: str, lo: list[str], hi: list[str], out: list[str]) -> list[str]:

@@ -57,9 +57,10 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode, resident_ctas
 from lowbit.formats.lut import MMA_CHUNK, mma_shapes
-from lowbit.kernels.lut_gemm import (_pick4, _sm_count, balanced_split, busiest_sm_groups, fragment_x, gemm_output,
-                                     planned_split, split_plan)
+from lowbit.kernels.lut_gemm import (_pick4, _sm_count, _workspace, balanced_split, busiest_sm_groups, fragment_x,
+                                     gemm_output, planned_split, split_plan)
 from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, _entry_row, decode_lines
+
 
 def _decode_asm(scaled: str | None = None) -> str:
     """PTX of one code word (8 nibbles, ``$8``) + the 8 byte-table registers (``$9..$12`` low bytes, ``$13..$16``
@@ -530,7 +531,7 @@ def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | 
     waves; ``balance`` gives 896 programs of 8 groups, the busiest SM 7 of them)."""
     key = (x.device.index, x.dtype, scales.dtype, tuple(sorted(kw.items())))
     if key not in _RESIDENT:
-        _, _, ws, locks = split_plan(2, max(ng, 2), 1, 1, y)
+        ws, locks = _workspace(x.device, 1, 1)  # (compiled against the pointer types only)
         k = _lut_wgmma_kernel.warmup(x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, 1, 2,
                                      x.stride(0), scales.stride(0), y.stride(0), USE_SPLIT=True, grid=(1, 1, 1), **kw)
         k._init_handles()  # (a kernel compiled but never launched has no register count before this)
