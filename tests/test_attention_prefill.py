@@ -493,3 +493,28 @@ def test_vperm_quantization_writes_permuted_vt(mode):
     o1 = quant_attention_triton(q, k, v, config=cfg, **kw)
     o2 = quant_attention_triton(q, k, v, config=dict(cfg, vperm=True), **kw)
     assert rel_l2(o2, o1) < 1e-5
+
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exp16_option_matches_reference(causal, dev):
+    """Config ``exp16`` (fp8): the fp16 softmax numerator vs the reference's replay of it; its error vs
+    float64 stays within the fp8 ceiling and near the fp32 numerator's."""
+    from lowbit.kernels.attention_prefill import default_config, quant_attention_triton
+
+    if not ap._triton_ok():
+        pytest.skip("no Triton backend")
+    q, k, v = _qkv(1, 4, 2, 33, 47, 64, seed=7)
+    bn = default_config("fp8", 64, causal, 33)["BLOCK_N"]
+    kw = dict(mode="fp8", causal=causal, sm_scale=64 ** -0.5, v_granularity="block", k_per_block=True, fuse_kv=False)
+    out = quant_attention_triton(q.to(dev), k.to(dev), v.to(dev), config={"exp16": True}, **kw).cpu()
+    qq = aq.quantize_qkv(q, k, v, mode="fp8", v_granularity="block", k_block=bn)
+    ref = aq.attention_quant_ref(qq, causal=causal, sm_scale=64 ** -0.5, block_n=bn, exp16=True)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, ref) < (1e-5 if dev == "cpu" else 1.5e-2)  # GPU: ex2.approx flips some FP8 roundings
+    exact = attention_ref(q, k, v, causal=causal)
+    plain = aq.attention_quant_ref(qq, causal=causal, sm_scale=64 ** -0.5, block_n=bn)
+    assert rel_l2(out, exact) < ACC["fp8"]
+    assert rel_l2(ref, exact) < rel_l2(plain, exact) * 1.25 + 1e-3
+    with pytest.raises(ValueError, match="exp16"):
+        aq.attention_quant_ref(aq.quantize_qkv(q, k, v, mode="int8"), causal=False, sm_scale=0.2, exp16=True)

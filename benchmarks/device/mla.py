@@ -234,28 +234,15 @@ def dump_sass(k, name):
     """SASS of a compiled kernel (cuobjdump via triton.tools.disasm) to ``name``.sass; returns the
     instruction count and the count per opcode family (the main loop is the longest basic block run)."""
     try:
-        from collections import Counter
-
         from triton.tools.disasm import get_sass
 
         sass = get_sass(k.asm["cubin"])
         with open(os.path.join(a.out, name + ".sass"), "w") as f:
             f.write(sass)
-        ops = re.findall(r"^[0-9a-f-]{2}:\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
-        seq, lab, loops = [], {}, []
-        for ln in sass.splitlines():
-            m = re.match(r"(LBB\d+):", ln)
-            if m:
-                lab[m.group(1)] = len(seq)
-                continue
-            m = re.match(r"[0-9a-f-]{2}:\S+\s+(.*?);", ln)
-            if m:
-                seq.append(m.group(1))
-        for i, ins in enumerate(seq):  # loops = backward branches; length = SASS per thread per KV block
-            m = re.search(r"BRA (LBB\d+)", ins)
-            if m and m.group(1) in lab and i - lab[m.group(1)] > 100:
-                loops.append(i - lab[m.group(1)] + 1)
-        return {"sass_total": len(ops), "sass_loops": loops, "sass_top": dict(Counter(ops).most_common(10))}
+        from lowbit.bench.harness import sass_summary
+
+        r = sass_summary(sass)
+        return {k: r[k] for k in ("sass_total", "sass_loops", "sass_top")}
     except Exception as exc:
         return {"sass_error": f"{type(exc).__name__}: {exc}"[:160]}
 

@@ -182,6 +182,35 @@ def write_probe(doc: dict, out: str, name: str) -> str:
     return path
 
 
+def sass_summary(sass: str, *, min_loop: int = 100, top: int = 24) -> dict:
+    """Instruction counts of ``triton.tools.disasm.get_sass`` text ("LBBn:" labels, "ctrl\tINSTR;" lines): the total,
+    the lengths of the loops (backward branches spanning more than ``min_loop`` instructions; a loop's length is the
+    SASS per thread per iteration) and the opcode counts of the longest one."""
+    import re
+    from collections import Counter
+
+    seq, lab, loops = [], {}, []
+    for ln in sass.splitlines():
+        m = re.match(r"(LBB\d+):", ln)
+        if m:
+            lab[m.group(1)] = len(seq)
+            continue
+        m = re.match(r"[0-9a-f-]{2}:\S+\s+(.*?);", ln)
+        if m:
+            seq.append(m.group(1))
+    for i, ins in enumerate(seq):
+        m = re.search(r"BRA (LBB\d+)", ins)
+        if m and m.group(1) in lab and i - lab[m.group(1)] > min_loop:
+            loops.append((i - lab[m.group(1)] + 1, lab[m.group(1)], i))
+    out = {"sass_total": len(seq), "sass_loops": [n for n, _, _ in loops],
+           "sass_top": dict(Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in seq).most_common(10))}
+    if loops:
+        _, s0, s1 = max(loops)
+        out["loop_ops"] = dict(Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0]
+                                       for x in seq[s0:s1 + 1]).most_common(top))
+    return out
+
+
 def rotation_copies(nbytes: int) -> int:
     """How many copies of an ``nbytes`` weight to rotate over so that one pass streams > 2x L2 (the weights
     then come from HBM, as in a real model, not from L2)."""

@@ -202,14 +202,24 @@ def _int8_sub(s0: torch.Tensor, cq) -> torch.Tensor:
     return (s0 - math.log2(P_SCALE_INT8)) + (s0.abs() + cq) * 2.0 ** -21
 
 
+def _h(x: torch.Tensor) -> torch.Tensor:
+    """fp16 rounding (RNE), back in fp32."""
+    return x.to(torch.float16).float()
+
+
 def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int = 128,
-                        out_dtype: torch.dtype = torch.float32, p_block: bool = False) -> torch.Tensor:
+                        out_dtype: torch.dtype = torch.float32, p_block: bool = False,
+                        exp16: bool = False) -> torch.Tensor:
     """Replay the kernel's numerics in float32 on operands from ``quantize_qkv``.
 
     Loop over KV blocks of ``block_n`` keys with the running max ``m``, ``alpha = exp2(m_old - m)``,
     P quantized per ``mode`` (module docstring), ``acc = acc * alpha + (P V_block) * v_scale`` and
-    O = acc / l. Returns ``[B, Hq, Sq, D]`` in ``out_dtype``.
+    O = acc / l. ``exp16`` (fp8): the softmax numerator from an fp16 exponential of the
+    fp16-rounded argument (the kernel's ``ex2.approx.f16x2``, emulated as exact exp2): P =
+    h(2^h(x + 8)), l sums those. Returns ``[B, Hq, Sq, D]`` in ``out_dtype``.
     """
+    if exp16 and qq["mode"] != "fp8":
+        raise ValueError(f"exp16 applies to mode fp8 only, got {qq['mode']!r}")
     mode = qq["mode"]
     qc, qs = qq["q"], qq["q_scale"]
     B, Hq, Sq, D = qc.shape
@@ -285,7 +295,7 @@ def attention_quant_ref(qq: dict, *, causal: bool, sm_scale: float, block_n: int
                 l = l * alpha + p.sum(-1)
                 pv = torch.matmul(p, vb)
         elif mode == "fp8":
-            p = torch.exp2(arg(m_use - 8.0))
+            p = _h(torch.exp2(_h(arg(m_use - 8.0)))) if exp16 else torch.exp2(arg(m_use - 8.0))
             l = l * alpha + p.sum(-1)
             pv = torch.matmul(quantize_p_fp8(p).float(), vb)
         elif mode == "fp8-kv4":

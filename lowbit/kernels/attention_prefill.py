@@ -53,6 +53,14 @@ per-block K/V scales and D = 128 runs the Gluon kernel of ``lowbit.kernels.atten
 (FlashAttention-3 order: the softmax of block j+1 overlaps P_j V_j); everything else, and the
 interpreter, runs this kernel.
 
+``EXP16`` (config ``exp16`` or argument, fp8 modes, option, off): the FireQ-style fp16 numerator
+P = h(2^h(x + 8)) by ``ex2.approx.f16x2``, l summed from it in fp32 (``attention_quant_ref(exp16=True)``
+replays it). Session 15 (H200, ``benchmarks/device/s15_attn.py``, attention launch, B=4 H=32 D=128): slower,
+S=4k 1.328 vs 1.239 ms, 16k 23.73 vs 21.34 ms: on sm_90 ptxas issues two MUFU.EX2 per ``f16x2`` op (MUFU count
+per loop 136 either way), so it halves nothing and adds the f16 conversions. An INT8 form (P = RNE(127 h(2^h(x)))
+through one fp16 FMA + PRMT per 4 codes) and folding INT8 P V's 1.5*2^23 offset into the V-scale FFMA were
+measured in the same run and removed: 2.018 and 2.137 vs 1.981 ms at 4k (results/h200/s15_attn.json).
+
 ``VPERM`` (config ``vperm``; session 5): V^T is stored with the keys of each 32-key chunk at
 ``vperm_pos`` (the quantization kernels write it so, ``quantize_kv_triton(vperm=True)``), and P is
 permuted the same way (``_vperm_p``): a permutation of the summed index, so P V is unchanged
@@ -75,7 +83,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
-from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 from lowbit.kernels.attention_quant import _kv_quant_task
 
@@ -376,8 +384,8 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
             sub = m_use
         if EXP16:  # FireQ-style half-precision softmax numerator: ex2.approx.f16x2, two per op
             x16 = (t * qsb[:, None] - (c * qsb + sub)[:, None]).to(tl.float16)
-            if INTERPRET:
-                p16 = tl.math.exp2(x16.to(tl.float32)).to(tl.float16)
+            if INTERPRET:  # the fp16 value carried in fp32 (the interpreter's FP8 rounding needs fp32)
+                p16 = tl.math.exp2(x16.to(tl.float32)).to(tl.float16).to(tl.float32)
             else:
                 p16 = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x16], dtype=tl.float16,
                                                 is_pure=True, pack=2)
@@ -400,7 +408,7 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                 rs = rs * beta
             l_i = l_i * alpha + rs
         elif EXP16:
-            l_i = l_i * alpha + tl.sum(p, 1).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
         else:
             l_i = l_i * alpha + tl.sum(p, 1)
         # ---- O += P V (block)
@@ -679,6 +687,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         cfg.update(config)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kv4 = mode == "fp8-kv4"
+    exp16 = bool(exp16 or cfg.get("exp16", False))
     if mode in ("fp8", "int8") and v_block % BN:
         raise ValueError(f"BLOCK_N ({BN}) must divide v_block ({v_block})")
     if p_block and mode != "int8":
