@@ -79,7 +79,8 @@ def test_split_k_single_launch_and_reduce_kernel_agree(sem):
     cfg = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=5, SWAP_AB=True, num_warps=4, num_stages=2, GROUP_M=1, SK_SEM=sem)
     y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, 640, 128, out_dtype=torch.float32, config=cfg)
     ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, 640, 128, out_dtype=torch.float32)
-    assert rel_l2(y.cpu(), ref) < 1e-5
+    # no ACC_TILE here: on Hopper the FP8 MMA sums each 64 products with ~14 bits before the FP32 promotion
+    assert rel_l2(y.cpu(), ref) < (1e-5 if DEV == "cpu" else 2e-4)
     if sem:  # the counters are left at zero for the next call
         assert all(int(b.abs().sum()) == 0 for b in _LOCKS.values())
 
@@ -299,6 +300,23 @@ def test_cat_one_dot_per_k_tile(M, N, K, g, cfg):
         assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
     assert rel_l2(outs[1].cpu(), ref) < 1e-5
+
+
+@pytest.mark.parametrize("M,N,K,g,split", [(130, 72, 600, 128, 1), (70, 64, 900, 32, 3), (200, 40, 128, 64, 1)])
+def test_defer_promotion_is_bit_equal(M, N, K, g, split):
+    """``DEFER`` (the mid-M default): each K tile's product is added one iteration later; the same
+    sums in the same order, so the output equals the undeferred one bit for bit (one K tile included)."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, g, seed=13)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    base = dict(pick_config(M, N, K), SPLIT_K=split)
+    assert base.get("DEFER") and base["CAT"] and base["SWAP_AB"]
+    outs = [w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32,
+                          config=dict(base, DEFER=d)) for d in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
+    assert rel_l2(outs[1].cpu(), ref) < (1e-5 if DEV == "cpu" else 3e-4)  # GPU: FP8 MMA sums within a K tile
 
 
 @pytest.mark.gpu

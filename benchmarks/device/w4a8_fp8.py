@@ -32,6 +32,8 @@ ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU
 ap.add_argument("--acc-tokens", type=int, default=None, help="perplexity tokens (default 8192; 256 with --cpu-smoke)")
 ap.add_argument("--skip", default=os.environ.get("W4A8_SKIP", "sweep,decide,acc"),
                 help="comma list of phases to skip: decode,check,ptx,bench,ffn,acc,sweep,decide")
+ap.add_argument("--ms", default=os.environ.get("W4A8_MS", ""),
+                help="comma list of M for the bench phase (both models); default: the full table's M")
 args = ap.parse_args()
 OUT = Path(args.out)
 OUT.mkdir(parents=True, exist_ok=True)
@@ -369,7 +371,10 @@ def bench(phases):
     rec.note("ceilings: ANCHORS.md values (H200), not re-measured in this run")
     deadline = T0 + args.budget - (55 if 'sweep' not in SKIP else 12)  # keep time for decide/accuracy/writing
     try:
-        if "bench" in phases:
+        if "bench" in phases and args.ms:  # a subset of M (session 15: the mid-M rows after DEFER)
+            ms = [int(m) for m in args.ms.split(",")]
+            suite.linear_rows(rec, models=("llama3-8b", "llama2-7b"), ms=ms, deadline=deadline)
+        elif "bench" in phases:
             suite.linear_rows(rec, models=("llama3-8b",), ms=[1, 16, 64, 128, 256, 1024, 4096, 8192], deadline=deadline)
             suite.linear_rows(rec, models=("llama2-7b",), ms=[1, 16, 128, 1024, 4096], deadline=deadline)
         if "ffn" in phases and time.time() < deadline:

@@ -57,7 +57,9 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   instance (``_fp8_lookup2``). ``CAT``: the two 64-column halves joined along K
   (``tl.join``/``permute``/``reshape``, a register renaming in the wgmma operand layout) into one
   K=128 dot per tile against the whole x tile: the same k32 wgmma steps in the same order, half the
-  commit/wait pairs. All of them leave the arithmetic unchanged (bit-equal on the GPU, R12).
+  commit/wait pairs. All of them leave the arithmetic unchanged (bit-equal on the GPU, R12). ``DEFER`` (with
+  ``CAT``, ``SWAP_AB`` and ``ACC_TILE``): each K tile's FP8 product is added into the FP32 accumulator one iteration
+  later (the next tile's dequantization comes first), same sums in the same order (bit-equal on the H200, S15).
 
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
 Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
@@ -123,7 +125,14 @@ def use_pdl_linear(M: int, N: int, K: int) -> bool:
 #   down 39.2 / 40.5 / 34.5.
 DECODE_FLAGS: dict = {"LUT2": True, "CAT": True}  # M <= 64, 128-row wide-N and 64-row paths
 LONG_K_FLAGS: dict = {"LUT2": True}  # M <= 64, long-K (down) path: CAT lost at M = 1
-MID_FLAGS: dict = {"LUT2": True, "CAT": True}  # 64 < M < DEQUANT_MIN_M
+MID_FLAGS: dict = {"LUT2": True, "CAT": True, "DEFER": True}  # 64 < M < DEQUANT_MIN_M
+# - DEFER (session 15, H200, M = 128, GEMM alone, graph us, default / DEFER, bit-equal): qkv 20.75 / 19.73, o 16.97 /
+#   16.35, gate_up 52.2 / 50.6, down 32.1 / 30.4 (benchmarks/results/h200/s15_w4a8.json). The same run's losers at
+#   M = 128 (s15_w4a8_r1.json): KSTEP=2 (gate_up 92.5), the FP32 promotion once per 2 K tiles (78.6; and 3.3x the
+#   error on an all-positive K = 14336 product), 128 weight rows x 8 warps (57.0), SPLIT_K x2 (70.9), 3 / 5 stages
+#   (54.0 / 52.4), group scales as one word (SWORD, 59.5); 64-token tiles won on o only (15.1) and lost on gate_up
+#   (61.3) and down (35.6). M <= 64 paths (s15_w4a8_decode.json): DEFER slower or equal there (gate_up M = 1 / 64
+#   22.6 / 31.3 vs 20.9 / 28.7, o M = 64 16.4 vs 15.9, qkv and down within 0.3 us): off.
 # - from M = 512: dequantize the weight once to FP8 and use torch._scaled_mm row-wise (R4, gate_up
 #   M=1024: 233.9 us vs 431.5 us fused-dequant and 348.0 us for the Triton W_FP8 GEMM; R5, M=512:
 #   gate_up 148.6 vs 187.9 us, down 72.5 vs 122.2, 4096^2 26.2 vs 41.9 for the swap-AB kernel; at
@@ -480,6 +489,7 @@ def _gemm_tile(
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr,
     W_FP8: tl.constexpr, SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr,
     TMA: tl.constexpr, TILED: tl.constexpr, LUT2: tl.constexpr, CAT: tl.constexpr = False,
+    DEFER: tl.constexpr = False,
 ):
     """K tiles [kt0, kt1) of output tile (pid_m, pid_n) -> (acc [BLOCK_M, BLOCK_N] fp32 before
     scaling, the tile rows' per-token scales sx [BLOCK_M])."""
@@ -541,6 +551,8 @@ def _gemm_tile(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if DEFER:
+        prev = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kt_s in range(kt0, kt1, KSTEP):
         for u in tl.static_range(KSTEP):  # KSTEP K tiles per iteration: KSTEP x 64 B per code row
             kt = kt_s + u
@@ -585,7 +597,13 @@ def _gemm_tile(
                 if QUANT_A:
                     a_all = tl.reshape(tl.permute(tl.join(a_lo, a_hi), (0, 2, 1)), [BLOCK_M, 2 * HALF_K])
                 w_all = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, 2 * HALF_K])
-                if ACC_TILE:
+                if ACC_TILE and DEFER and SWAP_AB:  # add the PREVIOUS tile's product: those FADDs do not
+                    # depend on this tile's wgmma, so they fill its issue-to-wait shadow (the SASS still waits
+                    # for all wgmma each tile, gsb0 0x0)
+                    part = tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+                    acc += prev
+                    prev = part
+                elif ACC_TILE:
                     if SWAP_AB:
                         acc += tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
                     else:
@@ -608,6 +626,8 @@ def _gemm_tile(
             else:
                 acc = tl.dot(a_lo, tl.trans(w_lo), acc, max_num_imprecise_acc=IMPRECISE)
                 acc = tl.dot(a_hi, tl.trans(w_hi), acc, max_num_imprecise_acc=IMPRECISE)
+    if DEFER:
+        acc += prev
     if SWAP_AB:
         acc = tl.trans(acc)
 
@@ -633,6 +653,7 @@ def _w4a8_fp8_gemm_kernel(
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
     SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr, TMA: tl.constexpr,
     TILED: tl.constexpr, LUT2: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, CAT: tl.constexpr,
+    DEFER: tl.constexpr = False,
 ):
     pdl_prologue(PDL, PDL_TRIGGER)  # PDL launch: wait for the producer of x / sx before any load
     k_tiles = tl.cdiv(K, 2 * HALF_K)
@@ -660,7 +681,7 @@ def _w4a8_fp8_gemm_kernel(
     acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
                          pid_m, pid_n, pid_k, kt0, kt1, GROUP, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, LUT, IMPRECISE,
                          ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA, TILED,
-                         LUT2, CAT)
+                         LUT2, CAT, DEFER)
     offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -825,6 +846,7 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         KSTEP=1 if quant_a else cfg.get("KSTEP", 1), TMA=tma, TILED=tiled, LUT2=bool(cfg.get("LUT2", False)),
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(a, cfg.get("PDL")) else {"PDL": False}),
         PDL_TRIGGER=bool(cfg.get("PDL_TRIGGER", True)), CAT=bool(cfg.get("CAT", False)),
+        DEFER=bool(cfg.get("DEFER", False)) and bool(cfg.get("CAT")) and cfg["SWAP_AB"] and not quant_a,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:
