@@ -135,7 +135,22 @@ def test_model_bench_provider_tokens():
 
     assert provider_spec("qserve+rows") == ("qserve", {"linear_options": {"tiled": False}}, {}, [])
     assert provider_spec("qserve+head") == ("qserve", {"lm_head": True}, {}, [])
+    assert provider_spec("flute-nf4+kv4") == ("flute-nf4", {"kv": "kv4"}, {}, [])
     r, q, g, f = provider_spec("fireq+noadd+dp4a0")
     assert (r, q, g) == ("fireq", {}, {"fused_add": False}) and f[0][1] == "DP4A_M1_MAX_N"
     with pytest.raises(ValueError, match="bogus"):
         provider_spec("fireq+bogus")
+
+
+def test_sass_summary_counts_the_longest_loop():
+    """``sass_summary`` reads triton.tools.disasm's text: loops are backward branches longer than ``min_loop``,
+    their length is the instructions per iteration, and the longest one's opcodes are counted (predicates dropped)."""
+    from lowbit.bench.harness import sass_summary
+
+    body = ["--:-:-:-:1\tFFMA R1, R2, R3, R4;"] * 5 + ["--:-:-:-:1\t@P0 MUFU.EX2 R5, R6;"] * 2
+    sass = "\n".join(["Function:k", "--:-:-:-:1\tMOV R0, RZ;", "LBB0:", *body, "--:-:-:-:5\t@P1 BRA LBB0;",
+                      "--:-:-:-:1\tEXIT;"])
+    r = sass_summary(sass, min_loop=3)
+    assert r["sass_total"] == 10 and r["sass_loops"] == [8]
+    assert r["loop_ops"] == {"FFMA": 5, "MUFU": 2, "BRA": 1}
+    assert sass_summary(sass)["sass_loops"] == []  # shorter than the default 100

@@ -83,6 +83,23 @@ def test_fireq_rope_kv_saved(tmp_path):
     assert torch.equal(p0.crs_k, q0.crs_k) and q0.rpn_applied
 
 
+def test_flute_with_kv4_gets_rpn_crs_and_roundtrips(tmp_path):
+    """flute-nf4 with kv="kv4": FireQ's RPN + CRS are calibrated for the INT4 cache (on by default, off with
+    rpn=False, crs=False), saved with the checkpoint, and the loaded model gives the same greedy tokens."""
+    m = _quantize("flute-nf4", kv="kv4")
+    params = m.lowbit_recipe["rope_kv"]
+    assert params is not None and len(params) == 2 and params[0].rpn_applied
+    assert m.lowbit_recipe["kv"] == "kv4" and m.lowbit_recipe["options"]["rpn"] is True
+    prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    ref = greedy(m, prompt, 4)
+    lowbit.save_quantized(m, tmp_path / "fk")
+    loaded = lowbit.load_quantized(tmp_path / "fk")
+    assert torch.equal(loaded.lowbit_recipe["rope_kv"][0].crs_k, params[0].crs_k)
+    assert torch.equal(greedy(loaded, prompt, 4), ref)
+    assert _quantize("flute-nf4", kv="kv4", rpn=False, crs=False).lowbit_recipe["rope_kv"] is None
+    assert _quantize("flute-nf4").lowbit_recipe["rope_kv"] is None  # weight-only: float cache, nothing calibrated
+
+
 def test_fireq_fused_mlp_roundtrip(tmp_path):
     m = _quantize("fireq", head_dim=32, fuse_mlp=True)
     assert type(m.model.layers[0].mlp).__name__ == "W4A8FP8MLP"

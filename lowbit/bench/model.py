@@ -71,7 +71,7 @@ FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
 def provider_spec(name: str) -> tuple[str, dict, dict, list]:
     """``name`` -> (recipe or 'bf16', quantization options, Generator options, kernel flags).
     ``VARIANTS`` names first; then '+'-separated tokens: ``head`` (lm_head=True), ``fused``
-    (fuse_mlp=True), ``rows`` (w4a8-int8 codes row-major: linear_options tiled=False), ``GEN_TOKENS``
+    (fuse_mlp=True), ``kv4`` (kv="kv4"), ``rows`` (w4a8-int8 codes row-major: linear_options tiled=False), ``GEN_TOKENS``
     and ``FLAG_TOKENS``."""
     base, *toks = name.split("+")
     recipe, qopts = VARIANTS.get(name, (base, {}))
@@ -82,6 +82,8 @@ def provider_spec(name: str) -> tuple[str, dict, dict, list]:
                 qopts["lm_head"] = True
             elif t == "fused":
                 qopts["fuse_mlp"] = True
+            elif t == "kv4":  # session 15: the recipe with the paged INT4 KV cache (kv="kv4")
+                qopts["kv"] = "kv4"
             elif t == "rows":  # session 11: w4a8-int8 codes row-major (the pre-S11 layout)
                 qopts["linear_options"] = {"tiled": False}
             elif t in GEN_TOKENS:

@@ -284,23 +284,8 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     reports: dict = {}
     if apply_cas is not None:  # weight-only, folds Lambda^-1 into the preceding norms
         reports["cas"] = _call(apply_cas, model, **(cas_options or {}))
-    rope_kv = None
-    if calibrate is not None:
-        kw = dict(alpha=alpha, beta=beta, top_k=top_k)
-        if not crs:
-            kw["top_k"] = 0  # no outlier pairs: RPN everywhere
-        if _accepts(calibrate, "rpn"):
-            kw["rpn"] = rpn
-        if _accepts(calibrate, "crs"):
-            kw["crs"] = crs
-        if _accepts(calibrate, "progress"):
-            kw["progress"] = progress
-        rope_kv = _call(calibrate, model, batches, **kw)
-        if not rpn and not _accepts(calibrate, "rpn"):
-            rope_kv = _drop_rpn(rope_kv)
-        fold = _optional("lowbit.ptq.rope_kv", ("fold_rpn", "fold_rope_kv", "apply_rpn"))
-        if fold is not None and rope_kv is not None:
-            _call(fold, model, rope_kv)
+    rope_kv = _rope_kv(calibrate, model, batches, rpn=rpn, crs=crs, alpha=alpha, beta=beta, top_k=top_k,
+                       progress=progress)
     # attention first: install_quantized_attention folds / reads the float q/k projections
     model = _install_attention("fireq", model, kv=kv, attention=attention, rope_kv=rope_kv)
     if linear is not None:
@@ -327,6 +312,29 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
             _quantize_lm_head(model, linear, opts, "fireq", lm_head)
     _record(model, "fireq", options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
+
+
+def _rope_kv(calibrate, model, batches, *, rpn, crs, alpha, beta, top_k, progress):
+    """RPN + CRS calibration of an INT4 KV cache (FireQ §3.2; ``calibrate`` = ``calibrate_rpn_crs`` or None)
+    on the float model, RPN folded into its weights; returns the ``rope_kv`` parameters or None."""
+    if calibrate is None:
+        return None
+    kw = dict(alpha=alpha, beta=beta, top_k=top_k)
+    if not crs:
+        kw["top_k"] = 0  # no outlier pairs: RPN everywhere
+    if _accepts(calibrate, "rpn"):
+        kw["rpn"] = rpn
+    if _accepts(calibrate, "crs"):
+        kw["crs"] = crs
+    if _accepts(calibrate, "progress"):
+        kw["progress"] = progress
+    rope_kv = _call(calibrate, model, batches, **kw)
+    if not rpn and not _accepts(calibrate, "rpn"):
+        rope_kv = _drop_rpn(rope_kv)
+    fold = _optional("lowbit.ptq.rope_kv", ("fold_rpn", "fold_rope_kv", "apply_rpn"))
+    if fold is not None and rope_kv is not None:
+        _call(fold, model, rope_kv)
+    return rope_kv
 
 
 def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -> None:
@@ -444,13 +452,16 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
 
 
 def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, group_size, table, learn_scales,
-           lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress, lm_head=False):
+           lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress, lm_head=False,
+           rpn=True, crs=True):
     _check_common(name, model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, bits=bits, table=table,
                    learn_scales=learn_scales, lr=lr, epochs=epochs, linear_options=linear_options, skip=list(skip),
-                   seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head)
+                   seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head, rpn=rpn, crs=crs)
     learn = _need(name, "lowbit.ptq.nfl", "learn_nf_scales") if learn_scales else None
+    needs_rope_kv = kv in ("kv4", "kv4-zp") and (rpn or crs)
+    calibrate = _need(name, "lowbit.ptq.rope_kv", "calibrate_rpn_crs") if needs_rope_kv else None
     if linear is not None:
         from lowbit import registry
 
@@ -460,7 +471,14 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     if isinstance(table, torch.Tensor):
         options["table"] = table.tolist()
     reports: dict = {}
-    model = _install_attention(name, model, kv=kv, attention=attention)
+    batches = None
+    if needs_rope_kv or learn is not None:
+        batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
+                                      seed=seed)
+    # an INT4 cache gets FireQ's RPN + CRS (calibrated on the float model, as in the fireq recipe)
+    rope_kv = _rope_kv(calibrate, model, batches, rpn=rpn, crs=crs, alpha=8.0, beta=8.0, top_k=None,
+                       progress=progress)
+    model = _install_attention(name, model, kv=kv, attention=attention, rope_kv=rope_kv)
     opts = _linear_opts(group_size, linear_options)
     if linear == "lut":
         opts.setdefault("bits", bits)
@@ -472,13 +490,11 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     if linear is not None and not ste:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe=name, **opts)
     if learn is not None:
-        batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples,
-                                      seq_len=seq_len, seed=seed)
         extra = dict(opts, skip=tuple(skip)) if ste else {}
         reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress, **extra)
     if lm_head and linear is not None:  # after learned NF: the head keeps its RTN NF scales
         _quantize_lm_head(model, linear, opts, name, lm_head)
-    _record(model, name, options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
+    _record(model, name, options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
 
 
@@ -487,16 +503,18 @@ def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict = False):
+              lm_head: bool | dict = False, rpn: bool = True, crs: bool = True):
     """FLUTE (seed 001): 4-bit NormalFloat lookup-table weights, g128, activations in the model's
     float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration). ``lm_head=True`` (or
     a dict of head-only linear options) quantizes the output projection too (RTN NF scales; FLUTE
-    keeps it 16-bit: off by default)."""
+    keeps it 16-bit: off by default). FLUTE is weight-only: the KV cache stays in the model's dtype unless
+    ``kv=`` names one; an INT4 cache (``kv="kv4"`` / ``"kv4-zp"``) then gets FireQ's RPN + CRS calibration
+    (``rpn`` / ``crs``, on by default; calibration windows as for ``fireq``)."""
     with torch.enable_grad():
         return _flute("flute-nf4", 4, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress, lm_head=lm_head)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs)
 
 
 @torch.no_grad()
@@ -504,13 +522,13 @@ def flute_nf3(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict = False):
+              lm_head: bool | dict = False, rpn: bool = True, crs: bool = True):
     """FLUTE 3-bit NormalFloat lookup-table weights, g128 (see ``flute_nf4``)."""
     with torch.enable_grad():
         return _flute("flute-nf3", 3, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress, lm_head=lm_head)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs)
 
 
 @torch.no_grad()
