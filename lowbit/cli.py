@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--calib-samples", type=int, default=8, help="calibration windows per recipe (default 8)")
     d.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
     d.add_argument("--seed", type=int, default=0, help="calibration seed (default 0)")
-    d.add_argument("--budget", type=float, default=150.0,
+    d.add_argument("--budget", type=float, default=180.0,
                    help="time budget in seconds from the start: later recipes are skipped, a running one is "
-                        "stopped between perplexity windows (default 150)")
+                        "stopped between perplexity windows (default 180)")
     d.add_argument("--gen-seconds", type=float, default=30.0,
                    help="stop each answer after this many seconds (slow CPU reference paths; default 30)")
     d.add_argument("--json", default=None, help="also write the rows to this JSON file")

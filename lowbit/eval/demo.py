@@ -58,7 +58,7 @@ def _measure(row: Row, model, tok, ids, *, max_tokens: int, window: int, prompt:
 
 def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dtype=torch.float32,
         max_tokens: int = DEMO_MAX_TOKENS, window: int = 1024, prompt: str = DEMO_PROMPT, new_tokens: int = 40,
-        calib_samples: int = 8, calib_seq_len: int = 256, seed: int = 0, budget_s: float = 150.0,
+        calib_samples: int = 8, calib_seq_len: int = 256, seed: int = 0, budget_s: float = 180.0,
         gen_time: float = 30.0, text_file=None, console=None) -> list[Row]:
     """Run the demo and return its rows (the first is the unquantized model)."""
     from lowbit import registry
