@@ -333,7 +333,7 @@ def sweep():
             if left() < 10:
                 break
             fn = lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode=mode, causal=False, sm_scale=D ** -0.5,
-                                                  config=cfg, k_block=kb, exp16=e16)
+                                                  config=dict(cfg, exp16=e16), k_block=kb)
             fn()
             t = time_cuda(lambda: fn(), [()], warmup=3, reps=20)
             tf = fl / t["median_ms"] / 1e9

@@ -6,7 +6,7 @@ variants against the committed ``pick_config`` and the peers in the same run.
 Parts: ``t`` timing, the GEMM alone on pre-quantized x (``graph_us``: a CUDA graph of back-to-back calls over
 > 2x L2 of weight copies, so the codes stream from HBM), variants: ``kstep2`` (two K tiles per loop
 iteration), ``accstep`` (+ ``ACC_STEP``: the FP32 promotion once per 2 K tiles = 256 products instead of 128;
-the kernel flag was removed after that run, so the row now repeats ``kstep2``),
+the kernel flag was removed after that run, and the row with it: it is in the committed JSON only),
 ``bm64`` (64-token tiles), ``bn128w8`` (128 weight rows, 8 warps), ``st3`` / ``st5`` (pipeline stages), ``split2x``,
 ``fast_acc`` (FAST_ACC: a no-op beside ACC_TILE, measured so) -- that list with S15_W4A8_PLAN=r1; the second run's:
 ``defer`` (``DEFER``: each tile's product promoted one iteration later, so those adds fill the next tile's
@@ -41,7 +41,7 @@ def variants(M, N, K):
         return {"default": d, "defer": dict(d, DEFER=True)}
     bm64 = dict(d, BLOCK_M=64, SPLIT_K=_split_k(cdiv(N, d["BLOCK_N"]) * cdiv(M, 64), kt, 132))
     if os.environ.get("S15_W4A8_PLAN") == "r1":  # the first run's list (s15_w4a8_r1.json)
-        return {"default": d, "kstep2": dict(d, KSTEP=2), "accstep": dict(d, KSTEP=2, ACC_STEP=True), "bm64": bm64,
+        return {"default": d, "kstep2": dict(d, KSTEP=2), "bm64": bm64,
                 "bn128w8": dict(d, BLOCK_N=128, num_warps=8,
                                 SPLIT_K=_split_k(cdiv(N, 128) * cdiv(M, d["BLOCK_M"]), kt, 132)),
                 "st3": dict(d, num_stages=3), "st5": dict(d, num_stages=5), "split2x": dict(d, SPLIT_K=d["SPLIT_K"] * 2),

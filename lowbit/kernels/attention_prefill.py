@@ -53,7 +53,7 @@ per-block K/V scales and D = 128 runs the Gluon kernel of ``lowbit.kernels.atten
 (FlashAttention-3 order: the softmax of block j+1 overlaps P_j V_j); everything else, and the
 interpreter, runs this kernel.
 
-``EXP16`` (config ``exp16`` or argument, fp8 modes, option, off): the FireQ-style fp16 numerator
+``EXP16`` (config ``exp16``, fp8 modes, option, off): the FireQ-style fp16 numerator
 P = h(2^h(x + 8)) by ``ex2.approx.f16x2``, l summed from it in fp32 (``attention_quant_ref(exp16=True)``
 replays it). Session 15 (H200, ``benchmarks/device/s15_attn.py``, attention launch, B=4 H=32 D=128): slower,
 S=4k 1.328 vs 1.239 ms, 16k 23.73 vs 21.34 ms: on sm_90 ptxas issues two MUFU.EX2 per ``f16x2`` op (MUFU count
@@ -661,7 +661,7 @@ def _tma_ok(k, v, mode) -> bool:
 
 
 def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal: bool, sm_scale: float,
-                             v_block: int = 128, k_block: int | None = None, exp16: bool = False,
+                             v_block: int = 128, k_block: int | None = None,
                              p_block: bool = False,
                              config: dict | None = None,
                              out: torch.Tensor | None = None, fuse_from: dict | None = None,
@@ -687,7 +687,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         cfg.update(config)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kv4 = mode == "fp8-kv4"
-    exp16 = bool(exp16 or cfg.get("exp16", False))
+    exp16 = bool(cfg.get("exp16", False))
     if mode in ("fp8", "int8") and v_block % BN:
         raise ValueError(f"BLOCK_N ({BN}) must divide v_block ({v_block})")
     if p_block and mode != "int8":

@@ -597,7 +597,7 @@ def _gemm_tile(
                 if QUANT_A:
                     a_all = tl.reshape(tl.permute(tl.join(a_lo, a_hi), (0, 2, 1)), [BLOCK_M, 2 * HALF_K])
                 w_all = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, 2 * HALF_K])
-                if ACC_TILE and DEFER and SWAP_AB:  # add the PREVIOUS tile's product: those FADDs do not
+                if DEFER:  # (swap-AB, ACC_TILE) add the PREVIOUS tile's product: those FADDs do not
                     # depend on this tile's wgmma, so they fill its issue-to-wait shadow (the SASS still waits
                     # for all wgmma each tile, gsb0 0x0)
                     part = tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
@@ -846,7 +846,7 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         KSTEP=1 if quant_a else cfg.get("KSTEP", 1), TMA=tma, TILED=tiled, LUT2=bool(cfg.get("LUT2", False)),
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(a, cfg.get("PDL")) else {"PDL": False}),
         PDL_TRIGGER=bool(cfg.get("PDL_TRIGGER", True)), CAT=bool(cfg.get("CAT", False)),
-        DEFER=bool(cfg.get("DEFER", False)) and bool(cfg.get("CAT")) and cfg["SWAP_AB"] and not quant_a,
+        DEFER=bool(cfg.get("DEFER", False) and cfg.get("CAT") and cfg.get("ACC_TILE") and cfg["SWAP_AB"]) and not quant_a,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:

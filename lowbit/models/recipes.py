@@ -460,7 +460,7 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
                    learn_scales=learn_scales, lr=lr, epochs=epochs, linear_options=linear_options, skip=list(skip),
                    seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head, rpn=rpn, crs=crs)
     learn = _need(name, "lowbit.ptq.nfl", "learn_nf_scales") if learn_scales else None
-    needs_rope_kv = kv in ("kv4", "kv4-zp") and (rpn or crs)
+    needs_rope_kv = kv is not None and (rpn or crs)  # (kv is an INT4 cache here: _check_common)
     calibrate = _need(name, "lowbit.ptq.rope_kv", "calibrate_rpn_crs") if needs_rope_kv else None
     if linear is not None:
         from lowbit import registry
