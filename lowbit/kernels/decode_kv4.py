@@ -751,6 +751,15 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # issued one step earlier; offline sm_90 compile: 568 loop instructions vs 581, 128 registers). A split combine in
 # the last program of each (b, h) (atomic counter) was measured and removed (R10: 0.0568 vs 0.0554 ms
 # at B=16 L=8k, 0.093 vs 0.029 ms at B=1 L=32k: one warp reading all partials is a serial tail).
+# ``STAMP`` (probe only): every program writes %globaltimer / %clock64 at entry, loop start, loop end and exit and
+# its SM id (``benchmarks/device/s16_kv4.py``). Session 16, H200, B=16 L=8k: all 2048 programs start within
+# 0.2 us, 15-16 per SM; prologue ~7.1k cycles (Q quantization behind 2-3 dependent memory round trips), loop
+# 54-75k cycles, ends spread 34.6-47.2 us. Work stealing against that spread (chunks of 2 / 4 / 8 key blocks
+# claimed one chunk ahead through a per-(b, h) atomic counter, reset by the combine) was measured and removed:
+# 0.0645 / 0.0609 / 0.0597 ms vs 0.0548 static, slower at every B and L timed; the loop grew 10-19% per block and
+# the ends stayed as spread. Nsight Compute (same shape): 0.51 issued instructions per scheduler cycle with 3.65
+# warps per scheduler, DRAM 59% of peak: the loop (581 SASS instructions per 32-key block) is latency / issue
+# bound, not HBM bound.
 # ------------------------------------------------------------------------------------------------
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it (the Triton kernel above is the CPU path)
     from triton.experimental import gluon
@@ -807,6 +816,11 @@ def _v_load_layout(block_n: int, half: int):
 
 
 if HAS_GLUON:
+    @gluon.jit
+    def _g_stamp(ASM: gl.constexpr):
+        """One 64-bit special register (``%globaltimer`` ns or ``%clock64`` cycles): the ``STAMP`` probe."""
+        return gl.inline_asm_elementwise(ASM, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
     @gluon.jit
     def _g_convert_i8(c, ZERO_POINT: gl.constexpr):
         """``_convert_i8`` (ASM) for Gluon: (16 * low code, 16 * high code) as int8."""
@@ -1018,7 +1032,7 @@ if HAS_GLUON:
     @gluon.jit
     def _decode_kv4_gluon_kernel(
         # pointers
-        Q, KC, KS, KZ, VC, VS, VZ, PT, LENS, CRSQ, O, OP, MP, LP,
+        Q, KC, KS, KZ, VC, VS, VZ, PT, LENS, CRSQ, O, OP, MP, LP, TS,
         # sizes / scalars
         qk_scale, SPLIT_LEN, Hkv, NPT,
         # strides
@@ -1032,7 +1046,7 @@ if HAS_GLUON:
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
         PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False, SRING: gl.constexpr = False,
-        PTA: gl.constexpr = False, PROBE: gl.constexpr = False,
+        PTA: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1044,6 +1058,9 @@ if HAS_GLUON:
         stride_sh: gl.constexpr = PAGE
         ql: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32], warps_per_cta=[1, 1],
                                             order=[1, 0])
+        if STAMP:  # probe: TS[program] = globaltimer / clock64 at entry, loop start, loop end, exit; SM id
+            g0 = _g_stamp("mov.u64 $0, %globaltimer;")
+            c0 = _g_stamp("mov.u64 $0, %clock64;")
         pid_bh = gl.program_id(0)
         sid = gl.program_id(1)
         b = pid_bh // Hkv
@@ -1140,6 +1157,9 @@ if HAS_GLUON:
         z_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
         acc_e = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
         acc_o = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
+        if STAMP:
+            g1 = _g_stamp("mov.u64 $0, %globaltimer;")
+            c1 = _g_stamp("mov.u64 $0, %clock64;")
         it = 0
         if SRING:  # scales two blocks ahead (like the codes), read from the page of the codes' copy
             for n0 in range(start, full_end, BLOCK_N):
@@ -1228,6 +1248,9 @@ if HAS_GLUON:
                                                       qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
                                                       HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, True, LAZY)
         l_i = gl.sum(l_acc, axis=0)
+        if STAMP:
+            g2 = _g_stamp("mov.u64 $0, %globaltimer;")
+            c2 = _g_stamp("mov.u64 $0, %clock64;")
         if ZERO_POINT:
             zs = gl.sum(z_acc, axis=0)
             acc_e -= zs[None, :]
@@ -1252,6 +1275,20 @@ if HAS_GLUON:
                      + ch[:, None])
             gl.store(o_ptr, (acc_e * inv[None, :]).to(O.dtype.element_ty), mask=row_ok[None, :])
             gl.store(o_ptr + 1, (acc_o * inv[None, :]).to(O.dtype.element_ty), mask=row_ok[None, :])
+        if STAMP:
+            g3 = _g_stamp("mov.u64 $0, %globaltimer;")
+            c3 = _g_stamp("mov.u64 $0, %clock64;")
+            smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            tsb = TS + (pid_bh * gl.num_programs(1) + sid) * 9
+            gl.store(tsb, g0)
+            gl.store(tsb + 1, g1)
+            gl.store(tsb + 2, g2)
+            gl.store(tsb + 3, g3)
+            gl.store(tsb + 4, c0)
+            gl.store(tsb + 5, c1)
+            gl.store(tsb + 6, c2)
+            gl.store(tsb + 7, c3)
+            gl.store(tsb + 8, smid.to(gl.int64))
 
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
@@ -1286,9 +1323,13 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     split = num_splits > 1
     op, mp, lp = split_workspace(out, B * Hkv, num_splits, BQ, D)
     pdl = split and (GLUON_PDL if pdl is None else bool(pdl))
+    stamp = probe == "stamp"  # TS int64 [B*Hkv*splits, 9], returned beside O (LAST_LAUNCH["stamps"])
+    ts = torch.zeros(B * Hkv * num_splits, 9, device=q.device, dtype=torch.int64) if stamp else out
+    if stamp:
+        LAST_LAUNCH["stamps"] = ts
     kernel = _decode_kv4_gluon_kernel[(B * Hkv, num_splits)](
         q, k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
-        page_table, lengths, crs_q if crs_q is not None else q, out, op, mp, lp,
+        page_table, lengths, crs_q if crs_q is not None else q, out, op, mp, lp, ts,
         sm_scale * LOG2E, split_len, Hkv, page_table.shape[1],
         q.stride(0), q.stride(1), q.stride(2),
         k_codes.stride(0), k_scale.stride(0),
@@ -1297,7 +1338,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
         AHEAD=ahead, PDL=pdl, LEAN=GLUON_LEAN if lean is None else bool(lean), ILP=GLUON_ILP if ilp is None else bool(ilp),
-        SRING=sring, PTA=pta, PROBE=bool(probe), num_warps=1, **({"maxnreg": mr} if mr else {}),
+        SRING=sring, PTA=pta, PROBE=probe is True, STAMP=stamp, num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     if occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = resident_ctas(kernel, 1)
