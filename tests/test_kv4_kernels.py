@@ -112,6 +112,7 @@ CASES = [  # B, Hq, Hkv, D, TQ, lens, page, block_n, zp, splits
     (2, 8, 2, 128, 3, [70, 33], 32, 16, True, 3),  # GQA 4, kv4-zp, split-KV
     (2, 4, 4, 64, 4, [4, 50], 16, 16, False, 2),  # MHA, 4 query tokens, a sequence of exactly TQ
     (1, 6, 2, 64, 2, [37], 16, 16, True, 0),  # G*TQ = 6 rows padded to 16
+    (2, 8, 2, 64, 1, [45, 20], 16, 64, False, 2),  # block_n above the page size: capped at it (a block in one page)
 ]
 
 

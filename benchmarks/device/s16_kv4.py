@@ -9,6 +9,7 @@ one-key-block ``PROBE`` grid) beside SDPA flash bf16; ``s`` the ``STAMP`` probe:
 phase lengths, programs resident per SM); ``k`` three launches of the default at L = 8k and nothing else (for
 Nsight Compute). Writes ``s16_kv4.json``.
 """
+import json
 import os
 import statistics
 import sys
@@ -26,8 +27,10 @@ B, HQ, HKV, D = 16, 32, 8, 128
 LS = [int(x) for x in os.environ.get("S16_LS", "1024,2048,4096,8192,16384,32768").split(",")]
 # the committed s16_kv4.json also has rows "steal2/4/8" ({"steal": C}: chunks of C key blocks claimed through a
 # per-(b, h) atomic counter): correct, slower at every shape, removed from the kernel after that run
-VARIANTS = {"default": {}}
+VARIANTS = {"default": {}, **json.loads(os.environ.get("S16_VARIANTS", "{}"))}  # e.g. {"bn64": {"block_n": 64}}
 CASES = [(16, 1024), (16, 4096), (16, 8192), (16, 16384), (16, 32768), (1, 8192), (1, 32768), (4, 8192)]
+if os.environ.get("S16_CASES"):  # "B:L,B:L"
+    CASES = [tuple(int(v) for v in c.split(":")) for c in os.environ["S16_CASES"].split(",")]
 doc = {"env": env_info("PYTHONPATH=$PWD python3 benchmarks/device/s16_kv4.py " + " ".join(sys.argv[1:])),
        "shape": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D}}
 

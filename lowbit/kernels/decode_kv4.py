@@ -657,8 +657,9 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
                              _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
-    if block_n is None:
-        block_n = min(PAGE, DEFAULT_BLOCK_N)
+    block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of 2 >= 16 (and the page size caps it), got {block_n}")
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
@@ -779,7 +780,10 @@ GLUON_LAZY = False  # R8: always rescaling (branch-free) 0.0568 ms vs 0.0593 wit
 GLUON_MAX_ROWS = 8  # G*TQ <= 8 query rows (one m16n8 N tile); R8: 16 rows (168 registers) ran slower than the
 # Triton kernel (B=16 L=8k TQ=4: 0.186 vs 0.116 ms), so more rows use the Triton kernel
 GLUON_AHEAD = False  # S^T of block i+1 before the softmax of block i (needs >= 4 stages)
-GLUON_STAGES = 3  # cp.async ring depth
+GLUON_STAGES = 2  # cp.async ring depth: the next key block in flight while one computes
+# (session 16, H200, same runs, ms, 3 stages -> 2: B=16 L=4k / 8k / 16k / 32k 0.0379 / 0.0545 / 0.0906 / 0.1656 ->
+# 0.0359 / 0.0522 / 0.0875 / 0.1611; B=1 L=8k / 32k 0.0145 / 0.0289 -> 0.0142 / 0.0268; B=4 L=8k 0.0287 -> 0.0265;
+# B=64 L=1k 0.0416 -> 0.0392; 4 stages: 0.0582 at B=16 L=8k; 64-key blocks 0.086-0.090; s16_kv4.json)
 GLUON_MAXNREG = 128  # 16 one-warp programs per SM
 # first split count whose waves are this full (R10, B=16 L=32k: 16 splits = 0.970 of one wave 0.168 ms; the
 # 0.97 rule took 49 = 0.990 of three waves, 0.179 ms: every split also costs its prologue and partials)
@@ -1084,7 +1088,7 @@ if HAS_GLUON:
         if PROBE:  # benchmark probe: one key block per program (launch + prologue + epilogue of the same grid)
             full_end = gl.minimum(full_end, start + BLOCK_N)
             end = full_end
-        # cp.async ring of STAGES blocks (codes); scales one block ahead in registers
+        # cp.async ring of STAGES blocks (codes; STAGES - 1 in flight); scales one block ahead in registers
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=4)
         sl: gl.constexpr = gl.SwizzledSharedLayout(vec=SW_VEC, per_phase=SW_PHASE, max_phase=SW_MAX, order=[1, 0])
         smem_k = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
