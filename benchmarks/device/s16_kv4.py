@@ -35,7 +35,17 @@ doc = {"env": env_info("PYTHONPATH=$PWD python3 benchmarks/device/s16_kv4.py " +
        "shape": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D}}
 
 
+TQ = int(os.environ.get("S16_TQ", "1"))  # query tokens per sequence in parts t / s (MTP: 2-4)
+
+
 def call(q, c, L, **kw):
+    rows = kw.pop("_max_rows", None)  # the Gluon kernel's row limit (G * TQ) for this call only
+    if rows is not None:
+        old, dk.GLUON_MAX_ROWS = dk.GLUON_MAX_ROWS, rows
+        try:
+            return call(q, c, L, **kw)
+        finally:
+            dk.GLUON_MAX_ROWS = old
     return dk.decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
                                 c["lengths"], max_len=L, qk_int8=2, gluon=True, k_zero=c.get("k_zero"),
                                 v_zero=c.get("v_zero"), **kw)
@@ -86,14 +96,14 @@ def part_c():
 
 
 def sets_for(L, b=B):  # noqa: D103
-    return rotating_inputs(lambda: (torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.bfloat16),
+    return rotating_inputs(lambda: (torch.randn(b, HQ, TQ, D, device="cuda", dtype=torch.bfloat16),
                                     random_cache(b, HKV, D, L)))
 
 
 def part_t():
     for B_, L in CASES:
         sets = sets_for(L, B_)
-        nb = kv4_bytes(B_, HQ, HKV, D, L, 1, False)
+        nb = kv4_bytes(B_, HQ, HKV, D, L, TQ, False)
         for name, kw in VARIANTS.items():
             modes = [("full", {})]
             if name == "default" and B_ == B:
@@ -113,7 +123,7 @@ def part_t():
                 except Exception as exc:  # noqa: BLE001
                     probe_row(doc, key, {"error": repr(exc)[:400]})
         if L in (8192, 32768):
-            qs = [(torch.randn(B_, HQ, 1, D, device="cuda", dtype=torch.bfloat16),
+            qs = [(torch.randn(B_, HQ, TQ, D, device="cuda", dtype=torch.bfloat16),
                    torch.randn(B_, HKV, L, D, device="cuda", dtype=torch.bfloat16),
                    torch.randn(B_, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(3)]
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -778,7 +778,8 @@ DEFAULT_GLUON = True  # use the Gluon kernel on the GPU where it applies (QK8 >=
 GLUON_BLOCK_N = 32  # keys per loop step (R8, B=16 L=8k: 0.0593 ms at 32 vs 0.0626 at 16; 32k: 0.188 vs 0.196)
 GLUON_LAZY = False  # R8: always rescaling (branch-free) 0.0568 ms vs 0.0593 with the lazy branch (B=16 L=8k)
 GLUON_MAX_ROWS = 8  # G*TQ <= 8 query rows (one m16n8 N tile); R8: 16 rows (168 registers) ran slower than the
-# Triton kernel (B=16 L=8k TQ=4: 0.186 vs 0.116 ms), so more rows use the Triton kernel
+# Triton kernel (B=16 L=8k TQ=4: 0.186 vs 0.116 ms), so more rows use the Triton kernel; session 16 with 2 stages:
+# 16 rows won only at B=16 L=32k (0.282 vs 0.311 ms), lost at B=16 L=8k (0.112 vs 0.102), B=1 L=32k, B=4 L=8k
 GLUON_AHEAD = False  # S^T of block i+1 before the softmax of block i (needs >= 4 stages)
 GLUON_STAGES = 2  # cp.async ring depth: the next key block in flight while one computes
 # (session 16, H200, same runs, ms, 3 stages -> 2: B=16 L=4k / 8k / 16k / 32k 0.0379 / 0.0545 / 0.0906 / 0.1656 ->
