@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/device/s16_kv4.py --out DIR [--parts acts]
 
-Parts: ``a`` SASS of the default kernel; ``c`` each variant of ``VARIANTS`` against the float64 reference,
+Parts: ``a`` SASS of the default kernel; ``f`` ``decode_float`` and the kv4 Triton kernel at 2 vs 3 stages; ``c`` each variant of ``VARIANTS`` against the float64 reference,
 repeated and under a CUDA graph; ``t`` time vs context length (the default launch, the main kernel alone, and the
 one-key-block ``PROBE`` grid) beside SDPA flash bf16; ``s`` the ``STAMP`` probe: per program
 ``%globaltimer`` / ``%clock64`` at entry, loop start, loop end and exit plus the SM id, summarised (start skew,
@@ -212,6 +212,38 @@ def part_a():
             probe_row(doc, f"a {name}", {"error": repr(exc)[:400]})
 
 
+def part_f():
+    """``decode_float`` (the bf16 / fp16 paged cache of the weight-only recipes): cp.async stages 2 / 3 (default 3) and
+    the kv4 Triton kernel (the MTP / fp16-Q path) at 2 stages, ``graph_us`` of back-to-back calls over rotated caches."""
+    from lowbit.bench.harness import graph_us
+    from lowbit.bench.suites.kv4 import random_float_pages
+    from lowbit.kernels.decode_float import decode_float_triton
+
+    for B_, L in CASES:
+        try:
+            pages = [random_float_pages([L] * B_, HKV, 64, D, seed=i) for i in range(3)]
+            q = torch.randn(B_, HQ, TQ, D, device="cuda", dtype=torch.bfloat16)
+            row = {"B": B_, "L": L, "TQ": TQ}
+            for st in (3, 2):
+                fl = [lambda p=p, st=st: decode_float_triton(q, *p, max_len=L, num_stages=st) for p in pages]
+                row[f"float_st{st}"] = [round(graph_us(fl), 2) for _ in range(2)]
+            o3 = decode_float_triton(q, *pages[0], max_len=L, num_stages=3)
+            o2 = decode_float_triton(q, *pages[0], max_len=L, num_stages=2)
+            row["float_st2_rel_vs_st3"] = rel(o2, o3)
+            del pages
+            sets = sets_for(L, B_)
+            for st in (3, 2):
+                fl = [lambda qq=qq, c=c, st=st: dk.decode_kv4_triton(
+                    qq, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"],
+                    max_len=L, qk_int8=2, gluon=False, num_stages=st) for qq, c in sets]
+                row[f"kv4_triton_st{st}"] = [round(graph_us(fl), 2) for _ in range(2)]
+            del sets
+            probe_row(doc, f"f B={B_} L={L} TQ={TQ}", row)
+        except Exception as exc:  # noqa: BLE001
+            probe_row(doc, f"f B={B_} L={L} TQ={TQ}", {"error": repr(exc)[:400]})
+        torch.cuda.empty_cache()
+
+
 def part_k():
     L = 8192
     sets = sets_for(L)
@@ -221,6 +253,6 @@ def part_k():
 
 
 for p in args.parts:
-    {"a": part_a, "c": part_c, "t": part_t, "s": part_s, "k": part_k}[p]()
+    {"a": part_a, "c": part_c, "f": part_f, "t": part_t, "s": part_s, "k": part_k}[p]()
     if p != "k":
         write_probe(doc, args.out, "s16_kv4.json")
