@@ -790,7 +790,8 @@ GLUON_MAXNREG = 128  # 16 one-warp programs per SM
 # 0.97 rule took 49 = 0.990 of three waves, 0.179 ms: every split also costs its prologue and partials)
 GLUON_GOOD_WAVE = 0.95
 GLUON_LEAN = False  # page-table reads beside the length read in the prologue; ring indices without division
-GLUON_ILP = False  # the two INT8 Q planes as two independent MMA chains (joined by x * 254 + y)
+GLUON_ILP = False  # the two INT8 Q planes as two independent MMA chains (joined by x * 254 + y); S16 (2 stages): 0.9-1.7%
+# faster in 5 of 5 shapes, inside the run-to-run spread; lazy (the rescale branch) 6-10% slower, lean 1-3% slower
 # the combine kernel as a programmatic dependent launch (its launch overlaps the decode grid); same-process A/B at
 # B=16 (round 11): 8k 0.0538 vs 0.0564 / 0.0561 ms, 32k 0.1654 vs 0.1659 ms, B=1 32k (with lean+ilp) 0.0282 vs 0.0296
 GLUON_PDL = True
