@@ -8,13 +8,14 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Iterable, Sequence
+import weakref
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 __all__ = [
     "check_tensor", "check_same_device", "warn_once", "interpret_mode", "triton_available",
-    "use_triton", "cdiv", "FLOAT_DTYPES",
+    "use_triton", "cdiv", "FLOAT_DTYPES", "cached_dense",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -134,6 +135,49 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if all(t.is_cuda for t in tensors):
         return True
     return interpret_mode() and all(t.device.type == "cpu" for t in tensors)
+
+
+_DENSE: dict = {}  # id(packed tensor) -> (weakref to it, key, weakrefs to the deps, dense weight)
+
+
+def _drop_dense(i: int, ref) -> None:
+    ent = _DENSE.get(i)
+    if ent is not None and ent[0] is ref:
+        del _DENSE[i]
+
+
+def cached_dense(build: Callable[[], torch.Tensor], anchor: torch.Tensor, *deps: torch.Tensor,
+                 tag: tuple = ()) -> torch.Tensor:
+    """``build()``, the dense float copy of a packed weight that a CPU reference path multiplies by, kept
+    while the packed tensor ``anchor`` lives and neither it nor any of ``deps`` (scales, tables, zero
+    points) was replaced or changed in place (``_version``): decoding on the CPU then pays the
+    dequantization once per weight instead of once per token (session 16, embedded SmolLM2 on 2 cores:
+    ``flute-nf4`` 1170 ms per generated token before). The result is the same tensor ``build()`` would
+    return, so the numerics are unchanged. Costs the dense copy's memory; off with
+    ``LOWBIT_CPU_WEIGHT_CACHE=0``. Never used for CUDA tensors, inference-mode tensors (no version
+    counter), tensors that need gradients (learned scales), or while ``torch.compile`` traces. Writes
+    through ``.data`` do not bump ``_version``: call ``clear_dense_cache`` after them."""
+    ts = (anchor, *deps)
+    if (os.environ.get("LOWBIT_CPU_WEIGHT_CACHE", "1") == "0" or anchor.device.type != "cpu"
+            or any(t.requires_grad or t.is_inference() for t in ts) or torch.compiler.is_compiling()
+            or any(isinstance(t, torch._subclasses.FakeTensor) for t in ts)):
+        return build()
+    hit = _DENSE.get(id(anchor))
+    key = (tag, tuple((t._version, t.data_ptr()) for t in ts))
+    if (hit is not None and hit[0]() is anchor and hit[1] == key and len(hit[2]) == len(deps)
+            and all(r() is t for r, t in zip(hit[2], deps))):
+        return hit[3]
+    w = build()
+    i = id(anchor)
+    ref = weakref.ref(anchor, lambda r, i=i: _drop_dense(i, r))
+    _DENSE[i] = (ref, key, tuple(weakref.ref(t) for t in deps), w)
+    return w
+
+
+def clear_dense_cache() -> None:
+    """Drop every ``cached_dense`` entry (needed only after writing packed weights in place through ``.data``,
+    which PyTorch does not count in ``_version``)."""
+    _DENSE.clear()
 
 
 def _patch_triton_interpreter() -> None:

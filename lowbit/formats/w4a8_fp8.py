@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit._utils import cached_dense
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token, tile_rows, untile_rows
 
 GROUP_SIZES = (32, 64, 128)
@@ -212,7 +213,8 @@ def reference_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scal
     like the eager model. ``residual`` (shaped like the output) is added last, in ``out_dtype``.
     ``tiled``: tile-major codes (``tile_codes``).
     """
-    w = dequantize_weight(codes, scales, k, group_size, tiled=tiled).double()
+    w = cached_dense(lambda: dequantize_weight(codes, scales, k, group_size, tiled=tiled), codes, scales,
+                     tag=("fp8", k, group_size, tiled)).double()
     y = (xq.double() @ w.t()) * sx.double().unsqueeze(-1) * float(inv_delta)
     if bias is not None:
         y = y + bias.double()

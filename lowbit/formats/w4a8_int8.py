@@ -85,6 +85,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit._utils import cached_dense
 from lowbit.formats.common import safe_scale, tile_rows, untile_rows
 from lowbit.formats.int4 import pack_int4, unpack_int4
 
@@ -229,18 +230,38 @@ def dequantize(qw: QoQWeight, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return (w8.float() * qw.wscale[:, None]).to(dtype)
 
 
+INT_DOT_CHUNK = 1024  # |int8 x int8| <= 2^14, so any partial sum of 1024 products is an integer below 2^24
+
+
+def exact_int_dot(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``xq [M, K] @ w [N, K]^T`` of integer-valued int8-range operands, exact: float32 GEMMs over K chunks of
+    ``INT_DOT_CHUNK`` (every partial sum an integer below 2^24, exact in float32 in any order), chunks added in
+    float64, the total rounded once to float32 -- the same number as a float64 dot, at float32 GEMM speed."""
+    xf = xq.float()
+    w = w.float()
+    K = xf.shape[-1]
+    if K <= INT_DOT_CHUNK:
+        return (xf @ w.t()).double().float()
+    acc = None
+    for k0 in range(0, K, INT_DOT_CHUNK):
+        part = (xf[:, k0:k0 + INT_DOT_CHUNK] @ w[:, k0:k0 + INT_DOT_CHUNK].t()).double()
+        acc = part if acc is None else acc + part
+    return acc.float()
+
+
 def gemm_ref(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor,
              gscale: torch.Tensor, gzs: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
              tiled: bool = False) -> torch.Tensor:
     """Reference of the W4A8 INT8 GEMM, same numerics as the kernel.
 
     xq int8 [M, K], xscale fp32 [M] -> out_dtype [M, N]: the INT8 dot is exact (computed in
-    float64, |acc| <= 127 * 127 * K < 2^53), then ``float32(acc) * xscale[m] * wscale[n] (+ bias)``.
+    float64, |acc| <= 127 * 127 * K < 2^53; ``exact_int_dot``), then ``float32(acc) * xscale[m] * wscale[n] (+ bias)``.
     ``tiled``: ``qweight`` in the row-tiled layout.
     """
     K = xq.shape[-1]
-    w8 = dequantize_int8(qweight, gscale, gzs, K, tiled=tiled)
-    acc = (xq.double() @ w8.double().t()).float()
+    w8 = cached_dense(lambda: dequantize_int8(qweight, gscale, gzs, K, tiled=tiled).float(), qweight, gscale, gzs,
+                      tag=("int8", K, tiled))
+    acc = exact_int_dot(xq, w8)
     y = acc * xscale.float()[:, None] * wscale.float()[None, :]
     if bias is not None:
         y = y + bias.float()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import check_tensor, use_triton, warn_once
+from lowbit._utils import cached_dense, check_tensor, use_triton, warn_once
 from lowbit.formats.lut import (BITS, GROUP_SIZES, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
                                 unpack_codes_mma)
 
@@ -43,7 +43,9 @@ def dequantize_packed(qweight, qweight_hi, scales, table, bits: int, group_size:
 
 def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int,
                  layout: str = "planar") -> torch.Tensor:
-    w = dequantize_packed(qweight, qweight_hi, scales, table, bits, group_size, in_features, layout=layout)
+    deps = (scales, table) + ((qweight_hi,) if qweight_hi is not None else ())
+    w = cached_dense(lambda: dequantize_packed(qweight, qweight_hi, scales, table, bits, group_size, in_features,
+                                               layout=layout), qweight, *deps, tag=(bits, group_size, in_features, layout))
     return (x.float() @ w.t()).to(x.dtype)
 
 

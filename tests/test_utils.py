@@ -1,0 +1,65 @@
+"""``lowbit._utils.cached_dense`` (the CPU reference paths' dense-weight cache) and ``formats.w4a8_int8.exact_int_dot``."""
+import pytest
+import torch
+
+
+def test_cached_dense_reuses_and_invalidates(monkeypatch):
+    from lowbit._utils import cached_dense, clear_dense_cache
+
+    calls = []
+    codes = torch.randint(0, 255, (8, 4), dtype=torch.uint8)
+    scales = torch.rand(8, 2)
+
+    def build():
+        calls.append(1)
+        return codes.float() * scales[:, :1]
+
+    w1 = cached_dense(build, codes, scales, tag=("t",))
+    assert cached_dense(build, codes, scales, tag=("t",)) is w1 and len(calls) == 1
+    scales.mul_(2)  # in place: _version moves, the next call rebuilds with the new values
+    w2 = cached_dense(build, codes, scales, tag=("t",))
+    assert len(calls) == 2 and torch.equal(w2, codes.float() * scales[:, :1])
+    other = scales.clone()  # a different dep object: rebuild
+    cached_dense(build, codes, other, tag=("t",))
+    assert len(calls) == 3
+    cached_dense(build, codes, other, tag=("u",))  # a different tag: rebuild
+    assert len(calls) == 4
+    clear_dense_cache()
+    cached_dense(build, codes, other, tag=("u",))
+    assert len(calls) == 5
+    monkeypatch.setenv("LOWBIT_CPU_WEIGHT_CACHE", "0")
+    cached_dense(build, codes, other, tag=("u",))
+    cached_dense(build, codes, other, tag=("u",))
+    assert len(calls) == 7
+    monkeypatch.delenv("LOWBIT_CPU_WEIGHT_CACHE")
+    grad = torch.rand(8, 2, requires_grad=True)  # learned scales: never cached (autograd must see build())
+    cached_dense(build, codes, grad)
+    cached_dense(build, codes, grad)
+    assert len(calls) == 9
+
+
+def test_cached_dense_entry_dies_with_its_tensor():
+    import gc
+
+    from lowbit._utils import _DENSE, cached_dense
+
+    codes = torch.zeros(4, 4, dtype=torch.uint8)
+    cached_dense(lambda: codes.float(), codes)
+    i = id(codes)
+    assert i in _DENSE
+    del codes
+    gc.collect()
+    assert i not in _DENSE
+
+
+@pytest.mark.parametrize("K", [7, 1024, 1025, 3000])
+def test_exact_int_dot_matches_float64(K):
+    from lowbit.formats.w4a8_int8 import exact_int_dot
+
+    g = torch.Generator().manual_seed(K)
+    x = torch.randint(-127, 128, (5, K), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (6, K), generator=g, dtype=torch.int8)
+    x[0] = 127  # the extreme row: every partial sum at its largest
+    w[0] = -128
+    ref = (x.double() @ w.double().t()).float()
+    assert torch.equal(exact_int_dot(x, w.float()), ref)
