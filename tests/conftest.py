@@ -1,12 +1,16 @@
 """Test setup: Triton kernels run under the interpreter on the CPU (TRITON_INTERPRET=1 must be
-set before triton is first imported, so it is set here), GPU-only tests carry ``@pytest.mark.gpu``
-and are skipped without CUDA."""
+set before triton is first imported, so it is set here when there is no GPU), GPU-only tests carry
+``@pytest.mark.gpu``. Those are skipped without CUDA, and also under the interpreter on a GPU machine
+(the README's test command sets TRITON_INTERPRET=1: the CPU suite then runs as in CI; run the GPU
+tests with ``pytest -m gpu`` and no TRITON_INTERPRET)."""
 import os
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+GPU = torch.cuda.is_available() and not INTERPRET  # compiled Triton kernels on CUDA tensors
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -17,9 +21,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    why = ("needs compiled Triton kernels: run `pytest -m gpu` without TRITON_INTERPRET" if torch.cuda.is_available()
+           else "needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=why)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -27,5 +33,5 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def dev():
-    """'cuda' when present, else 'cpu' (kernels then run under the interpreter)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """'cuda' with compiled kernels, else 'cpu' (kernels then run under the interpreter)."""
+    return "cuda" if GPU else "cpu"

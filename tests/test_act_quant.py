@@ -6,9 +6,10 @@ from hypothesis import given, settings, strategies as st
 
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.kernels.act_quant import per_token_quant_triton
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 DTYPES = (FP8_E4M3, torch.int8)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if GPU else "cpu"
 
 
 def _assert_same(q, s, qr, sr):
@@ -189,7 +190,7 @@ def test_markstein_division_is_ieee():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
 @pytest.mark.parametrize("out", DTYPES)
 @pytest.mark.parametrize("fuse", [None, "silu_mul", "rmsnorm"])
 def test_fast_path_gpu(out, fuse):

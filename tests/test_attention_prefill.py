@@ -11,6 +11,7 @@ from lowbit.formats import attention_quant as aq
 from lowbit.ops import attention_prefill as ap
 from lowbit.ops.attention import attention_ref
 from tests.tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 MODES = ("fp8", "int8", "int8-qk", "fp8-kv4")
 # error vs float64 on N(0,1) data, small shapes (bf16-level is ~4e-3): loose ceilings per mode
@@ -416,7 +417,7 @@ def test_gluon_fp8_matches_tl_kernel(causal, shape, vperm):
     from lowbit.kernels.attention_prefill_gluon import HAS_GLUON
     from lowbit.kernels.attention_quant import quantize_kv_triton
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9 or not HAS_GLUON:
+    if not GPU or torch.cuda.get_device_capability()[0] != 9 or not HAS_GLUON:
         pytest.skip("Hopper + Gluon only")
     B, Hq, Hkv, Sq, Skv = shape
     g = torch.Generator(device="cuda").manual_seed(11)

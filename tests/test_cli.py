@@ -144,7 +144,7 @@ def test_generate_tiny_folder(tiny_dir, capsys):
 
 def test_demo_tiny_folder_fp32_only(tiny_dir, text_file, tmp_path, capsys):
     js = tmp_path / "demo.json"
-    rc, out, err = run(["demo", str(tiny_dir), "--recipes", "none", "--text-file", str(text_file),
+    rc, out, err = run(["demo", str(tiny_dir), "--device", "cpu", "--recipes", "none", "--text-file", str(text_file),
                         "--max-tokens", "200", "--new-tokens", "3", "--json", str(js)], capsys)
     assert rc == 0, err
     flat = " ".join(out.split())
@@ -157,7 +157,8 @@ def test_demo_side_by_side(tiny_dir, text_file, tmp_path, capsys):
     """fp8-mla on a Llama model is 'not available' with its reason, without running anything; a
     recipe that runs (or fails: another area's bug) still gets its row, and the demo exits 0."""
     js = tmp_path / "demo.json"
-    rc, out, err = run(["demo", str(tiny_dir), "--recipes", "fp8-mla,flute-nf4", "--text-file", str(text_file),
+    rc, out, err = run(["demo", str(tiny_dir), "--device", "cpu", "--recipes", "fp8-mla,flute-nf4",
+                        "--text-file", str(text_file),
                         "--max-tokens", "64", "--new-tokens", "2", "--json", str(js)], capsys)
     assert rc == 0, err
     rows = {r["name"]: r for r in json.loads(js.read_text())["rows"]}

@@ -9,8 +9,9 @@ from lowbit.bench.suites.kv4 import random_float_pages
 from lowbit.kernels.decode_float import decode_float_triton
 from lowbit.ops import kv4 as ops
 from tests.tolerances import rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if GPU else "cpu"
 
 
 def _paged(lens, Hkv, page, D, dtype, seed=0):
@@ -111,7 +112,7 @@ def test_paged_bf16_cache_ragged_decode():
                                                                   ([4100, 70], 32, 8, 4, 128, 64, 9)])
 def test_gpu_kernel_ragged(lens, Hq, Hkv, TQ, D, page, splits):
     """GPU (compiled kernel): ragged paged batches vs the float64 reference, bf16."""
-    if not torch.cuda.is_available():
+    if not GPU:
         pytest.skip("needs CUDA")
     k, v, pt, lengths = _paged(lens, Hkv, page, D, torch.bfloat16)
     q = torch.randn(len(lens), Hq, TQ, D).to(torch.bfloat16).cuda()

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 from lowbit._utils import use_triton
 from lowbit.models.generate import Generator, generate
 from tests._tiny_models import greedy, tiny_llama, toy_quantize
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32])
@@ -66,7 +67,7 @@ def test_runner_fuses_quantized_projections(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_cuda_graph_decode_matches_eager_gpu():
     """The captured decode step (``lowbit._utils.capture_cuda_graph``) gives the eager step's greedy tokens."""
     import lowbit
@@ -140,7 +141,7 @@ def test_runner_rope_kernel_same_tokens():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_rope_kernel_gpu_and_graph_runner():
     """On the GPU: the kernel is bit-equal to the eager RoPE (Llama-3-8B q+k heads), and the CUDA-graph
     runner gives the same tokens with and without it."""
@@ -217,7 +218,7 @@ def test_float_append_rope_bit_equal(dtype, Hkv, G, T, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Hkv,G,T,page,D", [(8, 4, 1, 64, 128), (1, 8, 4, 16, 64), (3, 1, 2, 32, 128)])
 def test_float_append_rope_bit_equal_gpu(dtype, Hkv, G, T, page, D):
@@ -287,7 +288,7 @@ def test_dense_decode_kernel_same_tokens(head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_dense_decode_kernel_gpu_graphs():
     """GPU: the float-cache decode kernel under CUDA graphs gives SDPA's decode logits (bf16, D = 128,
     ragged lengths, 3 steps)."""
@@ -337,7 +338,7 @@ def test_float_kernels_same_tokens(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_float_kernels_gpu_close_to_eager():
     """GPU: the fused RMSNorm / SiLU*mul rows match the eager modules to two ulps of the dtype (SiLU's
     exp is the GPU's fast exp: session-8 device runs found SiLU*mul values 1-2 ulps apart, so not bit-equal) for bf16 and fp16
@@ -395,7 +396,7 @@ def test_fused_add_same_tokens(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_add_gpu(dtype):
     """GPU: the fused residual add (``add=``) gives torch's ``x + add`` bit for bit and the codes / float

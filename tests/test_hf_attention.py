@@ -4,13 +4,14 @@ import torch
 
 from lowbit.models.hf_attention import install_quantized_attention, lowbit_cache_class, uninstall_quantized_attention
 from tests.test_rope_kv import batches, tiny_llama
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
 @pytest.fixture
 def reference_ops(monkeypatch):
     """Kernels are checked in test_kv4_kernels; the integration tests use the references on CPU
     (the interpreter would take minutes per generate)."""
-    if not torch.cuda.is_available():
+    if not GPU:
         import lowbit.ops.kv4 as ops
 
         monkeypatch.setattr(ops, "use_triton", lambda *t: False)

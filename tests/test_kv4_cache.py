@@ -6,8 +6,9 @@ from lowbit.nn.kv_cache import PagedKVCache
 from lowbit.ops.attention import attention_ref
 from lowbit.ops.kv4 import rope_ref
 from tests.tolerances import rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if GPU else "cpu"
 
 
 @pytest.fixture(autouse=True)

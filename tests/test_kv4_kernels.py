@@ -8,8 +8,9 @@ from lowbit.kernels.decode_kv4 import choose_splits, decode_kv4_triton
 from lowbit.kernels.kv4_append import kv4_append_triton
 from lowbit.ops import kv4 as ops
 from tests.tolerances import rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if GPU else "cpu"
 FP8 = torch.float8_e4m3fn
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from lowbit.models.generate import _fuse_rows
 from lowbit.nn.lut import LUTLinear
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 K = 256
 
@@ -56,7 +57,7 @@ def test_fused_lut_equals_concat(ns, bits, group, layout, bias):
 def test_fused_lut_kernel_path(bits):
     """bf16 activations: the Triton kernels (interpreter on the CPU, CUDA on a GPU) on the fused buffers and on
     the originals' views (``scales`` is then a column slice: row stride of the fused N)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if GPU else "cpu"
     mods = [m.to(dev) for m in _mods((32, 16), bits, 128, "mma")]
     x = torch.randn(2, K, device=dev, dtype=torch.bfloat16)
     before = [m(x) for m in mods]

@@ -8,6 +8,7 @@ from lowbit.kernels.lut_gemm import lut_dequant_triton, lut_gemm_triton
 from lowbit.ops import lut as lut_ops
 from lowbit.ops.lut import lut_gemm, lut_gemm_ref
 from tests.tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
 def _packed(n, k, bits, g, table="nf", dtype=torch.bfloat16, dev="cpu", seed=0):
@@ -26,7 +27,7 @@ def _ref(x, q):
 @given(bits=st.sampled_from([2, 3, 4]), m=st.integers(1, 20), n=st.integers(1, 70), k=st.integers(1, 300),
        g=st.sampled_from([32, 64, 128, 256]), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_kernel_matches_reference_odd_shapes(bits, m, n, k, g, dtype):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if GPU else "cpu"
     q, qw, qh, s, t = _packed(n, k, bits, g, dtype=dtype, dev=dev)
     x = torch.randn(m, k, device=dev, dtype=dtype)
     y = lut_gemm(x, qw, qh, s, t, bits=bits, group_size=g)

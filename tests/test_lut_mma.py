@@ -9,6 +9,7 @@ from lowbit.formats.lut import (dequantize_lut, mma_shapes, pack_codes_mma, pack
                                 unpack_codes_mma)
 from lowbit.kernels import lut_gemm as K
 from tests.tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
 @settings(max_examples=20, deadline=None)
@@ -143,7 +144,7 @@ def test_gpu_default_configs_small_m(m, n, k):
     """GPU: the 4-bit M = 9..64 defaults of ``mma_config`` (R14 sweep and the session-8 probe: ``ring`` /
     ``xh`` / ``sp`` / ``balance`` / 2 row tiles per warp, which the interpreter does not run) against
     float64, both sides of the N >= 16384 rule, ragged N and K."""
-    if not torch.cuda.is_available():
+    if not GPU:
         pytest.skip("needs CUDA")
     cfg = K.mma_config(m, n, k, 4, 128)
     assert cfg.get("xh") == 2
@@ -189,7 +190,7 @@ def test_pdl_flag_same_result(m, n, k, dtype, dev):
 def test_gpu_pdl_bit_equal(m, n, k):
     """GPU: the PDL launch gives exactly the plain launch's output (default configs: split-K at M = 1,
     ring / xh at M = 16, 64)."""
-    if not torch.cuda.is_available():
+    if not GPU:
         pytest.skip("needs CUDA")
     got_pdl, ref = _pdl_case(m, n, k, torch.bfloat16, "cuda")
     assert torch.equal(got_pdl, ref)

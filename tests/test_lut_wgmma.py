@@ -9,9 +9,10 @@ from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quant
 from lowbit.kernels import lut_gemm as LG
 from lowbit.kernels import lut_wgmma as LW
 from tests.tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
-_DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (hypothesis tests take no fixtures)
+_DEV = "cuda" if GPU else "cpu"  # (hypothesis tests take no fixtures)
 
 
 def _case(m, n, k, g, dtype, dev, table="nf", zero_rows=0, bits=4):

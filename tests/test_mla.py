@@ -8,6 +8,7 @@ from lowbit.formats.mla_fp8 import bytes_per_token, dequantize_latent, quantize_
 from lowbit.nn.mla_cache import PagedMLACache
 from lowbit.ops.mla import (mla_append, mla_decode, mla_decode_ref, mla_gather, mla_prefill, mla_quantize_q)
 from tests.tolerances import rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 DC, DR, PAGE = 64, 16, 16
 
@@ -374,7 +375,7 @@ def test_gpu_wide_tile_and_unmasked_loop(Sq):
     """GPU (DeepSeek-V3 widths): the default FP8 tile (128 rows x 256 columns, unmasked main loop,
     one QK accumulator) and the default bf16 kernel against float64 and against the kernel's
     emulated P quantization; ragged lengths, one length below one block."""
-    if not torch.cuda.is_available():
+    if not GPU:
         pytest.skip("needs CUDA")
     from lowbit.kernels.mla_decode import mla_decode_triton
 
@@ -432,7 +433,7 @@ def test_decode_tokens_as_m_matches_default(dev, fp8):
 def test_gpu_few_rows_tile(Sq):
     """GPU: sequences with few rows (16 heads, 1-2 query tokens) take ``FEW``'s tile (bf16: 16/32-row
     mma.sync tile, 2 programs per SM) where one is set: against float64, ragged lengths."""
-    if not torch.cuda.is_available():
+    if not GPU:
         pytest.skip("needs CUDA")
     for fp8, q, cache, pt, sl, lens in _gpu_ragged_cases(16, Sq):
         out = mla_decode(q, cache, pt, sl, max_seq_len=max(lens))

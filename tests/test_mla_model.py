@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.tolerances import rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,9 +27,9 @@ def tiny_deepseek():
 def test_fp8_mla_generation_matches_bf16(monkeypatch):
     from lowbit.models.deepseek import install_fp8_mla, uninstall_fp8_mla
 
-    if not torch.cuda.is_available():  # CPU: the ops' PyTorch references (the kernels have their own tests)
+    if not GPU:  # CPU: the ops' PyTorch references (the kernels have their own tests)
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if GPU else "cpu"
     m = tiny_deepseek().to(dev)
     prompt = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1)).to(dev)
     with torch.no_grad():

@@ -8,8 +8,9 @@ from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.formats.w4a8_fp8 import (dequantize_weight, fp8_round, interleave_rows, padded_k, quantize_weight,
                                      reference_gemm, reference_linear, unpack_codes)
 from tests.tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if GPU else "cpu"
 CFG_SWAP = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=2, GROUP_M=1)
 CFG_MN = dict(BLOCK_M=64, BLOCK_N=64, SPLIT_K=1, SWAP_AB=False, num_warps=4, num_stages=2, GROUP_M=2)
 

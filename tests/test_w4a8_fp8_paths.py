@@ -6,8 +6,9 @@ import torch
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm, reference_linear
 from tests.tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if GPU else "cpu"
 
 
 def _weights(N, K, g, seed=0, silu=False, zero_group=True):

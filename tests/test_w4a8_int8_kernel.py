@@ -9,6 +9,7 @@ from lowbit.formats import w4a8_int8 as fmt
 from lowbit.formats.common import quantize_per_token
 from lowbit.kernels.w4a8_int8_gemm import dequantize_w8, launch, pick_config, w4a8_int8_gemm_triton
 from tolerances import KERNEL_VS_REF, rel_l2
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
 def _case(M, N, K, g, dtype, dev, bias=False, seed=0):
@@ -71,7 +72,7 @@ def test_all_zero_weight_groups_and_rows_give_zero(dev):
 
 @given(st.integers(1, 20), st.integers(1, 40), st.integers(2, 300))
 def test_kernel_shapes_hypothesis(M, N, K):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if GPU else "cpu"
     qw, xq, xs, b = _case(M, N, K, 64, torch.float16, dev, seed=M + N + K)
     y, r = _run(qw, xq, xs, b, torch.float16,
                 config=dict(BLOCK_M=16, BLOCK_N=16, SPLIT_K=1, num_warps=4, num_stages=2))
@@ -205,7 +206,7 @@ def test_tiled_m1_default_config(N, K, dev):
 def test_tiled_default_path_hypothesis(M, N, K, g):
     """Row-tiled codes through the default dispatch (M = 1: the tiled dp4a config; M > 1: wgmma tiles):
     the reference's integers exactly (float32 out), any N (tail rows below a 64-row block stay row-major)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if GPU else "cpu"
     qw, xq, xs, _ = _case(M, N, K, g, torch.float32, dev, seed=M * 1000 + N + K)
     r = fmt.gemm_ref(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, None, torch.float32)
     y = w4a8_int8_gemm_triton(xq, xs, fmt.tile_codes(qw.qweight), qw.wscale, qw.gscale, qw.gzs, None, K,
