@@ -63,3 +63,24 @@ def test_exact_int_dot_matches_float64(K):
     w[0] = -128
     ref = (x.double() @ w.double().t()).float()
     assert torch.equal(exact_int_dot(x, w.float()), ref)
+
+
+@pytest.mark.parametrize("scheme", ["lut", "w4a8-fp8", "w4a8-int8"])
+def test_cpu_modules_follow_new_weights(scheme, monkeypatch):
+    """A quantized linear's CPU forward (dense weight cached after the first call) follows its packed
+    tensors: after ``load_state_dict`` of another layer's weights (in-place copies) it computes that layer,
+    and it equals the forward with the cache turned off."""
+    import lowbit
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the plain-PyTorch references (CPU path)
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(256, 96), torch.nn.Linear(256, 96)
+    qa, qb = lowbit.quantize_linear(a, scheme), lowbit.quantize_linear(b, scheme)
+    x = torch.randn(3, 256)
+    ya1, ya2 = qa(x), qa(x)  # second call: from the cache
+    assert torch.equal(ya1, ya2)
+    yb = qb(x)
+    qa.load_state_dict(qb.state_dict())
+    assert torch.equal(qa(x), yb) and not torch.equal(ya1, yb)
+    monkeypatch.setenv("LOWBIT_CPU_WEIGHT_CACHE", "0")
+    assert torch.equal(qa(x), yb)
