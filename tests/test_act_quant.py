@@ -59,10 +59,11 @@ def test_fused_rmsnorm(dev):
     h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
     qr, sr = quantize_per_token(w * h, FP8_E4M3)
     q, s = per_token_quant_triton(x.to(dev), FP8_E4M3, fuse="rmsnorm", weight=w.to(dev), eps=1e-5)
-    # rstd's reduction order may flip a bf16 rounding of the row max, which shifts the scale by
-    # one bf16 ulp and some codes by one FP8 step: judge by the error against the float value,
-    # which must be that of FP8 quantization itself (the reference's own error ~2.5%)
-    torch.testing.assert_close(s.cpu(), sr, rtol=1e-2, atol=0)
+    # rstd's reduction order may flip a bf16 rounding of the row max (h, then w * h: two roundings),
+    # which shifts the scale by up to two bf16 ulps (2^-6; 1.15% measured under the interpreter of the
+    # H200 machine's numpy, session 16) and some codes by one FP8 step: judge by the error against the
+    # float value, which must be that of FP8 quantization itself (the reference's own error ~2.5%)
+    torch.testing.assert_close(s.cpu(), sr, rtol=2.0 ** -6, atol=0)
     v = (w * h).float()
     err = (q.cpu().float() * s.cpu()[:, None] - v).norm() / v.norm()
     err_ref = (qr.float() * sr[:, None] - v).norm() / v.norm()
