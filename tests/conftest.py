@@ -20,6 +20,14 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_report_header(config):
+    if GPU:
+        return ("lowbit: compiled Triton on CUDA. The GPU suite is `pytest -m gpu`; the other tests are written for "
+                "the interpreter (set TRITON_INTERPRET=1, as the README's test command does): run without it, some "
+                "hand CPU tensors to the kernels or use CPU tolerances and fail")
+    return f"lowbit: Triton interpreter ({'CUDA present, gpu tests skipped' if torch.cuda.is_available() else 'no CUDA'})"
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU:
         return
