@@ -15,7 +15,7 @@ import torch
 
 __all__ = [
     "check_tensor", "check_same_device", "warn_once", "interpret_mode", "triton_available",
-    "use_triton", "cdiv", "FLOAT_DTYPES", "cached_dense",
+    "use_triton", "cdiv", "FLOAT_DTYPES", "derived", "cached_dense",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -137,47 +137,54 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return interpret_mode() and all(t.device.type == "cpu" for t in tensors)
 
 
-_DENSE: dict = {}  # id(packed tensor) -> (weakref to it, key, weakrefs to the deps, dense weight)
+_DERIVED: dict = {}  # (id(anchor), tag) -> (weakref to anchor, versions, weakrefs to the deps, value)
 
 
-def _drop_dense(i: int, ref) -> None:
-    ent = _DENSE.get(i)
-    if ent is not None and ent[0] is ref:
-        del _DENSE[i]
+def _drop_derived(i: int, ref) -> None:
+    for key in [k for k, e in _DERIVED.items() if k[0] == i and e[0] is ref]:
+        del _DERIVED[key]
+
+
+def derived(build: Callable[[], object], anchor: torch.Tensor, *deps: torch.Tensor, tag: tuple = ()):
+    """``build()``, a value computed from ``anchor`` and ``deps`` (a pair table, a dense weight, a flag read
+    back from the device), kept per ``(anchor, tag)`` while the tensor ``anchor`` lives and neither it nor
+    any of ``deps`` was replaced or changed in place (``_version``, ``data_ptr``). The entries are tied to
+    the tensors themselves (weak references), not to their addresses, so memory reused by a later tensor
+    never returns a stale value. Inference-mode tensors have no version counter: for them only their
+    address is compared. Rebuilt every time for tensors that need gradients, fake tensors and while
+    ``torch.compile`` traces. Writes through ``.data`` do not bump ``_version``: ``clear_derived_cache``."""
+    ts = (anchor, *deps)
+    if (any(t.requires_grad for t in ts) or torch.compiler.is_compiling()
+            or any(isinstance(t, torch._subclasses.FakeTensor) for t in ts)):
+        return build()
+    i = id(anchor)
+    versions = tuple((-1 if t.is_inference() else t._version, t.data_ptr()) for t in ts)
+    hit = _DERIVED.get((i, tag))
+    if (hit is not None and hit[0]() is anchor and hit[1] == versions and len(hit[2]) == len(deps)
+            and all(r() is t for r, t in zip(hit[2], deps))):
+        return hit[3]
+    value = build()
+    ref = weakref.ref(anchor, lambda r, i=i: _drop_derived(i, r))
+    _DERIVED[(i, tag)] = (ref, versions, tuple(weakref.ref(t) for t in deps), value)
+    return value
+
+
+def clear_derived_cache() -> None:
+    """Drop every ``derived`` entry (needed only after writing tensors in place through ``.data``, which
+    PyTorch does not count in ``_version``)."""
+    _DERIVED.clear()
 
 
 def cached_dense(build: Callable[[], torch.Tensor], anchor: torch.Tensor, *deps: torch.Tensor,
                  tag: tuple = ()) -> torch.Tensor:
-    """``build()``, the dense float copy of a packed weight that a CPU reference path multiplies by, kept
-    while the packed tensor ``anchor`` lives and neither it nor any of ``deps`` (scales, tables, zero
-    points) was replaced or changed in place (``_version``): decoding on the CPU then pays the
-    dequantization once per weight instead of once per token (session 16, embedded SmolLM2 on 2 cores:
-    ``flute-nf4`` 1170 ms per generated token before). The result is the same tensor ``build()`` would
-    return, so the numerics are unchanged. Costs the dense copy's memory; off with
-    ``LOWBIT_CPU_WEIGHT_CACHE=0``. Never used for CUDA tensors, inference-mode tensors (no version
-    counter), tensors that need gradients (learned scales), or while ``torch.compile`` traces. Writes
-    through ``.data`` do not bump ``_version``: call ``clear_dense_cache`` after them."""
-    ts = (anchor, *deps)
-    if (os.environ.get("LOWBIT_CPU_WEIGHT_CACHE", "1") == "0" or anchor.device.type != "cpu"
-            or any(t.requires_grad or t.is_inference() for t in ts) or torch.compiler.is_compiling()
-            or any(isinstance(t, torch._subclasses.FakeTensor) for t in ts)):
+    """``derived`` for the dense float copy of a packed weight that a CPU reference path multiplies by:
+    decoding on the CPU then pays the dequantization once per weight instead of once per token (session
+    16, embedded SmolLM2 on 2 cores: ``flute-nf4`` 1170 -> 113 ms per generated token). The result is the
+    tensor ``build()`` returns, so the numerics are unchanged. Costs the dense copy's memory: CPU tensors
+    only, and off with ``LOWBIT_CPU_WEIGHT_CACHE=0``."""
+    if os.environ.get("LOWBIT_CPU_WEIGHT_CACHE", "1") == "0" or anchor.device.type != "cpu":
         return build()
-    hit = _DENSE.get(id(anchor))
-    key = (tag, tuple((t._version, t.data_ptr()) for t in ts))
-    if (hit is not None and hit[0]() is anchor and hit[1] == key and len(hit[2]) == len(deps)
-            and all(r() is t for r, t in zip(hit[2], deps))):
-        return hit[3]
-    w = build()
-    i = id(anchor)
-    ref = weakref.ref(anchor, lambda r, i=i: _drop_dense(i, r))
-    _DENSE[i] = (ref, key, tuple(weakref.ref(t) for t in deps), w)
-    return w
-
-
-def clear_dense_cache() -> None:
-    """Drop every ``cached_dense`` entry (needed only after writing packed weights in place through ``.data``,
-    which PyTorch does not count in ``_version``)."""
-    _DENSE.clear()
+    return derived(build, anchor, *deps, tag=("dense", *tag))
 
 
 def _patch_triton_interpreter() -> None:

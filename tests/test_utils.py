@@ -1,10 +1,10 @@
-"""``lowbit._utils.cached_dense`` (the CPU reference paths' dense-weight cache) and ``formats.w4a8_int8.exact_int_dot``."""
+"""``lowbit._utils.derived`` / ``cached_dense`` (values kept per tensor; the CPU reference paths' dense weights) and ``formats.w4a8_int8.exact_int_dot``."""
 import pytest
 import torch
 
 
 def test_cached_dense_reuses_and_invalidates(monkeypatch):
-    from lowbit._utils import cached_dense, clear_dense_cache
+    from lowbit._utils import cached_dense, clear_derived_cache
 
     calls = []
     codes = torch.randint(0, 255, (8, 4), dtype=torch.uint8)
@@ -24,7 +24,7 @@ def test_cached_dense_reuses_and_invalidates(monkeypatch):
     assert len(calls) == 3
     cached_dense(build, codes, other, tag=("u",))  # a different tag: rebuild
     assert len(calls) == 4
-    clear_dense_cache()
+    clear_derived_cache()
     cached_dense(build, codes, other, tag=("u",))
     assert len(calls) == 5
     monkeypatch.setenv("LOWBIT_CPU_WEIGHT_CACHE", "0")
@@ -41,15 +41,15 @@ def test_cached_dense_reuses_and_invalidates(monkeypatch):
 def test_cached_dense_entry_dies_with_its_tensor():
     import gc
 
-    from lowbit._utils import _DENSE, cached_dense
+    from lowbit._utils import _DERIVED, cached_dense
 
     codes = torch.zeros(4, 4, dtype=torch.uint8)
     cached_dense(lambda: codes.float(), codes)
     i = id(codes)
-    assert i in _DENSE
+    assert any(k[0] == i for k in _DERIVED)
     del codes
     gc.collect()
-    assert i not in _DENSE
+    assert not any(k[0] == i for k in _DERIVED)
 
 
 @pytest.mark.parametrize("K", [7, 1024, 1025, 3000])
@@ -84,3 +84,21 @@ def test_cpu_modules_follow_new_weights(scheme, monkeypatch):
     assert torch.equal(qa(x), yb) and not torch.equal(ya1, yb)
     monkeypatch.setenv("LOWBIT_CPU_WEIGHT_CACHE", "0")
     assert torch.equal(qa(x), yb)
+
+
+def test_lut_table_values_are_kept_per_table_tensor():
+    """The LUT op's pair table and uniform-table flag (``ops.lut._pairs_for`` / ``_uniform``) are built once per
+    table tensor and dtype, and rebuilt after the table changes in place."""
+    from lowbit.formats.lut import pair_table
+    from lowbit.ops.lut import _pairs_for, _uniform
+
+    table = torch.linspace(-1, 1, 16)
+    p16 = _pairs_for(table, 4, torch.float16)
+    assert _pairs_for(table, 4, torch.float16) is p16
+    pbf = _pairs_for(table, 4, torch.bfloat16)  # another dtype: its own entry, the first one kept
+    assert pbf.dtype != p16.dtype or not torch.equal(pbf, p16)
+    assert _pairs_for(table, 4, torch.float16) is p16
+    assert _uniform(table)
+    table[3] += 0.05  # in place: both values follow
+    assert not _uniform(table)
+    assert torch.equal(_pairs_for(table, 4, torch.float16), pair_table(table, 4, torch.float16))

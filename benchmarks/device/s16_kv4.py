@@ -47,8 +47,8 @@ def call(q, c, L, **kw):
         finally:
             dk.GLUON_MAX_ROWS = old
     return dk.decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"],
-                                c["lengths"], max_len=L, qk_int8=2, gluon=True, k_zero=c.get("k_zero"),
-                                v_zero=c.get("v_zero"), **kw)
+                                c["lengths"], max_len=L, k_zero=c.get("k_zero"), v_zero=c.get("v_zero"),
+                                **{"qk_int8": 2, "gluon": True, **kw})
 
 
 def rel(x, y):
@@ -233,9 +233,7 @@ def part_f():
             del pages
             sets = sets_for(L, B_)
             for st in (3, 2):
-                fl = [lambda qq=qq, c=c, st=st: dk.decode_kv4_triton(
-                    qq, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"],
-                    max_len=L, qk_int8=2, gluon=False, num_stages=st) for qq, c in sets]
+                fl = [lambda qq=qq, c=c, st=st: call(qq, c, L, gluon=False, num_stages=st) for qq, c in sets]
                 row[f"kv4_triton_st{st}"] = [round(graph_us(fl), 2) for _ in range(2)]
             del sets
             probe_row(doc, f"f B={B_} L={L} TQ={TQ}", row)

@@ -237,15 +237,10 @@ def exact_int_dot(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``xq [M, K] @ w [N, K]^T`` of integer-valued int8-range operands, exact: float32 GEMMs over K chunks of
     ``INT_DOT_CHUNK`` (every partial sum an integer below 2^24, exact in float32 in any order), chunks added in
     float64, the total rounded once to float32 -- the same number as a float64 dot, at float32 GEMM speed."""
-    xf = xq.float()
-    w = w.float()
-    K = xf.shape[-1]
-    if K <= INT_DOT_CHUNK:
-        return (xf @ w.t()).double().float()
-    acc = None
-    for k0 in range(0, K, INT_DOT_CHUNK):
-        part = (xf[:, k0:k0 + INT_DOT_CHUNK] @ w[:, k0:k0 + INT_DOT_CHUNK].t()).double()
-        acc = part if acc is None else acc + part
+    xf, w = xq.float(), w.float()
+    acc = torch.zeros(xf.shape[0], w.shape[0], dtype=torch.float64, device=xf.device)
+    for k0 in range(0, xf.shape[-1], INT_DOT_CHUNK):
+        acc += xf[:, k0:k0 + INT_DOT_CHUNK] @ w[:, k0:k0 + INT_DOT_CHUNK].t()
     return acc.float()
 
 

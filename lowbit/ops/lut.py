@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import cached_dense, check_tensor, use_triton, warn_once
+from lowbit._utils import cached_dense, check_tensor, derived, use_triton, warn_once
 from lowbit.formats.lut import (BITS, GROUP_SIZES, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
                                 unpack_codes_mma)
 
@@ -49,32 +49,17 @@ def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: i
     return (x.float() @ w.t()).to(x.dtype)
 
 
-_PAIRS: dict = {}
-_UNIFORM: dict = {}
-
-
 def _uniform(table: torch.Tensor) -> bool:
-    """``table_is_uniform`` cached per table storage and version: the check copies the table to the
+    """``table_is_uniform``, kept per table tensor (``_utils.derived``): the check copies the table to the
     host (a device sync), which must not happen on every call."""
     from lowbit.formats.lut import table_is_uniform
 
-    key = (table.data_ptr(), table.device, table._version)
-    if key not in _UNIFORM:
-        if len(_UNIFORM) > 256:
-            _UNIFORM.clear()
-        _UNIFORM[key] = table_is_uniform(table)
-    return _UNIFORM[key]
+    return derived(lambda: table_is_uniform(table), table, tag=("uniform",))
 
 
 def _pairs_for(table: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Pair table of ``table`` in ``dtype`` on its device (cached per table storage and version)."""
-    key = (table.data_ptr(), table.device, table._version, bits, dtype)
-    p = _PAIRS.get(key)
-    if p is None:
-        if len(_PAIRS) > 64:
-            _PAIRS.clear()
-        p = _PAIRS[key] = pair_table(table, bits, dtype).to(table.device)
-    return p
+    """Pair table of ``table`` in ``dtype`` on its device, kept per table tensor (``_utils.derived``)."""
+    return derived(lambda: pair_table(table, bits, dtype).to(table.device), table, tag=("pairs", bits, dtype))
 
 
 @torch.library.custom_op("lowbit::lut_gemm", mutates_args=())
