@@ -26,7 +26,10 @@ Work decomposition (flash-decoding):
   dimension, the 16 rows N; accumulator [512, 16]): 1.107 vs 1.299 ms (R13). The fp8 mma.sync
   tile does not pay here: Hopper has no FP8 mma.sync, Triton upcasts every fragment to fp16 (F2FP)
   and the one FP8 K tile cannot serve both dots' shared layouts, so it is not pipelined either
-  (``DEQ16``, options: 0.86-1.02 TB/s);
+  (``DEQ16``, options: 0.86-1.02 TB/s). Since session 17 FP8 caches with at most 16 rows per sequence take
+  the Gluon kernel of ``lowbit.kernels.mla_decode_gluon`` on the GPU instead (explicit cp.async ring, the
+  latent upcast to fp16 once in shared memory for P·V, warps splitting the QK^T reduction: 2.49 TB/s vs
+  1.22 for the tokens-as-M tile at B=128 L=16k); the tile above stays the fallback (``gluon=False``);
 - the sequence is cut into ``num_splits`` chunks of ``chunk`` tokens (a multiple of BLOCK_N);
   grid = (row blocks x column slices, splits, batch), row blocks fastest so that the programs
   reading the same KV run side by side and share it through L2;
@@ -178,6 +181,10 @@ WIDE = {"fp8": dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one
 # 16 rows at most (32 rows spill 240 B); the fp16-MMA variants (``deq16``) measured 1.32-1.57 ms.
 # block_m: the rows rounded up to a power of two; max_rows: the largest row count a path takes
 FEW_ROWS = 32
+# FP8 caches with <= 16 rows per sequence (16 heads x 1 token, MTP with fewer heads) take the Gluon kernel on the GPU
+# (lowbit.kernels.mla_decode_gluon; session 17, H200, B=128 H=16 L=16k: 0.542 ms = 2.49 TB/s vs 1.110 ms for the
+# tokens-as-M tile below and 0.662 ms for the bf16 FEW tile, benchmarks/results/h200/s17_mla_few.json)
+GLUON_FEW = True
 FEW = {"bf16": dict(block_n=32, num_warps=4, num_stages=2, s_ahead=False, even_loop=True, one_acc=True,
                     ctas_per_sm=2),
        "fp8": dict(tokens_m=True, block_m=16, block_n=64, num_warps=4, num_stages=2, even_loop=True, one_acc=True,
@@ -677,6 +684,27 @@ def _mla_combine_kernel(
     tl.store(O + row * stride_o + offs_c, _cast(out, O.dtype.element_ty, INTERPRET))
 
 
+def split_workspace(out, splits: int):
+    """(partial outputs, LSE, output pointer / its row stride / split stride, LSE split stride) of a launch
+    with ``splits`` chunks: fp32 workspaces when > 1, else the output itself."""
+    B, ROWS, DC = out.shape
+    if splits > 1:
+        ow = torch.empty(splits, B * ROWS, DC, device=out.device, dtype=torch.float32)
+        lse = torch.empty(splits, B * ROWS, device=out.device, dtype=torch.float32)
+        return ow, lse, ow, ow.stride(1), ow.stride(0), lse.stride(0)
+    return None, None, out.view(B * ROWS, DC), DC, 0, 0
+
+
+def combine_splits(ow, lse, out, splits: int) -> None:
+    """Merge the split partials into ``out`` (no-op for one split)."""
+    if splits > 1:
+        B, ROWS, DC = out.shape
+        _mla_combine_kernel[(B * ROWS,)](
+            ow, lse, out.view(B * ROWS, DC), splits, ow.stride(0), ow.stride(1), lse.stride(0), DC,
+            DC=DC, SPLITS_P2=max(2, triton.next_power_of_2(splits)), INTERPRET=interpret_mode(), num_warps=4,
+        )
+
+
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -712,18 +740,32 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
                       num_stages: int | None = None, dv_splits: int | None = None,
                       even_loop: bool | None = None, one_acc: bool | None = None, p_block: bool | None = None,
                       t_step: bool | None = None, ctas_per_sm: int | None = None, tokens_m: bool | None = None,
-                      deq16: bool | None = None,
+                      deq16: bool | None = None, gluon: bool | None = None,
                       return_plan: bool = False):
     """Launch the decode kernel. ``qc`` [B, Sq*H, Dc] (fp8 with ``fp8``), ``qr`` [B, Sq*H, Dr],
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
     [B, Sq*H, Dc] in ``out_dtype`` (and, with ``return_plan``, a dict: splits, chunk, block_n,
     block_m and the compiled decode kernel, for the reference's emulation and for PTX checks).
-    Arguments are validated by ``lowbit.ops.mla.mla_decode``."""
+    Arguments are validated by ``lowbit.ops.mla.mla_decode``. ``gluon``: FP8 caches with at most 16 rows per
+    sequence run the Gluon kernel on the GPU (``lowbit.kernels.mla_decode_gluon``; None = where it applies,
+    False = this Triton kernel)."""
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
     SQ = ROWS // num_heads
     dev = qc.device
     interp = interpret_mode() or dev.type != "cuda"
+    if fp8 and pv_fp8 and not tau and not interp and gluon is not False and GLUON_FEW:
+        from lowbit.kernels import mla_decode_gluon as G
+
+        if (G.supported(ROWS, DC, DR, page_size) and kc.stride(0) % 16 == 0 and kr.stride(0) % 8 == 0
+                and kc.data_ptr() % 16 == 0 and kr.data_ptr() % 16 == 0 and ks.data_ptr() % 16 == 0):
+            return G.mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, num_heads=num_heads,
+                                          sm_scale=sm_scale, max_seq_len=max_seq_len, page_size=page_size,
+                                          out_dtype=out_dtype, num_splits=num_splits, pv16=pv16,
+                                          return_plan=return_plan)
+    if gluon:
+        raise ValueError("gluon=True needs an FP8 cache with SnapMLA P (pv_fp8), at most 16 rows per sequence, "
+                         "Dc / Dr the Gluon kernel takes and a CUDA device without TRITON_INTERPRET")
     path = "bf16" if not fp8 else ("fp8-f16pv" if pv16 and pv_fp8 else "fp8" if pv_fp8 else "fp8-bf16pv")
     wide = WIDE.get(path) if (not interp and ROWS > 64 and not tau) else None
     if wide:
@@ -778,13 +820,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     splits, chunk = plan_splits(B, row_blocks * dv_splits, max_seq_len, block_n, dev, num_splits, resident)
     out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
     qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
-    if splits > 1:
-        ow = torch.empty(splits, B * ROWS, DC, device=dev, dtype=torch.float32)
-        lse = torch.empty(splits, B * ROWS, device=dev, dtype=torch.float32)
-        o_arg, so, sos, sls = ow, ow.stride(1), ow.stride(0), lse.stride(0)
-    else:
-        ow = lse = None
-        o_arg, so, sos, sls = out.view(B * ROWS, DC), DC, 0, 0
+    ow, lse, o_arg, so, sos, sls = split_workspace(out, splits)
     if num_stages is None:
         num_stages = PV_STAGES[path] if not interp else 1
     dummy = kc.new_empty(1, dtype=torch.float32) if qs is None else None
@@ -801,12 +837,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
         T_STEP=t_step_on, TOKENS_M=tokens_m, DEQ16=int(deq16),
         INTERPRET=interpret_mode(), num_warps=num_warps, num_stages=num_stages,
     )
-    if splits > 1:
-        _mla_combine_kernel[(B * ROWS,)](
-            ow, lse, out.view(B * ROWS, DC), splits,
-            ow.stride(0), ow.stride(1), lse.stride(0), DC,
-            DC=DC, SPLITS_P2=max(2, triton.next_power_of_2(splits)), INTERPRET=interpret_mode(), num_warps=4,
-        )
+    combine_splits(ow, lse, out, splits)
     if return_plan:
         return out, {"splits": splits, "chunk": chunk, "block_n": block_n, "block_m": block_m, "v_prmt": v_prmt,
                      "dv_splits": dv_splits, "p_rule": p_rule, "num_warps": num_warps, "num_stages": num_stages,
