@@ -2,7 +2,9 @@
 set before triton is first imported, so it is set here when there is no GPU), GPU-only tests carry
 ``@pytest.mark.gpu``. Those are skipped without CUDA, and also under the interpreter on a GPU machine
 (the README's test command sets TRITON_INTERPRET=1: the CPU suite then runs as in CI; run the GPU
-tests with ``pytest -m gpu`` and no TRITON_INTERPRET)."""
+tests with ``pytest -m gpu`` and no TRITON_INTERPRET). Tests written for the interpreter (CPU tensors
+handed to the kernels, or tolerances only the interpreter's numerics meet) carry
+``@pytest.mark.interpreter`` and are skipped when the kernels are compiled for CUDA."""
 import os
 
 import torch
@@ -22,14 +24,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def pytest_report_header(config):
     if GPU:
-        return ("lowbit: compiled Triton on CUDA. The GPU suite is `pytest -m gpu`; the other tests are written for "
-                "the interpreter (set TRITON_INTERPRET=1, as the README's test command does): run without it, some "
-                "hand CPU tensors to the kernels or use CPU tolerances and fail")
+        return ("lowbit: compiled Triton on CUDA. The GPU suite is `pytest -m gpu`; tests marked `interpreter` (CPU "
+                "tensors or interpreter-exact tolerances) are skipped: run them with TRITON_INTERPRET=1, as the "
+                "README's test command does")
     return f"lowbit: Triton interpreter ({'CUDA present, gpu tests skipped' if torch.cuda.is_available() else 'no CUDA'})"
 
 
 def pytest_collection_modifyitems(config, items):
-    if GPU:
+    if GPU:  # compiled kernels: the interpreter's tests would hand them CPU tensors or miss their tolerances
+        skip = pytest.mark.skip(reason="interpreter test: run it with TRITON_INTERPRET=1 (the compiled kernels: "
+                                       "`pytest -m gpu`)")
+        for item in items:
+            if "interpreter" in item.keywords:
+                item.add_marker(skip)
         return
     why = ("needs compiled Triton kernels: run `pytest -m gpu` without TRITON_INTERPRET" if torch.cuda.is_available()
            else "needs a CUDA GPU")

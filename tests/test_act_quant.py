@@ -108,7 +108,8 @@ def test_fused_residual_add(dev, xdt, chunked, monkeypatch):
     for out in DTYPES:
         q, s, r = aq.per_token_quant_triton(x, out, fuse="rmsnorm", weight=w, eps=1e-5, add=d)
         assert torch.equal(r, r_ref)
-        _assert_same(q.cpu(), s.cpu(), *aq.per_token_quant_triton(r_ref, out, fuse="rmsnorm", weight=w, eps=1e-5))
+        qr, sr = aq.per_token_quant_triton(r_ref, out, fuse="rmsnorm", weight=w, eps=1e-5)
+        _assert_same(q.cpu(), s.cpu(), qr.cpu(), sr.cpu())
     y, r = aq.fused_rows_triton(x, fuse="rmsnorm", weight=w, eps=1e-5, add=d)
     assert torch.equal(r, r_ref)
     assert torch.equal(y, aq.fused_rows_triton(r_ref, fuse="rmsnorm", weight=w, eps=1e-5))

@@ -40,6 +40,7 @@ def _same_numerics(q, k, v, mode, causal, fused=False, **kw):
 
 
 # ------------------------------------------------------------------ kernel vs reference (interpreter)
+@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_matches_same_numerics(mode, causal, dev):
@@ -54,6 +55,7 @@ def test_kernel_matches_same_numerics(mode, causal, dev):
     assert rel_l2(out, attention_ref(q, k, v, causal=causal)) < ACC[mode]
 
 
+@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_head_dim_64_and_block_k_scales(mode, dev):
     q, k, v = _qkv(1, 2, 1, 24, 40, 64, seed=1)
@@ -62,6 +64,7 @@ def test_head_dim_64_and_block_k_scales(mode, dev):
         assert rel_l2(out, _same_numerics(q, k, v, mode, True, k_granularity=kg)) < 1e-5
 
 
+@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
 @pytest.mark.parametrize("mode,vg", [("int8", "tensor"), ("int8", "block"), ("fp8", "channel"), ("fp8", "tensor")])
 def test_v_scale_granularities_match_reference(mode, vg, dev):
     q, k, v = _qkv(1, 2, 2, 20, 150, 32, seed=2)  # 150 keys: two V scale blocks
@@ -129,12 +132,12 @@ def test_q_prepass_equals_in_register_q(mode, causal, tma):
         assert torch.equal(base, quant_attention_triton(q, k, v, config={"ws": True, "tma": True}, **kw))
 
 
-def test_fused_kv_writes_v_padding_zero():
+def test_fused_kv_writes_v_padding_zero(dev):
     """The V^T buffer's columns S..S_al (16-byte rows for TMA) are written as code 0 by the
     quantization itself (no separate zero fill)."""
     from lowbit.kernels.attention_quant import quantize_kv_triton
 
-    k = torch.randn(1, 2, 21, 16)
+    k = torch.randn(1, 2, 21, 16, device=dev)
     for dt in (torch.int8, torch.float8_e4m3fn):
         _, _, vt, _ = quantize_kv_triton(k, k * 3, dtype=dt)
         assert vt.shape[-1] == 32 and (vt[..., 21:].float() == 0).all()
@@ -190,6 +193,7 @@ def test_zero_inputs_give_zero_not_nan(dev):
         assert torch.isfinite(out).all() and (out == 0).all(), mode
 
 
+@pytest.mark.interpreter  # its float32 replay of the 1e8 scores gives NaN rows on the H200's torch 2.11 (s16)
 def test_fp8_softmax_values_cannot_overflow(dev):
     # P = 256 * exp(S - m_running) <= 256 < 448 for any scores: huge logits stay finite
     s = torch.tensor([[0.0, -1e-30, -3.0, -200.0]])
@@ -249,6 +253,7 @@ def test_block_v_scales_beat_tensor_scales_with_outlier_channel():
     assert e_blk < e_ten
 
 
+@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
 @pytest.mark.parametrize("causal", [False, True])
 def test_int8_block_p_scale(causal, dev):
     from lowbit.ops.attention_prefill import reference
@@ -365,18 +370,19 @@ except Exception:  # pragma: no cover - no Triton
     _exp2_test_kernel = None
 
 
-def test_exp2_polynomial_accuracy():
+def test_exp2_polynomial_accuracy(dev):
     """``_exp2_poly`` (FlashAttention-4's exp2 on the FMA pipe, option ``poly``): max relative error
     < 2e-4 over the softmax range, exact powers of two at integers, -inf and very negative inputs
-    give ~0 (clamped at 2^-126), no NaN. Runs the @triton.jit helper (interpreter on the CPU)."""
+    give ~0 (clamped at 2^-126), no NaN. Runs the @triton.jit helper (interpreter on the CPU, compiled on CUDA)."""
     if not ap._triton_ok() or _exp2_test_kernel is None:
         pytest.skip("no Triton backend")
     k = _exp2_test_kernel
     ints = torch.arange(-20.0, 9.0)
     x = torch.cat([torch.linspace(-30.0, 8.0, 4096 - 3 - ints.numel()), ints,
                    torch.tensor([float("-inf"), -500.0, 0.0])])
-    y = torch.empty_like(x)
-    k[(1,)](x, y, N=x.numel())
+    y = torch.empty_like(x, device=dev)
+    k[(1,)](x.to(dev), y, N=x.numel())
+    y = y.cpu()
     ref = torch.exp2(x.double())
     fin = x > -100
     assert torch.isfinite(y).all()
@@ -386,6 +392,7 @@ def test_exp2_polynomial_accuracy():
     assert torch.equal(y[n0:n0 + ints.numel()], torch.exp2(ints))
 
 
+@pytest.mark.interpreter  # head_dim 32: the compiled kernel takes 64, 128 or 256 (the op pads, these call it directly)
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_poly_exp2_option_matches_reference(mode):
     """Config ``poly`` (1 of 4 exponentials on the FMA pipe on the GPU, all of them under the
@@ -435,6 +442,7 @@ def test_gluon_fp8_matches_tl_kernel(causal, shape, vperm):
 
 
 # ------------------------------------------------------------------ session 5: V^T in the VPERM key order
+@pytest.mark.interpreter  # head_dim 32: the compiled kernel takes 64, 128 or 256 (the op pads, these call it directly)
 @pytest.mark.parametrize("mode,causal", [("fp8", True), ("int8", False)])
 def test_vperm_layout_matches_plain(mode, causal):
     """Config ``vperm`` (V^T stored with ``vperm_pos``: P's accumulator registers are the A operand,
@@ -464,6 +472,7 @@ def test_vperm_layout_matches_plain(mode, causal):
         assert rel_l2(perm, base) < 1e-5
 
 
+@pytest.mark.interpreter  # head_dim 32: the compiled kernel takes 64, 128 or 256 (the op pads, these call it directly)
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_vperm_quantization_writes_permuted_vt(mode):
     """``quantize_kv_triton(vperm=True)`` / ``kv4_to_fp8_triton(vperm=True)`` write exactly

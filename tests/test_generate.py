@@ -267,6 +267,7 @@ def _check_float_append(dtype, Hkv, G, T, page, D, dev):
         float_append_triton(k, v, kc.float(), vc, pt, start)
 
 
+@pytest.mark.interpreter  # CPU model: compiled, its PyTorch fallback runs; GPU: test_dense_decode_kernel_gpu_graphs
 @pytest.mark.parametrize("head_dim", [16, 32])
 def test_dense_decode_kernel_same_tokens(head_dim):
     """``dense_decode='kernel'`` (``lowbit.ops.kv4.decode_float`` over the float cache; the Triton
@@ -311,6 +312,7 @@ def test_dense_decode_kernel_gpu_graphs():
         assert rel_l2(b, a) < 2e-2
 
 
+@pytest.mark.interpreter  # CPU tensors to the fused-rows kernel; on the GPU: test_float_kernels_gpu_close_to_eager
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_float_kernels_same_tokens(dtype):
     """``float_kernels=True``: RMSNorm and SiLU*mul of the float projections as one Triton launch each
@@ -367,6 +369,7 @@ def test_float_kernels_gpu_close_to_eager():
         assert same >= 11, (dtype, a, b)
 
 
+@pytest.mark.interpreter  # a CPU model runs the kernels only under the interpreter; on the GPU: test_fused_add_gpu
 @pytest.mark.parametrize("recipe", ["qserve", "flute-nf4", "bf16"])
 def test_fused_add_same_tokens(recipe, monkeypatch):
     """``fused_add`` (session 10): residual adds of projections without a residual epilogue (INT8, LUT,

@@ -76,7 +76,7 @@ def test_mma_kernel_rejects_group_32_and_bad_words():
         K.lut_mma_triton(x, qm[:, :64], None, *args, bits=4, group_size=64, out_features=8)
 
 
-def test_out_of_resources_falls_back_to_smaller_config(monkeypatch):
+def test_out_of_resources_falls_back_to_smaller_config(monkeypatch, dev):
     """A config that does not fit (r1: flute-nf3 at batch 64) is retried with fewer stages / smaller tiles."""
     import triton
 
@@ -93,11 +93,11 @@ def test_out_of_resources_falls_back_to_smaller_config(monkeypatch):
             return launch
 
     monkeypatch.setattr(K, "_lut_gemm_kernel", Flaky())
-    w = torch.randn(24, 128)
+    w = torch.randn(24, 128, device=dev)
     q = quantize_lut(w, bits=3, group_size=64)
     qw, qh, s = pack_lut(q)
-    x = torch.randn(3, 128, dtype=torch.bfloat16)
-    y = K.lut_gemm_triton(x, qw, qh, s, q.table, bits=3, group_size=64, out_features=24)
+    x = torch.randn(3, 128, dtype=torch.bfloat16, device=dev)
+    y = K.lut_gemm_triton(x, qw, qh, s, q.table.to(dev), bits=3, group_size=64, out_features=24)
     assert seen[0][0] == 2 and seen[-1][0] == 1
     assert rel_l2(y, x.double() @ dequantize_lut(q).double().t()) < KERNEL_VS_REF[torch.bfloat16]
     assert K._smaller_config(dict(num_stages=1, block_n=16, block_m=16, use_dot=True)) is None
@@ -113,11 +113,12 @@ def test_dequant_mma_kernel(bits, g, dev):
     assert torch.equal(wd, dequantize_lut(q))
 
 
-def test_gpu_only_options_fall_back_and_validate():
+def test_gpu_only_options_fall_back_and_validate(dev):
     """``xh`` (x one group ahead), ``ring`` (cp.async ring of the codes), ``sp`` (scales one group ahead) are
     GPU options: under
-    the interpreter they run the plain loop (same numerics); bad values are refused on the GPU path."""
-    assert _run(3, 24, 256, 128, torch.bfloat16, "cpu", xh=2, ring=4, sp=True) < KERNEL_VS_REF[torch.bfloat16]
+    the interpreter they run the plain loop (same numerics), compiled they run as asked; bad values are refused on
+    the GPU path."""
+    assert _run(3, 24, 256, 128, torch.bfloat16, dev, xh=2, ring=4, sp=True) < KERNEL_VS_REF[torch.bfloat16]
     asm = K._ring_read_asm(6)
     assert "cp.async.wait_group 6;" in asm and "ld.shared.v4.b32" in asm
     assert "cp.async.commit_group" in K._CP_ASM.value and "@p cp.async.cg.shared.global" in K._CP_ASM.value
@@ -126,7 +127,7 @@ def test_gpu_only_options_fall_back_and_validate():
     assert "cp.async.ca.shared.global [d], [$4], 8;" in K._CPH_ASM.value
 
 
-def test_balanced_split():
+def test_balanced_split(dev):
     """Option ``balance``: the split-K count that evens out the SMs' load (H200: 132 SMs)."""
     from lowbit._utils import cdiv
 
@@ -134,7 +135,7 @@ def test_balanced_split():
     assert s == 8 and cdiv(112 * s, 132) * cdiv(32, s) == 28  # vs 33 for the ctas_per_sm rule (split 3)
     assert K.balanced_split(16, 112, 132, 2) == 16  # down: 256 programs of 7 groups
     assert K.balanced_split(1, 1, 132, 4) == 1 and K.balanced_split(500, 1, 132, 4) == 1
-    assert _run(2, 24, 640, 128, torch.bfloat16, "cpu", balance=True) < KERNEL_VS_REF[torch.bfloat16]
+    assert _run(2, 24, 640, 128, torch.bfloat16, dev, balance=True) < KERNEL_VS_REF[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ def test_append_kernel_and_gather_dequant(dev, fp8):
     assert g.shape == (2, 40, DC + DR)
     ref = dequantize_latent(*quantize_latent(kv, DC)) if fp8 else kv.float()
     assert torch.allclose(g[0], ref[0], rtol=0, atol=0)
-    assert torch.allclose(g[1, :7], ref[1, :7]) and torch.equal(g[1, 7:], torch.zeros(33, DC + DR))
+    assert torch.allclose(g[1, :7], ref[1, :7]) and torch.equal(g[1, 7:], torch.zeros(33, DC + DR, device=dev))
 
 
 DECODE_CASES = [  # lens (not multiples of page or block), heads, Sq, splits
@@ -128,6 +128,7 @@ def test_decode_kernel_vs_float64(dev, fp8, lens, H, Sq, splits):
     assert rel_l2(out, ref_unq) < (1e-2 if not fp8 else 4e-2)
 
 
+@pytest.mark.interpreter  # compiled: 0.035 > 3e-2 vs float64 (H200, s16); GPU: test_gpu_wide_tile_and_unmasked_loop
 @pytest.mark.parametrize("lens,H,Sq,splits", DECODE_CASES[:2])
 def test_fp8_decode_matches_emulated_p_quantization(dev, lens, H, Sq, splits):
     """Same numerics: the reference emulating the kernel's per-block FP8 P (monotone block scale,
@@ -305,13 +306,15 @@ def test_bad_inputs_raise_clear_errors(dev):
         mla_decode(q, cache[0], pt, sl)
     with pytest.raises(ValueError, match="scale"):
         mla_decode(q, (cache[0], cache[1], None), pt, sl)
-    with pytest.raises(ValueError, match="seq_len must be >= Sq"):
-        mla_decode(torch.randn(1, 3, 4, DC + DR, dtype=torch.bfloat16, device=dev), cache, pt,
-                   torch.tensor([2], dtype=torch.int32, device=dev))
+    if dev == "cpu":  # a host-side check: seq_lens on the GPU are not read back (no device sync)
+        with pytest.raises(ValueError, match="seq_len must be >= Sq"):
+            mla_decode(torch.randn(1, 3, 4, DC + DR, dtype=torch.bfloat16, device=dev), cache, pt,
+                       torch.tensor([2], dtype=torch.int32, device=dev))
     with pytest.raises(ValueError, match="exceeds the page table"):
         mla_decode(q, cache, pt, sl, max_seq_len=10_000)
-    with pytest.raises(ValueError, match="slots"):
-        mla_append(torch.randn(2, DC + DR, device=dev), cache, torch.tensor([0, 10_000], device=dev))
+    if dev == "cpu":  # host-side too: slots on the GPU are not read back
+        with pytest.raises(ValueError, match="slots"):
+            mla_append(torch.randn(2, DC + DR, device=dev), cache, torch.tensor([0, 10_000], device=dev))
     with pytest.raises(ValueError, match="cache full"):
         c.append(0, torch.randn(1, 100, DC + DR, device=dev))
     b16, _ = make_cache([20], False, dev)
@@ -359,14 +362,21 @@ def _gpu_ragged_cases(H, Sq):
     torch.manual_seed(0)
     B = len(lens)
     for fp8 in (False, True):
-        c = PagedMLACache(1, B, max(lens), dc, dr, fp8=fp8, page_size=64, device="cuda", shuffle_pages=True, seed=0)
-        kv = torch.randn(B, max(lens), dc + dr, device="cuda", dtype=torch.bfloat16)
-        kv[..., dc:] *= 4
-        c.append(0, kv)
-        c.lengths[0] = list(lens)
-        c._seq_lens[0] = None
+        c = _gpu_latent_cache(lens, fp8, 0)
         q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
         yield fp8, q, c.layers[0], c.page_table, c.seq_lens(0), lens
+
+
+def _gpu_latent_cache(lens, fp8, seed):
+    """A DeepSeek-V3-width (512 + 64) paged cache on the GPU, pages of 64 shuffled, RoPE part 4x wider."""
+    dc, dr, B = 512, 64, len(lens)
+    c = PagedMLACache(1, B, max(lens), dc, dr, fp8=fp8, page_size=64, device="cuda", shuffle_pages=True, seed=seed)
+    kv = torch.randn(B, max(lens), dc + dr, device="cuda", dtype=torch.bfloat16)
+    kv[..., dc:] *= 4
+    c.append(0, kv)
+    c.lengths[0] = list(lens)
+    c._seq_lens[0] = None
+    return c
 
 
 @pytest.mark.gpu
@@ -438,3 +448,83 @@ def test_gpu_few_rows_tile(Sq):
     for fp8, q, cache, pt, sl, lens in _gpu_ragged_cases(16, Sq):
         out = mla_decode(q, cache, pt, sl, max_seq_len=max(lens))
         assert rel_l2(out, mla_decode_ref(q, cache, pt, sl)) < (1e-2 if not fp8 else 3e-2)
+
+
+def test_gluon_few_rows_dispatch_rules(dev):
+    """The Gluon FP8 kernel for few rows (``lowbit.kernels.mla_decode_gluon``) takes <= 16 rows per sequence,
+    pages a multiple of its
+    32-token block (Dc = 512, Dr = 64: the DeepSeek latent, the one it is built and tested for); elsewhere (and under the interpreter, which cannot run Gluon) the Triton kernel runs, and
+    asking for it explicitly is a clear error."""
+    from lowbit.kernels import mla_decode_gluon as G
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    if G.HAS_GLUON:
+        assert G.supported(16, 512, 64, 64) and G.supported(1, 512, 64, 64) and G.supported(10, 512, 64, 32)
+    for args in ((17, 512, 64, 64), (16, 512, 32, 64), (16, 256, 64, 64), (16, 64, 16, 16), (16, 512, 64, 16)):
+        assert not G.supported(*args)
+    if GPU:
+        return
+    c, _ = make_cache([20], True, dev)
+    q = torch.randn(1, 1, 4, DC + DR, device=dev, dtype=torch.bfloat16)
+    args = _kernel_args(q, c.layers[0], True)
+    with pytest.raises(ValueError, match="gluon=True"):
+        mla_decode_triton(*args, c.page_table, c.seq_lens(0), num_heads=4, sm_scale=0.1, max_seq_len=20,
+                          page_size=PAGE, fp8=True, gluon=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Sq,lens,splits,pv16", [
+    (16, 1, [5000, 777, 64], None, False), (16, 1, [5000, 777, 64], 1, False), (8, 2, [3001, 129], 3, False),
+    (4, 4, [1000, 37], None, False), (16, 1, [4096, 33], None, True), (10, 1, [2049], 2, False)])
+def test_gpu_gluon_few_rows(H, Sq, lens, splits, pv16):
+    """GPU, DeepSeek-V3 widths: the Gluon FP8 kernel (<= 16 rows per sequence) against the reference that
+    emulates its per-block FP8 P (fp16 P with ``pv16``; 32-token blocks, the plan's chunks) and against
+    float64; MTP causal rows, ragged lengths, one split and several; the op dispatches to it, and the Triton
+    tile (``gluon=False``) agrees."""
+    if not GPU:
+        pytest.skip("needs CUDA")
+    from lowbit.kernels.mla_decode import mla_decode_triton
+    from lowbit.kernels.mla_quant import latent_quant_triton
+
+    dc, dr, B = 512, 64, len(lens)
+    torch.manual_seed(1)
+    c = _gpu_latent_cache(lens, True, 1)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
+    qc, qs, qr = latent_quant_triton(q.reshape(-1, dc + dr), dc)
+    R = Sq * H
+    args = (qc.view(B, R, dc), qr.view(B, R, dr), qs.view(B, R), cache[0].flatten(0, 1), cache[1].flatten(0, 1),
+            cache[2].flatten(0, 1), pt, sl)
+    kw = dict(num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64, fp8=True,
+              num_splits=splits, pv16=pv16)
+    o, plan = mla_decode_triton(*args, return_plan=True, **kw)
+    assert plan.get("gluon") and (splits is None or plan["splits"] == splits)
+    emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0,
+                                                    torch.float16 if pv16 else torch.float8_e4m3fn, "row"))
+    assert rel_l2(o.view(B, Sq, H, dc), emu) < 4e-3
+    assert rel_l2(o.view(B, Sq, H, dc), mla_decode_ref(q, cache, pt, sl)) < 3e-2
+    tri = mla_decode_triton(*args, gluon=False, **kw)  # 64-token P blocks: a different FP8 rounding of P
+    assert rel_l2(o, tri) < (8e-3 if pv16 else 4e-2)
+    if not pv16:
+        assert torch.equal(mla_decode(q, cache, pt, sl, max_seq_len=max(lens), num_splits=splits), o.view(B, Sq, H, dc))
+
+
+def test_append_kernel_skips_slots_outside_the_cache(dev):
+    """Fused-K-Append with a slot past the cache (or negative): the kernel writes the valid rows and nothing
+    out of bounds (on the GPU the op does not read the slots back to check them, so the kernel must not write
+    there); the op raises for CPU slot tensors."""
+    from lowbit.kernels.mla_quant import latent_quant_triton
+
+    c, _ = make_cache([20], True, dev)
+    content, rope, scale = c.layers[0]
+    flat = (content.view(-1, DC), rope.view(-1, DR), scale.view(-1))
+    before = [t.clone() for t in flat]
+    kv = torch.randn(3, DC + DR, device=dev)
+    n = flat[0].shape[0]
+    latent_quant_triton(kv, DC, out=flat, slots=torch.tensor([5, n + 1000, -3], device=dev))
+    q, s, r = quantize_latent(kv[:1], DC)
+    assert torch.equal(flat[0][5].view(torch.uint8), q[0].view(torch.uint8)) and torch.equal(flat[2][5], s[0])
+    keep = torch.ones(n, dtype=torch.bool, device=dev)
+    keep[5] = False
+    for t, t0 in zip(flat, before):
+        assert torch.equal(t[keep].view(torch.uint8), t0[keep].view(torch.uint8))

@@ -37,6 +37,7 @@ def reference_kernels(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
+@pytest.mark.interpreter  # CPU tensors to the act-quant kernel (setting TRITON_INTERPRET here is too late)
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("fuse", ["rmsnorm", "silu_mul", None])
 def test_quant_rows_kernel_matches_eager_modules(fmt, fuse, monkeypatch):

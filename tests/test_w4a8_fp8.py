@@ -136,7 +136,9 @@ def test_kernel_fp32_output_long_k_accumulation():
     ref = reference_gemm(xq, sx, codes, sc, inv.item(), K, 128, out_dtype=torch.float32)
     y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes.to(DEV), sc.to(DEV), inv.item(), K, 128,
                       out_dtype=torch.float32, config=CFG_SWAP)
-    assert rel_l2(y.cpu(), ref) < 1e-5
+    # GPU: Hopper's FP8 MMA sums within a K tile with ~14 bits before the fp32 promotion (9.4e-5 measured, H200, s16);
+    # a drifting low-precision accumulator over K = 2048 would be far above that
+    assert rel_l2(y.cpu(), ref) < (1e-5 if DEV == "cpu" else 2e-4)
 
 
 def test_kernel_bad_args():

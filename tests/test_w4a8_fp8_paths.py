@@ -9,6 +9,9 @@ from tests.tolerances import KERNEL_VS_REF, rel_l2
 from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 DEV = "cuda" if GPU else "cpu"
+# kernel vs reference_gemm (float64): the interpreter sums in fp32; Hopper's FP8 MMA sums its products with ~14 bits
+# before the fp32 promotion (4.9e-5 .. 1.03e-4 measured by these tests on the H200, session 16)
+SAME_REF = 1e-5 if DEV == "cpu" else 2e-4
 
 
 def _weights(N, K, g, seed=0, silu=False, zero_group=True):
@@ -173,7 +176,7 @@ def test_fused_op_opcheck():
 
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     codes, sc, inv = _weights(16, 64, 32)
-    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=DEV)  # the weights' device
     torch.library.opcheck(_w4a8_fp8_linear_fused, (x, codes, sc, inv, 64, 32, None, None, False), test_utils=utils)
 
 
@@ -248,7 +251,7 @@ def test_kstep_several_k_tiles_per_iteration(kstep, split, mode, g):
                KSTEP=kstep, MODE=mode)
     y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, config=cfg)
     ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
-    assert rel_l2(y.cpu(), ref) < 1e-5
+    assert rel_l2(y.cpu(), ref) < SAME_REF
 
 
 @pytest.mark.parametrize("M,N,K,g,cfg", [
@@ -266,7 +269,7 @@ def test_tma_code_loads(M, N, K, g, cfg):
              **cfg)
     y = w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, config=c)
     ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
-    assert rel_l2(y.cpu(), ref) < 1e-5
+    assert rel_l2(y.cpu(), ref) < SAME_REF
 
 
 @pytest.mark.parametrize("M,N,K,g,cfg", [
@@ -300,7 +303,7 @@ def test_cat_one_dot_per_k_tile(M, N, K, g, cfg):
     else:
         assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
-    assert rel_l2(outs[1].cpu(), ref) < 1e-5
+    assert rel_l2(outs[1].cpu(), ref) < SAME_REF
 
 
 @pytest.mark.parametrize("M,N,K,g,split", [(130, 72, 600, 128, 1), (70, 64, 900, 32, 3), (200, 40, 128, 64, 1)])
@@ -379,7 +382,7 @@ def test_tiled_codes_kernel_equals_row_major(M, N, K, g, cfg):
     y1 = w4a8_fp8_gemm(xq, sx, tc, sc, inv, K, g, out_dtype=torch.float32, config=c, tiled=True)
     assert torch.equal(y0, y1)
     ref = reference_gemm(xq.cpu(), sx.cpu(), tc.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32, tiled=True)
-    assert rel_l2(y1.cpu(), ref) < 1e-5
+    assert rel_l2(y1.cpu(), ref) < SAME_REF
 
 
 def test_tiled_codes_errors():

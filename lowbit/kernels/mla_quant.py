@@ -46,7 +46,7 @@ def _latent_quant_kernel(
     # pointers
     X, SLOT, C, R, S,
     # sizes
-    NROWS,
+    NROWS, NSLOTS,
     # strides
     stride_x, stride_c, stride_r,
     # constexpr
@@ -61,8 +61,9 @@ def _latent_quant_kernel(
     rows = offs_t.to(tl.int64)
     c = tl.load(X + rows[:, None] * stride_x + offs_c[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
     r = tl.load(X + rows[:, None] * stride_x + DC + offs_r[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-    if PAGED:
+    if PAGED:  # slots outside the cache are not written (on the GPU the op does not read slots back to check)
         dst = tl.load(SLOT + offs_t, mask=t_ok, other=0)
+        t_ok = t_ok & (dst >= 0) & (dst < NSLOTS)
     else:
         dst = rows
     if FP8:
@@ -122,7 +123,9 @@ def _block_t(dc: int) -> int:
 def latent_quant_triton(x: torch.Tensor, kv_lora_rank: int, *, out=None, slots=None, fp8: bool = True):
     """Quantize rows ``x [R, Dc+Dr]``. Without ``out``: returns new (content fp8 [R, Dc], scale fp32 [R],
     rope bf16 [R, Dr]) (Fused-Q-Quant). With ``out=(content, rope, scale)`` cache tensors and ``slots``
-    [R] int64: scatters row i to slot ``slots[i]`` (Fused-K-Append; ``scale`` unused without fp8)."""
+    [R] int64: scatters row i to slot ``slots[i]`` (Fused-K-Append; ``scale`` unused without fp8); a slot
+    outside ``[0, content.shape[0])`` is skipped (the op raises for CPU slot tensors; on the GPU it does not
+    read them back, so the kernel must not write out of bounds)."""
     Rn, D = x.shape
     dc, dr = kv_lora_rank, D - kv_lora_rank
     if out is None:
@@ -137,7 +140,7 @@ def latent_quant_triton(x: torch.Tensor, kv_lora_rank: int, *, out=None, slots=N
     dummy = s if s is not None else torch.empty(1, device=x.device, dtype=torch.float32)
     _latent_quant_kernel[(cdiv(Rn, bt),)](
         x, slots if slots is not None else dummy, c, r, dummy,
-        Rn, x.stride(0), c.stride(0), r.stride(0),
+        Rn, c.shape[0], x.stride(0), c.stride(0), r.stride(0),
         DC=dc, DR=dr, BLOCK_T=bt, FP8=fp8, PAGED=slots is not None, INTERPRET=interpret_mode(), num_warps=4,
     )
     return c, s, r
