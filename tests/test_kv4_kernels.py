@@ -256,6 +256,12 @@ def test_ops_dispatch_and_errors():
         ops.decode_kv4(torch.randn(B, Hq, 17, D).to(DEV), kc, ks, vc, vs, pt, lengths)
     with pytest.raises(ValueError, match="cos"):
         ops.kv4_append(k, k, kc, ks, vc, vs, pt, start, cos=torch.randn(B, 20, D).to(DEV))
+    if start.device.type == "cpu":  # host-side check (CUDA start tensors are not read back)
+        cap = pt.shape[1] * page
+        with pytest.raises(ValueError, match="start"):
+            ops.kv4_append(k, k, kc, ks, vc, vs, pt, torch.full((B,), cap - 19, dtype=torch.int32))
+        with pytest.raises(ValueError, match="start"):
+            ops.kv4_append(k, k, kc, ks, vc, vs, pt, torch.full((B,), -1, dtype=torch.int32))
 
 
 def test_opcheck():

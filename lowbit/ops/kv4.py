@@ -233,6 +233,10 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
     check_tensor(start, "start", dtype=torch.int32, shape=[B])
     if page_table.shape[0] != B:
         raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    if start.device.type == "cpu" and B and (int(start.min()) < 0 or int(start.max()) + T > page_table.shape[1] * PAGE):
+        # (a host-side check: CUDA start tensors are not read back, which would sync the device)
+        raise ValueError(f"start + T must lie in [0, {page_table.shape[1] * PAGE}] (page_table columns x page size), "
+                         f"got start in [{int(start.min())}, {int(start.max())}] with T={T}")
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must be given together")
     if cos is not None:
