@@ -43,9 +43,8 @@ def checks():
         (2, 16, 1, [4096, 33], None, True),
         (1, 10, 1, [2049], 2, False),
     ]
-    ssm_modes = [False, True] if os.environ.get("S17_SSM", "0") == "1" else [False]
-    for (B, H, Sq, lens, splits, pv16), ssm in [(c, m) for c in cases for m in ssm_modes]:
-        name = f"B{B} H{H} Sq{Sq} lens{lens} splits{splits} pv16={pv16} ssm={ssm}"
+    for B, H, Sq, lens, splits, pv16 in cases:
+        name = f"B{B} H{H} Sq{Sq} lens{lens} splits{splits} pv16={pv16}"
         try:
             c = make_caches(B, max(lens), fp8=True, bf16=False, seed=1)
             cache = c["fp8"]
@@ -56,7 +55,7 @@ def checks():
             o, plan = mla_decode_few_gluon(qc.view(B, R, 512), qr.view(B, R, 64), qs.view(B, R),
                                            *(x.flatten(0, 1) for x in cache), c["page_table"], sl, num_heads=H,
                                            sm_scale=576 ** -0.5, max_seq_len=max(lens), page_size=64, num_splits=splits,
-                                           pv16=pv16, ssm=ssm, return_plan=True)
+                                           pv16=pv16, return_plan=True)
             torch.cuda.synchronize()
             emu = mla_decode_ref(q, cache, c["page_table"], sl, p_block=(plan["block_n"], plan["chunk"], 0.0,
                                  torch.float16 if pv16 else torch.float8_e4m3fn, "row"))
@@ -105,8 +104,6 @@ def times():
                     kw["pv16"] = True
                 elif tok == "nolazy":
                     kw["lazy"] = False
-                elif tok == "ssm":
-                    kw["ssm"] = True
                 elif tok.startswith("bn"):
                     kw["block_n"] = int(tok[2:])
             fns[f"fp8 gluon {v}"] = (lambda kw=kw: mla_decode_few_gluon(*fp8_args, **common, **kw))

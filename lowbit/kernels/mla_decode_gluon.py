@@ -51,7 +51,6 @@ MAX_ROWS = 16  # (query tokens x heads) per sequence: one m16 MMA tile
 BLOCK_N = 32  # tokens per loop step
 STAGES = 2  # cp.async ring depth (the next block in flight while one computes; 3 measured no faster)
 NUM_WARPS = 4
-SSM_DEFAULT = False  # the softmax split over the warps (session 17 option; see _block_ssm)
 CTAS_PER_SM = 2  # ~100 KB of shared memory per program: two resident per SM (split plan)
 
 
@@ -78,17 +77,12 @@ if HAS_GLUON:
     @gluon.jit
     def _issue(ring_c, ring_r, ring_s, stage, KC, KR, KS, page, n0, end, stride_kc, stride_kr,
                KW: gl.constexpr, RW: gl.constexpr, NW: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-               CLC: gl.constexpr, CLR: gl.constexpr, CLS: gl.constexpr, SSM: gl.constexpr = False):
+               CLC: gl.constexpr, CLR: gl.constexpr, CLS: gl.constexpr):
         """cp.async of the block at ``n0`` (content, RoPE and scale rows of one page) into ``stage`` of the rings."""
         slot0 = page * PAGE + n0 % PAGE
         _copy_rows(ring_c.index(stage), KC, stride_kc, slot0, n0, end, KW, NW, BLOCK_N, CLC)
         _copy_rows(ring_r.index(stage), KR, stride_kr, slot0, n0, end, RW, NW, BLOCK_N, CLR)
-        if SSM:  # scales as [NW, BLOCK_N // NW] (quarter q of the block's tokens)
-            tq = gl.arange(0, NW, layout=gl.SliceLayout(1, CLS))
-            tj = gl.arange(0, BLOCK_N // NW, layout=gl.SliceLayout(0, CLS))
-            ts = tq[:, None] * (BLOCK_N // NW) + tj[None, :]
-        else:
-            ts = gl.arange(0, BLOCK_N, layout=CLS)
+        ts = gl.arange(0, BLOCK_N, layout=CLS)
         _cp_async(ring_s.index(stage), KS + slot0 + ts, mask=(n0 + ts) < end)  # (threads beyond 8 duplicate)
         _async_copy.commit_group()
 
@@ -182,111 +176,13 @@ if HAS_GLUON:
         return m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2
 
     @gluon.jit
-    def _block_ssm(it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red4, pbuf, KC, KR, KS, pg_next, pg_next2,
-               q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
-               KW: gl.constexpr, RW: gl.constexpr, KQ: gl.constexpr, NW: gl.constexpr, BM: gl.constexpr,
-               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV16: gl.constexpr,
-               LAZY: gl.constexpr, MASK: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr, CLS: gl.constexpr,
-                   LS4: gl.constexpr):
-        """``_block`` with the softmax split over the warps (``SSM``): warp q sums the four QK^T partials of the
-        tokens ``[8 q, 8 q + 8)`` only and runs the softmax on them (the row max and the P scale reduced across
-        the warps; the denominators stay per thread in ``l_i [NW, 16, 8]`` until the epilogue); P̂ goes to every
-        warp through shared memory for P·V. ``m_i`` / ``sig_i`` / ``qscale`` / ``lim`` are in the row layout of
-        the split scores."""
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
-        b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-        a16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        s_l: gl.constexpr = gl.SliceLayout(0, mma)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
-        L3: gl.constexpr = gl.SliceLayout(3, LS4)  # [NW (token quarter), 16 rows, 8 tokens]
-        qtok: gl.constexpr = gl.SliceLayout(1, L3)
-        BQ: gl.constexpr = BLOCK_N // NW
-        zero = gl.zeros([NW, BM, BLOCK_N], gl.float32, layout=mma)
-        n0 = start + it * BLOCK_N
-        stage = it % STAGES
-        _async_copy.wait_group(STAGES - 2)
-        _bar()
-        # QK^T partial of warp w over its content and RoPE columns (fp8 -> fp16 exact), then the sum
-        kst = ring_c.index(stage)
-        ks = ring_s.index(stage).load(qtok)  # token scales [NW, 8] (0 past the end)
-        k16 = kst.slice(0, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)  # [NW, KQ, BLOCK_N]
-        tile16.slice(0, KQ, dim=2).permute([0, 2, 1]).store(k16)  # the same values, kept for P·V
-        s3 = _mma_v2(q0, k16, zero)
-        k16 = kst.slice(KQ, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)
-        tile16.slice(KQ, KQ, dim=2).permute([0, 2, 1]).store(k16)
-        s3 = _mma_v2(q1, k16, s3)
-        k16 = kst.slice(2 * KQ, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)
-        tile16.slice(2 * KQ, KQ, dim=2).permute([0, 2, 1]).store(k16)
-        s3 = _mma_v2(q2, k16, s3)
-        k16 = kst.slice(3 * KQ, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)
-        tile16.slice(3 * KQ, KQ, dim=2).permute([0, 2, 1]).store(k16)
-        s3 = _mma_v2(q3, k16, s3)
-        s3 = _mma_v2(qr, ring_r.index(stage).permute([0, 2, 1]).load(b16), s3)
-        # next block's copies (the stage read last iteration; the barrier above retired its reads)
-        nf = n0 + (STAGES - 1) * BLOCK_N
-        _issue(ring_c, ring_r, ring_s, (it + STAGES - 1) % STAGES, KC, KR, KS, pg_next, nf, end, stride_kc,
-               stride_kr, KW, RW, NW, PAGE, BLOCK_N, CLC, CLR, CLS, True)
-        pg_next = pg_next2
-        pg_next2 = gl.load(ptb + gl.minimum(nf + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
-        # partial p of token quarter q -> red4[p, q]; warp q sums the four partials of its quarter
-        red4.store(gl.permute(gl.reshape(s3, [NW, BM, NW, BQ]), [0, 2, 1, 3]))
-        _bar()
-        s = gl.sum(red4.permute([1, 2, 3, 0]).load(LS4), axis=3)  # [NW (q), 16, 8]
-        t = s * ks[:, None, :]
-        if MASK:
-            kpos = n0 + gl.arange(0, NW, layout=gl.SliceLayout(1, qtok))[:, None] * BQ \
-                + gl.arange(0, BQ, layout=gl.SliceLayout(0, qtok))[None, :]
-            t = gl.where((kpos[:, None, :] < lim[None, :, None]) & (kpos < end)[:, None, :], t, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(gl.max(t, axis=2), axis=0) * qscale)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_safe))
-        sig_keep = sig_i * alpha
-        p = gl.exp2(t * qscale[None, :, None] - m_safe[None, :, None])
-        pt = p * ks[:, None, :]
-        sig_new = gl.maximum(gl.max(gl.max(pt, axis=2), axis=0) * (1.0 / 448.0), sig_keep)
-        inv_sig = gl.where(sig_new > 0, 1.0 / sig_new, 0.0)
-        r = gl.where(sig_new == sig_keep, 1.0, sig_keep * inv_sig)
-        pv = pt * inv_sig[None, :, None]
-        l_i = l_i * r[None, :, None] + p * inv_sig[None, :, None]
-        m_i = m_new
-        sig_i = sig_new
-        if PV16:
-            p16 = gl.minimum(pv, 448.0).to(gl.float16)
-        else:
-            p16 = pv.to(gl.float8e4nv).to(gl.float16)  # cvt.rn.satfinite: P̂ <= 448, exact upcast
-        pq = gl.reshape(gl.permute(p16, [1, 0, 2]), [1, BM, BLOCK_N])
-        for c in gl.static_range(NW):  # one copy per warp: each reads its own as the P·V A operand
-            pbuf.slice(c, 1, dim=0).store(pq)
-        _bar()  # P̂ and every warp's tile16 slice written
-        pa = pbuf.load(a16)
-        r = gl.convert_layout(r, row_l)
-        r3 = gl.expand_dims(gl.expand_dims(r, 1), 0)
-        if LAZY:  # CTA-uniform branch (r is the same in every warp): most blocks move neither m nor sigma
-            if gl.min(r, axis=0) < 1.0:
-                acc0 = acc0 * r3
-                acc1 = acc1 * r3
-                acc2 = acc2 * r3
-                acc3 = acc3 * r3
-        else:
-            acc0 = acc0 * r3
-            acc1 = acc1 * r3
-            acc2 = acc2 * r3
-            acc3 = acc3 * r3
-        acc0 = _mma_v2(pa, tile16.slice(0, KQ, dim=2).load(b16), acc0)
-        acc1 = _mma_v2(pa, tile16.slice(KQ, KQ, dim=2).load(b16), acc1)
-        acc2 = _mma_v2(pa, tile16.slice(2 * KQ, KQ, dim=2).load(b16), acc2)
-        acc3 = _mma_v2(pa, tile16.slice(3 * KQ, KQ, dim=2).load(b16), acc3)
-        return m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2
-
-    @gluon.jit
     def _mla_decode_few_kernel(
         QC, QR, QS, KC, KR, KS, PT, SEQ, O, LSE,
         sm_scale_log2e, H, SQ, ROWS, chunk,
         stride_qc, stride_qr, stride_pt, stride_o, stride_os, stride_ls,
         stride_kc: gl.constexpr, stride_kr: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         SPLIT: gl.constexpr, PV16: gl.constexpr, NW: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr,
-        CLS: gl.constexpr, LAZY: gl.constexpr = True, SSM: gl.constexpr = False, LS4: gl.constexpr = None,
+        CLS: gl.constexpr, LAZY: gl.constexpr = True,
     ):
         BM: gl.constexpr = 16
         KW: gl.constexpr = DC // NW  # content columns per warp (QK reduction slice = P·V output slice)
@@ -312,16 +208,8 @@ if HAS_GLUON:
 
         ring_c = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, NW, BLOCK_N, KW], sw8)
         ring_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NW, BLOCK_N, RW], flat)
-        if SSM:
-            ring_s = gl.allocate_shared_memory(gl.float32, [STAGES, NW, BLOCK_N // NW], gl.SwizzledSharedLayout(
-                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-            red4 = gl.allocate_shared_memory(gl.float32, [NW, NW, BM, BLOCK_N // NW], gl.SwizzledSharedLayout(
-                vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0]))
-            pbuf = gl.allocate_shared_memory(gl.float16, [1, NW, BM, BLOCK_N], gl.SwizzledSharedLayout(
-                vec=8, per_phase=2, max_phase=4, order=[2, 1, 0])).index(0)
-        else:
-            ring_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N],
-                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        ring_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N],
+                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         tile16 = gl.allocate_shared_memory(gl.float16, [NW, BLOCK_N, KW], sw16)
         # the QK^T partials of the warps, summed through shared memory; rows padded by 8 floats so the
         # accumulator fragments (8 rows x 4 lanes of 8 bytes per instruction) do not collide in banks
@@ -334,7 +222,7 @@ if HAS_GLUON:
             nb = start + i * BLOCK_N
             pg = gl.load(ptb + gl.minimum(nb, last) // PAGE).to(gl.int64)
             _issue(ring_c, ring_r, ring_s, i, KC, KR, KS, pg, nb, end, stride_kc, stride_kr, KW, RW, NW, PAGE, BLOCK_N,
-                   CLC, CLR, CLS, SSM)
+                   CLC, CLR, CLS)
 
         # ---- query: warp w holds its content slice (fp16, exact upcast of the FP8 codes) and RoPE slice
         w8 = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, a8)))
@@ -356,6 +244,9 @@ if HAS_GLUON:
         qscale = gl.load(QS + b * ROWS + r_idx, mask=row_ok, other=1.0) * sm_scale_log2e  # > 0
         lim = seq_len - SQ + 1 + r_idx // H  # causal among the Sq query tokens: keys [0, lim)
 
+        m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([BM], gl.float32, layout=row_l)
+        sig_i = gl.zeros([BM], gl.float32, layout=row_l)
         acc0 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)  # warp w: output columns w KW + [0, KW), 4 chunks
         acc1 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)
         acc2 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)
@@ -366,40 +257,16 @@ if HAS_GLUON:
         # whole blocks seen by every row first (no score masks), then the split's ragged / causal tail
         vis = gl.minimum(end, seq_len - SQ + 1)
         nfull = gl.maximum(vis - start, 0) // BLOCK_N
-        if SSM:
-            row3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, LS4)))
-            qs3 = gl.convert_layout(qscale, row3)
-            lim3 = gl.convert_layout(lim, row3)
-            m_i = gl.full([BM], float("-inf"), gl.float32, layout=row3)
-            sig_i = gl.zeros([BM], gl.float32, layout=row3)
-            l3 = gl.zeros([NW, BM, BLOCK_N // NW], gl.float32, layout=gl.SliceLayout(3, LS4))
-            for it in range(0, nfull):
-                m_i, l3, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block_ssm(
-                    it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red4, pbuf, KC, KR, KS, pg_next,
-                    pg_next2, q0, q1, q2, q3, qr, qs3, lim3, m_i, l3, sig_i, acc0, acc1, acc2, acc3, stride_kc,
-                    stride_kr, KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, LAZY, False, CLC, CLR, CLS, LS4)
-            for it in range(nfull, nblk):
-                m_i, l3, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block_ssm(
-                    it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red4, pbuf, KC, KR, KS, pg_next,
-                    pg_next2, q0, q1, q2, q3, qr, qs3, lim3, m_i, l3, sig_i, acc0, acc1, acc2, acc3, stride_kc,
-                    stride_kr, KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, LAZY, True, CLC, CLR, CLS, LS4)
-            l_i = gl.convert_layout(gl.sum(gl.sum(l3, axis=2), axis=0), row_l)
-            m_i = gl.convert_layout(m_i, row_l)
-            sig_i = gl.convert_layout(sig_i, row_l)
-        else:
-            m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_l)
-            l_i = gl.zeros([BM], gl.float32, layout=row_l)
-            sig_i = gl.zeros([BM], gl.float32, layout=row_l)
-            for it in range(0, nfull):
-                m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block(
-                    it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red, KC, KR, KS, pg_next, pg_next2,
-                    q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
-                    KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, LAZY, False, CLC, CLR, CLS)
-            for it in range(nfull, nblk):
-                m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block(
-                    it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red, KC, KR, KS, pg_next, pg_next2,
-                    q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
-                    KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, LAZY, True, CLC, CLR, CLS)
+        for it in range(0, nfull):
+            m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block(
+                it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red, KC, KR, KS, pg_next, pg_next2,
+                q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
+                KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, LAZY, False, CLC, CLR, CLS)
+        for it in range(nfull, nblk):
+            m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block(
+                it, start, end, last, ptb, ring_c, ring_r, ring_s, tile16, red, KC, KR, KS, pg_next, pg_next2,
+                q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
+                KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, LAZY, True, CLC, CLR, CLS)
         _async_copy.wait_group(0)
 
         # ---- epilogue: O / l (and the base-2 LSE of the split)
@@ -435,7 +302,7 @@ def _copy_layout(width: int, vec: int):
 def mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                          max_seq_len: int, page_size: int, out_dtype=torch.bfloat16, num_splits: int | None = None,
                          block_n: int = BLOCK_N, stages: int = STAGES, pv16: bool = False, ctas_per_sm: int = CTAS_PER_SM,
-                         lazy: bool = False, ssm: bool = SSM_DEFAULT,
+                         lazy: bool = False,
                          return_plan: bool = False):
     """Launch (GPU, FP8 cache, ``supported(...)``). Arguments as ``mla_decode_triton``'s: ``qc`` [B, ROWS, Dc] fp8,
     ``qr`` [B, ROWS, Dr] bf16, ``qs`` [B, ROWS] fp32; cache rows ``kc`` [slots, Dc] fp8, ``kr`` [slots, Dr] bf16,
@@ -455,11 +322,7 @@ def mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_he
         qc2.stride(0), qr2.stride(0), page_table.stride(0), so, sos, sls, kc.stride(0), kr.stride(0),
         DC=DC, DR=DR, PAGE=page_size, BLOCK_N=block_n, STAGES=stages, SPLIT=splits > 1, PV16=bool(pv16),
         LAZY=bool(lazy), NW=NUM_WARPS, CLC=_copy_layout(DC // NUM_WARPS, 16), CLR=_copy_layout(DR // NUM_WARPS, 8),
-        CLS=(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
-             if ssm else gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[NUM_WARPS], order=[0])),
-        SSM=bool(ssm), LS4=gl.BlockedLayout(size_per_thread=[1, 1, 4, NUM_WARPS], threads_per_warp=[1, 16, 2, 1],
-                                           warps_per_cta=[NUM_WARPS, 1, 1, 1], order=[3, 2, 1, 0]) if ssm else None,
-        num_warps=NUM_WARPS,
+        CLS=gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[NUM_WARPS], order=[0]), num_warps=NUM_WARPS,
     )
     combine_splits(ow, lse, out, splits)
     if return_plan:
