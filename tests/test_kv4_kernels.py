@@ -264,6 +264,28 @@ def test_ops_dispatch_and_errors():
             ops.kv4_append(k, k, kc, ks, vc, vs, pt, torch.full((B,), -1, dtype=torch.int32))
 
 
+def test_append_kernel_skips_positions_outside_the_page_table():
+    """The append kernel writes nothing for a position past the page table or a page outside the pool (the op
+    checks CPU start tensors on the host; CUDA ones are not read back): the other sequence is written as usual."""
+    B, Hkv, D, page, T = 2, 2, 64, 16, 3
+    pt, P = _page_table([20, 20], page)
+    kc, ks, vc, vs, _, _ = _pool(P, Hkv, page, D, False, FP8)
+    before = [t.clone() for t in (kc, ks, vc, vs)]
+    k = torch.randn(B, Hkv, T, D).to(DEV)
+    start = torch.tensor([0, pt.shape[1] * page - 1], dtype=torch.int32).to(DEV)  # sequence 1 runs past the table
+    kv4_append_triton(k, k, kc, ks, vc, vs, pt, start)
+    ref = [t.clone() for t in before]
+    ops.kv4_append_ref(k[:1], k[:1], *ref, pt[:1], start[:1])
+    ops.kv4_append_ref(k[1:, :, :1], k[1:, :, :1], *ref, pt[1:], start[1:])  # its one in-table token
+    for got, want in zip((kc, ks, vc, vs), ref):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    pt_bad = pt.clone()
+    pt_bad[0, 0] = P + 5  # a page outside the pool
+    kc2, ks2 = kc.clone(), ks.clone()
+    kv4_append_triton(k[:1], k[:1], kc, ks, vc, vs, pt_bad[:1], start[:1])
+    assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8)) and torch.equal(ks.view(torch.uint8), ks2.view(torch.uint8))
+
+
 def test_opcheck():
     B, Hq, Hkv, D, page = 1, 2, 1, 32, 16
     pt, P = _page_table([9], page)

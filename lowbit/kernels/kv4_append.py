@@ -130,7 +130,7 @@ def _kv4_append_kernel(
     # pointers
     K, V, COS, SIN, CRSK, PT, START, KC, KS, KZ, VC, VS, VZ, Q, QO,
     # sizes
-    T,
+    T, NPT, NPAGES,
     # strides
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_cb, stride_ct,
@@ -148,24 +148,29 @@ def _kv4_append_kernel(
     b = pid // T
     t = pid % T
     pos = tl.load(START + b) + t
-    page = tl.load(PT + b * stride_ptb + pos // PAGE).to(tl.int64)
+    # a position past the page table or a page outside the pool writes nothing (the op checks CPU start
+    # tensors on the host; CUDA ones are not read back, so the kernel must not read or write out of bounds)
+    in_table = (pos >= 0) & (pos < NPT * PAGE)
+    page = tl.load(PT + b * stride_ptb + tl.where(in_table, pos, 0) // PAGE).to(tl.int64)
+    ok = in_table & (page >= 0) & (page < NPAGES)
     off = pos % PAGE
     k_row = K + b * stride_kb + h * stride_kh + t * stride_kt
     v_row = V + b * stride_vb + h * stride_vh + t * stride_vt
-    if FLOAT:  # float pages: half-precision RoPE of k (lowbit.kernels.rope's bits), v copied
-        D_: tl.constexpr = 2 * HALF
-        dst = page * stride_cp + h * stride_ch + off * stride_cn
-        d = tl.arange(0, D_)
-        if ROPE:
-            rope_row(k_row, KC + dst, COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
-                     D_, ROW_BF16, INTERPRET)
+    if ok:
+        if FLOAT:  # float pages: half-precision RoPE of k (lowbit.kernels.rope's bits), v copied
+            D_: tl.constexpr = 2 * HALF
+            dst = page * stride_cp + h * stride_ch + off * stride_cn
+            d = tl.arange(0, D_)
+            if ROPE:
+                rope_row(k_row, KC + dst, COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
+                         D_, ROW_BF16, INTERPRET)
+            else:
+                tl.store(KC + dst + d, tl.load(k_row + d))
+            tl.store(VC + dst + d, tl.load(v_row + d))
         else:
-            tl.store(KC + dst + d, tl.load(k_row + d))
-        tl.store(VC + dst + d, tl.load(v_row + d))
-    else:
-        _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, page, off,
-                    stride_cb, stride_ct, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
-                    HALF, ROPE, INTERLEAVED, HAS_CRS, ZERO_POINT, SCALE_KIND)
+            _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, page, off,
+                        stride_cb, stride_ct, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+                        HALF, ROPE, INTERLEAVED, HAS_CRS, ZERO_POINT, SCALE_KIND)
 
     if ROPE_Q:  # (models area) the G query heads of KV head h, half-precision RoPE as lowbit.kernels.rope
         for g in tl.static_range(G):
@@ -228,7 +233,7 @@ def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, in
         k, v, cos_, sin_, crs_k if crs_k is not None else k, page_table, start,
         kc, ks_, kz if zero_point else ks_, vc, vs_, vz if zero_point else vs_,
         q_, qo_,
-        T,
+        T, page_table.shape[1], kc.shape[0],
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         cos_.stride(0) if rope else 0, cos_.stride(1) if rope else 0,
         page_table.stride(0),
