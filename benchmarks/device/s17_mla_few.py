@@ -42,6 +42,8 @@ def checks():
         (2, 4, 4, [1000, 37], None, False),
         (2, 16, 1, [4096, 33], None, True),
         (1, 10, 1, [2049], 2, False),
+        (2, 32, 1, [3001, 129], None, False),  # 2 row blocks (launcher only; the dispatch takes <= 16 rows)
+        (2, 16, 2, [1000, 37], 2, False),
     ]
     for B, H, Sq, lens, splits, pv16 in cases:
         name = f"B{B} H{H} Sq{Sq} lens{lens} splits{splits} pv16={pv16}"
@@ -78,7 +80,7 @@ def times():
     from lowbit.kernels.mla_decode_gluon import mla_decode_few_gluon
     from lowbit.kernels.mla_quant import latent_quant_triton
 
-    H = 16
+    H = int(os.environ.get("S17_H", "16"))
     cases = [tuple(int(v) for v in c.split(":")) for c in os.environ.get("S17_CASES", "128:16384,32:65536,64:4096").split(",")]
     variants = os.environ.get("S17_VARIANTS", "st3,st2").split(",")
     for B, L in cases:

@@ -1,5 +1,6 @@
 """FP8 MLA decode for few rows per sequence, in Gluon (GPU only): 16 heads x 1 query token (DeepSeek-V3
-under tensor parallelism 8), or up to 16 (query token, head) rows with MTP; the DeepSeek latent (512 + 64).
+under tensor parallelism 8), or up to 32 (query token, head) rows (16 per program) with MTP or 32 heads; the
+DeepSeek latent (512 + 64).
 
 Why a separate kernel (the Triton kernel ``lowbit.kernels.mla_decode`` stays the CPU / interpreter path and
 the fallback, ``gluon=False``): with 16 rows the decode is memory-bound (644 bytes and ~35k FLOPs per token),
@@ -47,7 +48,10 @@ except Exception:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
 LOG2E = 1.4426950408889634
-MAX_ROWS = 16  # (query tokens x heads) per sequence: one m16 MMA tile
+# (query tokens x heads) per sequence the dispatch sends here: 16 rows per program (one m16 tile), more rows as several
+# programs (row blocks fastest). H200, session 17, ms, FP8 Gluon / FP8 Triton / bf16: 32 rows (B=64 L=16k) 0.555 / 0.667
+# / 0.476, so up to 32 rows this is the faster FP8 path; 64 rows (B=32 L=16k) 0.556 / 0.348 / 0.303: the Triton tile
+MAX_ROWS = 32
 BLOCK_N = 32  # tokens per loop step
 STAGES = 2  # cp.async ring depth (the next block in flight while one computes; 3 measured no faster)
 NUM_WARPS = 4
@@ -55,7 +59,7 @@ CTAS_PER_SM = 2  # ~100 KB of shared memory per program: two resident per SM (sp
 
 
 def supported(rows: int, dc: int, dr: int, page_size: int, block_n: int = BLOCK_N) -> bool:
-    """Shapes this kernel takes (else the Triton kernel runs): <= 16 rows per sequence, the DeepSeek-V2/V3
+    """Shapes the dispatch sends here (else the Triton kernel runs): <= 32 rows per sequence, the DeepSeek-V2/V3
     latent (Dc = 512: 128 columns per warp; Dr = 64: one 16-column RoPE k-step per warp), pages a multiple
     of the 32-token block."""
     return HAS_GLUON and 1 <= rows <= MAX_ROWS and dc == 512 and dr == 64 and page_size % block_n == 0
@@ -198,8 +202,9 @@ if HAS_GLUON:
         sw16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 
-        pid_s = gl.program_id(0)
-        b = gl.program_id(1).to(gl.int64)
+        r0 = gl.program_id(0) * BM  # this program's 16 rows (row blocks fastest: they share the KV through L2)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
         seq_len = gl.load(SEQ + b)
         start = pid_s * chunk
         end = gl.minimum(start + chunk, seq_len)
@@ -226,7 +231,7 @@ if HAS_GLUON:
 
         # ---- query: warp w holds its content slice (fp16, exact upcast of the FP8 codes) and RoPE slice
         w8 = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, a8)))
-        r8 = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, a8)))
+        r8 = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, a8)))
         k8 = gl.arange(0, KQ, layout=gl.SliceLayout(0, gl.SliceLayout(1, a8)))
         q_ptr = QC + (b * ROWS + r8)[None, :, None] * stride_qc + (w8 * KW)[:, None, None] + k8[None, None, :]
         q_ok = (r8 < ROWS)[None, :, None]
@@ -235,11 +240,11 @@ if HAS_GLUON:
         q2 = gl.load(q_ptr + 2 * KQ, mask=q_ok, other=0.0).to(gl.float16)
         q3 = gl.load(q_ptr + 3 * KQ, mask=q_ok, other=0.0).to(gl.float16)
         wr = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, a16)))
-        rr = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, a16)))
+        rr = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, a16)))
         kr = gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(1, a16)))
         qr = gl.load(QR + (b * ROWS + rr)[None, :, None] * stride_qr + (wr * RW)[:, None, None] + kr[None, None, :],
                      mask=(rr < ROWS)[None, :, None], other=0.0)
-        r_idx = gl.arange(0, BM, layout=row_l)
+        r_idx = r0 + gl.arange(0, BM, layout=row_l)
         row_ok = r_idx < ROWS
         qscale = gl.load(QS + b * ROWS + r_idx, mask=row_ok, other=1.0) * sm_scale_log2e  # > 0
         lim = seq_len - SQ + 1 + r_idx // H  # causal among the Sq query tokens: keys [0, lim)
@@ -271,7 +276,7 @@ if HAS_GLUON:
 
         # ---- epilogue: O / l (and the base-2 LSE of the split)
         wo = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-        ro = gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+        ro = r0 + gl.arange(0, BM, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
         ko = gl.arange(0, KQ, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
         inv = gl.expand_dims(gl.expand_dims(gl.where(l_i > 0, 1.0 / l_i, 0.0), 1), 0)
         col = (wo * KW)[:, None, None] + ko[None, None, :]
@@ -312,11 +317,12 @@ def mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_he
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
     dev = qc.device
-    splits, chunk = plan_splits(B, 1, max_seq_len, block_n, dev, num_splits, ctas_per_sm)
+    row_blocks = -(-ROWS // 16)
+    splits, chunk = plan_splits(B, row_blocks, max_seq_len, block_n, dev, num_splits, ctas_per_sm)
     out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
     qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
     ow, lse, o_arg, so, sos, sls = split_workspace(out, splits)
-    kernel = _mla_decode_few_kernel[(splits, B)](
+    kernel = _mla_decode_few_kernel[(row_blocks, splits, B)](
         qc2, qr2, qs.reshape(B * ROWS), kc, kr, ks, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), page_table.stride(0), so, sos, sls, kc.stride(0), kr.stride(0),
