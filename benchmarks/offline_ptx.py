@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -23,6 +22,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
+from benchmarks._offline import PTXAS, assemble  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bm", type=int, default=64, help="tokens per program (BLOCK_M)")
@@ -37,7 +37,6 @@ SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y":
        "stride_xm": "i32", "stride_sg": "i32", "stride_ym": "i32"}
 # pointers and the strides / N divisible by 16, as Triton specializes them for the Llama shapes
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 15, 16, 17]}
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
 def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False) -> dict:
@@ -53,21 +52,6 @@ def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False) -> dict:
            "prmt": ptx.count("prmt.b32"),
            "ldmatrix": ptx.count("ldmatrix"), "bar.sync": ptx.count("bar.sync")}
     return assemble(ptx, row)
-
-
-def assemble(ptx: str, row: dict) -> dict:
-    """``row`` + registers / spills of ``ptx`` assembled for sm_90a by Triton's bundled ptxas."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
-        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True,
-                           text=True)
-    regs = re.findall(r"Used (\d+) registers", r.stderr)
-    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-    row.update(regs=int(regs[0]) if regs else None, spill_B=int(spills[0]) if spills else None,
-               ptxas_ok=r.returncode == 0)
-    return row
 
 
 rows = {}
