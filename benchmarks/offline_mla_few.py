@@ -35,7 +35,7 @@ sig = {"QC": "*fp8e4nv", "QR": "*bf16", "QS": "*fp32", "KC": "*fp8e4nv", "KR": "
 consts = dict(stride_kc=512, stride_kr=64, DC=512, DR=64, PAGE=64, BLOCK_N=G.BLOCK_N, STAGES=args.stages, SPLIT=split,
               PV16=args.pv16, NW=G.NUM_WARPS, CLC=G._copy_layout(512 // G.NUM_WARPS, 16),
               CLR=G._copy_layout(64 // G.NUM_WARPS, 8),
-              CLS=G.gl.BlockedLayout([4], [32], [G.NUM_WARPS], [0]), LAZY=False)
+              CLS=G._scale_layout())
 sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(10)) + [15, 16, 17, 18, 19, 20]}
 k = triton.compile(GluonASTSource(fn=G._mla_decode_few_kernel, signature=sig, constexprs=consts, attrs=attrs),

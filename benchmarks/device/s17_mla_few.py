@@ -104,8 +104,6 @@ def times():
                     kw["stages"] = int(tok[2:])
                 elif tok == "pv16":
                     kw["pv16"] = True
-                elif tok == "nolazy":
-                    kw["lazy"] = False
                 elif tok.startswith("bn"):
                     kw["block_n"] = int(tok[2:])
             fns[f"fp8 gluon {v}"] = (lambda kw=kw: mla_decode_few_gluon(*fp8_args, **common, **kw))

@@ -213,8 +213,9 @@ def reference_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scal
     like the eager model. ``residual`` (shaped like the output) is added last, in ``out_dtype``.
     ``tiled``: tile-major codes (``tile_codes``).
     """
-    w = cached_dense(lambda: dequantize_weight(codes, scales, k, group_size, tiled=tiled), codes, scales,
-                     tag=("fp8", k, group_size, tiled)).double()
+    # the float64 copy is what is kept (casting a cached float32 copy every call was most of a CPU decode step)
+    w = cached_dense(lambda: dequantize_weight(codes, scales, k, group_size, tiled=tiled).double(), codes, scales,
+                     tag=("fp8", k, group_size, tiled))
     y = (xq.double() @ w.t()) * sx.double().unsqueeze(-1) * float(inv_delta)
     if bias is not None:
         y = y + bias.double()

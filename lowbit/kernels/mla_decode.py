@@ -757,8 +757,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     if fp8 and pv_fp8 and not tau and not interp and gluon is not False and GLUON_FEW:
         from lowbit.kernels import mla_decode_gluon as G
 
-        if (G.supported(ROWS, DC, DR, page_size) and kc.stride(0) % 16 == 0 and kr.stride(0) % 8 == 0
-                and kc.data_ptr() % 16 == 0 and kr.data_ptr() % 16 == 0 and ks.data_ptr() % 16 == 0):
+        if G.supported(ROWS, DC, DR, page_size, kc, kr, ks):
             return G.mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, num_heads=num_heads,
                                           sm_scale=sm_scale, max_seq_len=max_seq_len, page_size=page_size,
                                           out_dtype=out_dtype, num_splits=num_splits, pv16=pv16,

@@ -314,12 +314,13 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     return model
 
 
-def _rope_kv(calibrate, model, batches, *, rpn, crs, alpha, beta, top_k, progress):
+def _rope_kv(calibrate, model, batches, *, rpn, crs, progress, **constants):
     """RPN + CRS calibration of an INT4 KV cache (FireQ §3.2; ``calibrate`` = ``calibrate_rpn_crs`` or None)
-    on the float model, RPN folded into its weights; returns the ``rope_kv`` parameters or None."""
+    on the float model, RPN folded into its weights; returns the ``rope_kv`` parameters or None.
+    ``constants``: alpha / beta / top_k where the recipe sets them (else ``calibrate``'s defaults)."""
     if calibrate is None:
         return None
-    kw = dict(alpha=alpha, beta=beta, top_k=top_k)
+    kw = dict(constants)
     if not crs:
         kw["top_k"] = 0  # no outlier pairs: RPN everywhere
     if _accepts(calibrate, "rpn"):
@@ -476,8 +477,7 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
         batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
                                       seed=seed)
     # an INT4 cache gets FireQ's RPN + CRS (calibrated on the float model, as in the fireq recipe)
-    rope_kv = _rope_kv(calibrate, model, batches, rpn=rpn, crs=crs, alpha=8.0, beta=8.0, top_k=None,
-                       progress=progress)
+    rope_kv = _rope_kv(calibrate, model, batches, rpn=rpn, crs=crs, progress=progress)
     model = _install_attention(name, model, kv=kv, attention=attention, rope_kv=rope_kv)
     opts = _linear_opts(group_size, linear_options)
     if linear == "lut":
