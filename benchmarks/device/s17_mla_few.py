@@ -5,7 +5,8 @@ one split and several); (t) times at H=16 (memory-bound) against the Triton FP8 
 caches, CUDA events (``lowbit.bench.harness.time_cuda``), TB/s on the fewest bytes (644 / 1152 B per token).
 
     python3 benchmarks/device/s17_mla_few.py --out DIR [--parts ct]
-Env: S17_VARIANTS (comma list of gluon variants: st3, st2, pv16), S17_CASES ("B:L,B:L").
+Env: S17_VARIANTS (comma list of gluon variants: st<stages>, pv16, bn<block_n>, r<maxnreg>, c<ctas_per_sm>;
+'+' joins), S17_CHECK_KW (comma list of launcher keyword sets for the checks, 'stages=1+maxnreg=168'; '' = defaults), S17_CASES ("B:L,B:L").
 """
 import json
 import os
@@ -45,8 +46,10 @@ def checks():
         (2, 32, 1, [3001, 129], None, False),  # 2 row blocks (launcher only; the dispatch takes <= 16 rows)
         (2, 16, 2, [1000, 37], 2, False),
     ]
-    for B, H, Sq, lens, splits, pv16 in cases:
-        name = f"B{B} H{H} Sq{Sq} lens{lens} splits{splits} pv16={pv16}"
+    kws = [dict(kw.split("=") for kw in v.split("+")) if v else {} for v in os.environ.get("S17_CHECK_KW", "").split(",")]
+    for (B, H, Sq, lens, splits, pv16), kw in [(c, k) for c in cases for k in kws]:
+        kw = {k: int(v) for k, v in kw.items()}
+        name = f"B{B} H{H} Sq{Sq} lens{lens} splits{splits} pv16={pv16} {kw}"
         try:
             c = make_caches(B, max(lens), fp8=True, bf16=False, seed=1)
             cache = c["fp8"]
@@ -57,7 +60,7 @@ def checks():
             o, plan = mla_decode_few_gluon(qc.view(B, R, 512), qr.view(B, R, 64), qs.view(B, R),
                                            *(x.flatten(0, 1) for x in cache), c["page_table"], sl, num_heads=H,
                                            sm_scale=576 ** -0.5, max_seq_len=max(lens), page_size=64, num_splits=splits,
-                                           pv16=pv16, return_plan=True)
+                                           pv16=pv16, return_plan=True, **kw)
             torch.cuda.synchronize()
             emu = mla_decode_ref(q, cache, c["page_table"], sl, p_block=(plan["block_n"], plan["chunk"], 0.0,
                                  torch.float16 if pv16 else torch.float8_e4m3fn, "row"))
@@ -104,6 +107,10 @@ def times():
                     kw["stages"] = int(tok[2:])
                 elif tok == "pv16":
                     kw["pv16"] = True
+                elif tok.startswith("r") and tok[1:].isdigit():
+                    kw["maxnreg"] = int(tok[1:])
+                elif tok.startswith("c") and tok[1:].isdigit():
+                    kw["ctas_per_sm"] = int(tok[1:])
                 elif tok.startswith("bn"):
                     kw["block_n"] = int(tok[2:])
             fns[f"fp8 gluon {v}"] = (lambda kw=kw: mla_decode_few_gluon(*fp8_args, **common, **kw))
