@@ -4,7 +4,7 @@ the registers / spills ptxas reports, and the SASS per block (the loops' lengths
 bundled cuobjdump), for the launcher's default constexprs or those given.
 
     python3 -m pip download triton==3.6.0 --no-deps -d /tmp/wh && python3 -m pip install --no-deps --target /tmp/t36 /tmp/wh/triton-3.6.0-*.whl
-    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_mla_few.py [--stages 2] [--block-n 16] [--maxnreg 0] [--pv16] [--ptx FILE]
+    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_mla_few.py [--stages 3] [--block-n 16] [--maxnreg 0] [--pv16] [--ptx FILE]
 
 Use the device's Triton (3.6) as above: Gluon's API differs between releases (3.9 renamed async_copy_global_to_shared).
 The numbers guide which variants to time; they are not a measurement.
@@ -35,7 +35,7 @@ sig = {"QC": "*fp8e4nv", "QR": "*bf16", "QS": "*fp32", "KC": "*fp8e4nv", "KR": "
        "SEQ": "*i32", "O": "*fp32" if split else "*bf16", "LSE": "*fp32", "sm_scale_log2e": "fp32", "H": "i32",
        "SQ": "i32", "ROWS": "i32", "chunk": "i32", "stride_qc": "i32", "stride_qr": "i32", "stride_pt": "i32",
        "stride_o": "i32", "stride_os": "i32", "stride_ls": "i32"}
-consts = dict(stride_kc=512, stride_kr=64, DC=512, DR=64, PAGE=64, BLOCK_N=args.block_n, STAGES=args.stages, AHEAD=max(args.stages - 1, 1), SPLIT=split,
+consts = dict(stride_kc=512, stride_kr=64, DC=512, DR=64, PAGE=64, BLOCK_N=args.block_n, STAGES=args.stages, SPLIT=split,
               PV16=args.pv16, NW=G.NUM_WARPS, CLC=G._copy_layout(512 // G.NUM_WARPS, 16),
               CLR=G._copy_layout(64 // G.NUM_WARPS, 8),
               CLS=G._scale_layout())

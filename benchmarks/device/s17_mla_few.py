@@ -5,7 +5,7 @@ one split and several); (t) times at H=16 (memory-bound) against the Triton FP8 
 caches, CUDA events (``lowbit.bench.harness.time_cuda``), TB/s on the fewest bytes (644 / 1152 B per token).
 
     python3 benchmarks/device/s17_mla_few.py --out DIR [--parts ct]
-Env: S17_VARIANTS (comma list of gluon variants: st<stages>, pv16, bn<block_n>, r<maxnreg>, c<ctas_per_sm>;
+Env: S17_VARIANTS (comma list of gluon variants: st<stages>, pv16, pv8t, bn<block_n>, r<maxnreg>, c<ctas_per_sm>;
 '+' joins), S17_CHECK_KW (comma list of launcher keyword sets for the checks, 'stages=1+maxnreg=168'; '' = defaults), S17_CASES ("B:L,B:L").
 """
 import json
@@ -105,8 +105,8 @@ def times():
             for tok in v.split("+"):
                 if tok.startswith("st"):
                     kw["stages"] = int(tok[2:])
-                elif tok == "pv16":
-                    kw["pv16"] = True
+                elif tok in ("pv16", "pv8t"):
+                    kw[tok] = True
                 elif tok.startswith("r") and tok[1:].isdigit():
                     kw["maxnreg"] = int(tok[1:])
                 elif tok.startswith("c") and tok[1:].isdigit():

@@ -28,9 +28,9 @@ Work decomposition (flash-decoding):
   and the one FP8 K tile cannot serve both dots' shared layouts, so it is not pipelined either
   (``DEQ16``, options: 0.86-1.02 TB/s). Since session 17 FP8 caches with at most 32 rows per sequence take
   the Gluon kernel of ``lowbit.kernels.mla_decode_gluon`` on the GPU instead (explicit cp.async copies, the
-  latent upcast to fp16 once in shared memory for P·V, warps splitting the QK^T reduction and then the
-  softmax rows: 2.94 TB/s (session 18) vs 1.22 for the tokens-as-M tile at B=128 L=16k); the tile above
-  stays the fallback (``gluon=False``);
+  P·V operand read from the FP8 stage as 16-bit column pairs with ``ldmatrix.trans`` and split by ``prmt``,
+  warps splitting the QK^T reduction and then the softmax rows: 3.4 TB/s (session 18) vs 1.22 for the
+  tokens-as-M tile at B=128 L=16k); the tile above stays the fallback (``gluon=False``);
 - the sequence is cut into ``num_splits`` chunks of ``chunk`` tokens (a multiple of BLOCK_N);
   grid = (row blocks x column slices, splits, batch), row blocks fastest so that the programs
   reading the same KV run side by side and share it through L2;
@@ -183,8 +183,8 @@ WIDE = {"fp8": dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one
 # block_m: the rows rounded up to a power of two; max_rows: the largest row count a path takes
 FEW_ROWS = 32
 # FP8 caches with <= 32 rows per sequence (16 heads x 1 token, MTP, 32 heads) take the Gluon kernel on the GPU
-# (lowbit.kernels.mla_decode_gluon; H200, B=128 H=16 L=16k: session 18 0.459 ms = 2.94 TB/s (session 17: 0.542) vs
-# 1.105 ms for the tokens-as-M tile below and 0.666 ms for the bf16 FEW tile, benchmarks/results/h200/s18_mla_few_r2.json)
+# (lowbit.kernels.mla_decode_gluon; H200, B=128 H=16 L=16k: session 18 0.395 ms = 3.42 TB/s (session 17: 0.542) vs
+# 1.102 ms for the tokens-as-M tile below and 0.660 ms for the bf16 FEW tile, benchmarks/results/h200/s18_mla_few.json)
 GLUON_FEW = True
 FEW = {"bf16": dict(block_n=32, num_warps=4, num_stages=2, s_ahead=False, even_loop=True, one_acc=True,
                     ctas_per_sm=2),

@@ -10,11 +10,10 @@ transpose 8-bit data, and Triton gave either byte-wise shared loads or an upcast
 
 Per program (one sequence, one split of its tokens; 4 warps; rows padded to the MMA's M = 16), per 32-token block:
 
-1. cp.async (``STAGES`` = 1 by default): the block's FP8 content ``[32, 512]``, bf16 RoPE part ``[32, 64]`` and
-   fp32 token scales, laid out warp-major (warp w owns content columns ``[128 w, 128 w + 128)`` and RoPE columns
-   ``[16 w, 16 w + 16)``); page-table entries read two blocks ahead. With one stage the next block's copies go
-   into the stage just read as soon as every warp is past step 2 (the barrier before the sum), so they overlap
-   steps 3-4 of this block; the smaller footprint (~66 KB) lets three programs share an SM (``maxnreg`` 168).
+1. cp.async ring (``STAGES`` = 2): the block's FP8 content ``[32, 512]``, bf16 RoPE part ``[32, 64]`` and fp32 token
+   scales, laid out warp-major (warp w owns content columns ``[128 w, 128 w + 128)`` and RoPE columns
+   ``[16 w, 16 w + 16)``); page-table entries read two blocks ahead. ~55 KB of shared memory and ``maxnreg`` 168:
+   three programs per SM.
 2. ``S = q̂_C · ĉ^T + q̃_R · k̃_R^T`` (SnapMLA's pre-scaled domain): each warp computes the partial over its
    columns on mma.sync m16n8k16 (fp32 accumulation) -- its content slice upcast FP8 -> fp16 in registers
    (exact), its query slice held as fp16 in registers (upcast once) -- and writes it to shared memory (rows
@@ -25,14 +24,18 @@ Per program (one sequence, one split of its tokens; 4 warps; rows padded to the 
    (monotone), ``P̂ = FP8(P̃ / σ)`` (fp16 with ``pv16``), σ folded into the rescale factor; ``P̂`` (a copy per
    warp) and the rescale factors go to every warp through shared memory. So
    ``mla_decode_ref(..., p_block=(32, chunk, 0, float8_e4m3fn, "row"))`` emulates this kernel exactly up to
-   fp32 summation order. (Session 17 had every warp sum and softmax all 16 rows: 27% more SASS per block.)
-4. ``O += P̂ · V``: the content slice each warp upcast in step 2 is also written as fp16 to shared memory and read
-   back with ``ldmatrix.trans`` (tokens as the reduction dimension); each warp accumulates its 128 value columns
-   (16 x 128 fp32 in four 32-column chunks, one shared buffer per chunk: slices of one buffer cost a barrier
-   between their stores).
+   fp32 summation order.
+4. ``O += P̂ · V`` with the tokens as the reduction dimension, from the same FP8 stage: ``ldmatrix`` cannot
+   transpose bytes, but it transposes 16-bit pairs, so the stage is read as int16 (columns 2p, 2p + 1 of one
+   token) with ``ldmatrix.trans``: each register then holds the pairs of two consecutive tokens, one ``prmt``
+   regroups them into (t0, t1) of column 2p and of column 2p + 1, and two exact ``cvt.rn.f16x2.e4m3x2`` give
+   the fp16 B operands of the even and of the odd columns (``_split_pairs``). Each warp accumulates its 128 value
+   columns as four 16 x 32 fp32 tiles (even / odd columns of its first and last 64); the epilogue writes them
+   back interleaved.
 
-Three barriers per block. H200, session 18, B=128 H=16 L=16k: 0.459 ms (2.94 TB/s) vs 0.526 for session 17's
-form (2 stages, all rows per warp, one fp16 buffer) and 0.666 for the bf16 path.
+Four barriers per block (three written, one the compiler adds). H200, session 18, B=128 H=16 L=16k: 0.396 ms (3.41 TB/s on 644 B per token) vs 0.664 for
+the bf16 path (1.68x); session 17's form (every warp softmaxed all rows; the content written to shared memory as
+fp16 and read back for P·V: 64 KB of extra shared traffic per block) 0.547.
 
 Split-KV partials use the Triton kernel's workspace (fp32 ``[splits, rows, Dc]`` + base-2 LSE) and its combine
 kernel. Layouts as in ``lowbit.kernels.mla_decode`` (row ``r = t * H + h``; cache rows contiguous, 16-byte aligned).
@@ -58,16 +61,16 @@ except Exception:  # pragma: no cover - older Triton
 
 LOG2E = 1.4426950408889634
 # (query tokens x heads) per sequence the dispatch sends here: 16 rows per program (one m16 tile), more rows as several
-# programs (row blocks fastest). H200, ms, FP8 Gluon / FP8 Triton / bf16: 32 rows (B=64 L=16k) session 18 0.453 / 0.663 /
-# 0.475 (session 17: 0.555 / 0.667 / 0.476), so up to 32 rows this is the faster FP8 path; 64 rows (B=32 L=16k, session
+# programs (row blocks fastest). H200, ms, FP8 Gluon / FP8 Triton / bf16: 32 rows (B=64 L=16k) session 18 0.395 / 0.668 /
+# 0.476 (session 17: 0.555 / 0.667 / 0.476), so up to 32 rows this is the faster FP8 path; 64 rows (B=32 L=16k, session
 # 17) 0.556 / 0.348 / 0.303: the Triton tile
 MAX_ROWS = 32
-BLOCK_N = 32  # tokens per loop step (16 measured slower: 0.549 vs 0.459 ms at 3 programs per SM)
-STAGES = 1  # cp.async stages (session 18, B=128 H=16 L=16k: 1 stage with 3 programs per SM 0.459 ms; 2 stages, 2 per
-# SM (~88 KB) 0.497; 1 stage at 2 per SM 0.507)
+BLOCK_N = 32  # tokens per loop step
+STAGES = 2  # cp.async ring depth (>= 2: P·V reads the stage after the QK^T barrier, so it cannot be refilled earlier)
 NUM_WARPS = 4
-CTAS_PER_SM = 3  # ~66 KB of shared memory and <= 168 registers per thread: three resident per SM (split plan)
-MAXNREG = 168  # 65536 registers / (3 x 128 threads); ptxas spills 24 bytes (stored before the loops, one load per block)
+CTAS_PER_SM = 3  # ~55 KB of shared memory and <= 168 registers per thread: three resident per SM (split plan)
+MAXNREG = 168  # 65536 registers / (3 x 128 threads); ptxas spills 8 bytes (no maxnreg: 235 registers, two per SM, the
+# same time: 0.397 vs 0.396 ms)
 
 
 def supported(rows: int, dc: int, dr: int, page_size: int, *cache: torch.Tensor, block_n: int = BLOCK_N) -> bool:
@@ -107,16 +110,24 @@ if HAS_GLUON:
         _async_copy.commit_group()
 
     @gluon.jit
-    def _block(it, start, end, last, ptb, ring_c, ring_r, ring_s, t16a, t16b, t16c, t16d, red, ps, rs, KC, KR, KS,
-               pg_next, pg_next2, q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc,
-               stride_kr, KW: gl.constexpr, RW: gl.constexpr, KQ: gl.constexpr, NW: gl.constexpr, BM: gl.constexpr,
-               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr,
-               PV16: gl.constexpr, MASK: gl.constexpr, SL: gl.constexpr, SL3: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr,
-               CLS: gl.constexpr):
-        """One block of tokens (the loop body): wait for its copies, QK^T partials, their sum, the online
-        softmax (this warp's rows), P·V; issues the copies of the block ``AHEAD`` ahead (``STAGES == 1``: into the stage just read, once
-        every warp is past its reads). ``MASK=False``: the block is whole and seen by every row (no token / causal
-        mask on the scores)."""
+    def _split_pairs(x):
+        """``x``: int16 byte pairs (FP8 columns 2p, 2p + 1) of two consecutive tokens per 32-bit register (a
+        ``k_width=2`` B operand, tokens as K) -> the fp16 B operands of the even and of the odd columns: one ``prmt``
+        (bytes t0.2p, t1.2p, t0.2p+1, t1.2p+1) and two exact ``cvt.rn.f16x2.e4m3x2`` per register."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $2, 0, 0x3120; mov.b32 {a, b}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+            "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+
+    @gluon.jit
+    def _block(it, start, end, last, ptb, ring_c, ring_c16, ring_r, ring_s, red, ps, rs, KC, KR, KS, pg_next, pg_next2,
+               q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
+               KW: gl.constexpr, RW: gl.constexpr, KQ: gl.constexpr, NW: gl.constexpr, BM: gl.constexpr,
+               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV16: gl.constexpr, MASK: gl.constexpr,
+               SL: gl.constexpr, SL3: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr, CLS: gl.constexpr):
+        """One block of tokens (the loop body): wait for its copies, QK^T partials, their sum, the online softmax
+        (this warp's rows), P·V; issues the copies STAGES - 1 blocks ahead. ``MASK=False``: the block is whole and seen
+        by every row (no token / causal mask on the scores)."""
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
         a16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -124,33 +135,26 @@ if HAS_GLUON:
         zero = gl.zeros([NW, BM, BLOCK_N], gl.float32, layout=mma)
         n0 = start + it * BLOCK_N
         stage = it % STAGES
-        _async_copy.wait_group(AHEAD - 1)
+        _async_copy.wait_group(STAGES - 2)
         _bar()
         # QK^T partial of warp w over its content and RoPE columns (fp8 -> fp16 exact), then the sum
         kst = ring_c.index(stage)
         ks = ring_s.index(stage).load(gl.SliceLayout(0, SL))  # token scales (0 past the end)
         k16 = kst.slice(0, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)  # [NW, KQ, BLOCK_N]
-        t16a.permute([0, 2, 1]).store(k16)  # the same values, kept for P·V
         s3 = _mma_v2(q0, k16, zero)
         k16 = kst.slice(KQ, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)
-        t16b.permute([0, 2, 1]).store(k16)
         s3 = _mma_v2(q1, k16, s3)
         k16 = kst.slice(2 * KQ, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)
-        t16c.permute([0, 2, 1]).store(k16)
         s3 = _mma_v2(q2, k16, s3)
         k16 = kst.slice(3 * KQ, KQ, dim=2).permute([0, 2, 1]).load(b8).to(gl.float16)
-        t16d.permute([0, 2, 1]).store(k16)
         s3 = _mma_v2(q3, k16, s3)
         s3 = _mma_v2(qr, ring_r.index(stage).permute([0, 2, 1]).load(b16), s3)
-        nf = n0 + AHEAD * BLOCK_N
-        if STAGES > 1:  # next block's copies into the stage read last iteration (the barrier above retired its reads)
-            _issue(ring_c, ring_r, ring_s, (it + AHEAD) % STAGES, KC, KR, KS, pg_next, nf, end, stride_kc,
-                   stride_kr, KW, RW, NW, PAGE, BLOCK_N, CLC, CLR, CLS)
+        # next block's copies into the stage read last iteration (the barrier above retired its reads)
+        nf = n0 + (STAGES - 1) * BLOCK_N
+        _issue(ring_c, ring_r, ring_s, (it + STAGES - 1) % STAGES, KC, KR, KS, pg_next, nf, end, stride_kc, stride_kr,
+               KW, RW, NW, PAGE, BLOCK_N, CLC, CLR, CLS)
         red.store(gl.reshape(s3, [NW * BM, BLOCK_N]))
         _bar()
-        if STAGES == 1:  # every warp is past its reads of the one stage
-            _issue(ring_c, ring_r, ring_s, 0, KC, KR, KS, pg_next, nf, end, stride_kc, stride_kr, KW, RW, NW, PAGE,
-                   BLOCK_N, CLC, CLR, CLS)
         pg_next = pg_next2
         pg_next2 = gl.load(ptb + gl.minimum(nf + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
         # warp w sums the partials of its rows [w BM / NW, (w + 1) BM / NW) and runs their online softmax, the
@@ -182,7 +186,7 @@ if HAS_GLUON:
         # P̂ (a copy per warp: its A operand) and the rows' rescale factors to every warp through shared memory
         ps.store(gl.expand_dims(p16, 0) + gl.zeros([NW, BM, BLOCK_N], gl.float16, layout=SL3))
         rs.store(r)
-        _bar()  # also: every warp's t16 slices written
+        _bar()
         pa = ps.load(a16)
         r3 = gl.expand_dims(gl.expand_dims(rs.load(gl.SliceLayout(1, gl.SliceLayout(0, mma))), 1), 0)
         # (a lazy rescale, skipped in a CTA-uniform branch when no row moved, measured slower: 0.599 vs 0.571 ms)
@@ -190,10 +194,15 @@ if HAS_GLUON:
         acc1 = acc1 * r3
         acc2 = acc2 * r3
         acc3 = acc3 * r3
-        acc0 = _mma_v2(pa, t16a.load(b16), acc0)
-        acc1 = _mma_v2(pa, t16b.load(b16), acc1)
-        acc2 = _mma_v2(pa, t16c.load(b16), acc2)
-        acc3 = _mma_v2(pa, t16d.load(b16), acc3)
+        # V fragments straight from the FP8 stage: byte pairs (columns 2p, 2p + 1) of two tokens through ldmatrix.trans,
+        # split into the even and the odd columns' operands (acc0 / acc1: the warp's first 64 columns, acc2 / acc3: last)
+        vst = ring_c16.index(stage)  # [NW, BLOCK_N, KW / 2] int16 view of the content
+        v_even, v_odd = _split_pairs(vst.slice(0, KW // 4, dim=2).load(b16))
+        acc0 = _mma_v2(pa, v_even, acc0)
+        acc1 = _mma_v2(pa, v_odd, acc1)
+        v_even, v_odd = _split_pairs(vst.slice(KW // 4, KW // 4, dim=2).load(b16))
+        acc2 = _mma_v2(pa, v_even, acc2)
+        acc3 = _mma_v2(pa, v_odd, acc3)
         return m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2
 
     @gluon.jit
@@ -202,7 +211,7 @@ if HAS_GLUON:
         sm_scale_log2e, H, SQ, ROWS, chunk,
         stride_qc, stride_qr, stride_pt, stride_o, stride_os, stride_ls,
         stride_kc: gl.constexpr, stride_kr: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        AHEAD: gl.constexpr, SPLIT: gl.constexpr, PV16: gl.constexpr, NW: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr,
+        SPLIT: gl.constexpr, PV16: gl.constexpr, NW: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr,
         CLS: gl.constexpr,
     ):
         BM: gl.constexpr = 16
@@ -223,8 +232,6 @@ if HAS_GLUON:
         SL: gl.constexpr = gl.SliceLayout(0, SL3)
         srow_l: gl.constexpr = gl.SliceLayout(1, SL)  # softmax state per row: in the row's warp
         sw8: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0])
-        sw16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=128 // (2 * KQ), max_phase=2 * KQ // 16,
-                                                     order=[2, 1, 0])  # rows of KQ fp16
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 
         r0 = gl.program_id(0) * BM  # this program's 16 rows (row blocks fastest: they share the KV through L2)
@@ -240,12 +247,9 @@ if HAS_GLUON:
         ring_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NW, BLOCK_N, RW], flat)
         ring_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N],
                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-        # the upcast content for P·V, one buffer per column chunk (slices of one buffer cost a barrier between
-        # their stores: the compiler's hazard analysis takes them for the same memory)
-        t16a = gl.allocate_shared_memory(gl.float16, [NW, BLOCK_N, KQ], sw16)
-        t16b = gl.allocate_shared_memory(gl.float16, [NW, BLOCK_N, KQ], sw16)
-        t16c = gl.allocate_shared_memory(gl.float16, [NW, BLOCK_N, KQ], sw16)
-        t16d = gl.allocate_shared_memory(gl.float16, [NW, BLOCK_N, KQ], sw16)
+        # the content stages viewed as int16 byte pairs (same bytes, same 16-byte swizzle): the P·V operand
+        ring_c16 = ring_c._reinterpret(gl.int16, [STAGES, NW, BLOCK_N, KW // 2],
+                                       gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
         # the QK^T partials of the warps, summed through shared memory; rows padded by 8 floats so the
         # accumulator fragments (8 rows x 4 lanes of 8 bytes per instruction) do not collide in banks
         # (gl.sum over the warp axis measured 8-way conflicts on both the stores and the loads)
@@ -257,7 +261,7 @@ if HAS_GLUON:
                                        gl.SwizzledSharedLayout(vec=8, per_phase=2, max_phase=4, order=[2, 1, 0]))
         rs = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         nblk = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        for i in gl.static_range(AHEAD):  # the first blocks' copies before the query is read
+        for i in gl.static_range(STAGES - 1):  # the first blocks' copies before the query is read
             nb = start + i * BLOCK_N
             pg = gl.load(ptb + gl.minimum(nb, last) // PAGE).to(gl.int64)
             _issue(ring_c, ring_r, ring_s, i, KC, KR, KS, pg, nb, end, stride_kc, stride_kr, KW, RW, NW, PAGE, BLOCK_N,
@@ -285,26 +289,26 @@ if HAS_GLUON:
         m_i = gl.full([BM], float("-inf"), gl.float32, layout=srow_l)
         l_i = gl.zeros([BM], gl.float32, layout=srow_l)
         sig_i = gl.zeros([BM], gl.float32, layout=srow_l)
-        acc0 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)  # warp w: output columns w KW + [0, KW), 4 chunks
+        acc0 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)  # warp w: output columns w KW + [0, KW) (see P·V)
         acc1 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)
         acc2 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)
         acc3 = gl.zeros([NW, BM, KQ], gl.float32, layout=mma)
         # page-table entries of the next two copies (the one issued this iteration and the one after)
-        pg_next = gl.load(ptb + gl.minimum(start + AHEAD * BLOCK_N, last) // PAGE).to(gl.int64)
-        pg_next2 = gl.load(ptb + gl.minimum(start + (AHEAD + 1) * BLOCK_N, last) // PAGE).to(gl.int64)
+        pg_next = gl.load(ptb + gl.minimum(start + (STAGES - 1) * BLOCK_N, last) // PAGE).to(gl.int64)
+        pg_next2 = gl.load(ptb + gl.minimum(start + STAGES * BLOCK_N, last) // PAGE).to(gl.int64)
         # whole blocks seen by every row first (no score masks), then the split's ragged / causal tail
         vis = gl.minimum(end, seq_len - SQ + 1)
         nfull = gl.maximum(vis - start, 0) // BLOCK_N
         for it in range(0, nfull):
             m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block(
-                it, start, end, last, ptb, ring_c, ring_r, ring_s, t16a, t16b, t16c, t16d, red, ps, rs, KC, KR, KS, pg_next, pg_next2,
+                it, start, end, last, ptb, ring_c, ring_c16, ring_r, ring_s, red, ps, rs, KC, KR, KS, pg_next, pg_next2,
                 q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
-                KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, AHEAD, PV16, False, SL, SL3, CLC, CLR, CLS)
+                KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, False, SL, SL3, CLC, CLR, CLS)
         for it in range(nfull, nblk):
             m_i, l_i, sig_i, acc0, acc1, acc2, acc3, pg_next, pg_next2 = _block(
-                it, start, end, last, ptb, ring_c, ring_r, ring_s, t16a, t16b, t16c, t16d, red, ps, rs, KC, KR, KS, pg_next, pg_next2,
+                it, start, end, last, ptb, ring_c, ring_c16, ring_r, ring_s, red, ps, rs, KC, KR, KS, pg_next, pg_next2,
                 q0, q1, q2, q3, qr, qscale, lim, m_i, l_i, sig_i, acc0, acc1, acc2, acc3, stride_kc, stride_kr,
-                KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, AHEAD, PV16, True, SL, SL3, CLC, CLR, CLS)
+                KW, RW, KQ, NW, BM, PAGE, BLOCK_N, STAGES, PV16, True, SL, SL3, CLC, CLR, CLS)
         _async_copy.wait_group(0)
 
         # ---- epilogue: O / l (and the base-2 LSE of the split)
@@ -317,7 +321,11 @@ if HAS_GLUON:
         r_idx = r0 + gl.arange(0, BM, layout=row_l)
         row_ok = r_idx < ROWS
         inv = gl.expand_dims(gl.expand_dims(gl.where(l_i > 0, 1.0 / l_i, 0.0), 1), 0)
-        col = (wo * KW)[:, None, None] + ko[None, None, :]
+        # acc0 / acc1: the even / odd columns of the warp's first 64, acc2 / acc3: of its last 64
+        col = (wo * KW)[:, None, None] + 2 * ko[None, None, :]
+        C1: gl.constexpr = 1
+        C2: gl.constexpr = KW // 2
+        C3: gl.constexpr = KW // 2 + 1
         ok = (ro < ROWS)[None, :, None] & (col < DC)
         if SPLIT:
             rows = b * ROWS + r_idx
@@ -325,15 +333,15 @@ if HAS_GLUON:
             gl.store(LSE + pid_s * stride_ls + rows, lse, mask=row_ok)
             o_ptr = O + pid_s * stride_os + (b * ROWS + ro)[None, :, None] * stride_o + col
             gl.store(o_ptr, acc0 * inv, mask=ok)
-            gl.store(o_ptr + KQ, acc1 * inv, mask=ok)
-            gl.store(o_ptr + 2 * KQ, acc2 * inv, mask=ok)
-            gl.store(o_ptr + 3 * KQ, acc3 * inv, mask=ok)
+            gl.store(o_ptr + C1, acc1 * inv, mask=ok)
+            gl.store(o_ptr + C2, acc2 * inv, mask=ok)
+            gl.store(o_ptr + C3, acc3 * inv, mask=ok)
         else:
             o_ptr = O + (b * ROWS + ro)[None, :, None] * stride_o + col
             gl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=ok)
-            gl.store(o_ptr + KQ, (acc1 * inv).to(O.dtype.element_ty), mask=ok)
-            gl.store(o_ptr + 2 * KQ, (acc2 * inv).to(O.dtype.element_ty), mask=ok)
-            gl.store(o_ptr + 3 * KQ, (acc3 * inv).to(O.dtype.element_ty), mask=ok)
+            gl.store(o_ptr + C1, (acc1 * inv).to(O.dtype.element_ty), mask=ok)
+            gl.store(o_ptr + C2, (acc2 * inv).to(O.dtype.element_ty), mask=ok)
+            gl.store(o_ptr + C3, (acc3 * inv).to(O.dtype.element_ty), mask=ok)
 
 @functools.lru_cache(maxsize=None)
 def _scale_layout():
@@ -355,8 +363,10 @@ def mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_he
                          maxnreg: int | None = MAXNREG, return_plan: bool = False):
     """Launch (GPU, FP8 cache, ``supported(...)``). Arguments as ``mla_decode_triton``'s: ``qc`` [B, ROWS, Dc] fp8,
     ``qr`` [B, ROWS, Dr] bf16, ``qs`` [B, ROWS] fp32; cache rows ``kc`` [slots, Dc] fp8, ``kr`` [slots, Dr] bf16,
-    ``ks`` [slots] fp32. ``stages`` / ``ctas_per_sm`` / ``maxnreg`` go together: 2 stages need ~88 KB of shared
-    memory (two programs per SM; ``ctas_per_sm=2, maxnreg=None``)."""
+    ``ks`` [slots] fp32. ``ctas_per_sm`` (the split plan) and ``maxnreg`` go together (3 programs per SM need <= 168
+    registers); ``stages`` >= 2."""
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2 (P·V reads the stage after the QK^T barrier), got {stages}")
     from lowbit.kernels.mla_decode import combine_splits, plan_splits, split_workspace
 
     B, ROWS, DC = qc.shape
@@ -371,9 +381,9 @@ def mla_decode_few_gluon(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_he
         qc2, qr2, qs.reshape(B * ROWS), kc, kr, ks, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk,
         qc2.stride(0), qr2.stride(0), page_table.stride(0), so, sos, sls, kc.stride(0), kr.stride(0),
-        DC=DC, DR=DR, PAGE=page_size, BLOCK_N=block_n, STAGES=stages, AHEAD=max(stages - 1, 1), SPLIT=splits > 1, PV16=bool(pv16),
+        DC=DC, DR=DR, PAGE=page_size, BLOCK_N=block_n, STAGES=stages, SPLIT=splits > 1, PV16=bool(pv16),
         NW=NUM_WARPS, CLC=_copy_layout(DC // NUM_WARPS, 16), CLR=_copy_layout(DR // NUM_WARPS, 8), CLS=_scale_layout(),
-        num_warps=NUM_WARPS, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        num_warps=NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     combine_splits(ow, lse, out, splits)
     if return_plan:
