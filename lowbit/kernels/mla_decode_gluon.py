@@ -113,7 +113,9 @@ if HAS_GLUON:
     def _split_pairs(x):
         """``x``: int16 byte pairs (FP8 columns 2p, 2p + 1) of two consecutive tokens per 32-bit register (a
         ``k_width=2`` B operand, tokens as K) -> the fp16 B operands of the even and of the odd columns: one ``prmt``
-        (bytes t0.2p, t1.2p, t0.2p+1, t1.2p+1) and two exact ``cvt.rn.f16x2.e4m3x2`` per register."""
+        (bytes t0.2p, t1.2p, t0.2p+1, t1.2p+1) and two exact ``cvt.rn.f16x2.e4m3x2`` per register. ``pack=2`` hands
+        the asm a thread's consecutive elements, which in the ``k_width=2`` layout are the two tokens of one register
+        (Triton leaves the grouping unspecified: the GPU tests against the emulating reference check it)."""
         return gl.inline_asm_elementwise(
             "{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $2, 0, 0x3120; mov.b32 {a, b}, t; "
             "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
