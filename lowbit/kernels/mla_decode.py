@@ -26,7 +26,7 @@ Work decomposition (flash-decoding):
   dimension, the 16 rows N; accumulator [512, 16]): 1.107 vs 1.299 ms (R13). The fp8 mma.sync
   tile does not pay here: Hopper has no FP8 mma.sync, Triton upcasts every fragment to fp16 (F2FP)
   and the one FP8 K tile cannot serve both dots' shared layouts, so it is not pipelined either
-  (``DEQ16``, options: 0.86-1.02 TB/s). Since session 17 FP8 caches with at most 32 rows per sequence take
+  (``DEQ16``, options: 0.86-1.02 TB/s). Since session 17 FP8 caches with at most 32 (48 since session 18) rows per sequence take
   the Gluon kernel of ``lowbit.kernels.mla_decode_gluon`` on the GPU instead (explicit cp.async copies, the
   P·V operand read from the FP8 stage as 16-bit column pairs with ``ldmatrix.trans`` and split by ``prmt``,
   warps splitting the QK^T reduction and then the softmax rows: 3.4 TB/s (session 18) vs 1.22 for the
@@ -182,7 +182,7 @@ WIDE = {"fp8": dict(block_m=128, dv_splits=2, s_ahead=False, even_loop=True, one
 # 16 rows at most (32 rows spill 240 B); the fp16-MMA variants (``deq16``) measured 1.32-1.57 ms.
 # block_m: the rows rounded up to a power of two; max_rows: the largest row count a path takes
 FEW_ROWS = 32
-# FP8 caches with <= 32 rows per sequence (16 heads x 1 token, MTP, 32 heads) take the Gluon kernel on the GPU
+# FP8 caches with <= 48 rows per sequence (16 heads x 1-3 tokens, 32 heads) take the Gluon kernel on the GPU
 # (lowbit.kernels.mla_decode_gluon; H200, B=128 H=16 L=16k: session 18 0.395 ms = 3.42 TB/s (session 17: 0.542) vs
 # 1.102 ms for the tokens-as-M tile below and 0.660 ms for the bf16 FEW tile, benchmarks/results/h200/s18_mla_few.json)
 GLUON_FEW = True
@@ -747,7 +747,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
     [B, Sq*H, Dc] in ``out_dtype`` (and, with ``return_plan``, a dict: splits, chunk, block_n,
     block_m and the compiled decode kernel, for the reference's emulation and for PTX checks).
-    Arguments are validated by ``lowbit.ops.mla.mla_decode``. ``gluon``: FP8 caches with at most 32 rows per
+    Arguments are validated by ``lowbit.ops.mla.mla_decode``. ``gluon``: FP8 caches with at most 48 rows per
     sequence run the Gluon kernel on the GPU (``lowbit.kernels.mla_decode_gluon``; None = where it applies,
     False = this Triton kernel)."""
     B, ROWS, DC = qc.shape
@@ -764,7 +764,7 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
                                           out_dtype=out_dtype, num_splits=num_splits, pv16=pv16,
                                           return_plan=return_plan)
     if gluon:
-        raise ValueError("gluon=True needs an FP8 cache with SnapMLA P (pv_fp8), at most 32 rows per sequence, "
+        raise ValueError("gluon=True needs an FP8 cache with SnapMLA P (pv_fp8), at most 48 rows per sequence, "
                          "Dc / Dr the Gluon kernel takes and a CUDA device without TRITON_INTERPRET")
     path = "bf16" if not fp8 else ("fp8-f16pv" if pv16 and pv_fp8 else "fp8" if pv_fp8 else "fp8-bf16pv")
     wide = WIDE.get(path) if (not interp and ROWS > 64 and not tau) else None

@@ -1,5 +1,5 @@
 """FP8 MLA decode for few rows per sequence, in Gluon (GPU only): 16 heads x 1 query token (DeepSeek-V3
-under tensor parallelism 8), or up to 32 (query token, head) rows (16 per program) with MTP or 32 heads; the
+under tensor parallelism 8), or up to 48 (query token, head) rows (16 per program) with MTP or 32 heads; the
 DeepSeek latent (512 + 64).
 
 Why a separate kernel (the Triton kernel ``lowbit.kernels.mla_decode`` stays the CPU / interpreter path and
@@ -61,10 +61,11 @@ except Exception:  # pragma: no cover - older Triton
 
 LOG2E = 1.4426950408889634
 # (query tokens x heads) per sequence the dispatch sends here: 16 rows per program (one m16 tile), more rows as several
-# programs (row blocks fastest). H200, ms, FP8 Gluon / FP8 Triton / bf16: 32 rows (B=64 L=16k) session 18 0.395 / 0.668 /
-# 0.476 (session 17: 0.555 / 0.667 / 0.476), so up to 32 rows this is the faster FP8 path; 64 rows (B=32 L=16k, session
-# 17) 0.556 / 0.348 / 0.303: the Triton tile
-MAX_ROWS = 32
+# programs (row blocks fastest; each reads the whole KV, so the time grows with the row blocks). H200, session 18, ms,
+# FP8 Gluon / FP8 Triton / bf16: 32 rows (B=64 L=16k) 0.390 / 0.663 / 0.472 (session 17: 0.555 / 0.667 / 0.476); 48 rows
+# (B=32 L=16k) 0.299 / 0.346 / 0.302, (B=128 L=4k) 0.291 / 0.340 / 0.307: up to 48 rows this is the faster FP8 path;
+# 64 rows (B=32 L=16k) 0.391 / 0.348 / 0.303, (B=128 L=4k) 0.427 / 0.341 / 0.308: the Triton tile
+MAX_ROWS = 48
 BLOCK_N = 32  # tokens per loop step
 STAGES = 2  # cp.async ring depth (>= 2: P·V reads the stage after the QK^T barrier, so it cannot be refilled earlier)
 NUM_WARPS = 4
@@ -74,7 +75,7 @@ MAXNREG = 168  # 65536 registers / (3 x 128 threads); ptxas spills 8 bytes (no m
 
 
 def supported(rows: int, dc: int, dr: int, page_size: int, *cache: torch.Tensor, block_n: int = BLOCK_N) -> bool:
-    """Whether the dispatch sends a launch here (else the Triton kernel runs): <= 32 rows per sequence, the
+    """Whether the dispatch sends a launch here (else the Triton kernel runs): <= 48 rows per sequence, the
     DeepSeek-V2/V3 latent (Dc = 512: 128 columns per warp; Dr = 64: one 16-column RoPE k-step per warp), pages a
     multiple of the 32-token block, and the ``cache`` row tensors (content, rope, scale) 16-byte aligned for the
     16-byte cp.async copies (row starts and bases)."""
