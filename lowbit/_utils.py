@@ -187,6 +187,18 @@ def cached_dense(build: Callable[[], torch.Tensor], anchor: torch.Tensor, *deps:
     return derived(build, anchor, *deps, tag=("dense", *tag))
 
 
+def check_indices(t: torch.Tensor) -> bool:
+    """Whether an op reads the index tensor ``t`` (positions, slots) back to range-check it: always on the CPU; for
+    a CUDA tensor only with ``LOWBIT_CHECK_INDEX=1`` (the read syncs the device, so it is a debugging switch) and
+    never while a CUDA graph is captured or torch.compile traces. Unchecked, the kernels drop the writes that would
+    land outside the cache (no fault, no error)."""
+    if t.device.type == "cpu":
+        return True
+    if os.environ.get("LOWBIT_CHECK_INDEX", "0") != "1" or torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def _patch_triton_interpreter() -> None:
     """Triton 3.6's interpreter converts loop bounds with ``int(ndarray)``, which NumPy >= 2.4
     refuses for 1-element arrays ("only 0-dimensional arrays can be converted"): every

@@ -286,6 +286,51 @@ def test_append_kernel_skips_positions_outside_the_page_table():
     assert torch.equal(kc.view(torch.uint8), kc2.view(torch.uint8)) and torch.equal(ks.view(torch.uint8), ks2.view(torch.uint8))
 
 
+def test_append_op_checks_the_pages_it_writes(monkeypatch):
+    """The op range-checks the page-table entries of the pages a CPU ``start`` writes (a clear ValueError naming
+    page_table, not a silent drop); device index tensors are read back only with LOWBIT_CHECK_INDEX=1."""
+    from lowbit._utils import check_indices
+
+    B, Hkv, D, page, T = 1, 1, 32, 16, 3
+    pt, P = _page_table([20], page)
+    kc, ks, vc, vs = (t.cpu() for t in _pool(P, Hkv, page, D, False, FP8)[:4])  # CPU tensors on any machine
+    k = torch.randn(B, Hkv, T, D)
+    pt_bad = pt.cpu().clone()
+    pt_bad[0, 1] = P + 5  # the second page, which positions 15..17 reach
+    with pytest.raises(ValueError, match="page_table entries"):
+        ops.kv4_append(k, k, kc, ks, vc, vs, pt_bad, torch.tensor([15], dtype=torch.int32))
+    ops.kv4_append(k, k, kc, ks, vc, vs, pt_bad, torch.tensor([0], dtype=torch.int32))  # page 0 only: fine
+    meta = torch.empty(2, dtype=torch.int32, device="meta")
+    monkeypatch.delenv("LOWBIT_CHECK_INDEX", raising=False)
+    assert check_indices(torch.zeros(2)) and not check_indices(meta)
+    monkeypatch.setenv("LOWBIT_CHECK_INDEX", "1")
+    assert check_indices(meta)
+
+
+@pytest.mark.gpu
+def test_append_op_checks_cuda_indices_on_request(monkeypatch):
+    """With LOWBIT_CHECK_INDEX=1 the ops read CUDA index tensors back: kv4_append's start and pages, mla_append's
+    slots raise a ValueError instead of being dropped by the kernel."""
+    if not GPU:
+        pytest.skip("needs CUDA")
+    from lowbit.ops.mla import mla_append
+
+    monkeypatch.setenv("LOWBIT_CHECK_INDEX", "1")
+    pt, P = _page_table([20], 16)
+    kc, ks, vc, vs, _, _ = _pool(P, 1, 16, 32, False, FP8)
+    k = torch.randn(1, 1, 3, 32, device="cuda")
+    with pytest.raises(ValueError, match="start"):
+        ops.kv4_append(k, k, kc, ks, vc, vs, pt, torch.tensor([pt.shape[1] * 16 - 1], dtype=torch.int32, device="cuda"))
+    pt_bad = pt.clone()
+    pt_bad[0, 0] = P + 5
+    with pytest.raises(ValueError, match="page_table entries"):
+        ops.kv4_append(k, k, kc, ks, vc, vs, pt_bad, torch.tensor([0], dtype=torch.int32, device="cuda"))
+    cache = (torch.zeros(4, 64, 512, device="cuda", dtype=torch.float8_e4m3fn),
+             torch.zeros(4, 64, 64, device="cuda", dtype=torch.bfloat16), torch.zeros(4, 64, device="cuda"))
+    with pytest.raises(ValueError, match="slots"):
+        mla_append(torch.randn(2, 576, device="cuda"), cache, torch.tensor([3, 4 * 64], device="cuda"))
+
+
 def test_opcheck():
     B, Hq, Hkv, D, page = 1, 2, 1, 32, 16
     pt, P = _page_table([9], page)

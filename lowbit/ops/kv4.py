@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import check_tensor, use_triton
+from lowbit._utils import check_indices, check_tensor, use_triton
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
@@ -233,10 +233,17 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
     check_tensor(start, "start", dtype=torch.int32, shape=[B])
     if page_table.shape[0] != B:
         raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
-    if start.device.type == "cpu" and B and (int(start.min()) < 0 or int(start.max()) + T > page_table.shape[1] * PAGE):
-        # (a host-side check: CUDA start tensors are not read back, which would sync the device)
-        raise ValueError(f"start + T must lie in [0, {page_table.shape[1] * PAGE}] (page_table columns x page size), "
-                         f"got start in [{int(start.min())}, {int(start.max())}] with T={T}")
+    if B and T and check_indices(start):  # (CUDA start / page tables: only with LOWBIT_CHECK_INDEX=1)
+        if int(start.min()) < 0 or int(start.max()) + T > page_table.shape[1] * PAGE:
+            raise ValueError(f"start + T must lie in [0, {page_table.shape[1] * PAGE}] (page_table columns x page size), "
+                             f"got start in [{int(start.min())}, {int(start.max())}] with T={T}")
+        cols = torch.arange(page_table.shape[1], device=page_table.device)
+        used = (cols >= (start.to(page_table.device).long() // PAGE)[:, None]) & \
+            (cols <= ((start.to(page_table.device).long() + T - 1) // PAGE)[:, None])
+        pages = page_table[used]
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= k_codes.shape[0]):
+            raise ValueError(f"page_table entries of the pages written must lie in [0, {k_codes.shape[0]}) (the cache's "
+                             f"pages), got [{int(pages.min())}, {int(pages.max())}]")
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must be given together")
     if cos is not None:

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, use_triton, warn_once
+from lowbit._utils import check_indices, check_same_device, check_tensor, use_triton, warn_once
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
 __all__ = ["mla_decode", "mla_append", "mla_quantize_q", "mla_gather", "mla_prefill", "mla_decode_ref",
@@ -358,8 +358,9 @@ def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:
     if kv.shape[1] != content.shape[-1] + rope.shape[-1]:
         raise ValueError(f"kv's last dim ({kv.shape[1]}) must equal latent + rope ({content.shape[-1] + rope.shape[-1]})")
     check_same_device(kv=kv, slots=slots, content=content)
-    if slots.device.type == "cpu" and slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= P * page):
-        raise ValueError(f"slots must lie in [0, {P * page})")
+    if slots.numel() and check_indices(slots) and (int(slots.min()) < 0 or int(slots.max()) >= P * page):
+        raise ValueError(f"slots must lie in [0, {P * page}) (the cache's pages x page size), "
+                         f"got [{int(slots.min())}, {int(slots.max())}]")
     _mla_append_op(kv.contiguous(), slots, content, rope, scale)
 
 
