@@ -33,9 +33,9 @@ Per program (one sequence, one split of its tokens; 4 warps; rows padded to the 
    columns as four 16 x 32 fp32 tiles (even / odd columns of its first and last 64); the epilogue writes them
    back interleaved.
 
-Four barriers per block (three written, one the compiler adds). H200, session 18, B=128 H=16 L=16k: 0.396 ms (3.41 TB/s on 644 B per token) vs 0.664 for
-the bf16 path (1.68x); session 17's form (every warp softmaxed all rows; the content written to shared memory as
-fp16 and read back for P·V: 64 KB of extra shared traffic per block) 0.547.
+Four barriers per block (three written, one the compiler adds). H200, session 18, B=128 H=16 L=16k: 0.396 ms
+(3.41 TB/s on 644 B per token) vs 0.664 for the bf16 path (1.68x); session 17's form (every warp softmaxed all rows;
+the content written to shared memory as fp16 and read back for P·V: 64 KB of extra shared traffic per block) 0.547.
 
 Split-KV partials use the Triton kernel's workspace (fp32 ``[splits, rows, Dc]`` + base-2 LSE) and its combine
 kernel. Layouts as in ``lowbit.kernels.mla_decode`` (row ``r = t * H + h``; cache rows contiguous, 16-byte aligned).
@@ -198,7 +198,8 @@ if HAS_GLUON:
         acc2 = acc2 * r3
         acc3 = acc3 * r3
         # V fragments straight from the FP8 stage: byte pairs (columns 2p, 2p + 1) of two tokens through ldmatrix.trans,
-        # split into the even and the odd columns' operands (acc0 / acc1: the warp's first 64 columns, acc2 / acc3: last)
+        # split into the even and the odd columns' operands (acc0 / acc1: the warp's first 64 columns, acc2 / acc3:
+        # its last 64)
         vst = ring_c16.index(stage)  # [NW, BLOCK_N, KW / 2] int16 view of the content
         v_even, v_odd = _split_pairs(vst.slice(0, KW // 4, dim=2).load(b16))
         acc0 = _mma_v2(pa, v_even, acc0)
@@ -213,7 +214,8 @@ if HAS_GLUON:
         QC, QR, QS, KC, KR, KS, PT, SEQ, O, LSE,
         sm_scale_log2e, H, SQ, ROWS, chunk,
         stride_qc, stride_qr, stride_pt, stride_o, stride_os, stride_ls,
-        stride_kc: gl.constexpr, stride_kr: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        stride_kc: gl.constexpr, stride_kr: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         SPLIT: gl.constexpr, PV16: gl.constexpr, NW: gl.constexpr, CLC: gl.constexpr, CLR: gl.constexpr,
         CLS: gl.constexpr,
     ):
@@ -262,7 +264,8 @@ if HAS_GLUON:
         # P̂ (one copy per warp, read as its A operand) and the rows' rescale factors
         ps = gl.allocate_shared_memory(gl.float16, [NW, BM, BLOCK_N],
                                        gl.SwizzledSharedLayout(vec=8, per_phase=2, max_phase=4, order=[2, 1, 0]))
-        rs = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        rs = gl.allocate_shared_memory(gl.float32, [BM],
+                                       gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         nblk = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         for i in gl.static_range(STAGES - 1):  # the first blocks' copies before the query is read
             nb = start + i * BLOCK_N
