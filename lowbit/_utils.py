@@ -188,13 +188,15 @@ def cached_dense(build: Callable[[], torch.Tensor], anchor: torch.Tensor, *deps:
 
 
 def check_indices(t: torch.Tensor) -> bool:
-    """Whether an op reads the index tensor ``t`` (positions, slots) back to range-check it: always on the CPU; for
-    a CUDA tensor only with ``LOWBIT_CHECK_INDEX=1`` (the read syncs the device, so it is a debugging switch) and
-    never while a CUDA graph is captured or torch.compile traces. Unchecked, the kernels drop the writes that would
-    land outside the cache (no fault, no error)."""
+    """Whether an op reads the index tensor ``t`` (positions, slots, lengths) back to range-check it: on the CPU
+    always; for a CUDA tensor only with ``LOWBIT_CHECK_INDEX=1`` (the read syncs the device, so it is a debugging
+    switch); never while torch.compile traces (a value read would break the graph) or a CUDA graph is captured.
+    Unchecked, the kernels drop the writes that would land outside the cache (no fault, no error)."""
+    if torch.compiler.is_compiling():
+        return False
     if t.device.type == "cpu":
         return True
-    if os.environ.get("LOWBIT_CHECK_INDEX", "0") != "1" or torch.compiler.is_compiling():
+    if os.environ.get("LOWBIT_CHECK_INDEX", "0") != "1":
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 

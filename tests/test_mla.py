@@ -355,6 +355,25 @@ def test_opcheck(dev):
                            scale.clone()), test_utils=("test_faketensor",))
 
 
+@pytest.mark.slow
+def test_torch_compile_fullgraph(dev, monkeypatch):
+    """The MLA ops are opaque custom ops: a compiled decode step (Fused-Q-Quant is inside ``mla_decode``, the
+    K-append beside it) traces without graph breaks and matches the eager result."""
+    import lowbit.ops.mla as M
+
+    if dev == "cpu":  # the references (the kernels have their own tests)
+        monkeypatch.setattr(M, "use_triton", lambda *t: False)
+    c, kv = make_cache([18, 5], True, dev)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    q = torch.randn(2, 1, 4, DC + DR, device=dev, dtype=torch.bfloat16)
+
+    def step(q):
+        return mla_decode(q, cache, pt, sl, max_seq_len=18)
+
+    f = torch.compile(step, fullgraph=True, backend="eager")
+    assert rel_l2(f(q), step(q)) < 1e-6
+
+
 def _gpu_ragged_cases(H, Sq):
     """GPU cases at DeepSeek-V3 widths (latent 512 + RoPE 64), ragged lengths (one below one block),
     shuffled pages, RoPE part 4x wider: yields (fp8, q, cache, page_table, seq_lens, lens) for bf16 and FP8."""

@@ -338,7 +338,7 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
         max_seq_len = int(seq_lens.max()) if B else 0
     if max_seq_len > page_table.shape[1] * page:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the page table capacity {page_table.shape[1] * page}")
-    if seq_lens.device.type == "cpu" and B and int(seq_lens.min()) < Sq:
+    if B and check_indices(seq_lens) and int(seq_lens.min()) < Sq:
         raise ValueError(f"every seq_len must be >= Sq ({Sq}): append the query tokens' latents first")
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not sm_scale > 0 or not math.isfinite(sm_scale):
