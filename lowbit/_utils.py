@@ -187,18 +187,19 @@ def cached_dense(build: Callable[[], torch.Tensor], anchor: torch.Tensor, *deps:
     return derived(build, anchor, *deps, tag=("dense", *tag))
 
 
-def check_indices(t: torch.Tensor) -> bool:
-    """Whether an op reads the index tensor ``t`` (positions, slots, lengths) back to range-check it: on the CPU
-    always; for a CUDA tensor only with ``LOWBIT_CHECK_INDEX=1`` (the read syncs the device, so it is a debugging
-    switch); never while torch.compile traces (a value read would break the graph) or a CUDA graph is captured.
-    Unchecked, the kernels drop the writes that would land outside the cache (no fault, no error)."""
+def check_indices(*tensors: torch.Tensor) -> bool:
+    """Whether an op reads the index tensors (positions, slots, lengths, page tables) back to range-check them: when
+    all are on the CPU, always; with a CUDA one only under ``LOWBIT_CHECK_INDEX=1`` (the read syncs the device, so
+    it is a debugging switch); never while torch.compile traces (a value read would break the graph) or a CUDA
+    graph is captured. Unchecked, the kernels drop the writes that would land outside the cache (no fault, no
+    error)."""
     if torch.compiler.is_compiling():
         return False
-    if t.device.type == "cpu":
+    if all(t.device.type == "cpu" for t in tensors):
         return True
     if os.environ.get("LOWBIT_CHECK_INDEX", "0") != "1":
         return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _patch_triton_interpreter() -> None:

@@ -227,8 +227,7 @@ if HAS_GLUON:
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
         a16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        s_l: gl.constexpr = gl.SliceLayout(0, mma)  # the summed scores [16, BLOCK_N], the same in every warp
-        row_l: gl.constexpr = gl.SliceLayout(1, s_l)
+        row_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, mma))  # rows of the accumulators (epilogue)
         # the summed scores [16, BLOCK_N] of the softmax: warp w holds rows [w 16 / NW, (w + 1) 16 / NW); SL3 adds the
         # warp-copy axis of the P̂ store (every thread writes its P̂ values into each warp's copy)
         SL3: gl.constexpr = gl.BlockedLayout(size_per_thread=[NW, 1, BLOCK_N * BM // 32 // NW],
