@@ -23,3 +23,28 @@ def assemble(ptx: str, row: dict) -> dict:
     row.update(regs=int(regs[0]) if regs else None, spill_B=int(spills[0]) if spills else None,
                ptxas_ok=r.returncode == 0)
     return row
+
+
+def report(kernel, patterns: dict, label: str, ptx_path: str | None = None, top: int = 40) -> dict:
+    """Print one offline build of a compiled Gluon/Triton ``kernel``: the count of each PTX substring of
+    ``patterns`` (name -> text), shared memory, registers / spills (``assemble``), then the SASS per loop and its
+    opcodes through the bundled cuobjdump; the PTX goes to ``ptx_path`` when given. Returns the row."""
+    ptx = kernel.asm["ptx"]
+    row = {name: ptx.count(pat) for name, pat in patterns.items()}
+    row["shared_B"] = kernel.metadata.shared
+    assemble(ptx, row)
+    print(f"triton {triton.__version__}, {label}: {row}")
+    if ptx_path:
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+    try:  # SASS per block (the loops' lengths)
+        from triton.tools.disasm import get_sass
+
+        from lowbit.bench.harness import sass_summary
+
+        summ = sass_summary(get_sass(kernel.asm["cubin"]), top=top)
+        print({"sass_loops": summ["sass_loops"], "BAR": summ.get("loop_ops", {}).get("BAR"),
+               "loop_ops": summ.get("loop_ops")})
+    except Exception as exc:  # pragma: no cover - no cuobjdump
+        print(f"no SASS: {type(exc).__name__}: {exc}")
+    return row

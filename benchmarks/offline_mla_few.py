@@ -19,7 +19,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowbit.kernels import mla_decode_gluon as G  # noqa: E402
-from benchmarks._offline import assemble  # noqa: E402
+from benchmarks._offline import report  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--stages", type=int, default=G.STAGES)
@@ -43,23 +43,6 @@ sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(10)) + [15, 16, 17, 18, 19, 20]}
 k = triton.compile(GluonASTSource(fn=G._mla_decode_few_kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": G.NUM_WARPS, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
-ptx = k.asm["ptx"]
-row = {name: ptx.count(pat) for name, pat in dict(cp_async="cp.async", ldmatrix="ldmatrix", mma_sync="mma.sync",
-                                                   ld_shared="ld.shared", st_shared="st.shared", bar_sync="bar.sync",
-                                                   cvt_e4m3="e4m3x2").items()}
-row["shared_B"] = k.metadata.shared
-assemble(ptx, row)
-print(f"triton {triton.__version__}, stages {args.stages}, pv16 {args.pv16}, block_n {args.block_n}, maxnreg {args.maxnreg}, split {split}: {row}")
-if args.ptx:
-    with open(args.ptx, "w") as f:
-        f.write(ptx)
-try:  # SASS per block (the loops' lengths) with the bundled cuobjdump
-    from triton.tools.disasm import get_sass
-
-    from lowbit.bench.harness import sass_summary
-
-    summ = sass_summary(get_sass(k.asm["cubin"]), top=48)
-    print({"sass_loops": summ["sass_loops"], "BAR": summ.get("loop_ops", {}).get("BAR"),
-           "loop_ops": summ.get("loop_ops")})
-except Exception as exc:  # pragma: no cover - no cuobjdump
-    print(f"no SASS: {type(exc).__name__}: {exc}")
+report(k, dict(cp_async="cp.async", ldmatrix="ldmatrix", mma_sync="mma.sync", ld_shared="ld.shared",
+               st_shared="st.shared", bar_sync="bar.sync", cvt_e4m3="e4m3x2"),
+       f"stages {args.stages}, pv16 {args.pv16}, block_n {args.block_n}, maxnreg {args.maxnreg}, split {split}", args.ptx, top=48)

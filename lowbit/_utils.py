@@ -202,6 +202,26 @@ def check_indices(*tensors: torch.Tensor) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def check_page_writes(start: torch.Tensor, page_table: torch.Tensor, T: int, page_size: int, num_pages: int) -> None:
+    """Range checks of a paged append of ``T`` tokens per sequence at positions ``start[b] + t`` (when
+    ``check_indices`` says so): the positions inside the page table's columns, and the page-table entries of the
+    pages written inside the cache's ``num_pages``; ValueError naming the argument otherwise."""
+    B = page_table.shape[0]
+    if not (B and T and check_indices(start, page_table)):
+        return
+    cap = page_table.shape[1] * page_size
+    if int(start.min()) < 0 or int(start.max()) + T > cap:
+        raise ValueError(f"start + T must lie in [0, {cap}] (page_table columns x page size), "
+                         f"got start in [{int(start.min())}, {int(start.max())}] with T={T}")
+    first = start.to(page_table.device).long() // page_size  # the page-table columns written: first .. last
+    last = (start.to(page_table.device).long() + T - 1) // page_size
+    cols = torch.arange(page_table.shape[1], device=page_table.device)
+    pages = page_table[(cols >= first[:, None]) & (cols <= last[:, None])]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise ValueError(f"page_table entries of the pages written must lie in [0, {num_pages}) (the cache's "
+                         f"pages), got [{int(pages.min())}, {int(pages.max())}]")
+
+
 def _patch_triton_interpreter() -> None:
     """Triton 3.6's interpreter converts loop bounds with ``int(ndarray)``, which NumPy >= 2.4
     refuses for 1-element arrays ("only 0-dimensional arrays can be converted"): every

@@ -265,6 +265,11 @@ def _check_float_append(dtype, Hkv, G, T, page, D, dev):
     assert torch.equal(kc[pt[1, pos // page], :, pos % page], k[1, :, 0])
     with pytest.raises(ValueError, match="k_cache"):
         float_append_triton(k, v, kc.float(), vc, pt, start)
+    if dev == "cpu":  # index tensors on the CPU are range-checked (on the GPU with LOWBIT_CHECK_INDEX=1)
+        with pytest.raises(ValueError, match="start"):
+            float_append_triton(k, v, kc, vc, pt, torch.tensor([P * page - T + 1, 0], dtype=torch.int32))
+        with pytest.raises(ValueError, match="page_table entries"):
+            float_append_triton(k, v, kc, vc, torch.full_like(pt, B * P), start)
 
 
 @pytest.mark.interpreter  # CPU model: compiled, its PyTorch fallback runs; GPU: test_dense_decode_kernel_gpu_graphs

@@ -2,7 +2,8 @@
 # One device "round": every area script benchmarks/device/<area>.py runs in its own process
 # (a fault or hang in one leaves the others), each under a time limit, then all outputs are
 # packed into $OUT/round.tgz (the device returns at most 8 files).
-# Usage on the device:  bash benchmarks/device/round.sh [area ...]   (default: every script)
+# Usage on the device:  bash benchmarks/device/round.sh [area ...]   (default: every suite script; the probes --
+# s<session>_*, *_ncu, *_sanitize, *_diag, *_variants -- run only when named)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 for d in .whl .whl_small; do
@@ -30,7 +31,11 @@ W=$OUT/work; mkdir -p "$W"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv > "$W/nvidia-smi.txt" 2>&1
 areas=("$@")
 if [ ${#areas[@]} -eq 0 ]; then
-  for f in benchmarks/device/*.py; do areas+=("$(basename "$f" .py)"); done
+  for f in benchmarks/device/*.py; do
+    a=$(basename "$f" .py)
+    case "$a" in s[0-9]*|*_ncu|*_sanitize|*_diag|*_variants) continue;; esac
+    areas+=("$a")
+  done
 fi
 for a in "${areas[@]}"; do
   lim=${LIMIT:-110}

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 from lowbit.kernels.rope import rope_row
+from lowbit._utils import check_page_writes
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
 # (fireq, ROPE_Q + PDL, tokens/s): B=1 1k 375 (1 warp) vs 383 (4 warps), 8k 366 vs 366, B=16 1k 4970 vs 4948.
@@ -203,6 +204,10 @@ def float_append_triton(k, v, k_cache, v_cache, page_table, start, *, cos=None, 
                          f"must share one bf16/fp16 dtype, unit stride on D, and the caches one shape and strides; "
                          f"got k {k.dtype} {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {k_cache.dtype} "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    if page_table.shape[0] != k.shape[0] or start.shape != (k.shape[0],):
+        raise ValueError(f"float_append_triton: page_table needs {k.shape[0]} rows and start shape ({k.shape[0]},), "
+                         f"got {tuple(page_table.shape)} and {tuple(start.shape)}")
+    check_page_writes(start, page_table, k.shape[2], k_cache.shape[2], k_cache.shape[0])
     if cos is not None and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         cos, sin = cos.contiguous(), sin.contiguous()
     _launch(k, v, k_cache, None, None, v_cache, None, None, page_table, start, cos, sin, None, False, q, q_out,

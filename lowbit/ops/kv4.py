@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import check_indices, check_tensor, use_triton
+from lowbit._utils import check_page_writes, check_tensor, use_triton
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
@@ -233,17 +233,7 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
     check_tensor(start, "start", dtype=torch.int32, shape=[B])
     if page_table.shape[0] != B:
         raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
-    if B and T and check_indices(start, page_table):  # (CUDA index tensors: only with LOWBIT_CHECK_INDEX=1)
-        if int(start.min()) < 0 or int(start.max()) + T > page_table.shape[1] * PAGE:
-            raise ValueError(f"start + T must lie in [0, {page_table.shape[1] * PAGE}] (page_table columns x page size), "
-                             f"got start in [{int(start.min())}, {int(start.max())}] with T={T}")
-        first = start.to(page_table.device).long() // PAGE  # the page-table columns written: first .. last
-        last = (start.to(page_table.device).long() + T - 1) // PAGE
-        cols = torch.arange(page_table.shape[1], device=page_table.device)
-        pages = page_table[(cols >= first[:, None]) & (cols <= last[:, None])]
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= k_codes.shape[0]):
-            raise ValueError(f"page_table entries of the pages written must lie in [0, {k_codes.shape[0]}) (the cache's "
-                             f"pages), got [{int(pages.min())}, {int(pages.max())}]")
+    check_page_writes(start, page_table, T, PAGE, k_codes.shape[0])
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must be given together")
     if cos is not None:

@@ -1,0 +1,51 @@
+"""Offline sm_90a build of the Gluon INT4-cache decode kernel (``lowbit.kernels.decode_kv4._decode_kv4_gluon_kernel``)
+with no GPU: PTX counts (mma.sync by type, cp.async, shared loads, prmt, barriers), registers / spills from ptxas and
+the SASS per key block (loop lengths and opcodes, bundled cuobjdump), for the launcher's default constexprs (4 query
+heads per KV head, one query token, D=128, pages of 64) or those given.
+
+    python3 -m pip download triton==3.6.0 --no-deps -d /tmp/wh && python3 -m pip install --no-deps --target /tmp/t36 /tmp/wh/triton-3.6.0-*.whl
+    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_kv4.py [--stages 2] [--maxnreg 128] [--zp] [--half 32] [--ptx FILE]
+
+The numbers guide which variants to time; they are not a measurement.
+"""
+import argparse
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lowbit.kernels import decode_kv4 as K  # noqa: E402
+from benchmarks._offline import report  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--zp", action="store_true")
+ap.add_argument("--stages", type=int, default=K.GLUON_STAGES)
+ap.add_argument("--maxnreg", type=int, default=K.GLUON_MAXNREG, help="0: none")
+ap.add_argument("--half", type=int, default=64)
+ap.add_argument("--ptx", help="also write the PTX here")
+args = ap.parse_args()
+
+names = ["Q", "KC", "KS", "KZ", "VC", "VS", "VZ", "PT", "LENS", "CRSQ", "O", "OP", "MP", "LP", "TS",
+         "qk_scale", "SPLIT_LEN", "Hkv", "NPT", "stride_qb", "stride_qh", "stride_qt", "stride_cp", "stride_sp",
+         "stride_ptb", "stride_ob", "stride_oh", "stride_ot"]
+types = ["*bf16", "*u8", "*fp8e4nv", "*fp8e4nv", "*u8", "*fp8e4nv", "*fp8e4nv", "*i32", "*i32", "*fp32", "*bf16",
+         "*fp32", "*fp32", "*fp32", "*i64", "fp32"] + ["i32"] * 12
+if args.zp:
+    types[3] = types[6] = "*u8"
+sig = dict(zip(names, types))
+bn, half = 32, args.half
+consts = dict(G=4, TQ=1, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=bn, ZERO_POINT=args.zp, HAS_CRS=False, SPLIT=True,
+              QK8=2, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=args.stages, LAZY=False,
+              AHEAD=False, SW_VEC=1, SW_PHASE=1, SW_MAX=1, PDL=True, LEAN=False, ILP=False, SRING=False, PTA=False,
+              PROBE=False, STAMP=False)
+sig.update({k: "constexpr" for k in consts})
+attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(19, 28))}
+k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                   target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 1, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
+report(k, dict(mma_e4m3="e4m3.e4m3", mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.", ld_shared="ld.shared",
+               prmt="prmt", bar_sync="bar.sync"),
+       f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}", args.ptx, top=40)
