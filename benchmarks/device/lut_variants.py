@@ -7,6 +7,9 @@ prefetch + ``xh=2``, ``ring=4`` + ``xh=2``}, each timed with ``harness.time_cuda
 over 2-3 copies) and checked against the default's output (rel-L2). Writes ``lut_variants.json``.
 
     PYTHONPATH=. python3 benchmarks/device/lut_variants.py --out DIR [shape ...]
+    LUT_VARIANTS='{"r4 w8": {"r": 4}}' PYTHONPATH=. python3 benchmarks/device/lut_variants.py --out DIR --ms 1 down
+
+``LUT_VARIANTS`` (JSON, label -> overrides of ``mma_config``) replaces the built-in variant lists.
 """
 import argparse
 import json
@@ -63,7 +66,9 @@ for name in args.shapes:
         xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in packs]
         base = mma_config(M, N, K, 4, 128)
         variants = [("default", {})] if M > 1 else variants_m1(base)
-        for r, nw in ((2, 8), (2, 4), (4, 4), (1, 4), (1, 8)) if M > 1 else ():
+        if os.environ.get("LUT_VARIANTS"):  # '{"label": {cfg overrides}, ...}': only these beside the default
+            variants = [("default", {})] + [(k, dict(base, **v)) for k, v in json.loads(os.environ["LUT_VARIANTS"]).items()]
+        for r, nw in ((2, 8), (2, 4), (4, 4), (1, 4), (1, 8)) if M > 1 and not os.environ.get("LUT_VARIANTS") else ():
             for extra in ({}, {"xh": 2}, {"prefetch": True, "xh": 2}, {"ring": 4, "xh": 2, "prefetch": False}):
                 cfg = dict(base, r=r, num_warps=nw, **extra)
                 variants.append((f"r{r} w{nw} " + " ".join(f"{k}={v}" for k, v in extra.items()), cfg))
