@@ -40,8 +40,10 @@ def _same_numerics(q, k, v, mode, causal, fused=False, **kw):
 
 
 # ------------------------------------------------------------------ kernel vs reference (interpreter)
-@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
-@pytest.mark.parametrize("mode", MODES)
+# fp8 / int8 (fp32 inputs) carry the ``interpreter`` mark: same numerics to 1e-5, compiled (other blocks, fast exp2)
+# measured 1e-4..3e-3 (H200, s16); int8-qk (fp16) and fp8-kv4 pass compiled too (H200, s19 audit)
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.interpreter) if m in ("fp8", "int8") else m
+                                  for m in MODES])
 @pytest.mark.parametrize("causal", [False, True])
 def test_kernel_matches_same_numerics(mode, causal, dev):
     # S not a multiple of the block, GQA 4/2, causal with Sq < Skv (bottom-right mask)
@@ -55,8 +57,8 @@ def test_kernel_matches_same_numerics(mode, causal, dev):
     assert rel_l2(out, attention_ref(q, k, v, causal=causal)) < ACC[mode]
 
 
-@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
-@pytest.mark.parametrize("mode", ["fp8", "int8"])
+# fp8 at 1e-5 only under the interpreter (compiled 1e-4..3e-3, H200 s16); int8 passes compiled (H200, s19 audit)
+@pytest.mark.parametrize("mode", [pytest.param("fp8", marks=pytest.mark.interpreter), "int8"])
 def test_head_dim_64_and_block_k_scales(mode, dev):
     q, k, v = _qkv(1, 2, 1, 24, 40, 64, seed=1)
     for kg in ("token", "block"):
@@ -64,8 +66,10 @@ def test_head_dim_64_and_block_k_scales(mode, dev):
         assert rel_l2(out, _same_numerics(q, k, v, mode, True, k_granularity=kg)) < 1e-5
 
 
-@pytest.mark.interpreter  # same numerics to 1e-5: compiled (other blocks, fast exp2) measured 1e-4..3e-3 (H200, s16)
-@pytest.mark.parametrize("mode,vg", [("int8", "tensor"), ("int8", "block"), ("fp8", "channel"), ("fp8", "tensor")])
+# fp8 at 1e-5 only under the interpreter (compiled 1e-4..3e-3, H200 s16); the int8 cases pass compiled (H200, s19 audit)
+@pytest.mark.parametrize("mode,vg", [("int8", "tensor"), ("int8", "block"),
+                                     pytest.param("fp8", "channel", marks=pytest.mark.interpreter),
+                                     pytest.param("fp8", "tensor", marks=pytest.mark.interpreter)])
 def test_v_scale_granularities_match_reference(mode, vg, dev):
     q, k, v = _qkv(1, 2, 2, 20, 150, 32, seed=2)  # 150 keys: two V scale blocks
     out = ap.quant_attention(q.to(dev), k.to(dev), v.to(dev), mode=mode, v_granularity=vg).cpu()

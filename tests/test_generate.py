@@ -272,8 +272,10 @@ def _check_float_append(dtype, Hkv, G, T, page, D, dev):
             float_append_triton(k, v, kc, vc, torch.full_like(pt, B * P), start)
 
 
-@pytest.mark.interpreter  # CPU model: compiled, its PyTorch fallback runs; GPU: test_dense_decode_kernel_gpu_graphs
-@pytest.mark.parametrize("head_dim", [16, 32])
+# a CPU model: compiled, the PyTorch fallback runs (the GPU test is test_dense_decode_kernel_gpu_graphs). head_dim 16
+# stays under the interpreter (compiled, its greedy tokens differed from transformers' in the H200 s19 audit, not
+# investigated); head_dim 32 passed compiled there
+@pytest.mark.parametrize("head_dim", [pytest.param(16, marks=pytest.mark.interpreter), 32])
 def test_dense_decode_kernel_same_tokens(head_dim):
     """``dense_decode='kernel'`` (``lowbit.ops.kv4.decode_float`` over the float cache; the Triton
     kernel under the interpreter) gives transformers' greedy tokens on a ragged batch, like SDPA."""
