@@ -1,13 +1,15 @@
 """Session-19 probe (issues 3, 4, 5): the time floor of reading one weight matrix once at decode (M = 1).
 
-    PYTHONPATH=$PWD python3 benchmarks/device/s19_floor.py --out DIR
+    PYTHONPATH=$PWD python3 benchmarks/device/s19_floor.py --out DIR [--parts t|k]
 
 For the bytes a 4-bit g128 weight of each Llama-3-8B projection occupies (and its bf16 size), a read-only Triton
 stream (16-byte loads, grids of 1-16 programs per SM, 4 or 8 warps, an XOR of every word so nothing is skipped)
 is timed with the suites' harness (CUDA events, inputs rotated over > 2x L2, queue kept full), beside cuBLAS bf16
 at M = 1 and lowbit's M = 1 kernels (lut NF4 g128, w4a8-fp8, w4a8-int8) on the same shapes in the same run. The
 best stream time is the floor a weight-streaming kernel can reach on this GPU; the ratio of cuBLAS bf16 to it bounds
-the speedup the issues' M = 1 targets ask for. Writes ``s19_floor.json``.
+the speedup the issues' M = 1 targets ask for (part ``t``, ``s19_floor.json``). Part ``k``: the same stream over the
+compressed K/V bytes of issue 8's decode shape (B=16, 32/8 heads, D=128, L = 4k-32k) beside SDPA flash bf16 and
+lowbit's INT4-cache decode in the same run (``s19_floor_kv4.json``).
 """
 import os
 import sys
@@ -41,11 +43,14 @@ SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336), "8192sq
 
 
 def main():
-    args = probe_args("t")
+    args = probe_args("t")  # t: the projections (s19_floor.json); k: issue 8's K/V bytes (s19_floor_kv4.json)
     doc = {"env": env_info("PYTHONPATH=$PWD python3 benchmarks/device/s19_floor.py " + " ".join(sys.argv[1:]))}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     import lowbit
-    for name, (N, K) in SHAPES.items():
+    from lowbit.bench import peers
+    from lowbit.bench.suites.kv4 import random_cache
+    from lowbit.ops.kv4 import decode_kv4
+    for name, (N, K) in (SHAPES.items() if "t" in args.parts else ()):
         w4_bytes = N * K // 2 + (K // 128) * N * 2  # codes + bf16 group scales (g128)
         row = {"N": N, "K": K, "w4_bytes": w4_bytes}
         for label, nbytes in (("w4", w4_bytes), ("bf16", N * K * 2)):
@@ -75,7 +80,37 @@ def main():
                 row[f"{scheme}_us"] = round(time_cuda(lambda m, x: m(x), xs)["median_ms"] * 1e3, 2)
         row["cublas_over_floor_w4"] = round(row["cublas_bf16_us"] / row["floor_w4_us"], 2)
         probe_row(doc, name, row)
-    print(write_probe(doc, args.out, "s19_floor.json"))
+    for label, nbytes in (("kv4_B16_L%d" % L, kv4_bytes_b16(L)) for L in ((4096, 8192, 16384, 32768)
+                                                                              if "k" in args.parts else ())):
+        # the compressed K/V bytes of issue 8's decode shape (B=16, 8 KV heads, D=128: 2 x 65 B per token and head)
+        words = nbytes // 4
+        sets = rotating_inputs(lambda: (torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32,
+                                                      device="cuda"),))
+        out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
+        best = min((time_cuda(lambda x: stream(x, out, p * sms, w, b), sets)["median_ms"] * 1e3, f"p{p} w{w} b{b}")
+                   for p in (4, 8, 16) for w, b in ((8, 4096), (4, 4096)))
+        row = {"bytes": nbytes, "floor_us": round(best[0], 2), "cfg": best[1], "TBps": round(nbytes / best[0] / 1e6, 2)}
+        del sets
+        L = int(label.rsplit("L", 1)[1])
+        qs = rotating_inputs(lambda: (torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.bfloat16),
+                                      torch.randn(16, 8, L, 128, device="cuda", dtype=torch.bfloat16),
+                                      torch.randn(16, 8, L, 128, device="cuda", dtype=torch.bfloat16)))
+        row["sdpa_flash_bf16_us"] = round(time_cuda(peers.sdpa("flash"), qs)["median_ms"] * 1e3, 2)
+        del qs
+        cs = rotating_inputs(lambda: (torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.bfloat16),
+                                      random_cache(16, 8, 128, L)))
+        row["lowbit_kv4_us"] = round(time_cuda(lambda q, c: decode_kv4(q, max_len=L, **c), cs)["median_ms"] * 1e3, 2)
+        del cs
+        row["lowbit_over_floor"] = round(row["lowbit_kv4_us"] / row["floor_us"], 2)
+        row["sdpa_over_floor"] = round(row["sdpa_flash_bf16_us"] / row["floor_us"], 2)
+        probe_row(doc, label, row)
+        torch.cuda.empty_cache()
+    print(write_probe(doc, args.out, "s19_floor.json" if "t" in args.parts else "s19_floor_kv4.json"))
+
+
+def kv4_bytes_b16(L: int) -> int:
+    """Bytes of the INT4 K and V codes + FP8 scales at B=16, 8 KV heads, D=128 (rounded down to whole words)."""
+    return (2 * 16 * 8 * L * 65) // 4 * 4
 
 
 if __name__ == "__main__":
