@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit._utils import check_page_writes
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 from lowbit.kernels.rope import rope_row
-from lowbit._utils import check_page_writes
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
 # (fireq, ROPE_Q + PDL, tokens/s): B=1 1k 375 (1 warp) vs 383 (4 warps), 8k 366 vs 366, B=16 1k 4970 vs 4948.
