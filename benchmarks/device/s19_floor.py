@@ -39,6 +39,16 @@ def stream(x, out, programs, warps, block):
     _stream_kernel[(triton.cdiv(n, per),)](x, out, n, PER=per, BLOCK=block, num_warps=warps)
 
 
+def stream_times(nbytes: int, sms: int, per_sm, warps_block) -> dict:
+    """Median us of the read-only stream over ``nbytes`` of random words (rotated over > 2x L2) for every grid of
+    ``per_sm`` programs per SM x (warps, words per step) of ``warps_block``: {"p<n> w<warps> b<block>": us}."""
+    words = nbytes // 4
+    sets = rotating_inputs(lambda: (torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32, device="cuda"),))
+    out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
+    return {f"p{p} w{w} b{b}": time_cuda(lambda x: stream(x, out, p * sms, w, b), sets)["median_ms"] * 1e3
+            for p in per_sm for w, b in warps_block}
+
+
 SHAPES = {"o": (4096, 4096), "qkv": (6144, 4096), "down": (4096, 14336), "8192sq": (8192, 8192), "gate_up": (28672, 4096)}
 
 
@@ -48,26 +58,18 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     import lowbit
     from lowbit.bench import peers
-    from lowbit.bench.suites.kv4 import random_cache
+    from lowbit.bench.suites.kv4 import kv4_bytes, random_cache
     from lowbit.ops.kv4 import decode_kv4
     for name, (N, K) in (SHAPES.items() if "t" in args.parts else ()):
         w4_bytes = N * K // 2 + (K // 128) * N * 2  # codes + bf16 group scales (g128)
         row = {"N": N, "K": K, "w4_bytes": w4_bytes}
         for label, nbytes in (("w4", w4_bytes), ("bf16", N * K * 2)):
-            words = nbytes // 4
-            sets = rotating_inputs(lambda: (torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32,
-                                                          device="cuda"),))
-            out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
-            best = None
-            for per_sm in (1, 2, 4, 8, 16):
-                for warps, block in ((4, 2048), (8, 4096), (4, 4096)):
-                    t = time_cuda(lambda x: stream(x, out, per_sm * sms, warps, block), sets)["median_ms"] * 1e3
-                    row[f"stream_{label}_p{per_sm}_w{warps}_b{block}_us"] = round(t, 2)
-                    if best is None or t < best[0]:
-                        best = (t, f"p{per_sm} w{warps} b{block}")
-            row[f"floor_{label}_us"] = round(best[0], 2)
-            row[f"floor_{label}_cfg"] = best[1]
-            row[f"floor_{label}_TBps"] = round(nbytes / best[0] / 1e6, 2)
+            times = stream_times(nbytes, sms, (1, 2, 4, 8, 16), ((4, 2048), (8, 4096), (4, 4096)))
+            row.update({f"stream_{label}_{cfg.replace(' ', '_')}_us": round(t, 2) for cfg, t in times.items()})
+            cfg = min(times, key=times.get)
+            row[f"floor_{label}_us"] = round(times[cfg], 2)
+            row[f"floor_{label}_cfg"] = cfg
+            row[f"floor_{label}_TBps"] = round(nbytes / times[cfg] / 1e6, 2)
         # the GEMVs in the same run
         wsets = rotating_inputs(lambda: (torch.randn(N, K, dtype=torch.bfloat16, device="cuda"),
                                          torch.randn(1, K, dtype=torch.bfloat16, device="cuda")))
@@ -80,18 +82,12 @@ def main():
                 row[f"{scheme}_us"] = round(time_cuda(lambda m, x: m(x), xs)["median_ms"] * 1e3, 2)
         row["cublas_over_floor_w4"] = round(row["cublas_bf16_us"] / row["floor_w4_us"], 2)
         probe_row(doc, name, row)
-    for label, nbytes in (("kv4_B16_L%d" % L, kv4_bytes_b16(L)) for L in ((4096, 8192, 16384, 32768)
-                                                                              if "k" in args.parts else ())):
+    for L in ((4096, 8192, 16384, 32768) if "k" in args.parts else ()):
         # the compressed K/V bytes of issue 8's decode shape (B=16, 8 KV heads, D=128: 2 x 65 B per token and head)
-        words = nbytes // 4
-        sets = rotating_inputs(lambda: (torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32,
-                                                      device="cuda"),))
-        out = torch.empty(16 * sms, dtype=torch.int32, device="cuda")
-        best = min((time_cuda(lambda x: stream(x, out, p * sms, w, b), sets)["median_ms"] * 1e3, f"p{p} w{w} b{b}")
-                   for p in (4, 8, 16) for w, b in ((8, 4096), (4, 4096)))
-        row = {"bytes": nbytes, "floor_us": round(best[0], 2), "cfg": best[1], "TBps": round(nbytes / best[0] / 1e6, 2)}
-        del sets
-        L = int(label.rsplit("L", 1)[1])
+        label, nbytes = f"kv4_B16_L{L}", kv4_bytes(16, 32, 8, 128, L, 0, False)
+        times = stream_times(nbytes, sms, (4, 8, 16), ((8, 4096), (4, 4096)))
+        cfg = min(times, key=times.get)
+        row = {"bytes": nbytes, "floor_us": round(times[cfg], 2), "cfg": cfg, "TBps": round(nbytes / times[cfg] / 1e6, 2)}
         qs = rotating_inputs(lambda: (torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.bfloat16),
                                       torch.randn(16, 8, L, 128, device="cuda", dtype=torch.bfloat16),
                                       torch.randn(16, 8, L, 128, device="cuda", dtype=torch.bfloat16)))
@@ -106,11 +102,6 @@ def main():
         probe_row(doc, label, row)
         torch.cuda.empty_cache()
     print(write_probe(doc, args.out, "s19_floor.json" if "t" in args.parts else "s19_floor_kv4.json"))
-
-
-def kv4_bytes_b16(L: int) -> int:
-    """Bytes of the INT4 K and V codes + FP8 scales at B=16, 8 KV heads, D=128 (rounded down to whole words)."""
-    return (2 * 16 * 8 * L * 65) // 4 * 4
 
 
 if __name__ == "__main__":

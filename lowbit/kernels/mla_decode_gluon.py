@@ -332,21 +332,14 @@ if HAS_GLUON:
         C2: gl.constexpr = KW // 2
         C3: gl.constexpr = KW // 2 + 1
         ok = (ro < ROWS)[None, :, None] & (col < DC)
-        if SPLIT:
-            rows = b * ROWS + r_idx
+        if SPLIT:  # the split's base-2 LSE beside its fp32 partial (one split: O is the output, stride_os is 0)
             lse = gl.where(l_i > 0, m_i + gl.log2(l_i * sig_i), float("-inf"))
-            gl.store(LSE + pid_s * stride_ls + rows, lse, mask=row_ok)
-            o_ptr = O + pid_s * stride_os + (b * ROWS + ro)[None, :, None] * stride_o + col
-            gl.store(o_ptr, acc0 * inv, mask=ok)
-            gl.store(o_ptr + C1, acc1 * inv, mask=ok)
-            gl.store(o_ptr + C2, acc2 * inv, mask=ok)
-            gl.store(o_ptr + C3, acc3 * inv, mask=ok)
-        else:
-            o_ptr = O + (b * ROWS + ro)[None, :, None] * stride_o + col
-            gl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=ok)
-            gl.store(o_ptr + C1, (acc1 * inv).to(O.dtype.element_ty), mask=ok)
-            gl.store(o_ptr + C2, (acc2 * inv).to(O.dtype.element_ty), mask=ok)
-            gl.store(o_ptr + C3, (acc3 * inv).to(O.dtype.element_ty), mask=ok)
+            gl.store(LSE + pid_s * stride_ls + b * ROWS + r_idx, lse, mask=row_ok)
+        o_ptr = O + pid_s * stride_os + (b * ROWS + ro)[None, :, None] * stride_o + col
+        gl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=ok)
+        gl.store(o_ptr + C1, (acc1 * inv).to(O.dtype.element_ty), mask=ok)
+        gl.store(o_ptr + C2, (acc2 * inv).to(O.dtype.element_ty), mask=ok)
+        gl.store(o_ptr + C3, (acc3 * inv).to(O.dtype.element_ty), mask=ok)
 
 @functools.lru_cache(maxsize=None)
 def _scale_layout():
