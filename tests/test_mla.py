@@ -401,9 +401,9 @@ def _gpu_latent_cache(lens, fp8, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("Sq", [1, 2])
 def test_gpu_wide_tile_and_unmasked_loop(Sq):
-    """GPU (DeepSeek-V3 widths): the default FP8 tile (128 rows x 256 columns, unmasked main loop,
-    one QK accumulator) and the default bf16 kernel against float64 and against the kernel's
-    emulated P quantization; ragged lengths, one length below one block."""
+    """GPU (DeepSeek-V3 widths): the op's default (the warp-specialized kernels) against float64, and the Triton FP8
+    wide tile (128 rows x 256 columns, unmasked main loop, one QK accumulator; ``gluon=False``) against float64 and
+    against its emulated P quantization; ragged lengths, one length below one block."""
     if not GPU:
         pytest.skip("needs CUDA")
     from lowbit.kernels.mla_decode import mla_decode_triton
@@ -419,7 +419,7 @@ def test_gpu_wide_tile_and_unmasked_loop(Sq):
             o, plan = mla_decode_triton(qc.view(B, Sq * H, dc), qr.view(B, Sq * H, dr), qs.view(B, Sq * H),
                                         cache[0].flatten(0, 1), cache[1].flatten(0, 1), cache[2].flatten(0, 1), pt, sl,
                                         num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64,
-                                        fp8=True, return_plan=True)
+                                        fp8=True, return_plan=True, gluon=False)
             assert plan["block_m"] == 128 and plan["dv_splits"] == 2
             emu = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0, torch.float8_e4m3fn,
                                                             plan["p_rule"]))
@@ -528,6 +528,117 @@ def test_gpu_gluon_few_rows(H, Sq, lens, splits, pv16):
     assert rel_l2(o, tri) < (8e-3 if pv16 else 4e-2)
     if not pv16:
         assert torch.equal(mla_decode(q, cache, pt, sl, max_seq_len=max(lens), num_splits=splits), o.view(B, Sq, H, dc))
+
+
+def test_gluon_wgmma_dispatch_rules(dev):
+    """The warp-specialized bf16 kernel (``lowbit.kernels.mla_decode_wgmma``) takes a multiple of 64 rows per
+    sequence, the DeepSeek latent (512 + 64), pages a multiple of its 64-token block and TMA-addressable CUDA tensors
+    on a Hopper GPU; elsewhere the Triton kernel runs, and asking for it explicitly is a clear error."""
+    from lowbit.kernels import mla_decode_wgmma as MW
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    x = torch.zeros(4, 576, dtype=torch.bfloat16)  # a CPU tensor: never supported
+    for args in ((128, 512, 64, 64), (96, 512, 64, 64), (128, 256, 64, 64), (128, 512, 64, 32)):
+        assert not MW.supported(*args, torch.bfloat16, x)
+    assert not MW.supported(128, 512, 64, 64, torch.float8_e4m3fn, x)
+    f8, r16, s32 = x.to(torch.float8_e4m3fn), x[:, :64], torch.ones(64)
+    assert not MW.supported_fp8(128, 512, 64, 64, f8, r16, s32[:4], f8, r16, s32)  # CPU tensors
+    if GPU:
+        return
+    c, _ = make_cache([20], False, dev)
+    q = torch.randn(1, 1, 4, DC + DR, device=dev, dtype=torch.bfloat16)
+    args = _kernel_args(q, c.layers[0], False)
+    with pytest.raises(ValueError, match="gluon=True"):
+        mla_decode_triton(*args, c.page_table, c.seq_lens(0), num_heads=4, sm_scale=0.1, max_seq_len=20,
+                          page_size=PAGE, fp8=False, gluon=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Sq,lens,splits,dtype,stale", [
+    (128, 1, [3001, 129, 40], None, torch.bfloat16, False), (128, 1, [3001, 129, 40], 1, torch.bfloat16, False),
+    (64, 2, [2050, 130], 3, torch.bfloat16, False), (128, 4, [700, 64], None, torch.float16, False),
+    (32, 2, [1000, 333], 2, torch.bfloat16, True), (128, 1, [1000, 333], None, torch.bfloat16, True)])
+def test_gpu_wgmma_bf16(H, Sq, lens, splits, dtype, stale):
+    """GPU, DeepSeek-V3 widths: the warp-specialized bf16/fp16 kernel (64 rows per program) against float64 and
+    against the Triton tile (``gluon=False``): MTP causal rows, ragged lengths (one below a block), one split and
+    several, fp16; ``stale``: NaN / Inf in every slot past each sequence's length (the tail block's rows are zeroed
+    in shared memory, so the output stays finite and equal). The op dispatches to it."""
+    if not GPU:
+        pytest.skip("needs CUDA")
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    dc, dr, B = 512, 64, len(lens)
+    torch.manual_seed(2)
+    c = PagedMLACache(1, B, max(lens), dc, dr, fp8=False, page_size=64, device="cuda", shuffle_pages=True, seed=2,
+                      dtype=dtype)
+    kv = torch.randn(B, max(lens), dc + dr, device="cuda", dtype=dtype)
+    kv[..., dc:] *= 4
+    c.append(0, kv)
+    c.lengths[0] = list(lens)
+    c._seq_lens[0] = None
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    if stale:
+        for b, n in enumerate(lens):
+            idx = torch.arange(n, -(-n // 64) * 64, device="cuda")
+            slots = pt[b, idx // 64].long() * 64 + idx % 64
+            cache[0].flatten(0, 1)[slots] = float("nan")
+            cache[1].flatten(0, 1)[slots] = float("inf")
+    q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=dtype)
+    R = Sq * H
+    q3 = q.reshape(B, R, dc + dr)
+    args = (q3[..., :dc], q3[..., dc:], None, cache[0].flatten(0, 1), cache[1].flatten(0, 1), None, pt, sl)
+    kw = dict(num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64, fp8=False,
+              num_splits=splits, out_dtype=dtype)
+    o, plan = mla_decode_triton(*args, return_plan=True, **kw)
+    assert plan["kernel"].name == "_mla_ws_kernel" and (splits is None or plan["splits"] == splits)
+    assert torch.isfinite(o).all()
+    ref = mla_decode_ref(q, cache, pt, sl)
+    assert rel_l2(o.view(B, Sq, H, dc), ref) < 1e-2
+    tri = mla_decode_triton(*args, gluon=False, **kw)
+    assert rel_l2(o, tri) < 2e-3
+    assert torch.equal(mla_decode(q, cache, pt, sl, max_seq_len=max(lens), num_splits=splits), o.view(B, Sq, H, dc))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Sq,lens,splits,stale", [
+    (128, 1, [3001, 129, 40], None, False), (128, 1, [3001, 129, 40], 1, False), (64, 2, [2050, 130], 3, False),
+    (128, 4, [700, 64], None, False), (128, 1, [1000, 333], None, True)])
+def test_gpu_wgmma_fp8(H, Sq, lens, splits, stale):
+    """GPU, DeepSeek-V3 widths: the warp-specialized FP8 kernel (SnapMLA numerics, 64-token P blocks) against the
+    reference that emulates its per-block FP8 P, against float64 and against the Triton wide tile (the same P
+    rounding); MTP rows, ragged lengths, splits; ``stale``: NaN content and scales past each length stay out of the
+    output. The op dispatches to it (Fused-Q-Quant inside)."""
+    if not GPU:
+        pytest.skip("needs CUDA")
+    from lowbit.kernels.mla_decode import mla_decode_triton
+    from lowbit.kernels.mla_quant import latent_quant_triton
+
+    dc, dr, B = 512, 64, len(lens)
+    torch.manual_seed(4)
+    c = _gpu_latent_cache(lens, True, 4)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    if stale:
+        for b, n in enumerate(lens):
+            idx = torch.arange(n, -(-n // 64) * 64, device="cuda")
+            slots = pt[b, idx // 64].long() * 64 + idx % 64
+            cache[0].flatten(0, 1)[slots] = float("nan")
+            cache[2].flatten(0, 1)[slots] = float("nan")
+    q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
+    qc, qs, qr = latent_quant_triton(q.reshape(-1, dc + dr), dc)
+    R = Sq * H
+    args = (qc.view(B, R, dc), qr.view(B, R, dr), qs.view(B, R), cache[0].flatten(0, 1), cache[1].flatten(0, 1),
+            cache[2].flatten(0, 1), pt, sl)
+    kw = dict(num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64, fp8=True,
+              num_splits=splits)
+    o, plan = mla_decode_triton(*args, return_plan=True, **kw)
+    assert plan["kernel"].name == "_mla_ws_fp8_kernel" and (splits is None or plan["splits"] == splits)
+    assert torch.isfinite(o).all()
+    emu = mla_decode_ref(q, cache, pt, sl, p_block=(64, plan["chunk"], 0.0, torch.float8_e4m3fn, "row"))
+    assert rel_l2(o.view(B, Sq, H, dc), emu) < 8e-3
+    assert rel_l2(o.view(B, Sq, H, dc), mla_decode_ref(q, cache, pt, sl)) < 3e-2
+    tri = mla_decode_triton(*args, gluon=False, **kw)
+    assert rel_l2(o, tri) < 2e-3
+    assert torch.equal(mla_decode(q, cache, pt, sl, max_seq_len=max(lens), num_splits=splits), o.view(B, Sq, H, dc))
 
 
 def test_append_kernel_skips_slots_outside_the_cache(dev):

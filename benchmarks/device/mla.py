@@ -126,7 +126,9 @@ def checks():
                     re_ = mla_decode_ref(q, cache, pt, sl, p_block=(plan["block_n"], plan["chunk"], 0.0,
                                                                      torch.float8_e4m3fn, plan["p_rule"]))
                     e2 = rel(o2.view(B, Sq, H, dc), re_)
-                    log(name + f" default (m{plan['block_m']} dv{plan['dv_splits']} bn{plan['block_n']} {plan['p_rule']} P) "
+                    tile = (f"ws m{plan['block_m']}" if "dv_splits" not in plan else  # the warp-specialized kernel
+                            f"m{plan['block_m']} dv{plan['dv_splits']}")
+                    log(name + f" default ({tile} bn{plan['block_n']} {plan['p_rule']} P) "
                         f"vs emulated-P ref (plan {plan['splits']}x{plan['chunk']})", e2, e2 < 8e-3)
                     # the other P-scale rule / the R6 tile: each against its own emulation
                     OPTS = os.environ.get("MLA_CHECK_OPTIONS", "0") == "1" or a.cpu_smoke  # R11: all PASS

@@ -31,6 +31,12 @@ Work decomposition (flash-decoding):
   P·V operand read from the FP8 stage as 16-bit column pairs with ``ldmatrix.trans`` and split by ``prmt``,
   warps splitting the QK^T reduction and then the softmax rows: 3.4 TB/s (session 18) vs 1.22 for the
   tokens-as-M tile at B=128 L=16k); the tile above stays the fallback (``gluon=False``);
+- a multiple of 64 rows per sequence (128 heads) takes the warp-specialized Gluon kernels of
+  ``lowbit.kernels.mla_decode_wgmma`` on Hopper since session 20 (a TMA loader warp; one warpgroup for QK^T, the
+  softmax and half the value columns, the other for the other half, so no MMA work is duplicated and P·V of block j
+  overlaps QK^T of block j+1): bf16 583 vs 262 TFLOP/s at B=32 H=128 L=16k; FP8 (the same SnapMLA numerics as the
+  wide tile; the second warpgroup also writes the K-major FP8 value tile) 378 vs 300; the tiles here stay the
+  fallback;
 - the sequence is cut into ``num_splits`` chunks of ``chunk`` tokens (a multiple of BLOCK_N);
   grid = (row blocks x column slices, splits, batch), row blocks fastest so that the programs
   reading the same KV run side by side and share it through L2;
@@ -186,6 +192,12 @@ FEW_ROWS = 32
 # (lowbit.kernels.mla_decode_gluon; H200, B=128 H=16 L=16k: session 18 0.395 ms = 3.42 TB/s (session 17: 0.542) vs
 # 1.102 ms for the tokens-as-M tile below and 0.660 ms for the bf16 FEW tile, benchmarks/results/h200/s18_mla_few.json)
 GLUON_FEW = True
+# A multiple of 64 rows per sequence (e.g. 128 heads) takes the warp-specialized Gluon wgmma kernels on Hopper
+# (lowbit.kernels.mla_decode_wgmma; H200, session 20, B=32 H=128 L=16k, benchmarks/results/h200/s20_mla_wgmma*.json):
+# bf16 0.251 ms = 583 TFLOP/s vs 0.554 ms for this kernel's bf16 tile (3.49x the bmm path); FP8 (SnapMLA numerics,
+# same P rounding as the wide tile) 0.386 ms vs 0.486 ms for the wide FP8 tile. The Triton tiles stay the fallback
+# (``gluon=False``, or any tuning argument)
+GLUON_WIDE = True
 FEW = {"bf16": dict(block_n=32, num_warps=4, num_stages=2, s_ahead=False, even_loop=True, one_acc=True,
                     ctas_per_sm=2),
        "fp8": dict(tokens_m=True, block_m=16, block_n=64, num_warps=4, num_stages=2, even_loop=True, one_acc=True,
@@ -747,9 +759,10 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
     ``qs`` [B, Sq*H] fp32 or None; cache tensors as in the module docstring. Returns the output
     [B, Sq*H, Dc] in ``out_dtype`` (and, with ``return_plan``, a dict: splits, chunk, block_n,
     block_m and the compiled decode kernel, for the reference's emulation and for PTX checks).
-    Arguments are validated by ``lowbit.ops.mla.mla_decode``. ``gluon``: FP8 caches with at most 48 rows per
-    sequence run the Gluon kernel on the GPU (``lowbit.kernels.mla_decode_gluon``; None = where it applies,
-    False = this Triton kernel)."""
+    Arguments are validated by ``lowbit.ops.mla.mla_decode``. ``gluon``: on a Hopper GPU, FP8 caches with at most 48
+    rows per sequence run the Gluon few-rows kernel (``lowbit.kernels.mla_decode_gluon``) and bf16/fp16 caches with a
+    multiple of 64 rows the warp-specialized wgmma kernels (``lowbit.kernels.mla_decode_wgmma``: bf16/fp16, and FP8
+    with the default SnapMLA P; not with tuning arguments); None = where it applies, False = this Triton kernel."""
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
     SQ = ROWS // num_heads
@@ -763,9 +776,23 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
                                           sm_scale=sm_scale, max_seq_len=max_seq_len, page_size=page_size,
                                           out_dtype=out_dtype, num_splits=num_splits, pv16=pv16,
                                           return_plan=return_plan)
+    tuned = any(x is not None for x in (block_n, block_m, num_warps, num_stages, dv_splits, even_loop, one_acc,
+                                        s_ahead, ctas_per_sm, tokens_m, imprecise, deq16)) or v_prmt != 2
+    if not tau and not interp and gluon is not False and GLUON_WIDE and not tuned:
+        from lowbit.kernels import mla_decode_wgmma as MW
+
+        kw = dict(num_heads=num_heads, sm_scale=sm_scale, max_seq_len=max_seq_len, page_size=page_size,
+                  num_splits=num_splits, return_plan=return_plan)
+        if not fp8 and MW.supported(ROWS, DC, DR, page_size, qc.dtype, qc, qr, kc, kr):
+            return MW.mla_decode_wgmma(qc, qr, kc, kr, page_table, seq_lens, **kw)
+        snap = pv_fp8 and not pv16 and not pv_promote and not p_block and t_step is not False
+        if fp8 and snap and MW.supported_fp8(ROWS, DC, DR, page_size, qc, qr, qs, kc, kr, ks):
+            return MW.mla_decode_wgmma_fp8(qc, qr, qs, kc, kr, ks, page_table, seq_lens, out_dtype=out_dtype, **kw)
     if gluon:
-        raise ValueError("gluon=True needs an FP8 cache with SnapMLA P (pv_fp8), at most 48 rows per sequence, "
-                         "Dc / Dr the Gluon kernel takes and a CUDA device without TRITON_INTERPRET")
+        raise ValueError("gluon=True needs an FP8 cache with SnapMLA P (pv_fp8) and at most 48 rows per sequence, "
+                         "or a multiple of 64 rows per sequence (bf16/fp16 cache, or FP8 with the default row P "
+                         "scale; no tuning arguments); the DeepSeek latent (512 + 64), pages a multiple of the "
+                         "kernel's block, a Hopper GPU and no TRITON_INTERPRET")
     path = "bf16" if not fp8 else ("fp8-f16pv" if pv16 and pv_fp8 else "fp8" if pv_fp8 else "fp8-bf16pv")
     wide = WIDE.get(path) if (not interp and ROWS > 64 and not tau) else None
     if wide:

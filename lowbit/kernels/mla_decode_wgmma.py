@@ -1,0 +1,619 @@
+"""bf16 / fp16 MLA decode for many heads per sequence: Gluon, warp-specialized, wgmma + TMA (GPU only, Hopper).
+
+The compute-bound case of absorbed MLA (DeepSeek-V2/V3, 128 heads: ~242 FLOP per cache byte, above the H200's ridge).
+The Triton kernel of ``lowbit.kernels.mla_decode`` (the CPU / interpreter path and the fallback) reaches ~33% of the
+bf16 peak there: with 64 rows and 8 warps Triton puts all warps along M for the chained dots, so both warpgroups
+compute the same 64 x 64 score tile (1.53x the needed MMA work), and every wgmma is waited on at once. Here the roles
+are written out (FlashMLA's split of the work):
+
+Per program: ``BM = 64`` rows (query token, head) of one sequence and one split of its tokens; 64-token blocks
+through a 2-stage TMA ring (a block = one 64-slot slice of a page: one copy per cache tensor, ``mbarrier``
+completion). Three partitions (``gl.warp_specialize``):
+
+- loader (1 warp): Q once, then each block into the ring once both warpgroups have released the stage;
+- first warpgroup (default partition): ``S = q_C · c^T + q_R · k_R^T`` [64, 64] on wgmma (all 64 tokens, fp32), the
+  online softmax in base 2 (``sm_scale * log2(e)`` folded into one multiply), P (rounded to the cache dtype) and the
+  rescale factor to shared memory for the second warpgroup, then ``O[:, :256] = O * alpha + P · c[:, :256]`` with P
+  from registers; at the end the row sums (shared memory), its half of O and the LSE;
+- second warpgroup: per block, waits for P, ``O[:, 256:] = O * alpha + P · c[:, 256:]`` (P from shared memory), then
+  releases P and the stage; at the end normalises by the first warpgroup's row sums.
+
+So the second warpgroup's P·V of block j runs on the tensor cores beside the first one's QK^T of block j+1, and no
+MMA work is duplicated. The value tile is the content part of the stage ([64 tokens, 512], MN-major B operand:
+16-bit wgmma reads it transposed, no copy). Accumulators: 128 fp32 registers per thread per warpgroup
+(64 x 256); registers: first warpgroup 256, second ``WS_PV_REGS``, loader 24 (``maxnreg`` = ``WS_MAXNREG`` per
+thread of the 12 warps). Shared memory: Q 72 KB + 2 stages x 72 KB + P 8 KB = 225 KB, one program per SM.
+
+Numerics: as the Triton bf16 path (P rounded to the cache dtype before P·V, fp32 accumulation, fp32 softmax
+statistics; ``mla_decode_ref`` is the reference: GPU tests, rel-L2 equal to the Triton kernel's to 4 digits).
+Masks: keys past the split or the sequence and, with MTP, past the causal limit ``lim = L - Sq + 1 + t`` get score
+-inf (blocks every row sees whole skip the mask). The tail block's copy reads the whole 64-slot slice of its page
+(pages are a multiple of 64 tokens): its rows past the length are zeroed in shared memory before use, so stale or
+non-finite slot contents never reach O (0 * NaN). Split-KV partials and the combine are the Triton kernel's
+(``split_workspace``, ``combine_splits``).
+
+Measured (H200, session 20, ``benchmarks/results/h200/s20_mla_wgmma*.json``; ms at B=32 H=128 L=16k, Triton 0.554):
+one 8-warp program, both warpgroups splitting the scores' columns and the values' columns, every wgmma waited (no
+warp specialization): 0.357 (P to the second dot through a register layout conversion), 0.345-0.350 (P through a
+shared tile); with QK^T of block j+1 issued before P·V of block j (2 stages: its K copy is then waited on almost at
+once) 0.421-0.438; this form 0.251 (583 TFLOP/s).
+"""
+from __future__ import annotations
+
+import torch
+
+from lowbit.kernels.mla_decode import LOG2E, combine_splits, plan_splits, split_workspace
+
+try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                 warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    HAS_GLUON = True
+except Exception:  # pragma: no cover - older Triton
+    HAS_GLUON = False
+
+BM = 64  # rows per program (one wgmma M tile)
+BN = 64  # tokens per block
+WS_PV_REGS = 192  # registers per thread of the second warpgroup (S20: 224 and 160 within 1% or slower)
+WS_MAXNREG = 168  # the kernel's cap per thread; the default partition gets what the workers leave (256)
+
+
+def supported(rows: int, dc: int, dr: int, page_size: int, dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """Whether a bf16/fp16 launch can run here: a Hopper GPU, rows per sequence a multiple of 64, the DeepSeek latent
+    (512 + 64), pages a multiple of the 64-token block, and every tensor TMA-addressable (16-byte aligned base and
+    row stride, unit stride along the row)."""
+    if not HAS_GLUON or dtype not in (torch.bfloat16, torch.float16) or rows % BM or dc != 512 or dr != 64:
+        return False
+    if page_size % BN:
+        return False
+    for t in tensors:
+        if t.device.type != "cuda" or t.dtype != dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if (t.stride(-2) * t.element_size()) % 16:
+            return False
+    return torch.cuda.get_device_capability(tensors[0].device)[0] == 9
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _zero_tail(kc_smem, kr_smem, stage, valid, DC: gl.constexpr, DR: gl.constexpr, BN: gl.constexpr):
+        """Rows ``>= valid`` of a stage set to 0 (the tail block: slots past the sequence), 64 columns at a time."""
+        zl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
+        keep = (gl.arange(0, BN, layout=gl.SliceLayout(1, zl)) < valid)[:, None]
+        for c in gl.static_range(DC // 64):
+            part = kc_smem.index(stage).slice(c * 64, 64, dim=1)
+            x = part.load(zl)
+            part.store(gl.where(keep, x, gl.zeros_like(x)))
+        r = kr_smem.index(stage).load(zl)
+        kr_smem.index(stage).store(gl.where(keep, r, gl.zeros_like(r)))
+        fence_async_shared()  # the generic-proxy stores before the wgmma (async proxy) reads
+
+
+    @gluon.jit
+    def _scores(qc_smem, qr_smem, kc_smem, kr_smem, kbar, st, j, n0, end, BM: gl.constexpr, BN: gl.constexpr,
+                DC: gl.constexpr, DR: gl.constexpr, s_l: gl.constexpr):
+        """Wait for block j's stage, zero its rows past the sequence if it is the tail, and issue
+        ``S = q_C c^T + q_R k_R^T`` (two asynchronous wgmma groups); returns the accumulator token."""
+        mbarrier.wait(kbar.index(st), (j // 2) & 1)
+        if n0 + BN > end:  # the tail block: rows past the sequence zeroed (no 0 * NaN from stale slots)
+            _zero_tail(kc_smem, kr_smem, st, end - n0, DC, DR, BN)
+            gl.thread_barrier()
+        s = warpgroup_mma(qc_smem, kc_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
+                          use_acc=False, is_async=True)
+        return warpgroup_mma(qr_smem, kr_smem.index(st).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN: gl.constexpr, s_l: gl.constexpr,
+                 MASK: gl.constexpr = True):
+        """Online softmax of one block's scores (base 2): returns (P fp32, alpha, m, l). ``MASK`` False: a block
+        every row sees whole (no key past the split, the sequence or the causal limit)."""
+        if MASK:
+            offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
+            ok = (offs_n[None, :] < end) & (offs_n[None, :] < lim[:, None])
+            t = gl.where(ok, s * sm_scale_log2e, float("-inf"))
+        else:
+            t = s * sm_scale_log2e
+        m_new = gl.maximum(m_i, gl.max(t, axis=1))
+        if MASK:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(t - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+
+    @gluon.jit
+    def _ws_loader(qc_desc, qr_desc, kc_desc, kr_desc, qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free,
+                   PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr):
+        """1-warp partition: Q once, then the 64-token blocks into the 2-stage ring (a stage is refilled once both
+        warpgroups released it)."""
+        BN: gl.constexpr = 64
+        NBYTES: gl.constexpr = BN * (kc_desc.block_type.shape[1] + kr_desc.block_type.shape[1]) * 2
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        ptb = PT + b.to(gl.int64) * stride_pt
+        row0 = b * ROWS + pid_m * 64
+        mbarrier.expect(qbar, qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qc_desc, [row0, 0], qbar, qc_smem)
+        tma.async_copy_global_to_shared(qr_desc, [row0, 0], qbar, qr_smem)
+        for j in range(0, n_blk):
+            st = j % 2
+            mbarrier.wait(kv_free.index(st), ((j // 2) & 1) ^ 1)
+            n0 = start + j * BN
+            slot = gl.load(ptb + n0 // PAGE) * PAGE + n0 % PAGE
+            mbarrier.expect(kv_ready.index(st), NBYTES)
+            tma.async_copy_global_to_shared(kc_desc, [slot, 0], kv_ready.index(st), kc_smem.index(st))
+            tma.async_copy_global_to_shared(kr_desc, [slot, 0], kv_ready.index(st), kr_smem.index(st))
+
+    @gluon.jit
+    def _ws_pv_right(kc_smem, kv_ready, kv_free, p_smem, a_smem, l_smem, p_ready, p_free, done, O, SEQ, ROWS, chunk,
+                     stride_o, stride_os, SPLIT: gl.constexpr):
+        """4-warp partition (second warpgroup): value columns [256, 512): per block, wait for P and its rescale
+        factor (shared memory), ``O = O * alpha + P · c[:, 256:]``, release P and the stage; then normalise by the
+        first warpgroup's row sums and store."""
+        BN: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        acc = gl.zeros([64, HALF], gl.float32, o_l)
+        for j in range(0, n_blk):
+            st = j % 2
+            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            mbarrier.wait(p_ready, j & 1)
+            alpha = a_smem.load(row_o)
+            acc = acc * alpha[:, None]
+            acc = warpgroup_mma(p_smem, kc_smem.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(kv_free.index(st))
+        mbarrier.wait(done, 0)
+        l_o = l_smem.load(row_o)
+        rows = b * ROWS + pid_m * 64 + gl.arange(0, 64, layout=row_o)
+        cols = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
+        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
+        if SPLIT:
+            gl.store(optr, out)
+        else:
+            gl.store(optr, out.to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _ws_softmax_pv_left(qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
+                            p_ready, p_free, done, SEQ, O, LSE, sm_scale_log2e, H, SQ, ROWS, chunk, stride_o,
+                            stride_os, stride_ls, DC: gl.constexpr, DR: gl.constexpr, SPLIT: gl.constexpr):
+        """Default partition (first warpgroup): per block ``S = q_C c^T + q_R k_R^T`` (all 64 tokens), the online
+        softmax, P and its rescale factor to shared memory for the second warpgroup, then ``O = O * alpha +
+        P · c[:, :256]`` with P from registers; at the end the row sums for the second warpgroup, its own half of O
+        and the LSE."""
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        HALF: gl.constexpr = DC // 2
+        dt: gl.constexpr = qc_smem.dtype
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
+        lim = seq_len - SQ + 1 + offs_m // H
+        vis = gl.minimum(end, seq_len - SQ + 1)  # keys below this are seen by every row
+        m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BM], gl.float32, row_s)
+        acc = gl.zeros([BM, HALF], gl.float32, o_l)
+        mbarrier.wait(qbar, 0)
+        for j in range(0, n_blk):
+            st = j % 2
+            n0 = start + j * BN
+            s = _scores(qc_smem, qr_smem, kc_smem, kr_smem, kv_ready, st, j, n0, end, BM, BN, DC, DR, s_l)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if n0 + BN <= vis:
+                p, alpha, m_i, l_i = _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN, s_l, False)
+            else:
+                p, alpha, m_i, l_i = _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN, s_l, True)
+            pb = p.to(dt)
+            mbarrier.wait(p_free, (j & 1) ^ 1)  # the second warpgroup is done with the previous P
+            p_smem.store(pb)
+            a_smem.store(alpha)
+            fence_async_shared()
+            mbarrier.arrive(p_ready)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(pb, a_l), kc_smem.index(st).slice(0, HALF, dim=1), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_free.index(st))
+        l_smem.store(l_i)
+        mbarrier.arrive(done)
+        l_o = gl.convert_layout(l_i, row_o)
+        rows = b * ROWS + pid_m * BM + gl.arange(0, BM, layout=row_o)
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
+        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
+        if SPLIT:
+            m_o = gl.convert_layout(m_i, row_o)
+            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(l_o), float("-inf")))
+            gl.store(optr, out)
+        else:
+            gl.store(optr, out.to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _mla_ws_kernel(qc_desc, qr_desc, kc_desc, kr_desc, PT, SEQ, O, LSE,
+                       sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
+                       DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                       PV_REGS: gl.constexpr):
+        """Warp-specialized form (FlashMLA's split of the roles): a 1-warp TMA loader, the first warpgroup (scores,
+        softmax, value columns [0, 256)) and the second (value columns [256, 512)), so the second warpgroup's P·V
+        of block j runs on the tensor cores beside the first one's QK^T of block j+1."""
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        dt: gl.constexpr = qc_desc.dtype
+        qc_smem = gl.allocate_shared_memory(dt, [BM, DC], qc_desc.layout)
+        qr_smem = gl.allocate_shared_memory(dt, [BM, DR], qr_desc.layout)
+        kc_smem = gl.allocate_shared_memory(dt, [2, BN, DC], kc_desc.layout)
+        kr_smem = gl.allocate_shared_memory(dt, [2, BN, DR], kr_desc.layout)
+        p_smem = gl.allocate_shared_memory(dt, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dt))
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(qbar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_free.index(i), count=2)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(done, count=1)
+        gl.warp_specialize([
+            (_ws_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
+                                   p_ready, p_free, done, SEQ, O, LSE, sm_scale_log2e, H, SQ, ROWS, chunk, stride_o,
+                                   stride_os, stride_ls, DC, DR, SPLIT)),
+            (_ws_pv_right, (kc_smem, kv_ready, kv_free, p_smem, a_smem, l_smem, p_ready, p_free, done, O, SEQ, ROWS,
+                            chunk, stride_o, stride_os, SPLIT)),
+            (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready,
+                          kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE)),
+        ], [4, 1], [PV_REGS, 24])
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _ws8_loader(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, qbar,
+                    kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr):
+        """FP8 form, 1-warp partition: Q (FP8 content, bf16 RoPE part) once, then per block the FP8 content rows,
+        the bf16 RoPE rows and the fp32 token scales into the 2-stage ring."""
+        BN: gl.constexpr = 64
+        NBYTES: gl.constexpr = kc_desc.block_type.nbytes + kr_desc.block_type.nbytes + ks_desc.block_type.nbytes
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        ptb = PT + b.to(gl.int64) * stride_pt
+        row0 = b * ROWS + pid_m * 64
+        mbarrier.expect(qbar, qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qc_desc, [row0, 0], qbar, qc_smem)
+        tma.async_copy_global_to_shared(qr_desc, [row0, 0], qbar, qr_smem)
+        for j in range(0, n_blk):
+            st = j % 2
+            mbarrier.wait(kv_free.index(st), ((j // 2) & 1) ^ 1)
+            n0 = start + j * BN
+            slot = gl.load(ptb + n0 // PAGE) * PAGE + n0 % PAGE
+            mbarrier.expect(kv_ready.index(st), NBYTES)
+            tma.async_copy_global_to_shared(kc_desc, [slot, 0], kv_ready.index(st), kc_smem.index(st))
+            tma.async_copy_global_to_shared(kr_desc, [slot, 0], kv_ready.index(st), kr_smem.index(st))
+            tma.async_copy_global_to_shared(ks_desc, [slot // BN, 0], kv_ready.index(st), ks_smem.index(st))
+
+    @gluon.jit
+    def _vt_block(kc_smem, vt_smem, st, valid):
+        """The K-major copy of one stage's FP8 content tile that FP8 wgmma needs for P·V (``vt [512, 64]``): 4
+        tokens x 16 columns per thread (16-byte loads), transposed in registers (4-byte stores); rows past the
+        sequence written as 0 (no 0 * NaN from stale slots); then a fence and the warpgroup's barrier."""
+        BN: gl.constexpr = 64
+        tl_: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 16], threads_per_warp=[8, 4], warps_per_cta=[2, 2],
+                                             order=[1, 0])
+        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, tl_))
+        for c in gl.static_range(4):
+            x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
+            x = gl.where((tok < valid)[:, None], x, gl.zeros_like(x))
+            vt_smem.index(st).slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _ws8_pv_right(kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, O,
+                      SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr):
+        """FP8 form, second warpgroup: per block the K-major value tile (``_vt_block``, released to the first
+        warpgroup with ``vt_ready``), then ``O[:, 256:] = O * r + P̂ · vt[256:]^T``; at the end the normalisation."""
+        BN: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        acc = gl.zeros([64, HALF], gl.float32, o_l)
+        for j in range(0, n_blk):
+            st = j % 2
+            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            _vt_block(kc_smem, vt_smem, st, end - (start + j * BN))
+            mbarrier.arrive(vt_ready.index(st))
+            mbarrier.wait(p_ready, j & 1)
+            r = a_smem.load(row_o)
+            acc = acc * r[:, None]
+            acc = warpgroup_mma(p_smem, vt_smem.index(st).slice(HALF, HALF, dim=0).permute((1, 0)), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(kv_free.index(st))
+        mbarrier.wait(done, 0)
+        l_o = l_smem.load(row_o)
+        rows = b * ROWS + pid_m * 64 + gl.arange(0, 64, layout=row_o)
+        cols = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
+        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
+        if SPLIT:
+            gl.store(optr, out)
+        else:
+            gl.store(optr, out.to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _ws8_softmax_pv_left(qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free, vt_ready,
+                             p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE, sm_scale_log2e, H, SQ,
+                             ROWS, chunk, stride_o, stride_os, stride_ls, DC: gl.constexpr, SPLIT: gl.constexpr):
+        """FP8 form, first warpgroup: ``t = (q̂_C ĉ^T + q̃_R k̃_R^T) s_k`` (FP8 and bf16 wgmma, two fp32
+        accumulators summed), then the SnapMLA online
+        softmax of the Triton FP8 path (``_softmax_step_t``, row P scale: ``P̃ = exp2(t s_q sm_scale log2e - m) s_k``,
+        monotone ``σ``, ``P̂ = FP8(P̃ / σ)``, σ folded into the rescale factor r), P̂ and r to shared memory, then
+        ``O[:, :256] = O * r + P̂ · vt[:256]^T``."""
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        HALF: gl.constexpr = DC // 2
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+        sr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
+        row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        ks_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 4],
+                                              order=[1, 0])
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
+        lim = seq_len - SQ + 1 + offs_m // H
+        qscale = gl.load(QS + b * ROWS + offs_m) * sm_scale_log2e  # > 0
+        m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([BM], gl.float32, row_s)
+        sig_i = gl.zeros([BM], gl.float32, row_s)
+        acc = gl.zeros([BM, HALF], gl.float32, o_l)
+        mbarrier.wait(qbar, 0)
+        for j in range(0, n_blk):
+            st = j % 2
+            n0 = start + j * BN
+            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            s = warpgroup_mma(qc_smem, kc_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
+                              use_acc=False, is_async=True)
+            sr = warpgroup_mma(qr_smem, kr_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, sr_l),
+                               use_acc=False, is_async=True)
+            s, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s, sr))
+            s = s + gl.convert_layout(sr, s_l)  # the same registers (only the instruction's K differs)
+            ks = gl.convert_layout(gl.reshape(ks_smem.index(st).load(ks_l), [BN]), col_s)
+            offs_n = n0 + gl.arange(0, BN, layout=col_s)
+            ok = (offs_n[None, :] < end) & (offs_n[None, :] < lim[:, None])
+            t = gl.where(ok, s * ks[None, :], float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(t, axis=1) * qscale)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_safe))
+            sig_keep = sig_i * alpha
+            p = gl.exp2(t * qscale[:, None] - m_safe[:, None])
+            pt = p * gl.where(ok, ks[None, :], 0.0)
+            sig_new = gl.maximum(gl.max(pt, axis=1) * (1.0 / 448.0), sig_keep)  # monotone block scale
+            inv_sig = gl.where(sig_new > 0, 1.0 / sig_new, 0.0)
+            r = gl.where(sig_new == sig_keep, 1.0, sig_keep * inv_sig)
+            l_i = l_i * r + gl.sum(p, axis=1) * inv_sig
+            m_i = m_new
+            sig_i = sig_new
+            p8 = (pt * inv_sig[:, None]).to(gl.float8e4nv)
+            mbarrier.wait(p_free, (j & 1) ^ 1)  # the second warpgroup is done with the previous P
+            p_smem.store(p8)
+            a_smem.store(r)
+            fence_async_shared()
+            mbarrier.arrive(p_ready)
+            acc = acc * gl.convert_layout(r, row_o)[:, None]
+            mbarrier.wait(vt_ready.index(st), (j // 2) & 1)
+            acc = warpgroup_mma(p_smem, vt_smem.index(st).slice(0, HALF, dim=0).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(kv_free.index(st))
+        l_smem.store(l_i)
+        mbarrier.arrive(done)
+        l_o = gl.convert_layout(l_i, row_o)
+        rows = b * ROWS + pid_m * BM + gl.arange(0, BM, layout=row_o)
+        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
+        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
+        if SPLIT:
+            ell = gl.convert_layout(l_i * sig_i, row_o)
+            m_o = gl.convert_layout(m_i, row_o)
+            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(ell), float("-inf")))
+            gl.store(optr, out)
+        else:
+            gl.store(optr, out.to(O.dtype.element_ty))
+
+    @gluon.jit
+    def _mla_ws_fp8_kernel(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, QS, PT, SEQ, O, LSE,
+                           sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
+                           DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                           PV_REGS: gl.constexpr):
+        """SnapMLA FP8 form of ``_mla_ws_kernel``: the second warpgroup also writes the K-major FP8 value tile that
+        P·V needs."""
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        f8: gl.constexpr = gl.float8e4nv
+        qc_smem = gl.allocate_shared_memory(f8, [BM, DC], qc_desc.layout)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, DR], qr_desc.layout)
+        kc_smem = gl.allocate_shared_memory(f8, [2, BN, DC], kc_desc.layout)
+        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], kr_desc.layout)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BN], ks_desc.layout)
+        vt_smem = gl.allocate_shared_memory(f8, [2, DC, BN], gl.NVMMASharedLayout.get_default_for([DC, BN], f8))
+        p_smem = gl.allocate_shared_memory(f8, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], f8))
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(qbar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(kv_ready.index(i), count=1)
+            mbarrier.init(kv_free.index(i), count=2)
+            mbarrier.init(vt_ready.index(i), count=1)
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(done, count=1)
+        gl.warp_specialize([
+            (_ws8_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free,
+                                    vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE,
+                                    sm_scale_log2e, H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC, SPLIT)),
+            (_ws8_pv_right, (kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free,
+                             done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT)),
+            (_ws8_loader, (qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem,
+                           qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE)),
+        ], [4, 1], [PV_REGS, 24])
+
+
+def supported_fp8(rows: int, dc: int, dr: int, page_size: int, qc, qr, qs, kc, kr, ks) -> bool:
+    """``supported`` for the FP8 form: FP8 E4M3 content (query and cache), bf16 RoPE parts, fp32 scales, the
+    token scales contiguous (read as 64-float rows)."""
+    if not HAS_GLUON or rows % BM or dc != 512 or dr != 64 or page_size % BN:
+        return False
+    f8 = torch.float8_e4m3fn
+    if qc.dtype != f8 or kc.dtype != f8 or qr.dtype != torch.bfloat16 or kr.dtype != torch.bfloat16:
+        return False
+    if qs is None or ks is None or qs.dtype != torch.float32 or ks.dtype != torch.float32 or not ks.is_contiguous():
+        return False
+    for t in (qc, qr, kc, kr, ks):
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if t.dim() > 1 and (t.stride(-2) * t.element_size()) % 16:
+            return False
+    return torch.cuda.get_device_capability(kc.device)[0] == 9
+
+
+def mla_decode_wgmma(qc, qr, kc, kr, page_table, seq_lens, *, num_heads: int, sm_scale: float, max_seq_len: int,
+                     page_size: int, num_splits: int | None = None, ws_regs: tuple | None = None,
+                     return_plan: bool = False):
+    """Launch on a bf16/fp16 latent cache (``supported`` must hold): ``qc`` [B, Sq*H, 512], ``qr`` [B, Sq*H, 64],
+    ``kc`` [slots, 512] / ``kr`` [slots, 64] (row views of the cache), page table and lengths as in
+    ``lowbit.kernels.mla_decode``. Returns [B, Sq*H, 512] in the cache dtype (and the plan with ``return_plan``).
+    ``ws_regs``: (second warpgroup's registers, kernel maxnreg), for sweeps."""
+    B, ROWS, DC = qc.shape
+    DR = qr.shape[-1]
+    dev, dt = qc.device, qc.dtype
+    gdt = gl.bfloat16 if dt == torch.bfloat16 else gl.float16
+    splits, chunk = plan_splits(B, ROWS // BM, max_seq_len, BN, dev, num_splits, 1)
+    out = torch.empty(B, ROWS, DC, device=dev, dtype=dt)
+    ow, lse, o_arg, so, sos, sls = split_workspace(out, splits)
+    qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
+    lay_c = gl.NVMMASharedLayout.get_default_for([BM, DC], gdt)
+    lay_r = gl.NVMMASharedLayout.get_default_for([BM, DR], gdt)
+    slots = kc.shape[0]
+    qc_desc = GluonTensorDescriptor(qc2, [B * ROWS, DC], [qc2.stride(0), 1], [BM, DC], lay_c)
+    qr_desc = GluonTensorDescriptor(qr2, [B * ROWS, DR], [qr2.stride(0), 1], [BM, DR], lay_r)
+    kc_desc = GluonTensorDescriptor(kc, [slots, DC], [kc.stride(0), 1], [BN, DC], lay_c)
+    kr_desc = GluonTensorDescriptor(kr, [slots, DR], [kr.stride(0), 1], [BN, DR], lay_r)
+    pv_regs, maxnreg = ws_regs or (WS_PV_REGS, WS_MAXNREG)
+    kernel = _mla_ws_kernel[(ROWS // BM, splits, B)](
+        qc_desc, qr_desc, kc_desc, kr_desc, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
+        sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk, page_table.stride(0), so, sos, sls,
+        DC=DC, DR=DR, PAGE=page_size, SPLIT=splits > 1, PV_REGS=pv_regs, num_warps=4, maxnreg=maxnreg,
+    )
+    combine_splits(ow, lse, out, splits)
+    if return_plan:
+        return out, {"splits": splits, "chunk": chunk, "block_n": BN, "block_m": BM, "kernel": kernel}
+    return out
+
+
+def mla_decode_wgmma_fp8(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
+                         max_seq_len: int, page_size: int, out_dtype=torch.bfloat16, num_splits: int | None = None,
+                         ws_regs: tuple | None = None, return_plan: bool = False):
+    """Launch the FP8 form (``supported_fp8`` must hold): ``qc`` [B, Sq*H, 512] FP8 / ``qr`` [B, Sq*H, 64] bf16 /
+    ``qs`` [B, Sq*H] fp32 (Fused-Q-Quant), ``kc`` [slots, 512] FP8 / ``kr`` [slots, 64] bf16 / ``ks`` [slots] fp32
+    (the cache's rows). Returns [B, Sq*H, 512] in ``out_dtype`` (and the plan: the reference emulates its P with
+    ``p_block=(64, chunk, 0.0, float8_e4m3fn, "row")``)."""
+    B, ROWS, DC = qc.shape
+    DR = qr.shape[-1]
+    dev = qc.device
+    splits, chunk = plan_splits(B, ROWS // BM, max_seq_len, BN, dev, num_splits, 1)
+    out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
+    ow, lse, o_arg, so, sos, sls = split_workspace(out, splits)
+    qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
+    f8, bf = gl.float8e4nv, gl.bfloat16
+    slots = kc.shape[0]
+    ks2 = ks.view(slots // BN, BN)
+    qc_desc = GluonTensorDescriptor(qc2, [B * ROWS, DC], [qc2.stride(0), 1], [BM, DC],
+                                    gl.NVMMASharedLayout.get_default_for([BM, DC], f8))
+    qr_desc = GluonTensorDescriptor(qr2, [B * ROWS, DR], [qr2.stride(0), 1], [BM, DR],
+                                    gl.NVMMASharedLayout.get_default_for([BM, DR], bf))
+    kc_desc = GluonTensorDescriptor(kc, [slots, DC], [kc.stride(0), 1], [BN, DC],
+                                    gl.NVMMASharedLayout.get_default_for([BN, DC], f8))
+    kr_desc = GluonTensorDescriptor(kr, [slots, DR], [kr.stride(0), 1], [BN, DR],
+                                    gl.NVMMASharedLayout.get_default_for([BN, DR], bf))
+    ks_desc = GluonTensorDescriptor(ks2, [slots // BN, BN], [BN, 1], [1, BN],
+                                    gl.NVMMASharedLayout.get_default_for([1, BN], gl.float32))
+    pv_regs, maxnreg = ws_regs or (WS_PV_REGS, WS_MAXNREG)
+    kernel = _mla_ws_fp8_kernel[(ROWS // BM, splits, B)](
+        qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qs.reshape(B * ROWS), page_table, seq_lens, o_arg,
+        lse if lse is not None else o_arg,
+        sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk, page_table.stride(0), so, sos, sls,
+        DC=DC, DR=DR, PAGE=page_size, SPLIT=splits > 1, PV_REGS=pv_regs,
+        num_warps=4, maxnreg=maxnreg,
+    )
+    combine_splits(ow, lse, out, splits)
+    if return_plan:
+        return out, {"splits": splits, "chunk": chunk, "block_n": BN, "block_m": BM, "p_rule": "row",
+                     "kernel": kernel}
+    return out
