@@ -4,6 +4,7 @@ Kernels run under the Triton interpreter on the CPU (latent 64 + RoPE 16, pages 
 import pytest
 import torch
 
+from lowbit.bench.suites.mla import poison_tail
 from lowbit.formats.mla_fp8 import bytes_per_token, dequantize_latent, quantize_latent
 from lowbit.nn.mla_cache import PagedMLACache
 from lowbit.ops.mla import (mla_append, mla_decode, mla_decode_ref, mla_gather, mla_prefill, mla_quantize_q)
@@ -398,6 +399,17 @@ def _gpu_latent_cache(lens, fp8, seed):
     return c
 
 
+def _gpu_fp8_args(q, cache, pt, sl):
+    """``mla_decode_triton``'s arguments for q ``[B, Sq, H, 512 + 64]`` over an FP8 layer (Fused-Q-Quant on the GPU)."""
+    from lowbit.kernels.mla_quant import latent_quant_triton
+
+    B, Sq, H, D = q.shape
+    qc, qs, qr = latent_quant_triton(q.reshape(-1, D), 512)
+    R = Sq * H
+    return (qc.view(B, R, 512), qr.view(B, R, D - 512), qs.view(B, R), cache[0].flatten(0, 1), cache[1].flatten(0, 1),
+            cache[2].flatten(0, 1), pt, sl)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("Sq", [1, 2])
 def test_gpu_wide_tile_and_unmasked_loop(Sq):
@@ -475,21 +487,27 @@ def test_gluon_few_rows_dispatch_rules(dev):
     32-token block (Dc = 512, Dr = 64: the DeepSeek latent, the one it is built and tested for); elsewhere (and under the interpreter, which cannot run Gluon) the Triton kernel runs, and
     asking for it explicitly is a clear error."""
     from lowbit.kernels import mla_decode_gluon as G
-    from lowbit.kernels.mla_decode import mla_decode_triton
 
     if G.HAS_GLUON:
         assert G.supported(16, 512, 64, 64) and G.supported(1, 512, 64, 64) and G.supported(10, 512, 64, 32)
     assert not G.HAS_GLUON or (G.supported(32, 512, 64, 64) and G.supported(48, 512, 64, 64))
     for args in ((49, 512, 64, 64), (16, 512, 32, 64), (16, 256, 64, 64), (16, 64, 16, 16), (16, 512, 64, 16)):
         assert not G.supported(*args)
+    _gluon_true_raises(dev, True)
+
+
+def _gluon_true_raises(dev, fp8):
+    """Off the GPU (the interpreter cannot run Gluon), ``gluon=True`` is a clear error."""
     if GPU:
         return
-    c, _ = make_cache([20], True, dev)
+    from lowbit.kernels.mla_decode import mla_decode_triton
+
+    c, _ = make_cache([20], fp8, dev)
     q = torch.randn(1, 1, 4, DC + DR, device=dev, dtype=torch.bfloat16)
-    args = _kernel_args(q, c.layers[0], True)
+    args = _kernel_args(q, c.layers[0], fp8)
     with pytest.raises(ValueError, match="gluon=True"):
         mla_decode_triton(*args, c.page_table, c.seq_lens(0), num_heads=4, sm_scale=0.1, max_seq_len=20,
-                          page_size=PAGE, fp8=True, gluon=True)
+                          page_size=PAGE, fp8=fp8, gluon=True)
 
 
 @pytest.mark.gpu
@@ -505,17 +523,13 @@ def test_gpu_gluon_few_rows(H, Sq, lens, splits, pv16):
     if not GPU:
         pytest.skip("needs CUDA")
     from lowbit.kernels.mla_decode import mla_decode_triton
-    from lowbit.kernels.mla_quant import latent_quant_triton
 
     dc, dr, B = 512, 64, len(lens)
     torch.manual_seed(1)
     c = _gpu_latent_cache(lens, True, 1)
     cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
     q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
-    qc, qs, qr = latent_quant_triton(q.reshape(-1, dc + dr), dc)
-    R = Sq * H
-    args = (qc.view(B, R, dc), qr.view(B, R, dr), qs.view(B, R), cache[0].flatten(0, 1), cache[1].flatten(0, 1),
-            cache[2].flatten(0, 1), pt, sl)
+    args = _gpu_fp8_args(q, cache, pt, sl)
     kw = dict(num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64, fp8=True,
               num_splits=splits, pv16=pv16)
     o, plan = mla_decode_triton(*args, return_plan=True, **kw)
@@ -535,7 +549,6 @@ def test_gluon_wgmma_dispatch_rules(dev):
     sequence, the DeepSeek latent (512 + 64), pages a multiple of its 64-token block and TMA-addressable CUDA tensors
     on a Hopper GPU; elsewhere the Triton kernel runs, and asking for it explicitly is a clear error."""
     from lowbit.kernels import mla_decode_wgmma as MW
-    from lowbit.kernels.mla_decode import mla_decode_triton
 
     x = torch.zeros(4, 576, dtype=torch.bfloat16)  # a CPU tensor: never supported
     for args in ((128, 512, 64, 64), (96, 512, 64, 64), (128, 256, 64, 64), (128, 512, 64, 32)):
@@ -543,14 +556,7 @@ def test_gluon_wgmma_dispatch_rules(dev):
     assert not MW.supported(128, 512, 64, 64, torch.float8_e4m3fn, x)
     f8, r16, s32 = x.to(torch.float8_e4m3fn), x[:, :64], torch.ones(64)
     assert not MW.supported_fp8(128, 512, 64, 64, f8, r16, s32[:4], f8, r16, s32)  # CPU tensors
-    if GPU:
-        return
-    c, _ = make_cache([20], False, dev)
-    q = torch.randn(1, 1, 4, DC + DR, device=dev, dtype=torch.bfloat16)
-    args = _kernel_args(q, c.layers[0], False)
-    with pytest.raises(ValueError, match="gluon=True"):
-        mla_decode_triton(*args, c.page_table, c.seq_lens(0), num_heads=4, sm_scale=0.1, max_seq_len=20,
-                          page_size=PAGE, fp8=False, gluon=True)
+    _gluon_true_raises(dev, False)
 
 
 @pytest.mark.gpu
@@ -561,8 +567,8 @@ def test_gluon_wgmma_dispatch_rules(dev):
 def test_gpu_wgmma_bf16(H, Sq, lens, splits, dtype, stale):
     """GPU, DeepSeek-V3 widths: the warp-specialized bf16/fp16 kernel (64 rows per program) against float64 and
     against the Triton tile (``gluon=False``): MTP causal rows, ragged lengths (one below a block), one split and
-    several, fp16; ``stale``: NaN / Inf in every slot past each sequence's length (the tail block's rows are zeroed
-    in shared memory, so the output stays finite and equal). The op dispatches to it."""
+    several, fp16; ``stale``: NaN in every slot past each sequence's length (the tail block's rows are zeroed in
+    shared memory, so the output stays finite and equal). The op dispatches to it."""
     if not GPU:
         pytest.skip("needs CUDA")
     from lowbit.kernels.mla_decode import mla_decode_triton
@@ -578,11 +584,7 @@ def test_gpu_wgmma_bf16(H, Sq, lens, splits, dtype, stale):
     c._seq_lens[0] = None
     cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
     if stale:
-        for b, n in enumerate(lens):
-            idx = torch.arange(n, -(-n // 64) * 64, device="cuda")
-            slots = pt[b, idx // 64].long() * 64 + idx % 64
-            cache[0].flatten(0, 1)[slots] = float("nan")
-            cache[1].flatten(0, 1)[slots] = float("inf")
+        poison_tail(pt, lens, cache[0].flatten(0, 1), cache[1].flatten(0, 1))
     q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=dtype)
     R = Sq * H
     q3 = q.reshape(B, R, dc + dr)
@@ -611,23 +613,15 @@ def test_gpu_wgmma_fp8(H, Sq, lens, splits, stale):
     if not GPU:
         pytest.skip("needs CUDA")
     from lowbit.kernels.mla_decode import mla_decode_triton
-    from lowbit.kernels.mla_quant import latent_quant_triton
 
     dc, dr, B = 512, 64, len(lens)
     torch.manual_seed(4)
     c = _gpu_latent_cache(lens, True, 4)
     cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
     if stale:
-        for b, n in enumerate(lens):
-            idx = torch.arange(n, -(-n // 64) * 64, device="cuda")
-            slots = pt[b, idx // 64].long() * 64 + idx % 64
-            cache[0].flatten(0, 1)[slots] = float("nan")
-            cache[2].flatten(0, 1)[slots] = float("nan")
+        poison_tail(pt, lens, cache[0].flatten(0, 1), cache[2].flatten(0, 1))
     q = torch.randn(B, Sq, H, dc + dr, device="cuda", dtype=torch.bfloat16)
-    qc, qs, qr = latent_quant_triton(q.reshape(-1, dc + dr), dc)
-    R = Sq * H
-    args = (qc.view(B, R, dc), qr.view(B, R, dr), qs.view(B, R), cache[0].flatten(0, 1), cache[1].flatten(0, 1),
-            cache[2].flatten(0, 1), pt, sl)
+    args = _gpu_fp8_args(q, cache, pt, sl)
     kw = dict(num_heads=H, sm_scale=(dc + dr) ** -0.5, max_seq_len=max(lens), page_size=64, fp8=True,
               num_splits=splits)
     o, plan = mla_decode_triton(*args, return_plan=True, **kw)

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import env_info, l2_bytes, probe_args, probe_row, time_cuda, write_probe  # noqa: E402
-from lowbit.bench.suites.mla import DC, DR, PAGE, bmm_path, cache_bytes, flops, make_caches  # noqa: E402
+from lowbit.bench.suites.mla import DC, DR, PAGE, bmm_path, cache_bytes, flops, make_caches, poison_tail  # noqa: E402
 from lowbit.kernels import mla_decode_wgmma as W  # noqa: E402
 from lowbit.kernels.mla_decode import mla_decode_triton  # noqa: E402
 from lowbit.ops.mla import _rows, mla_decode_ref  # noqa: E402
@@ -64,12 +64,7 @@ if "c" in args.parts:
             cache = (kv[0].to(dt), kv[1].to(dt), None) if dt != torch.bfloat16 else kv
             sl = c["seq_lens"] if lens is None else torch.tensor(lens, dtype=torch.int32, device="cuda")
             if nan:  # non-finite values in every slot past each sequence's length
-                for b in range(B):
-                    n = int(sl[b])
-                    idx = torch.arange(n, ((n + PAGE - 1) // PAGE) * PAGE, device="cuda")
-                    slots = c["page_table"][b, idx // PAGE].long() * PAGE + idx % PAGE
-                    _rows(cache[0])[slots] = float("nan")
-                    _rows(cache[1])[slots] = float("inf")
+                poison_tail(c["page_table"], sl.tolist(), _rows(cache[0]), _rows(cache[1]))
             q = torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=dt)
             ref = mla_decode_ref(q, cache, c["page_table"], sl).reshape(B, Sq * H, DC)
             for vname, kw in VARIANTS.items():
@@ -153,13 +148,7 @@ if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Trito
             cache = c["fp8"]
             sl = c["seq_lens"] if lens is None else torch.tensor(lens, dtype=torch.int32, device="cuda")
             if nan:
-                for b in range(B):
-                    n = int(sl[b])
-                    idx = torch.arange(n, ((n + PAGE - 1) // PAGE) * PAGE, device="cuda")
-                    slots = c["page_table"][b, idx // PAGE].long() * PAGE + idx % PAGE
-                    _rows(cache[0])[slots] = float("nan")
-                    _rows(cache[1])[slots] = float("inf")
-                    cache[2].reshape(-1)[slots] = float("nan")
+                poison_tail(c["page_table"], sl.tolist(), _rows(cache[0]), _rows(cache[1]), cache[2].reshape(-1))
             q = torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16)
             a = fp8_args(q, cache, H)
             sm = (DC + DR) ** -0.5

@@ -80,8 +80,33 @@ def supported(rows: int, dc: int, dr: int, page_size: int, dtype: torch.dtype, *
 if HAS_GLUON:
 
     @gluon.jit
+    def _bounds(SEQ, chunk):
+        """This program's (row block, split, sequence) and its key range ``[start, end)`` in 64-token blocks."""
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(SEQ + b)
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_blk = (gl.maximum(end - start, 0) + 63) // 64
+        return pid_m, pid_s, b, seq_len, start, end, n_blk
+
+    @gluon.jit
+    def _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, C0: gl.constexpr, W: gl.constexpr,
+                    o_l: gl.constexpr, SPLIT: gl.constexpr):
+        """Columns ``[C0, C0 + W)`` of O (or of the split's fp32 partial) = acc / l."""
+        cols = C0 + gl.arange(0, W, layout=gl.SliceLayout(0, o_l))
+        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
+        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
+        if SPLIT:
+            gl.store(optr, out)
+        else:
+            gl.store(optr, out.to(O.dtype.element_ty))
+
+    @gluon.jit
     def _zero_tail(kc_smem, kr_smem, stage, valid, DC: gl.constexpr, DR: gl.constexpr, BN: gl.constexpr):
-        """Rows ``>= valid`` of a stage set to 0 (the tail block: slots past the sequence), 64 columns at a time."""
+        """bf16 form: rows ``>= valid`` of a stage set to 0 (the tail block: slots past the sequence), 64 columns at
+        a time."""
         zl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                             warps_per_cta=[gl.num_warps(), 1], order=[1, 0])
         keep = (gl.arange(0, BN, layout=gl.SliceLayout(1, zl)) < valid)[:, None]
@@ -93,25 +118,27 @@ if HAS_GLUON:
         kr_smem.index(stage).store(gl.where(keep, r, gl.zeros_like(r)))
         fence_async_shared()  # the generic-proxy stores before the wgmma (async proxy) reads
 
-
     @gluon.jit
-    def _scores(qc_smem, qr_smem, kc_smem, kr_smem, kbar, st, j, n0, end, BM: gl.constexpr, BN: gl.constexpr,
-                DC: gl.constexpr, DR: gl.constexpr, s_l: gl.constexpr):
-        """Wait for block j's stage, zero its rows past the sequence if it is the tail, and issue
-        ``S = q_C c^T + q_R k_R^T`` (two asynchronous wgmma groups); returns the accumulator token."""
-        mbarrier.wait(kbar.index(st), (j // 2) & 1)
-        if n0 + BN > end:  # the tail block: rows past the sequence zeroed (no 0 * NaN from stale slots)
-            _zero_tail(kc_smem, kr_smem, st, end - n0, DC, DR, BN)
-            gl.thread_barrier()
-        s = warpgroup_mma(qc_smem, kc_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
-                          use_acc=False, is_async=True)
-        return warpgroup_mma(qr_smem, kr_smem.index(st).permute((1, 0)), s, is_async=True)
+    def _vt_block(kc_smem, vt_smem, st, valid):
+        """FP8 form: the K-major copy of one stage's FP8 content tile that FP8 wgmma needs for P·V (``vt [512, 64]``):
+        4 tokens x 16 columns per thread (16-byte loads), transposed in registers (4-byte stores); rows past the
+        sequence written as 0 (no 0 * NaN from stale slots); then a fence and the warpgroup's barrier."""
+        BN: gl.constexpr = 64
+        tl_: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 16], threads_per_warp=[8, 4], warps_per_cta=[2, 2],
+                                             order=[1, 0])
+        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, tl_))
+        for c in gl.static_range(4):
+            x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
+            x = gl.where((tok < valid)[:, None], x, gl.zeros_like(x))
+            vt_smem.index(st).slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
     def _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN: gl.constexpr, s_l: gl.constexpr,
                  MASK: gl.constexpr = True):
-        """Online softmax of one block's scores (base 2): returns (P fp32, alpha, m, l). ``MASK`` False: a block
-        every row sees whole (no key past the split, the sequence or the causal limit)."""
+        """bf16 form: online softmax of one block's scores (base 2): returns (P fp32, alpha, m, l). ``MASK`` False: a
+        block every row sees whole (no key past the split, the sequence or the causal limit)."""
         if MASK:
             offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_l))
             ok = (offs_n[None, :] < end) & (offs_n[None, :] < lim[:, None])
@@ -128,21 +155,17 @@ if HAS_GLUON:
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
 
-
     @gluon.jit
-    def _ws_loader(qc_desc, qr_desc, kc_desc, kr_desc, qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free,
-                   PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr):
-        """1-warp partition: Q once, then the 64-token blocks into the 2-stage ring (a stage is refilled once both
-        warpgroups released it)."""
+    def _ws_loader(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, qbar,
+                   kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr, FP8: gl.constexpr):
+        """1-warp partition: Q once, then per 64-token block the content and RoPE rows of its page slice (and, FP8,
+        the fp32 token scales) into the 2-stage ring; a stage is refilled once both warpgroups released it."""
         BN: gl.constexpr = 64
-        NBYTES: gl.constexpr = BN * (kc_desc.block_type.shape[1] + kr_desc.block_type.shape[1]) * 2
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        if FP8:
+            NBYTES: gl.constexpr = kc_desc.block_type.nbytes + kr_desc.block_type.nbytes + ks_desc.block_type.nbytes
+        else:
+            NBYTES: gl.constexpr = kc_desc.block_type.nbytes + kr_desc.block_type.nbytes
+        pid_m, pid_s, b, seq_len, start, end, n_blk = _bounds(SEQ, chunk)
         ptb = PT + b.to(gl.int64) * stride_pt
         row0 = b * ROWS + pid_m * 64
         mbarrier.expect(qbar, qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
@@ -156,52 +179,53 @@ if HAS_GLUON:
             mbarrier.expect(kv_ready.index(st), NBYTES)
             tma.async_copy_global_to_shared(kc_desc, [slot, 0], kv_ready.index(st), kc_smem.index(st))
             tma.async_copy_global_to_shared(kr_desc, [slot, 0], kv_ready.index(st), kr_smem.index(st))
+            if FP8:
+                tma.async_copy_global_to_shared(ks_desc, [slot // BN, 0], kv_ready.index(st), ks_smem.index(st))
 
     @gluon.jit
-    def _ws_pv_right(kc_smem, kv_ready, kv_free, p_smem, a_smem, l_smem, p_ready, p_free, done, O, SEQ, ROWS, chunk,
-                     stride_o, stride_os, SPLIT: gl.constexpr):
-        """4-warp partition (second warpgroup): value columns [256, 512): per block, wait for P and its rescale
-        factor (shared memory), ``O = O * alpha + P · c[:, 256:]``, release P and the stage; then normalise by the
-        first warpgroup's row sums and store."""
-        BN: gl.constexpr = 64
+    def _ws_pv_right(kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, O,
+                     SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr, FP8: gl.constexpr):
+        """4-warp partition (second warpgroup), value columns [256, 512): per block (FP8: first the K-major value
+        tile, ``_vt_block``, released to the first warpgroup with ``vt_ready``) wait for P and its rescale factor
+        (shared memory), ``O = O * alpha + P · V[:, 256:]``, release P and the stage; then normalise by the first
+        warpgroup's row sums and store."""
         HALF: gl.constexpr = 256
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        if FP8:
+            o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF, 32])
+        else:
+            o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HALF, 16])
         row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        pid_m, pid_s, b, seq_len, start, end, n_blk = _bounds(SEQ, chunk)
         acc = gl.zeros([64, HALF], gl.float32, o_l)
         for j in range(0, n_blk):
             st = j % 2
             mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            if FP8:
+                _vt_block(kc_smem, vt_smem, st, end - (start + j * 64))
+                mbarrier.arrive(vt_ready.index(st))
             mbarrier.wait(p_ready, j & 1)
             alpha = a_smem.load(row_o)
             acc = acc * alpha[:, None]
-            acc = warpgroup_mma(p_smem, kc_smem.index(st).slice(HALF, HALF, dim=1), acc, is_async=True)
+            if FP8:
+                v = vt_smem.index(st).slice(HALF, HALF, dim=0).permute((1, 0))
+            else:
+                v = kc_smem.index(st).slice(HALF, HALF, dim=1)
+            acc = warpgroup_mma(p_smem, v, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(p_free)
             mbarrier.arrive(kv_free.index(st))
         mbarrier.wait(done, 0)
-        l_o = l_smem.load(row_o)
         rows = b * ROWS + pid_m * 64 + gl.arange(0, 64, layout=row_o)
-        cols = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
-        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
-        if SPLIT:
-            gl.store(optr, out)
-        else:
-            gl.store(optr, out.to(O.dtype.element_ty))
+        _store_cols(acc, l_smem.load(row_o), O, rows, stride_o, stride_os, pid_s, HALF, HALF, o_l, SPLIT)
 
     @gluon.jit
     def _ws_softmax_pv_left(qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
                             p_ready, p_free, done, SEQ, O, LSE, sm_scale_log2e, H, SQ, ROWS, chunk, stride_o,
                             stride_os, stride_ls, DC: gl.constexpr, DR: gl.constexpr, SPLIT: gl.constexpr):
-        """Default partition (first warpgroup): per block ``S = q_C c^T + q_R k_R^T`` (all 64 tokens), the online
-        softmax, P and its rescale factor to shared memory for the second warpgroup, then ``O = O * alpha +
+        """bf16 form, default partition (first warpgroup): per block ``S = q_C c^T + q_R k_R^T`` (all 64 tokens), the
+        online softmax, P and its rescale factor to shared memory for the second warpgroup, then ``O = O * alpha +
         P · c[:, :256]`` with P from registers; at the end the row sums for the second warpgroup, its own half of O
         and the LSE."""
         BM: gl.constexpr = 64
@@ -213,15 +237,9 @@ if HAS_GLUON:
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_l)
         row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        pid_m, pid_s, b, seq_len, start, end, n_blk = _bounds(SEQ, chunk)
         offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
-        lim = seq_len - SQ + 1 + offs_m // H
+        lim = seq_len - SQ + 1 + offs_m // H  # causal among the Sq query tokens: keys [0, lim)
         vis = gl.minimum(end, seq_len - SQ + 1)  # keys below this are seen by every row
         m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([BM], gl.float32, row_s)
@@ -230,7 +248,13 @@ if HAS_GLUON:
         for j in range(0, n_blk):
             st = j % 2
             n0 = start + j * BN
-            s = _scores(qc_smem, qr_smem, kc_smem, kr_smem, kv_ready, st, j, n0, end, BM, BN, DC, DR, s_l)
+            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            if n0 + BN > end:  # the tail block: rows past the sequence zeroed (no 0 * NaN from stale slots)
+                _zero_tail(kc_smem, kr_smem, st, end - n0, DC, DR, BN)
+                gl.thread_barrier()
+            s = warpgroup_mma(qc_smem, kc_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma(qr_smem, kr_smem.index(st).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             if n0 + BN <= vis:
                 p, alpha, m_i, l_i = _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN, s_l, False)
@@ -251,156 +275,19 @@ if HAS_GLUON:
         mbarrier.arrive(done)
         l_o = gl.convert_layout(l_i, row_o)
         rows = b * ROWS + pid_m * BM + gl.arange(0, BM, layout=row_o)
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
-        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
         if SPLIT:
             m_o = gl.convert_layout(m_i, row_o)
             gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(l_o), float("-inf")))
-            gl.store(optr, out)
-        else:
-            gl.store(optr, out.to(O.dtype.element_ty))
-
-    @gluon.jit
-    def _mla_ws_kernel(qc_desc, qr_desc, kc_desc, kr_desc, PT, SEQ, O, LSE,
-                       sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
-                       DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                       PV_REGS: gl.constexpr):
-        """Warp-specialized form (FlashMLA's split of the roles): a 1-warp TMA loader, the first warpgroup (scores,
-        softmax, value columns [0, 256)) and the second (value columns [256, 512)), so the second warpgroup's P·V
-        of block j runs on the tensor cores beside the first one's QK^T of block j+1."""
-        BM: gl.constexpr = 64
-        BN: gl.constexpr = 64
-        dt: gl.constexpr = qc_desc.dtype
-        qc_smem = gl.allocate_shared_memory(dt, [BM, DC], qc_desc.layout)
-        qr_smem = gl.allocate_shared_memory(dt, [BM, DR], qr_desc.layout)
-        kc_smem = gl.allocate_shared_memory(dt, [2, BN, DC], kc_desc.layout)
-        kr_smem = gl.allocate_shared_memory(dt, [2, BN, DR], kr_desc.layout)
-        p_smem = gl.allocate_shared_memory(dt, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dt))
-        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(qbar, count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(kv_ready.index(i), count=1)
-            mbarrier.init(kv_free.index(i), count=2)
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
-        mbarrier.init(done, count=1)
-        gl.warp_specialize([
-            (_ws_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
-                                   p_ready, p_free, done, SEQ, O, LSE, sm_scale_log2e, H, SQ, ROWS, chunk, stride_o,
-                                   stride_os, stride_ls, DC, DR, SPLIT)),
-            (_ws_pv_right, (kc_smem, kv_ready, kv_free, p_smem, a_smem, l_smem, p_ready, p_free, done, O, SEQ, ROWS,
-                            chunk, stride_o, stride_os, SPLIT)),
-            (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready,
-                          kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE)),
-        ], [4, 1], [PV_REGS, 24])
-
-
-if HAS_GLUON:
-
-    @gluon.jit
-    def _ws8_loader(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, qbar,
-                    kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr):
-        """FP8 form, 1-warp partition: Q (FP8 content, bf16 RoPE part) once, then per block the FP8 content rows,
-        the bf16 RoPE rows and the fp32 token scales into the 2-stage ring."""
-        BN: gl.constexpr = 64
-        NBYTES: gl.constexpr = kc_desc.block_type.nbytes + kr_desc.block_type.nbytes + ks_desc.block_type.nbytes
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
-        ptb = PT + b.to(gl.int64) * stride_pt
-        row0 = b * ROWS + pid_m * 64
-        mbarrier.expect(qbar, qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qc_desc, [row0, 0], qbar, qc_smem)
-        tma.async_copy_global_to_shared(qr_desc, [row0, 0], qbar, qr_smem)
-        for j in range(0, n_blk):
-            st = j % 2
-            mbarrier.wait(kv_free.index(st), ((j // 2) & 1) ^ 1)
-            n0 = start + j * BN
-            slot = gl.load(ptb + n0 // PAGE) * PAGE + n0 % PAGE
-            mbarrier.expect(kv_ready.index(st), NBYTES)
-            tma.async_copy_global_to_shared(kc_desc, [slot, 0], kv_ready.index(st), kc_smem.index(st))
-            tma.async_copy_global_to_shared(kr_desc, [slot, 0], kv_ready.index(st), kr_smem.index(st))
-            tma.async_copy_global_to_shared(ks_desc, [slot // BN, 0], kv_ready.index(st), ks_smem.index(st))
-
-    @gluon.jit
-    def _vt_block(kc_smem, vt_smem, st, valid):
-        """The K-major copy of one stage's FP8 content tile that FP8 wgmma needs for P·V (``vt [512, 64]``): 4
-        tokens x 16 columns per thread (16-byte loads), transposed in registers (4-byte stores); rows past the
-        sequence written as 0 (no 0 * NaN from stale slots); then a fence and the warpgroup's barrier."""
-        BN: gl.constexpr = 64
-        tl_: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 16], threads_per_warp=[8, 4], warps_per_cta=[2, 2],
-                                             order=[1, 0])
-        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, tl_))
-        for c in gl.static_range(4):
-            x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
-            x = gl.where((tok < valid)[:, None], x, gl.zeros_like(x))
-            vt_smem.index(st).slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _ws8_pv_right(kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, O,
-                      SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr):
-        """FP8 form, second warpgroup: per block the K-major value tile (``_vt_block``, released to the first
-        warpgroup with ``vt_ready``), then ``O[:, 256:] = O * r + P̂ · vt[256:]^T``; at the end the normalisation."""
-        BN: gl.constexpr = 64
-        HALF: gl.constexpr = 256
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
-        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
-        acc = gl.zeros([64, HALF], gl.float32, o_l)
-        for j in range(0, n_blk):
-            st = j % 2
-            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
-            _vt_block(kc_smem, vt_smem, st, end - (start + j * BN))
-            mbarrier.arrive(vt_ready.index(st))
-            mbarrier.wait(p_ready, j & 1)
-            r = a_smem.load(row_o)
-            acc = acc * r[:, None]
-            acc = warpgroup_mma(p_smem, vt_smem.index(st).slice(HALF, HALF, dim=0).permute((1, 0)), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(p_free)
-            mbarrier.arrive(kv_free.index(st))
-        mbarrier.wait(done, 0)
-        l_o = l_smem.load(row_o)
-        rows = b * ROWS + pid_m * 64 + gl.arange(0, 64, layout=row_o)
-        cols = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
-        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
-        if SPLIT:
-            gl.store(optr, out)
-        else:
-            gl.store(optr, out.to(O.dtype.element_ty))
+        _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, 0, HALF, o_l, SPLIT)
 
     @gluon.jit
     def _ws8_softmax_pv_left(qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free, vt_ready,
                              p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE, sm_scale_log2e, H, SQ,
                              ROWS, chunk, stride_o, stride_os, stride_ls, DC: gl.constexpr, SPLIT: gl.constexpr):
         """FP8 form, first warpgroup: ``t = (q̂_C ĉ^T + q̃_R k̃_R^T) s_k`` (FP8 and bf16 wgmma, two fp32
-        accumulators summed), then the SnapMLA online
-        softmax of the Triton FP8 path (``_softmax_step_t``, row P scale: ``P̃ = exp2(t s_q sm_scale log2e - m) s_k``,
-        monotone ``σ``, ``P̂ = FP8(P̃ / σ)``, σ folded into the rescale factor r), P̂ and r to shared memory, then
-        ``O[:, :256] = O * r + P̂ · vt[:256]^T``."""
+        accumulators summed), then the SnapMLA online softmax of the Triton FP8 path (``_softmax_step_t``, row P
+        scale: ``P̃ = exp2(t s_q sm_scale log2e - m) s_k``, monotone ``σ``, ``P̂ = FP8(P̃ / σ)``, σ folded into the
+        rescale factor r), P̂ and r to shared memory, then ``O[:, :256] = O * r + P̂ · vt[:256]^T``."""
         BM: gl.constexpr = 64
         BN: gl.constexpr = 64
         HALF: gl.constexpr = DC // 2
@@ -412,13 +299,7 @@ if HAS_GLUON:
         row_o: gl.constexpr = gl.SliceLayout(1, o_l)
         ks_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 4],
                                               order=[1, 0])
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_len = gl.load(SEQ + b)
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_blk = (gl.maximum(end - start, 0) + BN - 1) // BN
+        pid_m, pid_s, b, seq_len, start, end, n_blk = _bounds(SEQ, chunk)
         offs_m = pid_m * BM + gl.arange(0, BM, layout=row_s)
         lim = seq_len - SQ + 1 + offs_m // H
         qscale = gl.load(QS + b * ROWS + offs_m) * sm_scale_log2e  # > 0
@@ -468,37 +349,16 @@ if HAS_GLUON:
         mbarrier.arrive(done)
         l_o = gl.convert_layout(l_i, row_o)
         rows = b * ROWS + pid_m * BM + gl.arange(0, BM, layout=row_o)
-        cols = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
-        optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
         if SPLIT:
             ell = gl.convert_layout(l_i * sig_i, row_o)
             m_o = gl.convert_layout(m_i, row_o)
             gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(ell), float("-inf")))
-            gl.store(optr, out)
-        else:
-            gl.store(optr, out.to(O.dtype.element_ty))
+        _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, 0, HALF, o_l, SPLIT)
 
     @gluon.jit
-    def _mla_ws_fp8_kernel(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, QS, PT, SEQ, O, LSE,
-                           sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
-                           DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                           PV_REGS: gl.constexpr):
-        """SnapMLA FP8 form of ``_mla_ws_kernel``: the second warpgroup also writes the K-major FP8 value tile that
-        P·V needs."""
-        BM: gl.constexpr = 64
-        BN: gl.constexpr = 64
-        f8: gl.constexpr = gl.float8e4nv
-        qc_smem = gl.allocate_shared_memory(f8, [BM, DC], qc_desc.layout)
-        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, DR], qr_desc.layout)
-        kc_smem = gl.allocate_shared_memory(f8, [2, BN, DC], kc_desc.layout)
-        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], kr_desc.layout)
-        ks_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BN], ks_desc.layout)
-        vt_smem = gl.allocate_shared_memory(f8, [2, DC, BN], gl.NVMMASharedLayout.get_default_for([DC, BN], f8))
-        p_smem = gl.allocate_shared_memory(f8, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], f8))
-        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+    def _barriers():
+        """The kernels' mbarriers, initialised: Q, the ring's ready / free (both warpgroups release a stage), the FP8
+        value tile's ready, P ready / free, done (the row sums are in shared memory)."""
         qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -514,14 +374,66 @@ if HAS_GLUON:
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
         mbarrier.init(done, count=1)
+        return qbar, kv_ready, kv_free, vt_ready, p_ready, p_free, done
+
+    @gluon.jit
+    def _mla_ws_kernel(qc_desc, qr_desc, kc_desc, kr_desc, PT, SEQ, O, LSE,
+                       sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
+                       DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                       PV_REGS: gl.constexpr):
+        """bf16 / fp16 form (module docstring): a 1-warp TMA loader, the first warpgroup (scores, softmax, value
+        columns [0, 256)) and the second (value columns [256, 512))."""
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        dt: gl.constexpr = qc_desc.dtype
+        qc_smem = gl.allocate_shared_memory(dt, [BM, DC], qc_desc.layout)
+        qr_smem = gl.allocate_shared_memory(dt, [BM, DR], qr_desc.layout)
+        kc_smem = gl.allocate_shared_memory(dt, [2, BN, DC], kc_desc.layout)
+        kr_smem = gl.allocate_shared_memory(dt, [2, BN, DR], kr_desc.layout)
+        p_smem = gl.allocate_shared_memory(dt, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dt))
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        qbar, kv_ready, kv_free, vt_ready, p_ready, p_free, done = _barriers()
+        gl.warp_specialize([
+            (_ws_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
+                                   p_ready, p_free, done, SEQ, O, LSE, sm_scale_log2e, H, SQ, ROWS, chunk, stride_o,
+                                   stride_os, stride_ls, DC, DR, SPLIT)),
+            (_ws_pv_right, (kc_smem, kc_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free,
+                            done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, False)),
+            (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, kr_desc, qc_smem, qr_smem, kc_smem, kr_smem, kr_smem,
+                          qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, False)),
+        ], [4, 1], [PV_REGS, 24])
+
+    @gluon.jit
+    def _mla_ws_fp8_kernel(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, QS, PT, SEQ, O, LSE,
+                           sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
+                           DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
+                           PV_REGS: gl.constexpr):
+        """SnapMLA FP8 form of ``_mla_ws_kernel``: the loader also brings the token scales, the second warpgroup
+        also writes the K-major FP8 value tile that P·V needs."""
+        BM: gl.constexpr = 64
+        BN: gl.constexpr = 64
+        f8: gl.constexpr = gl.float8e4nv
+        qc_smem = gl.allocate_shared_memory(f8, [BM, DC], qc_desc.layout)
+        qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, DR], qr_desc.layout)
+        kc_smem = gl.allocate_shared_memory(f8, [2, BN, DC], kc_desc.layout)
+        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], kr_desc.layout)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BN], ks_desc.layout)
+        vt_smem = gl.allocate_shared_memory(f8, [2, DC, BN], gl.NVMMASharedLayout.get_default_for([DC, BN], f8))
+        p_smem = gl.allocate_shared_memory(f8, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], f8))
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        qbar, kv_ready, kv_free, vt_ready, p_ready, p_free, done = _barriers()
         gl.warp_specialize([
             (_ws8_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free,
                                     vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE,
                                     sm_scale_log2e, H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC, SPLIT)),
-            (_ws8_pv_right, (kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free,
-                             done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT)),
-            (_ws8_loader, (qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem,
-                           qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE)),
+            (_ws_pv_right, (kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free,
+                            done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, True)),
+            (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem,
+                          qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, True)),
         ], [4, 1], [PV_REGS, 24])
 
 

@@ -46,6 +46,16 @@ def make_caches(B: int, L: int, *, fp8: bool, bf16: bool, seed: int = 0, device=
     return out
 
 
+def poison_tail(page_table, lens, *row_tensors, page: int = PAGE):
+    """Write NaN into the slots past each sequence's length inside its last page, in every ``[slots, ...]`` row
+    tensor given (stale cache contents that a kernel must keep out of its output)."""
+    for b, n in enumerate(int(x) for x in lens):
+        idx = torch.arange(n, -(-n // page) * page, device=page_table.device)
+        slots = page_table[b, idx // page].long() * page + idx % page
+        for t in row_tensors:
+            t[slots] = float("nan")
+
+
 def _sets(B, L, Sq, H, fp8, bf16, n):
     return [dict(make_caches(B, L, fp8=fp8, bf16=bf16, seed=i), q=torch.randn(B, Sq, H, DC + DR, device="cuda",
                  dtype=torch.bfloat16)) for i in range(n)]
