@@ -21,7 +21,7 @@ from lowbit.kernels import mla_decode_wgmma as W  # noqa: E402
 from lowbit.kernels.mla_decode import mla_decode_triton  # noqa: E402
 from lowbit.ops.mla import _rows, mla_decode_ref  # noqa: E402
 
-args = probe_args("ctf")
+args = probe_args("ctf")  # part r (the dispatch boundary at 64 rows) runs only when named
 # Kernel options timed in session 20 and removed since (results in s20_mla_wgmma_fp8_r1..r3.json): the transpose as
 # 16 x 8 bytes per thread, in its own 2-warp partition, split between the warpgroups, a no-transpose timing probe
 FP8_TT_VARIANTS = {"ws": {}}
@@ -201,6 +201,31 @@ if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Trito
             best = min(FP8_TIME_VARIANTS, key=lambda v: row[f"ws_fp8_{v}_ms"])
             row["best_fp8"] = best
             row["fp8_vs_bf16"] = row["ws_bf16_ms"] / row[f"ws_fp8_{best}_ms"]
+            probe_row(doc, key, row)
+            del sets, qs_, a8, ab
+            torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001
+            probe_row(doc, key, {"error": repr(exc)[:600]})
+
+if "r" in args.parts:  # 64 rows per sequence (the smallest the warp-specialized kernels take): both forms vs the tiles
+    for (B, H, Sq, L) in [(32, 64, 1, 16384), (128, 64, 1, 4096), (32, 16, 4, 16384), (64, 32, 2, 8192)]:
+        key = f"r B={B} H={H} Sq={Sq} L={L}"
+        try:
+            n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, True))))
+            sets = [make_caches(B, L, fp8=True, bf16=True, seed=i) for i in range(n)]
+            qs_ = [torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            sm = (DC + DR) ** -0.5
+            a8 = [fp8_args(q, s_["fp8"], H) + (s_["page_table"], s_["seq_lens"]) for q, s_ in zip(qs_, sets)]
+            ab = [(q.reshape(B, Sq * H, DC + DR)[..., :DC], q.reshape(B, Sq * H, DC + DR)[..., DC:], None,
+                   _rows(s_["bf16"][0]), _rows(s_["bf16"][1]), None, s_["page_table"], s_["seq_lens"])
+                  for q, s_ in zip(qs_, sets)]
+            row = {"B": B, "H": H, "Sq": Sq, "L": L, "rows": Sq * H}
+            for name, arg, fp8, g in (("ws_bf16", ab, False, None), ("tile_bf16", ab, False, False),
+                                      ("ws_fp8", a8, True, None), ("tile_fp8", a8, True, False)):
+                def fn(*x, fp8=fp8, g=g):
+                    return mla_decode_triton(*x, num_heads=H, sm_scale=sm, max_seq_len=L, page_size=PAGE, fp8=fp8,
+                                             gluon=g)
+                row[f"{name}_ms"] = time_cuda(fn, arg, warmup=5, reps=30)["median_ms"]
             probe_row(doc, key, row)
             del sets, qs_, a8, ab
             torch.cuda.empty_cache()
