@@ -22,10 +22,10 @@ from lowbit.kernels.mla_decode import mla_decode_triton  # noqa: E402
 from lowbit.ops.mla import _rows, mla_decode_ref  # noqa: E402
 
 args = probe_args("ctf")  # part r (the dispatch boundary at 64 rows) runs only when named
-# Kernel options timed in session 20 and removed since (results in s20_mla_wgmma_fp8_r1..r3.json): the transpose as
-# 16 x 8 bytes per thread, in its own 2-warp partition, split between the warpgroups, a no-transpose timing probe
+# Kernel options timed in session 20 and removed since (s20_mla_wgmma_fp8_r1..r4.json): the transpose as 16 x 8 bytes
+# per thread, in its own 2-warp partition, split between the warpgroups, with 8 x 4 lanes, a no-transpose timing probe
 FP8_TT_VARIANTS = {"ws": {}}
-FP8_TIME_VARIANTS = {"ws": {}, "ws_r224": {"ws_regs": (224, 168)}}
+FP8_TIME_VARIANTS = {"ws": {}}
 VARIANTS = {"ws": {}, "ws_r224": {"ws_regs": (224, 168)}}  # bf16 form (kernel options of session 20 removed)
 doc = {"env": env_info(" ".join(sys.argv))}
 
