@@ -7,7 +7,7 @@ import torch
 from lowbit.bench.suites.mla import poison_tail
 from lowbit.formats.mla_fp8 import bytes_per_token, dequantize_latent, quantize_latent
 from lowbit.nn.mla_cache import PagedMLACache
-from lowbit.ops.mla import (mla_append, mla_decode, mla_decode_ref, mla_gather, mla_prefill, mla_quantize_q)
+from lowbit.ops.mla import mla_append, mla_decode, mla_decode_ref, mla_quantize_q
 from tests.tolerances import rel_l2
 from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
