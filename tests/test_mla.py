@@ -552,10 +552,10 @@ def test_gluon_wgmma_dispatch_rules(dev):
 
     x = torch.zeros(4, 576, dtype=torch.bfloat16)  # a CPU tensor: never supported
     for args in ((128, 512, 64, 64), (96, 512, 64, 64), (128, 256, 64, 64), (128, 512, 64, 32)):
-        assert not MW.supported(*args, torch.bfloat16, x)
-    assert not MW.supported(128, 512, 64, 64, torch.float8_e4m3fn, x)
+        assert not MW.supported(*args, x, x, x, x)
     f8, r16, s32 = x.to(torch.float8_e4m3fn), x[:, :64], torch.ones(64)
-    assert not MW.supported_fp8(128, 512, 64, 64, f8, r16, s32[:4], f8, r16, s32)  # CPU tensors
+    assert not MW.supported(128, 512, 64, 64, f8, f8, f8, f8)  # FP8 content without the FP8 form's scales
+    assert not MW.supported(128, 512, 64, 64, f8, r16, f8, r16, s32[:4], s32)  # CPU tensors
     _gluon_true_raises(dev, False)
 
 

@@ -39,9 +39,9 @@ for kind in kernels:
             outs["fp8"] = mla_decode_few_gluon(*a8, **kw)
         else:
             q3 = q.reshape(B, R, 576)
-            outs["bf16"] = W.mla_decode_wgmma(q3[..., :512], q3[..., 512:], _rows(c["bf16"][0]), _rows(c["bf16"][1]),
-                                              c["page_table"], sl, **kw)
-            outs["fp8"] = W.mla_decode_wgmma_fp8(*a8, **kw)
+            outs["bf16"] = W.mla_decode_wgmma(q3[..., :512], q3[..., 512:], None, _rows(c["bf16"][0]),
+                                              _rows(c["bf16"][1]), None, c["page_table"], sl, **kw)
+            outs["fp8"] = W.mla_decode_wgmma(*a8, **kw)
         torch.cuda.synchronize()
         print(f"{kind} B={B} H={H} Sq={Sq} lens={lens} splits={splits}: "
               + " ".join(f"{k} finite={bool(torch.isfinite(o).all())}" for k, o in outs.items()))

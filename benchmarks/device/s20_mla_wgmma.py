@@ -36,8 +36,8 @@ def run_both(q, cache, pt, sl, L, H, num_splits=None, dt=torch.bfloat16, **kw):
     qc, qr = q3[..., :DC], q3[..., DC:]
     kc, kr = _rows(cache[0]), _rows(cache[1])
     sm = (DC + DR) ** -0.5
-    ok = W.supported(Sq * H, DC, DR, PAGE, dt, qc, qr, kc, kr)
-    w = W.mla_decode_wgmma(qc, qr, kc, kr, pt, sl, num_heads=H, sm_scale=sm, max_seq_len=L, page_size=PAGE,
+    ok = W.supported(Sq * H, DC, DR, PAGE, qc, qr, kc, kr)
+    w = W.mla_decode_wgmma(qc, qr, None, kc, kr, None, pt, sl, num_heads=H, sm_scale=sm, max_seq_len=L, page_size=PAGE,
                            num_splits=num_splits, **kw) if ok else None
     t = mla_decode_triton(qc, qr, None, kc, kr, None, pt, sl, num_heads=H, sm_scale=sm, max_seq_len=L,
                           page_size=PAGE, fp8=False, out_dtype=dt, num_splits=num_splits)
@@ -91,16 +91,16 @@ if "t" in args.parts:
 
             def prep(q, s):
                 q3 = q.reshape(B, Sq * H, DC + DR)
-                return (q3[..., :DC], q3[..., DC:], _rows(s["bf16"][0]), _rows(s["bf16"][1]), s["page_table"],
-                        s["seq_lens"])
+                return (q3[..., :DC], q3[..., DC:], None, _rows(s["bf16"][0]), _rows(s["bf16"][1]), None,
+                        s["page_table"], s["seq_lens"])
             a = [prep(q, s) for q, s in zip(qs, sets)]
 
-            def fw(qc, qr, kc, kr, pt, sl, kw=None):
-                return W.mla_decode_wgmma(qc, qr, kc, kr, pt, sl, num_heads=H, sm_scale=sm, max_seq_len=L,
+            def fw(*x, kw=None):
+                return W.mla_decode_wgmma(*x, num_heads=H, sm_scale=sm, max_seq_len=L,
                                           page_size=PAGE, **kw)
 
-            def ft(qc, qr, kc, kr, pt, sl):
-                return mla_decode_triton(qc, qr, None, kc, kr, None, pt, sl, num_heads=H, sm_scale=sm, max_seq_len=L,
+            def ft(*x):
+                return mla_decode_triton(*x, num_heads=H, sm_scale=sm, max_seq_len=L,
                                          page_size=PAGE, fp8=False)
             fns = {f"wgmma_{v}": (lambda *x, kw=kw: fw(*x, kw=kw)) for v, kw in VARIANTS.items()}
             fns["triton"] = ft
@@ -152,7 +152,7 @@ if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Trito
             q = torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16)
             a = fp8_args(q, cache, H)
             sm = (DC + DR) ** -0.5
-            ok = W.supported_fp8(Sq * H, DC, DR, PAGE, *a)
+            ok = W.supported(Sq * H, DC, DR, PAGE, a[0], a[1], a[3], a[4], a[2], a[5])
             row = {"supported": ok}
             t = mla_decode_triton(*a, c["page_table"], sl, num_heads=H, sm_scale=sm, max_seq_len=L, page_size=PAGE,
                                   fp8=True, num_splits=splits, gluon=False)
@@ -161,7 +161,7 @@ if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Trito
             for tt, kw in FP8_TT_VARIANTS.items():
                 if not ok:
                     break
-                w, plan = W.mla_decode_wgmma_fp8(*a, c["page_table"], sl, num_heads=H, sm_scale=sm, max_seq_len=L,
+                w, plan = W.mla_decode_wgmma(*a, c["page_table"], sl, num_heads=H, sm_scale=sm, max_seq_len=L,
                                                  page_size=PAGE, num_splits=splits, return_plan=True, **kw)
                 emu = mla_decode_ref(q, cache, c["page_table"], sl, p_block=(64, plan["chunk"], 0.0,
                                                                               torch.float8_e4m3fn, "row"))
@@ -183,10 +183,11 @@ if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Trito
             reps = 20 if row["tflop"] > 1 else 50
             sm = (DC + DR) ** -0.5
             a8 = [fp8_args(q, s_["fp8"], H) + (s_["page_table"], s_["seq_lens"]) for q, s_ in zip(qs_, sets)]
-            ab = [(q.reshape(B, Sq * H, DC + DR)[..., :DC], q.reshape(B, Sq * H, DC + DR)[..., DC:],
-                   _rows(s_["bf16"][0]), _rows(s_["bf16"][1]), s_["page_table"], s_["seq_lens"]) for q, s_ in zip(qs_, sets)]
-            fns = {f"ws_fp8_{name}": ((lambda *x, kw=kw: W.mla_decode_wgmma_fp8(*x, num_heads=H, sm_scale=sm,
-                                                                                 max_seq_len=L, page_size=PAGE, **kw)),
+            ab = [(q.reshape(B, Sq * H, DC + DR)[..., :DC], q.reshape(B, Sq * H, DC + DR)[..., DC:], None,
+                   _rows(s_["bf16"][0]), _rows(s_["bf16"][1]), None, s_["page_table"], s_["seq_lens"])
+                  for q, s_ in zip(qs_, sets)]
+            fns = {f"ws_fp8_{name}": ((lambda *x, kw=kw: W.mla_decode_wgmma(*x, num_heads=H, sm_scale=sm,
+                                                                             max_seq_len=L, page_size=PAGE, **kw)),
                                       a8) for name, kw in FP8_TIME_VARIANTS.items()}
             fns.update({
                 "triton_fp8": (lambda *x: mla_decode_triton(*x, num_heads=H, sm_scale=sm, max_seq_len=L, page_size=PAGE,

@@ -783,11 +783,10 @@ def mla_decode_triton(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads
 
         kw = dict(num_heads=num_heads, sm_scale=sm_scale, max_seq_len=max_seq_len, page_size=page_size,
                   num_splits=num_splits, return_plan=return_plan)
-        if not fp8 and MW.supported(ROWS, DC, DR, page_size, qc.dtype, qc, qr, kc, kr):
-            return MW.mla_decode_wgmma(qc, qr, kc, kr, page_table, seq_lens, **kw)
-        snap = pv_fp8 and not pv16 and not pv_promote and not p_block and t_step is not False
-        if fp8 and snap and MW.supported_fp8(ROWS, DC, DR, page_size, qc, qr, qs, kc, kr, ks):
-            return MW.mla_decode_wgmma_fp8(qc, qr, qs, kc, kr, ks, page_table, seq_lens, out_dtype=out_dtype, **kw)
+        snap = pv_fp8 and not pv16 and not pv_promote and not p_block and t_step is not False  # the FP8 form's P
+        if (not fp8 or snap) and MW.supported(ROWS, DC, DR, page_size, qc, qr, kc, kr, qs, ks if fp8 else None):
+            return MW.mla_decode_wgmma(qc, qr, qs, kc, kr, ks if fp8 else None, page_table, seq_lens,
+                                       out_dtype=out_dtype, **kw)
     if gluon:
         raise ValueError("gluon=True needs an FP8 cache with SnapMLA P (pv_fp8) and at most 48 rows per sequence, "
                          "or a multiple of 64 rows per sequence (bf16/fp16 cache, or FP8 with the default row P "

@@ -61,21 +61,30 @@ WS_PV_REGS = 192  # registers per thread of the second warpgroup (S20: 224 and 1
 WS_MAXNREG = 168  # the kernel's cap per thread; the default partition gets what the workers leave (256)
 
 
-def supported(rows: int, dc: int, dr: int, page_size: int, dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
-    """Whether a bf16/fp16 launch can run here: a Hopper GPU, rows per sequence a multiple of 64, the DeepSeek latent
-    (512 + 64), pages a multiple of the 64-token block, and every tensor TMA-addressable (16-byte aligned base and
-    row stride, unit stride along the row)."""
-    if not HAS_GLUON or dtype not in (torch.bfloat16, torch.float16) or rows % BM or dc != 512 or dr != 64:
+def supported(rows: int, dc: int, dr: int, page_size: int, qc, qr, kc, kr, qs=None, ks=None) -> bool:
+    """Whether a launch can run here: a Hopper GPU, rows per sequence a multiple of 64, the DeepSeek latent (512 + 64),
+    pages a multiple of the 64-token block, every tensor TMA-addressable (16-byte aligned base and row stride, unit
+    stride along the row), and the dtypes of one form: bf16/fp16 throughout (``qs`` / ``ks`` None), or FP8 E4M3
+    content with bf16 RoPE parts and fp32 scales (``ks`` contiguous: read as 64-float rows)."""
+    if not HAS_GLUON or rows % BM or dc != 512 or dr != 64 or page_size % BN:
         return False
-    if page_size % BN:
-        return False
+    if ks is None:
+        if qc.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != qc.dtype for t in (qr, kc, kr)):
+            return False
+        tensors = (qc, qr, kc, kr)
+    else:
+        f8 = torch.float8_e4m3fn
+        if qc.dtype != f8 or kc.dtype != f8 or qr.dtype != torch.bfloat16 or kr.dtype != torch.bfloat16:
+            return False
+        if qs is None or qs.dtype != torch.float32 or ks.dtype != torch.float32 or not ks.is_contiguous():
+            return False
+        tensors = (qc, qr, kc, kr, ks)
     for t in tensors:
-        if t.device.type != "cuda" or t.dtype != dtype or t.stride(-1) != 1 or t.data_ptr() % 16:
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16:
             return False
-        if (t.stride(-2) * t.element_size()) % 16:
+        if t.dim() > 1 and (t.stride(-2) * t.element_size()) % 16:
             return False
-    return torch.cuda.get_device_capability(tensors[0].device)[0] == 9
-
+    return torch.cuda.get_device_capability(kc.device)[0] == 9
 
 if HAS_GLUON:
 
@@ -439,95 +448,47 @@ if HAS_GLUON:
         ], [4, 1], [PV_REGS, 24])
 
 
-def supported_fp8(rows: int, dc: int, dr: int, page_size: int, qc, qr, qs, kc, kr, ks) -> bool:
-    """``supported`` for the FP8 form: FP8 E4M3 content (query and cache), bf16 RoPE parts, fp32 scales, the
-    token scales contiguous (read as 64-float rows)."""
-    if not HAS_GLUON or rows % BM or dc != 512 or dr != 64 or page_size % BN:
-        return False
-    f8 = torch.float8_e4m3fn
-    if qc.dtype != f8 or kc.dtype != f8 or qr.dtype != torch.bfloat16 or kr.dtype != torch.bfloat16:
-        return False
-    if qs is None or ks is None or qs.dtype != torch.float32 or ks.dtype != torch.float32 or not ks.is_contiguous():
-        return False
-    for t in (qc, qr, kc, kr, ks):
-        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if t.dim() > 1 and (t.stride(-2) * t.element_size()) % 16:
-            return False
-    return torch.cuda.get_device_capability(kc.device)[0] == 9
+def _desc(t, rows: int, cols: int, block: list, dtype):
+    """TMA descriptor of a ``[rows, cols]`` row view (row stride ``t.stride(0)``) with a ``block`` box in the
+    default NVMMA shared layout of ``dtype``."""
+    return GluonTensorDescriptor(t, [rows, cols], [t.stride(0), 1], block,
+                                 gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
-def mla_decode_wgmma(qc, qr, kc, kr, page_table, seq_lens, *, num_heads: int, sm_scale: float, max_seq_len: int,
-                     page_size: int, num_splits: int | None = None, ws_regs: tuple | None = None,
-                     return_plan: bool = False):
-    """Launch on a bf16/fp16 latent cache (``supported`` must hold): ``qc`` [B, Sq*H, 512], ``qr`` [B, Sq*H, 64],
-    ``kc`` [slots, 512] / ``kr`` [slots, 64] (row views of the cache), page table and lengths as in
-    ``lowbit.kernels.mla_decode``. Returns [B, Sq*H, 512] in the cache dtype (and the plan with ``return_plan``).
-    ``ws_regs``: (second warpgroup's registers, kernel maxnreg), for sweeps."""
+def mla_decode_wgmma(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
+                     max_seq_len: int, page_size: int, out_dtype=None, num_splits: int | None = None,
+                     ws_regs: tuple | None = None, return_plan: bool = False):
+    """Launch either form (``supported`` must hold; arguments as ``mla_decode_triton``'s): ``qc`` [B, Sq*H, 512],
+    ``qr`` [B, Sq*H, 64], ``kc`` [slots, 512] / ``kr`` [slots, 64] (row views of the cache), page table and lengths
+    as in ``lowbit.kernels.mla_decode``; FP8 when ``ks`` is given (``qs`` [B, Sq*H] and ``ks`` [slots] fp32:
+    Fused-Q-Quant and the cache's token scales; the reference emulates its P with ``p_block=(64, chunk, 0.0,
+    float8_e4m3fn, "row")``). Returns [B, Sq*H, 512] in ``out_dtype`` (default: bf16 for FP8, else the cache dtype),
+    and the plan with ``return_plan``. ``ws_regs``: (second warpgroup's registers, kernel maxnreg), for sweeps."""
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
-    dev, dt = qc.device, qc.dtype
-    gdt = gl.bfloat16 if dt == torch.bfloat16 else gl.float16
+    dev = qc.device
+    fp8 = ks is not None
+    dt_c = gl.float8e4nv if fp8 else (gl.bfloat16 if qc.dtype == torch.bfloat16 else gl.float16)
+    dt_r = gl.bfloat16 if fp8 else dt_c
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if fp8 else qc.dtype
     splits, chunk = plan_splits(B, ROWS // BM, max_seq_len, BN, dev, num_splits, 1)
-    out = torch.empty(B, ROWS, DC, device=dev, dtype=dt)
+    out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
     ow, lse, o_arg, so, sos, sls = split_workspace(out, splits)
-    qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
-    lay_c = gl.NVMMASharedLayout.get_default_for([BM, DC], gdt)
-    lay_r = gl.NVMMASharedLayout.get_default_for([BM, DR], gdt)
     slots = kc.shape[0]
-    qc_desc = GluonTensorDescriptor(qc2, [B * ROWS, DC], [qc2.stride(0), 1], [BM, DC], lay_c)
-    qr_desc = GluonTensorDescriptor(qr2, [B * ROWS, DR], [qr2.stride(0), 1], [BM, DR], lay_r)
-    kc_desc = GluonTensorDescriptor(kc, [slots, DC], [kc.stride(0), 1], [BN, DC], lay_c)
-    kr_desc = GluonTensorDescriptor(kr, [slots, DR], [kr.stride(0), 1], [BN, DR], lay_r)
+    descs = [_desc(qc.reshape(B * ROWS, DC), B * ROWS, DC, [BM, DC], dt_c),
+             _desc(qr.reshape(B * ROWS, DR), B * ROWS, DR, [BM, DR], dt_r),
+             _desc(kc, slots, DC, [BN, DC], dt_c), _desc(kr, slots, DR, [BN, DR], dt_r)]
+    if fp8:
+        descs += [_desc(ks.view(slots // BN, BN), slots // BN, BN, [1, BN], gl.float32), qs.reshape(B * ROWS)]
     pv_regs, maxnreg = ws_regs or (WS_PV_REGS, WS_MAXNREG)
-    kernel = _mla_ws_kernel[(ROWS // BM, splits, B)](
-        qc_desc, qr_desc, kc_desc, kr_desc, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
+    kernel = (_mla_ws_fp8_kernel if fp8 else _mla_ws_kernel)[(ROWS // BM, splits, B)](
+        *descs, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk, page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, PAGE=page_size, SPLIT=splits > 1, PV_REGS=pv_regs, num_warps=4, maxnreg=maxnreg,
     )
     combine_splits(ow, lse, out, splits)
     if return_plan:
-        return out, {"splits": splits, "chunk": chunk, "block_n": BN, "block_m": BM, "kernel": kernel}
-    return out
-
-
-def mla_decode_wgmma_fp8(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
-                         max_seq_len: int, page_size: int, out_dtype=torch.bfloat16, num_splits: int | None = None,
-                         ws_regs: tuple | None = None, return_plan: bool = False):
-    """Launch the FP8 form (``supported_fp8`` must hold): ``qc`` [B, Sq*H, 512] FP8 / ``qr`` [B, Sq*H, 64] bf16 /
-    ``qs`` [B, Sq*H] fp32 (Fused-Q-Quant), ``kc`` [slots, 512] FP8 / ``kr`` [slots, 64] bf16 / ``ks`` [slots] fp32
-    (the cache's rows). Returns [B, Sq*H, 512] in ``out_dtype`` (and the plan: the reference emulates its P with
-    ``p_block=(64, chunk, 0.0, float8_e4m3fn, "row")``)."""
-    B, ROWS, DC = qc.shape
-    DR = qr.shape[-1]
-    dev = qc.device
-    splits, chunk = plan_splits(B, ROWS // BM, max_seq_len, BN, dev, num_splits, 1)
-    out = torch.empty(B, ROWS, DC, device=dev, dtype=out_dtype)
-    ow, lse, o_arg, so, sos, sls = split_workspace(out, splits)
-    qc2, qr2 = qc.reshape(B * ROWS, DC), qr.reshape(B * ROWS, DR)
-    f8, bf = gl.float8e4nv, gl.bfloat16
-    slots = kc.shape[0]
-    ks2 = ks.view(slots // BN, BN)
-    qc_desc = GluonTensorDescriptor(qc2, [B * ROWS, DC], [qc2.stride(0), 1], [BM, DC],
-                                    gl.NVMMASharedLayout.get_default_for([BM, DC], f8))
-    qr_desc = GluonTensorDescriptor(qr2, [B * ROWS, DR], [qr2.stride(0), 1], [BM, DR],
-                                    gl.NVMMASharedLayout.get_default_for([BM, DR], bf))
-    kc_desc = GluonTensorDescriptor(kc, [slots, DC], [kc.stride(0), 1], [BN, DC],
-                                    gl.NVMMASharedLayout.get_default_for([BN, DC], f8))
-    kr_desc = GluonTensorDescriptor(kr, [slots, DR], [kr.stride(0), 1], [BN, DR],
-                                    gl.NVMMASharedLayout.get_default_for([BN, DR], bf))
-    ks_desc = GluonTensorDescriptor(ks2, [slots // BN, BN], [BN, 1], [1, BN],
-                                    gl.NVMMASharedLayout.get_default_for([1, BN], gl.float32))
-    pv_regs, maxnreg = ws_regs or (WS_PV_REGS, WS_MAXNREG)
-    kernel = _mla_ws_fp8_kernel[(ROWS // BM, splits, B)](
-        qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qs.reshape(B * ROWS), page_table, seq_lens, o_arg,
-        lse if lse is not None else o_arg,
-        sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk, page_table.stride(0), so, sos, sls,
-        DC=DC, DR=DR, PAGE=page_size, SPLIT=splits > 1, PV_REGS=pv_regs,
-        num_warps=4, maxnreg=maxnreg,
-    )
-    combine_splits(ow, lse, out, splits)
-    if return_plan:
-        return out, {"splits": splits, "chunk": chunk, "block_n": BN, "block_m": BM, "p_rule": "row",
-                     "kernel": kernel}
+        return out, {"splits": splits, "chunk": chunk, "block_n": BN, "block_m": BM, "kernel": kernel,
+                     **({"p_rule": "row"} if fp8 else {})}
     return out
