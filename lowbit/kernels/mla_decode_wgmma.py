@@ -36,7 +36,8 @@ Measured (H200, session 20, ``benchmarks/results/h200/s20_mla_wgmma*.json``; ms 
 one 8-warp program, both warpgroups splitting the scores' columns and the values' columns, every wgmma waited (no
 warp specialization): 0.357 (P to the second dot through a register layout conversion), 0.345-0.350 (P through a
 shared tile); with QK^T of block j+1 issued before P·V of block j (2 stages: its K copy is then waited on almost at
-once) 0.421-0.438; this form 0.251 (583 TFLOP/s).
+once) 0.421-0.438; this form 0.251 (583 TFLOP/s). The FP8 form (session 21, value transpose as packed ``prmt``): 0.249 (586 TFLOP/s,
+1.01x bf16; 0.363 with Triton's byte-wise transpose).
 """
 from __future__ import annotations
 
@@ -87,6 +88,18 @@ def supported(rows: int, dc: int, dr: int, page_size: int, qc, qr, kc, kr, qs=No
     return torch.cuda.get_device_capability(kc.device)[0] == 9
 
 if HAS_GLUON:
+    # 4 x 4 byte transpose: words a, b, c, d (4 bytes each: one token, 4 columns) -> word k = (a_k, b_k, c_k, d_k)
+    _T4X4 = gl.constexpr("""{
+.reg .b32 ab0, ab1, cd0, cd1;
+prmt.b32 ab0, $4, $5, 0x5140;
+prmt.b32 ab1, $4, $5, 0x7362;
+prmt.b32 cd0, $6, $7, 0x5140;
+prmt.b32 cd1, $6, $7, 0x7362;
+prmt.b32 $0, ab0, cd0, 0x5410;
+prmt.b32 $1, ab0, cd0, 0x7632;
+prmt.b32 $2, ab1, cd1, 0x5410;
+prmt.b32 $3, ab1, cd1, 0x7632;
+}""")
 
     @gluon.jit
     def _bounds(SEQ, chunk):
@@ -128,20 +141,41 @@ if HAS_GLUON:
         fence_async_shared()  # the generic-proxy stores before the wgmma (async proxy) reads
 
     @gluon.jit
+    def _vt_tile(x, tl_: gl.constexpr):
+        """``x`` [64 tokens, 128 columns] FP8 codes in ``tl_`` (4 tokens x 16 columns per thread) -> its transpose
+        [128, 64] as uint8, each 4 x 4 byte block transposed in registers by 8 ``prmt`` (``_T4X4``)."""
+        x = x.to(gl.uint8, bitcast=True).reshape([16, 4, 128]).permute(0, 2, 1).reshape([16, 128, 2, 2])
+        ev, od = gl.split(x)  # tokens 4i + {0, 2} and 4i + {1, 3}
+        a, c = gl.split(ev)
+        b, d = gl.split(od)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_T4X4, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
+                                                   dtype=(gl.uint8, gl.uint8, gl.uint8, gl.uint8), is_pure=True,
+                                                   pack=4)
+        # o_k[i, 4w + m] = x[4i + m, 4w + k]  ->  vt[4w + k, 4i + m]
+        z = gl.join(gl.join(o0, o2), gl.join(o1, o3)).reshape([16, 32, 4, 4])  # (i, w, m, k)
+        return z.permute(1, 3, 0, 2).reshape([128, 64])
+
+    @gluon.jit
     def _vt_block(kc_smem, vt_smem, st, valid):
         """FP8 form: the K-major copy of one stage's FP8 content tile that FP8 wgmma needs for P·V (``vt [512, 64]``):
-        4 tokens x 16 columns per thread (16-byte loads), transposed in registers (4-byte stores); rows past the
-        sequence written as 0 (no 0 * NaN from stale slots); then a fence and the warpgroup's barrier."""
+        4 tokens x 16 columns per thread (16-byte loads), transposed in registers (``_vt_tile``; 4-byte stores);
+        in the tail block rows past the sequence are written as 0 (no 0 * NaN from stale slots); then a fence and
+        the warpgroup's barrier."""
         BN: gl.constexpr = 64
         # 16 token groups x 2 column groups per warp: each 4-byte store instruction writes 2 rows of vt, 16 columns
         # apart, which the 64-byte swizzle puts on the same banks (2-way; 8 x 4 lanes: 4 rows, 4-way, 5-8% slower)
         tl_: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 16], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
                                              order=[1, 0])
-        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, tl_))
-        for c in gl.static_range(4):
-            x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
-            x = gl.where((tok < valid)[:, None], x, gl.zeros_like(x))
-            vt_smem.index(st).slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
+        if valid < BN:
+            tok = gl.arange(0, BN, layout=gl.SliceLayout(1, tl_))
+            for c in gl.static_range(4):
+                x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
+                x = gl.where((tok < valid)[:, None], x, gl.zeros_like(x))
+                vt_smem.index(st).slice(c * 128, 128, dim=0).store(_vt_tile(x, tl_).to(gl.float8e4nv, bitcast=True))
+        else:
+            for c in gl.static_range(4):
+                x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
+                vt_smem.index(st).slice(c * 128, 128, dim=0).store(_vt_tile(x, tl_).to(gl.float8e4nv, bitcast=True))
         fence_async_shared()
         gl.thread_barrier()
 
