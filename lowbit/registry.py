@@ -44,6 +44,9 @@ _ENTRIES = [
     Entry("w4a8-int8", "linear", "lowbit.nn.w4a8_int8:W4A8INT8Linear",
           "QoQ progressive INT4->INT8 weights, INT8 per-token activations, INT8 tensor cores",
           "QServe §4", options={"group_size": 128}),
+    Entry("w8", "linear", "lowbit.nn.w8:W8Linear",
+          "INT8 weight-only (per-channel fp32 scale), bf16/fp16 activations: wide layers such as the lm_head",
+          ""),
     # ---- attention schemes ----------------------------------------------------------------
     Entry("sdpa", "attention", "lowbit.ops.attention:sdpa_attention",
           "unquantized reference: torch scaled_dot_product_attention in the input dtype", ""),

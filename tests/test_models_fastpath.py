@@ -171,6 +171,9 @@ def test_lm_head_options_dict_and_errors(reference_kernels):
     lowbit.quantize_model(model, "fireq", calibration=_calib(), progress=False, kv=None, attention=None,
                           lm_head={"group_size": 32})
     assert model.lm_head.group_size == 32 and model.model.layers[0].mlp.down_proj.group_size == 128
-    with pytest.raises(TypeError, match="lm_head must be"):
+    with pytest.raises(ValueError, match="lm_head must be"):  # a string names a linear scheme ("w8")
         lowbit.quantize_model(tiny_llama(head_dim=16), "fireq", calibration=_calib(), progress=False, kv=None,
                               attention=None, lm_head="yes")
+    with pytest.raises(TypeError, match="lm_head must be"):
+        lowbit.quantize_model(tiny_llama(head_dim=16), "fireq", calibration=_calib(), progress=False, kv=None,
+                              attention=None, lm_head=3)

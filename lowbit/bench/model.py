@@ -70,7 +70,7 @@ FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
 
 def provider_spec(name: str) -> tuple[str, dict, dict, list]:
     """``name`` -> (recipe or 'bf16', quantization options, Generator options, kernel flags).
-    ``VARIANTS`` names first; then '+'-separated tokens: ``head`` (lm_head=True), ``fused``
+    ``VARIANTS`` names first; then '+'-separated tokens: ``head`` (lm_head=True), ``head8`` (lm_head="w8"), ``fused``
     (fuse_mlp=True), ``kv4`` (kv="kv4"), ``rows`` (w4a8-int8 codes row-major: linear_options tiled=False), ``GEN_TOKENS``
     and ``FLAG_TOKENS``."""
     base, *toks = name.split("+")
@@ -80,6 +80,8 @@ def provider_spec(name: str) -> tuple[str, dict, dict, list]:
         for t in toks:
             if t == "head":
                 qopts["lm_head"] = True
+            elif t == "head8":  # session 21: lm_head="w8" (INT8 per-channel weight-only head)
+                qopts["lm_head"] = "w8"
             elif t == "fused":
                 qopts["fuse_mlp"] = True
             elif t == "kv4":  # session 15: the recipe with the paged INT4 KV cache (kv="kv4")

@@ -268,6 +268,22 @@ def _v_rows(KC, stride_kc, slot, offs_c):
                    eviction_policy="evict_first")
 
 
+# 4 x 4 byte transpose of words a, b, c, d ($4..$7) into word k = (a_k, b_k, c_k, d_k) ($0..$3): 8 prmt. Also the
+# Gluon MLA kernel's FP8 value transpose (``lowbit.kernels.mla_decode_wgmma``).
+BYTES_T4_PTX = """{
+.reg .b32 lo0, hi0, lo1, hi1;
+prmt.b32 lo0, $4, $5, 0x5140;
+prmt.b32 hi0, $6, $7, 0x5140;
+prmt.b32 lo1, $4, $5, 0x7362;
+prmt.b32 hi1, $6, $7, 0x7362;
+prmt.b32 $0, lo0, hi0, 0x5410;
+prmt.b32 $1, lo0, hi0, 0x7632;
+prmt.b32 $2, lo1, hi1, 0x5410;
+prmt.b32 $3, lo1, hi1, 0x7632;
+}"""
+_BYTES_T4 = tl.constexpr(BYTES_T4_PTX)
+
+
 @triton.jit
 def _bytes_t4(a0, a1, a2, a3, INTERPRET: tl.constexpr):
     """4x4 byte transpose of four int32 words: output k packs byte k of a0, a1, a2, a3 (low to high).
@@ -278,20 +294,8 @@ def _bytes_t4(a0, a1, a2, a3, INTERPRET: tl.constexpr):
         o2 = ((a0 >> 16) & 0xFF) | (((a1 >> 16) & 0xFF) << 8) | (((a2 >> 16) & 0xFF) << 16) | (((a3 >> 16) & 0xFF) << 24)
         o3 = ((a0 >> 24) & 0xFF) | (((a1 >> 24) & 0xFF) << 8) | (((a2 >> 24) & 0xFF) << 16) | (((a3 >> 24) & 0xFF) << 24)
         return o0, o1, o2, o3
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 lo0, hi0, lo1, hi1;
-        prmt.b32 lo0, $4, $5, 0x5140;
-        prmt.b32 hi0, $6, $7, 0x5140;
-        prmt.b32 lo1, $4, $5, 0x7362;
-        prmt.b32 hi1, $6, $7, 0x7362;
-        prmt.b32 $0, lo0, hi0, 0x5410;
-        prmt.b32 $1, lo0, hi0, 0x7632;
-        prmt.b32 $2, lo1, hi1, 0x5410;
-        prmt.b32 $3, lo1, hi1, 0x7632;
-        }""",
-        "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-        is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_BYTES_T4, "=r,=r,=r,=r,r,r,r,r", [a0, a1, a2, a3],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit

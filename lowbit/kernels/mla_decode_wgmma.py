@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kernels.mla_decode import LOG2E, combine_splits, plan_splits, split_workspace
+from lowbit.kernels.mla_decode import BYTES_T4_PTX, LOG2E, combine_splits, plan_splits, split_workspace
 
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
     from triton.experimental import gluon
@@ -88,18 +88,7 @@ def supported(rows: int, dc: int, dr: int, page_size: int, qc, qr, kc, kr, qs=No
     return torch.cuda.get_device_capability(kc.device)[0] == 9
 
 if HAS_GLUON:
-    # 4 x 4 byte transpose: words a, b, c, d (4 bytes each: one token, 4 columns) -> word k = (a_k, b_k, c_k, d_k)
-    _T4X4 = gl.constexpr("""{
-.reg .b32 ab0, ab1, cd0, cd1;
-prmt.b32 ab0, $4, $5, 0x5140;
-prmt.b32 ab1, $4, $5, 0x7362;
-prmt.b32 cd0, $6, $7, 0x5140;
-prmt.b32 cd1, $6, $7, 0x7362;
-prmt.b32 $0, ab0, cd0, 0x5410;
-prmt.b32 $1, ab0, cd0, 0x7632;
-prmt.b32 $2, ab1, cd1, 0x5410;
-prmt.b32 $3, ab1, cd1, 0x7632;
-}""")
+    _T4X4 = gl.constexpr(BYTES_T4_PTX)  # 4 x 4 byte transpose by 8 prmt (words a, b, c, d -> (a_k, b_k, c_k, d_k))
 
     @gluon.jit
     def _bounds(SEQ, chunk):

@@ -198,8 +198,10 @@ def export_compressed_tensors(model, path, *, kv_cache: str | None = None, calib
                 key = None
                 entry.update(form=f"dense {str(fdtype).replace('torch.', '')} (fallback: {m.scheme} does not map)")
             else:
+                why = ("lookup-table codebooks are not representable" if m.scheme == "lut"
+                       else "this exporter writes only the W4A8 forms")
                 raise ExportError(f"{nm}: lowbit format {m.scheme!r} has no compressed-tensors form "
-                                  "(lookup-table codebooks are not representable); pass fallback='dense'")
+                                  f"({why}); pass fallback='dense'")
             bias = getattr(m, "bias", None)
             if isinstance(bias, torch.Tensor):
                 t["bias"] = bias.to(fdtype)

@@ -4,7 +4,8 @@ A recipe is ``fn(model, calibration=None, **options) -> model`` (registered in
 ``lowbit.registry``, called through ``lowbit.quantize_model``). It works on any Llama-family
 ``*ForCausalLM`` of transformers through ``lowbit.models.arch.decoder_layers`` and quantizes
 the seven linears of every decoder layer in place; ``embed_tokens`` and ``lm_head`` stay float
-(``lm_head=True`` in ``fireq`` / ``qserve`` / ``flute-nf4`` / ``flute-nf3`` quantizes the head too).
+(``lm_head=True`` in ``fireq`` / ``qserve`` / ``flute-nf4`` / ``flute-nf3`` quantizes the head too, with the
+recipe's linear scheme; ``lm_head="w8"`` with INT8 per-channel weights, near-lossless).
 
 Common options (every recipe):
 
@@ -242,7 +243,7 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
           attention: str | None = "fp8", group_size: int = 128, cas: bool = True, pts: bool = True,
           rpn: bool = True, crs: bool = True, alpha: float = 8.0, beta: float = 8.0, top_k: int | None = None,
           cas_options: dict | None = None, linear_options: dict | None = None, skip=(), fuse_mlp: bool = False,
-          pts_scope: str = "fused", lm_head: bool | dict = False,
+          pts_scope: str = "fused", lm_head: bool | dict | str = False,
           seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
     """FireQ (seed 000): W4A8-FP linears (INT4 weights, FP8 E4M3 g128 scales, FP8 per-token
     activations) with CAS + PTS, a post-RoPE INT4 KV cache with RPN + CRS, FP8 prefill attention.
@@ -361,14 +362,24 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
 def _quantize_lm_head(model, scheme: str, opts: dict, recipe: str, lm_head=True) -> None:
     """``lm_head=True``: the output projection through ``scheme`` too (FireQ and QServe keep it
     16-bit: off by default); a dict (e.g. ``{"group_size": 32}``) overrides the linears' options
-    for the head only. A head tied to ``embed_tokens`` is untied (the embedding stays float,
+    for the head only; a linear scheme's name (``"w8"``: INT8 per-channel weight-only, half the
+    bytes of bf16 at ~1% weight error, ``lowbit.formats.w8``) quantizes the head with that scheme's
+    defaults instead. A head tied to ``embed_tokens`` is untied (the embedding stays float,
     ``config.tie_word_embeddings`` becomes False, so checkpoints rebuild it untied)."""
     from lowbit import quantize_linear
+    from lowbit import registry
 
-    if isinstance(lm_head, dict):
+    if isinstance(lm_head, str):
+        linear_names = [e.name for e in registry.entries("linear")]
+        if lm_head not in linear_names:
+            raise ValueError(f"lm_head must be False, True, a dict of linear options or one of {linear_names}, "
+                             f"got {lm_head!r}")
+        scheme, opts = lm_head, {}
+    elif isinstance(lm_head, dict):
         opts = {**opts, **lm_head}
     elif lm_head is not True:
-        raise TypeError(f"lm_head must be False, True or a dict of linear options, got {lm_head!r}")
+        raise TypeError(f"lm_head must be False, True, a dict of linear options or a linear scheme name, "
+                        f"got {lm_head!r}")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"recipe {recipe}: lm_head=True needs an nn.Linear lm_head, got {type(head).__name__}")
@@ -415,7 +426,7 @@ def _drop_rpn(params):
 def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str | None = "kv4-zp",
            attention: str | None = "sdpa", group_size: int = 128, smooth: bool = True, smooth_alpha: float = 0.5,
            smoothquant: bool = False, smoothquant_alpha: float = 0.5, linear_options: dict | None = None, skip=(),
-           lm_head: bool | dict = False, seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None,
+           lm_head: bool | dict | str = False, seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None,
            progress: bool = True):
     """QServe / QoQ (W4A8KV4): progressive INT4->INT8 g128 weights with INT8 per-token activations,
     SmoothAttention on keys (``smooth``), optional SmoothQuant on linear inputs (``smoothquant``),
@@ -503,7 +514,7 @@ def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict = False, rpn: bool = True, crs: bool = True):
+              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True):
     """FLUTE (seed 001): 4-bit NormalFloat lookup-table weights, g128, activations in the model's
     float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration). ``lm_head=True`` (or
     a dict of head-only linear options) quantizes the output projection too (RTN NF scales; FLUTE
@@ -522,7 +533,7 @@ def flute_nf3(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict = False, rpn: bool = True, crs: bool = True):
+              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True):
     """FLUTE 3-bit NormalFloat lookup-table weights, g128 (see ``flute_nf4``)."""
     with torch.enable_grad():
         return _flute("flute-nf3", 3, model, calibration, linear=linear, kv=kv, attention=attention,
