@@ -101,3 +101,16 @@ def test_quantized_lm_head_exports(tmp_path):
     assert any("lm_head" in g["targets"] for g in cfg["config_groups"].values())
     res = verify_export(tmp_path / "h", m)
     assert len(res) == 15 and res["lm_head"][1] < 1e-6
+
+
+def test_w8_lm_head_exports_exact(tmp_path):
+    """lm_head="w8": a W8A16 channel-wise group beside the W4A8 one, decompressed exactly by the package."""
+    m = _model("qserve", kv=None, attention=None, smooth=False, lm_head="w8")
+    rep = export_compressed_tensors(m, tmp_path / "w8")
+    assert rep["modules"]["lm_head"]["lowbit_scheme"] == "w8"
+    cfg = json.loads((tmp_path / "w8" / "config.json").read_text())["quantization_config"]
+    g8 = [g for g in cfg["config_groups"].values() if "lm_head" in g["targets"]]
+    assert len(g8) == 1 and g8[0]["weights"]["num_bits"] == 8 and g8[0]["weights"]["strategy"] == "channel"
+    assert g8[0].get("input_activations") is None
+    res = verify_export(tmp_path / "w8", m)
+    assert len(res) == 15 and res["lm_head"] == (1.0, 0.0)

@@ -24,6 +24,10 @@ lowbit format     compressed-tensors form                                   exac
 ``w4a8-int8``     W4A8 with asymmetric INT4 g128 weights (``weight_zero_    exact when every scaled
 (QServe QoQ)      point``), ``weight_scale`` fp32 = s1 x s2, INT8           zero zs is a multiple of
                   per-token dynamic activations                             s2 (QoQ's own rule)
+``w8`` (INT8      W8A16: INT8 symmetric channel-wise weights (``weight_    exact
+weight-only)      packed`` int32, ``weight_scale`` fp32 [N, 1]), 16-bit
+                  activations (lowbit's two INT8 activation planes are
+                  its kernel's arithmetic, not part of the format)
 ``lut`` (FLUTE    not representable: compressed-tensors has uniform INT /   ``fallback='dense'`` writes
 NF4 / NF3)        FP / MX grids only, no per-model codebooks                the dequantized weights
                                                                             in the model dtype
@@ -102,6 +106,13 @@ def _w4a8_int8_tensors(mod, pack):
          "weight_zero_point": pack((z - 8).to(torch.int8), 4, packed_dim=0),
          "weight_shape": torch.tensor([q4.shape[0], k])}
     return t, g
+
+
+def _w8_tensors(mod, pack):
+    """W8A16: INT8 channel-wise symmetric codes packed 4 per int32, ``weight_scale`` fp32 [N, 1] (exact)."""
+    t = {"weight_packed": pack(mod.codes, 8), "weight_scale": mod.scale.float()[:, None],
+         "weight_shape": torch.tensor([mod.codes.shape[0], mod.in_features])}
+    return t
 
 
 def _split_fused(name, mod):
@@ -193,13 +204,17 @@ def export_compressed_tensors(model, path, *, kv_cache: str | None = None, calib
                 t, g = _w4a8_int8_tensors(m, pack)
                 key = ("w4a8int-asym", g)
                 entry.update(form=f"W4A8 int asym g{g}", exact_fraction=1.0, rel_l2_vs_lowbit=0.0)
+            elif m.scheme == "w8":
+                t = _w8_tensors(m, pack)
+                key = ("w8a16", None)
+                entry.update(form="W8A16 int channel-wise symmetric", exact_fraction=1.0, rel_l2_vs_lowbit=0.0)
             elif fallback == "dense":
                 t = {"weight": m.dequantize().to(fdtype)}
                 key = None
                 entry.update(form=f"dense {str(fdtype).replace('torch.', '')} (fallback: {m.scheme} does not map)")
             else:
                 why = ("lookup-table codebooks are not representable" if m.scheme == "lut"
-                       else "this exporter writes only the W4A8 forms")
+                       else "this exporter writes only the W4A8 and W8A16 forms")
                 raise ExportError(f"{nm}: lowbit format {m.scheme!r} has no compressed-tensors form "
                                   f"({why}); pass fallback='dense'")
             bias = getattr(m, "bias", None)
@@ -215,6 +230,9 @@ def export_compressed_tensors(model, path, *, kv_cache: str | None = None, calib
         if kind == "w4afp8":
             w = QArgs(num_bits=4, type="int", strategy="group", group_size=g, symmetric=True, dynamic=False)
             a = QArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+        elif kind == "w8a16":  # weight-only: the activations stay 16-bit in vLLM (lowbit's two INT8 planes are
+            w = QArgs(num_bits=8, type="int", strategy="channel", symmetric=True, dynamic=False)  # a kernel detail)
+            a = None
         else:
             w = QArgs(num_bits=4, type="int", strategy="group", group_size=g, symmetric=False, dynamic=False)
             a = QArgs(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)
