@@ -126,6 +126,17 @@ def test_op_matches_reference(dev):
     assert rel_l2(y.reshape(3, -1), gemm_ref(x, c, s, b, x.dtype)) <= KERNEL_VS_REF[torch.bfloat16]
 
 
+def test_empty_shapes(dev):
+    """No tokens, or K = 0 (the output is the bias, or 0): no crash, the right shapes."""
+    s = torch.ones(5, device=dev)
+    b = torch.arange(5, device=dev).to(torch.bfloat16)
+    y = w8_linear(torch.randn(1, 0, device=dev, dtype=torch.bfloat16), torch.zeros(5, 0, dtype=torch.int8, device=dev),
+                  s, b)
+    assert torch.equal(y, b[None, :])
+    assert w8_linear(torch.randn(2, 0, 8, device=dev, dtype=torch.bfloat16),
+                     torch.zeros(5, 8, dtype=torch.int8, device=dev), s).shape == (2, 0, 5)
+
+
 def test_bad_arguments_named():
     x, c, s, b = _args()
     with pytest.raises(TypeError, match="codes"):

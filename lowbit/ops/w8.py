@@ -45,7 +45,7 @@ def w8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: t
         check_tensor(bias, "bias", dtype=_DTYPES, shape=[N])
     check_same_device(x=x, codes=codes, scale=scale, bias=bias)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(lead.numel(), K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return _w8_linear(x2, codes, scale, bias).reshape(*lead, N)
