@@ -28,6 +28,7 @@ ap.add_argument("--no-split", action="store_true", help="one split (output writt
 ap.add_argument("--fp8", action="store_true", help="the SnapMLA FP8 form")
 ap.add_argument("--pv-regs", type=int, default=W.WS_PV_REGS)
 ap.add_argument("--maxnreg", type=int, default=W.WS_MAXNREG)
+ap.add_argument("--stages", type=int, default=W.FP8_STAGES, help="FP8: TMA ring depth")
 ap.add_argument("--ptx", help="also write the PTX here")
 args = ap.parse_args()
 
@@ -53,6 +54,8 @@ sig.update({"PT": "*i32", "SEQ": "*i32", "O": "*fp32" if split else "*bf16", "LS
             "H": "i32", "SQ": "i32", "ROWS": "i32", "chunk": "i32", "stride_pt": "i32", "stride_o": "i32",
             "stride_os": "i32", "stride_ls": "i32"})
 consts = dict(DC=512, DR=64, PAGE=64, SPLIT=split, PV_REGS=args.pv_regs)
+if args.fp8:
+    consts["STAGES"] = args.stages
 fn, opts = (W._mla_ws_fp8_kernel if args.fp8 else W._mla_ws_kernel), {"num_warps": 4, "maxnreg": args.maxnreg}
 sig.update({k: "constexpr" for k in consts})
 first = 6 if args.fp8 else 4  # pointer arguments after the descriptors

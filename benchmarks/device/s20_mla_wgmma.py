@@ -25,8 +25,9 @@ args = probe_args("ctf")  # part r (the dispatch boundary at 64 rows) runs only 
 # Kernel options timed in session 20 and removed since (s20_mla_wgmma_fp8_r1..r4.json): the transpose as 16 x 8 bytes
 # per thread, in its own 2-warp partition, split between the warpgroups, with 8 x 4 lanes, a no-transpose timing probe; session 21
 # (s21_mla_wgmma_strided.json): a thread's 4 transpose tokens 16 apart, P stored in that K order (2-4% slower)
-FP8_TT_VARIANTS = {"ws": {}}
-FP8_TIME_VARIANTS = {"ws": {}}
+# session 21: the 3-stage TMA ring with one value-tile buffer (the default since, ``ws``) beside the 2-stage ring
+FP8_TT_VARIANTS = {"ws": {"stages": 3}, "ws_s2": {"stages": 2}}
+FP8_TIME_VARIANTS = {"ws": {"stages": 3}, "ws_s2": {"stages": 2}}
 VARIANTS = {"ws": {}, "ws_r224": {"ws_regs": (224, 168)}}  # bf16 form (kernel options of session 20 removed)
 doc = {"env": env_info(" ".join(sys.argv))}
 

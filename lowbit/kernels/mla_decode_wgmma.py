@@ -7,8 +7,8 @@ compute the same 64 x 64 score tile (1.53x the needed MMA work), and every wgmma
 are written out (FlashMLA's split of the work):
 
 Per program: ``BM = 64`` rows (query token, head) of one sequence and one split of its tokens; 64-token blocks
-through a 2-stage TMA ring (a block = one 64-slot slice of a page: one copy per cache tensor, ``mbarrier``
-completion). Three partitions (``gl.warp_specialize``):
+through a TMA ring of 2 stages (bf16; FP8: ``FP8_STAGES`` = 3) (a block = one 64-slot slice of a page: one copy per
+cache tensor, ``mbarrier`` completion). Three partitions (``gl.warp_specialize``):
 
 - loader (1 warp): Q once, then each block into the ring once both warpgroups have released the stage;
 - first warpgroup (default partition): ``S = q_C · c^T + q_R · k_R^T`` [64, 64] on wgmma (all 64 tokens, fp32), the
@@ -36,8 +36,9 @@ Measured (H200, session 20, ``benchmarks/results/h200/s20_mla_wgmma*.json``; ms 
 one 8-warp program, both warpgroups splitting the scores' columns and the values' columns, every wgmma waited (no
 warp specialization): 0.357 (P to the second dot through a register layout conversion), 0.345-0.350 (P through a
 shared tile); with QK^T of block j+1 issued before P·V of block j (2 stages: its K copy is then waited on almost at
-once) 0.421-0.438; this form 0.251 (583 TFLOP/s). The FP8 form (session 21, value transpose as packed ``prmt``): 0.249 (586 TFLOP/s,
-1.01x bf16; 0.363 with Triton's byte-wise transpose).
+once) 0.421-0.438; this form 0.251 (583 TFLOP/s). The FP8 form (session 21): 0.249 (586 TFLOP/s) with the value
+transpose as packed ``prmt`` (0.363 with Triton's byte-wise transpose), 0.234 (625 TFLOP/s, 1.09x bf16) with a 3-stage
+ring (``FP8_STAGES``).
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ BM = 64  # rows per program (one wgmma M tile)
 BN = 64  # tokens per block
 WS_PV_REGS = 192  # registers per thread of the second warpgroup (S20: 224 and 160 within 1% or slower)
 WS_MAXNREG = 168  # the kernel's cap per thread; the default partition gets what the workers leave (256)
+# FP8 form: TMA ring depth. 3 (one value-tile buffer instead of two, same 197 KB): 4.5-7.3% faster than 2 at every
+# shape of the session-21 probe (s21_mla_wgmma_stages.json; 0.2338 vs 0.2448 ms at B=32 H=128 L=16k)
+FP8_STAGES = 3
 
 
 def supported(rows: int, dc: int, dr: int, page_size: int, qc, qr, kc, kr, qs=None, ks=None) -> bool:
@@ -145,7 +149,7 @@ if HAS_GLUON:
         return z.permute(1, 3, 0, 2).reshape([128, 64])
 
     @gluon.jit
-    def _vt_block(kc_smem, vt_smem, st, valid):
+    def _vt_block(kc_smem, vt_smem, st, vi, valid):
         """FP8 form: the K-major copy of one stage's FP8 content tile that FP8 wgmma needs for P·V (``vt [512, 64]``):
         4 tokens x 16 columns per thread (16-byte loads), transposed in registers (``_vt_tile``; 4-byte stores);
         in the tail block rows past the sequence are written as 0 (no 0 * NaN from stale slots); then a fence and
@@ -160,11 +164,11 @@ if HAS_GLUON:
             for c in gl.static_range(4):
                 x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
                 x = gl.where((tok < valid)[:, None], x, gl.zeros_like(x))
-                vt_smem.index(st).slice(c * 128, 128, dim=0).store(_vt_tile(x, tl_).to(gl.float8e4nv, bitcast=True))
+                vt_smem.index(vi).slice(c * 128, 128, dim=0).store(_vt_tile(x, tl_).to(gl.float8e4nv, bitcast=True))
         else:
             for c in gl.static_range(4):
                 x = kc_smem.index(st).slice(c * 128, 128, dim=1).load(tl_)
-                vt_smem.index(st).slice(c * 128, 128, dim=0).store(_vt_tile(x, tl_).to(gl.float8e4nv, bitcast=True))
+                vt_smem.index(vi).slice(c * 128, 128, dim=0).store(_vt_tile(x, tl_).to(gl.float8e4nv, bitcast=True))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -191,7 +195,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_loader(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, qbar,
-                   kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr, FP8: gl.constexpr):
+                   kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr, FP8: gl.constexpr,
+                   STAGES: gl.constexpr = 2):
         """1-warp partition: Q once, then per 64-token block the content and RoPE rows of its page slice (and, FP8,
         the fp32 token scales) into the 2-stage ring; a stage is refilled once both warpgroups released it."""
         BN: gl.constexpr = 64
@@ -206,8 +211,8 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(qc_desc, [row0, 0], qbar, qc_smem)
         tma.async_copy_global_to_shared(qr_desc, [row0, 0], qbar, qr_smem)
         for j in range(0, n_blk):
-            st = j % 2
-            mbarrier.wait(kv_free.index(st), ((j // 2) & 1) ^ 1)
+            st = j % STAGES
+            mbarrier.wait(kv_free.index(st), ((j // STAGES) & 1) ^ 1)
             n0 = start + j * BN
             slot = gl.load(ptb + n0 // PAGE) * PAGE + n0 % PAGE
             mbarrier.expect(kv_ready.index(st), NBYTES)
@@ -217,13 +222,15 @@ if HAS_GLUON:
                 tma.async_copy_global_to_shared(ks_desc, [slot // BN, 0], kv_ready.index(st), ks_smem.index(st))
 
     @gluon.jit
-    def _ws_pv_right(kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, O,
-                     SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr, FP8: gl.constexpr):
+    def _ws_pv_right(kc_smem, vt_smem, kv_ready, kv_free, vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready, p_free,
+                     done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr, FP8: gl.constexpr,
+                     STAGES: gl.constexpr = 2):
         """4-warp partition (second warpgroup), value columns [256, 512): per block (FP8: first the K-major value
         tile, ``_vt_block``, released to the first warpgroup with ``vt_ready``) wait for P and its rescale factor
         (shared memory), ``O = O * alpha + P · V[:, 256:]``, release P and the stage; then normalise by the first
         warpgroup's row sums and store."""
         HALF: gl.constexpr = 256
+        VT: gl.constexpr = 2 if STAGES == 2 else 1  # value-tile buffers (one beside a 3-stage ring)
         if FP8:
             o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, HALF, 32])
@@ -234,16 +241,18 @@ if HAS_GLUON:
         pid_m, pid_s, b, seq_len, start, end, n_blk = _bounds(SEQ, chunk)
         acc = gl.zeros([64, HALF], gl.float32, o_l)
         for j in range(0, n_blk):
-            st = j % 2
-            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            st = j % STAGES
+            vi = j % VT
+            mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
             if FP8:
-                _vt_block(kc_smem, vt_smem, st, end - (start + j * 64))
-                mbarrier.arrive(vt_ready.index(st))
+                mbarrier.wait(vt_free.index(vi), ((j // VT) & 1) ^ 1)  # the first warpgroup's P·V of block j - VT
+                _vt_block(kc_smem, vt_smem, st, vi, end - (start + j * 64))
+                mbarrier.arrive(vt_ready.index(vi))
             mbarrier.wait(p_ready, j & 1)
             alpha = a_smem.load(row_o)
             acc = acc * alpha[:, None]
             if FP8:
-                v = vt_smem.index(st).slice(HALF, HALF, dim=0).permute((1, 0))
+                v = vt_smem.index(vi).slice(HALF, HALF, dim=0).permute((1, 0))
             else:
                 v = kc_smem.index(st).slice(HALF, HALF, dim=1)
             acc = warpgroup_mma(p_smem, v, acc, is_async=True)
@@ -316,8 +325,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws8_softmax_pv_left(qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free, vt_ready,
-                             p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE, sm_scale_log2e, H, SQ,
-                             ROWS, chunk, stride_o, stride_os, stride_ls, DC: gl.constexpr, SPLIT: gl.constexpr):
+                             vt_free, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE, sm_scale_log2e,
+                             H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC: gl.constexpr,
+                             SPLIT: gl.constexpr, STAGES: gl.constexpr):
         """FP8 form, first warpgroup: ``t = (q̂_C ĉ^T + q̃_R k̃_R^T) s_k`` (FP8 and bf16 wgmma, two fp32
         accumulators summed), then the SnapMLA online softmax of the Triton FP8 path (``_softmax_step_t``, row P
         scale: ``P̃ = exp2(t s_q sm_scale log2e - m) s_k``, monotone ``σ``, ``P̂ = FP8(P̃ / σ)``, σ folded into the
@@ -325,6 +335,7 @@ if HAS_GLUON:
         BM: gl.constexpr = 64
         BN: gl.constexpr = 64
         HALF: gl.constexpr = DC // 2
+        VT: gl.constexpr = 2 if STAGES == 2 else 1
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         sr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
@@ -343,9 +354,10 @@ if HAS_GLUON:
         acc = gl.zeros([BM, HALF], gl.float32, o_l)
         mbarrier.wait(qbar, 0)
         for j in range(0, n_blk):
-            st = j % 2
+            st = j % STAGES
+            vi = j % VT
             n0 = start + j * BN
-            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
             s = warpgroup_mma(qc_smem, kc_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, s_l),
                               use_acc=False, is_async=True)
             sr = warpgroup_mma(qr_smem, kr_smem.index(st).permute((1, 0)), gl.zeros([BM, BN], gl.float32, sr_l),
@@ -375,9 +387,10 @@ if HAS_GLUON:
             fence_async_shared()
             mbarrier.arrive(p_ready)
             acc = acc * gl.convert_layout(r, row_o)[:, None]
-            mbarrier.wait(vt_ready.index(st), (j // 2) & 1)
-            acc = warpgroup_mma(p_smem, vt_smem.index(st).slice(0, HALF, dim=0).permute((1, 0)), acc, is_async=True)
+            mbarrier.wait(vt_ready.index(vi), (j // VT) & 1)
+            acc = warpgroup_mma(p_smem, vt_smem.index(vi).slice(0, HALF, dim=0).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(vt_free.index(vi))
             mbarrier.arrive(kv_free.index(st))
         l_smem.store(l_i)
         mbarrier.arrive(done)
@@ -394,21 +407,24 @@ if HAS_GLUON:
         """The kernels' mbarriers, initialised: Q, the ring's ready / free (both warpgroups release a stage), the FP8
         value tile's ready, P ready / free, done (the row sums are in shared memory)."""
         qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
         vt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(qbar, count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(3):
             mbarrier.init(kv_ready.index(i), count=1)
             mbarrier.init(kv_free.index(i), count=2)
+        for i in gl.static_range(2):
             mbarrier.init(vt_ready.index(i), count=1)
+            mbarrier.init(vt_free.index(i), count=1)
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
         mbarrier.init(done, count=1)
-        return qbar, kv_ready, kv_free, vt_ready, p_ready, p_free, done
+        return qbar, kv_ready, kv_free, vt_ready, vt_free, p_ready, p_free, done
 
     @gluon.jit
     def _mla_ws_kernel(qc_desc, qr_desc, kc_desc, kr_desc, PT, SEQ, O, LSE,
@@ -428,13 +444,13 @@ if HAS_GLUON:
         vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
         l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        qbar, kv_ready, kv_free, vt_ready, p_ready, p_free, done = _barriers()
+        qbar, kv_ready, kv_free, vt_ready, vt_free, p_ready, p_free, done = _barriers()
         gl.warp_specialize([
             (_ws_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
                                    p_ready, p_free, done, SEQ, O, LSE, sm_scale_log2e, H, SQ, ROWS, chunk, stride_o,
                                    stride_os, stride_ls, DC, DR, SPLIT)),
-            (_ws_pv_right, (kc_smem, kc_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free,
-                            done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, False)),
+            (_ws_pv_right, (kc_smem, kc_smem, kv_ready, kv_free, vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready,
+                            p_free, done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, False)),
             (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, kr_desc, qc_smem, qr_smem, kc_smem, kr_smem, kr_smem,
                           qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, False)),
         ], [4, 1], [PV_REGS, 24])
@@ -443,31 +459,34 @@ if HAS_GLUON:
     def _mla_ws_fp8_kernel(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, QS, PT, SEQ, O, LSE,
                            sm_scale_log2e, H, SQ, ROWS, chunk, stride_pt, stride_o, stride_os, stride_ls,
                            DC: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, SPLIT: gl.constexpr,
-                           PV_REGS: gl.constexpr):
+                           PV_REGS: gl.constexpr, STAGES: gl.constexpr):
         """SnapMLA FP8 form of ``_mla_ws_kernel``: the loader also brings the token scales, the second warpgroup
-        also writes the K-major FP8 value tile that P·V needs."""
+        also writes the K-major FP8 value tile that P·V needs. ``STAGES`` 2 (two value tiles, 190 KB of shared
+        memory) or 3 (one value tile, released by the first warpgroup's ``vt_free``; 198 KB)."""
         BM: gl.constexpr = 64
         BN: gl.constexpr = 64
         f8: gl.constexpr = gl.float8e4nv
         qc_smem = gl.allocate_shared_memory(f8, [BM, DC], qc_desc.layout)
         qr_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, DR], qr_desc.layout)
-        kc_smem = gl.allocate_shared_memory(f8, [2, BN, DC], kc_desc.layout)
-        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], kr_desc.layout)
-        ks_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BN], ks_desc.layout)
-        vt_smem = gl.allocate_shared_memory(f8, [2, DC, BN], gl.NVMMASharedLayout.get_default_for([DC, BN], f8))
+        VT: gl.constexpr = 2 if STAGES == 2 else 1
+        kc_smem = gl.allocate_shared_memory(f8, [STAGES, BN, DC], kc_desc.layout)
+        kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, DR], kr_desc.layout)
+        ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], ks_desc.layout)
+        vt_smem = gl.allocate_shared_memory(f8, [VT, DC, BN], gl.NVMMASharedLayout.get_default_for([DC, BN], f8))
         p_smem = gl.allocate_shared_memory(f8, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], f8))
         vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
         l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        qbar, kv_ready, kv_free, vt_ready, p_ready, p_free, done = _barriers()
+        qbar, kv_ready, kv_free, vt_ready, vt_free, p_ready, p_free, done = _barriers()
         gl.warp_specialize([
             (_ws8_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free,
-                                    vt_ready, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE,
-                                    sm_scale_log2e, H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC, SPLIT)),
-            (_ws_pv_right, (kc_smem, vt_smem, kv_ready, kv_free, vt_ready, p_smem, a_smem, l_smem, p_ready, p_free,
-                            done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, True)),
+                                    vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE,
+                                    sm_scale_log2e, H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC, SPLIT,
+                                    STAGES)),
+            (_ws_pv_right, (kc_smem, vt_smem, kv_ready, kv_free, vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready,
+                            p_free, done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, True, STAGES)),
             (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem,
-                          qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, True)),
+                          qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, True, STAGES)),
         ], [4, 1], [PV_REGS, 24])
 
 
@@ -480,13 +499,14 @@ def _desc(t, rows: int, cols: int, block: list, dtype):
 
 def mla_decode_wgmma(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads: int, sm_scale: float,
                      max_seq_len: int, page_size: int, out_dtype=None, num_splits: int | None = None,
-                     ws_regs: tuple | None = None, return_plan: bool = False):
+                     ws_regs: tuple | None = None, stages: int | None = None, return_plan: bool = False):
     """Launch either form (``supported`` must hold; arguments as ``mla_decode_triton``'s): ``qc`` [B, Sq*H, 512],
     ``qr`` [B, Sq*H, 64], ``kc`` [slots, 512] / ``kr`` [slots, 64] (row views of the cache), page table and lengths
     as in ``lowbit.kernels.mla_decode``; FP8 when ``ks`` is given (``qs`` [B, Sq*H] and ``ks`` [slots] fp32:
     Fused-Q-Quant and the cache's token scales; the reference emulates its P with ``p_block=(64, chunk, 0.0,
     float8_e4m3fn, "row")``). Returns [B, Sq*H, 512] in ``out_dtype`` (default: bf16 for FP8, else the cache dtype),
-    and the plan with ``return_plan``. ``ws_regs``: (second warpgroup's registers, kernel maxnreg), for sweeps."""
+    and the plan with ``return_plan``. ``ws_regs``: (second warpgroup's registers, kernel maxnreg) and ``stages``
+    (FP8 ring depth, ``FP8_STAGES``), for sweeps."""
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
     dev = qc.device
@@ -505,10 +525,13 @@ def mla_decode_wgmma(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads:
     if fp8:
         descs += [_desc(ks.view(slots // BN, BN), slots // BN, BN, [1, BN], gl.float32), qs.reshape(B * ROWS)]
     pv_regs, maxnreg = ws_regs or (WS_PV_REGS, WS_MAXNREG)
+    if stages not in (None, 2, 3):
+        raise ValueError(f"stages must be 2 or 3 (the FP8 ring depth), got {stages!r}")
     kernel = (_mla_ws_fp8_kernel if fp8 else _mla_ws_kernel)[(ROWS // BM, splits, B)](
         *descs, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk, page_table.stride(0), so, sos, sls,
         DC=DC, DR=DR, PAGE=page_size, SPLIT=splits > 1, PV_REGS=pv_regs, num_warps=4, maxnreg=maxnreg,
+        **({"STAGES": stages or FP8_STAGES} if fp8 else {}),
     )
     combine_splits(ow, lse, out, splits)
     if return_plan:
