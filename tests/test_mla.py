@@ -556,6 +556,9 @@ def test_gluon_wgmma_dispatch_rules(dev):
     f8, r16, s32 = x.to(torch.float8_e4m3fn), x[:, :64], torch.ones(64)
     assert not MW.supported(128, 512, 64, 64, f8, f8, f8, f8)  # FP8 content without the FP8 form's scales
     assert not MW.supported(128, 512, 64, 64, f8, r16, f8, r16, s32[:4], s32)  # CPU tensors
+    with pytest.raises(ValueError, match="stages must be 2 or 3"):  # checked before anything runs
+        MW.mla_decode_wgmma(f8, r16, s32, f8, r16, s32, None, None, num_heads=128, sm_scale=1.0, max_seq_len=64,
+                            page_size=64, stages=4)
     _gluon_true_raises(dev, False)
 
 

@@ -507,6 +507,8 @@ def mla_decode_wgmma(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads:
     float8_e4m3fn, "row")``). Returns [B, Sq*H, 512] in ``out_dtype`` (default: bf16 for FP8, else the cache dtype),
     and the plan with ``return_plan``. ``ws_regs``: (second warpgroup's registers, kernel maxnreg) and ``stages``
     (FP8 ring depth, ``FP8_STAGES``), for sweeps."""
+    if stages not in (None, 2, 3):
+        raise ValueError(f"stages must be 2 or 3 (the FP8 ring depth), got {stages!r}")
     B, ROWS, DC = qc.shape
     DR = qr.shape[-1]
     dev = qc.device
@@ -525,8 +527,6 @@ def mla_decode_wgmma(qc, qr, qs, kc, kr, ks, page_table, seq_lens, *, num_heads:
     if fp8:
         descs += [_desc(ks.view(slots // BN, BN), slots // BN, BN, [1, BN], gl.float32), qs.reshape(B * ROWS)]
     pv_regs, maxnreg = ws_regs or (WS_PV_REGS, WS_MAXNREG)
-    if stages not in (None, 2, 3):
-        raise ValueError(f"stages must be 2 or 3 (the FP8 ring depth), got {stages!r}")
     kernel = (_mla_ws_fp8_kernel if fp8 else _mla_ws_kernel)[(ROWS // BM, splits, B)](
         *descs, page_table, seq_lens, o_arg, lse if lse is not None else o_arg,
         sm_scale * LOG2E, num_heads, ROWS // num_heads, ROWS, chunk, page_table.stride(0), so, sos, sls,
