@@ -50,6 +50,30 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def fp8_args(q, cache, H):
+    from lowbit.kernels.mla_quant import latent_quant_triton
+
+    B, Sq = q.shape[:2]
+    R = Sq * H
+    qc, qs, qr = latent_quant_triton(q.reshape(-1, DC + DR), DC)
+    return (qc.view(B, R, DC), qr.view(B, R, DR), qs.view(B, R), _rows(cache[0]), _rows(cache[1]),
+            cache[2].reshape(-1))
+
+
+def timing_inputs(B, H, Sq, L, fp8=True):
+    """Rotated timing inputs (>= 2x L2 where they fit, at most 3 sets): the queries, the caches, the bf16 form's
+    arguments and (``fp8``) the FP8 form's."""
+    n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, fp8))))
+    sets = [make_caches(B, L, fp8=fp8, bf16=True, seed=i) for i in range(n)]
+    qs = [torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    ab = [(q.reshape(B, Sq * H, DC + DR)[..., :DC], q.reshape(B, Sq * H, DC + DR)[..., DC:], None,
+           _rows(s_["bf16"][0]), _rows(s_["bf16"][1]), None, s_["page_table"], s_["seq_lens"])
+          for q, s_ in zip(qs, sets)]
+    a8 = ([fp8_args(q, s_["fp8"], H) + (s_["page_table"], s_["seq_lens"]) for q, s_ in zip(qs, sets)]
+          if fp8 else None)
+    return qs, sets, ab, a8
+
+
 if "c" in args.parts:
     for (B, H, Sq, L, lens, splits, dt, nan) in [
         (2, 128, 1, 4096, None, None, torch.bfloat16, False),
@@ -84,18 +108,10 @@ if "t" in args.parts:
                           (32, 128, 2, 16384)]:
         key = f"t B={B} H={H} Sq={Sq} L={L}"
         try:
-            n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, False))))
-            sets = [make_caches(B, L, fp8=False, bf16=True, seed=i) for i in range(n)]
-            qs = [torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            qs, sets, a, _ = timing_inputs(B, H, Sq, L, fp8=False)
             row = {"B": B, "H": H, "Sq": Sq, "L": L, "tflop": flops(B, H, Sq, L) / 1e12}
             reps = 20 if row["tflop"] > 1 else 50
             sm = (DC + DR) ** -0.5
-
-            def prep(q, s):
-                q3 = q.reshape(B, Sq * H, DC + DR)
-                return (q3[..., :DC], q3[..., DC:], None, _rows(s["bf16"][0]), _rows(s["bf16"][1]), None,
-                        s["page_table"], s["seq_lens"])
-            a = [prep(q, s) for q, s in zip(qs, sets)]
 
             def fw(*x, kw=None):
                 return W.mla_decode_wgmma(*x, num_heads=H, sm_scale=sm, max_seq_len=L,
@@ -127,16 +143,6 @@ if "t" in args.parts:
             torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001
             probe_row(doc, key, {"error": repr(exc)[:600]})
-
-
-def fp8_args(q, cache, H):
-    from lowbit.kernels.mla_quant import latent_quant_triton
-
-    B, Sq = q.shape[:2]
-    R = Sq * H
-    qc, qs, qr = latent_quant_triton(q.reshape(-1, DC + DR), DC)
-    return (qc.view(B, R, DC), qr.view(B, R, DR), qs.view(B, R), _rows(cache[0]), _rows(cache[1]),
-            cache[2].reshape(-1))
 
 
 if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Triton FP8 tile and the bf16 forms
@@ -178,16 +184,10 @@ if "f" in args.parts:  # the FP8 form: correctness, then timing beside the Trito
                           (32, 128, 2, 16384)]:
         key = f"g B={B} H={H} Sq={Sq} L={L}"
         try:
-            n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, True))))
-            sets = [make_caches(B, L, fp8=True, bf16=True, seed=i) for i in range(n)]
-            qs_ = [torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            qs_, sets, ab, a8 = timing_inputs(B, H, Sq, L)
             row = {"B": B, "H": H, "Sq": Sq, "L": L, "tflop": flops(B, H, Sq, L) / 1e12}
             reps = 20 if row["tflop"] > 1 else 50
             sm = (DC + DR) ** -0.5
-            a8 = [fp8_args(q, s_["fp8"], H) + (s_["page_table"], s_["seq_lens"]) for q, s_ in zip(qs_, sets)]
-            ab = [(q.reshape(B, Sq * H, DC + DR)[..., :DC], q.reshape(B, Sq * H, DC + DR)[..., DC:], None,
-                   _rows(s_["bf16"][0]), _rows(s_["bf16"][1]), None, s_["page_table"], s_["seq_lens"])
-                  for q, s_ in zip(qs_, sets)]
             fns = {f"ws_fp8_{name}": ((lambda *x, kw=kw: W.mla_decode_wgmma(*x, num_heads=H, sm_scale=sm,
                                                                              max_seq_len=L, page_size=PAGE, **kw)),
                                       a8) for name, kw in FP8_TIME_VARIANTS.items()}
@@ -214,14 +214,8 @@ if "r" in args.parts:  # 64 rows per sequence (the smallest the warp-specialized
     for (B, H, Sq, L) in [(32, 64, 1, 16384), (128, 64, 1, 4096), (32, 16, 4, 16384), (64, 32, 2, 8192)]:
         key = f"r B={B} H={H} Sq={Sq} L={L}"
         try:
-            n = max(1, min(3, -(-2 * l2_bytes() // cache_bytes(B, L, True))))
-            sets = [make_caches(B, L, fp8=True, bf16=True, seed=i) for i in range(n)]
-            qs_ = [torch.randn(B, Sq, H, DC + DR, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            qs_, sets, ab, a8 = timing_inputs(B, H, Sq, L)
             sm = (DC + DR) ** -0.5
-            a8 = [fp8_args(q, s_["fp8"], H) + (s_["page_table"], s_["seq_lens"]) for q, s_ in zip(qs_, sets)]
-            ab = [(q.reshape(B, Sq * H, DC + DR)[..., :DC], q.reshape(B, Sq * H, DC + DR)[..., DC:], None,
-                   _rows(s_["bf16"][0]), _rows(s_["bf16"][1]), None, s_["page_table"], s_["seq_lens"])
-                  for q, s_ in zip(qs_, sets)]
             row = {"B": B, "H": H, "Sq": Sq, "L": L, "rows": Sq * H}
             for name, arg, fp8, g in (("ws_bf16", ab, False, None), ("tile_bf16", ab, False, False),
                                       ("ws_fp8", a8, True, None), ("tile_fp8", a8, True, False)):

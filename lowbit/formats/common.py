@@ -56,6 +56,19 @@ def dequantize_per_token(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
+def int8_planes(x: torch.Tensor, eps: float = AMAX_EPS):
+    """Each row (last dim) of ``x`` as two INT8 planes, ~15 bits: ``x ~= amax / 127 * (hi + lo / 254)``. In fp32:
+    ``a = max(amax, eps)``, ``u = x / a * 127``, ``hi = floor(u + 0.5)``, ``lo = floor((u - hi) * 254 + 0.5)``, both
+    in [-127, 127] (error <= a / 64516 per element). Returns (hi int8, lo int8, a fp32 [...]). The one reference of
+    the kv4 decode's two-plane Q (``eps = 1e-30``, its kernel's floor) and of the ``w8`` activations."""
+    xf = x.float()
+    a = xf.abs().amax(dim=-1, keepdim=True).clamp_min(eps)
+    u = xf / a * INT8_MAX
+    hi = torch.floor(u + 0.5)
+    lo = torch.floor((u - hi) * 254.0 + 0.5)
+    return hi.to(torch.int8), lo.to(torch.int8), a.squeeze(-1)
+
+
 def tile_rows(codes: torch.Tensor, rows: int, chunk: int = 64) -> torch.Tensor:
     """Row-block tiling of packed codes ``[N, B]`` (B a multiple of ``chunk``), flat uint8: the first
     ``rows * (N // rows)`` rows as blocks of ``rows`` rows x ``chunk`` bytes, block (t, c) at byte

@@ -12,16 +12,15 @@ Layout and numerics::
     scale  fp32 [N]         s = max(amax(W[n, :]), AMAX_EPS) / 127  (all-zero rows: codes 0, never 0/0)
     W ~= s[:, None] * codes                                  codes = clamp(rint(W / s), -127, 127)
 
-Activations: each row of x [M, K] (bf16 / fp16 / fp32) as two INT8 planes (``x_planes``; the kv4 decode's
-two-plane Q, ``lowbit.kernels.decode_kv4``)::
+Activations: each row of x [M, K] (bf16 / fp16 / fp32) as two INT8 planes (``lowbit.formats.common.int8_planes``, the
+same rule as the kv4 decode's two-plane Q)::
 
-    sx = max(amax(x[m, :]), AMAX_EPS) / 127,  u = x * RN(127 / max(amax, AMAX_EPS))     (fp32, RN: rounded once)
-    hi = rint(u),  lo = rint((u - hi) * 254)                hi, lo int8 in [-127, 127]
-    x ~= sx * (hi + lo / 254)                              error <= amax / 64516 per element (~15 bits of the row)
+    a = max(amax(x[m, :]), AMAX_EPS),  u = x / a * 127,  hi = floor(u + 0.5),  lo = floor((u - hi) * 254 + 0.5)
+    x ~= sx * (hi + lo / 254),  sx = a / 127                error <= a / 64516 per element (~15 bits of the row)
 
     Y[m, n] = (acc_hi + acc_lo * (1/254)) * (sx[m] * s[n])  (+ bias[n]),  acc_* = sum_k plane[m, k] * codes[n, k]
 
-The sums are exact int32 (|acc| <= 127^2 K: K < 133,000), so every kernel path (the dp4a GEMV at M <= 4, the
+The sums are exact int32 (|acc| <= 127^2 K: K < 133,000), so every kernel path (the dp4a GEMV at M = 1, the
 INT8 tensor-core GEMM above) and this reference give the same sums; only the fp32 epilogue may differ by an ulp
 (fused multiply-add). Decision: the planes instead of multiplying bf16 x by codes converted to bf16 because the
 conversion costs ~11 instructions per 4 codes (the M = 1 GEMV then ran at 2.8 TB/s, session 21), while dp4a
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats.common import AMAX_EPS, safe_scale
+from lowbit.formats.common import int8_planes, safe_scale
 
 __all__ = ["QMAX", "PLANE_LO", "quantize_w8", "dequantize_w8", "x_planes", "gemm_ref"]
 
@@ -62,13 +61,8 @@ def dequantize_w8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
 
 def x_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (hi int8 [M, K], lo int8 [M, K], sx fp32 [M]) as in the module docstring."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1).clamp_min(AMAX_EPS).double()
-    inv = (QMAX / amax).float()  # correctly rounded fp32 quotients (the kernel's div_rn)
-    u = xf * inv[:, None]
-    hi = torch.round(u)
-    lo = torch.round((u - hi) * PLANE_LO)
-    return hi.to(torch.int8), lo.to(torch.int8), (amax / QMAX).float()
+    hi, lo, a = int8_planes(x)
+    return hi, lo, a / QMAX
 
 
 def gemm_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -173,6 +173,32 @@ if HAS_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
+    def _publish_p(p, scale, p_smem, a_smem, p_free, p_ready, j):
+        """First warpgroup: block ``j``'s P (in the P·V dtype) and its per-row rescale factor to shared memory for
+        the second warpgroup, once that one is done with block ``j - 1``'s."""
+        mbarrier.wait(p_free, (j & 1) ^ 1)
+        p_smem.store(p)
+        a_smem.store(scale)
+        fence_async_shared()
+        mbarrier.arrive(p_ready)
+
+    @gluon.jit
+    def _left_epilogue(acc, l_i, m_i, lse_l, l_smem, done, O, LSE, row0, pid_s, stride_o, stride_os, stride_ls,
+                       o_l: gl.constexpr, SPLIT: gl.constexpr):
+        """First warpgroup, after the last block: the row sums ``l_i`` to the second warpgroup (``done``), the split's
+        LSE ``m + log2(lse_l)`` (``lse_l``: the real denominator; FP8: ``l_i * sigma``) and value columns [0, 256)."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        l_smem.store(l_i)
+        mbarrier.arrive(done)
+        l_o = gl.convert_layout(l_i, row_o)
+        rows = row0 + gl.arange(0, acc.shape[0], layout=row_o)
+        if SPLIT:
+            ell = gl.convert_layout(lse_l, row_o)
+            m_o = gl.convert_layout(m_i, row_o)
+            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(ell), float("-inf")))
+        _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, 0, acc.shape[1], o_l, SPLIT)
+
+    @gluon.jit
     def _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN: gl.constexpr, s_l: gl.constexpr,
                  MASK: gl.constexpr = True):
         """bf16 form: online softmax of one block's scores (base 2): returns (P fp32, alpha, m, l). ``MASK`` False: a
@@ -195,11 +221,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_loader(qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, qbar,
-                   kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr, FP8: gl.constexpr,
-                   STAGES: gl.constexpr = 2):
+                   kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE: gl.constexpr, FP8: gl.constexpr):
         """1-warp partition: Q once, then per 64-token block the content and RoPE rows of its page slice (and, FP8,
         the fp32 token scales) into the 2-stage ring; a stage is refilled once both warpgroups released it."""
         BN: gl.constexpr = 64
+        STAGES: gl.constexpr = kc_smem.shape[0]
         if FP8:
             NBYTES: gl.constexpr = kc_desc.block_type.nbytes + kr_desc.block_type.nbytes + ks_desc.block_type.nbytes
         else:
@@ -223,14 +249,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _ws_pv_right(kc_smem, vt_smem, kv_ready, kv_free, vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready, p_free,
-                     done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr, FP8: gl.constexpr,
-                     STAGES: gl.constexpr = 2):
+                     done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT: gl.constexpr, FP8: gl.constexpr):
         """4-warp partition (second warpgroup), value columns [256, 512): per block (FP8: first the K-major value
         tile, ``_vt_block``, released to the first warpgroup with ``vt_ready``) wait for P and its rescale factor
         (shared memory), ``O = O * alpha + P · V[:, 256:]``, release P and the stage; then normalise by the first
         warpgroup's row sums and store."""
         HALF: gl.constexpr = 256
-        VT: gl.constexpr = 2 if STAGES == 2 else 1  # value-tile buffers (one beside a 3-stage ring)
+        STAGES: gl.constexpr = kc_smem.shape[0]
+        VT: gl.constexpr = vt_smem.shape[0]  # FP8 value-tile buffers (one beside a 3-stage ring)
         if FP8:
             o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, HALF, 32])
@@ -274,6 +300,7 @@ if HAS_GLUON:
         BM: gl.constexpr = 64
         BN: gl.constexpr = 64
         HALF: gl.constexpr = DC // 2
+        STAGES: gl.constexpr = kc_smem.shape[0]
         dt: gl.constexpr = qc_smem.dtype
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
@@ -289,9 +316,9 @@ if HAS_GLUON:
         acc = gl.zeros([BM, HALF], gl.float32, o_l)
         mbarrier.wait(qbar, 0)
         for j in range(0, n_blk):
-            st = j % 2
+            st = j % STAGES
             n0 = start + j * BN
-            mbarrier.wait(kv_ready.index(st), (j // 2) & 1)
+            mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
             if n0 + BN > end:  # the tail block: rows past the sequence zeroed (no 0 * NaN from stale slots)
                 _zero_tail(kc_smem, kr_smem, st, end - n0, DC, DR, BN)
                 gl.thread_barrier()
@@ -304,30 +331,20 @@ if HAS_GLUON:
             else:
                 p, alpha, m_i, l_i = _softmax(s, n0, end, lim, m_i, l_i, sm_scale_log2e, BN, s_l, True)
             pb = p.to(dt)
-            mbarrier.wait(p_free, (j & 1) ^ 1)  # the second warpgroup is done with the previous P
-            p_smem.store(pb)
-            a_smem.store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_ready)
+            _publish_p(pb, alpha, p_smem, a_smem, p_free, p_ready, j)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(pb, a_l), kc_smem.index(st).slice(0, HALF, dim=1), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(kv_free.index(st))
-        l_smem.store(l_i)
-        mbarrier.arrive(done)
-        l_o = gl.convert_layout(l_i, row_o)
-        rows = b * ROWS + pid_m * BM + gl.arange(0, BM, layout=row_o)
-        if SPLIT:
-            m_o = gl.convert_layout(m_i, row_o)
-            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(l_o), float("-inf")))
-        _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, 0, HALF, o_l, SPLIT)
+        _left_epilogue(acc, l_i, m_i, l_i, l_smem, done, O, LSE, b * ROWS + pid_m * BM, pid_s, stride_o, stride_os,
+                       stride_ls, o_l, SPLIT)
 
     @gluon.jit
     def _ws8_softmax_pv_left(qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free, vt_ready,
                              vt_free, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE, sm_scale_log2e,
                              H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC: gl.constexpr,
-                             SPLIT: gl.constexpr, STAGES: gl.constexpr):
+                             SPLIT: gl.constexpr):
         """FP8 form, first warpgroup: ``t = (q̂_C ĉ^T + q̃_R k̃_R^T) s_k`` (FP8 and bf16 wgmma, two fp32
         accumulators summed), then the SnapMLA online softmax of the Triton FP8 path (``_softmax_step_t``, row P
         scale: ``P̃ = exp2(t s_q sm_scale log2e - m) s_k``, monotone ``σ``, ``P̂ = FP8(P̃ / σ)``, σ folded into the
@@ -335,7 +352,8 @@ if HAS_GLUON:
         BM: gl.constexpr = 64
         BN: gl.constexpr = 64
         HALF: gl.constexpr = DC // 2
-        VT: gl.constexpr = 2 if STAGES == 2 else 1
+        STAGES: gl.constexpr = kc_smem.shape[0]
+        VT: gl.constexpr = vt_smem.shape[0]
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
         sr_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
@@ -380,27 +398,25 @@ if HAS_GLUON:
             l_i = l_i * r + gl.sum(p, axis=1) * inv_sig
             m_i = m_new
             sig_i = sig_new
-            p8 = (pt * inv_sig[:, None]).to(gl.float8e4nv)
-            mbarrier.wait(p_free, (j & 1) ^ 1)  # the second warpgroup is done with the previous P
-            p_smem.store(p8)
-            a_smem.store(r)
-            fence_async_shared()
-            mbarrier.arrive(p_ready)
+            _publish_p((pt * inv_sig[:, None]).to(gl.float8e4nv), r, p_smem, a_smem, p_free, p_ready, j)
             acc = acc * gl.convert_layout(r, row_o)[:, None]
             mbarrier.wait(vt_ready.index(vi), (j // VT) & 1)
             acc = warpgroup_mma(p_smem, vt_smem.index(vi).slice(0, HALF, dim=0).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(vt_free.index(vi))
             mbarrier.arrive(kv_free.index(st))
-        l_smem.store(l_i)
-        mbarrier.arrive(done)
-        l_o = gl.convert_layout(l_i, row_o)
-        rows = b * ROWS + pid_m * BM + gl.arange(0, BM, layout=row_o)
-        if SPLIT:
-            ell = gl.convert_layout(l_i * sig_i, row_o)
-            m_o = gl.convert_layout(m_i, row_o)
-            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(ell), float("-inf")))
-        _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, 0, HALF, o_l, SPLIT)
+        _left_epilogue(acc, l_i, m_i, l_i * sig_i, l_smem, done, O, LSE, b * ROWS + pid_m * BM, pid_s, stride_o,
+                       stride_os, stride_ls, o_l, SPLIT)
+
+    @gluon.jit
+    def _handoff_smem(p_dt: gl.constexpr):
+        """What the first warpgroup hands the second besides the barriers: P [64, 64] in ``p_dt`` (the P·V operand),
+        the per-row rescale factors and, at the end, the row sums (fp32 [64])."""
+        p_smem = gl.allocate_shared_memory(p_dt, [64, 64], gl.NVMMASharedLayout.get_default_for([64, 64], p_dt))
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        a_smem = gl.allocate_shared_memory(gl.float32, [64], vec_l)
+        l_smem = gl.allocate_shared_memory(gl.float32, [64], vec_l)
+        return p_smem, a_smem, l_smem
 
     @gluon.jit
     def _barriers():
@@ -440,10 +456,7 @@ if HAS_GLUON:
         qr_smem = gl.allocate_shared_memory(dt, [BM, DR], qr_desc.layout)
         kc_smem = gl.allocate_shared_memory(dt, [2, BN, DC], kc_desc.layout)
         kr_smem = gl.allocate_shared_memory(dt, [2, BN, DR], kr_desc.layout)
-        p_smem = gl.allocate_shared_memory(dt, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dt))
-        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        p_smem, a_smem, l_smem = _handoff_smem(dt)
         qbar, kv_ready, kv_free, vt_ready, vt_free, p_ready, p_free, done = _barriers()
         gl.warp_specialize([
             (_ws_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, qbar, kv_ready, kv_free, p_smem, a_smem, l_smem,
@@ -473,20 +486,16 @@ if HAS_GLUON:
         kr_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, DR], kr_desc.layout)
         ks_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BN], ks_desc.layout)
         vt_smem = gl.allocate_shared_memory(f8, [VT, DC, BN], gl.NVMMASharedLayout.get_default_for([DC, BN], f8))
-        p_smem = gl.allocate_shared_memory(f8, [BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], f8))
-        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
-        l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_l)
+        p_smem, a_smem, l_smem = _handoff_smem(f8)
         qbar, kv_ready, kv_free, vt_ready, vt_free, p_ready, p_free, done = _barriers()
         gl.warp_specialize([
             (_ws8_softmax_pv_left, (qc_smem, qr_smem, kc_smem, kr_smem, ks_smem, vt_smem, qbar, kv_ready, kv_free,
                                     vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready, p_free, done, QS, SEQ, O, LSE,
-                                    sm_scale_log2e, H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC, SPLIT,
-                                    STAGES)),
+                                    sm_scale_log2e, H, SQ, ROWS, chunk, stride_o, stride_os, stride_ls, DC, SPLIT)),
             (_ws_pv_right, (kc_smem, vt_smem, kv_ready, kv_free, vt_ready, vt_free, p_smem, a_smem, l_smem, p_ready,
-                            p_free, done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, True, STAGES)),
+                            p_free, done, O, SEQ, ROWS, chunk, stride_o, stride_os, SPLIT, True)),
             (_ws_loader, (qc_desc, qr_desc, kc_desc, kr_desc, ks_desc, qc_smem, qr_smem, kc_smem, kr_smem, ks_smem,
-                          qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, True, STAGES)),
+                          qbar, kv_ready, kv_free, PT, SEQ, ROWS, chunk, stride_pt, PAGE, True)),
         ], [4, 1], [PV_REGS, 24])
 
 

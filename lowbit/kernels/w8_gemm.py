@@ -7,7 +7,7 @@ Math and layouts: ``lowbit.formats.w8`` (``x_planes`` and ``gemm_ref`` are the r
 Three kernels, one numerics (the int32 sums are exact, so the paths agree to the epilogue's rounding):
 
 - ``_x_planes_kernel``: one program per row of x: amax over K, then the planes ``hi``, ``lo`` int8 [M, Kp] and
-  ``sx`` fp32 [M] (Kp = K rounded up to 4, zero-padded, so the planes read as int32 words).
+  ``sx`` fp32 [M] (``lowbit.formats.common.int8_planes``'s rule) (Kp = K rounded up to 4, zero-padded, so the planes read as int32 words).
 - ``_w8_gemv_kernel`` (M <= ``GEMV_MAX_M`` = 1, K % 4 == 0): a program = ``BLOCK_N`` channels x one token row;
   the codes and the planes read as int32 words (4 bytes each), multiplied by ``dp4a.s32.s32`` (4 multiply-adds
   in one instruction, no code conversion), int32 partial sums per (row, word column) in registers, reduced once
@@ -28,7 +28,6 @@ from lowbit.formats.common import AMAX_EPS
 from lowbit.formats.w8 import PLANE_LO, QMAX
 
 GEMV_MAX_M = 1  # token rows served by the dp4a GEMV (M = 2..4 on it re-read the codes: slower than the GEMM)
-_RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + c) - c rounds |y| < 2^22 to an integer, half to even
 _EPS = tl.constexpr(AMAX_EPS)
 _QMAX = tl.constexpr(QMAX)
 _INV_LO = tl.constexpr(1.0 / PLANE_LO)
@@ -46,14 +45,13 @@ def _x_planes_kernel(X, HI, LO, SX, K, KP, stride_xm, stride_pm, BLOCK: tl.const
         v = tl.load(xrow + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
     a = tl.maximum(tl.max(amax, axis=0), _EPS)
-    inv = tl.div_rn(tl.full([], _QMAX, tl.float32), a)  # correctly rounded, as the reference (``/`` is approximate)
-    tl.store(SX + m, tl.div_rn(a, tl.full([], _QMAX, tl.float32)))
+    tl.store(SX + m, tl.div_rn(a, tl.full([], _QMAX, tl.float32)))  # div_rn: rounded as the reference (``/`` is not)
     prow = m.to(tl.int64) * stride_pm
     for k0 in range(0, KP, BLOCK):
         v = tl.load(xrow + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        u = v * inv
-        hi = (u + _RNE) - _RNE
-        lo = ((u - hi) * _PLANE_LO + _RNE) - _RNE
+        u = tl.div_rn(v, a) * _QMAX
+        hi = tl.floor(u + 0.5)
+        lo = tl.floor((u - hi) * _PLANE_LO + 0.5)
         tl.store(HI + prow + k0 + offs, hi.to(tl.int8), mask=k0 + offs < KP)
         tl.store(LO + prow + k0 + offs, lo.to(tl.int8), mask=k0 + offs < KP)
 
@@ -135,13 +133,13 @@ def _w8_gemm_kernel(HI, LO, SX, C, S, BIAS, Y, M, N, K, stride_pm, stride_cn, st
               HAS_BIAS, 0)
 
 
-def w8_config(M: int, N: int, K: int) -> dict:
+def w8_config(M: int, N: int, K: int, gemv_ok: bool = True) -> dict:
     """Launch shape (session-21 sweep at the lm_head shape 128256 x 4096, H200, ``s21_w8_sweep.json``). GEMV (M = 1,
     K % 4 == 0): 32 channels x 128 words (512 K) per step, 3 stages (0.1225 ms, 4.29 TB/s; 64 channels 0.1229).
     GEMM: 16 tokens per program up to M = 16 (64 channels, 128 K, 3 stages, 4 warps: 0.131 ms at M = 16; the GEMV at
     M = 4 re-read the codes, 0.206 ms), else 64 (128 channels, 8 warps: 0.149 ms at M = 64); half the channels
     when the full tile leaves fewer than 2 waves of programs on 132 SMs."""
-    if M <= GEMV_MAX_M and K % 4 == 0:
+    if M <= GEMV_MAX_M and K % 4 == 0 and gemv_ok:  # gemv_ok: the code rows read as aligned int32 words
         return {"GEMV": True, "BLOCK_N": 32, "BLOCK_W": 128, "STAGES": 3, "num_warps": 4}
     bm, bn, nw = (16, 64, 4) if M <= 16 else (64, 128, 8)
     if cdiv(N, bn) * cdiv(M, bm) < 264:
@@ -171,8 +169,11 @@ def w8_gemm_triton(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
     y = torch.empty(M, N, device=x.device, dtype=out_dtype)
     if M == 0 or N == 0:
         return (y, None) if return_kernel else y
-    cfg = dict(config or w8_config(M, N, K))
-    gemv = cfg.pop("GEMV") and K % 4 == 0 and codes.stride(0) % 4 == 0 and codes.data_ptr() % 4 == 0
+    gemv_ok = K % 4 == 0 and codes.stride(0) % 4 == 0 and codes.data_ptr() % 4 == 0
+    cfg = dict(config or w8_config(M, N, K, gemv_ok))
+    gemv = cfg.pop("GEMV")
+    if gemv and not gemv_ok:
+        raise ValueError("config GEMV=True needs K % 4 == 0 and code rows aligned to 4 bytes")
     hi, lo, sx = x_planes_triton(x, cdiv(K, 4) * 4)
     b = bias if bias is not None else scale
     if gemv:
@@ -182,8 +183,6 @@ def w8_gemm_triton(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bi
                                        K // 4, hi.stride(0) // 4, codes.stride(0) // 4, y.stride(0),
                                        HAS_BIAS=bias is not None, ASM=not interpret_mode(), **cfg)
     else:
-        if "BLOCK_M" not in cfg:
-            cfg = {k: v for k, v in w8_config(max(M, GEMV_MAX_M + 1), N, K).items() if k != "GEMV"}
         grid = (cdiv(N, cfg["BLOCK_N"]), cdiv(M, cfg["BLOCK_M"]))
         kernel = _w8_gemm_kernel[grid](hi, lo, sx, codes, scale, b, y, M, N, K, hi.stride(0), codes.stride(0),
                                        y.stride(0), HAS_BIAS=bias is not None, **cfg)

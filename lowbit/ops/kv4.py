@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from lowbit._utils import check_page_writes, check_tensor, use_triton
+from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
@@ -106,12 +107,8 @@ def decode_kv4_ref(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *
         if crs_q is not None:
             qb = qb * crs_q.double().repeat_interleave(Hq // Hkv, dim=0)[:, None, :]
         if int(q_int8) == 2:
-            qf = qb.float()
-            qmax = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-            u = qf / qmax * 127.0
-            hi = torch.floor(u + 0.5)
-            lo = torch.floor((u - hi) * 254.0 + 0.5)
-            qb = (hi.double() + lo.double() / 254.0) * qmax.double() / 127.0
+            hi, lo, qmax = int8_planes(qb, eps=1e-30)
+            qb = (hi.double() + lo.double() / 254.0) * qmax.double()[..., None] / 127.0
         elif q_int8:
             qf = qb.float()
             qmax = qf.abs().amax(-1, keepdim=True).clamp_min(1e-30)

@@ -20,10 +20,6 @@ SHAPES = {"lm_head": (128256, 4096), "qkv": (6144, 4096), "o": (4096, 4096), "ga
 MS = [1, 4, 16, 64, 1024]
 
 
-def _int8pack(x, w8, s):
-    return torch._weight_int8pack_mm(x, w8, s)
-
-
 def run(rec, quick: bool = False) -> None:
     from lowbit.ops.w8 import w8_linear
 
@@ -49,7 +45,7 @@ def run(rec, quick: bool = False) -> None:
             if peer_ok:
                 try:
                     args = [(xs[i], c, s.to(torch.bfloat16)) for i, (c, s) in enumerate(wq)]
-                    t = time_cuda(_int8pack, args, reps=reps)
+                    t = time_cuda(torch._weight_int8pack_mm, args, reps=reps)
                     rec.record(case, "torch-int8pack-mm", t, flops=fl, bytes_moved=N * K + 2 * N + 2 * (M * K + M * N),
                                peak="bf16")
                 except Exception as exc:  # not every torch build has a CUDA kernel for it
