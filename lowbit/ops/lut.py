@@ -5,7 +5,9 @@
 
 - bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): layout 'mma' (3 or 4 bits), from 17 tokens
   (9 at 3 bits or for K < 8192; ``kernels.lut_wgmma.wgmma_preferred``) up to ``MAX_WGMMA_M`` (= 128): the
-  register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12; 3-bit from session 13); otherwise the
+  register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12; 3-bit from session 13); at 2..16 tokens on the smaller
+  weights (4-bit, G in 64 / 128 / 256, Hopper; ``lut_wgmma_gluon.gluon_tokens``) its Gluon form
+  ``lowbit.kernels.lut_wgmma_gluon`` (session 22); otherwise the
   Triton kernels of ``lowbit.kernels.lut_gemm`` for M <= ``MAX_KERNEL_M`` (= 64) rows; above that, the
   Triton dequantize kernel + cuBLAS (``F.linear``), which wins once the product is
   compute-bound (crossover measured by ``lowbit/bench/suites/lut.py`` on H200, gate_up 4-bit:
@@ -76,6 +78,10 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
             M = x.shape[0]
             if pairs is None or pairs.dtype != x.dtype:  # both kernels read the pair table (cached per table)
                 pairs = _pairs_for(table, bits, x.dtype)
+            from lowbit.kernels import lut_wgmma_gluon as LG
+
+            if LG.gluon_preferred(M, N, K, bits, group_size) and LG.supported(x, bits, group_size):
+                return LG.lut_wgmma_gluon(x, qweight, scales, pairs, group_size=group_size, out_features=N)
             if bits in WGMMA_BITS and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K, bits):
                 return lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N, bits=bits,
                                         qweight_hi=qweight_hi)

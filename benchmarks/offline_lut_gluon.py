@@ -1,0 +1,49 @@
+"""Offline sm_90a build of the Gluon LUT kernel (``lowbit.kernels.lut_wgmma_gluon``) with no GPU: registers, spills,
+shared memory, the wgmma waits in the PTX, ptxas's wgmma-serialization notes (C7514 / C7515: the reason to check) and
+the SASS loop's opcodes, per token block.
+
+    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_gluon.py [BLOCK_M ...]   # the device's Triton 3.6
+
+Session 22 (Triton 3.6, its ptxas): no serialization note; 96 / 133 / 169 / 255 registers at 8 / 16 / 32 / 64 tokens
+(64: activation prefetch one chunk ahead, ``XPF = 1``), loop of 565 SASS per group pair at 16 tokens (246 ``PRMT``).
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.tools.disasm import get_sass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._offline import PTXAS  # noqa: E402
+from lowbit.bench.harness import sass_summary  # noqa: E402
+from lowbit.kernels import lut_wgmma_gluon as LG  # noqa: E402
+
+SIG = {"X": "*bf16", "Q": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
+       "M": "i32", "N": "i32", "NRT": "i32", "NC": "i32", "NG": "i32", "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32",
+       "stride_xm": "i32", "stride_sg": "i32", "stride_ym": "i32"}
+ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(7)) + [8, 9, 14, 15, 16]}
+
+for bm in [int(a) for a in sys.argv[1:]] or [8, 16, 32, 64]:
+    consts = {"GROUP": 128, "BLOCK_M": bm, "USE_SPLIT": True, "XPF": LG.gluon_config(bm, 4096, 4096, 128)["xpf"]}
+    k = triton.compile(GluonASTSource(fn=LG._lut_gluon_kernel, signature=dict(SIG, **{c: "constexpr" for c in consts}),
+                                      constexprs=consts, attrs=ATTRS),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
+        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True,
+                           text=True)
+    row = {"BLOCK_M": bm, "XPF": consts["XPF"], "shared_B": k.metadata.shared,
+           "wgmma_waits": re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx),
+           "regs": int(re.findall(r"Used (\d+) registers", r.stderr)[0]),
+           "spill_B": int(re.findall(r"(\d+) bytes spill stores", r.stderr)[0]),
+           "serialized": re.findall(r"\((C751\d)\)", r.stderr)}
+    summ = sass_summary(get_sass(k.asm["cubin"]), top=12)
+    print(row, {"sass_loops": summ["sass_loops"], "loop_ops": summ.get("loop_ops")}, flush=True)

@@ -1,0 +1,80 @@
+"""The Gluon 4-bit LUT kernel (``lowbit.kernels.lut_wgmma_gluon``): GPU correctness against the reference and the
+Triton register-table kernel (same decode, relabelling and exact group scaling), the op's dispatch range, and the
+launcher's errors. Gluon does not run under the interpreter: its decode PTX and the relabelling are the Triton
+kernel's, checked on the CPU in ``tests/test_lut_wgmma.py``; here the CPU checks the index algebra the kernel
+writes out (the activation gather order and the odd-group masking plan)."""
+import pytest
+import torch
+
+from lowbit.kernels import lut_wgmma as LW
+from lowbit.kernels import lut_wgmma_gluon as LGL
+from tests.conftest import GPU
+from tests.test_lut_wgmma import _case, _ref
+from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+
+def test_activation_gather_order_matches_the_relabelled_tile():
+    """The kernel's ``kx`` (written out in Gluon) is ``lut_wgmma._reg_a_k`` and a permutation of one chunk."""
+    kc = torch.arange(64)
+    kx = 16 * ((kc // 2) % 4) + 4 * (kc // 16) + 2 * ((kc // 8) % 2) + kc % 2
+    assert sorted(kx.tolist()) == list(range(64))
+    t, s, a, b = (kc // 2) % 4, kc // 16, (kc // 8) % 2, kc % 2  # column 16 s + 8 a + 2 t + b
+    assert torch.equal(kx, 16 * t + 4 * s + 2 * a + b)
+
+
+def test_dispatch_range_and_supported_on_cpu():
+    """The session-22 measurements behind ``gluon_tokens``: o from 2 tokens, qkv from 3 (both up to 16), down from
+    4, 8192^2 from 6 (up to 8), gate_up never; M = 1 always stays on the fragment kernel."""
+    pref = LGL.gluon_preferred
+    assert not pref(1, 4096, 4096, 4, 128) and pref(2, 4096, 4096, 4, 128) and pref(16, 4096, 4096, 4, 128)
+    assert not pref(2, 6144, 4096, 4, 128) and pref(3, 6144, 4096, 4, 128) and not pref(17, 6144, 4096, 4, 128)
+    assert not pref(3, 4096, 14336, 4, 128) and pref(4, 4096, 14336, 4, 128) and not pref(9, 4096, 14336, 4, 128)
+    assert not pref(5, 8192, 8192, 4, 128) and pref(6, 8192, 8192, 4, 64) and pref(8, 8192, 8192, 4, 256)
+    assert not any(pref(m, 28672, 4096, 4, 128) for m in range(1, 65))
+    assert not pref(4, 4096, 4096, 3, 128) and not pref(4, 4096, 4096, 4, 32)
+    assert not LGL.supported(torch.zeros(2, 64, dtype=torch.bfloat16), 4, 128)  # CPU tensor
+
+
+def test_launcher_errors_name_the_argument():
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="lut_wgmma_gluon needs"):
+        LGL.lut_wgmma_gluon(x, torch.zeros(128, dtype=torch.int32), torch.zeros(1, 16, dtype=torch.bfloat16),
+                            torch.zeros(256, 2, dtype=torch.bfloat16), group_size=128, out_features=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or not LGL.HAS_GLUON, reason="compiled Gluon kernels on a Hopper GPU")
+@pytest.mark.parametrize("m,n,k,g,dtype,cfg", [
+    (1, 4096, 4096, 128, torch.bfloat16, {}),
+    (2, 1000, 576, 64, torch.float16, {}),                        # K not a multiple of the group, N % 16 != 0
+    (8, 6144, 4096, 128, torch.bfloat16, {}),
+    (5, 4096, 14336, 128, torch.bfloat16, {"split_k": 3}),       # odd group counts per split: a masked group
+    (8, 520, 1280, 256, torch.bfloat16, {"split_k": 1}),         # no split, G = 256 (4 chunks per group)
+    (16, 1000, 4096, 128, torch.float16, {"block_m": 16, "maxnreg": 128}),
+    (33, 700, 1000, 64, torch.bfloat16, {"block_m": 32, "xpf": 1}),   # two token blocks
+    (64, 512, 2048, 128, torch.bfloat16, {"block_m": 64}),
+    (3, 24, 128, 128, torch.bfloat16, {}),                        # one group, one program
+])
+def test_gluon_matches_reference_and_triton_gpu(m, n, k, g, dtype, cfg):
+    q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
+    y = LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=g, out_features=n, **cfg)
+    ref = _ref(q, x)
+    assert y.dtype == dtype and y.shape == (m, n) and torch.isfinite(y).all()
+    assert rel_l2(y, ref) < KERNEL_VS_REF[dtype]
+    yt = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n)
+    assert rel_l2(y, yt) < KERNEL_VS_REF[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or not LGL.HAS_GLUON, reason="compiled Gluon kernels on a Hopper GPU")
+def test_gluon_all_zero_groups_and_the_op_dispatch_gpu():
+    """All-zero weight rows (scale 0: no 0/0) give exact zeros; the op sends 2..8 tokens here, deterministically."""
+    from lowbit.ops.lut import lut_gemm
+
+    q, x, qm, s, pairs = _case(4, 300, 1024, 128, torch.bfloat16, "cuda", zero_rows=40)
+    y = LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=128, out_features=300)
+    assert torch.equal(y[:, :40], torch.zeros_like(y[:, :40]))
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+    yo = lut_gemm(x, qm, None, s, q.table.cuda(), bits=4, group_size=128, layout="mma")
+    assert torch.equal(yo, y) and torch.equal(lut_gemm(x, qm, None, s, q.table.cuda(), bits=4, group_size=128,
+                                                       layout="mma"), y)
