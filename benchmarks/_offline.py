@@ -21,7 +21,7 @@ def assemble(ptx: str, row: dict) -> dict:
     regs = re.findall(r"Used (\d+) registers", r.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
     row.update(regs=int(regs[0]) if regs else None, spill_B=int(spills[0]) if spills else None,
-               ptxas_ok=r.returncode == 0)
+               ptxas_ok=r.returncode == 0, serialized=re.findall(r"\((C751\d)\)", r.stderr))  # wgmma serialized
     return row
 
 

@@ -9,9 +9,7 @@ Session 22 (Triton 3.6, its ptxas): no serialization note; 96 / 133 / 169 / 255 
 """
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -19,7 +17,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.tools.disasm import get_sass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._offline import PTXAS  # noqa: E402
+from benchmarks._offline import assemble  # noqa: E402
 from lowbit.bench.harness import sass_summary  # noqa: E402
 from lowbit.kernels import lut_wgmma_gluon as LG  # noqa: E402
 
@@ -34,16 +32,7 @@ for bm in [int(a) for a in sys.argv[1:]] or [8, 16, 32, 64]:
                                       constexprs=consts, attrs=ATTRS),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = k.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
-        with open(path, "w") as f:
-            f.write(re.sub(r"\.version \d+\.\d+", ".version 8.7", ptx))
-        r = subprocess.run([PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")], capture_output=True,
-                           text=True)
-    row = {"BLOCK_M": bm, "XPF": consts["XPF"], "shared_B": k.metadata.shared,
-           "wgmma_waits": re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx),
-           "regs": int(re.findall(r"Used (\d+) registers", r.stderr)[0]),
-           "spill_B": int(re.findall(r"(\d+) bytes spill stores", r.stderr)[0]),
-           "serialized": re.findall(r"\((C751\d)\)", r.stderr)}
+    row = assemble(ptx, {"BLOCK_M": bm, "XPF": consts["XPF"], "shared_B": k.metadata.shared,
+                         "wgmma_waits": re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)})
     summ = sass_summary(get_sass(k.asm["cubin"]), top=12)
     print(row, {"sass_loops": summ["sass_loops"], "loop_ops": summ.get("loop_ops")}, flush=True)

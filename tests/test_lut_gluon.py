@@ -78,3 +78,18 @@ def test_gluon_all_zero_groups_and_the_op_dispatch_gpu():
     yo = lut_gemm(x, qm, None, s, q.table.cuda(), bits=4, group_size=128, layout="mma")
     assert torch.equal(yo, y) and torch.equal(lut_gemm(x, qm, None, s, q.table.cuda(), bits=4, group_size=128,
                                                        layout="mma"), y)
+
+
+
+def test_host_byte_tables_decode_to_the_table():
+    """``lut_prmt.byte_table_words`` (the host form of the kernels' table registers) fed to the decode PTX returns
+    every NF4 entry's bf16 bits (the PTX interpreter of ``tests/test_lut_wgmma.py``)."""
+    from lowbit.formats.lut import nf_table
+    from lowbit.kernels.lut_prmt import byte_table_words
+    from tests.test_lut_wgmma import _run_ptx
+
+    bits = (nf_table(4).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    ops = {f"${9 + j}": w & 0xFFFFFFFF for j, w in enumerate(byte_table_words(bits))}
+    for word in (0x76543210, 0xFEDCBA98):
+        out = _run_ptx(LW._DECODE_ASM.value, dict(ops, **{"$8": word}))
+        assert [out[f"${j}"] for j in range(8)] == [bits[(word >> 4 * j) & 15] for j in range(8)]

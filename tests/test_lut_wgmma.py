@@ -347,10 +347,9 @@ def _run_ptx(asm: str, operands: dict) -> dict:
 def test_decode_asm_is_a_table_lookup(word, table):
     """The PTX of the register-table decode returns T[nibble j] for the 8 nibbles of any word and any 16-entry table
     of 16-bit values (the byte tables built as ``_byte_tables`` does)."""
-    ops = {"$8": word}
-    for j in range(4):
-        ops[f"${9 + j}"] = sum((table[4 * j + i] & 0xFF) << 8 * i for i in range(4))
-        ops[f"${13 + j}"] = sum((table[4 * j + i] >> 8) << 8 * i for i in range(4))
+    from lowbit.kernels.lut_prmt import byte_table_words
+
+    ops = {"$8": word} | {f"${9 + j}": w & 0xFFFFFFFF for j, w in enumerate(byte_table_words(table))}
     out = _run_ptx(LW._DECODE_ASM.value, ops)
     assert [out[f"${j}"] for j in range(8)] == [table[(word >> 4 * j) & 15] for j in range(8)]
 

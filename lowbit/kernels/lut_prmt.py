@@ -36,6 +36,17 @@ def decode_lines(word: str, lo: list[str], hi: list[str], out: list[str]) -> lis
     return lines
 
 
+def byte_table_words(values: list[int]) -> list[int]:
+    """Host form of ``_byte_tables`` (and of the Gluon kernel's ``_tables``), the tests' reference: the 16-bit bit
+    patterns of the 16 entries (missing entries 0) -> the 8 register words ``L0..L3, H0..H3`` as signed int32 values
+    (``L[j]`` byte i = low byte of entry ``4 j + i``)."""
+    words = [0] * 8
+    for e, v in enumerate(values):
+        words[e // 4] |= (v & 0xFF) << (8 * (e % 4))
+        words[4 + e // 4] |= ((v >> 8) & 0xFF) << (8 * (e % 4))
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+
+
 @triton.jit
 def _entry_row(e, BITS: tl.constexpr):
     """Row of ``pair_table`` whose first value is table entry e (4-bit: e; 3-bit: the pair index with lo bits

@@ -439,6 +439,16 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4)
 
 
+def check_mma_words(qweight: torch.Tensor, N: int, K: int, bits: int, G: int) -> tuple[int, int]:
+    """(row tiles, chunks) of the fragment layout of an ``[N, K]`` weight, after checking ``qweight`` holds its words
+    (int32, ``formats.lut.pack_codes_mma``); shared by the register-table launchers."""
+    nrt, nc = mma_shapes(N, K, bits, G)
+    if qweight.dtype != torch.int32 or qweight.numel() != nrt * nc * 128:
+        raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] at {bits} bits ({nrt * nc * 128} int32 "
+                         f"words)")
+    return nrt, nc
+
+
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
                      group_size: int, out_features: int, bits: int = 4, qweight_hi: torch.Tensor | None = None,
                      **overrides) -> torch.Tensor:
@@ -461,10 +471,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError(f"pairs must be the contiguous pair_table(table, {bits}, x.dtype) [{4 ** bits}, 2]")
     if scales.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
-    nrt, nc = mma_shapes(N, K, bits, G)
-    if qweight.dtype != torch.int32 or qweight.numel() != nrt * nc * 128:
-        raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] at {bits} bits ({nrt * nc * 128} int32 "
-                         f"words)")
+    nrt, nc = check_mma_words(qweight, N, K, bits, G)
     if bits == 3 and (qweight_hi is None or qweight_hi.dtype != torch.int32 or qweight_hi.numel() != nrt * nc * 64):
         raise ValueError(f"qweight_hi must be the high-bit plane of pack_codes_mma(...) of [{N}, {K}] at 3 bits "
                          f"({nrt * nc * 64} int32 words)")
