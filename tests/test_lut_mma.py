@@ -140,15 +140,16 @@ def test_balanced_split(dev):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(16, 20480, 1024), (12, 4096, 2048), (32, 16384, 1024), (24, 3000, 1111),
-                                   (64, 16400, 1024), (48, 3000, 1111), (40, 4096, 2048)])
+                                   (64, 16400, 1024), (48, 3000, 1111), (40, 4096, 2048), (1, 3000, 1111),
+                                   (4, 4096, 9000), (8, 20480, 1024), (3, 1000, 576)])
 def test_gpu_default_configs_small_m(m, n, k):
-    """GPU: the 4-bit M = 9..64 defaults of ``mma_config`` (R14 sweep and the session-8 probe: ``ring`` /
-    ``xh`` / ``sp`` / ``balance`` / 2 row tiles per warp, which the interpreter does not run) against
-    float64, both sides of the N >= 16384 rule, ragged N and K."""
+    """GPU: the 4-bit M = 1..64 defaults of ``mma_config`` (R14 sweep, the session-8 probe and session 22's small-M
+    launches: ``ring`` / ``xh`` / ``sp`` / ``balance`` / 2 row tiles per warp, which the interpreter does not run)
+    against float64, both sides of the N >= 16384 and K >= 8192 rules, ragged N and K."""
     if not GPU:
         pytest.skip("needs CUDA")
     cfg = K.mma_config(m, n, k, 4, 128)
-    assert cfg.get("xh") == 2
+    assert cfg.get("xh") == 2 or (m <= 4 and n >= 16384)
     assert _run(m, n, k, 128, torch.bfloat16, "cuda") < KERNEL_VS_REF[torch.bfloat16]
 
 
@@ -160,6 +161,10 @@ def test_small_m_config_rule():
     assert K.mma_config(32, 28672, 4096, 4, 128)["ring"] == 4 and K.mma_config(32, 28672, 4096, 4, 128)["r"] == 2
     assert K.mma_config(32, 8192, 8192, 4, 128)["prefetch"] and K.mma_config(32, 8192, 8192, 4, 128)["num_warps"] == 4
     assert K.mma_config(1, 28672, 4096, 4, 128) == dict(nt=1, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
+    # session 22 (s22_lut_fragment_small_m.json): M <= 8 by shape
+    assert K.mma_config(8, 28672, 4096, 4, 128)["prefetch"] and K.mma_config(8, 28672, 4096, 4, 128)["r"] == 1
+    assert K.mma_config(1, 4096, 14336, 4, 128)["prefetch"] and K.mma_config(2, 8192, 8192, 4, 128)["xh"] == 2
+    assert K.mma_config(1, 4096, 4096, 4, 128)["ring"] == 4 and K.mma_config(8, 6144, 4096, 4, 128)["sp"]
     for m, n in ((48, 4096), (64, 28672)):
         c = K.mma_config(m, n, 4096, 4, 128)
         assert c["nt"] == 4 and c["xh"] == 2 and c["num_warps"] == 4

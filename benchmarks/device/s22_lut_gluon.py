@@ -111,6 +111,35 @@ if "x" in args.parts:  # the op's range for this kernel: fragment kernel vs this
             row["gluon_vs_fragment"] = round(row["fragment_us"] / row["gluon_us"], 3)
             row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
             probe_row(doc, f"x_{name}_M{M}", row)
+if "f" in args.parts:  # the fragment kernel's 2..8-token launch: its M <= 8 config vs its 9..16-token ones
+    from lowbit.bench.suites.lut import mma_fn
+
+    FV = {"m8": {}, "ring": dict(r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1,
+                                 prefetch=False),
+          "pf": dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1),
+          "ring_c4": dict(r=1, num_warps=8, ctas_per_sm=4, ring=4, xh=2, sp=True, balance=True, gu=1, prefetch=False),
+          "r2_ring": dict(r=2, num_warps=8, ctas_per_sm=2, ring=4, xh=2, gu=1, prefetch=False)}
+    for name, (N, K) in SHAPES.items():
+        torch.manual_seed(0)
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+        ps = [make_packed(w, 4, 128) for w in ws]
+        for M in (1, 2, 4, 8):
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            ref = lut_gemm_ref(xs[0].float(), ps[0]["qmma"], None, ps[0]["scales"], ps[0]["table"], 4, 128, K,
+                               layout="mma").double()
+            row = {"M": M, "N": N, "K": K}
+            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
+            fns |= {"frag_" + v: [mma_fn(p, **kw) for p in ps] for v, kw in FV.items()}
+            for fn_name, fl in fns.items():
+                try:
+                    if fn_name.startswith("frag_"):
+                        y = fl[0](xs[0])
+                        row[fn_name + "_rel"] = round(((y.double() - ref).norm() / ref.norm()).item(), 6)
+                    t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
+                    row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
+                except Exception as exc:
+                    row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
+            probe_row(doc, f"f_{name}_M{M}", row)
 k = LG.LAST_COMPILED.get("gluon")
 if k is not None:
     doc["last_kernel"] = {"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared}

@@ -1347,8 +1347,20 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
     # M <= 8: r4/r5 sweeps (H200, us gate_up/down/8192^2): 4-bit r2 w8 cps2 26.3/19.4/19.9 (r1 w4 cps8:
     # 39/29/31), 3-bit r1 w4 cps8 27.2/18.0/18.7; time ~ 12.5 us + bytes / 4.4 TB/s, i.e. latency-bound
     # per loop step. gu > 1 (all loads of gu groups issued first) measured slower in r6 (gate_up 36-46 us): off
-    if bits == 4 and M <= 8:  # r6 sweep row "r2 w8 cps2 gu1": 26.4/19.5/20.0 us
-        return dict(nt=nt, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)
+    if bits == 4 and M <= 8:
+        # Session 22 (H200, same run, ``benchmarks/results/h200/s22_lut_fragment_small_m.json``, us, M = 1 / 2 / 4 / 8)
+        # against the r6 row below (``r2 w8 cps2 gu1``, the only M <= 8 launch before):
+        #   gate_up: 26.4 / 27.4 / 30.7 / 39.1; with ``pf`` (r1 w8 cps4 prefetch xh2) 30.5 / 31.1 / 32.0 / 36.8
+        #   down:    19.5 / 21.3 / 26.6 / 39.3; ``pf`` 18.1 / 18.4 / 19.3 / 22.7      (8192^2 likewise:
+        #            20.1 / 21.1 / 24.2 / 32.6 -> 18.6 / 19.0 / 19.8 / 23.3)
+        #   qkv / o: 12.1 / 13.2 / 17.3 / 27.9 and 10.9 / 11.9 / 14.2 / 30.6; ``ring`` (the 9..16-token launch:
+        #            r1 w8 cps2 ring4 xh2 sp balance) 12.0 / 12.2 / 12.6 / 14.5 and 10.3 / 10.3 / 10.7 / 11.8
+        if N >= 16384:  # r6 sweep row "r2 w8 cps2 gu1": 26.4/19.5/20.0 us (gate_up/down/8192^2)
+            return (dict(nt=nt, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1) if M <= 4 else
+                    dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1))
+        if K >= 8192:
+            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
+        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1, prefetch=False)
     if M <= 8:  # r6 sweep row "lut3 r1 cps8 gu1": 27.7/18.2/18.8 us
         return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)
     if bits == 4 and M <= 32:

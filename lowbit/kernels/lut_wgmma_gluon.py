@@ -28,8 +28,8 @@ waits are written out:
 Measured (H200, session 22, ``benchmarks/results/h200/s22_lut_gluon*.json``; README lut section): the waits were not
 the bound. At 16 tokens this kernel runs at the Triton kernel's speed (gate_up 44.6 vs 43.1 us), slower at 32-64
 (its 64-row programs stage the activation tile twice as often as the Triton kernel's 128-row ones); the decode's
-~4.4 instructions per weight bound both. It wins where the op had only the fragment kernel's weak 2..8-token configs
-(o / qkv M = 8: 11.3 / 14.0 vs 30.8 / 27.9 us), so the op sends it the ranges of ``gluon_tokens``. ptxas serializes
+~4.4 instructions per weight bound both. It wins at 8..16 tokens on the smaller weights (o / qkv M = 8: 11.3 / 14.0 us vs
+the fragment kernel's best 11.8 / 14.5), so the op sends it the ranges of ``gluon_tokens``. ptxas serializes
 every wgmma of a kernel like this one when a loop-carried accumulator in flight is copied at the back edge or read
 after the next wgmma's issue (notes C7515 / C7514): the fold's result goes through a wait, and the last chunk of each
 group pair waits to zero (``benchmarks/offline_lut_gluon.py`` checks the notes are gone).
@@ -250,26 +250,16 @@ def supported(x: torch.Tensor, bits: int, group_size: int) -> bool:
 
 def gluon_tokens(N: int, K: int) -> tuple[int, int] | None:
     """The token range ``(lo, hi)`` the op sends to this kernel for an ``N x K`` weight (None: never).
-    Measured (H200, session 22, ``s22_lut_gluon_x.json`` / ``s22_lut_gluon.json``, NF4 g128, us, this kernel vs the
-    fragment kernel the op used up to 8 tokens): o (4096 x 4096) M = 2 / 4 / 8: 11.0 / 11.1 / 11.4 vs 12.0 / 14.2 /
-    30.8; qkv (6144 x 4096) M = 2 / 3 / 8: 13.7 / 13.9 / 14.0 vs 13.0 / 15.0 / 27.8; down (4096 x 14336) M = 3 / 4 / 8:
-    25.3 / 25.3 / 25.7 vs 23.7 / 26.5 / 39.3; 8192^2 M = 4 / 6 / 8: 27.3 / 27.4 / 27.6 vs 24.3 / 28.2 / 32.5; gate_up
-    (28672 x 4096) M = 8: 40.5 vs 39.0 (the fragment kernel wins at every M <= 8 there, and at M = 1 everywhere:
-    gate_up 26.5 vs 39.1). At 12-16 tokens this kernel beats the Triton register-table kernel on the two small
-    weights only (M = 16 qkv / o 15.7 / 12.4 vs 16.4 / 13.7; gate_up / down 44.6 / 28.2 vs 43.1 / 28.8) and loses
-    at 32-64 tokens everywhere (gate_up M = 64 88.8 vs 63.9: 64-row programs stage the activation tile twice as often
-    as the Triton kernel's 128-row ones; the decode's instruction stream, not the wgmma waits, bounds both). The
-    thresholds between the measured sizes are interpolated by weight size, not measured."""
-    nk = N * K
-    if nk <= 17_000_000:
-        return 2, 16
-    if nk <= 26_000_000:
-        return 3, 16
-    if nk <= 60_000_000:
-        return 4, 8
-    if nk <= 70_000_000:
-        return 6, 8
-    return None
+    Measured (H200, session 22, us, NF4 g128): at 8 tokens on the two smaller Llama-3-8B weights this kernel beats
+    the fragment kernel's best launch (``s22_lut_fragment_small_m.json``: o / qkv 11.3 / 14.0 vs 11.8 / 14.5) and at
+    9..16 the Triton register-table kernel (``s22_lut_gluon_dispatch.json``, M = 16: 12.3 / 15.6 vs 13.7 / 16.4);
+    on down, gate_up and 8192^2 the fragment kernel's re-tuned small-M launches (``lut_gemm.mma_config``: down M = 8
+    22.7 vs 25.4 here) and the Triton kernel at 12-16 tokens (gate_up M = 16 42.5 vs 44.1) stay ahead, and at 32-64
+    tokens this kernel loses everywhere (gate_up M = 64 88.8 vs 63.9: its 64-row programs stage the activation tile
+    twice as often as the Triton kernel's 128-row ones; the decode's instruction stream, not the wgmma waits, bounds
+    both). Below 8 tokens the fragment kernel wins on every shape (o M = 4: 10.7 vs 11.1). The size threshold between
+    the measured weights (qkv 25 M elements, down 59 M) is interpolated, not measured."""
+    return (8, 16) if N * K <= 32_000_000 else None
 
 
 def gluon_preferred(M: int, N: int, K: int, bits: int, group_size: int) -> bool:

@@ -5,7 +5,7 @@
 
 - bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): layout 'mma' (3 or 4 bits), from 17 tokens
   (9 at 3 bits or for K < 8192; ``kernels.lut_wgmma.wgmma_preferred``) up to ``MAX_WGMMA_M`` (= 128): the
-  register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12; 3-bit from session 13); at 2..16 tokens on the smaller
+  register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12; 3-bit from session 13); at 8..16 tokens on the smaller
   weights (4-bit, G in 64 / 128 / 256, Hopper; ``lut_wgmma_gluon.gluon_tokens``) its Gluon form
   ``lowbit.kernels.lut_wgmma_gluon`` (session 22); otherwise the
   Triton kernels of ``lowbit.kernels.lut_gemm`` for M <= ``MAX_KERNEL_M`` (= 64) rows; above that, the
