@@ -439,14 +439,33 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4)
 
 
-def check_mma_words(qweight: torch.Tensor, N: int, K: int, bits: int, G: int) -> tuple[int, int]:
-    """(row tiles, chunks) of the fragment layout of an ``[N, K]`` weight, after checking ``qweight`` holds its words
-    (int32, ``formats.lut.pack_codes_mma``); shared by the register-table launchers."""
+def check_mma_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, N: int,
+                   bits: int, G: int) -> tuple[int, int]:
+    """The register-table launchers' shared checks (``x`` bf16/fp16, ``pairs`` the contiguous pair table in x's
+    dtype, ``scales`` bf16/fp16, ``qweight`` the int32 words of ``formats.lut.pack_codes_mma`` of an ``[N, K]``
+    weight) -> (row tiles, chunks) of the fragment layout."""
+    K = x.shape[1]
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
+    if pairs.dtype != x.dtype or pairs.shape != (4 ** bits, 2) or not pairs.is_contiguous():
+        raise ValueError(f"pairs must be the contiguous pair_table(table, {bits}, x.dtype) [{4 ** bits}, 2]")
+    if scales.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
     nrt, nc = mma_shapes(N, K, bits, G)
     if qweight.dtype != torch.int32 or qweight.numel() != nrt * nc * 128:
         raise ValueError(f"qweight must be pack_codes_mma(...) of [{N}, {K}] at {bits} bits ({nrt * nc * 128} int32 "
                          f"words)")
     return nrt, nc
+
+
+def mma_output(x: torch.Tensor, N: int, G: int, kp: int, name: str):
+    """(y ``[M, N]``, whether y is already final, scale groups, x as the kernels read it: ``fragment_x`` up to the
+    padded K ``kp``); 32-bit output offsets checked."""
+    M, K = x.shape
+    if M * N >= 2 ** 31:
+        raise ValueError(f"{name}: M * N = {M * N} needs 64-bit output offsets (< 2**31 supported)")
+    y, done = gemm_output(x, N, K)
+    return y, done, cdiv(K, G), (x if done else fragment_x(x, kp))
 
 
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
@@ -465,26 +484,15 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if bits not in (3, 4) or G not in WGMMA_GROUPS or G % MMA_CHUNK[bits]:
         raise ValueError(f"lut_wgmma_triton needs bits 4 with group_size in {WGMMA_GROUPS} or bits 3 with group_size "
                          f"in (128, 256) (the fragment layout), got bits={bits}, group_size={G}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be bf16 or fp16, got {x.dtype}")
-    if pairs.dtype != x.dtype or pairs.shape != (4 ** bits, 2) or not pairs.is_contiguous():
-        raise ValueError(f"pairs must be the contiguous pair_table(table, {bits}, x.dtype) [{4 ** bits}, 2]")
-    if scales.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
-    nrt, nc = check_mma_words(qweight, N, K, bits, G)
+    nrt, nc = check_mma_args(x, qweight, scales, pairs, N, bits, G)
     if bits == 3 and (qweight_hi is None or qweight_hi.dtype != torch.int32 or qweight_hi.numel() != nrt * nc * 64):
         raise ValueError(f"qweight_hi must be the high-bit plane of pack_codes_mma(...) of [{N}, {K}] at 3 bits "
                          f"({nrt * nc * 64} int32 words)")
     cfg = wgmma_config(M, N, K, G, bits)
     cfg.update(overrides)
-    if M * N >= 2 ** 31:
-        raise ValueError(f"lut_wgmma_triton: M * N = {M * N} needs 64-bit output offsets (< 2**31 supported)")
-    y, done = gemm_output(x, N, K)
+    y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton")
     if done:
         return y
-    ng = cdiv(K, G)
-    kp = nc * MMA_CHUNK[bits]
-    x = fragment_x(x, kp)
     sw = {False: 0, True: 1, "asm": 2}.get(cfg.get("scale_w", False))
     if sw is None:
         raise ValueError(f"scale_w must be False, True or 'asm', got {cfg.get('scale_w')!r}")

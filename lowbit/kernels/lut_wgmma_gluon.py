@@ -44,8 +44,8 @@ import torch
 
 from lowbit._utils import cdiv
 from lowbit.formats.lut import MMA_CHUNK
-from lowbit.kernels.lut_gemm import fragment_x, gemm_output, split_plan
-from lowbit.kernels.lut_wgmma import _decode_asm, check_mma_words
+from lowbit.kernels.lut_gemm import split_plan
+from lowbit.kernels.lut_wgmma import _decode_asm, check_mma_args, mma_output
 
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
     from triton.experimental import gluon
@@ -286,23 +286,15 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if not supported(x, 4, G):
         raise ValueError(f"lut_wgmma_gluon needs a Hopper GPU, Gluon, bf16/fp16 x and group_size in {GLUON_GROUPS}, "
                          f"got {x.device}, {x.dtype}, group_size={G}")
-    if pairs.dtype != x.dtype or pairs.shape != (256, 2) or not pairs.is_contiguous():
-        raise ValueError("pairs must be the contiguous pair_table(table, 4, x.dtype) [256, 2]")
-    if scales.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"scales must be bf16 or fp16, got {scales.dtype}")
-    nrt, nc = check_mma_words(qweight, N, K, 4, G)
+    nrt, nc = check_mma_args(x, qweight, scales, pairs, N, 4, G)
     cfg = gluon_config(M, N, K, G)
     cfg.update(overrides)
     bm = int(cfg["block_m"])
     if bm not in BLOCK_MS:
         raise ValueError(f"block_m must be one of {BLOCK_MS}, got {bm}")
-    if M * N >= 2 ** 31:
-        raise ValueError(f"lut_wgmma_gluon: M * N = {M * N} needs 64-bit output offsets (< 2**31 supported)")
-    y, done = gemm_output(x, N, K)
+    y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[4], "lut_wgmma_gluon")
     if done:
         return y
-    ng = cdiv(K, G)
-    x = fragment_x(x, nc * MMA_CHUNK[4])
     grid_n, grid_m = cdiv(nrt, 4), cdiv(M, bm)
     split, per, ws, locks = split_plan(cfg.get("split_k"), ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
     kw = dict(GROUP=G, BLOCK_M=bm, USE_SPLIT=split > 1, XPF=int(cfg.get("xpf", 2)), num_warps=4)
