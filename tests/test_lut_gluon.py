@@ -91,3 +91,18 @@ def test_host_byte_tables_decode_to_the_table():
     for word in (0x76543210, 0xFEDCBA98):
         out = _run_ptx(LW._DECODE_ASM.value, dict(ops, **{"$8": word}))
         assert [out[f"${j}"] for j in range(8)] == [bits[(word >> 4 * j) & 15] for j in range(8)]
+
+
+def test_small_m_launches_are_valid_for_any_shape():
+    """``mma_config`` at 1..8 tokens and ``gluon_tokens``: a complete launch for every shape (hypothesis-style sweep
+    over the N / K sides of the rules), and the Gluon range never below 8 tokens or above 16."""
+    from lowbit.kernels import lut_gemm as K
+
+    for n in (16, 1000, 4096, 6144, 16383, 16384, 28672):
+        for k in (64, 576, 4096, 8191, 8192, 14336):
+            for m in range(1, 9):
+                c = K.mma_config(m, n, k, 4, 128)
+                assert c["nt"] == 1 and c["num_warps"] in (4, 8) and c["ctas_per_sm"] >= 1 and c["r"] in (1, 2)
+                assert c.get("ring") in (None, 4) and (c.get("ring") is None or c.get("xh") == 2)
+            r = LGL.gluon_tokens(n, k)
+            assert r is None or (r == (8, 16) and n * k <= 32_000_000)

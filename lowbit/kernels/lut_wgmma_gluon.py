@@ -35,8 +35,9 @@ after the next wgmma's issue (notes C7515 / C7514): the fold's result goes throu
 group pair waits to zero (``benchmarks/offline_lut_gluon.py`` checks the notes are gone).
 
 The interpreter cannot run Gluon: the CPU path is the Triton kernel, whose decode PTX and relabelling this kernel
-shares (both checked on the CPU in ``tests/test_lut_wgmma.py``); the GPU tests compare this kernel bit for bit
-with the Triton kernel's exact-scaling path where the summation order agrees, and with the reference.
+shares (both checked on the CPU in ``tests/test_lut_wgmma.py``); the GPU tests (``tests/test_lut_gluon.py``) compare
+this kernel with the float64 reference and the Triton kernel (rel-L2 within the kernels' tolerance: the split-K and
+token-block shapes differ, so the summation order does) and the op's dispatch with the launcher bit for bit.
 """
 from __future__ import annotations
 
