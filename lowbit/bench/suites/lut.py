@@ -110,9 +110,10 @@ def _try(rec, case, provider, thunk):
         rec.record(case, provider, None, note=f"{type(exc).__name__}: {exc}"[:200])
 
 
-def target_rows(rec, quick: bool, shapes=("gate_up", "down", "8192sq"), ms=(1, 16, 32), bits_list=(4, 3),
+def target_rows(rec, quick: bool, shapes=("gate_up", "down", "8192sq"), ms=(1, 8, 16, 32), bits_list=(4, 3),
                 peers_on=True, extra=None, on_shape_done=None):
-    """The issue's table: every M in ``ms`` on ``shapes``; ``extra(name, ws, packs, xs, case)`` adds rows."""
+    """The issue's table: every M in ``ms`` on ``shapes`` (M = 8 since session 22: the small-batch launches the op
+    re-tuned there, beside the peers); ``extra(name, ws, packs, xs, case)`` adds rows."""
     for name in shapes:
         N, K = SHAPES[name]
         ws = _weights(N, K)
