@@ -27,7 +27,7 @@ SIG = {"X": "*bf16", "Q": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS"
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(7)) + [8, 9, 14, 15, 16]}
 
 for bm in [int(a) for a in sys.argv[1:]] or [8, 16, 32, 64]:
-    consts = {"GROUP": 128, "BLOCK_M": bm, "USE_SPLIT": True, "XPF": LG.gluon_config(bm, 4096, 4096, 128)["xpf"]}
+    consts = {"GROUP": 128, "BLOCK_M": bm, "USE_SPLIT": True, "XPF": LG.gluon_config(bm)["xpf"]}
     k = triton.compile(GluonASTSource(fn=LG._lut_gluon_kernel, signature=dict(SIG, **{c: "constexpr" for c in consts}),
                                       constexprs=consts, attrs=ATTRS),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -1341,6 +1341,12 @@ def balanced_split(tiles: int, ng: int, sms: int, ctas_per_sm: int) -> int:
     return best[1] if best else 1
 
 
+# the 4-bit fragment kernel's 8-warp launches up to 16 tokens (picked by shape in ``mma_config``)
+_R2_W8 = dict(r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1)  # the M = 1 launch of rounds r4-r6
+_PF_W8 = dict(r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)  # ``pf``
+_RING_W8 = dict(r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1, prefetch=False)  # ``ring``
+
+
 def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
     """Launch parameters of the fragment kernel (nt = n-tiles of 8 tokens)."""
     nt = 1 if M <= 8 else (2 if M <= 16 else 4)
@@ -1356,11 +1362,8 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
         #   qkv / o: 12.1 / 13.2 / 17.3 / 27.9 and 10.9 / 11.9 / 14.2 / 30.6; ``ring`` (the 9..16-token launch:
         #            r1 w8 cps2 ring4 xh2 sp balance) 12.0 / 12.2 / 12.6 / 14.5 and 10.3 / 10.3 / 10.7 / 11.8
         if N >= 16384:  # r6 sweep row "r2 w8 cps2 gu1": 26.4/19.5/20.0 us (gate_up/down/8192^2)
-            return (dict(nt=nt, r=2, num_warps=8, ctas_per_sm=2, prefetch=False, gu=1) if M <= 4 else
-                    dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1))
-        if K >= 8192:
-            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
-        return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1, prefetch=False)
+            return dict(nt=nt, **(_R2_W8 if M <= 4 else _PF_W8))
+        return dict(nt=nt, **(_PF_W8 if K >= 8192 else _RING_W8))
     if M <= 8:  # r6 sweep row "lut3 r1 cps8 gu1": 27.7/18.2/18.8 us
         return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=8, prefetch=False, gu=1)
     if bits == 4 and M <= 32:
@@ -1374,11 +1377,8 @@ def mma_config(M: int, N: int, K: int, bits: int, group_size: int) -> dict:
         # M=32 with 4 warps per program: gate_up r2 w4 72.3 vs 76.0 (r1 w8), down / 8192^2 r1 w4 48.0 / 50.8
         # vs 57.6 / 53.2; M=16 unchanged (r1 w4 48.1 / 33.1 / 35.4 vs 49.8 / 27.4 / 28.4).
         many = N >= 16384
-        if M <= 16 and not many:
-            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=2, ring=4, xh=2, sp=True, balance=True, gu=1,
-                        prefetch=False)
         if M <= 16:
-            return dict(nt=nt, r=1, num_warps=8, ctas_per_sm=4, prefetch=True, xh=2, gu=1)
+            return dict(nt=nt, **(_PF_W8 if many else _RING_W8))
         if many:
             return dict(nt=nt, r=2, num_warps=4, ctas_per_sm=2, ring=4, xh=2, gu=1, prefetch=False)
         return dict(nt=nt, r=1, num_warps=4, ctas_per_sm=4, prefetch=True, xh=2, gu=1)

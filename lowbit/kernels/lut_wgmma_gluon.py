@@ -269,7 +269,7 @@ def gluon_preferred(M: int, N: int, K: int, bits: int, group_size: int) -> bool:
     return bits == 4 and group_size in GLUON_GROUPS and r is not None and r[0] <= M <= r[1]
 
 
-def gluon_config(M: int, N: int, K: int, group_size: int) -> dict:
+def gluon_config(M: int) -> dict:
     """Launch parameters: ``block_m`` (the wgmma N, 8..64 tokens) and the split-K target ``ctas_per_sm``."""
     bm = 8 if M <= 8 else (16 if M <= 16 else (32 if M <= 32 else 64))
     return dict(block_m=bm, ctas_per_sm=4, xpf=2 if bm <= 32 else 1)
@@ -288,7 +288,7 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"lut_wgmma_gluon needs a Hopper GPU, Gluon, bf16/fp16 x and group_size in {GLUON_GROUPS}, "
                          f"got {x.device}, {x.dtype}, group_size={G}")
     nrt, nc = check_mma_args(x, qweight, scales, pairs, N, 4, G)
-    cfg = gluon_config(M, N, K, G)
+    cfg = gluon_config(M)
     cfg.update(overrides)
     bm = int(cfg["block_m"])
     if bm not in BLOCK_MS:
