@@ -22,6 +22,23 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config):
+    """Import every kernel module now, while TRITON_INTERPRET is as the session set it: ``@triton.jit``
+    picks interpreter or compiler at import time, so a module first imported inside a test that sets
+    ``TRITON_INTERPRET=0`` (to run the references) would fail every later interpreter test on that
+    worker with "0 active drivers"."""
+    import importlib
+    import pkgutil
+
+    import lowbit.kernels
+
+    for mod in pkgutil.iter_modules(lowbit.kernels.__path__):
+        try:
+            importlib.import_module(f"lowbit.kernels.{mod.name}")
+        except ImportError:
+            pass
+
+
 def pytest_report_header(config):
     if GPU:
         return ("lowbit: compiled Triton on CUDA. The GPU suite is `pytest -m gpu`; tests marked `interpreter` (CPU "

@@ -13,9 +13,6 @@ from tests._tiny_models import tiny_llama  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _references(monkeypatch):
-    from tests.test_models_fastpath import import_kernels
-
-    import_kernels()  # before the env flips: @triton.jit picks interpreter/compiler at import
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 

@@ -46,9 +46,6 @@ def test_eos_and_errors():
 def test_runner_fuses_quantized_projections(recipe, monkeypatch):
     import lowbit
 
-    from tests.test_models_fastpath import import_kernels
-
-    import_kernels()  # before the env flips (see there)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = tiny_llama(head_dim=16)
     g = torch.Generator().manual_seed(0)

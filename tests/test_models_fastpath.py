@@ -13,28 +13,11 @@ def _calib(n=2, seq=16, vocab=128):
     return [torch.randint(0, vocab, (1, seq), generator=g) for _ in range(n)]
 
 
-def import_kernels():
-    """Import every kernel module while TRITON_INTERPRET is as the session set it: ``@triton.jit``
-    picks interpreter or compiler at import time, so a module first imported under a test's
-    ``TRITON_INTERPRET=0`` would fail later interpreter tests ("0 active drivers") on CPU."""
-    import importlib
-    import pkgutil
-
-    import lowbit.kernels
-
-    for mod in pkgutil.iter_modules(lowbit.kernels.__path__):
-        try:
-            importlib.import_module(f"lowbit.kernels.{mod.name}")
-        except ImportError:
-            pass
-
-
 @pytest.fixture
 def reference_kernels(monkeypatch):
     """The GEMM / cache kernels are checked in their areas' tests; here the references run
     (the interpreter would take minutes per generate)."""
-    import_kernels()
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernel modules were imported by conftest
 
 
 @pytest.mark.interpreter  # CPU tensors to the act-quant kernel (setting TRITON_INTERPRET here is too late)

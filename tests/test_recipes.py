@@ -19,9 +19,6 @@ ALL = ["fireq", "qserve", "flute-nf4", "flute-nf3", "int8-attention"]
 
 @pytest.fixture(autouse=True)
 def _references(monkeypatch):
-    from tests.test_models_fastpath import import_kernels
-
-    import_kernels()  # before the env flips: @triton.jit picks interpreter/compiler at import
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
