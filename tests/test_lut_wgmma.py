@@ -9,7 +9,7 @@ from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quant
 from lowbit.kernels import lut_gemm as LG
 from lowbit.kernels import lut_wgmma as LW
 from tests.tolerances import KERNEL_VS_REF, rel_l2
-from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
+from tests.conftest import GPU, INTERPRET  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
 _DEV = "cuda" if GPU else "cpu"  # (hypothesis tests take no fixtures)
@@ -195,6 +195,21 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
+                                           (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16)])
+@pytest.mark.parametrize("one_dot,scale_w", [(False, False), (True, False), (False, True), (True, "asm")])
+@pytest.mark.parametrize("split", [1, 3])
+def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split):
+    """``smem_table``: the pair lookups in shared memory give the byte-table decode's values, so the output is
+    bit-equal to the default decode at the same launch (split fixed: the residency-planned split may differ)."""
+    q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
+    kw = dict(group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w, split_k=split)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=True, **kw)
+    assert torch.equal(y, LW.lut_wgmma_triton(x, qm, s, pairs, **kw))
+    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,bits", [(16, 28672, 4096, 4), (32, 6144, 4096, 4), (64, 4096, 14336, 3),
                                         (20, 1000, 576, 4)])
 def test_balanced_split_gpu(m, n, k, bits):
@@ -283,14 +298,16 @@ def test_dispatch_rule_and_configs():
     assert LW.wgmma_preferred(9, 28672, 4096, bits=3) and not LW.wgmma_preferred(8, 4096, 4096, bits=3)
 
 
-def _run_ptx(asm: str, operands: dict) -> dict:
-    """A tiny interpreter of the integer PTX the decode uses (and/or/shr/shl/prmt/lop3 .b32, mov.b32 {h, h}):
-    ``prmt`` default mode (selector nibble bit 3 = replicate the selected byte's sign), ``lop3`` immLut over
-    (a, b, c) = (0xF0, 0xCC, 0xAA)."""
+def _run_ptx(asm: str, operands: dict, smem: dict | None = None, lane: int = 0) -> dict:
+    """A tiny interpreter of the integer PTX the decodes use (and/or/shr/shl/add/prmt/lop3 .b32, mov.b32 {h, h},
+    ``mov.u32`` of ``%laneid`` (``lane``) and ``global_smem`` (address 0), ``ld.shared.b32`` from ``smem``, a dict of
+    byte address -> 32-bit word): ``prmt`` default mode (selector nibble bit 3 = replicate the selected byte's
+    sign), ``lop3`` immLut over (a, b, c) = (0xF0, 0xCC, 0xAA)."""
     import re
 
     M32 = 0xFFFFFFFF
     reg = dict(operands)
+    reg.update({"%laneid": lane, "global_smem": 0})
 
     def val(tok):
         tok = tok.strip()
@@ -305,6 +322,16 @@ def _run_ptx(asm: str, operands: dict) -> dict:
             lo, hi, src = [t.strip() for t in rest.split(",")]
             reg[lo], reg[hi] = reg[src] & 0xFFFF, reg[src] >> 16
             continue
+        if op == "mov.u32":
+            d, src = [t.strip() for t in rest.split(",")]
+            reg[d] = reg[src]
+            continue
+        if op == "ld.shared.b32":  # ld.shared.b32 d, [r]
+            d, addr = [t.strip() for t in rest.split(",")]
+            a = reg[addr.strip("[]")]
+            assert a % 4 == 0 and a in smem, f"ld.shared at {a:#x}: unaligned or outside the table"
+            reg[d] = smem[a]
+            continue
         d, *args = [t.strip() for t in rest.split(",")]
         a = [val(t) for t in args]
         if op == "and.b32":
@@ -315,6 +342,8 @@ def _run_ptx(asm: str, operands: dict) -> dict:
             r = a[0] >> a[1]
         elif op == "shl.b32":
             r = (a[0] << a[1]) & M32
+        elif op == "add.u32":
+            r = (a[0] + a[1]) & M32
         elif op == "prmt.b32":
             src = [(a[0] >> 8 * i) & 0xFF for i in range(4)] + [(a[1] >> 8 * i) & 0xFF for i in range(4)]
             r = 0
@@ -374,6 +403,72 @@ def test_decode_scaled_asm_is_lookup_times_scale(word, seed, half):
         want = (table[(word >> 4 * j) & 15].float() * sc[(j >> 1) & 1].float()).to(dt)
         got = torch.tensor([out[f"${j}"]], dtype=torch.int32).to(torch.int16).view(dt)[0]
         assert torch.equal(got, want) or (torch.isnan(got) and torch.isnan(want))
+
+
+def _pair_smem(table: list[int], off: int) -> dict:
+    """Host model of ``lut_gemm._store_pair_table`` at byte offset ``off``: 16-byte slot f holds 4 copies of pair row
+    f // 8 (low half T[e & 15], high half T[e >> 4]), i.e. lane l's copy of row e at ``off + 128 e + 4 l``."""
+    return {off + 16 * f + 4 * i: table[(f // 8) & 15] | table[(f // 8) >> 4] << 16 for f in range(256 * 8)
+            for i in range(4)}
+
+
+@settings(max_examples=100, deadline=None)
+@given(word=st.integers(0, 2 ** 32 - 1), table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16),
+       lane=st.integers(0, 31), off=st.integers(0, 4096).map(lambda v: 16 * v))
+def test_smem_table_decode_asm_is_a_table_lookup(word, table, lane, off):
+    """The ``smem_table`` decode PTX (pair lookups in the lane-duplicated table at shared offset ``off``) returns
+    T[nibble j] for the 8 nibbles of any word, reads only lane ``lane``'s copy (bank = lane: no conflicts), and
+    equals the byte-table decode."""
+    smem = _pair_smem(table, off)
+    banks = set()
+    own = {a: v for a, v in smem.items() if (a - off) % 128 == 4 * lane}
+    out = _run_ptx(LW._LDS_ASM.value, {"$8": word, "$9": off}, own, lane)
+    assert [out[f"${j}"] for j in range(8)] == [table[(word >> 4 * j) & 15] for j in range(8)]
+    for b in range(4):  # the address of byte b's lookup sits in bank (off / 4 + lane) % 32 for every byte
+        banks.add(((off + 128 * ((word >> 8 * b) & 0xFF) + 4 * lane) // 4) % 32)
+    assert len(banks) == 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(word=st.integers(0, 2 ** 32 - 1), seed=st.integers(0, 2 ** 16), half=st.sampled_from(["bf16", "f16"]),
+       lane=st.integers(0, 31))
+def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane):
+    """``smem_table`` with ``scale_w='asm'``: the same correctly rounded ``T[c] * s`` as the byte-table PTX."""
+    dt = torch.bfloat16 if half == "bf16" else torch.float16
+    g = torch.Generator().manual_seed(seed)
+    tb = (torch.randn(16, generator=g).to(dt).view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    sb = ((torch.rand(2, generator=g) * 3 + 0.01).to(dt).view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    s0, s1 = sb[0] | sb[0] << 16, sb[1] | sb[1] << 16
+    ops = {"$8": word, "$17": s0, "$18": s1}
+    for j in range(4):
+        ops[f"${9 + j}"] = sum((tb[4 * j + i] & 0xFF) << 8 * i for i in range(4))
+        ops[f"${13 + j}"] = sum((tb[4 * j + i] >> 8) << 8 * i for i in range(4))
+    want = _run_ptx(LW._decode_asm(half), ops)
+    got = _run_ptx(LW._lds_decode_asm(half), {"$8": word, "$9": 256, "$10": s0, "$11": s1}, _pair_smem(tb, 256), lane)
+    assert [got[f"${j}"] for j in range(8)] == [want[f"${j}"] for j in range(8)]
+
+
+def test_smem_table_option_checks():
+    """``smem_table`` is 4-bit only and a bool; under the interpreter it runs the same (emulated) decode."""
+    from lowbit.formats.lut import pack_codes_mma, pair_table
+
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    codes = torch.randint(0, 8, (32, 128), dtype=torch.uint8)
+    qw, qh = pack_codes_mma(codes, 3, 128)
+    sc = torch.rand(1, 32, dtype=torch.bfloat16) + 0.5
+    t3 = torch.linspace(-1, 1, 8)
+    with pytest.raises(ValueError, match="smem_table"):
+        LW.lut_wgmma_triton(x, qw, sc, pair_table(t3, 3, x.dtype), group_size=128, out_features=32, bits=3,
+                            qweight_hi=qh, smem_table=True)
+    qw4, _ = pack_codes_mma(codes, 4, 128)
+    t4 = torch.linspace(-1, 1, 16)
+    with pytest.raises(ValueError, match="smem_table"):
+        LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), group_size=128, out_features=32, smem_table="yes")
+    if INTERPRET:  # the launcher path with the option on (the interpreter's decode is the emulated one)
+        kw = dict(group_size=128, out_features=32)
+        y0 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), **kw)
+        y1 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), smem_table=True, **kw)
+        assert torch.equal(y0, y1)
 
 
 def test_tensor_parallel_shard_k():

@@ -1,0 +1,84 @@
+"""Session-23 probe (issues 4 and 7): the register-table LUT kernel's ``smem_table`` option (the code pairs looked up
+in the fragment kernel's lane-duplicated pair table in shared memory, ``lowbit.kernels.lut_wgmma._lds_decode_asm``:
+8 integer instructions + 4 ``ld.shared`` per 8 codes instead of the byte tables' 22 integer instructions; offline
+sm_90a SASS of the main loop at 16 / 32 / 64 tokens, gate_up: 560 -> 391, 628 -> 457, 738 -> 581) against the
+default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes.
+
+    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ct]   (env S23_MS, S23_NAME)
+
+Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
+(bit-equal expected: same values, same summation order) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
+medians, weights rotated over 3 sets (> 2x L2 on the large shapes): cuBLAS, the op, the Triton kernel with each decode
+(its committed launch config; ``balance`` plans the split from each variant's own residency), and at M <= 16 the
+fragment kernel.
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.getcwd())
+from lowbit.bench.harness import env_info, probe_args, probe_row, time_cuda, write_probe  # noqa: E402
+from lowbit.bench.suites.lut import make_packed, mma_fn  # noqa: E402
+from lowbit.kernels import lut_wgmma as LW  # noqa: E402
+from lowbit.ops.lut import lut_gemm, lut_gemm_ref  # noqa: E402
+
+args = probe_args("ct")
+MS = [int(m) for m in os.environ.get("S23_MS", "9,16,32,64,128").split(",")]
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096),
+          "8192sq": (8192, 8192)}
+doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median ms * 1000"}
+
+
+def op(p):
+    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=4, group_size=128,
+                              layout="mma")
+
+
+def tri(p, **kw):
+    N = p["scales"].shape[1]
+    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
+
+
+for name, (N, K) in SHAPES.items():
+    torch.manual_seed(0)
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+    ps = [make_packed(w, 4, 128) for w in ws]
+    for M in MS:
+        xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        if "c" in args.parts:
+            p, x = ps[0], xs[0]
+            ref = lut_gemm_ref(x.float(), p["qmma"], p["qmma_hi"], p["scales"], p["table"], 4, 128, K,
+                               layout="mma").double()
+            row = {}
+            for split in (1, 4):
+                y0 = tri(p, split_k=split)(x)
+                y1 = tri(p, split_k=split, smem_table=True)(x)
+                torch.cuda.synchronize()
+                row[f"split{split}_bit_equal"] = bool(torch.equal(y0, y1))
+                row[f"split{split}_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
+                row[f"split{split}_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
+            probe_row(doc, f"c_{name}_M{M}", row)
+        if "t" in args.parts:
+            row = {"M": M, "N": N, "K": K}
+            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
+                   "wgmma": [tri(p) for p in ps], "wgmma_smem": [tri(p, smem_table=True) for p in ps]}
+            if M <= 16:
+                fns["fragment"] = [mma_fn(p) for p in ps]
+            for fn_name, fl in fns.items():
+                try:
+                    t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
+                    row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
+                    if fn_name.startswith("wgmma"):
+                        k = LW.LAST_COMPILED["wgmma"]
+                        row[fn_name + "_regs"], row[fn_name + "_split"] = k.n_regs, LW.LAST_COMPILED["wgmma_split"]
+                        row[fn_name + "_shared"] = k.packed_metadata[2]
+                except Exception as exc:  # keep the row
+                    row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
+            if "wgmma_smem_us" in row and "wgmma_us" in row:
+                row["smem_speedup"] = round(row["wgmma_us"] / row["wgmma_smem_us"], 3)
+                row["smem_vs_cublas"] = round(row["cublas_us"] / row["wgmma_smem_us"], 3)
+            row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
+            probe_row(doc, f"t_{name}_M{M}", row)
+print(write_probe(doc, args.out, os.environ.get("S23_NAME", "s23_smem_table.json")))
