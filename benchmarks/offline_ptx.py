@@ -36,7 +36,8 @@ ap.add_argument("--stages", type=int, default=3)
 ap.add_argument("--out", help="also write the rows as JSON (with versions and the command)")
 ap.add_argument("--decode", action="store_true",
                 help="only the op's 4-bit launches (wgmma_config at --bm tokens, two dots rt 8 / one dot rt 4, reg_a) "
-                     "with the byte-table decode vs smem_table (SMEM_TAB), with the SASS loop's opcodes")
+                     "with the byte-table decode vs smem_table (SMEM_TAB 1 and 2 = 'wide'), with the SASS loop's "
+                     "opcodes")
 args = ap.parse_args()
 
 SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
@@ -46,7 +47,7 @@ SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y":
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 15, 16, 17]}
 
 
-def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: bool = False, maxnreg=None) -> dict:
+def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: int = 0, maxnreg=None) -> dict:
     consts = {"GROUP": 128, "RT": rt, "BLOCK_M": args.bm, "USE_SPLIT": True, "EMU": False, "PREFETCH": True,
               "ONE_DOT": one_dot, "BITS": args.bits, "SCALE_W": scale_w,
               "REG_A": reg_a, "SMEM_TAB": smem_tab}
@@ -77,9 +78,9 @@ if args.decode:  # the op's 4-bit configs at this token count (wgmma_config), de
 
     for shape, (n, kk) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
         cfg = wgmma_config(args.bm, n, kk, 128, 4)
-        for st in (False, True):
+        for st in (0, 1, 2):
             name = f"{shape} rt{cfg['rt']} {'one_dot' if cfg['one_dot'] else 'two dots'} " + \
-                   ("smem_table" if st else "byte tables")
+                   ["byte tables", "smem_table", "smem_table wide"][st]
             rows[name] = build(cfg["one_dot"], 0, cfg["rt"], True, st, cfg.get("maxnreg"))
             print(f"{name:40s}", rows[name], flush=True)
 for one_dot, rt in (() if args.decode else ((False, args.rt), (True, args.rt // 2))):

@@ -198,13 +198,13 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
 @pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
                                            (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16)])
 @pytest.mark.parametrize("one_dot,scale_w", [(False, False), (True, False), (False, True), (True, "asm")])
-@pytest.mark.parametrize("split", [1, 3])
-def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split):
+@pytest.mark.parametrize("split,mode", [(1, True), (3, True), (3, "wide")])
+def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split, mode):
     """``smem_table``: the pair lookups in shared memory give the byte-table decode's values, so the output is
     bit-equal to the default decode at the same launch (split fixed: the residency-planned split may differ)."""
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
     kw = dict(group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w, split_k=split)
-    y = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=True, **kw)
+    y = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, **kw)
     assert torch.equal(y, LW.lut_wgmma_triton(x, qm, s, pairs, **kw))
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
 
@@ -405,34 +405,32 @@ def test_decode_scaled_asm_is_lookup_times_scale(word, seed, half):
         assert torch.equal(got, want) or (torch.isnan(got) and torch.isnan(want))
 
 
-def _pair_smem(table: list[int], off: int) -> dict:
+def _pair_smem(table: list[int], off: int, stride: int = 128) -> dict:
     """Host model of ``lut_gemm._store_pair_table`` at byte offset ``off``: 16-byte slot f holds 4 copies of pair row
-    f // 8 (low half T[e & 15], high half T[e >> 4]), i.e. lane l's copy of row e at ``off + 128 e + 4 l``."""
-    return {off + 16 * f + 4 * i: table[(f // 8) & 15] | table[(f // 8) >> 4] << 16 for f in range(256 * 8)
-            for i in range(4)}
+    e = f // 8 (low half T[e & 15], high half T[e >> 4]), i.e. lane l's copy of row e at ``off + stride e + 4 l``."""
+    return {off + stride * (f // 8) + 16 * (f % 8) + 4 * i: table[(f // 8) & 15] | table[(f // 8) >> 4] << 16
+            for f in range(256 * 8) for i in range(4)}
 
 
 @settings(max_examples=100, deadline=None)
 @given(word=st.integers(0, 2 ** 32 - 1), table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16),
-       lane=st.integers(0, 31), off=st.integers(0, 4096).map(lambda v: 16 * v))
-def test_smem_table_decode_asm_is_a_table_lookup(word, table, lane, off):
-    """The ``smem_table`` decode PTX (pair lookups in the lane-duplicated table at shared offset ``off``) returns
-    T[nibble j] for the 8 nibbles of any word, reads only lane ``lane``'s copy (bank = lane: no conflicts), and
-    equals the byte-table decode."""
-    smem = _pair_smem(table, off)
-    banks = set()
-    own = {a: v for a, v in smem.items() if (a - off) % 128 == 4 * lane}
-    out = _run_ptx(LW._LDS_ASM.value, {"$8": word, "$9": off}, own, lane)
+       lane=st.integers(0, 31), off=st.integers(0, 4096).map(lambda v: 16 * v), wide=st.booleans())
+def test_smem_table_decode_asm_is_a_table_lookup(word, table, lane, off, wide):
+    """The ``smem_table`` decode PTX (pair lookups in the lane-duplicated table at shared offset ``off``; ``wide``:
+    entries 256 bytes apart, one ``prmt`` per address) returns T[nibble j] for the 8 nibbles of any word and reads
+    only lane ``lane``'s copies (the interpreter's memory holds nothing else), all in one bank: no conflicts."""
+    stride = 256 if wide else 128
+    own = {a: v for a, v in _pair_smem(table, off, stride).items() if (a - off) % stride == 4 * lane}
+    asm = (LW._LDSW_ASM if wide else LW._LDS_ASM).value
+    out = _run_ptx(asm, {"$8": word, "$9": off}, own, lane)
     assert [out[f"${j}"] for j in range(8)] == [table[(word >> 4 * j) & 15] for j in range(8)]
-    for b in range(4):  # the address of byte b's lookup sits in bank (off / 4 + lane) % 32 for every byte
-        banks.add(((off + 128 * ((word >> 8 * b) & 0xFF) + 4 * lane) // 4) % 32)
-    assert len(banks) == 1
+    assert len({((off + 4 * lane) // 4 + stride // 4 * ((word >> 8 * b) & 0xFF)) % 32 for b in range(4)}) == 1
 
 
 @settings(max_examples=50, deadline=None)
 @given(word=st.integers(0, 2 ** 32 - 1), seed=st.integers(0, 2 ** 16), half=st.sampled_from(["bf16", "f16"]),
-       lane=st.integers(0, 31))
-def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane):
+       lane=st.integers(0, 31), wide=st.booleans())
+def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane, wide):
     """``smem_table`` with ``scale_w='asm'``: the same correctly rounded ``T[c] * s`` as the byte-table PTX."""
     dt = torch.bfloat16 if half == "bf16" else torch.float16
     g = torch.Generator().manual_seed(seed)
@@ -444,7 +442,8 @@ def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane):
         ops[f"${9 + j}"] = sum((tb[4 * j + i] & 0xFF) << 8 * i for i in range(4))
         ops[f"${13 + j}"] = sum((tb[4 * j + i] >> 8) << 8 * i for i in range(4))
     want = _run_ptx(LW._decode_asm(half), ops)
-    got = _run_ptx(LW._lds_decode_asm(half), {"$8": word, "$9": 256, "$10": s0, "$11": s1}, _pair_smem(tb, 256), lane)
+    got = _run_ptx(LW._lds_decode_asm(half, wide), {"$8": word, "$9": 256, "$10": s0, "$11": s1},
+                   _pair_smem(tb, 256, 256 if wide else 128), lane)
     assert [got[f"${j}"] for j in range(8)] == [want[f"${j}"] for j in range(8)]
 
 
@@ -467,8 +466,9 @@ def test_smem_table_option_checks():
     if INTERPRET:  # the launcher path with the option on (the interpreter's decode is the emulated one)
         kw = dict(group_size=128, out_features=32)
         y0 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), **kw)
-        y1 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), smem_table=True, **kw)
-        assert torch.equal(y0, y1)
+        for mode in (True, "wide"):
+            y1 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), smem_table=mode, **kw)
+            assert torch.equal(y0, y1)
 
 
 def test_tensor_parallel_shard_k():

@@ -2,7 +2,8 @@
 in the fragment kernel's lane-duplicated pair table in shared memory, ``lowbit.kernels.lut_wgmma._lds_decode_asm``:
 8 integer instructions + 4 ``ld.shared`` per 8 codes instead of the byte tables' 22 integer instructions; offline
 sm_90a SASS of the main loop at 16 / 32 / 64 tokens, gate_up: 560 -> 391, 628 -> 457, 738 -> 581) against the
-default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes.
+default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes; ``smem_table='wide'``
+(64 KB, one ``prmt`` per address: 335 / 390 / 518 SASS at 16 / 32 / 64 tokens) beside it.
 
     PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ct]   (env S23_MS, S23_NAME)
 
@@ -29,6 +30,10 @@ MS = [int(m) for m in os.environ.get("S23_MS", "9,16,32,64,128").split(",")]
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096),
           "8192sq": (8192, 8192)}
 doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median ms * 1000"}
+# the committed decode, the 32 KB table (shift + LOP3 per address), the 64 KB one (one prmt per address; 2 programs
+# per SM by shared memory at 16-32 tokens), and that with one activation stage less (Triton's shared memory -4 KB)
+VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"smem_table": "wide"},
+            "wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2}}
 
 
 def op(p):
@@ -54,16 +59,18 @@ for name, (N, K) in SHAPES.items():
             row = {}
             for split in (1, 4):
                 y0 = tri(p, split_k=split)(x)
-                y1 = tri(p, split_k=split, smem_table=True)(x)
-                torch.cuda.synchronize()
-                row[f"split{split}_bit_equal"] = bool(torch.equal(y0, y1))
-                row[f"split{split}_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
-                row[f"split{split}_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
+                for mode in (True, "wide"):
+                    y1 = tri(p, split_k=split, smem_table=mode)(x)
+                    torch.cuda.synchronize()
+                    tag = f"{'wide' if mode == 'wide' else 'smem'}_split{split}"
+                    row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))
+                    row[tag + "_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
+                    row[tag + "_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
             probe_row(doc, f"c_{name}_M{M}", row)
         if "t" in args.parts:
             row = {"M": M, "N": N, "K": K}
-            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
-                   "wgmma": [tri(p) for p in ps], "wgmma_smem": [tri(p, smem_table=True) for p in ps]}
+            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
+            fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in VARIANTS.items()}
             if M <= 16:
                 fns["fragment"] = [mma_fn(p) for p in ps]
             for fn_name, fl in fns.items():
@@ -76,9 +83,10 @@ for name, (N, K) in SHAPES.items():
                         row[fn_name + "_shared"] = k.packed_metadata[2]
                 except Exception as exc:  # keep the row
                     row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
-            if "wgmma_smem_us" in row and "wgmma_us" in row:
-                row["smem_speedup"] = round(row["wgmma_us"] / row["wgmma_smem_us"], 3)
-                row["smem_vs_cublas"] = round(row["cublas_us"] / row["wgmma_smem_us"], 3)
+            for vn in VARIANTS:
+                if vn != "wgmma" and vn + "_us" in row and "wgmma_us" in row:
+                    row[vn + "_speedup"] = round(row["wgmma_us"] / row[vn + "_us"], 3)
+                    row[vn + "_vs_cublas"] = round(row["cublas_us"] / row[vn + "_us"], 3)
             row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
             probe_row(doc, f"t_{name}_M{M}", row)
 print(write_probe(doc, args.out, os.environ.get("S23_NAME", "s23_smem_table.json")))

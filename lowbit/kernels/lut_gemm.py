@@ -677,17 +677,18 @@ def _load_scales(S, gi, stride_sg, rt, g, ok, S_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_pair_table(P, BITS: tl.constexpr, off=0):
+def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128):
     """The lane-duplicated pair table (int32 rows of ``P``) into shared memory at byte offset ``off`` (see
-    ``_lut_mma_kernel``; the register-table kernel's ``SMEM_TAB`` puts it past Triton's own buffers), then a
-    barrier."""
+    ``_lut_mma_kernel``; the register-table kernel's ``SMEM_TAB`` puts it past Triton's own buffers): lane l's
+    copy of entry e at ``off + STRIDE e + 4 l`` (``STRIDE`` 128, or 256 for ``SMEM_TAB == 2``, whose entries then
+    use half of each row), then a barrier."""
     NE: tl.constexpr = 1 << (2 * BITS)
-    f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies of entry f // 8
+    f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies (lanes 4 (f % 8) ..) of entry f // 8
     pv = tl.load(P + f // 8)
     tl.inline_asm_elementwise(
         "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
         "mov.b32 $0, 0; }",
-        "=r,r,r", [f * 16 + off, pv], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,r,r", [(f // 8) * STRIDE + (f % 8) * 16 + off, pv], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
 
 

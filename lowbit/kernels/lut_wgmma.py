@@ -46,7 +46,10 @@ lookup a pure register computation:
 - ``SMEM_TAB`` (option ``smem_table``, 4-bit; session 23, built and checked offline, not yet timed): the decode
   instead looks each code byte up in the fragment kernel's lane-duplicated pair table (32 KB of shared memory past
   Triton's own buffers): shift, one ``LOP3``, one ``ld.shared`` per two codes, 8 integer instructions + 4 loads per
-  8 codes instead of 22 integer instructions, the same values (``_lds_decode_asm``).
+  8 codes instead of 22 integer instructions, the same values (``_lds_decode_asm``). ``smem_table='wide'``: entries
+  256 bytes apart (64 KB), one ``prmt`` per address (4 integer instructions + 4 loads per 8 codes). Offline SASS per
+  main loop (``benchmarks/offline_ptx.py --decode``), gate_up-sized at 16 / 32 / 64 tokens: 560 / 628 / 738 ->
+  391 / 457 / 581 -> 335 / 390 / 518.
 - Split-K over scale groups with the fragment kernel's deterministic in-kernel reduction (FP32 partials, the
   last program of a tile to arrive sums them in split order).
 
@@ -82,18 +85,24 @@ def _decode_asm(scaled: str | None = None) -> str:
     return "\n".join(lines + ["}"])
 
 
-def _lds_decode_asm(scaled: str | None = None) -> str:
+def _lds_decode_asm(scaled: str | None = None, wide: bool = False) -> str:
     """PTX of the ``SMEM_TAB`` decode: one code word (``$8``) -> the same 8 values as ``_decode_asm`` by 4 lookups in
     the fragment kernel's lane-duplicated pair table (``lut_gemm._store_pair_table``: row ``b`` = the pair
     (T[b & 15], T[b >> 4]) of a code byte, entry e of lane l at ``128 e + 4 l``, so a warp's 32 lookups hit 32
     distinct banks), placed at shared offset ``$9`` past Triton's own shared memory. Per code byte: shift,
     and + or with the lane offset (one ``LOP3``), ``ld.shared.b32`` (the uniform table base folds into the
     address): 8 integer instructions + 4 loads per 8 codes against the byte tables' 22 integer instructions.
-    ``scaled``: as ``_decode_asm`` (scale pairs ``$10`` rows g, ``$11`` rows g + 8)."""
+    ``scaled``: as ``_decode_asm`` (scale pairs ``$10`` rows g, ``$11`` rows g + 8). ``wide`` (``SMEM_TAB == 2``):
+    entries 256 bytes apart (64 KB; lane l's copy of entry e at ``256 e + 4 l``), so one ``prmt`` builds each
+    address -- the code byte as byte 1, the lane offset ``4 l`` as byte 0, zeros above: 4 integer instructions +
+    4 loads per 8 codes."""
     lines = ["{", ".reg .b32 t, l, g, o0, o1, o2, o3;", "mov.u32 l, %laneid;", "shl.b32 l, l, 2;",
              "mov.u32 g, global_smem;", "add.u32 g, g, $9;"]
     for b, sh in enumerate(("shl.b32 t, $8, 7;", "shr.u32 t, $8, 1;", "shr.u32 t, $8, 9;", "shr.u32 t, $8, 17;")):
-        lines += [sh, "and.b32 t, t, 0x7F80;", "or.b32 t, t, l;", "add.u32 t, t, g;", f"ld.shared.b32 o{b}, [t];"]
+        if wide:  # selector nibbles (low first): byte 4 (l's low byte), byte b of the word, byte 5 (0) twice
+            lines += [f"prmt.b32 t, $8, l, 0x55{b}4;", "add.u32 t, t, g;", f"ld.shared.b32 o{b}, [t];"]
+        else:
+            lines += [sh, "and.b32 t, t, 0x7F80;", "or.b32 t, t, l;", "add.u32 t, t, g;", f"ld.shared.b32 o{b}, [t];"]
     for p in range(4):  # pair p = code byte p = nibbles 2 p, 2 p + 1 = (bh, rh) = (p // 2, p % 2)
         if scaled:
             lines.append(f"mul.rn.{'bf16x2' if scaled == 'bf16' else 'f16x2'} o{p}, o{p}, ${10 + p % 2};")
@@ -105,6 +114,9 @@ _DECODE_ASM = tl.constexpr(_decode_asm())
 _LDS_ASM = tl.constexpr(_lds_decode_asm())
 _LDS_BF_SCALED_ASM = tl.constexpr(_lds_decode_asm("bf16"))
 _LDS_F_SCALED_ASM = tl.constexpr(_lds_decode_asm("f16"))
+_LDSW_ASM = tl.constexpr(_lds_decode_asm(wide=True))
+_LDSW_BF_SCALED_ASM = tl.constexpr(_lds_decode_asm("bf16", wide=True))
+_LDSW_F_SCALED_ASM = tl.constexpr(_lds_decode_asm("f16", wide=True))
 _LDS_SCALED_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 4))
 _LDS_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 2))
 _DECODE_BF_SCALED_ASM = tl.constexpr(_decode_asm("bf16"))
@@ -129,24 +141,30 @@ def _run_decode(args, ASM_BF: tl.constexpr, ASM_F: tl.constexpr, CONS: tl.conste
 
 @triton.jit
 def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl.constexpr, s0, s1,
-            SCALE: tl.constexpr, SMEM_TAB: tl.constexpr = False, tab_off=0):
+            SCALE: tl.constexpr, SMEM_TAB: tl.constexpr = 0, tab_off=0):
     """4-bit-layout code words ``[R, W]`` (column = 4 t + s at 4 bits, 8 t + s at 3 bits: ``_words3``) ->
     (rows g, rows g + 8) ``[R, 4 W]`` in the activation dtype, K in natural order. ``SCALE`` (``scale_w``): 1 =
     the values times their rows' scales ``s0`` / ``s1`` ``[R]`` (activation dtype) by Triton's multiply, 2 = inside
     the PTX, each scale packed into both halves of a ``mul.rn.{bf16x2,f16x2}`` operand (the same values).
-    ``SMEM_TAB`` (4-bit): the pair-table lookups of ``_lds_decode_asm`` (table at shared offset ``tab_off``) in
-    place of the byte-table ``prmt`` decode; the same values."""
+    ``SMEM_TAB`` (4-bit; 1, or 2 = ``wide``): the pair-table lookups of ``_lds_decode_asm`` (table at shared offset
+    ``tab_off``) in place of the byte-table ``prmt`` decode; the same values."""
     R: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
-    if SMEM_TAB and not EMU:
+    if SMEM_TAB > 0 and not EMU:
         off = tl.full([R, W], 0, tl.int32) + tab_off
         if SCALE == 2:
             v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             p0 = tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W])
             p1 = tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
-            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], _LDS_BF_SCALED_ASM, _LDS_F_SCALED_ASM,
-                                                         _LDS_SCALED_CONS, OUT_DTYPE)
+            if SMEM_TAB == 2:
+                n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], _LDSW_BF_SCALED_ASM,
+                                                             _LDSW_F_SCALED_ASM, _LDS_SCALED_CONS, OUT_DTYPE)
+            else:
+                n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], _LDS_BF_SCALED_ASM,
+                                                             _LDS_F_SCALED_ASM, _LDS_SCALED_CONS, OUT_DTYPE)
+        elif SMEM_TAB == 2:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], _LDSW_ASM, _LDSW_ASM, _LDS_CONS, OUT_DTYPE)
         else:
             n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], _LDS_ASM, _LDS_ASM, _LDS_CONS, OUT_DTYPE)
     elif EMU:
@@ -288,7 +306,7 @@ def _lut_wgmma_kernel(
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = 0,
-    REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = False,
+    REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = 0,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
@@ -302,7 +320,8 @@ def _lut_wgmma_kernel(
     map to weight rows through ``_reg_a_row``, the activation tile's columns to K through ``_reg_a_k``.
     ``SMEM_TAB`` (4-bit, option ``smem_table``): the codes are looked up in the fragment kernel's lane-duplicated
     pair table, written at the start to shared offset ``TAB_OFF`` (past Triton's own buffers; the launcher raises
-    the launch's dynamic shared size by the table's 32 KB), instead of the byte-table ``prmt`` decode."""
+    the launch's dynamic shared size by the table's 32 KB, 64 KB for ``SMEM_TAB == 2``), instead of the byte-table
+    ``prmt`` decode."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -336,10 +355,11 @@ def _lut_wgmma_kernel(
     if REG_A:  # the activation columns in the relabelled tile's K order
         kx = _reg_a_k(kx, CK)
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + kx[None, :]
-    if SMEM_TAB:
+    if SMEM_TAB > 0:
         tabs = (0, 0, 0, 0, 0, 0, 0, 0)
+        TSTRIDE: tl.constexpr = 256 if SMEM_TAB == 2 else 128  # bytes between table entries
         if not EMU:
-            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF)
+            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, TSTRIDE)
     else:
         tabs = _byte_tables(P, BITS)  # (unused by the interpreter's decode)
     g0 = pid_k * GROUPS_PER_SPLIT
@@ -529,7 +549,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split;
     ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2; ``reg_a``: False, True or 'auto'
     = on for 64-row tiles without ``scale_w='asm'``; ``smem_table``: True = the shared-memory pair-table decode,
-    ``SMEM_TAB``, 4-bit only, off by default until timed on the device).
+    ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 4-bit only, off by default until timed on
+    the device).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
     M, K = x.shape
@@ -544,8 +565,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     cfg = wgmma_config(M, N, K, G, bits)
     cfg.update(overrides)
     smem_tab = cfg.get("smem_table", False)
-    if smem_tab not in (False, True):
-        raise ValueError(f"smem_table must be False or True, got {smem_tab!r}")
+    if smem_tab not in (False, True, "wide"):
+        raise ValueError(f"smem_table must be False, True or 'wide', got {smem_tab!r}")
     if smem_tab and bits != 4:
         raise ValueError("smem_table (the shared-memory pair table) is implemented for bits=4 only")
     y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton")
@@ -570,7 +591,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if cfg.get("maxnreg"):  # register cap per thread (ptxas spills above it; passed only when set)
         kw["maxnreg"] = int(cfg["maxnreg"])
     if smem_tab:  # passed only when set: the default launch (and its compiled kernel) stays as measured
-        kw["SMEM_TAB"] = True
+        kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
     split = cfg.get("split_k")
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
@@ -581,7 +602,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     grid = (grid_n, grid_m, split)
     tab_off = 0
     if smem_tab and not interpret_mode():  # the table's place: past Triton's own shared memory (compile once)
-        tab_off = _table_offset(_lut_wgmma_kernel.warmup(*args, 0, grid=grid, USE_SPLIT=split > 1, **kw))
+        tab_off = _table_offset(_lut_wgmma_kernel.warmup(*args, 0, grid=grid, USE_SPLIT=split > 1, **kw),
+                                kw["SMEM_TAB"])
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[grid](*args, tab_off, USE_SPLIT=split > 1, **kw)
     LAST_COMPILED["wgmma_split"] = split
     return y
@@ -603,18 +625,18 @@ def balance_split(tiles: int, ng: int, sms: int, ctas_per_sm: int, resident: int
 _TABLE_AT: dict = {}  # id of a compiled SMEM_TAB kernel -> (the kernel, its pair table's shared offset)
 
 
-def _table_offset(k) -> int:
-    """Shared byte offset of the pair table in the compiled ``SMEM_TAB`` kernel ``k``: Triton's own shared size,
-    rounded up to 128 bytes. The first call per compiled kernel raises its launch's dynamic shared size by the
-    table's 32 KB (Triton does not know about the table; as the fragment kernel's launcher does) before the module
-    is loaded, so the loader opts in to more than 48 KB where needed."""
+def _table_offset(k, mode: int) -> int:
+    """Shared byte offset of the pair table in the compiled ``SMEM_TAB = mode`` kernel ``k``: Triton's own shared
+    size, rounded up to 128 bytes. The first call per compiled kernel raises its launch's dynamic shared size by the
+    table's 32 KB (64 KB for mode 2; Triton does not know about the table; as the fragment kernel's launcher does)
+    before the module is loaded, so the loader opts in to more than 48 KB where needed."""
     hit = _TABLE_AT.get(id(k))
     if hit is not None and hit[0] is k:
         return hit[1]
     if k.module is not None:  # loaded before its shared size could be raised: never, by construction
         raise RuntimeError("lut_wgmma_triton: the smem_table kernel was loaded before its shared size was set")
     off = -(-int(k.metadata.shared) // 128) * 128
-    smem = off + mma_table_bytes(4)
+    smem = off + mma_table_bytes(4) * mode
     k.metadata = k.metadata._replace(shared=smem)
     k._init_handles()
     nwarps, nctas, shared = k.packed_metadata
@@ -639,7 +661,7 @@ def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | 
                                      x.stride(0), scales.stride(0), y.stride(0), 0, USE_SPLIT=True, grid=(1, 1, 1),
                                      **kw)
         if kw.get("SMEM_TAB"):  # the table counts: its shared size is raised (and the module loaded) here
-            _table_offset(k)
+            _table_offset(k, kw["SMEM_TAB"])
         k._init_handles()  # (a kernel compiled but never launched has no register count before this)
         _RESIDENT[key] = resident_ctas(k, kw["num_warps"])
     return _RESIDENT[key]
