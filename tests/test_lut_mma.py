@@ -170,6 +170,34 @@ def test_small_m_config_rule():
         assert c["nt"] == 4 and c["xh"] == 2 and c["num_warps"] == 4
 
 
+@pytest.mark.parametrize("m,n,k,dtype,extra", [
+    (1, 40, 300, torch.bfloat16, {}), (3, 33, 256, torch.float16, {}),
+    pytest.param(1, 28672, 4096, torch.bfloat16, {}, marks=pytest.mark.gpu),  # _R2_W8
+    pytest.param(8, 4096, 14336, torch.bfloat16, {}, marks=pytest.mark.gpu),  # _PF_W8
+    pytest.param(4, 6144, 4096, torch.float16, {}, marks=pytest.mark.gpu),  # _RING_W8
+    pytest.param(16, 28672, 4096, torch.bfloat16, {}, marks=pytest.mark.gpu),
+    pytest.param(32, 3000, 1111, torch.bfloat16, {}, marks=pytest.mark.gpu),
+    pytest.param(2, 4096, 4096, torch.bfloat16, {"pdl": True}, marks=pytest.mark.gpu)])
+def test_wide_table_same_result(m, n, k, dtype, extra, dev):
+    """Option ``wide`` (the 64 KB pair table, one ``prmt`` per lookup address): the same values in the same
+    order, so the output is bit-equal to the default launch (GPU: the committed small-M launches, ring and PDL
+    included; the interpreter runs the emulated lookup); 3-bit is refused."""
+    g = 128
+    torch.manual_seed(m + n)
+    w = torch.randn(n, k, device=dev)
+    q = quantize_lut(w, bits=4, group_size=g, scale_dtype=dtype)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    qm, qh = pack_codes_mma(q.codes, 4, g, k)
+    args = (x, qm, qh, q.scales.t().contiguous(), pair_table(q.table, 4, dtype).to(dev), q.table.to(dev))
+    kw = dict(bits=4, group_size=g, out_features=n, **extra)
+    assert torch.equal(K.lut_mma_triton(*args, wide=True, **kw), K.lut_mma_triton(*args, **kw))
+    q3 = quantize_lut(w, bits=3, group_size=g, scale_dtype=dtype)
+    qm3, qh3 = pack_codes_mma(q3.codes, 3, g, k)
+    with pytest.raises(ValueError, match="wide"):
+        K.lut_mma_triton(x, qm3, qh3, q3.scales.t().contiguous(), pair_table(q3.table, 3, dtype).to(dev),
+                         q3.table.to(dev), bits=3, group_size=g, out_features=n, wide=True)
+
+
 def _pdl_case(m, n, k, dtype, dev):
     """(y of the PDL launch, y of the plain launch) of one weight and input."""
     g = 128

@@ -5,13 +5,15 @@ sm_90a SASS of the main loop at 16 / 32 / 64 tokens, gate_up: 560 -> 391, 628 ->
 default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes; ``smem_table='wide'``
 (64 KB, one ``prmt`` per address: 335 / 390 / 518 SASS at 16 / 32 / 64 tokens) beside it.
 
-    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ct]   (env S23_MS, S23_NAME)
+    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
 (bit-equal expected: same values, same summation order) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
 medians, weights rotated over 3 sets (> 2x L2 on the large shapes): cuBLAS, the op, the Triton kernel with each decode
 (its committed launch config; ``balance`` plans the split from each variant's own residency), and at M <= 16 the
-fragment kernel.
+fragment kernel. Part ``f`` (run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with
+its 32 KB table vs ``wide=True`` (64 KB, one ``prmt`` per lookup address; offline SASS per loop at M = 1 278 -> 213,
+78 -> 64 registers; the 16-token ``pf`` launch 198 -> 166), bit-equality checked per row.
 """
 import os
 import sys
@@ -89,4 +91,24 @@ for name, (N, K) in SHAPES.items():
                     row[vn + "_vs_cublas"] = round(row["cublas_us"] / row[vn + "_us"], 3)
             row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
             probe_row(doc, f"t_{name}_M{M}", row)
+if "f" in args.parts:  # the fragment kernel's committed launches at 1..16 tokens, default table vs ``wide``
+    for name, (N, K) in SHAPES.items():
+        torch.manual_seed(0)
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+        ps = [make_packed(w, 4, 128) for w in ws]
+        for M in (1, 4, 8, 16):
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            y0, y1 = mma_fn(ps[0])(xs[0]), mma_fn(ps[0], wide=True)(xs[0])
+            row = {"M": M, "N": N, "K": K, "wide_bit_equal": bool(torch.equal(y0, y1))}
+            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
+                   "fragment": [mma_fn(p) for p in ps], "fragment_wide": [mma_fn(p, wide=True) for p in ps]}
+            for fn_name, fl in fns.items():
+                try:
+                    t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
+                    row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
+                except Exception as exc:  # keep the row
+                    row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
+            if "fragment_wide_us" in row and "fragment_us" in row:
+                row["wide_speedup"] = round(row["fragment_us"] / row["fragment_wide_us"], 3)
+            probe_row(doc, f"f_{name}_M{M}", row)
 print(write_probe(doc, args.out, os.environ.get("S23_NAME", "s23_smem_table.json")))
