@@ -182,32 +182,29 @@ def test_wide_table_same_result(m, n, k, dtype, extra, dev):
     """Option ``wide`` (the 64 KB pair table, one ``prmt`` per lookup address): the same values in the same
     order, so the output is bit-equal to the default launch (GPU: the committed small-M launches, ring and PDL
     included; the interpreter runs the emulated lookup); 3-bit is refused."""
+    args, kw = _frag_args(m, n, k, dtype, dev)
+    kw.update(extra)
+    assert torch.equal(K.lut_mma_triton(*args, wide=True, **kw), K.lut_mma_triton(*args, **kw))
+    args3, kw3 = _frag_args(m, n, k, dtype, dev, bits=3)
+    with pytest.raises(ValueError, match="wide"):
+        K.lut_mma_triton(*args3, wide=True, **kw3)
+
+
+def _frag_args(m, n, k, dtype, dev, bits=4):
+    """(launcher arguments, keyword arguments) of ``lut_mma_triton`` for one random g128 weight and input."""
     g = 128
     torch.manual_seed(m + n)
     w = torch.randn(n, k, device=dev)
-    q = quantize_lut(w, bits=4, group_size=g, scale_dtype=dtype)
+    q = quantize_lut(w, bits=bits, group_size=g, scale_dtype=dtype)
     x = torch.randn(m, k, device=dev, dtype=dtype)
-    qm, qh = pack_codes_mma(q.codes, 4, g, k)
-    args = (x, qm, qh, q.scales.t().contiguous(), pair_table(q.table, 4, dtype).to(dev), q.table.to(dev))
-    kw = dict(bits=4, group_size=g, out_features=n, **extra)
-    assert torch.equal(K.lut_mma_triton(*args, wide=True, **kw), K.lut_mma_triton(*args, **kw))
-    q3 = quantize_lut(w, bits=3, group_size=g, scale_dtype=dtype)
-    qm3, qh3 = pack_codes_mma(q3.codes, 3, g, k)
-    with pytest.raises(ValueError, match="wide"):
-        K.lut_mma_triton(x, qm3, qh3, q3.scales.t().contiguous(), pair_table(q3.table, 3, dtype).to(dev),
-                         q3.table.to(dev), bits=3, group_size=g, out_features=n, wide=True)
+    qm, qh = pack_codes_mma(q.codes, bits, g, k)
+    args = (x, qm, qh, q.scales.t().contiguous(), pair_table(q.table, bits, dtype).to(dev), q.table.to(dev))
+    return args, dict(bits=bits, group_size=g, out_features=n)
 
 
 def _pdl_case(m, n, k, dtype, dev):
     """(y of the PDL launch, y of the plain launch) of one weight and input."""
-    g = 128
-    torch.manual_seed(m + n)
-    w = torch.randn(n, k, device=dev)
-    q = quantize_lut(w, bits=4, group_size=g, scale_dtype=dtype)
-    x = torch.randn(m, k, device=dev, dtype=dtype)
-    qm, qh = pack_codes_mma(q.codes, 4, g, k)
-    args = (x, qm, qh, q.scales.t().contiguous(), pair_table(q.table, 4, dtype).to(dev), q.table.to(dev))
-    kw = dict(bits=4, group_size=g, out_features=n)
+    args, kw = _frag_args(m, n, k, dtype, dev)
     return K.lut_mma_triton(*args, pdl=True, **kw), K.lut_mma_triton(*args, **kw)
 
 

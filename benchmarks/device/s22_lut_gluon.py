@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench.harness import env_info, probe_args, probe_row, time_cuda, write_probe  # noqa: E402
-from lowbit.bench.suites.lut import make_packed  # noqa: E402
+from lowbit.bench.harness import env_info, probe_args, probe_row, time_cuda, time_rotated, write_probe  # noqa: E402
+from lowbit.bench.suites.lut import probe_cases, reference_f64, weight_sets  # noqa: E402
 from lowbit.kernels.lut_wgmma import lut_wgmma_triton  # noqa: E402
 from lowbit.kernels import lut_wgmma_gluon as LG  # noqa: E402
 from lowbit.ops.lut import lut_gemm, lut_gemm_ref  # noqa: E402
@@ -54,60 +54,45 @@ def variants(M):
     return v
 
 
-for name, (N, K) in SHAPES.items():
-    torch.manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
-    ps = [make_packed(w, 4, 128) for w in ws]
-    for M in MS:
-        xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        if "c" in args.parts:
-            p, x = ps[0], xs[0]
-            ref = lut_gemm_ref(x.float(), p["qmma"], p["qmma_hi"], p["scales"], p["table"], 4, 128, K,
-                               layout="mma").double()
-            yt = tri(p)(x)
-            row = {}
-            for vn, kw in variants(M).items():
-                y = glu(p, **kw)(x)
-                torch.cuda.synchronize()
-                row[vn + "_rel"] = ((y.double() - ref).norm() / ref.norm()).item()
-                row[vn + "_maxdiff_triton"] = (y.float() - yt.float()).abs().max().item()
-            row["triton_rel"] = ((yt.double() - ref).norm() / ref.norm()).item()
-            row["op_rel"] = ((op(p)(x).double() - ref).norm() / ref.norm()).item()
-            probe_row(doc, f"c_{name}_M{M}", row)
-        if "t" in args.parts:
-            row = {"M": M, "N": N, "K": K}
-            sets = [(xs[i],) for i in range(3)]
-            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
-                   "triton_wgmma": [tri(p) for p in ps]}
-            for vn, kw in variants(M).items():
-                fns[vn] = [glu(p, **kw) for p in ps]
-            for fn_name, fl in fns.items():
-                try:
-                    t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
-                    row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
-                except Exception as exc:  # keep the row
-                    row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
-            row["gluon_split"] = LG.LAST_COMPILED.get("gluon_split")
-            best = min(v for k, v in row.items() if k.startswith("gluon") and k.endswith("_us"))
-            row["best_gluon_vs_cublas"] = round(row["cublas_us"] / best, 3)
-            row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
-            probe_row(doc, f"t_{name}_M{M}", row)
+for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS):
+    if "c" in args.parts:
+        p, x = ps[0], xs[0]
+        ref = reference_f64(p, x)
+        yt = tri(p)(x)
+        row = {}
+        for vn, kw in variants(M).items():
+            y = glu(p, **kw)(x)
+            torch.cuda.synchronize()
+            row[vn + "_rel"] = ((y.double() - ref).norm() / ref.norm()).item()
+            row[vn + "_maxdiff_triton"] = (y.float() - yt.float()).abs().max().item()
+        row["triton_rel"] = ((yt.double() - ref).norm() / ref.norm()).item()
+        row["op_rel"] = ((op(p)(x).double() - ref).norm() / ref.norm()).item()
+        probe_row(doc, f"c_{name}_M{M}", row)
+    if "t" in args.parts:
+        row = {"M": M, "N": N, "K": K}
+        sets = [(xs[i],) for i in range(3)]
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
+               "triton_wgmma": [tri(p) for p in ps]}
+        for vn, kw in variants(M).items():
+            fns[vn] = [glu(p, **kw) for p in ps]
+        time_rotated(row, fns, xs)
+        row["gluon_split"] = LG.LAST_COMPILED.get("gluon_split")
+        best = min(v for k, v in row.items() if k.startswith("gluon") and k.endswith("_us"))
+        row["best_gluon_vs_cublas"] = round(row["cublas_us"] / best, 3)
+        row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
+        probe_row(doc, f"t_{name}_M{M}", row)
 if "x" in args.parts:  # the op's range for this kernel: fragment kernel vs this one at 1..12 tokens
     from lowbit.bench.suites.lut import mma_fn
 
     for name, (N, K) in SHAPES.items():
-        torch.manual_seed(0)
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
-        ps = [make_packed(w, 4, 128) for w in ws]
+        ws, ps = weight_sets(N, K)
         for M in (1, 2, 3, 4, 6, 8, 12, 16):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             row = {"M": M, "N": N, "K": K}
             fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
                    "fragment": [mma_fn(p) for p in ps], "triton_wgmma": [tri(p) for p in ps],
                    "gluon": [glu(p) for p in ps]}
-            for fn_name, fl in fns.items():
-                t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
-                row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
+            time_rotated(row, fns, xs)
             row["gluon_vs_fragment"] = round(row["fragment_us"] / row["gluon_us"], 3)
             row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
             probe_row(doc, f"x_{name}_M{M}", row)
@@ -120,9 +105,7 @@ if "f" in args.parts:  # the fragment kernel's 2..8-token launch: its M <= 8 con
           "ring_c4": dict(r=1, num_warps=8, ctas_per_sm=4, ring=4, xh=2, sp=True, balance=True, gu=1, prefetch=False),
           "r2_ring": dict(r=2, num_warps=8, ctas_per_sm=2, ring=4, xh=2, gu=1, prefetch=False)}
     for name, (N, K) in SHAPES.items():
-        torch.manual_seed(0)
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
-        ps = [make_packed(w, 4, 128) for w in ws]
+        ws, ps = weight_sets(N, K)
         for M in (1, 2, 4, 8):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             ref = lut_gemm_ref(xs[0].float(), ps[0]["qmma"], None, ps[0]["scales"], ps[0]["table"], 4, 128, K,

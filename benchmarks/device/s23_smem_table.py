@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench.harness import env_info, probe_args, probe_row, time_cuda, write_probe  # noqa: E402
-from lowbit.bench.suites.lut import make_packed, mma_fn  # noqa: E402
+from lowbit.bench.harness import env_info, probe_args, probe_row, time_rotated, write_probe  # noqa: E402
+from lowbit.bench.suites.lut import mma_fn, probe_cases, reference_f64  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
-from lowbit.ops.lut import lut_gemm, lut_gemm_ref  # noqa: E402
+from lowbit.ops.lut import lut_gemm  # noqa: E402
 
 args = probe_args("ct")
 MS = [int(m) for m in os.environ.get("S23_MS", "9,16,32,64,128").split(",")]
@@ -48,67 +48,50 @@ def tri(p, **kw):
     return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
 
 
-for name, (N, K) in SHAPES.items():
-    torch.manual_seed(0)
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
-    ps = [make_packed(w, 4, 128) for w in ws]
-    for M in MS:
-        xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        if "c" in args.parts:
-            p, x = ps[0], xs[0]
-            ref = lut_gemm_ref(x.float(), p["qmma"], p["qmma_hi"], p["scales"], p["table"], 4, 128, K,
-                               layout="mma").double()
-            row = {}
-            for split in (1, 4):
-                y0 = tri(p, split_k=split)(x)
-                for mode in (True, "wide"):
-                    y1 = tri(p, split_k=split, smem_table=mode)(x)
-                    torch.cuda.synchronize()
-                    tag = f"{'wide' if mode == 'wide' else 'smem'}_split{split}"
-                    row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))
-                    row[tag + "_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
-                    row[tag + "_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
-            probe_row(doc, f"c_{name}_M{M}", row)
-        if "t" in args.parts:
-            row = {"M": M, "N": N, "K": K}
-            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
-            fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in VARIANTS.items()}
-            if M <= 16:
-                fns["fragment"] = [mma_fn(p) for p in ps]
-            for fn_name, fl in fns.items():
-                try:
-                    t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
-                    row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
-                    if fn_name.startswith("wgmma"):
-                        k = LW.LAST_COMPILED["wgmma"]
-                        row[fn_name + "_regs"], row[fn_name + "_split"] = k.n_regs, LW.LAST_COMPILED["wgmma_split"]
-                        row[fn_name + "_shared"] = k.packed_metadata[2]
-                except Exception as exc:  # keep the row
-                    row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
-            for vn in VARIANTS:
-                if vn != "wgmma" and vn + "_us" in row and "wgmma_us" in row:
-                    row[vn + "_speedup"] = round(row["wgmma_us"] / row[vn + "_us"], 3)
-                    row[vn + "_vs_cublas"] = round(row["cublas_us"] / row[vn + "_us"], 3)
-            row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
-            probe_row(doc, f"t_{name}_M{M}", row)
+for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS):
+    if "c" in args.parts:
+        p, x = ps[0], xs[0]
+        ref = reference_f64(p, x)
+        row = {}
+        for split in (1, 4):
+            y0 = tri(p, split_k=split)(x)
+            for mode in (True, "wide"):
+                y1 = tri(p, split_k=split, smem_table=mode)(x)
+                torch.cuda.synchronize()
+                tag = f"{'wide' if mode == 'wide' else 'smem'}_split{split}"
+                row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))
+                row[tag + "_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
+                row[tag + "_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
+        probe_row(doc, f"c_{name}_M{M}", row)
+    if "t" in args.parts:
+        row = {"M": M, "N": N, "K": K}
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
+        fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in VARIANTS.items()}
+        if M <= 16:
+            fns["fragment"] = [mma_fn(p) for p in ps]
+        time_rotated(row, fns, xs)
+        for vn in VARIANTS:  # the compiled launch of each variant (registers, split, shared bytes)
+            try:
+                tri(ps[0], **VARIANTS[vn])(xs[0])
+                k = LW.LAST_COMPILED["wgmma"]
+                row[vn + "_regs"], row[vn + "_split"] = k.n_regs, LW.LAST_COMPILED["wgmma_split"]
+                row[vn + "_shared"] = k.packed_metadata[2]
+            except Exception as exc:  # (its error is in the timing entry)
+                row[vn + "_info_err"] = f"{type(exc).__name__}"
+        for vn in VARIANTS:
+            if vn != "wgmma" and vn + "_us" in row and "wgmma_us" in row:
+                row[vn + "_speedup"] = round(row["wgmma_us"] / row[vn + "_us"], 3)
+                row[vn + "_vs_cublas"] = round(row["cublas_us"] / row[vn + "_us"], 3)
+        row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
+        probe_row(doc, f"t_{name}_M{M}", row)
 if "f" in args.parts:  # the fragment kernel's committed launches at 1..16 tokens, default table vs ``wide``
-    for name, (N, K) in SHAPES.items():
-        torch.manual_seed(0)
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
-        ps = [make_packed(w, 4, 128) for w in ws]
-        for M in (1, 4, 8, 16):
-            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-            y0, y1 = mma_fn(ps[0])(xs[0]), mma_fn(ps[0], wide=True)(xs[0])
-            row = {"M": M, "N": N, "K": K, "wide_bit_equal": bool(torch.equal(y0, y1))}
-            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
-                   "fragment": [mma_fn(p) for p in ps], "fragment_wide": [mma_fn(p, wide=True) for p in ps]}
-            for fn_name, fl in fns.items():
-                try:
-                    t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(3)], reps=100)
-                    row[fn_name + "_us"] = round(t["median_ms"] * 1000, 2)
-                except Exception as exc:  # keep the row
-                    row[fn_name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
-            if "fragment_wide_us" in row and "fragment_us" in row:
-                row["wide_speedup"] = round(row["fragment_us"] / row["fragment_wide_us"], 3)
-            probe_row(doc, f"f_{name}_M{M}", row)
+    for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, (1, 4, 8, 16)):
+        y0, y1 = mma_fn(ps[0])(xs[0]), mma_fn(ps[0], wide=True)(xs[0])
+        row = {"M": M, "N": N, "K": K, "wide_bit_equal": bool(torch.equal(y0, y1))}
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
+               "fragment": [mma_fn(p) for p in ps], "fragment_wide": [mma_fn(p, wide=True) for p in ps]}
+        time_rotated(row, fns, xs)
+        if "fragment_wide_us" in row and "fragment_us" in row:
+            row["wide_speedup"] = round(row["fragment_us"] / row["fragment_wide_us"], 3)
+        probe_row(doc, f"f_{name}_M{M}", row)
 print(write_probe(doc, args.out, os.environ.get("S23_NAME", "s23_smem_table.json")))

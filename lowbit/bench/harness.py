@@ -92,6 +92,19 @@ def rotating_inputs(make: Callable[[], tuple], *, min_sets: int = 3, min_total_b
     return sets
 
 
+def time_rotated(row: dict, fns: dict, xs: Sequence, reps: int = 100) -> dict:
+    """Probe helper: for each ``name -> [callable per weight set]`` of ``fns``, the median of ``time_cuda`` with
+    call i on weight set i and input ``xs[i]`` (sets rotated), into ``row[name + "_us"]`` (us, 2 decimals); an
+    exception is kept as ``row[name + "_err"]`` and the other entries still run. Returns ``row``."""
+    for name, fl in fns.items():
+        try:
+            t = time_cuda(lambda i, x: fl[i](x), [(i, xs[i]) for i in range(len(xs))], reps=reps)
+            row[name + "_us"] = round(t["median_ms"] * 1000, 2)
+        except Exception as exc:  # keep the row
+            row[name + "_err"] = f"{type(exc).__name__}: {exc}"[:200]
+    return row
+
+
 def time_cuda(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 10, reps: int = 100,
               chunk: int = 25, mode: str = "gpu") -> dict:
     """Median/min/max ms per call of ``fn(*args)``, cycling through ``arg_sets`` (see module doc)."""

@@ -37,6 +37,32 @@ def make_packed(w: torch.Tensor, bits: int, group_size: int = 128, table="nf") -
     return p
 
 
+def weight_sets(N: int, K: int, bits: int = 4, group_size: int = 128, n: int = 3) -> tuple[list, list]:
+    """Probe helper: ``n`` random bf16 ``[N, K]`` weights on the GPU (seed 0; rotated so that a pass streams from
+    HBM on the large shapes) and their ``make_packed`` forms."""
+    torch.manual_seed(0)
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n)]
+    return ws, [make_packed(w, bits, group_size) for w in ws]
+
+
+def probe_cases(shapes: dict, ms):
+    """Probe helper: for each ``name -> (N, K)`` of ``shapes`` (weights made once, ``weight_sets``) and each token
+    count of ``ms``: ``(name, N, K, M, ws, ps, xs)`` with 3 random bf16 inputs ``xs`` ``[M, K]``."""
+    for name, (N, K) in shapes.items():
+        ws, ps = weight_sets(N, K)
+        for M in ms:
+            yield name, N, K, M, ws, ps, [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+
+def reference_f64(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """The float32 reference product of packed weight ``p`` (``make_packed``, fragment layout) with ``x``, as
+    float64 (the probes' rel-L2 baseline)."""
+    from lowbit.ops.lut import lut_gemm_ref
+
+    return lut_gemm_ref(x.float(), p["qmma"], p["qmma_hi"], p["scales"], p["table"], p["bits"], p["group_size"],
+                        x.shape[1], layout="mma").double()
+
+
 def mma_fn(p: dict, **cfg):
     """Callable x -> y through the tensor-core fragment kernel (``lut_mma_triton``)."""
     from lowbit.kernels.lut_gemm import lut_mma_triton
