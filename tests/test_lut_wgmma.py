@@ -201,7 +201,15 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
 @pytest.mark.parametrize("split,mode", [(1, True), (3, True), (3, "wide")])
 def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split, mode):
     """``smem_table``: the pair lookups in shared memory give the byte-table decode's values, so the output is
-    bit-equal to the default decode at the same launch (split fixed: the residency-planned split may differ)."""
+    bit-equal to the default decode at the same launch (split fixed: the residency-planned split may differ);
+    3-bit (g 128 / 256) through the nibble-indexed table, likewise."""
+    if g == 64 and dtype == torch.float16:  # this row also runs the 3-bit codes (bf16, g 128)
+        q3, x3, qm3, s3, p3, qh3 = _case(m, n, k, 128, torch.bfloat16, "cuda", bits=3)
+        kw3 = dict(group_size=128, out_features=n, one_dot=one_dot, scale_w=scale_w, split_k=split, bits=3,
+                   qweight_hi=qh3)
+        y3 = LW.lut_wgmma_triton(x3, qm3, s3, p3, smem_table=mode, **kw3)
+        assert torch.equal(y3, LW.lut_wgmma_triton(x3, qm3, s3, p3, **kw3))
+        assert rel_l2(y3, _ref(q3, x3)) < KERNEL_VS_REF[torch.bfloat16]
     q, x, qm, s, pairs = _case(m, n, k, g, dtype, "cuda")
     kw = dict(group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w, split_k=split)
     y = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, **kw)
@@ -448,27 +456,42 @@ def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane, 
 
 
 def test_smem_table_option_checks():
-    """``smem_table`` is 4-bit only and a bool; under the interpreter it runs the same (emulated) decode."""
+    """``smem_table`` takes False / True / 'wide'; under the interpreter it runs the same (emulated) decode at 3 and
+    4 bits."""
     from lowbit.formats.lut import pack_codes_mma, pair_table
 
     x = torch.randn(3, 128, dtype=torch.bfloat16)
     codes = torch.randint(0, 8, (32, 128), dtype=torch.uint8)
-    qw, qh = pack_codes_mma(codes, 3, 128)
     sc = torch.rand(1, 32, dtype=torch.bfloat16) + 0.5
-    t3 = torch.linspace(-1, 1, 8)
-    with pytest.raises(ValueError, match="smem_table"):
-        LW.lut_wgmma_triton(x, qw, sc, pair_table(t3, 3, x.dtype), group_size=128, out_features=32, bits=3,
-                            qweight_hi=qh, smem_table=True)
     qw4, _ = pack_codes_mma(codes, 4, 128)
     t4 = torch.linspace(-1, 1, 16)
     with pytest.raises(ValueError, match="smem_table"):
         LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), group_size=128, out_features=32, smem_table="yes")
     if INTERPRET:  # the launcher path with the option on (the interpreter's decode is the emulated one)
-        kw = dict(group_size=128, out_features=32)
-        y0 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), **kw)
-        for mode in (True, "wide"):
-            y1 = LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), smem_table=mode, **kw)
-            assert torch.equal(y0, y1)
+        qw3, qh3 = pack_codes_mma(codes, 3, 128)
+        t3 = torch.linspace(-1, 1, 8)
+        for bits, kw in ((4, dict(qweight=qw4, pairs=pair_table(t4, 4, x.dtype))),
+                         (3, dict(qweight=qw3, pairs=pair_table(t3, 3, x.dtype), qweight_hi=qh3))):
+            kw.update(group_size=128, out_features=32, bits=bits, x=x, scales=sc)
+            y0 = LW.lut_wgmma_triton(**kw)
+            for mode in (True, "wide"):
+                assert torch.equal(y0, LW.lut_wgmma_triton(smem_table=mode, **kw))
+
+
+def test_nibble_indexed_3bit_table_rows():
+    """The 3-bit ``smem_table``'s 256-entry table (``lut_gemm._store_pair_table(NIBBLES=True)``): entry e reads the
+    3-bit ``pair_table`` row holding the codes (e & 7, (e >> 4) & 7), i.e. the two nibbles of a byte of the merged
+    4-bit-layout words; the row index formula (written here as the kernel writes it) against ``pair_table``'s
+    values."""
+    from lowbit.formats.lut import pair_table
+
+    t3 = torch.randn(8)
+    rows = pair_table(t3, 3, torch.bfloat16).float()
+    t3b = t3.to(torch.bfloat16).float()
+    for e in range(256):
+        c0, c1 = e & 7, (e >> 4) & 7
+        i = (c0 & 3) | ((c1 & 3) << 2) | ((c0 >> 2) << 4) | ((c1 >> 2) << 5)
+        assert rows[i, 0] == t3b[c0] and rows[i, 1] == t3b[c1]
 
 
 def test_tensor_parallel_shard_k():

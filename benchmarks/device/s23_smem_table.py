@@ -5,7 +5,8 @@ sm_90a SASS of the main loop at 16 / 32 / 64 tokens, gate_up: 560 -> 391, 628 ->
 default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes; ``smem_table='wide'``
 (64 KB, one ``prmt`` per address: 335 / 390 / 518 SASS at 16 / 32 / 64 tokens) beside it.
 
-    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME)
+    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME,
+        S23_BITS=3 for the 3-bit codes: parts c / t; the fragment kernel's wide table is 4-bit only)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
 (bit-equal expected: same values, same summation order) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
@@ -38,17 +39,22 @@ VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"sme
             "wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2}}
 
 
+BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
+doc["bits"] = BITS
+
+
 def op(p):
-    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=4, group_size=128,
+    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"], group_size=128,
                               layout="mma")
 
 
 def tri(p, **kw):
     N = p["scales"].shape[1]
-    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
+    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N,
+                                         bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
 
 
-for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS):
+for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
     if "c" in args.parts:
         p, x = ps[0], xs[0]
         ref = reference_f64(p, x)
@@ -85,7 +91,7 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS):
         row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
         probe_row(doc, f"t_{name}_M{M}", row)
 if "f" in args.parts:  # the fragment kernel's committed launches at 1..16 tokens, default table vs ``wide``
-    for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, (1, 4, 8, 16)):
+    for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, (1, 4, 8, 16), BITS):
         y0, y1 = mma_fn(ps[0])(xs[0]), mma_fn(ps[0], wide=True)(xs[0])
         row = {"M": M, "N": N, "K": K, "wide_bit_equal": bool(torch.equal(y0, y1))}
         fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],

@@ -685,14 +685,24 @@ def _load_scales(S, gi, stride_sg, rt, g, ok, S_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128):
+def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128, NIBBLES: tl.constexpr = False):
     """The lane-duplicated pair table (int32 rows of ``P``) into shared memory at byte offset ``off`` (see
     ``_lut_mma_kernel``; the register-table kernel's ``SMEM_TAB`` puts it past Triton's own buffers): lane l's
     copy of entry e at ``off + STRIDE e + 4 l`` (``STRIDE`` 128, or 256 for ``SMEM_TAB == 2``, whose entries then
-    use half of each row), then a barrier."""
-    NE: tl.constexpr = 1 << (2 * BITS)
+    use half of each row), then a barrier. ``NIBBLES`` (3-bit): 256 entries indexed like the 4-bit table, entry e
+    = the codes (e & 7, (e >> 4) & 7) of one byte of the 4-bit-layout words ``lut_wgmma._words3`` builds, read from
+    the 3-bit pair table's row ``formats.lut.pair_table`` indexes them by."""
+    if NIBBLES:
+        NE: tl.constexpr = 256
+    else:
+        NE: tl.constexpr = 1 << (2 * BITS)
     f = tl.arange(0, NE * 8)  # 16-byte slot f holds 4 lane copies (lanes 4 (f % 8) ..) of entry f // 8
-    pv = tl.load(P + f // 8)
+    if NIBBLES:
+        c0 = (f // 8) & 7
+        c1 = (f // 128) & 7
+        pv = tl.load(P + ((c0 & 3) | ((c1 & 3) << 2) | ((c0 >> 2) << 4) | ((c1 >> 2) << 5)))
+    else:
+        pv = tl.load(P + f // 8)
     tl.inline_asm_elementwise(
         "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
         "mov.b32 $0, 0; }",

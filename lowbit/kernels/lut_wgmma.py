@@ -43,7 +43,7 @@ lookup a pure register computation:
   relabelling, so the conversion is a register renaming: no ``ldmatrix``, fewer barriers (PTX checked offline
   with ``benchmarks/offline_ptx.py``). 5-20 % faster at 16..128 tokens at 4 bits, up to 18 % at 16..32 tokens
   at 3 bits (H200, ``wgmma_config``).
-- ``SMEM_TAB`` (option ``smem_table``, 4-bit; session 23, built and checked offline, not yet timed): the decode
+- ``SMEM_TAB`` (option ``smem_table``; session 23, built and checked offline, not yet timed): the decode
   instead looks each code byte up in the fragment kernel's lane-duplicated pair table (32 KB of shared memory past
   Triton's own buffers): shift, one ``LOP3``, one ``ld.shared`` per two codes, 8 integer instructions + 4 loads per
   8 codes instead of 22 integer instructions, the same values (``_lds_decode_asm``). ``smem_table='wide'``: entries
@@ -146,8 +146,9 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
     (rows g, rows g + 8) ``[R, 4 W]`` in the activation dtype, K in natural order. ``SCALE`` (``scale_w``): 1 =
     the values times their rows' scales ``s0`` / ``s1`` ``[R]`` (activation dtype) by Triton's multiply, 2 = inside
     the PTX, each scale packed into both halves of a ``mul.rn.{bf16x2,f16x2}`` operand (the same values).
-    ``SMEM_TAB`` (4-bit; 1, or 2 = ``wide``): the pair-table lookups of ``_lds_decode_asm`` (table at shared offset
-    ``tab_off``) in place of the byte-table ``prmt`` decode; the same values."""
+    ``SMEM_TAB`` (1, or 2 = ``wide``): the pair-table lookups of ``_lds_decode_asm`` (table at shared offset
+    ``tab_off``; 3-bit: the 4-bit-indexed table of ``_store_pair_table(NIBBLES=True)``) in place of the byte-table
+    ``prmt`` decode; the same values."""
     R: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
     if SMEM_TAB > 0 and not EMU:
@@ -318,7 +319,7 @@ def _lut_wgmma_kernel(
     ``0`` in the sm_90 PTX). ``SCALE_W == 2``: the multiply inside the decode PTX (``mul.rn.bf16x2``, same
     values). ``REG_A``: the decoded tile relabelled into the wgmma A-register fragment (``_reg_a``); tile rows then
     map to weight rows through ``_reg_a_row``, the activation tile's columns to K through ``_reg_a_k``.
-    ``SMEM_TAB`` (4-bit, option ``smem_table``): the codes are looked up in the fragment kernel's lane-duplicated
+    ``SMEM_TAB`` (option ``smem_table``): the codes are looked up in the fragment kernel's lane-duplicated
     pair table, written at the start to shared offset ``TAB_OFF`` (past Triton's own buffers; the launcher raises
     the launch's dynamic shared size by the table's 32 KB, 64 KB for ``SMEM_TAB == 2``), instead of the byte-table
     ``prmt`` decode."""
@@ -359,7 +360,7 @@ def _lut_wgmma_kernel(
         tabs = (0, 0, 0, 0, 0, 0, 0, 0)
         TSTRIDE: tl.constexpr = 256 if SMEM_TAB == 2 else 128  # bytes between table entries
         if not EMU:
-            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, TSTRIDE)
+            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, TSTRIDE, BITS == 3)
     else:
         tabs = _byte_tables(P, BITS)  # (unused by the interpreter's decode)
     g0 = pid_k * GROUPS_PER_SPLIT
@@ -549,8 +550,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split;
     ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2; ``reg_a``: False, True or 'auto'
     = on for 64-row tiles without ``scale_w='asm'``; ``smem_table``: True = the shared-memory pair-table decode,
-    ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 4-bit only, off by default until timed on
-    the device).
+    ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 3-bit looks the merged words' bytes up in
+    a 256-entry table built from the 3-bit pairs; off by default until timed on the device).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
     M, K = x.shape
@@ -567,8 +568,6 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     smem_tab = cfg.get("smem_table", False)
     if smem_tab not in (False, True, "wide"):
         raise ValueError(f"smem_table must be False, True or 'wide', got {smem_tab!r}")
-    if smem_tab and bits != 4:
-        raise ValueError("smem_table (the shared-memory pair table) is implemented for bits=4 only")
     y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton")
     if done:
         return y

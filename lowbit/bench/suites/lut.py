@@ -45,11 +45,11 @@ def weight_sets(N: int, K: int, bits: int = 4, group_size: int = 128, n: int = 3
     return ws, [make_packed(w, bits, group_size) for w in ws]
 
 
-def probe_cases(shapes: dict, ms):
+def probe_cases(shapes: dict, ms, bits: int = 4):
     """Probe helper: for each ``name -> (N, K)`` of ``shapes`` (weights made once, ``weight_sets``) and each token
     count of ``ms``: ``(name, N, K, M, ws, ps, xs)`` with 3 random bf16 inputs ``xs`` ``[M, K]``."""
     for name, (N, K) in shapes.items():
-        ws, ps = weight_sets(N, K)
+        ws, ps = weight_sets(N, K, bits)
         for M in ms:
             yield name, N, K, M, ws, ps, [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
 
