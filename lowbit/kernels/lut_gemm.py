@@ -706,7 +706,8 @@ def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128, 
     tl.inline_asm_elementwise(
         "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
         "mov.b32 $0, 0; }",
-        "=r,r,r", [(f // 8) * STRIDE + (f % 8) * 16 + off, pv], dtype=tl.int32, is_pure=False, pack=1)
+        "=r,r,r", [(f * 16 if STRIDE == 128 else (f // 8) * STRIDE + (f % 8) * 16) + off, pv], dtype=tl.int32,
+        is_pure=False, pack=1)
     tl.debug_barrier()
 
 
