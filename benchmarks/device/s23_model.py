@@ -1,0 +1,36 @@
+"""Session-23 model A/B: the LUT decode options (``smem_table`` in the register-table kernel, ``wide`` in the fragment
+kernel) switched on for every launch of the op by patching the launch-config functions, then the model bench as in
+session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT recipes beside bf16.
+
+    PYTHONPATH=$PWD python3 benchmarks/device/s23_model.py OUT     (env S23_LUT, S23_BATCHES, S23_RECIPES)
+
+``S23_LUT`` (comma-separated): ``smem`` / ``wide`` = the register-table kernel's ``smem_table`` True / 'wide';
+``frag_wide`` = the fragment kernel's ``wide``; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
+register-table kernel instead of the Gluon one; empty = the committed dispatch (the baseline of the A/B).
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+from lowbit.bench import model as BM  # noqa: E402
+from lowbit.kernels import lut_gemm as LG  # noqa: E402
+from lowbit.kernels import lut_wgmma as LW  # noqa: E402
+from lowbit.kernels import lut_wgmma_gluon as LGL  # noqa: E402
+
+opts = [o for o in os.environ.get("S23_LUT", "").split(",") if o]
+_wgmma_config, _mma_config = LW.wgmma_config, LG.mma_config
+if "smem" in opts or "wide" in opts:
+    mode = "wide" if "wide" in opts else True
+    LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), smem_table=mode)
+if "frag_wide" in opts:
+    LG.mma_config = lambda M, N, K, bits, G: dict(_mma_config(M, N, K, bits, G), **({"wide": True} if bits == 4 else {}))
+if "no_gluon" in opts:
+    LGL.gluon_preferred = lambda *a, **k: False
+t0 = time.time()
+B = [int(b) for b in os.environ.get("S23_BATCHES", "1,64").split(",")]  # issue 7: >= 2.5x at 1, >= 1.5x at 64
+tag = "_".join(opts) or "committed"
+BM.run(os.path.join(sys.argv[1], f"model_{tag}"), recipes=tuple(os.environ.get("S23_RECIPES", "flute-nf4").split(",")),
+       prefill_seqs=[1024], decode_batches=B, decode_ctx=[1024], time_budget_s=200,
+       command=f"benchmarks/device/s23_model.py (session 23: S23_LUT={','.join(opts)})")
+print("model_s", time.time() - t0)
