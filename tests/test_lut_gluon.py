@@ -35,6 +35,13 @@ def test_dispatch_range_and_supported_on_cpu():
 
 def test_launcher_errors_name_the_argument():
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    if GPU and LGL.HAS_GLUON:
+        xg = torch.zeros(4, 128, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="smem_table"):
+            LGL.lut_wgmma_gluon(xg, torch.zeros(256, dtype=torch.int32, device="cuda"),
+                                torch.zeros(1, 16, dtype=torch.bfloat16, device="cuda"),
+                                torch.zeros(256, 2, dtype=torch.bfloat16, device="cuda"), group_size=128,
+                                out_features=16, smem_table="yes")
     with pytest.raises(ValueError, match="lut_wgmma_gluon needs"):
         LGL.lut_wgmma_gluon(x, torch.zeros(128, dtype=torch.int32), torch.zeros(1, 16, dtype=torch.bfloat16),
                             torch.zeros(256, 2, dtype=torch.bfloat16), group_size=128, out_features=16)
@@ -61,6 +68,9 @@ def test_gluon_matches_reference_and_triton_gpu(m, n, k, g, dtype, cfg):
     assert rel_l2(y, ref) < KERNEL_VS_REF[dtype]
     yt = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n)
     assert rel_l2(y, yt) < KERNEL_VS_REF[dtype]
+    for mode in (True, "wide"):  # session 23's pair-table lookups: the same values, bit-equal output
+        assert torch.equal(LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=g, out_features=n, smem_table=mode, **cfg),
+                           y)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ Part ``c``: correctness per shape and M: the option's output against the default
 (bit-equal expected: same values, same summation order) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
 medians, weights rotated over 3 sets (> 2x L2 on the large shapes): cuBLAS, the op, the Triton kernel with each decode
 (its committed launch config; ``balance`` plans the split from each variant's own residency), and at M <= 16 the
-fragment kernel. Part ``f`` (run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with
+fragment kernel and the Gluon kernel with each decode. Part ``f`` (run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with
 its 32 KB table vs ``wide=True`` (64 KB, one ``prmt`` per lookup address; offline SASS per loop at M = 1 278 -> 213,
 78 -> 64 registers; the 16-token ``pf`` launch 198 -> 166), bit-equality checked per row.
 """
@@ -26,6 +26,7 @@ sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_rotated, write_probe  # noqa: E402
 from lowbit.bench.suites.lut import mma_fn, probe_cases, reference_f64  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
+from lowbit.kernels import lut_wgmma_gluon as LGL  # noqa: E402
 from lowbit.ops.lut import lut_gemm  # noqa: E402
 
 args = probe_args("ct")
@@ -54,11 +55,21 @@ def tri(p, **kw):
                                          bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
 
 
+def glu(p, **kw):
+    N = p["scales"].shape[1]
+    return lambda x: LGL.lut_wgmma_gluon(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
+
+
 for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
     if "c" in args.parts:
         p, x = ps[0], xs[0]
         ref = reference_f64(p, x)
         row = {}
+        if M <= 16 and BITS == 4:  # the Gluon kernel's options against its default launch
+            yg = glu(p)(x)
+            for mode in (True, "wide"):
+                row[f"gluon_{'wide' if mode == 'wide' else 'smem'}_bit_equal"] = bool(
+                    torch.equal(glu(p, smem_table=mode)(x), yg))
         for split in (1, 4):
             y0 = tri(p, split_k=split)(x)
             for mode in (True, "wide"):
@@ -75,6 +86,10 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in VARIANTS.items()}
         if M <= 16:
             fns["fragment"] = [mma_fn(p) for p in ps]
+            if BITS == 4:  # the Gluon register-table kernel (the op's 8..16-token launch on qkv / o) and its options
+                for gn, gkw in {"gluon": {}, "gluon_smem": {"smem_table": True},
+                                "gluon_wide": {"smem_table": "wide"}}.items():
+                    fns[gn] = [glu(p, **gkw) for p in ps]
         time_rotated(row, fns, xs)
         for vn in VARIANTS:  # the compiled launch of each variant (registers, split, shared bytes)
             try:

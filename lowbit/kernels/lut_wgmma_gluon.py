@@ -34,6 +34,10 @@ every wgmma of a kernel like this one when a loop-carried accumulator in flight 
 after the next wgmma's issue (notes C7515 / C7514): the fold's result goes through a wait, and the last chunk of each
 group pair waits to zero (``benchmarks/offline_lut_gluon.py`` checks the notes are gone).
 
+Option ``smem_table`` (session 23; built and checked offline, not yet timed): the decode through the shared-memory
+pair table of ``lut_wgmma._lds_decode_asm`` (offline SASS per group pair at 8 / 16 tokens: 563 / 565 -> 392 / 458,
+'wide' 329 / 370).
+
 The interpreter cannot run Gluon: the CPU path is the Triton kernel, whose decode PTX and relabelling this kernel
 shares (both checked on the CPU in ``tests/test_lut_wgmma.py``); the GPU tests (``tests/test_lut_gluon.py``) compare
 this kernel with the float64 reference and the Triton kernel (rel-L2 within the kernels' tolerance: the split-K and
@@ -46,7 +50,7 @@ import torch
 from lowbit._utils import cdiv
 from lowbit.formats.lut import MMA_CHUNK
 from lowbit.kernels.lut_gemm import split_plan
-from lowbit.kernels.lut_wgmma import _decode_asm, check_mma_args, mma_output
+from lowbit.kernels.lut_wgmma import _decode_asm, _lds_decode_asm, _table_offset, check_mma_args, mma_output
 
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
     from triton.experimental import gluon
@@ -63,6 +67,22 @@ BLOCK_MS = (8, 16, 32, 64)
 if HAS_GLUON:
     _DEC = gl.constexpr(_decode_asm())
     _DEC_CONS = gl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
+    _LDS = gl.constexpr(_lds_decode_asm())
+    _LDSW = gl.constexpr(_lds_decode_asm(wide=True))
+    _LDS_CONS = gl.constexpr(",".join(["=h"] * 8 + ["r"] * 2))
+
+    @gluon.jit
+    def _store_table(P, off, STRIDE: gl.constexpr):
+        """``lut_gemm._store_pair_table`` (4-bit) in Gluon: lane l's copy of pair row e at shared byte offset
+        ``off + STRIDE e + 4 l`` (16-byte slot f = 4 lane copies of row f // 8), then a barrier."""
+        fl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        f = gl.arange(0, 2048, layout=fl)
+        pv = gl.load(P.to(gl.pointer_type(gl.int32)) + f // 8)
+        gl.inline_asm_elementwise(
+            "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
+            "mov.b32 $0, 0; }",
+            "=r,r,r", [(f // 8) * STRIDE + (f % 8) * 16 + off, pv], dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
 
     @gluon.jit
     def _tables(P):
@@ -99,21 +119,33 @@ if HAS_GLUON:
         return lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
 
     @gluon.jit
-    def _decode_a(words, tabs, a_l: gl.constexpr, ODT: gl.constexpr):
+    def _decode_a(words, tabs, a_l: gl.constexpr, ODT: gl.constexpr, SMEM_TAB: gl.constexpr = 0):
         """Code words ``[32, 16]`` (row ``8 rt + g``, column ``4 t + s``) -> the ``[64, 64]`` A tile in the wgmma
         register fragment (``lut_wgmma._decode`` + the stacked halves + ``_reg_a``: row ``16 rt + 8 rh + g``,
-        column ``16 s + 8 a + 2 t + b`` = K ``16 t + 4 s + 2 a + b``)."""
-        lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
+        column ``16 s + 8 a + 2 t + b`` = K ``16 t + 4 s + 2 a + b``). ``SMEM_TAB`` (1, 2 = wide): ``tabs`` is the
+        pair table's shared offset and the lookups are ``lut_wgmma._lds_decode_asm``'s."""
         z = words * 0
-        args = [words, z + lo0, z + lo1, z + lo2, z + lo3, z + hi0, z + hi1, z + hi2, z + hi3]
+        if SMEM_TAB == 2:
+            asm: gl.constexpr = _LDSW
+            cons: gl.constexpr = _LDS_CONS
+            args = [words, z + tabs]
+        elif SMEM_TAB == 1:
+            asm: gl.constexpr = _LDS
+            cons: gl.constexpr = _LDS_CONS
+            args = [words, z + tabs]
+        else:
+            asm: gl.constexpr = _DEC
+            cons: gl.constexpr = _DEC_CONS
+            lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
+            args = [words, z + lo0, z + lo1, z + lo2, z + lo3, z + hi0, z + hi1, z + hi2, z + hi3]
         if ODT == gl.bfloat16:
             n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-                _DEC, _DEC_CONS, args, is_pure=True, pack=1,
+                asm, cons, args, is_pure=True, pack=1,
                 dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
                        gl.bfloat16))
         else:
             n0, n1, n2, n3, n4, n5, n6, n7 = gl.inline_asm_elementwise(
-                _DEC, _DEC_CONS, args, is_pure=True, pack=1,
+                asm, cons, args, is_pure=True, pack=1,
                 dtype=(gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16, gl.float16,
                        gl.float16))
         w0 = gl.reshape(gl.join(gl.join(n0, n4), gl.join(n1, n5)), [32, 64])  # rows g, K natural
@@ -130,10 +162,10 @@ if HAS_GLUON:
 
     @gluon.jit
     def _chunk(words, xt, xs, slot: gl.constexpr, tabs, p, use_acc: gl.constexpr, a_prev, a_l: gl.constexpr,
-               ODT: gl.constexpr, PEND: gl.constexpr = 1):
+               ODT: gl.constexpr, PEND: gl.constexpr = 1, SMEM_TAB: gl.constexpr = 0):
         """Decode one chunk, stage its activation tile, issue its wgmma into ``p`` (async), then wait until only
         it is in flight: the previous chunk's wgmma (and its A registers, ``a_prev``) is done."""
-        a = _decode_a(words, tabs, a_l, ODT)
+        a = _decode_a(words, tabs, a_l, ODT, SMEM_TAB)
         xs.index(slot).store(xt)
         fence_async_shared()
         gl.thread_barrier()
@@ -141,12 +173,14 @@ if HAS_GLUON:
         p, a_prev = warpgroup_mma_wait(num_outstanding=PEND, deps=(p, a_prev))
         return p, a
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["TAB_OFF"])
     def _lut_gluon_kernel(X, Q, S, P, Y, WS, LOCKS, M, N, NRT, NC, NG, GROUPS_PER_SPLIT, SPLIT_K,
-                          stride_xm, stride_sg, stride_ym,
+                          stride_xm, stride_sg, stride_ym, TAB_OFF,
                           GROUP: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
-                          XPF: gl.constexpr = 2):
-        """Module docstring. Grid: (row blocks of 64, token blocks of ``BLOCK_M``, splits)."""
+                          XPF: gl.constexpr = 2, SMEM_TAB: gl.constexpr = 0):
+        """Module docstring. Grid: (row blocks of 64, token blocks of ``BLOCK_M``, splits). ``SMEM_TAB`` (option
+        ``smem_table``, 1 or 2 = 'wide'): the pair table at shared offset ``TAB_OFF`` (past this kernel's own
+        buffers; the launcher raises the shared size) and ``lut_wgmma._lds_decode_asm``'s lookups."""
         ODT: gl.constexpr = Y.dtype.element_ty
         CPG: gl.constexpr = GROUP // 64  # chunks per scale group
         pid_n = gl.program_id(0)
@@ -176,7 +210,11 @@ if HAS_GLUON:
         # scales: the accumulator's rows
         n_acc = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         n_ok = n_acc < N
-        tabs = _tables(P)
+        if SMEM_TAB > 0:
+            _store_table(P, TAB_OFF, 256 if SMEM_TAB == 2 else 128)
+            tabs = TAB_OFF
+        else:
+            tabs = _tables(P)
         g0 = pid_k * GROUPS_PER_SPLIT
         g1 = gl.minimum(g0 + GROUPS_PER_SPLIT, NG)
         acc = gl.zeros([64, BLOCK_M], gl.float32, acc_l)
@@ -204,12 +242,12 @@ if HAS_GLUON:
                 else:
                     x3 = _x_tile(x_rows, c + 1, m_ok & (c + 1 < c1))
                 if cc < CPG:
-                    pa, a_prev = _chunk(w1, x1, xs, cc % 2, tabs, pa, cc > 0, a_prev, a_l, ODT)
+                    pa, a_prev = _chunk(w1, x1, xs, cc % 2, tabs, pa, cc > 0, a_prev, a_l, ODT, 1, SMEM_TAB)
                     if cc == 0:  # the odd group before this pair is final (zeros before the first pair)
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc + pb * sb[:, None],))
                 else:
                     pb, a_prev = _chunk(w1, x1, xs, cc % 2, tabs, pb, cc > CPG, a_prev, a_l, ODT,
-                                        0 if cc == 2 * CPG - 1 else 1)
+                                        0 if cc == 2 * CPG - 1 else 1, SMEM_TAB)
                     if cc == CPG:  # this pair's even group is final
                         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc + pa * sa[:, None],))
                 w1 = w2
@@ -276,12 +314,14 @@ def gluon_config(M: int) -> dict:
 
 
 LAST_COMPILED: dict = {}
+_TAB_OFF_BY_KEY: dict = {}  # smem_table launch key -> the table's shared offset (``lut_wgmma._table_offset``)
 
 
 def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
                     group_size: int, out_features: int, **overrides) -> torch.Tensor:
     """Launch ``_lut_gluon_kernel`` (4-bit 'mma' codes, ``pairs`` = ``pair_table(table, 4, x.dtype)``, ``scales``
-    ``[ceil(K/G), N]``; ``overrides``: ``block_m``, ``split_k``, ``ctas_per_sm``, ``maxnreg``)."""
+    ``[ceil(K/G), N]``; ``overrides``: ``block_m``, ``split_k``, ``ctas_per_sm``, ``maxnreg``, ``smem_table``: False,
+    True or 'wide' as in ``lut_wgmma.lut_wgmma_triton``, session 23, not yet timed)."""
     M, K = x.shape
     N, G = out_features, group_size
     if not supported(x, 4, G):
@@ -301,8 +341,21 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     kw = dict(GROUP=G, BLOCK_M=bm, USE_SPLIT=split > 1, XPF=int(cfg.get("xpf", 2)), num_warps=4)
     if cfg.get("maxnreg"):
         kw["maxnreg"] = int(cfg["maxnreg"])
-    LAST_COMPILED["gluon"] = _lut_gluon_kernel[(grid_n, grid_m, split)](
-        x, qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split,
-        x.stride(0), scales.stride(0), y.stride(0), **kw)
+    smem_tab = cfg.get("smem_table", False)
+    if smem_tab not in (False, True, "wide"):
+        raise ValueError(f"smem_table must be False, True or 'wide', got {smem_tab!r}")
+    args = (x, qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split, x.stride(0), scales.stride(0),
+            y.stride(0))
+    grid = (grid_n, grid_m, split)
+    tab_off = 0
+    if smem_tab:  # passed only when set: the default launch stays as measured; the table past Gluon's buffers
+        kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
+        key = (x.device.index, x.dtype, scales.dtype, tuple(sorted(kw.items())),
+               tuple((a == 1, a % 16 == 0) if isinstance(a, int) else a.data_ptr() % 16 == 0 for a in args))
+        tab_off = _TAB_OFF_BY_KEY.get(key)
+        if tab_off is None:
+            tab_off = _table_offset(_lut_gluon_kernel.warmup(*args, 0, grid=grid, **kw), kw["SMEM_TAB"])
+            _TAB_OFF_BY_KEY[key] = tab_off
+    LAST_COMPILED["gluon"] = _lut_gluon_kernel[grid](*args, tab_off, **kw)
     LAST_COMPILED["gluon_split"] = split
     return y
