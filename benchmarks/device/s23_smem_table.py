@@ -37,7 +37,10 @@ doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median
 # the committed decode, the 32 KB table (shift + LOP3 per address), the 64 KB one (one prmt per address; 2 programs
 # per SM by shared memory at 16-32 tokens), and that with one activation stage less (Triton's shared memory -4 KB)
 VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"smem_table": "wide"},
-            "wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2}}
+            "wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2},
+            # the other committed tile shape with each table (one stacked dot over 4 row tiles / two dots over 8)
+            "wgmma_smem_o4": {"smem_table": True, "rt": 4, "one_dot": True},
+            "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False}}
 
 
 BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
