@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
+from lowbit.bench import peers  # noqa: E402
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_rotated, write_probe  # noqa: E402
 from lowbit.bench.suites.lut import mma_fn, probe_cases, reference_f64  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
@@ -114,8 +115,15 @@ if "f" in args.parts:  # the fragment kernel's committed launches at 1..16 token
         row = {"M": M, "N": N, "K": K, "wide_bit_equal": bool(torch.equal(y0, y1))}
         fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
                "fragment": [mma_fn(p) for p in ps], "fragment_wide": [mma_fn(p, wide=True) for p in ps]}
+        try:  # issue 4's M = 1 peer (>= 1.3x torch int4 tinygemm)
+            fns["tinygemm"] = [peers.tinygemm_int4(w) for w in ws]
+        except peers.PeerUnavailable as exc:
+            row["tinygemm_err"] = str(exc)[:200]
         time_rotated(row, fns, xs)
         if "fragment_wide_us" in row and "fragment_us" in row:
             row["wide_speedup"] = round(row["fragment_us"] / row["fragment_wide_us"], 3)
+        for fn_name in ("op", "fragment", "fragment_wide"):
+            if "tinygemm_us" in row and fn_name + "_us" in row:
+                row[fn_name + "_vs_tinygemm"] = round(row["tinygemm_us"] / row[fn_name + "_us"], 3)
         probe_row(doc, f"f_{name}_M{M}", row)
 print(write_probe(doc, args.out, os.environ.get("S23_NAME", "s23_smem_table.json")))
