@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from lowbit.formats.lut import (dequantize_lut, mma_shapes, pack_codes_mma, pack_lut, pair_table, quantize_lut,
                                 unpack_codes_mma)
 from lowbit.kernels import lut_gemm as K
+from tests._ptx import pair_smem, run_ptx
 from tests.tolerances import KERNEL_VS_REF, rel_l2
 from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
@@ -188,6 +189,33 @@ def test_wide_table_same_result(m, n, k, dtype, extra, dev):
     args3, kw3 = _frag_args(m, n, k, dtype, dev, bits=3)
     with pytest.raises(ValueError, match="wide"):
         K.lut_mma_triton(*args3, wide=True, **kw3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(st.integers(0, 2 ** 32 - 1), min_size=4, max_size=4),
+       table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16), lane=st.integers(0, 31),
+       wide=st.booleans())
+def test_fragment_lookup_ptx_reads_the_pair_table(words, table, lane, wide):
+    """The lookups of the fragment kernel's PTX (``_mma_asm``, 4-bit, default and ``wide``), run k-step by k-step
+    through the tests' PTX interpreter (the ``mma.sync`` lines left out): A register b of k-step s holds the pair of
+    code byte b of word s, read from lane ``lane``'s copy of the table (stride 128, or 256 with ``wide``)."""
+    stride = 256 if wide else 128
+    smem = {a: v for a, v in pair_smem(table, 0, stride).items() if a % stride == 4 * lane}
+    stmts = [t.strip().strip("{}").strip() for t in K._mma_asm(1, True, 4, wide=wide).split(";")]
+    steps, cur = [], []
+    for t in stmts:  # k-step s = the statements before its mma.sync
+        if t.startswith("mma.sync"):
+            steps.append(cur)
+            cur = []
+        elif t and not t.startswith((".reg", "mov.b32 sel")):
+            cur.append(t)
+    assert len(steps) == 4
+    ops = {f"${4 + w}": words[w] for w in range(4)} | {"$8": 4 * lane}
+    for s_, body in enumerate(steps):
+        out = ops = run_ptx(";".join(body) + ";", ops, smem, lane)  # (registers carry over: gs is set once)
+        for b in range(4):
+            byte = (words[s_] >> 8 * b) & 0xFF
+            assert out[f"a{b}"] == table[byte & 15] | table[byte >> 4] << 16
 
 
 def _frag_args(m, n, k, dtype, dev, bits=4):
