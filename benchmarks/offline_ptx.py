@@ -47,10 +47,11 @@ SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y":
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 15, 16, 17]}
 
 
-def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: int = 0, maxnreg=None) -> dict:
+def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: int = 0, maxnreg=None,
+          x_perm: bool = False) -> dict:
     consts = {"GROUP": 128, "RT": rt, "BLOCK_M": args.bm, "USE_SPLIT": True, "EMU": False, "PREFETCH": True,
               "ONE_DOT": one_dot, "BITS": args.bits, "SCALE_W": scale_w,
-              "REG_A": reg_a, "SMEM_TAB": smem_tab}
+              "REG_A": reg_a, "SMEM_TAB": smem_tab, "X_PERM": x_perm}
     sig = dict(SIG, **{k: "constexpr" for k in consts})
     opts = {"num_warps": 4, "num_stages": args.stages}
     if maxnreg:
@@ -78,10 +79,10 @@ if args.decode:  # the op's 4-bit configs at this token count (wgmma_config), de
 
     for shape, (n, kk) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
         cfg = wgmma_config(args.bm, n, kk, 128, 4)
-        for st in (0, 1, 2):
+        for st, xp in ((0, False), (1, False), (2, False), (2, True)):
             name = f"{shape} rt{cfg['rt']} {'one_dot' if cfg['one_dot'] else 'two dots'} " + \
-                   ["byte tables", "smem_table", "smem_table wide"][st]
-            rows[name] = build(cfg["one_dot"], 0, cfg["rt"], True, st, cfg.get("maxnreg"))
+                   ["byte tables", "smem_table", "smem_table wide"][st] + (" x_perm" if xp else "")
+            rows[name] = build(cfg["one_dot"], 0, cfg["rt"], True, st, cfg.get("maxnreg"), xp)
             print(f"{name:40s}", rows[name], flush=True)
 for one_dot, rt in (() if args.decode else ((False, args.rt), (True, args.rt // 2))):
     for sw in (0, 1, 2):

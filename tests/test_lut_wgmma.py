@@ -215,6 +215,7 @@ def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split, mode):
     kw = dict(group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w, split_k=split)
     y = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, **kw)
     assert torch.equal(y, LW.lut_wgmma_triton(x, qm, s, pairs, **kw))
+    assert torch.equal(y, LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, x_perm=True, **kw))
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
 
 
@@ -397,6 +398,23 @@ def test_smem_table_option_checks():
             y0 = LW.lut_wgmma_triton(**kw)
             for mode in (True, "wide"):
                 assert torch.equal(y0, LW.lut_wgmma_triton(smem_table=mode, **kw))
+
+
+@pytest.mark.parametrize("m,n,k,g,bits,kw", [(20, 64, 256, 128, 4, {}), (40, 48, 300, 64, 4, {"one_dot": True}),
+                                             (17, 32, 256, 128, 3, {}), (33, 40, 640, 128, 3, {"reg_a": True})])
+def test_x_perm_same_result(m, n, k, g, bits, kw, dev):
+    """Option ``x_perm`` (x copied into the relabelled column order, read with 16-byte vectors): the same tiles, so
+    the output is bit-equal to the gathered default; ``permute_x`` is the ``_reg_a_k`` gather."""
+    q, x, qm, s, pairs, *qh = _case(m, n, k, g, torch.bfloat16, dev, bits=bits)
+    ck = 64 if bits == 4 else 128
+    xp = torch.randn(3, 2 * ck)
+    cols = torch.tensor([(ck // 4) * ((c // 2) % 4) + 4 * (c // 16) + 2 * ((c // 8) % 2) + c % 2 for c in range(ck)])
+    assert torch.equal(LW.permute_x(xp, ck), xp.view(3, 2, ck)[:, :, cols].reshape(3, 2 * ck))
+    args = dict(group_size=g, out_features=n, bits=bits, qweight_hi=qh[0] if bits == 3 else None, split_k=1, **kw)
+    assert torch.equal(LW.lut_wgmma_triton(x, qm, s, pairs, x_perm=True, **args),
+                       LW.lut_wgmma_triton(x, qm, s, pairs, **args))
+    with pytest.raises(ValueError, match="x_perm"):
+        LW.lut_wgmma_triton(x, qm, s, pairs, x_perm="yes", **args)
 
 
 def test_nibble_indexed_3bit_table_rows():

@@ -5,7 +5,7 @@ session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT recipes beside bf16
     PYTHONPATH=$PWD python3 benchmarks/device/s23_model.py OUT     (env S23_LUT, S23_BATCHES, S23_RECIPES)
 
 ``S23_LUT`` (comma-separated): ``smem`` / ``wide`` = the register-table kernels' (Triton and Gluon) ``smem_table``
-True / 'wide';
+True / 'wide'; ``xperm`` = the register-table kernel's ``x_perm`` (x copied into the relabelled column order);
 ``frag_wide`` = the fragment kernel's ``wide``; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
 register-table kernel instead of the Gluon one; empty = the committed dispatch (the baseline of the A/B).
 """
@@ -22,10 +22,13 @@ from lowbit.kernels import lut_wgmma_gluon as LGL  # noqa: E402
 opts = [o for o in os.environ.get("S23_LUT", "").split(",") if o]
 _wgmma_config, _mma_config = LW.wgmma_config, LG.mma_config
 _gluon_config = LGL.gluon_config
+extra = {"x_perm": True} if "xperm" in opts else {}
 if "smem" in opts or "wide" in opts:  # both register-table kernels (Triton and Gluon)
     mode = "wide" if "wide" in opts else True
-    LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), smem_table=mode)
+    extra["smem_table"] = mode
     LGL.gluon_config = lambda M: dict(_gluon_config(M), smem_table=mode)
+if extra:
+    LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), **extra)
 if "frag_wide" in opts:
     LG.mma_config = lambda M, N, K, bits, G: dict(_mma_config(M, N, K, bits, G), **({"wide": True} if bits == 4 else {}))
 if "no_gluon" in opts:

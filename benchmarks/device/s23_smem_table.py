@@ -9,7 +9,7 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
         S23_BITS=3 for the 3-bit codes: parts c / t; the fragment kernel's wide table is 4-bit only)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
-(bit-equal expected: same values, same summation order) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
+(bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
 medians, weights rotated over 3 sets (> 2x L2 on the large shapes): cuBLAS, the op, the Triton kernel with each decode
 (its committed launch config; ``balance`` plans the split from each variant's own residency), and at M <= 16 the
 fragment kernel and the Gluon kernel with each decode. Part ``f`` (run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with
@@ -41,7 +41,10 @@ VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"sme
             "wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2},
             # the other committed tile shape with each table (one stacked dot over 4 row tiles / two dots over 8)
             "wgmma_smem_o4": {"smem_table": True, "rt": 4, "one_dot": True},
-            "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False}}
+            "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False},
+            # x copied into the relabelled column order first (one permute copy per call, timed with the GEMM)
+            "wgmma_xperm": {"x_perm": True}, "wgmma_smem_xperm": {"smem_table": True, "x_perm": True},
+            "wgmma_wide_xperm": {"smem_table": "wide", "x_perm": True}}
 
 
 BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
@@ -77,7 +80,7 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         for split in (1, 4):
             y0 = tri(p, split_k=split)(x)
             for mode in (True, "wide"):
-                y1 = tri(p, split_k=split, smem_table=mode)(x)
+                y1 = tri(p, split_k=split, smem_table=mode, x_perm=split == 4)(x)
                 torch.cuda.synchronize()
                 tag = f"{'wide' if mode == 'wide' else 'smem'}_split{split}"
                 row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))

@@ -307,7 +307,7 @@ def _lut_wgmma_kernel(
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = 0,
-    REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = 0,
+    REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = 0, X_PERM: tl.constexpr = False,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
@@ -322,7 +322,9 @@ def _lut_wgmma_kernel(
     ``SMEM_TAB`` (option ``smem_table``): the codes are looked up in the fragment kernel's lane-duplicated
     pair table, written at the start to shared offset ``TAB_OFF`` (past Triton's own buffers; the launcher raises
     the launch's dynamic shared size by the table's 32 KB, 64 KB for ``SMEM_TAB == 2``), instead of the byte-table
-    ``prmt`` decode."""
+    ``prmt`` decode. ``X_PERM`` (with ``REG_A``; option ``x_perm``): ``X`` arrives with each chunk's columns
+    already in the relabelled order (``permute_x``), so the activation tile is read as contiguous 16-byte vectors
+    instead of gathered 4-byte pairs."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -353,7 +355,7 @@ def _lut_wgmma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     kx = tl.arange(0, CK)
-    if REG_A:  # the activation columns in the relabelled tile's K order
+    if REG_A and not X_PERM:  # the activation columns in the relabelled tile's K order (X_PERM: X already is)
         kx = _reg_a_k(kx, CK)
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + kx[None, :]
     if SMEM_TAB > 0:
@@ -541,6 +543,14 @@ def mma_output(x: torch.Tensor, N: int, G: int, kp: int, name: str):
     return y, done, cdiv(K, G), (x if done else fragment_x(x, kp))
 
 
+def permute_x(x: torch.Tensor, ck: int) -> torch.Tensor:
+    """``x [M, Kp]`` (Kp a multiple of the chunk ``ck``) with each chunk's columns in the ``_reg_a``-relabelled
+    order (column ``16 s + 8 a + 2 t + b`` of a chunk = its K ``(ck / 4) t + 4 s + 2 a + b``, ``_reg_a_k``): the
+    activations the ``X_PERM`` kernel reads with 16-byte vectors. One copy of x."""
+    M, Kp = x.shape
+    return x.reshape(M, Kp // ck, 4, ck // 16, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, Kp)
+
+
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
                      group_size: int, out_features: int, bits: int = 4, qweight_hi: torch.Tensor | None = None,
                      **overrides) -> torch.Tensor:
@@ -551,7 +561,9 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2; ``reg_a``: False, True or 'auto'
     = on for 64-row tiles without ``scale_w='asm'``; ``smem_table``: True = the shared-memory pair-table decode,
     ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 3-bit looks the merged words' bytes up in
-    a 256-entry table built from the 3-bit pairs; off by default until timed on the device).
+    a 256-entry table built from the 3-bit pairs; ``x_perm``: with ``reg_a``, x copied once into the relabelled
+    column order (``permute_x``) so the kernel loads it with 16-byte vectors; both off by default until timed on the
+    device).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
     M, K = x.shape
@@ -591,6 +603,12 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         kw["maxnreg"] = int(cfg["maxnreg"])
     if smem_tab:  # passed only when set: the default launch (and its compiled kernel) stays as measured
         kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
+    x_perm = cfg.get("x_perm", False)
+    if x_perm not in (False, True):
+        raise ValueError(f"x_perm must be False or True, got {x_perm!r}")
+    if x_perm and reg_a:  # (without reg_a the kernel reads x in natural order anyway)
+        kw["X_PERM"] = True
+        x = permute_x(x, MMA_CHUNK[bits])
     split = cfg.get("split_k")
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
