@@ -30,7 +30,8 @@ if "smem" in opts or "wide" in opts:  # both register-table kernels (Triton and 
 if extra:
     LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), **extra)
 if "frag_wide" in opts:
-    LG.mma_config = lambda M, N, K, bits, G: dict(_mma_config(M, N, K, bits, G), **({"wide": True} if bits == 4 else {}))
+    LG.mma_config = lambda M, N, K, bits, G: dict(_mma_config(M, N, K, bits, G),
+                                                  **({"wide": True} if bits == 4 else {}))
 if "no_gluon" in opts:
     LGL.gluon_preferred = lambda *a, **k: False
 t0 = time.time()

@@ -9,12 +9,13 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
         S23_BITS=3 for the 3-bit codes: parts c / t; the fragment kernel's wide table is 4-bit only)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
-(bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to the float64 reference. Part ``t``: CUDA-event
-medians, weights rotated over 3 sets (> 2x L2 on the large shapes): cuBLAS, the op, the Triton kernel with each decode
-(its committed launch config; ``balance`` plans the split from each variant's own residency), and at M <= 16 the
-fragment kernel and the Gluon kernel with each decode. Part ``f`` (run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with
-its 32 KB table vs ``wide=True`` (64 KB, one ``prmt`` per lookup address; offline SASS per loop at M = 1 278 -> 213,
-78 -> 64 registers; the 16-token ``pf`` launch 198 -> 166), bit-equality checked per row.
+(bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to
+the float64 reference. Part ``t``: CUDA-event medians, weights rotated over 3 sets (> 2x L2 on the large shapes):
+cuBLAS, the op, the Triton kernel with each decode (its committed launch config; ``balance`` plans the split from
+each variant's own residency), and at M <= 16 the fragment kernel and the Gluon kernel with each decode. Part ``f``
+(run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with its 32 KB table vs
+``wide=True`` (64 KB, one ``prmt`` per lookup address; offline SASS per loop at M = 1 278 -> 213, 78 -> 64
+registers; the 16-token ``pf`` launch 198 -> 166), bit-equality checked per row.
 """
 import os
 import sys

@@ -928,7 +928,8 @@ def _lut_mma_kernel(
     scale FMA, one exposed memory latency per group). ``WIDE`` (4-bit, session 23, not yet timed) spaces the
     table's entries 256 bytes apart (64 KB, half of each row unused) so that one ``prmt`` builds each lookup
     address (code byte as byte 1, lane offset as byte 0) in place of shift + ``LOP3`` (offline SASS of the M = 1
-    launch's loop: 278 -> 213 instructions, 78 -> 64 registers). (The register-table decode of ``lowbit.kernels.lut_prmt``
+    launch's loop: 278 -> 213 instructions, 78 -> 64 registers).
+    (The register-table decode of ``lowbit.kernels.lut_prmt``
     in place of the pair lookups was built in session 13 and removed in session 14: bit-equal but slower where the
     op uses this kernel, H200 ``s14_probe_prmt.json``: 4-bit M = 1 down 27.9 vs 17.4 us, gate_up 42.5 vs 24.3.)
 
