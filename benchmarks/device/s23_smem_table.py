@@ -36,6 +36,8 @@ MS = [int(m) for m in os.environ.get("S23_MS", "9,16,32,64,128").split(",")]
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096),
           "8192sq": (8192, 8192)}
 doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median ms * 1000"}
+BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
+doc["bits"] = BITS
 # the committed decode, the 32 KB table (shift + LOP3 per address), the 64 KB one (one prmt per address; 2 programs
 # per SM by shared memory at 16-32 tokens), and that with one activation stage less (Triton's shared memory -4 KB)
 VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"smem_table": "wide"},
@@ -46,10 +48,11 @@ VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"sme
             # x copied into the relabelled column order first (one permute copy per call, timed with the GEMM)
             "wgmma_xperm": {"x_perm": True}, "wgmma_smem_xperm": {"smem_table": True, "x_perm": True},
             "wgmma_wide_xperm": {"smem_table": "wide", "x_perm": True}}
+if BITS == 3:  # 3-bit above 32 tokens runs without reg_a (so without x_perm); offline, reg_a + 'wide' + x_perm also
+    # removes the wgmma serialization (C7515) of the committed split-K 64-token config: 849 -> 642 SASS per chunk
+    VARIANTS["wgmma_wide_xperm_rega"] = {"smem_table": "wide", "x_perm": True, "reg_a": True}
 
 
-BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
-doc["bits"] = BITS
 
 
 def op(p):
