@@ -6,7 +6,7 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
 (64 KB, one ``prmt`` per address: 335 / 390 / 518 SASS at 16 / 32 / 64 tokens) beside it.
 
     PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME,
-        S23_BITS=3 for the 3-bit codes: parts c / t; the fragment kernel's wide table is 4-bit only)
+        S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
 (bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to
@@ -39,15 +39,18 @@ doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median
 BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
 doc["bits"] = BITS
 # the committed decode, the 32 KB table (shift + LOP3 per address), the 64 KB one (one prmt per address; 2 programs
-# per SM by shared memory at 16-32 tokens), and that with one activation stage less (Triton's shared memory -4 KB)
+# per SM by shared memory at 16-32 tokens), each also with x copied into the relabelled column order first (one
+# permute copy per call, timed with the GEMM). Every variant compiles its own kernels (about 2 s each, with the
+# split-K residency build): S23_MORE=1 adds the second-tier ones.
 VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"smem_table": "wide"},
-            "wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2},
-            # the other committed tile shape with each table (one stacked dot over 4 row tiles / two dots over 8)
-            "wgmma_smem_o4": {"smem_table": True, "rt": 4, "one_dot": True},
-            "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False},
-            # x copied into the relabelled column order first (one permute copy per call, timed with the GEMM)
-            "wgmma_xperm": {"x_perm": True}, "wgmma_smem_xperm": {"smem_table": True, "x_perm": True},
+            "wgmma_smem_xperm": {"smem_table": True, "x_perm": True},
             "wgmma_wide_xperm": {"smem_table": "wide", "x_perm": True}}
+if os.environ.get("S23_MORE") == "1":
+    VARIANTS |= {"wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2},  # one activation stage less (-4..16 KB)
+                 # the other committed tile shape (one stacked dot over 4 row tiles / two dots over 8)
+                 "wgmma_smem_o4": {"smem_table": True, "rt": 4, "one_dot": True},
+                 "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False},
+                 "wgmma_xperm": {"x_perm": True}}
 if BITS == 3:  # 3-bit above 32 tokens runs without reg_a (so without x_perm); offline, reg_a + 'wide' + x_perm also
     # removes the wgmma serialization (C7515) of the committed split-K 64-token config: 849 -> 642 SASS per chunk
     VARIANTS["wgmma_wide_xperm_rega"] = {"smem_table": "wide", "x_perm": True, "reg_a": True}
