@@ -417,6 +417,45 @@ def test_x_perm_same_result(m, n, k, g, bits, kw, dev):
         LW.lut_wgmma_triton(x, qm, s, pairs, x_perm="yes", **args)
 
 
+def test_table_offset_patches_each_compiled_kernel_once():
+    """``table_offset`` (the ``smem_table`` launches' ``TAB_OFF``): Triton's shared size rounded up to 128 bytes, the
+    launch's shared size raised by the table (32 KB, 64 KB for 'wide') before the module loads, one warmup per
+    launch key, and a kernel already loaded without the table refused (a fake compiled kernel: no GPU here)."""
+    from collections import namedtuple
+
+    Meta = namedtuple("Meta", "shared")
+
+    class Kernel:
+        def __init__(self, shared):
+            self.metadata, self.module, self.packed_metadata = Meta(shared), None, (4, 1, shared)
+
+        def _init_handles(self):
+            self.module = "loaded"
+
+    class Fn:
+        warmups = 0
+
+        def __init__(self, shared):
+            self.kernel = Kernel(shared)
+
+        def warmup(self, *args, grid, **kw):
+            Fn.warmups += 1
+            return self.kernel
+
+    fn = Fn(12300)
+    x = torch.zeros(4, 8)
+    kw = dict(SMEM_TAB=2, BLOCK_M=16)
+    assert LW.table_offset(fn, (x, 16, 1), (1, 1, 1), kw) == 12416  # 12300 rounded up to 128 bytes
+    assert fn.kernel.packed_metadata == (4, 1, 12416 + 65536) and fn.kernel.metadata.shared == 12416 + 65536
+    assert LW.table_offset(fn, (x, 32, 1), (2, 1, 1), kw) == 12416 and Fn.warmups == 1  # same key: no warmup
+    assert LW.table_offset(fn, (x, 17, 1), (1, 1, 1), kw) == 12416 and Fn.warmups == 2  # new key, same kernel
+    assert fn.kernel.packed_metadata[2] == 12416 + 65536  # patched once
+    loaded = Kernel(100)
+    loaded.module = "loaded"
+    with pytest.raises(RuntimeError, match="loaded before"):
+        LW._patch_table(loaded, 1)
+
+
 def test_nibble_indexed_3bit_table_rows():
     """The 3-bit ``smem_table``'s 256-entry table (``lut_gemm._store_pair_table(NIBBLES=True)``): entry e reads the
     3-bit ``pair_table`` row holding the codes (e & 7, (e >> 4) & 7), i.e. the two nibbles of a byte of the merged

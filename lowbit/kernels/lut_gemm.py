@@ -684,6 +684,12 @@ def _load_scales(S, gi, stride_sg, rt, g, ok, S_BF16: tl.constexpr):
                                      [saddr, ok.to(tl.int32)], dtype=tl.float32, is_pure=True, pack=4)
 
 
+# one 16-byte store of 4 lane copies of a table entry at shared byte offset $1 (also the Gluon LUT kernel's)
+PAIR_STORE_PTX = ("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
+                  "mov.b32 $0, 0; }")
+_PAIR_STORE = tl.constexpr(PAIR_STORE_PTX)
+
+
 @triton.jit
 def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128, NIBBLES: tl.constexpr = False):
     """The lane-duplicated pair table (int32 rows of ``P``) into shared memory at byte offset ``off`` (see
@@ -704,9 +710,7 @@ def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128, 
     else:
         pv = tl.load(P + f // 8)
     tl.inline_asm_elementwise(
-        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
-        "mov.b32 $0, 0; }",
-        "=r,r,r", [(f * 16 if STRIDE == 128 else (f // 8) * STRIDE + (f % 8) * 16) + off, pv], dtype=tl.int32,
+        _PAIR_STORE, "=r,r,r", [(f * 16 if STRIDE == 128 else (f // 8) * STRIDE + (f % 8) * 16) + off, pv], dtype=tl.int32,
         is_pure=False, pack=1)
     tl.debug_barrier()
 

@@ -140,6 +140,16 @@ def _run_decode(args, ASM_BF: tl.constexpr, ASM_F: tl.constexpr, CONS: tl.conste
 
 
 @triton.jit
+def _scale_pairs(s0, s1, W: tl.constexpr):
+    """The rows' scales ``s0`` / ``s1`` ``[R]`` (16-bit) each packed into both halves of a 32-bit word, broadcast to
+    ``[R, W]``: the ``mul.rn.{bf16x2,f16x2}`` operands of the scaled decode PTX."""
+    R: tl.constexpr = s0.shape[0]
+    v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W]), tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
+
+
+@triton.jit
 def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl.constexpr, s0, s1,
             SCALE: tl.constexpr, SMEM_TAB: tl.constexpr = 0, tab_off=0):
     """4-bit-layout code words ``[R, W]`` (column = 4 t + s at 4 bits, 8 t + s at 3 bits: ``_words3``) ->
@@ -151,24 +161,7 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
     ``prmt`` decode; the same values."""
     R: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
-    if SMEM_TAB > 0 and not EMU:
-        off = tl.full([R, W], 0, tl.int32) + tab_off
-        if SCALE == 2:
-            v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            p0 = tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W])
-            p1 = tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
-            if SMEM_TAB == 2:
-                n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], _LDSW_BF_SCALED_ASM,
-                                                             _LDSW_F_SCALED_ASM, _LDS_SCALED_CONS, OUT_DTYPE)
-            else:
-                n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], _LDS_BF_SCALED_ASM,
-                                                             _LDS_F_SCALED_ASM, _LDS_SCALED_CONS, OUT_DTYPE)
-        elif SMEM_TAB == 2:
-            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], _LDSW_ASM, _LDSW_ASM, _LDS_CONS, OUT_DTYPE)
-        else:
-            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], _LDS_ASM, _LDS_ASM, _LDS_CONS, OUT_DTYPE)
-    elif EMU:
+    if EMU:
         PI = P.to(tl.pointer_type(OUT_DTYPE))
         n0 = tl.load(PI + 2 * _entry_row(words & 15, BITS))
         n1 = tl.load(PI + 2 * _entry_row((words >> 4) & 15, BITS))
@@ -178,11 +171,24 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
         n5 = tl.load(PI + 2 * _entry_row((words >> 20) & 15, BITS))
         n6 = tl.load(PI + 2 * _entry_row((words >> 24) & 15, BITS))
         n7 = tl.load(PI + 2 * _entry_row((words >> 28) & 15, BITS))
+    elif SMEM_TAB > 0:
+        off = tl.full([R, W], 0, tl.int32) + tab_off
+        if SMEM_TAB == 2:
+            ASM: tl.constexpr = _LDSW_ASM
+            ASM_BF: tl.constexpr = _LDSW_BF_SCALED_ASM
+            ASM_F: tl.constexpr = _LDSW_F_SCALED_ASM
+        else:
+            ASM: tl.constexpr = _LDS_ASM
+            ASM_BF: tl.constexpr = _LDS_BF_SCALED_ASM
+            ASM_F: tl.constexpr = _LDS_F_SCALED_ASM
+        if SCALE == 2:
+            p0, p1 = _scale_pairs(s0, s1, W)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], ASM_BF, ASM_F, _LDS_SCALED_CONS,
+                                                         OUT_DTYPE)
+        else:
+            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], ASM, ASM, _LDS_CONS, OUT_DTYPE)
     elif SCALE == 2:
-        v0 = s0.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        v1 = s1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        p0 = tl.broadcast_to((v0 | (v0 << 16))[:, None], [R, W])
-        p1 = tl.broadcast_to((v1 | (v1 << 16))[:, None], [R, W])
+        p0, p1 = _scale_pairs(s0, s1, W)
         lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
         n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3, p0, p1],
                                                      _DECODE_BF_SCALED_ASM, _DECODE_F_SCALED_ASM,
@@ -617,18 +623,10 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     args = (x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split, x.stride(0), scales.stride(0),
             y.stride(0))
     grid = (grid_n, grid_m, split)
-    tab_off = 0
-    if smem_tab and not interpret_mode():  # the table's place: past Triton's own shared memory (compile once)
-        # the compiled kernel's identity: constexprs + Triton's specialization of the arguments (ints equal to 1 or
-        # divisible by 16, 16-byte aligned pointers)
-        key = (x.device.index, x.dtype, scales.dtype, split > 1, tuple(sorted(kw.items())),
-               tuple((a == 1, a % 16 == 0) if isinstance(a, int) else a.data_ptr() % 16 == 0 for a in args))
-        tab_off = _TAB_OFF_BY_KEY.get(key)
-        if tab_off is None:
-            tab_off = _table_offset(_lut_wgmma_kernel.warmup(*args, 0, grid=grid, USE_SPLIT=split > 1, **kw),
-                                    kw["SMEM_TAB"])
-            _TAB_OFF_BY_KEY[key] = tab_off
-    LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[grid](*args, tab_off, USE_SPLIT=split > 1, **kw)
+    kw["USE_SPLIT"] = split > 1
+    # the table's place: past Triton's own shared memory
+    tab_off = table_offset(_lut_wgmma_kernel, args, grid, kw) if smem_tab and not interpret_mode() else 0
+    LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[grid](*args, tab_off, **kw)
     LAST_COMPILED["wgmma_split"] = split
     return y
 
@@ -646,20 +644,17 @@ def balance_split(tiles: int, ng: int, sms: int, ctas_per_sm: int, resident: int
     return None
 
 
-_TABLE_AT: dict = {}  # id of a compiled SMEM_TAB kernel -> (the kernel, its pair table's shared offset)
-_TAB_OFF_BY_KEY: dict = {}  # launch key (lut_wgmma_triton) -> that offset, so later calls skip the warmup
-
-
-def _table_offset(k, mode: int) -> int:
+def _patch_table(k, mode: int) -> int:
     """Shared byte offset of the pair table in the compiled ``SMEM_TAB = mode`` kernel ``k``: Triton's own shared
     size, rounded up to 128 bytes. The first call per compiled kernel raises its launch's dynamic shared size by the
     table's 32 KB (64 KB for mode 2; Triton does not know about the table; as the fragment kernel's launcher does)
-    before the module is loaded, so the loader opts in to more than 48 KB where needed."""
-    hit = _TABLE_AT.get(id(k))
-    if hit is not None and hit[0] is k:
-        return hit[1]
+    before the module is loaded, so the loader opts in to more than 48 KB where needed; the offset is kept on the
+    kernel object."""
+    off = getattr(k, "lowbit_table_offset", None)
+    if off is not None:
+        return off
     if k.module is not None:  # loaded before its shared size could be raised: never, by construction
-        raise RuntimeError("lut_wgmma_triton: the smem_table kernel was loaded before its shared size was set")
+        raise RuntimeError("smem_table: the kernel was loaded before its shared size was set")
     off = -(-int(k.metadata.shared) // 128) * 128
     smem = off + mma_table_bytes(4) * mode
     k.metadata = k.metadata._replace(shared=smem)
@@ -667,7 +662,24 @@ def _table_offset(k, mode: int) -> int:
     nwarps, nctas, shared = k.packed_metadata
     if shared < smem:
         k.packed_metadata = (nwarps, nctas, smem)
-    _TABLE_AT[id(k)] = (k, off)
+    k.lowbit_table_offset = off
+    return off
+
+
+_TAB_OFF: dict = {}  # launch key -> the pair table's shared offset (so later calls skip the warmup)
+
+
+def table_offset(fn, args: tuple, grid: tuple, kw: dict) -> int:
+    """The ``TAB_OFF`` argument of an ``SMEM_TAB`` launch of jit function ``fn`` (the Triton or the Gluon
+    register-table kernel; ``args`` without it, ``kw`` its constexprs and options): compiled once per launch key --
+    the constexprs and Triton's specialization of the arguments (ints equal to 1 or divisible by 16, 16-byte aligned
+    pointers) -- and patched by ``_patch_table``."""
+    key = (fn, tuple(sorted(kw.items())), tuple(
+        (a == 1, a % 16 == 0) if isinstance(a, int) else (a.device.index, a.dtype, a.data_ptr() % 16 == 0)
+        for a in args))
+    off = _TAB_OFF.get(key)
+    if off is None:
+        off = _TAB_OFF[key] = _patch_table(fn.warmup(*args, 0, grid=grid, **kw), kw["SMEM_TAB"])
     return off
 
 
@@ -686,7 +698,7 @@ def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | 
                                      x.stride(0), scales.stride(0), y.stride(0), 0, USE_SPLIT=True, grid=(1, 1, 1),
                                      **kw)
         if kw.get("SMEM_TAB"):  # the table counts: its shared size is raised (and the module loaded) here
-            _table_offset(k, kw["SMEM_TAB"])
+            _patch_table(k, kw["SMEM_TAB"])
         k._init_handles()  # (a kernel compiled but never launched has no register count before this)
         _RESIDENT[key] = resident_ctas(k, kw["num_warps"])
     return _RESIDENT[key]

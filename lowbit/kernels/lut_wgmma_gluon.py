@@ -49,8 +49,8 @@ import torch
 
 from lowbit._utils import cdiv
 from lowbit.formats.lut import MMA_CHUNK
-from lowbit.kernels.lut_gemm import split_plan
-from lowbit.kernels.lut_wgmma import _decode_asm, _lds_decode_asm, _table_offset, check_mma_args, mma_output
+from lowbit.kernels.lut_gemm import PAIR_STORE_PTX, split_plan
+from lowbit.kernels.lut_wgmma import _decode_asm, _lds_decode_asm, check_mma_args, mma_output, table_offset
 
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
     from triton.experimental import gluon
@@ -70,18 +70,18 @@ if HAS_GLUON:
     _LDS = gl.constexpr(_lds_decode_asm())
     _LDSW = gl.constexpr(_lds_decode_asm(wide=True))
     _LDS_CONS = gl.constexpr(",".join(["=h"] * 8 + ["r"] * 2))
+    _PAIR_STORE = gl.constexpr(PAIR_STORE_PTX)
 
     @gluon.jit
     def _store_table(P, off, STRIDE: gl.constexpr):
-        """``lut_gemm._store_pair_table`` (4-bit) in Gluon: lane l's copy of pair row e at shared byte offset
-        ``off + STRIDE e + 4 l`` (16-byte slot f = 4 lane copies of row f // 8), then a barrier."""
+        """``lut_gemm._store_pair_table`` (4-bit) in Gluon, which cannot call Triton functions (the store PTX is
+        shared): lane l's copy of pair row e at shared byte offset ``off + STRIDE e + 4 l`` (16-byte slot f = 4 lane
+        copies of row f // 8), then a barrier."""
         fl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         f = gl.arange(0, 2048, layout=fl)
         pv = gl.load(P.to(gl.pointer_type(gl.int32)) + f // 8)
-        gl.inline_asm_elementwise(
-            "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.v4.b32 [a], {$2, $2, $2, $2}; "
-            "mov.b32 $0, 0; }",
-            "=r,r,r", [(f // 8) * STRIDE + (f % 8) * 16 + off, pv], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_PAIR_STORE, "=r,r,r", [(f // 8) * STRIDE + (f % 8) * 16 + off, pv],
+                                  dtype=gl.int32, is_pure=False, pack=1)
         gl.thread_barrier()
 
     @gluon.jit
@@ -314,7 +314,6 @@ def gluon_config(M: int) -> dict:
 
 
 LAST_COMPILED: dict = {}
-_TAB_OFF_BY_KEY: dict = {}  # smem_table launch key -> the table's shared offset (``lut_wgmma._table_offset``)
 
 
 def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
@@ -350,12 +349,7 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     tab_off = 0
     if smem_tab:  # passed only when set: the default launch stays as measured; the table past Gluon's buffers
         kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
-        key = (x.device.index, x.dtype, scales.dtype, tuple(sorted(kw.items())),
-               tuple((a == 1, a % 16 == 0) if isinstance(a, int) else a.data_ptr() % 16 == 0 for a in args))
-        tab_off = _TAB_OFF_BY_KEY.get(key)
-        if tab_off is None:
-            tab_off = _table_offset(_lut_gluon_kernel.warmup(*args, 0, grid=grid, **kw), kw["SMEM_TAB"])
-            _TAB_OFF_BY_KEY[key] = tab_off
+        tab_off = table_offset(_lut_gluon_kernel, args, grid, kw)
     LAST_COMPILED["gluon"] = _lut_gluon_kernel[grid](*args, tab_off, **kw)
     LAST_COMPILED["gluon_split"] = split
     return y
