@@ -43,8 +43,24 @@ def report(kernel, patterns: dict, label: str, ptx_path: str | None = None, top:
         from lowbit.bench.harness import sass_summary
 
         summ = sass_summary(get_sass(kernel.asm["cubin"]), top=top)
+        row.update(sass_loops=summ["sass_loops"], loop_ops=summ.get("loop_ops"))
         print({"sass_loops": summ["sass_loops"], "BAR": summ.get("loop_ops", {}).get("BAR"),
                "loop_ops": summ.get("loop_ops")})
     except Exception as exc:  # pragma: no cover - no cuobjdump
         print(f"no SASS: {type(exc).__name__}: {exc}")
     return row
+
+
+def write_json(path: str, rows, script: str, argv: list, **extra) -> None:
+    """Raw offline rows to ``path`` with the build's environment: target, Triton and bundled ptxas versions, Python,
+    and the command (``script`` and its ``argv``); ``extra`` fields beside them."""
+    import json
+    import platform
+    import sys
+
+    ver = subprocess.run([PTXAS, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    env = {"kind": "offline build, no GPU (target sm_90a)", "triton": triton.__version__, "ptxas": ver,
+           "python": platform.python_version(), "command": " ".join(["python3", script] + list(argv))}
+    with open(path, "w") as f:
+        json.dump({"env": env, **extra, "rows": rows}, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)

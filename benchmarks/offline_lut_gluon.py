@@ -4,6 +4,7 @@ the SASS loop's opcodes, per token block.
 
     PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_gluon.py [BLOCK_M ...]   # the device's Triton 3.6
     SMEM_TAB=0,1,2 PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_gluon.py 16   # with smem_table / 'wide'
+    (env OUT=FILE.json: also the raw rows)
 
 Session 22 (Triton 3.6, its ptxas): no serialization note; 96 / 133 / 169 / 255 registers at 8 / 16 / 32 / 64 tokens
 (64: activation prefetch one chunk ahead, ``XPF = 1``), loop of 565 SASS per group pair at 16 tokens (246 ``PRMT``).
@@ -18,7 +19,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.tools.disasm import get_sass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._offline import assemble  # noqa: E402
+from benchmarks._offline import assemble, write_json  # noqa: E402
 from lowbit.bench.harness import sass_summary  # noqa: E402
 from lowbit.kernels import lut_wgmma_gluon as LG  # noqa: E402
 
@@ -28,6 +29,7 @@ SIG = {"X": "*bf16", "Q": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS"
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(7)) + [8, 9, 14, 15, 16]}
 
 MODES = [int(m) for m in os.environ.get("SMEM_TAB", "0").split(",")]  # 0 byte tables, 1 smem_table, 2 'wide'
+rows = []
 for bm, mode in [(int(a), m) for a in (sys.argv[1:] or [8, 16, 32, 64]) for m in MODES]:
     consts = {"GROUP": 128, "BLOCK_M": bm, "USE_SPLIT": True, "XPF": LG.gluon_config(bm)["xpf"], "SMEM_TAB": mode}
     k = triton.compile(GluonASTSource(fn=LG._lut_gluon_kernel, signature=dict(SIG, **{c: "constexpr" for c in consts}),
@@ -37,4 +39,9 @@ for bm, mode in [(int(a), m) for a in (sys.argv[1:] or [8, 16, 32, 64]) for m in
     row = assemble(ptx, {"BLOCK_M": bm, "XPF": consts["XPF"], "SMEM_TAB": mode, "shared_B": k.metadata.shared,
                          "wgmma_waits": re.findall(r"wgmma.wait_group.sync.aligned (\d+)", ptx)})
     summ = sass_summary(get_sass(k.asm["cubin"]), top=12)
-    print(row, {"sass_loops": summ["sass_loops"], "loop_ops": summ.get("loop_ops")}, flush=True)
+    row.update(sass_loops=summ["sass_loops"], loop_ops=summ.get("loop_ops"))
+    rows.append(row)
+    print(row, flush=True)
+if os.environ.get("OUT"):  # raw rows as JSON, with the environment
+    write_json(os.environ["OUT"], rows, "benchmarks/offline_lut_gluon.py", sys.argv[1:],
+               env_vars={"SMEM_TAB": os.environ.get("SMEM_TAB", "0")})

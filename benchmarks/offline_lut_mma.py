@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowbit.kernels import lut_gemm as L  # noqa: E402
-from benchmarks._offline import report  # noqa: E402
+from benchmarks._offline import report, write_json  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--r", type=int, default=2)
@@ -30,6 +30,7 @@ ap.add_argument("--xh", type=int, default=0)
 ap.add_argument("--ring", type=int, default=0)
 ap.add_argument("--wide", action="store_true", help="the 64 KB pair table, one prmt per lookup address (session 23)")
 ap.add_argument("--sass", help="write the SASS here")
+ap.add_argument("--out", help="append the row (with the options) to this JSON file's rows")
 args = ap.parse_args()
 
 names = ["X", "Q", "QH", "S", "P", "T", "Y", "WS", "LOCKS", "M", "N", "K", "NRT", "NC", "NG", "GROUPS_PER_SPLIT",
@@ -45,10 +46,15 @@ sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
 k = triton.compile(ASTSource(fn=L._lut_mma_kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps, "num_stages": 1})
-report(k, dict(ld_global="ld.global", ld_shared="ld.shared", mma="mma.sync", bar="bar.sync"),
+row = report(k, dict(ld_global="ld.global", ld_shared="ld.shared", mma="mma.sync", bar="bar.sync"),
        f"r {args.r}, warps {args.warps}, gu {args.gu}, prefetch {args.prefetch}, nt {args.nt}, xh {args.xh}, "
        f"ring {args.ring}, wide {args.wide}",
        top=30)
+if args.out:  # one file collects the variants (each run appends its row)
+    import json
+
+    prev = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
+    write_json(args.out, prev + [dict(row, options=vars(args))], "benchmarks/offline_lut_mma.py", sys.argv[1:])
 if args.sass:
     from triton.tools.disasm import get_sass
 

@@ -17,7 +17,6 @@ tokens, 120 vs 123 at 16). The PTX's ``.version`` line is lowered to what the bu
 import argparse
 import os
 import re
-import subprocess
 import sys
 
 import triton
@@ -26,7 +25,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
-from benchmarks._offline import PTXAS, assemble  # noqa: E402
+from benchmarks._offline import assemble, write_json  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bm", type=int, default=64, help="tokens per program (BLOCK_M)")
@@ -74,16 +73,22 @@ def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: i
 
 
 rows = {}
-if args.decode:  # the op's 4-bit configs at this token count (wgmma_config), default decode vs SMEM_TAB
+if args.decode:  # the op's configs at this token count (wgmma_config, --bits), default decode vs SMEM_TAB
     from lowbit.kernels.lut_wgmma import wgmma_config
 
     for shape, (n, kk) in {"gate_up": (28672, 4096), "down": (4096, 14336)}.items():
-        cfg = wgmma_config(args.bm, n, kk, 128, 4)
-        for st, xp in ((0, False), (1, False), (2, False), (2, True)):
-            name = f"{shape} rt{cfg['rt']} {'one_dot' if cfg['one_dot'] else 'two dots'} " + \
-                   ["byte tables", "smem_table", "smem_table wide"][st] + (" x_perm" if xp else "")
-            rows[name] = build(cfg["one_dot"], 0, cfg["rt"], True, st, cfg.get("maxnreg"), xp)
-            print(f"{name:40s}", rows[name], flush=True)
+        cfg = wgmma_config(args.bm, n, kk, 128, args.bits)
+        rt, one_dot, sw = cfg["rt"], cfg["one_dot"], int(cfg["scale_w"])
+        reg_a = cfg["reg_a"] == "auto" and rt * (16 if one_dot else 8) == 64
+        # the last row: 'wide' + x_perm, with reg_a (which x_perm needs) even where the config has it off (3-bit above
+        # 32 tokens: session 23's 64-token finding)
+        for st, xp, ra in ((0, False, reg_a), (1, False, reg_a), (2, False, reg_a), (2, True, True)):
+            name = f"{shape} rt{rt} {'one_dot' if one_dot else 'two dots'} " + \
+                   ["byte tables", "smem_table", "smem_table wide"][st] + (" x_perm" if xp else "") + \
+                   (" reg_a" if ra and not reg_a else "")
+            rows[name] = build(one_dot, sw, rt, ra, st, cfg.get("maxnreg"), xp)
+            print(f"{name:40s}", {k: rows[name][k] for k in ("regs", "spill_B", "shared_B", "serialized",
+                                                              "sass_loops")}, flush=True)
 for one_dot, rt in (() if args.decode else ((False, args.rt), (True, args.rt // 2))):
     for sw in (0, 1, 2):
         for reg_a in (False, True):  # REG_A: 4-bit, 64-row tiles, not with the 'asm' scaling
@@ -94,11 +99,4 @@ for one_dot, rt in (() if args.decode else ((False, args.rt), (True, args.rt // 
             rows[name] = build(one_dot, sw, rt, reg_a)
             print(f"{name:40s}", rows[name], flush=True)
 if args.out:
-    import json
-    import platform
-
-    ver = subprocess.run([PTXAS, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    env = {"kind": "offline build, no GPU (target sm_90a)", "triton": triton.__version__, "ptxas": ver,
-           "python": platform.python_version(), "command": "python3 benchmarks/offline_ptx.py " + " ".join(sys.argv[1:])}
-    with open(args.out, "w") as f:
-        json.dump({"env": env, "config": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.out, rows, "benchmarks/offline_ptx.py", sys.argv[1:], config=vars(args))
