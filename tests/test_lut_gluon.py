@@ -23,14 +23,18 @@ def test_activation_gather_order_matches_the_relabelled_tile():
 
 
 def test_dispatch_range_and_supported_on_cpu():
-    """The session-22 measurements behind ``gluon_tokens``: 8..16 tokens on o / qkv-sized weights, never on the larger
-    ones (the fragment kernel's re-tuned small-M launches and the Triton kernel stay ahead there) nor below 8 tokens."""
+    """The measurements behind ``gluon_tokens``: 8..16 tokens on o / qkv-sized weights (session 22), 8 on the larger
+    ones but gate_up (session 24, with the shared pair table), never below 8 tokens."""
     pref = LGL.gluon_preferred
     assert pref(8, 4096, 4096, 4, 128) and pref(16, 6144, 4096, 4, 64) and pref(12, 4096, 4096, 4, 256)
     assert not pref(7, 4096, 4096, 4, 128) and not pref(1, 6144, 4096, 4, 128) and not pref(17, 4096, 4096, 4, 128)
-    assert not any(pref(m, n, k, 4, 128) for m in range(1, 65) for n, k in ((4096, 14336), (28672, 4096), (8192, 8192)))
+    # the larger weights: 8 tokens only (session 24), never gate_up-sized N (the Triton kernel takes it)
+    assert all(pref(m, n, k, 4, 128) == (m == 8) for m in range(1, 65) for n, k in ((4096, 14336), (8192, 8192)))
+    assert not any(pref(m, 28672, 4096, 4, 128) for m in range(1, 65))
     assert not pref(8, 4096, 4096, 3, 128) and not pref(8, 4096, 4096, 4, 32)
     assert not LGL.supported(torch.zeros(2, 64, dtype=torch.bfloat16), 4, 128)  # CPU tensor
+    # session 24: the shared pair table in the op's range (8..16 tokens), the default decode above
+    assert all(LGL.gluon_config(m)["smem_table"] for m in (1, 8, 9, 16)) and not LGL.gluon_config(17)["smem_table"]
 
 
 def test_launcher_errors_name_the_argument():
@@ -115,4 +119,4 @@ def test_small_m_launches_are_valid_for_any_shape():
                 assert c["nt"] == 1 and c["num_warps"] in (4, 8) and c["ctas_per_sm"] >= 1 and c["r"] in (1, 2)
                 assert c.get("ring") in (None, 4) and (c.get("ring") is None or c.get("xh") == 2)
             r = LGL.gluon_tokens(n, k)
-            assert r is None or (r == (8, 16) and n * k <= 32_000_000)
+            assert r == ((8, 16) if n * k <= 32_000_000 else ((8, 8) if n < 16384 else None))

@@ -291,7 +291,8 @@ def test_op_dispatch_by_m(monkeypatch, bits):
 
 def test_dispatch_rule_and_configs():
     assert not LW.wgmma_preferred(8, 4096, 4096) and LW.wgmma_preferred(16, 28672, 4096)
-    assert not LW.wgmma_preferred(16, 4096, 14336) and LW.wgmma_preferred(16, 6144, 4096)
+    assert LW.wgmma_preferred(8, 28672, 4096) and not LW.wgmma_preferred(8, 28672, 4096, bits=3)
+    assert LW.wgmma_preferred(16, 4096, 14336) and LW.wgmma_preferred(9, 6144, 4096)  # session 24: every K
     assert all(LW.wgmma_preferred(m, 28672, 14336) for m in (17, 64, 128))
     for m, n, k in [(16, 6144, 4096), (32, 28672, 4096), (64, 4096, 14336), (64, 6144, 4096), (128, 28672, 4096),
                     (100, 4096, 4096)]:
@@ -305,6 +306,8 @@ def test_dispatch_rule_and_configs():
         assert cfg3["one_dot"] == (not (n >= 16384 and m > 32))
         assert cfg["balance"] == cfg3["balance"] == (m <= 64)
         assert cfg.get("maxnreg") == (128 if m <= 16 else None) and "maxnreg" not in cfg3
+        # the shared pair table (session 24): 4-bit up to 32 tokens, up to 64 on gate_up-sized N; 3-bit up to 16
+        assert bool(cfg.get("smem_table")) == (m <= 32 or (m <= 64 and n >= 16384)) and bool(cfg3.get("smem_table")) == (m <= 16)
     assert LW.wgmma_preferred(9, 28672, 4096, bits=3) and not LW.wgmma_preferred(8, 4096, 4096, bits=3)
 
 

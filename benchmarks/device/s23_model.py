@@ -7,7 +7,8 @@ session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT recipes beside bf16
 ``S23_LUT`` (comma-separated): ``smem`` / ``wide`` = the register-table kernels' (Triton and Gluon) ``smem_table``
 True / 'wide'; ``xperm`` = the register-table kernel's ``x_perm`` (x copied into the relabelled column order);
 ``frag_wide`` = the fragment kernel's ``wide``; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
-register-table kernel instead of the Gluon one; empty = the committed dispatch (the baseline of the A/B).
+register-table kernel instead of the Gluon one; ``off`` = session 24's table defaults undone (no ``smem_table``, the
+4-bit K >= 8192 weights at 9..16 tokens on the fragment kernel); empty = the committed dispatch.
 """
 import os
 import sys
@@ -32,12 +33,20 @@ if extra:
 if "frag_wide" in opts:
     LG.mma_config = lambda M, N, K, bits, G: dict(_mma_config(M, N, K, bits, G),
                                                   **({"wide": True} if bits == 4 else {}))
+if "off" in opts:  # session 24's defaults undone: no smem_table anywhere, 4-bit K >= 8192 at 9..16 tokens on the
+    # fragment kernel again (the A/B baseline once the table is the default)
+    LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), smem_table=False)
+    LGL.gluon_config = lambda M: dict(_gluon_config(M), smem_table=False)
+    _pref = LW.wgmma_preferred
+    LW.wgmma_preferred = lambda M, N, K, bits=4: _pref(M, N, K, bits) and (bits == 3 or M >= 17 or (K < 8192 and M >= 9))
+    _tok = LGL.gluon_tokens
+    LGL.gluon_tokens = lambda N, K: _tok(N, K) if N * K <= 32_000_000 else None
 if "no_gluon" in opts:
     LGL.gluon_preferred = lambda *a, **k: False
 t0 = time.time()
 B = [int(b) for b in os.environ.get("S23_BATCHES", "1,64").split(",")]  # issue 7: >= 2.5x at 1, >= 1.5x at 64
 tag = "_".join(opts) or "committed"
 BM.run(os.path.join(sys.argv[1], f"model_{tag}"), recipes=tuple(os.environ.get("S23_RECIPES", "flute-nf4").split(",")),
-       prefill_seqs=[1024], decode_batches=B, decode_ctx=[1024], time_budget_s=200,
+       prefill_seqs=[1024], decode_batches=B, decode_ctx=[1024], time_budget_s=float(os.environ.get("S23_BUDGET", "200")),
        command=f"benchmarks/device/s23_model.py (session 23: S23_LUT={','.join(opts)})")
 print("model_s", time.time() - t0)

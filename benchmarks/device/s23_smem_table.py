@@ -6,7 +6,8 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
 (64 KB, one ``prmt`` per address: 335 / 390 / 518 SASS at 16 / 32 / 64 tokens) beside it.
 
     PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME,
-        S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1)
+        S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1,
+        S23_MORE=2: session 24's 2-stage table variants)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
 (bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to
@@ -51,6 +52,11 @@ if os.environ.get("S23_MORE") == "1":
                  "wgmma_smem_o4": {"smem_table": True, "rt": 4, "one_dot": True},
                  "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False},
                  "wgmma_xperm": {"x_perm": True}}
+if os.environ.get("S23_MORE") == "2":  # session 24: the table with one activation stage less (33..64 tokens, where
+    # the 80 KB of the 3-stage table launch halve the resident programs); "wgmma" is the committed dispatch
+    VARIANTS = {"wgmma": {}, "wgmma_nosmem": {"smem_table": False}, "wgmma_smem": {"smem_table": True},
+                "wgmma_smem_s2": {"smem_table": True, "num_stages": 2}, "wgmma_nosmem_s2": {"smem_table": False,
+                                                                                            "num_stages": 2}}
 if BITS == 3:  # 3-bit above 32 tokens runs without reg_a (so without x_perm); offline, reg_a + 'wide' + x_perm also
     # removes the wgmma serialization (C7515) of the committed split-K 64-token config: 849 -> 642 SASS per chunk
     VARIANTS["wgmma_wide_xperm_rega"] = {"smem_table": "wide", "x_perm": True, "reg_a": True}

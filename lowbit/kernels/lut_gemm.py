@@ -929,10 +929,12 @@ def _lut_mma_kernel(
     (``RING_BASE``): each lane copies and later reads only its own 16 bytes, so ``cp.async.wait_group``
     is the only synchronisation, and n - 1 chunks stay in flight without holding registers; ``SP``
     loads the next group's scales with the current group (otherwise their load sits right before the
-    scale FMA, one exposed memory latency per group). ``WIDE`` (4-bit, session 23, not yet timed) spaces the
+    scale FMA, one exposed memory latency per group). ``WIDE`` (4-bit, session 23, off: slower) spaces the
     table's entries 256 bytes apart (64 KB, half of each row unused) so that one ``prmt`` builds each lookup
     address (code byte as byte 1, lane offset as byte 0) in place of shift + ``LOP3`` (offline SASS of the M = 1
-    launch's loop: 278 -> 213 instructions, 78 -> 64 registers).
+    launch's loop: 278 -> 213 instructions, 78 -> 64 registers), yet on the H200 it loses at 1..8 tokens
+    (session 24, ``s24_frag_wide.json``, us: M = 1 down 22.4 vs 17.9, gate_up 30.9 vs 26.3; M = 8 qkv 20.0 vs
+    14.4) and ties at 16: the 64 KB table halves the resident programs.
     (The register-table decode of ``lowbit.kernels.lut_prmt``
     in place of the pair lookups was built in session 13 and removed in session 14: bit-equal but slower where the
     op uses this kernel, H200 ``s14_probe_prmt.json``: 4-bit M = 1 down 27.9 vs 17.4 us, gate_up 42.5 vs 24.3.)

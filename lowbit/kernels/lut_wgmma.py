@@ -43,7 +43,8 @@ lookup a pure register computation:
   relabelling, so the conversion is a register renaming: no ``ldmatrix``, fewer barriers (PTX checked offline
   with ``benchmarks/offline_ptx.py``). 5-20 % faster at 16..128 tokens at 4 bits, up to 18 % at 16..32 tokens
   at 3 bits (H200, ``wgmma_config``).
-- ``SMEM_TAB`` (option ``smem_table``; session 23, built and checked offline, not yet timed): the decode
+- ``SMEM_TAB`` (option ``smem_table``; session 23; on by default since session 24 at 4 bits up to 32 tokens and
+  on gate_up-sized N up to 64, at 3 bits up to 16, measured in ``wgmma_config``): the decode
   instead looks each code byte up in the fragment kernel's lane-duplicated pair table (32 KB of shared memory past
   Triton's own buffers): shift, one ``LOP3``, one ``ld.shared`` per two codes, 8 integer instructions + 4 loads per
   8 codes instead of 22 integer instructions, the same values (``_lds_decode_asm``). ``smem_table='wide'``: entries
@@ -464,10 +465,10 @@ def wgmma_preferred(M: int, N: int, K: int, bits: int = 4) -> bool:
     20.4 / 17.1 / 33.3 / 57.2 vs 15.7 / 12.7 / 28.4 / 47.4 -- so 3-bit takes this kernel from 9 tokens on every
     shape. Session 14 (H200, ``s14_probe_split.json``, with the ``balance`` split): 4-bit M = 16 gate_up 42.7 vs the
     fragment kernel's 47.4 (part p, same session), down 26.5 vs 25.3 -- so 4-bit takes it at 9..16 tokens wherever
-    K < 8192."""
-    if M >= 17 or (bits == 3 and M >= 9):
-        return True
-    return M >= 9 and K < 8192
+    K < 8192. Session 24 (H200, ``s24_smem_table.json``), with ``smem_table`` on: 4-bit down / 8192^2 M = 16 25.7 /
+    26.9 vs the fragment kernel's 27.6 / 29.0, M = 9 23.7 / 24.7 vs 23.9 / 24.8 -- so 4-bit takes it from 9 tokens on
+    every shape too, and gate_up-sized N from 8 (M = 8 33.7 vs fragment 36.7, Gluon 34.7; ``s24_m8_128.json``)."""
+    return M >= 9 or (M == 8 and bits == 4 and N >= 16384)
 
 
 def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict:
@@ -503,7 +504,19 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     ``maxnreg`` (a register cap, ptxas spills above it), session 14 (H200, ``s14_maxnreg.json``): 128 on the 4-bit
     16-token tile (130 registers without it, no spill with it, 4 programs per SM instead of 3): gate_up 40.4 vs 42.6
     us, o 11.1 vs 11.2, qkv 14.1 vs 14.1; at 32 / 64 tokens the cap spills (28-38 B) and loses (gate_up M = 32 53.9
-    vs 49.2, down M = 64 49.6 vs 36.5), so it is set only there."""
+    vs 49.2, down M = 64 49.6 vs 36.5), so it is set only there.
+
+    ``smem_table`` (4-bit, session 24, H200, ``s24_smem_table.json``, us, qkv / o / down / gate_up / 8192^2): the
+    32 KB shared pair table wins up to 32 tokens on every shape (M = 16 14.7 / 12.7 / 25.7 / 37.6 / 26.9 vs
+    16.7 / 13.7 / 28.9 / 43.1 / 30.5; M = 32 18.2 / 13.5 / 31.9 / 49.9 / 29.9 vs 19.1 / 13.8 / 32.7 / 51.9 / 32.3)
+    and at 33..64 only on gate_up-sized N, whose one program per SM leaves room for the table (55.9 vs 64.5); the
+    others lose there (o M = 64 22.6 vs 17.4: 80 KB of shared memory halves the resident programs), and so do all
+    at 128 tokens (``s24_m8_128.json``: qkv / o / down 44.2 / 33.1 / 88.0 vs 33.2 / 24.9 / 63.2), so it is off
+    there. The 64 KB 'wide' table loses or ties everywhere (M = 16 down 34.5, gate_up 49.0) and ``x_perm``'s
+    separate permute copy costs more than its 16-byte loads save (M = 16 qkv 19.0); both stay options. 3-bit
+    (``s24_3bit.json``): the table wins up to 16 tokens (M = 16 qkv / o / down / gate_up 14.8 / 13.6 / 27.2 / 43.6
+    vs 16.2 / 14.1 / 30.9 / 49.1; 8192^2 32.6 vs 32.0) and loses above (M = 32 down 39.3 vs 35.1), so it is on
+    there only."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
               reg_a="auto", ctas_per_sm=2, balance=M <= 64)
@@ -511,13 +524,13 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     many = N >= 16384
     if bits == 3:
         if M <= 32:
-            return dict(o4, scale_w=True, ctas_per_sm=4)
+            return dict(o4, scale_w=True, ctas_per_sm=4, smem_table=M <= 16)
         return dict(d8 if many else o4, ctas_per_sm=1 if many else 2, scale_w=True, reg_a=False)
     if M <= 16:  # 130 -> 128 registers, no spill: 4 programs per SM instead of 3 (s14_maxnreg.json)
-        return dict(d8, maxnreg=128)
+        return dict(d8, maxnreg=128, smem_table=True)
     if not many:
-        return o4 if (M > 64 or N <= 4096 or K >= 8192) else d8
-    return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4)
+        return dict(o4 if (M > 64 or N <= 4096 or K >= 8192) else d8, smem_table=M <= 32)
+    return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4, smem_table=M <= 64)
 
 
 def check_mma_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, N: int,
@@ -568,8 +581,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     = on for 64-row tiles without ``scale_w='asm'``; ``smem_table``: True = the shared-memory pair-table decode,
     ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 3-bit looks the merged words' bytes up in
     a 256-entry table built from the 3-bit pairs; ``x_perm``: with ``reg_a``, x copied once into the relabelled
-    column order (``permute_x``) so the kernel loads it with 16-byte vectors; both off by default until timed on the
-    device).
+    column order (``permute_x``) so the kernel loads it with 16-byte vectors; the defaults: ``wgmma_config``).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
     M, K = x.shape

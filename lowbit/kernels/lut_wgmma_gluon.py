@@ -34,7 +34,7 @@ every wgmma of a kernel like this one when a loop-carried accumulator in flight 
 after the next wgmma's issue (notes C7515 / C7514): the fold's result goes through a wait, and the last chunk of each
 group pair waits to zero (``benchmarks/offline_lut_gluon.py`` checks the notes are gone).
 
-Option ``smem_table`` (session 23; built and checked offline, not yet timed): the decode through the shared-memory
+Option ``smem_table`` (session 23; on in the op's range since session 24, timed in ``gluon_config``): the decode through the shared-memory
 pair table of ``lut_wgmma._lds_decode_asm`` (offline SASS per group pair at 8 / 16 tokens: 563 / 565 -> 392 / 458,
 'wide' 329 / 370).
 
@@ -297,8 +297,14 @@ def gluon_tokens(N: int, K: int) -> tuple[int, int] | None:
     tokens this kernel loses everywhere (gate_up M = 64 88.8 vs 63.9: its 64-row programs stage the activation tile
     twice as often as the Triton kernel's 128-row ones; the decode's instruction stream, not the wgmma waits, bounds
     both). Below 8 tokens the fragment kernel wins on every shape (o M = 4: 10.7 vs 11.1). The size threshold between
-    the measured weights (qkv 25 M elements, down 59 M) is interpolated, not measured."""
-    return (8, 16) if N * K <= 32_000_000 else None
+    the measured weights (qkv 25 M elements, down 59 M) is interpolated, not measured.
+    Session 24 (H200, ``s24_m8_128.json``, both register-table kernels with the shared pair table, ``gluon_config``):
+    at 8 tokens this kernel also passes the fragment kernel on the larger weights (down / 8192^2 20.4 / 20.5 vs
+    22.5 / 23.1 us) but not the Triton kernel on gate_up-sized N (34.7 vs 33.7), which ``wgmma_preferred`` takes
+    there; at 9..16 the Triton kernel keeps the larger ones (``s24_smem_table.json``, down M = 16 25.7 vs 27.1)."""
+    if N * K <= 32_000_000:
+        return (8, 16)
+    return (8, 8) if N < 16384 else None
 
 
 def gluon_preferred(M: int, N: int, K: int, bits: int, group_size: int) -> bool:
@@ -308,9 +314,11 @@ def gluon_preferred(M: int, N: int, K: int, bits: int, group_size: int) -> bool:
 
 
 def gluon_config(M: int) -> dict:
-    """Launch parameters: ``block_m`` (the wgmma N, 8..64 tokens) and the split-K target ``ctas_per_sm``."""
+    """Launch parameters: ``block_m`` (the wgmma N, 8..64 tokens), the split-K target ``ctas_per_sm`` and
+    ``smem_table``: on in the op's range (H200, session 24, ``s24_smem_table.json``, qkv / o, us: M = 9 13.7 / 11.2
+    vs 16.1 / 12.7, M = 16 14.1 / 11.9 vs 15.8 / 12.4; the 64 KB 'wide' table 16.8 / 14.3 and 17.6 / 15.3)."""
     bm = 8 if M <= 8 else (16 if M <= 16 else (32 if M <= 32 else 64))
-    return dict(block_m=bm, ctas_per_sm=4, xpf=2 if bm <= 32 else 1)
+    return dict(block_m=bm, ctas_per_sm=4, xpf=2 if bm <= 32 else 1, smem_table=bm <= 16)
 
 
 LAST_COMPILED: dict = {}
@@ -320,7 +328,7 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     group_size: int, out_features: int, **overrides) -> torch.Tensor:
     """Launch ``_lut_gluon_kernel`` (4-bit 'mma' codes, ``pairs`` = ``pair_table(table, 4, x.dtype)``, ``scales``
     ``[ceil(K/G), N]``; ``overrides``: ``block_m``, ``split_k``, ``ctas_per_sm``, ``maxnreg``, ``smem_table``: False,
-    True or 'wide' as in ``lut_wgmma.lut_wgmma_triton``, session 23, not yet timed)."""
+    True or 'wide' as in ``lut_wgmma.lut_wgmma_triton``)."""
     M, K = x.shape
     N, G = out_features, group_size
     if not supported(x, 4, G):
