@@ -418,6 +418,12 @@ def test_x_perm_same_result(m, n, k, g, bits, kw, dev):
                        LW.lut_wgmma_triton(x, qm, s, pairs, **args))
     with pytest.raises(ValueError, match="x_perm"):
         LW.lut_wgmma_triton(x, qm, s, pairs, x_perm="yes", **args)
+    if k % ck == 0:  # 'given': the caller's x is already in the relabelled order (a producer writing it)
+        assert torch.equal(LW.lut_wgmma_triton(LW.permute_x(x, ck), qm, s, pairs, x_perm="given", **args),
+                           LW.lut_wgmma_triton(x, qm, s, pairs, **args))
+    else:
+        with pytest.raises(ValueError, match="x_perm='given'"):
+            LW.lut_wgmma_triton(x, qm, s, pairs, x_perm="given", **args)
 
 
 def test_table_offset_patches_each_compiled_kernel_once():

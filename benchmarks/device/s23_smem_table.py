@@ -7,7 +7,8 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
 
     PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME,
         S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1,
-        S23_MORE=2: session 24's 2-stage table variants)
+        S23_MORE=2: session 24's 2-stage table variants; S23_MORE=3: x handed over already permuted, x_perm='given';
+        S23_MORE=4: launch-shape variants around the committed config; S23_MORE=5: the re-shaped config vs the previous)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
 (bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to
@@ -57,6 +58,26 @@ if os.environ.get("S23_MORE") == "2":  # session 24: the table with one activati
     VARIANTS = {"wgmma": {}, "wgmma_nosmem": {"smem_table": False}, "wgmma_smem": {"smem_table": True},
                 "wgmma_smem_s2": {"smem_table": True, "num_stages": 2}, "wgmma_nosmem_s2": {"smem_table": False,
                                                                                             "num_stages": 2}}
+if os.environ.get("S23_MORE") == "3":  # session 24: x already in the relabelled order (x_perm='given': what a producer
+    # kernel writing that order would hand over; the permute copy is outside the timing), with each table
+    VARIANTS = {"wgmma": {}, "wgmma_xperm": {"x_perm": True}, "wgmma_xgiven": {"x_perm": "given"},
+                "wgmma_nosmem_xgiven": {"smem_table": False, "x_perm": "given"},
+                "wgmma_smem_xgiven": {"smem_table": True, "x_perm": "given"},
+                "wgmma_wide_xgiven": {"smem_table": "wide", "x_perm": "given"}}
+if os.environ.get("S23_MORE") == "4":  # session 24: the launch shape around the committed config, with the table on
+    # (fewer registers at 32 tokens, 95 vs 112, more shared memory): tile, split target, pipeline depth
+    VARIANTS = {"wgmma": {}, "wgmma_o4": {"rt": 4, "one_dot": True}, "wgmma_d8": {"rt": 8, "one_dot": False},
+                "wgmma_c4": {"ctas_per_sm": 4}, "wgmma_c1": {"ctas_per_sm": 1}, "wgmma_s2": {"num_stages": 2},
+                "wgmma_s4": {"num_stages": 4}}
+if os.environ.get("S23_MORE") == "5":  # session 24: the re-shaped 16 / 32-token config vs the one before it
+    def _prev(M, N, K):  # wgmma_config (4-bit, M <= 32) as committed before s24_shapes.json
+        c = dict(rt=8, one_dot=False, ctas_per_sm=2, maxnreg=128 if M <= 16 else None)
+        if M <= 16:
+            return c
+        if N >= 16384:
+            return dict(c, ctas_per_sm=4)
+        return dict(c, rt=4, one_dot=True) if (N <= 4096 or K >= 8192) else c
+    VARIANTS = {"wgmma": {}, "wgmma_prev": _prev}
 if BITS == 3:  # 3-bit above 32 tokens runs without reg_a (so without x_perm); offline, reg_a + 'wide' + x_perm also
     # removes the wgmma serialization (C7515) of the committed split-K 64-token config: 849 -> 642 SASS per chunk
     VARIANTS["wgmma_wide_xperm_rega"] = {"smem_table": "wide", "x_perm": True, "reg_a": True}
@@ -69,10 +90,17 @@ def op(p):
                               layout="mma")
 
 
+_XP: dict = {}  # x_perm='given': each activation set's permuted copy, made once (outside the timing)
+
+
 def tri(p, **kw):
     N = p["scales"].shape[1]
-    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N,
-                                         bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
+    f = lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128,  # noqa: E731
+                                      out_features=N, bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
+    if kw.get("x_perm") != "given":
+        return f
+    ck = LW.MMA_CHUNK[p["bits"]]
+    return lambda x: f(_XP.setdefault(id(x), (x, LW.permute_x(x, ck)))[1])
 
 
 def glu(p, **kw):
@@ -103,7 +131,8 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
     if "t" in args.parts:
         row = {"M": M, "N": N, "K": K}
         fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
-        fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in VARIANTS.items()}
+        var = {vn: (kw(M, N, K) if callable(kw) else kw) for vn, kw in VARIANTS.items()}
+        fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in var.items()}
         if M <= 16:
             fns["fragment"] = [mma_fn(p) for p in ps]
             if BITS == 4:  # the Gluon register-table kernel (the op's 8..16-token launch on qkv / o) and its options
@@ -113,7 +142,7 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         time_rotated(row, fns, xs)
         for vn in VARIANTS:  # the compiled launch of each variant (registers, split, shared bytes)
             try:
-                tri(ps[0], **VARIANTS[vn])(xs[0])
+                tri(ps[0], **var[vn])(xs[0])
                 k = LW.LAST_COMPILED["wgmma"]
                 row[vn + "_regs"], row[vn + "_split"] = k.n_regs, LW.LAST_COMPILED["wgmma_split"]
                 row[vn + "_shared"] = k.packed_metadata[2]

@@ -513,10 +513,21 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     others lose there (o M = 64 22.6 vs 17.4: 80 KB of shared memory halves the resident programs), and so do all
     at 128 tokens (``s24_m8_128.json``: qkv / o / down 44.2 / 33.1 / 88.0 vs 33.2 / 24.9 / 63.2), so it is off
     there. The 64 KB 'wide' table loses or ties everywhere (M = 16 down 34.5, gate_up 49.0) and ``x_perm``'s
-    separate permute copy costs more than its 16-byte loads save (M = 16 qkv 19.0); both stay options. 3-bit
+    kernel is slower even with x handed over permuted (``x_perm='given'``, ``s24_xgiven.json``: M = 16 qkv 18.9,
+    down 31.0 vs 14.6 / 25.5); both stay options. 3-bit
     (``s24_3bit.json``): the table wins up to 16 tokens (M = 16 qkv / o / down / gate_up 14.8 / 13.6 / 27.2 / 43.6
     vs 16.2 / 14.1 / 30.9 / 49.1; 8192^2 32.6 vs 32.0) and loses above (M = 32 down 39.3 vs 35.1), so it is on
-    there only."""
+    there only.
+
+    Launch shape with the table (4-bit, session 24, ``s24_shapes.json``, us, variants of the then-committed config):
+    at 16 tokens a split target of 4 programs per SM where K >= 8192 (down / 8192^2 24.3 / 23.8 vs 25.3 / 26.4;
+    gate_up 37.6 vs 37.4; qkv / o lose, 15.7 / 15.5 vs 14.8 / 12.7, but take the Gluon kernel there); at 17..32 the
+    stacked dot (o4) for N < 16384 (qkv 16.5 vs d8 18.2; o 13.5 and 8192^2 29.7 as before) with 4 programs per SM
+    on down-like weights, N <= 4096 with K >= 8192 (28.4 vs 31.3; 8192^2 loses with it, 35.1). gate_up-sized N
+    keeps d8 with 4: o4 won there in that run (46.8 vs 49.3) but not in the same-run A/B of the resulting config
+    (``s24_reshape.json``, M = 24 / 32 45.3 / 46.6 vs 44.2 / 46.9). That A/B, new vs previous launch, us: qkv M = 24 /
+    32 16.2 / 16.4 vs 17.5 / 18.7; down M = 16 / 24 / 32 24.3 / 28.1 / 28.4 vs 25.4 / 31.2 / 31.4; 8192^2 M = 16 23.6
+    vs 26.5; o and 8192^2 at 24 / 32 unchanged."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
               reg_a="auto", ctas_per_sm=2, balance=M <= 64)
@@ -527,10 +538,15 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
             return dict(o4, scale_w=True, ctas_per_sm=4, smem_table=M <= 16)
         return dict(d8 if many else o4, ctas_per_sm=1 if many else 2, scale_w=True, reg_a=False)
     if M <= 16:  # 130 -> 128 registers, no spill: 4 programs per SM instead of 3 (s14_maxnreg.json)
-        return dict(d8, maxnreg=128, smem_table=True)
+        return dict(d8, maxnreg=128, smem_table=True, ctas_per_sm=4 if K >= 8192 else 2)
+    if M <= 32:  # with the table (s24_shapes.json, s24_reshape.json): the stacked dot but on gate_up-sized N, split
+        # deeper on long narrow K
+        if many:
+            return dict(d8, smem_table=True, ctas_per_sm=4)
+        return dict(o4, smem_table=True, ctas_per_sm=4 if (N <= 4096 and K >= 8192) else 2)
     if not many:
-        return dict(o4 if (M > 64 or N <= 4096 or K >= 8192) else d8, smem_table=M <= 32)
-    return dict(d8, ctas_per_sm=1 if 32 < M <= 64 else 4, smem_table=M <= 64)
+        return o4 if (M > 64 or N <= 4096 or K >= 8192) else d8
+    return dict(d8, ctas_per_sm=1 if M <= 64 else 4, smem_table=M <= 64)
 
 
 def check_mma_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, N: int,
@@ -581,7 +597,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     = on for 64-row tiles without ``scale_w='asm'``; ``smem_table``: True = the shared-memory pair-table decode,
     ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 3-bit looks the merged words' bytes up in
     a 256-entry table built from the 3-bit pairs; ``x_perm``: with ``reg_a``, x copied once into the relabelled
-    column order (``permute_x``) so the kernel loads it with 16-byte vectors; the defaults: ``wgmma_config``).
+    column order (``permute_x``) so the kernel loads it with 16-byte vectors, or 'given': ``x`` is already
+    ``permute_x(x)`` (a producer that writes that order; K a multiple of the chunk); the defaults: ``wgmma_config``).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
     M, K = x.shape
@@ -622,11 +639,15 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if smem_tab:  # passed only when set: the default launch (and its compiled kernel) stays as measured
         kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
     x_perm = cfg.get("x_perm", False)
-    if x_perm not in (False, True):
-        raise ValueError(f"x_perm must be False or True, got {x_perm!r}")
+    if x_perm not in (False, True, "given"):
+        raise ValueError(f"x_perm must be False, True or 'given', got {x_perm!r}")
+    if x_perm == "given" and (not reg_a or K % MMA_CHUNK[bits]):
+        raise ValueError(f"x_perm='given' needs reg_a and K a multiple of {MMA_CHUNK[bits]} (x = permute_x(x, "
+                         f"{MMA_CHUNK[bits]}) of the unpadded activations), got reg_a={reg_a}, K={K}")
     if x_perm and reg_a:  # (without reg_a the kernel reads x in natural order anyway)
         kw["X_PERM"] = True
-        x = permute_x(x, MMA_CHUNK[bits])
+        if x_perm is True:
+            x = permute_x(x, MMA_CHUNK[bits])
     split = cfg.get("split_k")
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
