@@ -8,7 +8,8 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
     PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME,
         S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1,
         S23_MORE=2: session 24's 2-stage table variants; S23_MORE=3: x handed over already permuted, x_perm='given';
-        S23_MORE=4: launch-shape variants around the committed config; S23_MORE=5: the re-shaped config vs the previous)
+        S23_MORE=4: launch-shape variants around the committed config; S23_MORE=5: the re-shaped config vs the previous;
+        S23_GLUON=1: the Gluon kernel's split target / activation prefetch grid at M <= 16)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
 (bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to
@@ -78,6 +79,10 @@ if os.environ.get("S23_MORE") == "5":  # session 24: the re-shaped 16 / 32-token
             return dict(c, ctas_per_sm=4)
         return dict(c, rt=4, one_dot=True) if (N <= 4096 or K >= 8192) else c
     VARIANTS = {"wgmma": {}, "wgmma_prev": _prev}
+# S23_GLUON=1 (session 24, for the next device run): the Gluon kernel's launch knobs with the table, at 8..16 tokens,
+# where it leads on qkv / o but trails the Triton kernel on the larger weights (down M = 16 27.1 vs 25.7 us)
+GLUON_MORE = {} if os.environ.get("S23_GLUON") != "1" else {
+    f"gluon_c{c}_x{x}": {"ctas_per_sm": c, "xpf": x} for c in (2, 4, 8) for x in (1, 2)}
 if BITS == 3:  # 3-bit above 32 tokens runs without reg_a (so without x_perm); offline, reg_a + 'wide' + x_perm also
     # removes the wgmma serialization (C7515) of the committed split-K 64-token config: 849 -> 642 SASS per chunk
     VARIANTS["wgmma_wide_xperm_rega"] = {"smem_table": "wide", "x_perm": True, "reg_a": True}
@@ -136,8 +141,8 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         if M <= 16:
             fns["fragment"] = [mma_fn(p) for p in ps]
             if BITS == 4:  # the Gluon register-table kernel (the op's 8..16-token launch on qkv / o) and its options
-                for gn, gkw in {"gluon": {}, "gluon_smem": {"smem_table": True},
-                                "gluon_wide": {"smem_table": "wide"}}.items():
+                for gn, gkw in ({"gluon": {}, "gluon_smem": {"smem_table": True},
+                                 "gluon_wide": {"smem_table": "wide"}} | GLUON_MORE).items():
                     fns[gn] = [glu(p, **gkw) for p in ps]
         time_rotated(row, fns, xs)
         for vn in VARIANTS:  # the compiled launch of each variant (registers, split, shared bytes)
