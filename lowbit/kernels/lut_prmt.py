@@ -37,7 +37,7 @@ def decode_lines(word: str, lo: list[str], hi: list[str], out: list[str]) -> lis
 
 
 def byte_table_words(values: list[int]) -> list[int]:
-    """Host form of ``_byte_tables`` (and of the Gluon kernel's ``_tables``), the tests' reference: the 16-bit bit
+    """Host form of ``_byte_tables`` (which the Gluon kernel's ``_tables`` calls), the tests' reference: the 16-bit bit
     patterns of the 16 entries (missing entries 0) -> the 8 register words ``L0..L3, H0..H3`` as signed int32 values
     (``L[j]`` byte i = low byte of entry ``4 j + i``)."""
     words = [0] * 8
@@ -63,15 +63,16 @@ def _byte_tables(P, BITS: tl.constexpr):
     registers: ``L[j]`` byte i = low byte of T[4 j + i], ``H[j]`` the high bytes (3-bit: ``L2, L3, H2, H3`` = 0,
     never selected: the decoded nibbles' bit 3 is 0)."""
     PI = P.to(tl.pointer_type(tl.int16))
-    lo0 = tl.full([], 0, tl.int32)
-    lo1 = lo0
-    lo2 = lo0
-    lo3 = lo0
-    hi0 = lo0
-    hi1 = lo0
-    hi2 = lo0
-    hi3 = lo0
-    for e in tl.static_range(1 << BITS):
+    v = tl.load(PI + 2 * _entry_row(0, BITS)).to(tl.int32) & 0xFFFF  # entry 0 (scalar code throughout, with no
+    lo0 = v & 0xFF  # layout-less tl.full: the Gluon kernel calls this helper too)
+    hi0 = v >> 8
+    lo1 = lo0 * 0
+    lo2 = lo1
+    lo3 = lo1
+    hi1 = lo1
+    hi2 = lo1
+    hi3 = lo1
+    for e in tl.static_range(1, 1 << BITS):
         v = tl.load(PI + 2 * _entry_row(e, BITS)).to(tl.int32) & 0xFFFF
         lb = (v & 0xFF) << (8 * (e % 4))
         hb = (v >> 8) << (8 * (e % 4))

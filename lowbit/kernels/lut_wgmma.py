@@ -636,7 +636,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
               BITS=bits, SCALE_W=sw, REG_A=reg_a, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
     if cfg.get("maxnreg"):  # register cap per thread (ptxas spills above it; passed only when set)
         kw["maxnreg"] = int(cfg["maxnreg"])
-    if smem_tab:  # passed only when set: the default launch (and its compiled kernel) stays as measured
+    if smem_tab:  # passed only when set: the byte-table launches keep their compiled kernels
         kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
     x_perm = cfg.get("x_perm", False)
     if x_perm not in (False, True, "given"):

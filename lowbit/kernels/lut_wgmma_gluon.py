@@ -34,9 +34,9 @@ every wgmma of a kernel like this one when a loop-carried accumulator in flight 
 after the next wgmma's issue (notes C7515 / C7514): the fold's result goes through a wait, and the last chunk of each
 group pair waits to zero (``benchmarks/offline_lut_gluon.py`` checks the notes are gone).
 
-Option ``smem_table`` (session 23; on in the op's range since session 24, timed in ``gluon_config``): the decode through the shared-memory
-pair table of ``lut_wgmma._lds_decode_asm`` (offline SASS per group pair at 8 / 16 tokens: 563 / 565 -> 392 / 458,
-'wide' 329 / 370).
+Option ``smem_table`` (session 23; on in the op's range since session 24, timed in ``gluon_config``): the decode
+through the shared-memory pair table of ``lut_wgmma._lds_decode_asm`` (offline SASS per group pair at 8 / 16 tokens:
+563 / 565 -> 392 / 458, 'wide' 329 / 370).
 
 The interpreter cannot run Gluon: the CPU path is the Triton kernel, whose decode PTX and relabelling this kernel
 shares (both checked on the CPU in ``tests/test_lut_wgmma.py``); the GPU tests (``tests/test_lut_gluon.py``) compare
@@ -50,6 +50,7 @@ import torch
 from lowbit._utils import cdiv
 from lowbit.formats.lut import MMA_CHUNK
 from lowbit.kernels.lut_gemm import PAIR_STORE_PTX, split_plan
+from lowbit.kernels.lut_prmt import _byte_tables
 from lowbit.kernels.lut_wgmma import _decode_asm, _lds_decode_asm, check_mma_args, mma_output, table_offset
 
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
@@ -74,9 +75,9 @@ if HAS_GLUON:
 
     @gluon.jit
     def _store_table(P, off, STRIDE: gl.constexpr):
-        """``lut_gemm._store_pair_table`` (4-bit) in Gluon, which cannot call Triton functions (the store PTX is
-        shared): lane l's copy of pair row e at shared byte offset ``off + STRIDE e + 4 l`` (16-byte slot f = 4 lane
-        copies of row f // 8), then a barrier."""
+        """``lut_gemm._store_pair_table`` (4-bit) in Gluon: its tensors need Gluon layouts, so unlike the scalar
+        ``_tables`` it cannot call the Triton helper (the store PTX is shared): lane l's copy of pair row e at shared
+        byte offset ``off + STRIDE e + 4 l`` (16-byte slot f = 4 lane copies of row f // 8), then a barrier."""
         fl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         f = gl.arange(0, 2048, layout=fl)
         pv = gl.load(P.to(gl.pointer_type(gl.int32)) + f // 8)
@@ -86,37 +87,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tables(P):
-        """The 16 entries (``pairs[e, 0]`` = T[e], int16 bits) -> byte-table registers ``L0..L3``, ``H0..H3``
-        (``lut_prmt._byte_tables`` at 4 bits, whose Triton code Gluon cannot call; ``lut_prmt.byte_table_words`` is
-        the host form the tests check both against). Built here from 16 loads rather than passed in precomputed:
-        8 precomputed words load into uniform registers, and ptxas then copies them to vector registers before every
-        ``prmt`` (offline build: 721 instead of 565 SASS per loop step, 147 ``IMAD.U32``)."""
-        PI = P.to(gl.pointer_type(gl.int16))
-        lo0 = gl.load(PI).to(gl.int32) * 0
-        lo1 = lo0
-        lo2 = lo0
-        lo3 = lo0
-        hi0 = lo0
-        hi1 = lo0
-        hi2 = lo0
-        hi3 = lo0
-        for e in gl.static_range(16):
-            v = gl.load(PI + 2 * e).to(gl.int32) & 0xFFFF
-            lb = (v & 0xFF) << (8 * (e % 4))
-            hb = (v >> 8) << (8 * (e % 4))
-            if e // 4 == 0:
-                lo0 |= lb
-                hi0 |= hb
-            elif e // 4 == 1:
-                lo1 |= lb
-                hi1 |= hb
-            elif e // 4 == 2:
-                lo2 |= lb
-                hi2 |= hb
-            else:
-                lo3 |= lb
-                hi3 |= hb
-        return lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3
+        """The 16 entries (``pairs[e, 0]`` = T[e], int16 bits) -> byte-table registers ``L0..L3``, ``H0..H3``: the
+        Triton helper ``lut_prmt._byte_tables`` at 4 bits (scalar code, which a Gluon kernel can call). Built in the
+        kernel from 16 loads rather than passed in precomputed: 8 precomputed words load into uniform registers, and
+        ptxas then copies them to vector registers before every ``prmt`` (offline build: 721 instead of 565 SASS per
+        loop step, 147 ``IMAD.U32``)."""
+        return _byte_tables(P, 4)
 
     @gluon.jit
     def _decode_a(words, tabs, a_l: gl.constexpr, ODT: gl.constexpr, SMEM_TAB: gl.constexpr = 0):
@@ -355,7 +331,7 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
             y.stride(0))
     grid = (grid_n, grid_m, split)
     tab_off = 0
-    if smem_tab:  # passed only when set: the default launch stays as measured; the table past Gluon's buffers
+    if smem_tab:  # passed only when set (byte-table launches keep their kernels); the table past Gluon's buffers
         kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
         tab_off = table_offset(_lut_gluon_kernel, args, grid, kw)
     LAST_COMPILED["gluon"] = _lut_gluon_kernel[grid](*args, tab_off, **kw)
