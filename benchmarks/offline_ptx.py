@@ -37,6 +37,9 @@ ap.add_argument("--decode", action="store_true",
                 help="only the op's 4-bit launches (wgmma_config at --bm tokens, two dots rt 8 / one dot rt 4, reg_a) "
                      "with the byte-table decode vs smem_table (SMEM_TAB 1 and 2 = 'wide'), with the SASS loop's "
                      "opcodes")
+ap.add_argument("--caps", default="",
+                help="with --decode: also build the byte-table and smem_table launches under these register caps (comma list; "
+                     "session 25: a fifth program per SM needs <= 102 registers)")
 args = ap.parse_args()
 
 SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
@@ -87,6 +90,12 @@ if args.decode:  # the op's configs at this token count (wgmma_config, --bits), 
                    ["byte tables", "smem_table", "smem_table wide"][st] + (" x_perm" if xp else "") + \
                    (" reg_a" if ra and not reg_a else "")
             rows[name] = build(one_dot, sw, rt, ra, st, cfg.get("maxnreg"), xp)
+            print(f"{name:40s}", {k: rows[name][k] for k in ("regs", "spill_B", "shared_B", "serialized",
+                                                              "sass_loops")}, flush=True)
+        for cap, st in ((int(c), st) for c in args.caps.split(",") if c for st in (0, 1)):
+            name = f"{shape} rt{rt} {'one_dot' if one_dot else 'two dots'} {['byte tables', 'smem_table'][st]} " \
+                   f"maxnreg {cap}"
+            rows[name] = build(one_dot, sw, rt, reg_a, st, cap)
             print(f"{name:40s}", {k: rows[name][k] for k in ("regs", "spill_B", "shared_B", "serialized",
                                                               "sass_loops")}, flush=True)
 for one_dot, rt in (() if args.decode else ((False, args.rt), (True, args.rt // 2))):

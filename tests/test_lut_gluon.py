@@ -24,13 +24,15 @@ def test_activation_gather_order_matches_the_relabelled_tile():
 
 def test_dispatch_range_and_supported_on_cpu():
     """The measurements behind ``gluon_tokens``: 8..16 tokens on o / qkv-sized weights (session 22), 8 on the larger
-    ones but gate_up (session 24, with the shared pair table), never below 8 tokens."""
+    ones but gate_up (session 24, with the shared pair table), 16 on gate_up (session 25), never below 8 tokens."""
     pref = LGL.gluon_preferred
     assert pref(8, 4096, 4096, 4, 128) and pref(16, 6144, 4096, 4, 64) and pref(12, 4096, 4096, 4, 256)
     assert not pref(7, 4096, 4096, 4, 128) and not pref(1, 6144, 4096, 4, 128) and not pref(17, 4096, 4096, 4, 128)
-    # the larger weights: 8 tokens only (session 24), never gate_up-sized N (the Triton kernel takes it)
+    # the larger weights: 8 tokens only (session 24); gate_up-sized N at 16 (session 25)
     assert all(pref(m, n, k, 4, 128) == (m == 8) for m in range(1, 65) for n, k in ((4096, 14336), (8192, 8192)))
-    assert not any(pref(m, 28672, 4096, 4, 128) for m in range(1, 65))
+    assert all(pref(m, 28672, 4096, 4, 128) == (m == 16) for m in range(1, 65))
+    assert LGL.gluon_config(16, 28672) == dict(block_m=16, ctas_per_sm=2, xpf=1, smem_table=True)
+    assert LGL.gluon_config(16, 6144)["ctas_per_sm"] == 4 and LGL.gluon_config(8, 28672)["ctas_per_sm"] == 4
     assert not pref(8, 4096, 4096, 3, 128) and not pref(8, 4096, 4096, 4, 32)
     assert not LGL.supported(torch.zeros(2, 64, dtype=torch.bfloat16), 4, 128)  # CPU tensor
     # session 24: the shared pair table in the op's range (8..16 tokens), the default decode above
@@ -119,4 +121,4 @@ def test_small_m_launches_are_valid_for_any_shape():
                 assert c["nt"] == 1 and c["num_warps"] in (4, 8) and c["ctas_per_sm"] >= 1 and c["r"] in (1, 2)
                 assert c.get("ring") in (None, 4) and (c.get("ring") is None or c.get("xh") == 2)
             r = LGL.gluon_tokens(n, k)
-            assert r == ((8, 16) if n * k <= 32_000_000 else ((8, 8) if n < 16384 else None))
+            assert r == ((8, 16) if n * k <= 32_000_000 else ((8, 8) if n < 16384 else (16, 16)))

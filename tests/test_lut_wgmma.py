@@ -295,17 +295,23 @@ def test_dispatch_rule_and_configs():
     assert LW.wgmma_preferred(16, 4096, 14336) and LW.wgmma_preferred(9, 6144, 4096)  # session 24: every K
     assert all(LW.wgmma_preferred(m, 28672, 14336) for m in (17, 64, 128))
     for m, n, k in [(16, 6144, 4096), (32, 28672, 4096), (64, 4096, 14336), (64, 6144, 4096), (128, 28672, 4096),
-                    (100, 4096, 4096)]:
+                    (100, 4096, 4096), (16, 4096, 14336), (12, 8192, 8192), (32, 6144, 4096), (48, 6144, 4096),
+                    (40, 6144, 4096)]:
         cfg = LW.wgmma_config(m, n, k, 128)
         assert cfg["block_m"] == min(64, max(16, 1 << (m - 1).bit_length()))
-        assert cfg["rt"] in (4, 8) and cfg["ctas_per_sm"] in (1, 2, 4) and cfg["one_dot"] == (cfg["rt"] == 4)
+        assert cfg["rt"] in (4, 8) and cfg["ctas_per_sm"] in (1, 2, 4, 5) and cfg["one_dot"] == (cfg["rt"] == 4)
+        # the stacked dot for N < 16384 above 16 tokens (qkv-sized N at 33..64 since session 25), and on down-like
+        # weights at 9..16 (session 25)
+        assert cfg["one_dot"] == (n < 16384 and ((m > 16 and (m <= 32 or m > 64 or n <= 4096 or k >= 8192
+                                                             or m % 16 == 0)) or (n <= 4096 and k >= 8192)))
         assert cfg["scale_w"] is False and cfg["reg_a"] == "auto"  # 4-bit: exact group scaling, A in registers
         cfg3 = LW.wgmma_config(m, n, k, 128, bits=3)
         assert cfg3["scale_w"] is True and cfg3["block_m"] == cfg["block_m"]
         assert cfg3["reg_a"] == ("auto" if m <= 32 else False)
         assert cfg3["one_dot"] == (not (n >= 16384 and m > 32))
         assert cfg["balance"] == cfg3["balance"] == (m <= 64)
-        assert cfg.get("maxnreg") == (128 if m <= 16 else None) and "maxnreg" not in cfg3
+        assert cfg.get("maxnreg") == ((96 if (n <= 4096 and k >= 8192) else 128) if m <= 16 else None)
+        assert "maxnreg" not in cfg3
         # the shared pair table (session 24): 4-bit up to 32 tokens, up to 64 on gate_up-sized N; 3-bit up to 16
         assert bool(cfg.get("smem_table")) == (m <= 32 or (m <= 64 and n >= 16384)) and bool(cfg3.get("smem_table")) == (m <= 16)
     assert LW.wgmma_preferred(9, 28672, 4096, bits=3) and not LW.wgmma_preferred(8, 4096, 4096, bits=3)

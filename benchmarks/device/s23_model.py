@@ -8,7 +8,9 @@ session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT recipes beside bf16
 True / 'wide'; ``xperm`` = the register-table kernel's ``x_perm`` (x copied into the relabelled column order);
 ``frag_wide`` = the fragment kernel's ``wide``; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
 register-table kernel instead of the Gluon one; ``off`` = session 24's table defaults undone (no ``smem_table``, the
-4-bit K >= 8192 weights at 9..16 tokens on the fragment kernel); empty = the committed dispatch.
+4-bit K >= 8192 weights at 9..16 tokens on the fragment kernel); ``s24`` = session 25's launch changes undone
+(LUT dispatch and the float-cache decode's split rule); ``qkv_o4`` = the stacked dot on qkv-sized N at 33..64
+tokens; empty = the committed dispatch.
 """
 import os
 import sys
@@ -27,7 +29,7 @@ extra = {"x_perm": True} if "xperm" in opts else {}
 if "smem" in opts or "wide" in opts:  # both register-table kernels (Triton and Gluon)
     mode = "wide" if "wide" in opts else True
     extra["smem_table"] = mode
-    LGL.gluon_config = lambda M: dict(_gluon_config(M), smem_table=mode)
+    LGL.gluon_config = lambda M, N=0: dict(_gluon_config(M, N), smem_table=mode)
 if extra:
     LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), **extra)
 if "frag_wide" in opts:
@@ -36,11 +38,30 @@ if "frag_wide" in opts:
 if "off" in opts:  # session 24's defaults undone: no smem_table anywhere, 4-bit K >= 8192 at 9..16 tokens on the
     # fragment kernel again (the A/B baseline once the table is the default)
     LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), smem_table=False)
-    LGL.gluon_config = lambda M: dict(_gluon_config(M), smem_table=False)
+    LGL.gluon_config = lambda M, N=0: dict(_gluon_config(M, N), smem_table=False)
     _pref = LW.wgmma_preferred
     LW.wgmma_preferred = lambda M, N, K, bits=4: _pref(M, N, K, bits) and (bits == 3 or M >= 17 or (K < 8192 and M >= 9))
     _tok = LGL.gluon_tokens
     LGL.gluon_tokens = lambda N, K: _tok(N, K) if N * K <= 32_000_000 else None
+if "s24" in opts:  # session 25's changes undone: the previous launches (benchmarks/device/s25_probe.py prev_dispatch)
+    # and the float-cache decode's split rule without its no-split threshold
+    from lowbit.kernels import decode_float as DF
+
+    DF.NO_SPLIT_PER_SM = 10 ** 9
+    _tok = LGL.gluon_tokens
+    LGL.gluon_tokens = lambda N, K: None if (N * K > 32_000_000 and N >= 16384) else _tok(N, K)
+
+    def _cfg24(M, N, K, G, bits=4):
+        c = _wgmma_config(M, N, K, G, bits)
+        if bits == 4 and M <= 16 and N <= 4096 and K >= 8192:
+            return dict(c, rt=8, one_dot=False, maxnreg=128, ctas_per_sm=4)
+        return c
+    LW.wgmma_config = _cfg24
+if "qkv_o4" in opts:  # session 25: the stacked dot on qkv-sized N at 33..64 tokens
+    _cfg25 = LW.wgmma_config
+    LW.wgmma_config = lambda M, N, K, G, bits=4: (
+        dict(_cfg25(M, N, K, G, bits), rt=4, one_dot=True) if (bits == 4 and 32 < M <= 64 and 4096 < N < 16384
+                                                               and K < 8192) else _cfg25(M, N, K, G, bits))
 if "no_gluon" in opts:
     LGL.gluon_preferred = lambda *a, **k: False
 t0 = time.time()

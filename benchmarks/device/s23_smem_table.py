@@ -9,6 +9,7 @@ default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama
         S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1,
         S23_MORE=2: session 24's 2-stage table variants; S23_MORE=3: x handed over already permuted, x_perm='given';
         S23_MORE=4: launch-shape variants around the committed config; S23_MORE=5: the re-shaped config vs the previous;
+        S23_MORE=6: register caps for one more resident program per SM (session 25);
         S23_GLUON=1: the Gluon kernel's split target / activation prefetch grid at M <= 16)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
@@ -79,6 +80,27 @@ if os.environ.get("S23_MORE") == "5":  # session 24: the re-shaped 16 / 32-token
             return dict(c, ctas_per_sm=4)
         return dict(c, rt=4, one_dot=True) if (N <= 4096 or K >= 8192) else c
     VARIANTS = {"wgmma": {}, "wgmma_prev": _prev}
+if os.environ.get("S23_MORE") == "6":  # session 25: register caps for one more resident program per SM (offline sm_90a:
+    # 16 tokens 127 -> 96 registers, 36 B spill: 5 programs of 44 KB; 32 tokens o4 117 -> 96, gate_up d8 167 -> 128
+    # (72 B spill); 64 tokens o4 195 -> 168 (2 stages + table: 164, no spill, 64 KB: 3 programs instead of 2))
+    def _cap(level):
+        def f(M, N, K):
+            c = LW.wgmma_config(M, N, K, 128, BITS)
+            if level == 2 and M <= 32:
+                return dict(c, ctas_per_sm=c["ctas_per_sm"] + 1)  # the split target alone
+            if M <= 16:
+                return dict(c, maxnreg=96, ctas_per_sm=5) if level == 0 else dict(c, rt=4, one_dot=True, maxnreg=96,
+                                                                                   ctas_per_sm=5)
+            if M <= 32:
+                return dict(c, maxnreg=96 if c["one_dot"] else 128, ctas_per_sm=5 if c["one_dot"] else 4) \
+                    if level == 0 else dict(c, rt=4, one_dot=True, maxnreg=96, ctas_per_sm=5)
+            if level == 0:
+                return dict(c, maxnreg=168, ctas_per_sm=3)
+            if level == 2:  # byte tables, 2 stages: 161 registers, 32 KB
+                return dict(c, rt=4, one_dot=True, smem_table=False, num_stages=2, maxnreg=168, ctas_per_sm=3)
+            return dict(c, rt=4, one_dot=True, smem_table=True, num_stages=2, maxnreg=168, ctas_per_sm=3)
+        return f
+    VARIANTS = {"wgmma": {}, "wgmma_cap": _cap(0), "wgmma_cap_o4": _cap(1), "wgmma_cap_s2": _cap(2)}
 # S23_GLUON=1 (session 24, for the next device run): the Gluon kernel's launch knobs with the table, at 8..16 tokens,
 # where it leads on qkv / o but trails the Triton kernel on the larger weights (down M = 16 27.1 vs 25.7 us)
 GLUON_MORE = {} if os.environ.get("S23_GLUON") != "1" else {

@@ -27,6 +27,11 @@ kernel for both caches). With one split the kernel writes O directly. Split coun
 per SM (``16 // num_warps * SMs / (B * Hkv)``), at least one key block per split, at most 256 (H200
 sweep, round S8e, ``benchmarks/results/h200/decode_float_sweep.json``: B=1 L=1k 9.6 us vs 12.3 us with
 ``decode_kv4.choose_splits``' 4-blocks-per-split rule, B=4 L=1k 12.2 vs 13.1 us; B=16 gets the same 5 splits).
+From 3 (sequence, KV head) programs per SM on, one split (``NO_SPLIT_PER_SM``): H200 session 25,
+``benchmarks/results/h200/s25_probe.json`` part ``f`` (32 / 8 heads, D = 128, the runner's dense cache), B=64 L=1k
+66.7 vs 74.0 us with the rule's 2 splits (SDPA flash on exactly L keys 67.6), L=8k 470.8 vs 499.4 (4.56 TB/s; SDPA
+472.7); block 64 / 3 stages / 4 warps stay (the best of 60 launches within 1 % at B=16 and 64). B=32 (256
+programs, between the measured points) keeps the rule's 3 splits.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms, split_rows, spl
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
+NO_SPLIT_PER_SM = 3  # B * Hkv >= this many programs per SM: one split (no partials, no combine launch)
 
 
 @triton.jit
@@ -114,9 +120,11 @@ def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
     nw = num_warps or DEFAULT_WARPS
-    if num_splits is None:  # ~4 one-warp-group programs per SM, splits of >= 1 key block (S8e sweep)
-        num_splits = max(1, min(math.ceil(16 // nw * _num_sms(q.device) / max(1, B * Hkv)),
-                                math.ceil(max(max_len, 1) / bn), 256))
+    if num_splits is None:  # ~4 one-warp-group programs per SM, splits of >= 1 key block (S8e sweep); none from
+        # 3 (sequence, KV head) programs per SM (session 25)
+        sms = _num_sms(q.device)
+        num_splits = 1 if B * Hkv >= NO_SPLIT_PER_SM * sms else max(1, min(
+            math.ceil(16 // nw * sms / max(1, B * Hkv)), math.ceil(max(max_len, 1) / bn), 256))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), bn) * bn
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     LAST_LAUNCH["num_splits"] = num_splits

@@ -527,7 +527,24 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     keeps d8 with 4: o4 won there in that run (46.8 vs 49.3) but not in the same-run A/B of the resulting config
     (``s24_reshape.json``, M = 24 / 32 45.3 / 46.6 vs 44.2 / 46.9). That A/B, new vs previous launch, us: qkv M = 24 /
     32 16.2 / 16.4 vs 17.5 / 18.7; down M = 16 / 24 / 32 24.3 / 28.1 / 28.4 vs 25.4 / 31.2 / 31.4; 8192^2 M = 16 23.6
-    vs 26.5; o and 8192^2 at 24 / 32 unchanged."""
+    vs 26.5; o and 8192^2 at 24 / 32 unchanged.
+
+    Session 25 (H200; ``s25_caps.json`` one run, then ``s25_probe.json`` part ``l``, three interleaved repeats
+    against the op, medians in us): register caps for one more resident program per SM lose almost everywhere (16
+    tokens, 96 registers and 5 programs: qkv / o / gate_up / 8192^2 16.7 / 16.1 / 41.0 / 26.1 vs 14.6 / 12.6 / 37.6
+    / 23.6; 64 tokens, 168 registers: on the device the o4 launch already compiles to 168), except the stacked dot
+    on down-like weights at 16 tokens (N <= 4096, K >= 8192: 96 registers, 36 B spilled offline, 5 programs per
+    SM; 23.36 vs 24.30), now the launch there (``s25_ab.json``, op vs the previous launch, M = 9 / 12 / 16: 22.46 /
+    22.62 / 23.23 vs 23.58 / 23.84 / 24.06). The stacked dot on qkv-sized N at 33..64 tokens (d8 before): faster in
+    three same-run A/Bs (M = 64 ``s25_probe.json`` 21.79 vs 23.54, ``s25_q.json`` 21.79 vs 23.44 and M = 48 21.28 vs
+    22.66, ``s25_q2.json`` through the op 21.79 / 21.10 vs 23.42 / 22.50) and in the model (batch 64, two A/B pairs,
+    6.978 / 6.958 vs 6.995 / 7.041 ms); slower in one run (``s25_ab.json``: M = 40 / 48 / 64 29.60 / 24.91 / 25.41
+    vs 23.46 / 22.38 / 23.30; reproduced in ``s25_ab_final.json``: 29.55 / 24.94 / 25.44). The cause: that probe
+    called the op first at M = 40, where Triton compiles the kernel without the divisible-by-16 specialization of M
+    (195 registers offline, 2 programs per SM, against 168 and 3 at M = 48 / 64), and ``_resident`` cached that
+    residency for every M, so M = 48 / 64 ran the plain split rule instead of ``balance``'s (now keyed by the
+    specialization). So the stacked dot takes qkv-sized N at 33..64 tokens where M % 16 == 0 (measured at 48 and
+    64), and d8 stays at the other counts (M = 40: 29.55 vs 23.60)."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
               reg_a="auto", ctas_per_sm=2, balance=M <= 64)
@@ -538,14 +555,16 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
             return dict(o4, scale_w=True, ctas_per_sm=4, smem_table=M <= 16)
         return dict(d8 if many else o4, ctas_per_sm=1 if many else 2, scale_w=True, reg_a=False)
     if M <= 16:  # 130 -> 128 registers, no spill: 4 programs per SM instead of 3 (s14_maxnreg.json)
+        if N <= 4096 and K >= 8192:  # down-like: the stacked dot under 96 registers, 5 programs (s25_probe.json)
+            return dict(o4, maxnreg=96, smem_table=True, ctas_per_sm=5)
         return dict(d8, maxnreg=128, smem_table=True, ctas_per_sm=4 if K >= 8192 else 2)
     if M <= 32:  # with the table (s24_shapes.json, s24_reshape.json): the stacked dot but on gate_up-sized N, split
         # deeper on long narrow K
         if many:
             return dict(d8, smem_table=True, ctas_per_sm=4)
         return dict(o4, smem_table=True, ctas_per_sm=4 if (N <= 4096 and K >= 8192) else 2)
-    if not many:
-        return o4 if (M > 64 or N <= 4096 or K >= 8192) else d8
+    if not many:  # the stacked dot (on qkv-sized N at 33..64 tokens too where M % 16 == 0, session 25)
+        return o4 if (M > 64 or N <= 4096 or K >= 8192 or M % 16 == 0) else d8
     return dict(d8, ctas_per_sm=1 if M <= 64 else 4, smem_table=M <= 64)
 
 
@@ -724,7 +743,12 @@ def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | 
     gates the ``balance`` option: ``ctas_per_sm`` is only a wish, the registers decide (session 14, ncu at M = 32
     gate_up: 167 registers, 3 programs per SM, not the 4 the split was sized for, so 672 programs ran in 1.7
     waves; ``balance`` gives 896 programs of 8 groups, the busiest SM 7 of them)."""
-    key = (x.device.index, x.dtype, scales.dtype, tuple(sorted(kw.items())))
+    # Triton specializes integer arguments divisible by 16 (and == 1): the compiled variant, so its registers and
+    # residency, differ with them (session 25: the 64-token stacked dot, 168 registers at M = 64, 195 at M = 40), so
+    # they are part of the key (before, the first M seen set the split of every later one)
+    ints = (M, N, nrt, nc, ng, x.stride(0), scales.stride(0), y.stride(0))
+    key = (x.device.index, x.dtype, scales.dtype, tuple((v % 16 == 0, v == 1) for v in ints),
+           tuple(sorted(kw.items())))
     if key not in _RESIDENT:
         ws, locks = _workspace(x.device, 1, 1)  # (compiled against the pointer types only)
         k = _lut_wgmma_kernel.warmup(x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, 1, 2,

@@ -277,10 +277,15 @@ def gluon_tokens(N: int, K: int) -> tuple[int, int] | None:
     Session 24 (H200, ``s24_m8_128.json``, both register-table kernels with the shared pair table, ``gluon_config``):
     at 8 tokens this kernel also passes the fragment kernel on the larger weights (down / 8192^2 20.4 / 20.5 vs
     22.5 / 23.1 us) but not the Triton kernel on gate_up-sized N (34.7 vs 33.7), which ``wgmma_preferred`` takes
-    there; at 9..16 the Triton kernel keeps the larger ones (``s24_smem_table.json``, down M = 16 25.7 vs 27.1)."""
+    there; at 9..16 the Triton kernel keeps the larger ones (``s24_smem_table.json``, down M = 16 25.7 vs 27.1).
+    Session 25 (H200, ``s25_caps.json``, then ``s25_probe.json`` and ``s25_ab.json``: three interleaved repeats
+    each): with a split target of 2 programs per SM and one activation prefetch (``gluon_config``) this kernel takes
+    gate_up-sized N at 16 tokens (35.97 / 35.84 vs the Triton kernel's 37.62 / 37.52 us) but not at 9 / 12 (36.62 /
+    36.78 vs 33.76 / 34.16: its time is flat in M, the Triton kernel's is not); 8192^2 loses with the same launch
+    (24.48 vs 23.78)."""
     if N * K <= 32_000_000:
         return (8, 16)
-    return (8, 8) if N < 16384 else None
+    return (8, 8) if N < 16384 else (16, 16)
 
 
 def gluon_preferred(M: int, N: int, K: int, bits: int, group_size: int) -> bool:
@@ -289,11 +294,15 @@ def gluon_preferred(M: int, N: int, K: int, bits: int, group_size: int) -> bool:
     return bits == 4 and group_size in GLUON_GROUPS and r is not None and r[0] <= M <= r[1]
 
 
-def gluon_config(M: int) -> dict:
-    """Launch parameters: ``block_m`` (the wgmma N, 8..64 tokens), the split-K target ``ctas_per_sm`` and
-    ``smem_table``: on in the op's range (H200, session 24, ``s24_smem_table.json``, qkv / o, us: M = 9 13.7 / 11.2
-    vs 16.1 / 12.7, M = 16 14.1 / 11.9 vs 15.8 / 12.4; the 64 KB 'wide' table 16.8 / 14.3 and 17.6 / 15.3)."""
+def gluon_config(M: int, N: int = 0) -> dict:
+    """Launch parameters: ``block_m`` (the wgmma N, 8..64 tokens), the split-K target ``ctas_per_sm``, the
+    activation prefetch depth ``xpf`` and ``smem_table``: on in the op's range (H200, session 24,
+    ``s24_smem_table.json``, qkv / o, us: M = 9 13.7 / 11.2 vs 16.1 / 12.7, M = 16 14.1 / 11.9 vs 15.8 / 12.4; the
+    64 KB 'wide' table 16.8 / 14.3 and 17.6 / 15.3). Gate_up-sized N (>= 16384) at 16 tokens: 2 programs per SM
+    and one prefetch (session 25, ``s25_caps.json``, M = 16 gate_up 36.1 vs 38.9 us with 4 and 2)."""
     bm = 8 if M <= 8 else (16 if M <= 16 else (32 if M <= 32 else 64))
+    if bm == 16 and N >= 16384:
+        return dict(block_m=bm, ctas_per_sm=2, xpf=1, smem_table=True)
     return dict(block_m=bm, ctas_per_sm=4, xpf=2 if bm <= 32 else 1, smem_table=bm <= 16)
 
 
@@ -311,7 +320,7 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"lut_wgmma_gluon needs a Hopper GPU, Gluon, bf16/fp16 x and group_size in {GLUON_GROUPS}, "
                          f"got {x.device}, {x.dtype}, group_size={G}")
     nrt, nc = check_mma_args(x, qweight, scales, pairs, N, 4, G)
-    cfg = gluon_config(M)
+    cfg = gluon_config(M, N)
     cfg.update(overrides)
     bm = int(cfg["block_m"])
     if bm not in BLOCK_MS:
