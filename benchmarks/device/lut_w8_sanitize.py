@@ -5,6 +5,7 @@ or a launch shared size that is off), and the W8 (INT8 weight) GEMV / GEMM kerne
 
     compute-sanitizer --tool memcheck python3 benchmarks/device/lut_w8_sanitize.py [--kernels lut,w8]
     compute-sanitizer --tool racecheck python3 benchmarks/device/lut_w8_sanitize.py --kernels lut
+    compute-sanitizer --tool memcheck python3 benchmarks/device/lut_w8_sanitize.py --kernels s25   (session 25)
 """
 import argparse
 import os
@@ -46,6 +47,45 @@ if "lut" in kernels:
                                                                 wide=True), yf)
         torch.cuda.synchronize()
         print(f"lut M={m} N={n} K={k} bits={bits}: " + " ".join(f"{name} eq={bool(v)}" for name, v in eq.items()))
+
+if "s25" in kernels:  # session 25's launches: the stacked dot under 96 registers (down-like, 9..16 tokens), the Gluon
+    # kernel with a split target of 2 and one prefetch (gate_up-sized N at 16), the stacked dot at 48 tokens on
+    # qkv-sized N, and the float-cache decode without a split (B * Hkv >= 3 programs per SM); ragged shapes
+    from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut
+    from lowbit.kernels import lut_wgmma as LW
+    from lowbit.kernels import lut_wgmma_gluon as LGL
+    from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_triton
+    from lowbit.ops.lut import lut_gemm_ref
+
+    for m, n, k, gl_ in ((12, 200, 8320, False), (16, 130, 10944, False), (16, 16400, 576, True), (48, 4200, 1000, False),
+                         (40, 4200, 1000, False)):
+        torch.manual_seed(m + n)
+        q = quantize_lut(torch.randn(n, k, device="cuda"), bits=4, group_size=128, scale_dtype=torch.bfloat16)
+        qm, qh = pack_codes_mma(q.codes, 4, 128, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        s, pairs = q.scales.t().contiguous(), pair_table(q.table, 4, torch.bfloat16).cuda()
+        if gl_:
+            y = LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=128, out_features=n)
+        else:
+            y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=n, bits=4, qweight_hi=qh)
+        ref = lut_gemm_ref(x.float(), qm, qh, s, q.table.cuda(), 4, 128, k, layout="mma").double()
+        torch.cuda.synchronize()
+        cfg = LGL.gluon_config(m, n) if gl_ else LW.wgmma_config(m, n, k, 128)
+        print(f"s25 lut M={m} N={n} K={k} {'gluon' if gl_ else 'triton'} {cfg}: rel-L2 "
+              f"{((y.double() - ref).norm() / ref.norm()).item():.2e}")
+    B, Hq, Hkv, D = 50, 32, 8, 128
+    lens = torch.randint(1, 700, (B,), device="cuda", dtype=torch.int32)
+    smax = 704
+    kd = torch.randn(B, Hkv, smax, D, device="cuda", dtype=torch.bfloat16)
+    vd = torch.randn_like(kd)
+    qq = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    pt = torch.arange(B, dtype=torch.int32, device="cuda")[:, None]
+    o1 = decode_float_triton(qq, kd, vd, pt, lens, max_len=smax)
+    sp = LAST_LAUNCH["num_splits"]
+    o4 = decode_float_triton(qq, kd, vd, pt, lens, max_len=smax, num_splits=4)
+    torch.cuda.synchronize()
+    print(f"s25 decode_float B={B} Hkv={Hkv} ragged: splits {sp}, rel-L2 vs 4 splits "
+          f"{((o1.double() - o4.double()).norm() / o4.double().norm()).item():.2e}")
 
 if "w8" in kernels:
     from lowbit.kernels.w8_gemm import w8_gemm_triton
