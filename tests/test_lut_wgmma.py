@@ -495,3 +495,15 @@ def test_tensor_parallel_shard_k():
     q, x, qm, s, pairs = _case(20, 24, 10944, 128, torch.bfloat16, _DEV)
     y = lut_gemm(x, qm, None, s, q.table.to(_DEV), bits=4, group_size=128, pairs=pairs, layout="mma")
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+
+
+def test_launch_key_follows_triton_specialization():
+    """``launch_key`` (the key of ``table_offset``'s and ``_resident``'s caches, session 25): equal where Triton
+    compiles the same variant, different where its integer specialization differs (M = 40 vs 48 / 64: the
+    residency of one variant had set the split of the other)."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    kw = {"BLOCK_M": 64, "RT": 4}
+    key = lambda m: LW.launch_key("fn", (x, m, 4096), kw)  # noqa: E731
+    assert key(48) == key(64) and key(40) != key(48) and key(1) != key(17)
+    assert LW.launch_key("fn", (x, 48, 4096), dict(kw, RT=8)) != key(48)
+    assert LW.launch_key("fn", (x[:, 1:], 48, 4096), kw) != key(48)  # a pointer off 16-byte alignment

@@ -51,24 +51,22 @@ if "lut" in kernels:
 if "s25" in kernels:  # session 25's launches: the stacked dot under 96 registers (down-like, 9..16 tokens), the Gluon
     # kernel with a split target of 2 and one prefetch (gate_up-sized N at 16), the stacked dot at 48 tokens on
     # qkv-sized N, and the float-cache decode without a split (B * Hkv >= 3 programs per SM); ragged shapes
-    from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut
+    from lowbit.bench.suites.lut import make_packed, reference_f64
     from lowbit.kernels import lut_wgmma as LW
     from lowbit.kernels import lut_wgmma_gluon as LGL
     from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_triton
-    from lowbit.ops.lut import lut_gemm_ref
 
     for m, n, k, gl_ in ((12, 200, 8320, False), (16, 130, 10944, False), (16, 16400, 576, True), (48, 4200, 1000, False),
                          (40, 4200, 1000, False)):
         torch.manual_seed(m + n)
-        q = quantize_lut(torch.randn(n, k, device="cuda"), bits=4, group_size=128, scale_dtype=torch.bfloat16)
-        qm, qh = pack_codes_mma(q.codes, 4, 128, k)
+        p = make_packed(torch.randn(n, k, device="cuda"), 4)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        s, pairs = q.scales.t().contiguous(), pair_table(q.table, 4, torch.bfloat16).cuda()
         if gl_:
-            y = LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=128, out_features=n)
+            y = LGL.lut_wgmma_gluon(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=n)
         else:
-            y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=128, out_features=n, bits=4, qweight_hi=qh)
-        ref = lut_gemm_ref(x.float(), qm, qh, s, q.table.cuda(), 4, 128, k, layout="mma").double()
+            y = LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=n, bits=4,
+                                    qweight_hi=p["qmma_hi"])
+        ref = reference_f64(p, x)
         torch.cuda.synchronize()
         cfg = LGL.gluon_config(m, n) if gl_ else LW.wgmma_config(m, n, k, 128)
         print(f"s25 lut M={m} N={n} K={k} {'gluon' if gl_ else 'triton'} {cfg}: rel-L2 "

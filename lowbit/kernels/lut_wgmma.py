@@ -542,7 +542,7 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     vs 23.46 / 22.38 / 23.30; reproduced in ``s25_ab_final.json``: 29.55 / 24.94 / 25.44). The cause: that probe
     called the op first at M = 40, where Triton compiles the kernel without the divisible-by-16 specialization of M
     (195 registers offline, 2 programs per SM, against 168 and 3 at M = 48 / 64), and ``_resident`` cached that
-    residency for every M, so M = 48 / 64 ran the plain split rule instead of ``balance``'s (now keyed by the
+    residency for every M, so M = 48 / 64 ran the plain split rule instead of ``balance``'s (now keyed by ``launch_key``, the
     specialization). So the stacked dot takes qkv-sized N at 33..64 tokens where M % 16 == 0 (measured at 48 and
     64), and d8 stays at the other counts (M = 40: 29.55 vs 23.60)."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
@@ -718,6 +718,17 @@ def _patch_table(k, mode: int) -> int:
     return off
 
 
+def launch_key(fn, args: tuple, kw: dict) -> tuple:
+    """What selects a compiled variant of jit function ``fn``: its constexprs and options ``kw`` and Triton's
+    specialization of ``args`` (ints equal to 1 or divisible by 16, tensors by device, dtype and 16-byte
+    alignment). The caches of per-variant facts (``table_offset``, ``_resident``) are keyed by it: a fact of one
+    variant does not hold for another (session 25: the 64-token stacked dot compiles to 195 registers at M = 40 and
+    168 at M = 48 / 64, and a residency cached at M = 40 had set the split of every later M)."""
+    return (fn, tuple(sorted(kw.items())), tuple(
+        (a == 1, a % 16 == 0) if isinstance(a, int) else (a.device.index, a.dtype, a.data_ptr() % 16 == 0)
+        for a in args))
+
+
 _TAB_OFF: dict = {}  # launch key -> the pair table's shared offset (so later calls skip the warmup)
 
 
@@ -726,9 +737,7 @@ def table_offset(fn, args: tuple, grid: tuple, kw: dict) -> int:
     register-table kernel; ``args`` without it, ``kw`` its constexprs and options): compiled once per launch key --
     the constexprs and Triton's specialization of the arguments (ints equal to 1 or divisible by 16, 16-byte aligned
     pointers) -- and patched by ``_patch_table``."""
-    key = (fn, tuple(sorted(kw.items())), tuple(
-        (a == 1, a % 16 == 0) if isinstance(a, int) else (a.device.index, a.dtype, a.data_ptr() % 16 == 0)
-        for a in args))
+    key = launch_key(fn, args, kw)
     off = _TAB_OFF.get(key)
     if off is None:
         off = _TAB_OFF[key] = _patch_table(fn.warmup(*args, 0, grid=grid, **kw), kw["SMEM_TAB"])
@@ -743,12 +752,8 @@ def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | 
     gates the ``balance`` option: ``ctas_per_sm`` is only a wish, the registers decide (session 14, ncu at M = 32
     gate_up: 167 registers, 3 programs per SM, not the 4 the split was sized for, so 672 programs ran in 1.7
     waves; ``balance`` gives 896 programs of 8 groups, the busiest SM 7 of them)."""
-    # Triton specializes integer arguments divisible by 16 (and == 1): the compiled variant, so its registers and
-    # residency, differ with them (session 25: the 64-token stacked dot, 168 registers at M = 64, 195 at M = 40), so
-    # they are part of the key (before, the first M seen set the split of every later one)
-    ints = (M, N, nrt, nc, ng, x.stride(0), scales.stride(0), y.stride(0))
-    key = (x.device.index, x.dtype, scales.dtype, tuple((v % 16 == 0, v == 1) for v in ints),
-           tuple(sorted(kw.items())))
+    key = launch_key(_lut_wgmma_kernel, (x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, x.stride(0),
+                                         scales.stride(0), y.stride(0)), kw)
     if key not in _RESIDENT:
         ws, locks = _workspace(x.device, 1, 1)  # (compiled against the pointer types only)
         k = _lut_wgmma_kernel.warmup(x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, 1, 2,

@@ -6,8 +6,9 @@
 - bf16/fp16 ``x`` on CUDA (or on the CPU under TRITON_INTERPRET=1): layout 'mma' (3 or 4 bits), from 9 tokens
   (8 on gate_up-sized 4-bit weights; ``kernels.lut_wgmma.wgmma_preferred``, session 24) up to ``MAX_WGMMA_M``
   (= 128): the register-table kernel ``lowbit.kernels.lut_wgmma`` (session 12; 3-bit from session 13); at 8..16
-  tokens on the smaller weights and at 8 on the larger ones but gate_up (4-bit, G in 64 / 128 / 256, Hopper;
-  ``lut_wgmma_gluon.gluon_tokens``) its Gluon form ``lowbit.kernels.lut_wgmma_gluon`` (session 22); otherwise the
+  tokens on the smaller weights, at 8 on the larger ones but gate_up, and at 16 on gate_up (4-bit, G in 64 / 128 /
+  256, Hopper; ``lut_wgmma_gluon.gluon_tokens``) its Gluon form ``lowbit.kernels.lut_wgmma_gluon`` (session 22);
+  otherwise the
   Triton kernels of ``lowbit.kernels.lut_gemm`` for M <= ``MAX_KERNEL_M`` (= 64) rows; above that, the
   Triton dequantize kernel + cuBLAS (``F.linear``), which wins once the product is
   compute-bound (crossover measured by ``lowbit/bench/suites/lut.py`` on H200, gate_up 4-bit:
