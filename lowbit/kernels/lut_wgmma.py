@@ -543,8 +543,8 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     called the op first at M = 40, where Triton compiles the kernel without the divisible-by-16 specialization of M
     (195 registers offline, 2 programs per SM, against 168 and 3 at M = 48 / 64), and ``_resident`` cached that
     residency for every M, so M = 48 / 64 ran the plain split rule instead of ``balance``'s (now keyed by
-    ``launch_key``, the specialization). So the stacked dot takes qkv-sized N at 33..64 tokens where M % 16 == 0 (measured at 48 and
-    64), and d8 stays at the other counts (M = 40: 29.55 vs 23.60)."""
+    ``launch_key``, the specialization). So the stacked dot takes qkv-sized N at 33..64 tokens where M % 16 == 0
+    (measured at 48 and 64), and d8 stays at the other counts (M = 40: 29.55 vs 23.60)."""
     bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     d8 = dict(rt=8, block_m=bm, num_warps=4, num_stages=3, prefetch=True, one_dot=False, scale_w=False,
               reg_a="auto", ctas_per_sm=2, balance=M <= 64)
