@@ -77,7 +77,7 @@ def test_power_of_two_scales_are_exact():
 
 
 def test_lut_refused_or_dense(tmp_path):
-    m = _model("flute-nf4")
+    m = _model("flute-nf4", fuse_mlp=False)
     with pytest.raises(ExportError, match="not representable"):
         export_compressed_tensors(m, tmp_path / "n")
     rep = export_compressed_tensors(m, tmp_path / "n", fallback="dense")
@@ -87,6 +87,24 @@ def test_lut_refused_or_dense(tmp_path):
     t = load_file(str(tmp_path / "n" / "model.safetensors"))
     w = m.model.layers[0].mlp.up_proj.dequantize()
     assert torch.equal(t["model.layers.0.mlp.up_proj.weight"].float(), w.to(t["model.layers.0.mlp.up_proj.weight"].dtype).float())
+
+
+def test_fused_lut_mlp_dense_halves(tmp_path):
+    """flute-nf4 with fuse_mlp: the fused gate_up is written as its dense gate_proj / up_proj halves, the values
+    of the unfused model's modules."""
+    plain = _model("flute-nf4", fuse_mlp=False)
+    m = _model("flute-nf4")  # (fused by default)
+    with pytest.raises(ExportError, match="not representable"):
+        export_compressed_tensors(m, tmp_path / "f")
+    export_compressed_tensors(m, tmp_path / "f", fallback="dense")
+    from safetensors.torch import load_file
+
+    t = load_file(str(tmp_path / "f" / "model.safetensors"))
+    for role in ("gate_proj", "up_proj"):
+        w = getattr(plain.model.layers[1].mlp, role).dequantize()
+        got = t[f"model.layers.1.mlp.{role}.weight"]
+        assert torch.equal(got.float(), w.to(got.dtype).float())
+    assert not any("gate_up" in k for k in t)
 
 
 def test_quantized_lm_head_exports(tmp_path):

@@ -94,3 +94,110 @@ def test_default_fuse_layout_is_row_major():
 
     m = W4A8INT8Linear.empty(64, 32, True, torch.bfloat16)
     assert m.fuse_layout() == {n: (0, 1) for n, _ in m.named_buffers()}
+
+
+# ---------------------------------------------------------------- fused MLP (gate_up with the SiLU*mul epilogue)
+def _lut_model(**opts):
+    import lowbit
+    from tests._tiny_models import tiny_llama
+
+    m = tiny_llama(head_dim=16)
+    return lowbit.quantize_model(m, "flute-nf4", progress=False, **opts)
+
+
+def test_fuse_mlp_same_function(monkeypatch):
+    """``nn.lut.fuse_mlp`` restacks the quantized gate / up (rows interleaved by 8): the MLP computes the same
+    function (float32 reference path: the same products; no rounding of the SiLU*mul at float32)."""
+    from lowbit.models.arch import decoder_layers
+    from lowbit.nn.base import FusedMLP
+    from lowbit.nn.lut import fuse_mlp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = _lut_model(fuse_mlp=False)
+    x = torch.randn(2, 5, 64)
+    views = decoder_layers(m)
+    before = [v.layer.mlp(x) for v in views]
+    gate_w = views[0].gate_proj.dequantize()
+    for v, y in zip(views, before):
+        new = fuse_mlp(v)
+        assert isinstance(v.layer.mlp, FusedMLP) and new.gate_up.activation == "silu_mul"
+        assert new.gate_up.out_features == 128 and new.gate_up.scales.shape[1] == 256
+        torch.testing.assert_close(v.layer.mlp(x), y, rtol=1e-6, atol=1e-6)
+    from lowbit.formats.common import split_interleaved
+
+    assert torch.equal(split_interleaved(views[0].layer.mlp.gate_up.dequantize(), 8, dim=0)[0], gate_w)
+    with pytest.raises(ValueError, match="SiLU MLP"):
+        fuse_mlp(views[0])  # already fused
+    with pytest.raises(TypeError, match="LUTLinear"):
+        from tests._tiny_models import tiny_llama
+
+        fuse_mlp(decoder_layers(tiny_llama(head_dim=16))[0])  # float gate / up
+    with pytest.raises(ValueError, match="bias"):
+        LUTLinear(64, 32, activation="silu_mul", bias=True)
+
+
+@pytest.mark.parametrize("m", [1, 12, 40, 130])
+def test_silu_mul_op_paths(m):
+    """``lut_gemm(silu_mul=True)`` on every path (fragment kernel + pass at 1 token, the register-table kernel's
+    epilogue at 12 / 40, dequantize + matmul + pass above 128; the interpreter on the CPU) against
+    ``silu_mul_ref`` of the float64 product."""
+    from lowbit.formats.common import interleave_rows, silu_mul_ref
+    from lowbit.formats.lut import dequantize_lut, pack_codes_mma, pair_table, quantize_lut
+    from lowbit.ops.lut import lut_gemm
+    from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+    dev = "cuda" if GPU else "cpu"
+    dt = torch.float16
+    torch.manual_seed(m)
+    k, n = 200, 48
+    w = interleave_rows(torch.randn(n, k), torch.randn(n, k), 8)
+    q = quantize_lut(w, bits=4, group_size=64, table="nf", scale_dtype=dt)
+    qm, _ = pack_codes_mma(q.codes, 4, 64, k)
+    x = torch.randn(m, k, dtype=dt)
+    s = q.scales.t().contiguous()
+    ref = silu_mul_ref((x.double() @ dequantize_lut(q).double().t()).to(dt), 8)
+    if not GPU:
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the interpreter or a GPU")
+    y = lut_gemm(x.to(dev), qm.to(dev), None, s.to(dev), q.table.to(dev), bits=4, group_size=64, layout="mma",
+                 pairs=pair_table(q.table, 4, dt).to(dev), silu_mul=True)
+    assert y.shape == (m, n) and y.dtype == dt
+    assert rel_l2(y.cpu(), ref) < 2 * KERNEL_VS_REF[dt]
+    with pytest.raises(ValueError, match="silu_mul needs N"):
+        lut_gemm(x.to(dev), *_odd_n(k, dev), bits=4, group_size=64, layout="mma", silu_mul=True)
+
+
+def _odd_n(k, dev):
+    """A 24-row packed weight (not a multiple of 16): (qweight, None, scales, table)."""
+    from lowbit.formats.lut import pack_codes_mma, quantize_lut
+
+    q = quantize_lut(torch.randn(24, k), bits=4, group_size=64, table="nf", scale_dtype=torch.float16)
+    return pack_codes_mma(q.codes, 4, 64, k)[0].to(dev), None, q.scales.t().contiguous().to(dev), q.table.to(dev)
+
+
+def test_fused_mlp_recipe_runner_and_checkpoint(tmp_path, monkeypatch):
+    """flute-nf4(fuse_mlp=True): the runner calls the fused gate_up as is (SiLU*mul from the GEMM), greedy tokens
+    equal the HF path's and the unfused model's; a saved model loads back to the same tokens."""
+    import lowbit
+    from lowbit.models.generate import Generator
+    from tests._tiny_models import greedy, tiny_llama
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = _lut_model(fuse_mlp=True)
+    plain = _lut_model(fuse_mlp=False)
+    assert m.lowbit_recipe["options"]["fuse_mlp"] is True and plain.lowbit_recipe["options"]["fuse_mlp"] is False
+    assert type(_lut_model().model.layers[0].mlp).__name__ == "FusedMLP"  # the default: wherever it fits
+    gen = Generator(m, max_batch=1, max_seq=16)
+    assert all(f.gate_up_p is not None and f.gate_up_p.silu_mul for f in gen.fused)
+    p = torch.tensor([7, 3, 9])
+    toks = gen.generate([p], 4)[0]
+    assert torch.equal(toks, greedy(m, p.unsqueeze(0), 4)[0])
+    assert torch.equal(toks, greedy(plain, p.unsqueeze(0), 4)[0])
+    lowbit.save_quantized(m, tmp_path / "q")
+    m2 = lowbit.load_quantized(tmp_path / "q")
+    assert type(m2.model.layers[0].mlp).__name__ == "FusedMLP"
+    assert torch.equal(greedy(m2, p.unsqueeze(0), 4)[0], toks)
+    with pytest.raises(ValueError, match="fuse_mlp"):
+        lowbit.quantize_model(tiny_llama(head_dim=16), "flute-nf4", progress=False, fuse_mlp=True, skip=("up_proj",))

@@ -64,6 +64,30 @@ def test_mma_kernel_matches_reference(m, n, k, g, dtype, cfg, dev):
     assert _run(m, n, k, g, dtype, dev, **cfg) < KERNEL_VS_REF[dtype]
 
 
+@pytest.mark.parametrize("m,n,k,g,bits,dtype,cfg", [
+    (1, 48, 200, 64, 4, torch.bfloat16, {}),                     # K padded
+    (5, 64, 384, 128, 4, torch.float16, {"split_k": 3}),         # the epilogue after the split-K reduction
+    (20, 96, 256, 128, 4, torch.bfloat16, {"r": 2}),             # nt = 4, R = 2 row-tile repeats
+    (3, 32, 256, 128, 3, torch.float16, {}),                     # 3-bit planes
+])
+def test_mma_kernel_silu_mul_epilogue(m, n, k, g, bits, dtype, cfg, dev):
+    """A fused gate_up (gate / up rows interleaved by 8): each lane pairs its C registers v / v + 2 in the
+    ``SILU_MUL`` epilogue; ``silu_mul_ref`` of the float64 product."""
+    from lowbit.formats.common import interleave_rows, silu_mul_ref
+
+    torch.manual_seed(m + n)
+    w = interleave_rows(torch.randn(n // 2, k, device=dev), torch.randn(n // 2, k, device=dev), 8)
+    q = quantize_lut(w, bits=bits, group_size=g, table="nf", scale_dtype=dtype)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    qm, qh = pack_codes_mma(q.codes, bits, g, k)
+    y = K.lut_mma_triton(x, qm.to(dev), None if qh is None else qh.to(dev), q.scales.t().contiguous().to(dev),
+                         pair_table(q.table, bits, dtype).to(dev), q.table.to(dev), bits=bits, group_size=g,
+                         out_features=n, silu_mul=True, **cfg)
+    assert y.shape == (m, n // 2) and y.dtype == dtype
+    ref = silu_mul_ref((x.double() @ dequantize_lut(q).double().t()).to(dtype), 8)
+    assert rel_l2(y, ref) < 2 * KERNEL_VS_REF[dtype]
+
+
 def test_mma_kernel_rejects_group_32_and_bad_words():
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     q = quantize_lut(torch.randn(8, 64), bits=4, group_size=64)

@@ -65,6 +65,35 @@ def test_wgmma_kernel_3bit_matches_reference(m, n, k, g, dtype, cfg, dev):
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
 
 
+@pytest.mark.parametrize("m,n,k,g,dtype,cfg", [
+    (17, 48, 300, 128, torch.bfloat16, {}),                          # 3 tiles of 16, K padded
+    (40, 96, 384, 64, torch.float16, {"split_k": 3, "block_m": 16}),  # split-K: the epilogue after the reduction
+    (9, 64, 256, 128, torch.bfloat16, {"rt": 4, "one_dot": True}),   # a stacked-dot launch, then one pass
+    (33, 128, 256, 128, torch.float16, {"rt": 8, "one_dot": False, "reg_a": True}),  # relabelled rows
+])
+def test_wgmma_silu_mul_epilogue(m, n, k, g, dtype, cfg, dev):
+    """A fused gate_up (gate / up rows interleaved in blocks of 8): the kernel's SiLU*mul epilogue against
+    ``silu_mul_ref`` of the reference product, with its roundings (bf16 under the interpreter too)."""
+    from lowbit.formats.common import interleave_rows, silu_mul_ref
+
+    torch.manual_seed(m + n)
+    gate, up = torch.randn(n // 2, k, device=dev), torch.randn(n // 2, k, device=dev)
+    q = quantize_lut(interleave_rows(gate, up, 8), bits=4, group_size=g, table="nf", scale_dtype=dtype)
+    x = torch.randn(m, k, device=dev, dtype=dtype)
+    qm, _ = pack_codes_mma(q.codes, 4, g, k)
+    y = LW.lut_wgmma_triton(x, qm.to(dev), q.scales.t().contiguous().to(dev), pair_table(q.table, 4, dtype).to(dev),
+                            group_size=g, out_features=n, silu_mul=True, **cfg)
+    full = LW.lut_wgmma_triton(x, qm.to(dev), q.scales.t().contiguous().to(dev),
+                               pair_table(q.table, 4, dtype).to(dev), group_size=g, out_features=n, **cfg)
+    assert y.shape == (m, n // 2) and y.dtype == dtype
+    if dtype == torch.float16 or GPU:  # the same accumulators as the plain launch (the interpreter's bf16 cast
+        assert rel_l2(y, silu_mul_ref(full, 8)) < 2e-3  # truncates: its plain output is not the rounded one)
+    assert rel_l2(y, silu_mul_ref(_ref(q, x).to(dtype), 8)) < 2 * KERNEL_VS_REF[dtype]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        LW.lut_wgmma_triton(x, qm.to(dev), q.scales.t().contiguous().to(dev), pair_table(q.table, 4, dtype).to(dev),
+                            group_size=g, out_features=n - 8 if n % 16 == 0 else n, silu_mul=True)
+
+
 def test_words3_merges_the_planes_into_4bit_words():
     """``_words3`` (run through a tiny Triton kernel under the interpreter / on the GPU): every nibble of the merged
     word is the 3-bit code of the fragment layout's formula."""
@@ -275,6 +304,9 @@ def test_op_dispatch_by_m(monkeypatch, bits):
     MAX_WGMMA_M, the fragment kernel below, dequantize + matmul above; every path equals the reference."""
     from lowbit.ops import lut as lut_ops
 
+    from lowbit.kernels import lut_wgmma_gluon as LGL
+
+    monkeypatch.setattr(LGL, "gluon_preferred", lambda *a: False)  # (the GPU's 8..16-token small-N launch: Gluon)
     calls = []
     real = LW.lut_wgmma_triton
     monkeypatch.setattr(LW, "lut_wgmma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))

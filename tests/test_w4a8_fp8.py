@@ -4,8 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lowbit.formats.common import FP8_E4M3, quantize_per_token
-from lowbit.formats.w4a8_fp8 import (dequantize_weight, fp8_round, interleave_rows, padded_k, quantize_weight,
+from lowbit.formats.common import FP8_E4M3, interleave_rows, quantize_per_token
+from lowbit.formats.w4a8_fp8 import (dequantize_weight, fp8_round, padded_k, quantize_weight,
                                      reference_gemm, reference_linear, unpack_codes)
 from tests.tolerances import KERNEL_VS_REF, rel_l2
 from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
-from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm, reference_linear
+from lowbit.formats.common import interleave_rows
+from lowbit.formats.w4a8_fp8 import quantize_weight, reference_gemm, reference_linear
 from tests.tolerances import KERNEL_VS_REF, rel_l2
 from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
@@ -218,24 +219,25 @@ def test_fused_quant_division_is_ieee_quotient():
         assert y == _rnd32(F(v) / s), (v, amax)
 
 
-@pytest.mark.parametrize("res", [False, True])
-def test_silu_mul_pass_of_the_scaled_mm_path(res):
-    """The one-pass SiLU*mul (+ residual) after torch._scaled_mm: the reference's roundings."""
-    from lowbit.kernels.w4a8_fp8_gemm import _silu_mul_kernel
+@pytest.mark.parametrize("res,block,dt", [(False, 1, torch.float16), (True, 1, torch.float16),
+                                          (False, 8, torch.bfloat16), (True, 8, torch.float16)])
+def test_silu_mul_pass(res, block, dt):
+    """The one-pass SiLU*mul (+ residual) after a GEMM without the epilogue (w4a8-fp8's torch._scaled_mm path:
+    block 1; the LUT kernels: block 8): ``silu_mul_ref``'s roundings, n not a multiple of the kernel's BLOCK."""
+    from lowbit.formats.common import silu_mul_ref
+    from lowbit.kernels.silu_mul import silu_mul_triton
 
     torch.manual_seed(7)
-    dt = torch.float16
-    M, n = 3, 1100
+    M, n = 3, 1104
     y = torch.randn(M, 2 * n).to(dt).to(DEV)
     r = torch.randn(M, n).to(dt).to(DEV)
-    out = torch.empty(M, n, dtype=dt, device=DEV)
-    _silu_mul_kernel[(M, 2)](y, r if res else y, out, n, y.stride(0), r.stride(0) if res else 0, out.stride(0),
-                             HAS_RES=res, BLOCK=1024)
-    yc, rc = y.cpu().float(), r.cpu().float()
-    ref = (torch.nn.functional.silu(yc[:, 0::2]).to(dt).float() * yc[:, 1::2]).to(dt)
+    out = silu_mul_triton(y, block=block, residual=r if res else None)
+    ref = silu_mul_ref(y.cpu(), block)
     if res:
-        ref = (ref.float() + rc).to(dt)
+        ref = (ref.float() + r.cpu().float()).to(dt)
     assert rel_l2(out.cpu(), ref) < 1e-3
+    with pytest.raises(ValueError, match="block"):
+        silu_mul_triton(y[:, : 2 * n - block], block=block)
 
 
 @pytest.mark.parametrize("kstep,split,mode,g", [(2, 1, "fused", 128), (2, 2, "fused", 32), (3, 1, "dequant", 64)])

@@ -6,6 +6,7 @@ or a launch shared size that is off), and the W8 (INT8 weight) GEMV / GEMM kerne
     compute-sanitizer --tool memcheck python3 benchmarks/device/lut_w8_sanitize.py [--kernels lut,w8]
     compute-sanitizer --tool racecheck python3 benchmarks/device/lut_w8_sanitize.py --kernels lut
     compute-sanitizer --tool memcheck python3 benchmarks/device/lut_w8_sanitize.py --kernels s25   (session 25)
+    compute-sanitizer --tool memcheck python3 benchmarks/device/lut_w8_sanitize.py --kernels s26   (session 26)
 """
 import argparse
 import os
@@ -84,6 +85,39 @@ if "s25" in kernels:  # session 25's launches: the stacked dot under 96 register
     torch.cuda.synchronize()
     print(f"s25 decode_float B={B} Hkv={Hkv} ragged: splits {sp}, rel-L2 vs 4 splits "
           f"{((o1.double() - o4.double()).norm() / o4.double().norm()).item():.2e}")
+
+if "s26" in kernels:  # session 26: the SiLU*mul epilogues of a fused gate_up (rows interleaved by 8) -- the
+    # register-table kernel (split-K and not), the fragment kernel (split-K and not, no PDL), the pass after a
+    # stacked-dot launch and the standalone pass; ragged K, N a multiple of 16 but not of the tiles
+    from lowbit.bench.suites.lut import make_packed, reference_f64
+    from lowbit.formats.common import interleave_rows, silu_mul_ref
+    from lowbit.kernels import lut_gemm as LG
+    from lowbit.kernels import lut_wgmma as LW
+
+    for m, n, k, kern, cfg in ((64, 400, 1000, "wgmma", {}), (40, 208, 10944, "wgmma", {"split_k": 3}),
+                               (12, 96, 576, "wgmma", {"one_dot": True, "rt": 4}), (3, 400, 1000, "mma", {}),
+                               (5, 208, 10944, "mma", {"split_k": 4})):
+        torch.manual_seed(m + n)
+        w = torch.randn(n, k, device="cuda")
+        p = make_packed(interleave_rows(w[: n // 2], w[n // 2:], 8), 4)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if kern == "wgmma":
+            y = LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=n, bits=4,
+                                    silu_mul=True, **cfg)
+        else:
+            y = LG.lut_mma_triton(x, p["qmma"], None, p["scales"], p["pairs"], p["table"], bits=4, group_size=128,
+                                  out_features=n, silu_mul=True, **cfg)
+        ref = silu_mul_ref(reference_f64(p, x).to(torch.bfloat16), 8)
+        torch.cuda.synchronize()
+        print(f"s26 {kern} silu_mul M={m} N={n} K={k} {cfg}: rel-L2 "
+              f"{((y.double() - ref.double()).norm() / ref.double().norm()).item():.2e}")
+    from lowbit.kernels.silu_mul import silu_mul_triton
+
+    for block in (1, 8):
+        yy = torch.randn(7, 2 * 1040, device="cuda", dtype=torch.bfloat16)
+        out = silu_mul_triton(yy, block=block, residual=torch.randn(7, 1040, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        print(f"s26 silu_mul pass block={block}: finite {bool(torch.isfinite(out).all())}")
 
 if "w8" in kernels:
     from lowbit.kernels.w8_gemm import w8_gemm_triton

@@ -10,7 +10,10 @@ True / 'wide'; ``xperm`` = the register-table kernel's ``x_perm`` (x copied into
 register-table kernel instead of the Gluon one; ``off`` = session 24's table defaults undone (no ``smem_table``, the
 4-bit K >= 8192 weights at 9..16 tokens on the fragment kernel); ``s24`` = session 25's launch changes undone
 (LUT dispatch and the float-cache decode's split rule); ``qkv_o4`` = the stacked dot on qkv-sized N at 33..64
-tokens; empty = the committed dispatch.
+tokens; (session 26's ``trig0/1/2`` and ``fragpass``, the fragment kernel's SiLU*mul epilogue under PDL with each trigger
+point and without the epilogue, were measured at commit 59ef336 + that session's work tree: ``model_s26_b1.json``);
+empty = the committed
+dispatch.
 """
 import os
 import sys

@@ -63,7 +63,8 @@ def _write_rows(name: str, rows: list) -> None:
 
 def check():
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
-    from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm
+    from lowbit.formats.common import interleave_rows
+    from lowbit.formats.w4a8_fp8 import quantize_weight, reference_gemm
     from lowbit.kernels.act_quant import per_token_quant_triton
     from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
 
@@ -162,7 +163,8 @@ def _new_path_checks():
     """Session 2 paths: activation quantization fused into the GEMM (decode), single-launch split-K,
     dequantize-once + FP8 GEMM (Triton W_FP8 / torch._scaled_mm)."""
     from lowbit.formats.common import FP8_E4M3, quantize_per_token
-    from lowbit.formats.w4a8_fp8 import interleave_rows, quantize_weight, reference_gemm, tile_codes
+    from lowbit.formats.common import interleave_rows
+    from lowbit.formats.w4a8_fp8 import quantize_weight, reference_gemm, tile_codes
     from lowbit.kernels.act_quant import per_token_quant_triton
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm, w4a8_fp8_linear_fused
 

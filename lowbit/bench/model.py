@@ -71,8 +71,8 @@ FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
 def provider_spec(name: str) -> tuple[str, dict, dict, list]:
     """``name`` -> (recipe or 'bf16', quantization options, Generator options, kernel flags).
     ``VARIANTS`` names first; then '+'-separated tokens: ``head`` (lm_head=True), ``head8`` (lm_head="w8"), ``fused``
-    (fuse_mlp=True), ``kv4`` (kv="kv4"), ``rows`` (w4a8-int8 codes row-major: linear_options tiled=False), ``GEN_TOKENS``
-    and ``FLAG_TOKENS``."""
+    (fuse_mlp=True), ``unfused`` (fuse_mlp=False), ``kv4`` (kv="kv4"), ``rows`` (w4a8-int8 codes row-major:
+    linear_options tiled=False), ``GEN_TOKENS`` and ``FLAG_TOKENS``."""
     base, *toks = name.split("+")
     recipe, qopts = VARIANTS.get(name, (base, {}))
     qopts, gopts, flags = dict(qopts), {}, []
@@ -84,6 +84,8 @@ def provider_spec(name: str) -> tuple[str, dict, dict, list]:
                 qopts["lm_head"] = "w8"
             elif t == "fused":
                 qopts["fuse_mlp"] = True
+            elif t == "unfused":  # session 26: the flute recipes' MLP without the gate / up fusion (their default)
+                qopts["fuse_mlp"] = False
             elif t == "kv4":  # session 15: the recipe with the paged INT4 KV cache (kv="kv4")
                 qopts["kv"] = "kv4"
             elif t == "rows":  # session 11: w4a8-int8 codes row-major (the pre-S11 layout)

@@ -87,3 +87,36 @@ def untile_rows(flat: torch.Tensor, n: int, b: int, rows: int, chunk: int = 64) 
     head = flat[:nh * b].reshape(nh // rows, b // chunk, rows, chunk).permute(0, 2, 1, 3)
     return torch.cat((head.reshape(-1), flat[nh * b:])).reshape(n, b)
 
+
+
+def interleave_rows(a: torch.Tensor, b: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """A fused gate_up weight: ``a`` (gate) and ``b`` (up) ``[N, ...]`` -> ``[2N, ...]`` with their rows alternating
+    in blocks of ``block`` (``a[0:block], b[0:block], a[block:2 block], ...``; N a multiple of ``block``). The
+    GEMM epilogue then finds gate and up of one output column in one tile: ``block`` 1 for w4a8-fp8 (adjacent
+    columns), 8 for the LUT layout (rows g / g + 8 of each 16-row fragment tile: ``kernels.lut_wgmma``)."""
+    n = a.shape[0]
+    if b.shape != a.shape or n % block:
+        raise ValueError(f"interleave_rows needs two equal shapes with rows a multiple of block={block}, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    ab = torch.stack((a.reshape(n // block, block, *a.shape[1:]), b.reshape(n // block, block, *b.shape[1:])), 1)
+    return ab.reshape(2 * n, *a.shape[1:])
+
+
+def split_interleaved(y: torch.Tensor, block: int = 1, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``interleave_rows`` along ``dim`` of an output (or weight): ``(gate, up)`` views."""
+    y = y.movedim(dim, -1)
+    n2 = y.shape[-1]
+    if n2 % (2 * block):
+        raise ValueError(f"split_interleaved: size {n2} is not a multiple of 2 * block = {2 * block}")
+    t = y.reshape(*y.shape[:-1], n2 // (2 * block), 2, block)
+    g, u = t[..., 0, :].reshape(*y.shape[:-1], n2 // 2), t[..., 1, :].reshape(*y.shape[:-1], n2 // 2)
+    return g.movedim(-1, dim), u.movedim(-1, dim)
+
+
+def silu_mul_ref(y: torch.Tensor, block: int = 1) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate_up output ``y [..., 2n]`` (``interleave_rows(.., block)``), in y's dtype
+    with each of gate, up, silu(gate) and the product rounded to it (the eager Llama MLP's roundings; float32 y:
+    no rounding). The numerics of every lowbit SiLU*mul epilogue."""
+    g, u = split_interleaved(y, block)
+    dt = y.dtype
+    return (torch.nn.functional.silu(g.float()).to(dt).float() * u.float()).to(dt)

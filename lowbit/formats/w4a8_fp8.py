@@ -69,7 +69,8 @@ from __future__ import annotations
 import torch
 
 from lowbit._utils import cached_dense
-from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token, tile_rows, untile_rows
+from lowbit.formats.common import (AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token, silu_mul_ref,
+                                   tile_rows, untile_rows)
 
 GROUP_SIZES = (32, 64, 128)
 PACK_BLOCK = 128  # columns per reorder block (= the kernel's BLOCK_K)
@@ -220,10 +221,7 @@ def reference_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scal
     if bias is not None:
         y = y + bias.double()
     dt = out_dtype
-    if silu_mul:
-        g, u = y[..., 0::2].to(dt).float(), y[..., 1::2].to(dt).float()
-        y = torch.nn.functional.silu(g).to(dt).float() * u
-    y = y.to(dt)
+    y = silu_mul_ref(y.to(dt)) if silu_mul else y.to(dt)
     if residual is not None:
         y = (y.float() + residual.float()).to(dt)
     return y
@@ -243,6 +241,3 @@ def reference_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return y.reshape(*lead, y.shape[-1])
 
 
-def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[N, ...] and [N, ...] -> [2N, ...] with rows (a_0, b_0, a_1, b_1, ...) (fused gate_up)."""
-    return torch.stack((a, b), dim=1).reshape(2 * a.shape[0], *a.shape[1:])

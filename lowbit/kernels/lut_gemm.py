@@ -77,6 +77,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode, warn_once
 from lowbit.formats.lut import pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
+from lowbit.kernels.silu_mul import silu_mul_f32
 
 LOOKUPS = {"global": 0, "select": 1, "affine": 2, "pair": 3, "smem": 4}
 
@@ -889,6 +890,21 @@ def _pick4(J: tl.constexpr, a0, a1, a2, a3):
     return r
 
 
+@triton.jit
+def _silu_mul_store(Y, a, row, mj, M, N, stride_ym, EMU: tl.constexpr):
+    """The ``SILU_MUL`` epilogue of the fragment kernel: C registers ``a`` [R, SW] (register v = i % 4 of a lane
+    holds weight row ``row`` = 16 rt + g + 8 (v // 2), token ``mj`` + v % 2) -> ``silu(gate) * up`` at output
+    column 8 rt + g: the fused gate_up's rows g are gate and rows g + 8 up (``interleave_rows(.., 8)``), so each
+    lane pairs its own registers v and v + 2."""
+    R: tl.constexpr = a.shape[0]
+    SW: tl.constexpr = a.shape[1]
+    gate, up = tl.split(tl.permute(tl.reshape(a, [R, SW // 4, 2, 2]), (0, 1, 3, 2)))
+    rg, _r = tl.split(tl.permute(tl.reshape(row, [R, SW // 4, 2, 2]), (0, 1, 3, 2)))
+    mg, _m = tl.split(tl.permute(tl.reshape(tl.broadcast_to(mj, [R, SW]), [R, SW // 4, 2, 2]), (0, 1, 3, 2)))
+    y = silu_mul_f32(gate, up, Y.dtype.element_ty, EMU)
+    tl.store(Y + mg * stride_ym + (rg // 16) * 8 + rg % 8, y.to(Y.dtype.element_ty), mask=(rg < N) & (mg < M))
+
+
 @triton.jit(do_not_specialize=["M", "N", "K", "NRT", "NC", "NG", "GROUPS_PER_SPLIT", "SPLIT_K", "stride_xm",
                                "stride_sg", "stride_ym"])  # every int: see _MMA_PATCHED
 def _lut_mma_kernel(
@@ -906,6 +922,7 @@ def _lut_mma_kernel(
     SP: tl.constexpr = False,  # scales of the next group loaded one group ahead
     PDL: tl.constexpr = False,  # programmatic dependent launch (triggers the next one after its wait)
     WIDE: tl.constexpr = False,  # 4-bit: the 64 KB table (entries 256 B apart), one prmt per lookup address
+    SILU_MUL: tl.constexpr = False,  # fused gate_up (rows interleaved by 8): Y [M, N / 2] = silu(gate) * up
 ):
     """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
 
@@ -945,6 +962,14 @@ def _lut_mma_kernel(
     kernel's tail; X, the workspace and Y are touched only after the wait. (A residual add in the
     epilogue was tried in session 9: bit-equal to torch's add but compiled to a slower 61-register
     schedule, M = 1 down 27.7 vs 19.5 us on the H200, ``lut_residual_probe_s9e.json``; removed.)
+    ``SILU_MUL`` (session 26): a fused gate_up's ``silu(gate) * up`` in the epilogue, each lane pairing its C
+    registers v / v + 2 (``_silu_mul_store``). Faster than the GEMM + a SiLU*mul pass alone (H200, gate_up M = 1:
+    28.9 vs 31.1 us, ``s26_probe2.json``; batch-1 model without PDL 0.4409 vs 0.4452 ms per two-layer step + head,
+    ``model_s26_b1_nopdl.json``) but not in the runner's PDL chain, where the pass's early trigger lets ``down``'s
+    set-up overlap it: 0.4422 / 0.4395 vs 0.4354 / 0.4325 ms with the trigger after the main loop, 0.4495 with the
+    early trigger (``down``'s programs then wait on the SMs while this grid still places programs), 0.4401 at exit
+    (``model_s26_b1_*.json``); the GEMM + pass matches the unfused chain (0.4354 vs 0.4344,
+    ``model_s26_b1_fragpass.json``). So the op uses it only without ``pdl``.
     """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -1132,6 +1157,8 @@ def _lut_mma_kernel(
         if USE_SPLIT:
             ws_off = mj * N + row
             tl.store(WS + pid_k * M * N + ws_off, a, mask=out_mask)
+        elif SILU_MUL:
+            _silu_mul_store(Y, a, row, mj, M, N, stride_ym, INTERPRET)
         else:
             tl.store(Y + mj * stride_ym + row, a.to(Y.dtype.element_ty), mask=out_mask)
     if USE_SPLIT:
@@ -1146,7 +1173,10 @@ def _lut_mma_kernel(
                 tot = tl.zeros([R, SW], dtype=tl.float32)
                 for sk in range(0, SPLIT_K):
                     tot += tl.load(WS + sk * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(Y + mj * stride_ym + row, tot.to(Y.dtype.element_ty), mask=out_mask)
+                if SILU_MUL:
+                    _silu_mul_store(Y, tot, row, mj, M, N, stride_ym, INTERPRET)
+                else:
+                    tl.store(Y + mj * stride_ym + row, tot.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -1222,15 +1252,17 @@ def planned_split(split: int | None, units: int, tiles: int, ctas_per_sm: int, s
     return cdiv(units, cdiv(units, split))
 
 
-def split_plan(split: int | None, units: int, tiles: int, ctas_per_sm: int, y: torch.Tensor):
+def split_plan(split: int | None, units: int, tiles: int, ctas_per_sm: int, y: torch.Tensor,
+               n_cols: int | None = None):
     """Split-K over ``units`` (loop steps or scale groups) for ``tiles`` output tiles of ``y`` [M, N]: ``split``
     (None: enough programs for ``ctas_per_sm`` per SM) clamped to [1, units] with no empty range -> (split, units per
-    split, FP32 workspace, counters); the workspace and counters are ``y`` itself (unused) without a split."""
+    split, FP32 workspace, counters); the workspace and counters are ``y`` itself (unused) without a split.
+    ``n_cols``: the partials' columns where they differ from y's (an epilogue that halves them: SiLU*mul)."""
     split = planned_split(split, units, tiles, ctas_per_sm, _sm_count(y.device))
     per = cdiv(units, split)
     if split == 1:
         return 1, per, y, y
-    ws, locks = _workspace(y.device, split * y.shape[0] * y.shape[1], tiles)
+    ws, locks = _workspace(y.device, split * y.shape[0] * (n_cols or y.shape[1]), tiles)
     return split, per, ws, locks
 
 
@@ -1451,14 +1483,17 @@ def fragment_x(x: torch.Tensor, kp: int) -> torch.Tensor:
 
 def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
                    pairs: torch.Tensor, table: torch.Tensor, *, bits: int, group_size: int, out_features: int,
-                   pdl: bool = False, **overrides) -> torch.Tensor:
+                   pdl: bool = False, silu_mul: bool = False, **overrides) -> torch.Tensor:
     """Launch ``_lut_mma_kernel``. ``qweight`` (+ ``qweight_hi`` at 3-bit) = ``formats.lut.pack_codes_mma``;
     ``pairs`` = ``pair_table(table, bits, x.dtype)``; ``scales`` [ceil(K/G), N]. ``x`` [M, K] is
     copied to a zero-padded [M, Kp] buffer when K is not a multiple of the group or its rows are not
     16-byte aligned (the fragment loads read 16-byte vectors up to Kp). ``pdl``: launch as a
-    programmatic dependent launch (Hopper; ignored elsewhere; kernel docstring)."""
+    programmatic dependent launch (Hopper; ignored elsewhere; kernel docstring). ``silu_mul``: a fused gate_up
+    (rows interleaved in blocks of 8, N a multiple of 16) -> ``[M, N / 2]`` = silu(gate) * up (``SILU_MUL``)."""
     M, K = x.shape
     N = out_features
+    if silu_mul and N % 16:
+        raise ValueError(f"silu_mul needs out_features a multiple of 16 (gate/up rows interleaved by 8), got {N}")
     G = group_size
     if bits not in MMA_GROUPS or G not in MMA_GROUPS[bits]:
         raise ValueError(f"the fragment kernel needs bits in (3, 4) and group_size in {MMA_GROUPS.get(bits)}, "
@@ -1467,6 +1502,8 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     cfg.update(overrides)
     nt, r, nw = cfg["nt"], cfg["r"], cfg["num_warps"]
     y, done = gemm_output(x, N, K)
+    if silu_mul:
+        y = y[:, : N // 2] if done else torch.empty((M, N // 2), device=x.device, dtype=x.dtype)
     if done:
         return y
     ng = cdiv(K, G)
@@ -1484,7 +1521,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     split = cfg.get("split_k")
     if split is None and cfg.get("balance"):
         split = balanced_split(grid_n * grid_m, ng, _sm_count(x.device), cfg["ctas_per_sm"])
-    split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
+    split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y, n_cols=N)
     pw = pairs.contiguous().view(torch.int32).reshape(-1)
     qh = qweight_hi if qweight_hi is not None else qweight
     grid = (grid_n, grid_m, split)
@@ -1520,6 +1557,8 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     smem = mma_table_bytes(bits) * (2 if wide else 1)
     if wide and not interpret_mode():  # passed only when set: the default launch stays as measured
         kw["WIDE"] = True
+    if silu_mul:  # (likewise)
+        kw["SILU_MUL"] = True
     if ring:
         kw["RING"], kw["RING_BASE"] = ring, smem
         smem += ring * r * nw * (512 if bits == 4 else 768)  # 16 (+ 8 at 3-bit) bytes per lane, row tile, slot
@@ -1527,7 +1566,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
         # ints are not specialized (do_not_specialize): the compiled kernel depends only on the
         # constexprs and the 16-byte alignment of the pointers
         key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu, xh, ring, sp,
-               pdl, wide, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
+               pdl, wide, silu_mul, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
         if key not in _MMA_PATCHED:  # the pair table lives in dynamic shared memory Triton does not
             # know about: raise the launch's dynamic shared size to hold it (compile once, patch)
             k = _lut_mma_kernel.warmup(*args, grid=grid, **kw)

@@ -69,6 +69,7 @@ from lowbit.kernels.lut_gemm import (_pick4, _sm_count, _store_pair_table, _work
                                      busiest_sm_groups, fragment_x, gemm_output, mma_table_bytes, planned_split,
                                      split_plan)
 from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, _entry_row, decode_lines
+from lowbit.kernels.silu_mul import silu_mul_f32
 
 
 def _decode_asm(scaled: str | None = None) -> str:
@@ -315,6 +316,7 @@ def _lut_wgmma_kernel(
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = 0,
     REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = 0, X_PERM: tl.constexpr = False,
+    SILU_MUL: tl.constexpr = False,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
     ``ONE_DOT``: the two decoded halves are stacked into one ``[16 RT, 64]`` tile (row ``rh * 8 RT + i``) and
@@ -331,7 +333,11 @@ def _lut_wgmma_kernel(
     the launch's dynamic shared size by the table's 32 KB, 64 KB for ``SMEM_TAB == 2``), instead of the byte-table
     ``prmt`` decode. ``X_PERM`` (with ``REG_A``; option ``x_perm``): ``X`` arrives with each chunk's columns
     already in the relabelled order (``permute_x``), so the activation tile is read as contiguous 16-byte vectors
-    instead of gathered 4-byte pairs."""
+    instead of gathered 4-byte pairs. ``SILU_MUL`` (two dots only; a fused gate_up whose rows alternate in blocks
+    of 8, ``formats.common.interleave_rows(gate, up, 8)``: each 16-row tile's rows g are gate rows, its rows g + 8
+    the up rows of the same columns): the output ``Y [M, N / 2]`` is ``silu(acc0) * acc1`` (``silu_mul_f32``'s
+    roundings), element by element -- the two accumulators share their layout, so the epilogue moves nothing --
+    at column ``8 (tile) + g``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -428,15 +434,23 @@ def _lut_wgmma_kernel(
                     t1 += tl.load(wsk + n1[:, None], mask=mask1, other=0.0, cache_modifier=".cg")
                 wsk += M * N
             yr = Y + offs_m[None, :] * stride_ym
-            tl.store(yr + n0[:, None], t0.to(ODT), mask=mask0)
-            if not ONE_DOT:
-                tl.store(yr + n1[:, None], t1.to(ODT), mask=mask1)
+            if SILU_MUL:
+                tl.store(yr + ((nh0 // 16) * 8 + nh0 % 8)[:, None], silu_mul_f32(t0, t1, ODT, EMU).to(ODT),
+                         mask=mask0)
+            else:
+                tl.store(yr + n0[:, None], t0.to(ODT), mask=mask0)
+                if not ONE_DOT:
+                    tl.store(yr + n1[:, None], t1.to(ODT), mask=mask1)
             tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
     else:
         yr = Y + offs_m[None, :] * stride_ym
-        tl.store(yr + n0[:, None], acc0.to(ODT), mask=mask0)
-        if not ONE_DOT:
-            tl.store(yr + n1[:, None], acc1.to(ODT), mask=mask1)
+        if SILU_MUL:
+            tl.store(yr + ((nh0 // 16) * 8 + nh0 % 8)[:, None], silu_mul_f32(acc0, acc1, ODT, EMU).to(ODT),
+                     mask=mask0)
+        else:
+            tl.store(yr + n0[:, None], acc0.to(ODT), mask=mask0)
+            if not ONE_DOT:
+                tl.store(yr + n1[:, None], acc1.to(ODT), mask=mask1)
 
 
 WGMMA_GROUPS = (64, 128, 256)
@@ -607,7 +621,7 @@ def permute_x(x: torch.Tensor, ck: int) -> torch.Tensor:
 
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
                      group_size: int, out_features: int, bits: int = 4, qweight_hi: torch.Tensor | None = None,
-                     **overrides) -> torch.Tensor:
+                     silu_mul: bool = False, **overrides) -> torch.Tensor:
     """Launch ``_lut_wgmma_kernel``. ``qweight`` (+ ``qweight_hi`` at 3 bits) = ``formats.lut.pack_codes_mma(codes,
     bits, G)``, ``pairs`` = ``pair_table(table, bits, x.dtype)``, ``scales`` ``[ceil(K/G), N]``. ``x`` ``[M, K]``
     bf16/fp16 is copied to a zero-padded ``[M, Kp]`` buffer when K is not a multiple of the group or its rows are
@@ -619,7 +633,10 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     column order (``permute_x``) so the kernel loads it with 16-byte vectors, or 'given': ``x`` is already
     ``permute_x(x)`` (a producer that writes that order; K a multiple of the chunk); the defaults: ``wgmma_config``).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
-    integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``)."""
+    integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``).
+    ``silu_mul``: the weight is a fused gate_up with rows interleaved in blocks of 8 (N a multiple of 16); the
+    output is ``[M, N / 2]`` = silu(gate) * up from the kernel's epilogue (``SILU_MUL``, two-dot configs; after a
+    stacked-dot launch, one ``kernels.silu_mul`` pass)."""
     M, K = x.shape
     N, G = out_features, group_size
     if bits not in (3, 4) or G not in WGMMA_GROUPS or G % MMA_CHUNK[bits]:
@@ -631,10 +648,22 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                          f"({nrt * nc * 64} int32 words)")
     cfg = wgmma_config(M, N, K, G, bits)
     cfg.update(overrides)
+    if silu_mul:
+        if N % 16:
+            raise ValueError(f"silu_mul needs out_features a multiple of 16 (gate/up rows interleaved by 8), got {N}")
+        if cfg.get("one_dot"):  # the epilogue pairs the two dots' accumulators: a stacked-dot launch stays as it is,
+            # then one pass (3-bit at <= 32 tokens: d8 with the epilogue lost, batch-16 model 1.57x vs 1.72x bf16)
+            from lowbit.kernels.silu_mul import silu_mul_triton
+
+            y = lut_wgmma_triton(x, qweight, scales, pairs, group_size=G, out_features=N, bits=bits,
+                                 qweight_hi=qweight_hi, **overrides)
+            return silu_mul_triton(y, block=8)
     smem_tab = cfg.get("smem_table", False)
     if smem_tab not in (False, True, "wide"):
         raise ValueError(f"smem_table must be False, True or 'wide', got {smem_tab!r}")
     y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton")
+    if silu_mul:
+        y = y[:, : N // 2] if done else torch.empty((M, N // 2), device=x.device, dtype=x.dtype)
     if done:
         return y
     sw = {False: 0, True: 1, "asm": 2}.get(cfg.get("scale_w", False))
@@ -671,11 +700,13 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
         split = balance_split(grid_n * grid_m, ng, _sm_count(x.device), cfg["ctas_per_sm"], occ)
-    split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y)
+    split, per, ws, locks = split_plan(split, ng, grid_n * grid_m, cfg["ctas_per_sm"], y, n_cols=N)
     args = (x, qweight, qh, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split, x.stride(0), scales.stride(0),
             y.stride(0))
     grid = (grid_n, grid_m, split)
     kw["USE_SPLIT"] = split > 1
+    if silu_mul:  # passed only when set: the plain launches keep their compiled kernels
+        kw["SILU_MUL"] = True
     # the table's place: past Triton's own shared memory
     tab_off = table_offset(_lut_wgmma_kernel, args, grid, kw) if smem_tab and not interpret_mode() else 0
     LAST_COMPILED["wgmma"] = _lut_wgmma_kernel[grid](*args, tab_off, **kw)

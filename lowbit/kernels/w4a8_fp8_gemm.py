@@ -78,6 +78,7 @@ from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX
 from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols, tiled_shape
 from lowbit.formats.w4a8_fp8 import TILE_N as _TILE_N
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue, round_to_fp8_e4m3
+from lowbit.kernels.silu_mul import silu_mul_triton
 
 BLOCK_K = PACK_BLOCK
 HALF_K = tl.constexpr(PACK_BLOCK // 2)
@@ -749,27 +750,6 @@ def _dequant_fp8_kernel(
     tl.store(o_rows + HALF_K + offs_h[None, :], w_hi, mask=mask_n[:, None])
 
 
-@triton.jit
-def _silu_mul_kernel(
-    Y, Res, Out,  # pointers: y [M, 2n] (gate/up interleaved), residual [M, n], out [M, n]
-    n, stride_ym, stride_rm, stride_om,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """The GEMM epilogue's SiLU*mul (+ residual) for the _scaled_mm path, in one pass over y: same
-    roundings as ``_epilogue`` (gate, up, silu(gate) and the product in the output dtype)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n
-    gu = tl.load(Y + row * stride_ym + 2 * cols[:, None] + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0.0)
-    gate, up = tl.split(gu.to(tl.float32))
-    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
-    y = act * up
-    if HAS_RES:
-        r = tl.load(Res + row * stride_rm + cols, mask=mask, other=0.0)
-        y = y.to(Out.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
-    tl.store(Out + row * stride_om + cols, y.to(Out.dtype.element_ty), mask=mask)
-
-
 # ------------------------------------------------------------------------------------ launchers
 _LOCKS: dict = {}
 _SCALE_B: dict = {}
@@ -886,7 +866,7 @@ def _check_weight(k, codes, scales, group_size, silu_mul, bias, tiled=False):
 def _scaled_mm_path(xq, sx, wf, inv_delta, bias, residual, silu_mul, out_dtype):
     """``torch._scaled_mm`` row-wise on the dequantized FP8 weight: scale_a = sx ``[M, 1]``,
     scale_b = delta^-1 ``[1, N]`` (cached), bias in its epilogue; SiLU*mul (+ residual) in one
-    Triton pass (``_silu_mul_kernel``), a lone residual as an eager add; the reference's roundings."""
+    Triton pass (``kernels.silu_mul``), a lone residual as an eager add; the reference's roundings."""
     M, N = xq.shape[0], wf.shape[0]
     sa = sx.reshape(M, 1)
     key = (N, float(inv_delta), xq.device.type, xq.device.index)
@@ -899,15 +879,7 @@ def _scaled_mm_path(xq, sx, wf, inv_delta, bias, residual, silu_mul, out_dtype):
                          bias=None if bias is None else bias.to(torch.bfloat16))
     y = y.to(out_dtype)
     if silu_mul:  # one Triton pass (eager silu(y[:, 0::2]) * y[:, 1::2] moves ~1.7x the bytes)
-        n = N // 2
-        out = torch.empty((M, n), dtype=out_dtype, device=y.device)
-        if M and n:
-            block = 1024
-            _silu_mul_kernel[(M, cdiv(n, block))](
-                y, residual if residual is not None else y, out, n, y.stride(0),
-                residual.stride(0) if residual is not None else 0, out.stride(0),
-                HAS_RES=residual is not None, BLOCK=block, num_warps=4)
-        return out
+        return silu_mul_triton(y, residual=residual, out_dtype=out_dtype)
     if residual is not None:
         y = y + residual
     return y

@@ -115,11 +115,29 @@ def _w8_tensors(mod, pack):
     return t
 
 
+class _DenseHalf:
+    """One half of a fused gate_up whose scheme has no compressed-tensors form: its dequantized rows (written by
+    ``fallback='dense'``, or refused naming the scheme)."""
+
+    bias = None
+
+    def __init__(self, scheme: str, w: torch.Tensor):
+        self.scheme, self._w = scheme, w
+
+    def dequantize(self) -> torch.Tensor:
+        return self._w
+
+
 def _split_fused(name, mod):
     """A fused gate_up (rows interleaved, SiLU*mul epilogue) -> its gate_proj / up_proj halves."""
     import copy
 
+    from lowbit.formats.common import split_interleaved
+
     parent = name.rsplit(".", 1)[0]
+    if mod.scheme != "w4a8-fp8":  # (lut: written dense, if at all)
+        g, u = split_interleaved(mod.dequantize(), getattr(mod, "interleave", 1), dim=0)
+        return [(f"{parent}.gate_proj", _DenseHalf(mod.scheme, g)), (f"{parent}.up_proj", _DenseHalf(mod.scheme, u))]
     halves = []
     for role, sl in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
         h = copy.copy(mod)
@@ -285,8 +303,11 @@ def verify_export(path, model) -> dict:
         if isinstance(m, QuantLinear):
             w = m.dequantize()
             if getattr(m, "activation", None) == "silu_mul":
+                from lowbit.formats.common import split_interleaved
+
                 parent = n.rsplit(".", 1)[0]
-                ours[f"{parent}.gate_proj"], ours[f"{parent}.up_proj"] = w[0::2], w[1::2]
+                ours[f"{parent}.gate_proj"], ours[f"{parent}.up_proj"] = split_interleaved(
+                    w, getattr(m, "interleave", 1), dim=0)
             else:
                 ours[n] = w
     res = {}

@@ -465,12 +465,17 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
 
 def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, group_size, table, learn_scales,
            lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress, lm_head=False,
-           rpn=True, crs=True):
+           rpn=True, crs=True, fuse_mlp=None):
     _check_common(name, model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, bits=bits, table=table,
                    learn_scales=learn_scales, lr=lr, epochs=epochs, linear_options=linear_options, skip=list(skip),
                    seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head, rpn=rpn, crs=crs)
+    if fuse_mlp is not None:  # (recorded only when given)
+        options["fuse_mlp"] = bool(fuse_mlp)
+    if fuse_mlp and (linear != "lut" or {"gate_proj", "up_proj"} & set(skip)):
+        raise ValueError(f"{name}: fuse_mlp=True needs linear='lut' with gate_proj / up_proj quantized")
+    fuse = _need(name, "lowbit.nn.lut", "fuse_mlp") if (fuse_mlp is not False and linear == "lut") else None
     learn = _need(name, "lowbit.ptq.nfl", "learn_nf_scales") if learn_scales else None
     needs_rope_kv = kv is not None and (rpn or crs)  # (kv is an INT4 cache here: _check_common)
     calibrate = _need(name, "lowbit.ptq.rope_kv", "calibrate_rpn_crs") if needs_rope_kv else None
@@ -505,6 +510,18 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
         reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress, **extra)
     if lm_head and linear is not None:  # after learned NF: the head keeps its RTN NF scales
         _quantize_lm_head(model, linear, opts, name, lm_head)
+    if fuse is not None:  # the quantized gate / up (learned scales included) restacked: same weights
+        from lowbit.models.arch import decoder_layers
+
+        fused = 0
+        for v in decoder_layers(model):
+            try:
+                _call(fuse, v)
+                fused += 1
+            except (TypeError, ValueError):
+                if fuse_mlp:  # asked for: every layer must fuse
+                    raise
+        reports["fused_mlp_layers"] = fused
     _record(model, name, options, kv=kv, attention=attention, rope_kv=rope_kv, reports=_json_safe(reports))
     return model
 
@@ -514,18 +531,25 @@ def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True):
+              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True, fuse_mlp: bool | None = None):
     """FLUTE (seed 001): 4-bit NormalFloat lookup-table weights, g128, activations in the model's
     float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration). ``lm_head=True`` (or
     a dict of head-only linear options) quantizes the output projection too (RTN NF scales; FLUTE
     keeps it 16-bit: off by default). FLUTE is weight-only: the KV cache stays in the model's dtype unless
     ``kv=`` names one; an INT4 cache (``kv="kv4"`` / ``"kv4-zp"``) then gets FireQ's RPN + CRS calibration
-    (``rpn`` / ``crs``, on by default; calibration windows as for ``fireq``)."""
+    (``rpn`` / ``crs``, on by default; calibration windows as for ``fireq``). ``fuse_mlp``: each MLP's quantized
+    gate / up restacked into one ``LUTLinear`` with SiLU*mul from the GEMM (``lowbit.nn.lut.fuse_mlp``; the same
+    weights, a ``FusedMLP``), one launch in the fast runner; None (default) = wherever a layer fits (SiLU, LUT gate /
+    up of one config, no bias, out_features a multiple of 8; the count is in the recipe report), True = every
+    layer or an error, False = never. Decision (session 26, H200, Llama-3-8B shapes, decode ctx 1k, CUDA graphs,
+    two decoder layers without the head, fused vs unfused in three runs, ``model_s26_final_{a,b,c}.json``, ms):
+    batch 64 0.4042 / 0.4066 / 0.4061 vs 0.4130 / 0.4124 / 0.4128, batch 16 0.2252 / 0.2250 vs 0.2267 / 0.2290,
+    batch 1 0.1470 / 0.1533 / 0.1468 vs 0.1489 / 0.1465 / 0.1474 (within the run-to-run spread)."""
     with torch.enable_grad():
         return _flute("flute-nf4", 4, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs, fuse_mlp=fuse_mlp)
 
 
 @torch.no_grad()
@@ -533,13 +557,13 @@ def flute_nf3(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True):
+              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True, fuse_mlp: bool | None = None):
     """FLUTE 3-bit NormalFloat lookup-table weights, g128 (see ``flute_nf4``)."""
     with torch.enable_grad():
         return _flute("flute-nf3", 3, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs, fuse_mlp=fuse_mlp)
 
 
 @torch.no_grad()

@@ -64,3 +64,18 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme!r}, {self.config()}"
+
+
+class FusedMLP(nn.Module):
+    """A gated (Llama) MLP as two quantized linears: ``gate_up``, gate and up stacked with their rows interleaved
+    (``formats.common.interleave_rows``, in blocks of the module's ``interleave``) and ``activation='silu_mul'``,
+    so its output is ``silu(gate) * up`` from the GEMM (the epilogue, or one pass after it), then ``down_proj``.
+    Built by the schemes' ``fuse_mlp`` (``lowbit.nn.w4a8_fp8``, ``lowbit.nn.lut``)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.gate_up = gate_up
+        self.down_proj = down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up(x))

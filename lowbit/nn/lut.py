@@ -14,6 +14,11 @@ Buffers (layouts in ``lowbit.formats.lut``; all registered, so ``state_dict`` ro
 - ``pairs``: ``dtype`` ``[4**bits, 2]``, the pair table derived from ``table`` (FLUTE §3.2);
 - ``bias``: ``[N]`` in ``dtype`` or ``None``.
 
+``activation='silu_mul'`` (``fuse_mlp``): the module is a fused gate_up of ``N = 2 * out_features`` rows, gate and
+up alternating in blocks of ``interleave`` = 8 rows (``formats.common.interleave_rows(gate, up, 8)``: the rows g /
+g + 8 of each 16-row fragment tile), and its output is ``silu(gate) * up`` (``ops.lut.lut_gemm(silu_mul=True)``:
+the register-table kernel's epilogue at 9..128 tokens, one pass after the GEMM elsewhere). No bias.
+
 ``dtype`` is the activation dtype the kernel runs in. A float32 model (the embedded SmolLM2 on
 the CPU) keeps float32 activations: on the CPU they go through the reference (float32 math); on
 CUDA they are cast to ``dtype`` for the kernel and the output cast back.
@@ -23,21 +28,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, mma_layout_ok, mma_packed_shapes,
+from lowbit.formats.common import interleave_rows
+from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, mma_layout_ok, mma_packed_shapes, pack_codes,
                                 pack_codes_mma, pack_lut, packed_shapes, pair_table, quantize_lut, table_is_uniform)
 
 DEFAULT_LAYOUT = "mma"  # 'mma' where it exists (mma_layout_ok), else 'planar'; see docs/sections/lut.md
-from lowbit.nn.base import QuantLinear
-from lowbit.ops.lut import dequantize_packed, lut_gemm
+from lowbit.nn.base import FusedMLP, QuantLinear
+from lowbit.ops.lut import SILU_BLOCK, dequantize_packed, lut_gemm
 
 
 class LUTLinear(QuantLinear):
     scheme = "lut"
+    interleave = SILU_BLOCK  # fused gate_up (``activation='silu_mul'``): gate / up rows alternate in blocks of 8
 
     def __init__(self, in_features: int, out_features: int, *, bits: int = 4, group_size: int = 128,
                  bias: bool = False, dtype: torch.dtype = torch.bfloat16, table_kind: str = "nf",
-                 lookup: str | None = None, layout: str | None = None, device=None):
+                 lookup: str | None = None, layout: str | None = None, activation: str | None = None, device=None):
         super().__init__(in_features, out_features, dtype)
+        if activation not in (None, "silu_mul"):
+            raise ValueError(f"activation must be None or 'silu_mul', got {activation!r}")
+        if activation and bias:
+            raise ValueError("activation='silu_mul' (a fused gate_up) takes no bias")
+        self.activation = activation
+        rows = 2 * self.out_features if activation else self.out_features
         if group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
         if dtype not in SCALE_DTYPES:
@@ -55,12 +68,12 @@ class LUTLinear(QuantLinear):
                              f"got bits={bits}, group_size={group_size}")
         self.layout = layout
         if layout == "mma":
-            qs, qd, hs = mma_packed_shapes(out_features, self.in_features, self.bits, group_size)
+            qs, qd, hs = mma_packed_shapes(rows, self.in_features, self.bits, group_size)
         else:
-            qs, qd, hs = packed_shapes(out_features, self.in_features, bits)
+            qs, qd, hs = packed_shapes(rows, self.in_features, bits)
         self.register_buffer("qweight", torch.zeros(qs, dtype=qd, device=device))
         self.register_buffer("qweight_hi", torch.zeros(hs, dtype=torch.int32, device=device) if hs else None)
-        self.register_buffer("scales", torch.zeros(ng, out_features, dtype=dtype, device=device))
+        self.register_buffer("scales", torch.zeros(ng, rows, dtype=dtype, device=device))
         self.register_buffer("table", make_table("int" if table_kind == "int" else "nf", bits).to(device))
         # FLUTE's vectorized pair table (derived from ``table``; used by lookup='pair')
         self.register_buffer("pairs", pair_table(self.table, bits, dtype).to(device))
@@ -107,13 +120,18 @@ class LUTLinear(QuantLinear):
         return cls(in_features, out_features, bias=bias, dtype=dtype, **config)
 
     def config(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size, "table_kind": self.table_kind,
-                "lookup": self.lookup, "layout": self.layout}
+        c = {"bits": self.bits, "group_size": self.group_size, "table_kind": self.table_kind,
+             "lookup": self.lookup, "layout": self.layout}
+        if self.activation:  # (only when set: plain modules keep their metadata)
+            c["activation"] = self.activation
+        return c
 
     def fuse_layout(self) -> dict[str, tuple[int, int] | None]:
         """``qweight``/``qweight_hi``: row tiles of 16 along dim 0 in the 'mma' layout (N padded to
         a multiple of 16: only modules with N % 16 == 0 stack), rows along dim 0 in 'planar';
         ``scales`` [groups, N]: N along dim 1; ``bias``: rows; ``table``/``pairs``: shared."""
+        if self.activation:
+            raise NotImplementedError("a fused gate_up (activation='silu_mul') does not stack further")
         r = 16 if self.layout == "mma" else 1
         return {"qweight": (0, r), "qweight_hi": (0, r), "scales": (1, 1), "bias": (0, 1),
                 "table": None, "pairs": None}
@@ -125,12 +143,14 @@ class LUTLinear(QuantLinear):
         if x.is_cuda and x.dtype != self.dtype:
             x = x.to(self.dtype)
         y = lut_gemm(x, self.qweight, self.qweight_hi, self.scales, self.table, bits=self.bits,
-                     group_size=self.group_size, lookup=self.lookup, pairs=self.pairs, layout=self.layout, pdl=pdl)
+                     group_size=self.group_size, lookup=self.lookup, pairs=self.pairs, layout=self.layout, pdl=pdl,
+                     silu_mul=self.activation == "silu_mul")
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(xin.dtype)
 
     def dequantize(self) -> torch.Tensor:
+        """``W_hat`` [rows, in_features] float32 (a fused gate_up: its 2 * out_features interleaved rows)."""
         return dequantize_packed(self.qweight, self.qweight_hi, self.scales, self.table, self.bits,
                                  self.group_size, self.in_features, layout=self.layout)
 
@@ -139,9 +159,48 @@ class LUTLinear(QuantLinear):
         from lowbit.formats.lut import unpack_codes, unpack_codes_mma
 
         if self.layout == "mma":
-            return unpack_codes_mma(self.qweight, self.qweight_hi, self.out_features, self.in_features, self.bits,
+            return unpack_codes_mma(self.qweight, self.qweight_hi, self.scales.shape[1], self.in_features, self.bits,
                                     self.group_size)
         return unpack_codes(self.qweight, self.qweight_hi, self.bits, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme='lut', {self.config()}"
+
+
+def fuse_mlp(layer_view) -> FusedMLP:
+    """Replace ``layer_view.layer.mlp`` (a Llama MLP with SiLU whose gate_proj / up_proj are ``LUTLinear`` of one
+    config and one table, no bias, out_features a multiple of 8) by a ``FusedMLP``: one ``LUTLinear`` with
+    ``activation='silu_mul'`` holding the same codes and scales, rows interleaved in blocks of 8, and the same
+    ``down_proj``. Exact: the same weights, the same products; the output is rounded as the eager MLP's
+    (``formats.common.silu_mul_ref``). Run after quantization (and after learned NF scales). Raises
+    ``ValueError`` / ``TypeError`` naming what does not fit."""
+    mlp = layer_view.layer.mlp
+    act = getattr(mlp, "act_fn", None)
+    if act is None or type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        raise ValueError(f"fuse_mlp needs a SiLU MLP, got {type(act).__name__}")
+    gate, up = layer_view.gate_proj, layer_view.up_proj
+    if type(gate) is not LUTLinear or type(up) is not LUTLinear:
+        raise TypeError(f"fuse_mlp needs LUTLinear gate_proj / up_proj, got {type(gate).__name__} / "
+                        f"{type(up).__name__}")
+    if gate.config() != up.config() or gate.in_features != up.in_features or gate.out_features != up.out_features:
+        raise ValueError(f"fuse_mlp: gate_proj and up_proj differ ({gate.config()} vs {up.config()})")
+    if gate.bias is not None or up.bias is not None:
+        raise ValueError("fuse_mlp: gate_proj / up_proj with a bias are not fused")
+    if gate.out_features % SILU_BLOCK:
+        raise ValueError(f"fuse_mlp needs out_features a multiple of {SILU_BLOCK}, got {gate.out_features}")
+    if not torch.equal(gate.table, up.table):
+        raise ValueError("fuse_mlp: gate_proj and up_proj have different tables")
+    k, b, g = gate.in_features, gate.bits, gate.group_size
+    m = LUTLinear(k, gate.out_features, bits=b, group_size=g, dtype=gate.dtype, table_kind=gate.table_kind,
+                  lookup=gate.lookup, layout=gate.layout, activation="silu_mul", device=gate.qweight.device)
+    codes = interleave_rows(gate.codes(), up.codes(), SILU_BLOCK)
+    qw, qh = pack_codes_mma(codes, b, g, k) if gate.layout == "mma" else pack_codes(codes, b, k)
+    m.qweight.copy_(qw)
+    if qh is not None:
+        m.qweight_hi.copy_(qh)
+    m.scales.copy_(interleave_rows(gate.scales.t(), up.scales.t(), SILU_BLOCK).t())
+    m.table.copy_(gate.table)
+    m.pairs.copy_(gate.pairs)
+    new = FusedMLP(m, mlp.down_proj)
+    layer_view.layer.mlp = new
+    return new

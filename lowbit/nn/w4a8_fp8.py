@@ -16,16 +16,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.formats.common import FP8_E4M3
-from lowbit.formats.w4a8_fp8 import (GROUP_SIZES, dequantize_weight, interleave_rows, padded_k, scale_cols,
-                                     quantize_weight)
-from lowbit.nn.base import QuantLinear
+from lowbit.formats.common import FP8_E4M3, interleave_rows
+from lowbit.formats.w4a8_fp8 import GROUP_SIZES, dequantize_weight, padded_k, quantize_weight, scale_cols
+from lowbit.nn.base import FusedMLP, QuantLinear
 
 _ACTIVATIONS = (None, "silu_mul")
 
 
 class W4A8FP8Linear(QuantLinear):
     scheme = "w4a8-fp8"
+    interleave = 1  # fused gate_up (``activation='silu_mul'``): gate / up rows alternate one by one
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.bfloat16,
                  *, group_size: int = 128, pts_exp: int = 0, activation: str | None = None, device=None):
@@ -102,16 +102,8 @@ class W4A8FP8Linear(QuantLinear):
                                self.bias, residual=residual, silu_mul=self.activation == "silu_mul")
 
 
-class W4A8FP8MLP(nn.Module):
+class W4A8FP8MLP(FusedMLP):
     """Llama MLP with a fused gate_up ``W4A8FP8Linear`` (SiLU*mul in its epilogue) and ``down``."""
-
-    def __init__(self, gate_up: W4A8FP8Linear, down: nn.Module):
-        super().__init__()
-        self.gate_up = gate_up
-        self.down_proj = down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up(x))
 
 
 def fuse_mlp(layer_view, *, group_size: int = 128, pts: bool = True, quantize_down: bool = True) -> W4A8FP8MLP:

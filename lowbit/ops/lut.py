@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from lowbit._utils import cached_dense, check_tensor, derived, use_triton, warn_once
+from lowbit.formats.common import silu_mul_ref
 from lowbit.formats.lut import (BITS, GROUP_SIZES, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
                                 unpack_codes_mma)
 
+SILU_BLOCK = 8  # fused gate_up rows alternate gate / up in blocks of 8 (rows g / g + 8 of the fragment tiles)
 MAX_KERNEL_M = 64  # measured crossover on H200 (r2): kernel 0.124 vs 0.176 ms at M=64, 0.234 vs 0.180 at 128
 _ACT = (torch.float16, torch.bfloat16)
 
@@ -45,11 +47,19 @@ def dequantize_packed(qweight, qweight_hi, scales, table, bits: int, group_size:
 
 
 def lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits: int, group_size: int, in_features: int,
-                 layout: str = "planar") -> torch.Tensor:
+                 layout: str = "planar", silu_mul: bool = False) -> torch.Tensor:
     deps = (scales, table) + ((qweight_hi,) if qweight_hi is not None else ())
     w = cached_dense(lambda: dequantize_packed(qweight, qweight_hi, scales, table, bits, group_size, in_features,
                                                layout=layout), qweight, *deps, tag=(bits, group_size, in_features, layout))
-    return (x.float() @ w.t()).to(x.dtype)
+    y = (x.float() @ w.t()).to(x.dtype)
+    return silu_mul_ref(y, SILU_BLOCK) if silu_mul else y
+
+
+def _silu_mul(y: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """A kernel's full fused gate_up output -> silu(gate) * up (``kernels.silu_mul``, one pass)."""
+    from lowbit.kernels.silu_mul import silu_mul_triton
+
+    return silu_mul_triton(y, block=SILU_BLOCK, pdl=pdl)
 
 
 def _uniform(table: torch.Tensor) -> bool:
@@ -68,7 +78,7 @@ def _pairs_for(table: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tens
 @torch.library.custom_op("lowbit::lut_gemm", mutates_args=())
 def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
               table: torch.Tensor, pairs: torch.Tensor | None, bits: int, group_size: int, lookup: str,
-              layout: str = "planar", pdl: bool = False) -> torch.Tensor:
+              layout: str = "planar", pdl: bool = False, silu_mul: bool = False) -> torch.Tensor:
     N = scales.shape[1]
     K = x.shape[1]
     if layout == "mma":
@@ -81,41 +91,53 @@ def _lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor |
                 pairs = _pairs_for(table, bits, x.dtype)
             from lowbit.kernels import lut_wgmma_gluon as LG
 
-            if LG.gluon_preferred(M, N, K, bits, group_size) and LG.supported(x, bits, group_size):
-                return LG.lut_wgmma_gluon(x, qweight, scales, pairs, group_size=group_size, out_features=N)
-            if bits in WGMMA_BITS and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K, bits):
+            wg = bits in WGMMA_BITS and M <= MAX_WGMMA_M and wgmma_preferred(M, N, K, bits)
+            if silu_mul and wg:  # the epilogue's SiLU*mul beats the Gluon kernel + a separate pass
                 return lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N, bits=bits,
-                                        qweight_hi=qweight_hi)
-            if M <= MAX_KERNEL_M:
-                return lut_mma_triton(x, qweight, qweight_hi, scales, pairs, table, bits=bits, group_size=group_size,
-                                      out_features=N, pdl=pdl)
-            w = lut_dequant_mma_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
-                                       out_features=N, in_features=K, dtype=x.dtype)
-            return F.linear(x, w)
-        return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K, layout)
+                                        qweight_hi=qweight_hi, silu_mul=True)
+            if LG.gluon_preferred(M, N, K, bits, group_size) and LG.supported(x, bits, group_size):
+                y = LG.lut_wgmma_gluon(x, qweight, scales, pairs, group_size=group_size, out_features=N)
+            elif wg:
+                y = lut_wgmma_triton(x, qweight, scales, pairs, group_size=group_size, out_features=N, bits=bits,
+                                     qweight_hi=qweight_hi)
+            elif M <= MAX_KERNEL_M:  # SiLU*mul in its epilogue but in a PDL chain (kernel docstring: slower there)
+                ep = silu_mul and not pdl
+                y = lut_mma_triton(x, qweight, qweight_hi, scales, pairs, table, bits=bits, group_size=group_size,
+                                   out_features=N, pdl=pdl, silu_mul=ep)
+                if ep:
+                    return y
+            else:
+                w = lut_dequant_mma_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                                           out_features=N, in_features=K, dtype=x.dtype)
+                y = F.linear(x, w)
+            return _silu_mul(y, pdl) if silu_mul else y
+        return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K, layout, silu_mul)
     if x.dtype in _ACT and use_triton(x, qweight, scales, table):
         if lookup == "pair" and (pairs is None or pairs.dtype != x.dtype):
             lookup = "load"
         from lowbit.kernels.lut_gemm import lut_dequant_triton, lut_gemm_triton
 
         if x.shape[0] <= MAX_KERNEL_M:
-            return lut_gemm_triton(x, qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
-                                   out_features=N, lookup=lookup, pairs=pairs)
-        w = lut_dequant_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
-                               out_features=N, in_features=K, dtype=x.dtype,
-                               lookup=lookup)
-        return F.linear(x, w)
-    return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K)
+            y = lut_gemm_triton(x, qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                                out_features=N, lookup=lookup, pairs=pairs)
+        else:
+            w = lut_dequant_triton(qweight, qweight_hi, scales, table, bits=bits, group_size=group_size,
+                                   out_features=N, in_features=K, dtype=x.dtype, lookup=lookup)
+            y = F.linear(x, w)
+        return _silu_mul(y, False) if silu_mul else y
+    return lut_gemm_ref(x, qweight, qweight_hi, scales, table, bits, group_size, K, silu_mul=silu_mul)
 
 
 @_lut_gemm.register_fake
-def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout="planar", pdl=False):
-    return x.new_empty((x.shape[0], scales.shape[1]))
+def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout="planar", pdl=False,
+      silu_mul=False):
+    return x.new_empty((x.shape[0], scales.shape[1] // 2 if silu_mul else scales.shape[1]))
 
 
 def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
              table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto",
-             pairs: torch.Tensor | None = None, layout: str = "planar", pdl: bool = False) -> torch.Tensor:
+             pairs: torch.Tensor | None = None, layout: str = "planar", pdl: bool = False,
+             silu_mul: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [ceil(K/G), N]/
     ``table`` as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' |
     'affine' | 'pair' ('affine' only for uniform tables; 'pair' needs ``pairs`` =
@@ -124,7 +146,12 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     the tensor-core fragment kernel; ``lookup`` is then ignored: always the pair table). Float32
     ``x`` always runs the reference. ``pdl`` (layout 'mma', the fragment kernel's range, Hopper): the kernel
     is a programmatic dependent launch, its table set-up before the wait (same result; the runner's
-    batch-1 chain); the register-table kernel (9..128 tokens) ignores it."""
+    batch-1 chain); the register-table kernel (9..128 tokens) ignores it. ``silu_mul``: the weight is a fused
+    gate_up, its rows interleaved in blocks of ``SILU_BLOCK`` = 8 (``formats.common.interleave_rows(gate, up, 8)``;
+    N a multiple of 16), and the result is ``silu(gate) * up`` ``[..., N / 2]`` (``formats.common.silu_mul_ref``'s
+    roundings): in the epilogue of the register-table kernel wherever it runs with two dots (preferred to the
+    Gluon kernel then) and of the fragment kernel without ``pdl``, else one ``kernels.silu_mul`` pass after the
+    GEMM (measured choices: the kernels' docstrings)."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:
@@ -149,6 +176,9 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         check_tensor(qweight_hi, "qweight_hi", dtype=torch.int32, shape=hshape)
     elif qweight_hi is not None:
         raise ValueError(f"qweight_hi must be None for bits={bits}")
+    if silu_mul and N % (2 * SILU_BLOCK):
+        raise ValueError(f"silu_mul needs N (gate/up rows interleaved in blocks of {SILU_BLOCK}) a multiple of "
+                         f"{2 * SILU_BLOCK}, got N={N}")
     if lookup == "auto":  # layout 'mma' ignores lookup; else decided once per table (host check, cached)
         lookup = "load" if layout == "mma" else ("affine" if _uniform(table) else "load")
     if lookup not in ("load", "global", "smem", "select", "affine", "pair"):
@@ -173,5 +203,6 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         x2 = x2.contiguous()
     if x.dtype not in _ACT and x.is_cuda:
         warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl))
-    return y.reshape(*lead, N)
+    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
+                  bool(silu_mul))
+    return y.reshape(*lead, y.shape[-1])

@@ -144,7 +144,8 @@ def _ffn_fp8(hidden: int, inter: int):
 
 def _ffn_fp8_fused(hidden: int, inter: int):
     """FireQ's own fused MLP: gate/up interleaved in one w4a8-fp8 weight, SiLU*mul in its epilogue."""
-    from lowbit.nn.w4a8_fp8 import W4A8FP8Linear, interleave_rows
+    from lowbit.formats.common import interleave_rows
+    from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
 
     dev = "cuda"
     g = torch.randn(inter, hidden, device=dev, dtype=torch.bfloat16) * hidden ** -0.5
