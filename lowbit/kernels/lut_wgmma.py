@@ -302,6 +302,20 @@ def _tile_dots(w0, w1, xt, a0, a1, ONE_DOT: tl.constexpr, REG_A: tl.constexpr = 
     return a0, a1
 
 
+@triton.jit
+def _store_tile(yr, a0, a1, n0, n1, nh0, mask0, mask1, ONE_DOT: tl.constexpr, SILU_MUL: tl.constexpr,
+                EMU: tl.constexpr):
+    """The output tile (``yr``: the tokens' output rows): ``a0`` at rows ``n0`` and (two dots) ``a1`` at ``n1``, or
+    with ``SILU_MUL`` ``silu(a0) * a1`` at column ``8 (tile) + g`` of the halved output (``nh0``: the gate rows)."""
+    ODT: tl.constexpr = yr.dtype.element_ty
+    if SILU_MUL:
+        tl.store(yr + ((nh0 // 16) * 8 + nh0 % 8)[:, None], silu_mul_f32(a0, a1, ODT, EMU).to(ODT), mask=mask0)
+    else:
+        tl.store(yr + n0[:, None], a0.to(ODT), mask=mask0)
+        if not ONE_DOT:
+            tl.store(yr + n1[:, None], a1.to(ODT), mask=mask1)
+
+
 @triton.jit(do_not_specialize=["TAB_OFF"])
 def _lut_wgmma_kernel(
     # pointers
@@ -433,24 +447,10 @@ def _lut_wgmma_kernel(
                 if not ONE_DOT:
                     t1 += tl.load(wsk + n1[:, None], mask=mask1, other=0.0, cache_modifier=".cg")
                 wsk += M * N
-            yr = Y + offs_m[None, :] * stride_ym
-            if SILU_MUL:
-                tl.store(yr + ((nh0 // 16) * 8 + nh0 % 8)[:, None], silu_mul_f32(t0, t1, ODT, EMU).to(ODT),
-                         mask=mask0)
-            else:
-                tl.store(yr + n0[:, None], t0.to(ODT), mask=mask0)
-                if not ONE_DOT:
-                    tl.store(yr + n1[:, None], t1.to(ODT), mask=mask1)
+            _store_tile(Y + offs_m[None, :] * stride_ym, t0, t1, n0, n1, nh0, mask0, mask1, ONE_DOT, SILU_MUL, EMU)
             tl.atomic_xchg(LOCKS + tile, 0, sem="relaxed", scope="gpu")
     else:
-        yr = Y + offs_m[None, :] * stride_ym
-        if SILU_MUL:
-            tl.store(yr + ((nh0 // 16) * 8 + nh0 % 8)[:, None], silu_mul_f32(acc0, acc1, ODT, EMU).to(ODT),
-                     mask=mask0)
-        else:
-            tl.store(yr + n0[:, None], acc0.to(ODT), mask=mask0)
-            if not ONE_DOT:
-                tl.store(yr + n1[:, None], acc1.to(ODT), mask=mask1)
+        _store_tile(Y + offs_m[None, :] * stride_ym, acc0, acc1, n0, n1, nh0, mask0, mask1, ONE_DOT, SILU_MUL, EMU)
 
 
 WGMMA_GROUPS = (64, 128, 256)
