@@ -1,5 +1,6 @@
+import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from lowbit.formats.common import FP8_E4M3, dequantize_per_token, quantize_per_token
 from lowbit.formats.int4 import pack_int4, unpack_int4
@@ -32,3 +33,27 @@ def test_per_token_fp8_error_small():
     q, s = quantize_per_token(x, FP8_E4M3)
     err = (dequantize_per_token(q, s) - x).norm() / x.norm()
     assert err < 0.04
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 6), block=st.sampled_from([1, 2, 8]), cols=st.integers(1, 5), rows=st.integers(1, 3))
+def test_interleave_rows_roundtrip(n, block, cols, rows):
+    """``interleave_rows`` (a fused gate_up weight) and ``split_interleaved`` (its output or weight) are inverse;
+    ``silu_mul_ref`` is silu(gate) * up of the halves, float32 unrounded."""
+    from lowbit.formats.common import interleave_rows, silu_mul_ref, split_interleaved
+
+    a, b = torch.randn(n * block, cols), torch.randn(n * block, cols)
+    w = interleave_rows(a, b, block)
+    assert w.shape == (2 * n * block, cols)
+    assert torch.equal(w[:block], a[:block]) and torch.equal(w[block: 2 * block], b[:block])
+    g, u = split_interleaved(w, block, dim=0)
+    assert torch.equal(g, a) and torch.equal(u, b)
+    y = torch.randn(rows, 2 * n * block)
+    g, u = split_interleaved(y, block)
+    assert torch.equal(interleave_rows(g.t(), u.t(), block).t(), y)
+    torch.testing.assert_close(silu_mul_ref(y, block), torch.nn.functional.silu(g) * u)
+    with pytest.raises(ValueError, match="multiple"):
+        split_interleaved(torch.randn(1, 2 * n * block + 1), block)
+    if block > 1:
+        with pytest.raises(ValueError, match="multiple"):
+            interleave_rows(a[:-1], b[:-1], block)

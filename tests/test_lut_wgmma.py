@@ -171,6 +171,17 @@ def test_op_opcheck_and_compile_on_the_register_table_path():
     f = torch.compile(lambda a: lut_gemm(a, qm, None, s, t, bits=4, group_size=128, pairs=pairs, layout="mma"),
                       fullgraph=True, backend="eager")
     assert rel_l2(f(x), _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+    # the fused gate_up form (silu_mul: the output has N / 2 columns; 24 rows are not a multiple of 16, so 32)
+    q2, x2, qm2, s2, pairs2 = _case(20, 32, 256, 128, torch.bfloat16, _DEV)
+    torch.library.opcheck(torch.ops.lowbit.lut_gemm.default,
+                          (x2, qm2, None, s2, t, pairs2, 4, 128, "load", "mma", False, True),
+                          test_utils=("test_schema", "test_faketensor"))
+    g = torch.compile(lambda a: lut_gemm(a, qm2, None, s2, t, bits=4, group_size=128, pairs=pairs2, layout="mma",
+                                         silu_mul=True), fullgraph=True, backend="eager")
+    from lowbit.formats.common import silu_mul_ref
+
+    assert g(x2).shape == (20, 16)
+    assert rel_l2(g(x2), silu_mul_ref(_ref(q2, x2).to(torch.bfloat16), 8)) < 2 * KERNEL_VS_REF[torch.bfloat16]
 
 
 def test_wgmma_all_zero_rows_give_zero(dev):
