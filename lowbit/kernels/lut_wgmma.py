@@ -53,6 +53,8 @@ lookup a pure register computation:
   391 / 457 / 581 -> 335 / 390 / 518.
 - Split-K over scale groups with the fragment kernel's deterministic in-kernel reduction (FP32 partials, the
   last program of a tile to arrive sums them in split order).
+- ``SILU_MUL`` (session 26; option ``silu_mul``): a fused gate_up whose rows alternate gate / up in blocks of 8
+  gives ``silu(gate) * up`` from the two dots' accumulators, element by element, after the reduction.
 
 The interpreter (CPU tests) decodes the nibbles with shifts and a table load (``EMU``); the PTX path is checked
 against it and the reference on the GPU (``tests/test_lut_wgmma.py``).

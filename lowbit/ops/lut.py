@@ -17,7 +17,8 @@
 - otherwise (float32 ``x``, CPU without the interpreter): the plain-PyTorch reference
   ``lut_gemm_ref`` (dequantize in float32, float32 matmul, cast to x's dtype).
 
-All paths accumulate in float32.
+All paths accumulate in float32. ``silu_mul=True`` (a fused gate_up, ``lowbit.nn.lut.fuse_mlp``): the same dispatch
+but the Gluon kernel, SiLU*mul in the kernels' epilogues where measured faster, else one ``kernels.silu_mul`` pass.
 """
 from __future__ import annotations
 
