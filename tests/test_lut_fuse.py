@@ -201,3 +201,35 @@ def test_fused_mlp_recipe_runner_and_checkpoint(tmp_path, monkeypatch):
     assert torch.equal(greedy(m2, p.unsqueeze(0), 4)[0], toks)
     with pytest.raises(ValueError, match="fuse_mlp"):
         lowbit.quantize_model(tiny_llama(head_dim=16), "flute-nf4", progress=False, fuse_mlp=True, skip=("up_proj",))
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (2, 32)])
+def test_fuse_mlp_planar_layout(bits, group):
+    """'planar' codes (group 32, 2-bit): the fused module repacks them in that layout; float32 (the reference) and
+    bf16 (the planar kernel + one SiLU*mul pass: the interpreter on the CPU, CUDA on a GPU) equal the unfused MLP's
+    SiLU*mul."""
+    import os
+
+    import lowbit
+    from lowbit.models.arch import decoder_layers
+    from lowbit.nn.lut import fuse_mlp
+    from tests._tiny_models import tiny_llama
+    from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+    m = lowbit.quantize_model(tiny_llama(head_dim=16), "flute-nf4", progress=False, fuse_mlp=False,
+                              linear_options={"bits": bits, "group_size": group})
+    v = decoder_layers(m)[0]
+    gate, up = v.gate_proj, v.up_proj
+    assert gate.layout == "planar"
+    x = torch.randn(3, 64)
+    ref = torch.nn.functional.silu(gate(x)) * up(x)  # float32 on the CPU: the reference path
+    new = fuse_mlp(v)
+    assert new.gate_up.layout == "planar" and new.gate_up.bits == bits
+    torch.testing.assert_close(new.gate_up(x), ref, rtol=1e-5, atol=1e-5)
+    if not GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    dev = "cuda" if GPU else "cpu"
+    xb = x.to(dev, torch.bfloat16)
+    g, u = gate.to(dev)(xb), up.to(dev)(xb)
+    want = (torch.nn.functional.silu(g.float()).to(torch.bfloat16).float() * u.float()).to(torch.bfloat16)
+    assert rel_l2(new.gate_up.to(dev)(xb).cpu(), want.cpu()) < 2 * KERNEL_VS_REF[torch.bfloat16]
