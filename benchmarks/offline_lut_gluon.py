@@ -3,7 +3,7 @@ shared memory, the wgmma waits in the PTX, ptxas's wgmma-serialization notes (C7
 the SASS loop's opcodes, per token block.
 
     PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_gluon.py [BLOCK_M ...]   # the device's Triton 3.6
-    SMEM_TAB=0,1,2 PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_gluon.py 16   # with smem_table / 'wide'
+    SMEM_TAB=0,1 PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_gluon.py 16   # with smem_table
     (env OUT=FILE.json: also the raw rows)
 
 Session 22 (Triton 3.6, its ptxas): no serialization note; 96 / 133 / 169 / 255 registers at 8 / 16 / 32 / 64 tokens
@@ -28,7 +28,7 @@ SIG = {"X": "*bf16", "Q": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS"
        "stride_xm": "i32", "stride_sg": "i32", "stride_ym": "i32", "TAB_OFF": "i32"}
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(7)) + [8, 9, 14, 15, 16]}
 
-MODES = [int(m) for m in os.environ.get("SMEM_TAB", "0").split(",")]  # 0 byte tables, 1 smem_table, 2 'wide'
+MODES = [int(m) for m in os.environ.get("SMEM_TAB", "0").split(",")]  # 0 byte tables, 1 smem_table
 rows = []
 for bm, mode in [(int(a), m) for a in (sys.argv[1:] or [8, 16, 32, 64]) for m in MODES]:
     consts = {"GROUP": 128, "BLOCK_M": bm, "USE_SPLIT": True, "XPF": LG.gluon_config(bm)["xpf"], "SMEM_TAB": mode}

@@ -3,7 +3,7 @@ registers / spills (ptxas), PTX counts and the SASS of its loop (lengths, opcode
 4-bit g128 config of ``mma_config`` or the options given.
 
     PYTHONPATH=/tmp/t36 python3 benchmarks/offline_lut_mma.py [--r 2] [--warps 8] [--prefetch]
-        [--gu 1] [--nt 1] [--xh 0] [--ring 0] [--wide] [--sass FILE]
+        [--gu 1] [--nt 1] [--xh 0] [--ring 0] [--sass FILE]
 
 (``/tmp/t36``: the device's Triton 3.6, installed as in ``benchmarks/offline_kv4.py``.) A guide to which variants to
 time, not a measurement.
@@ -28,7 +28,6 @@ ap.add_argument("--prefetch", action="store_true")
 ap.add_argument("--nt", type=int, default=1, help="n-tiles of 8 tokens (M = 9..16: 2)")
 ap.add_argument("--xh", type=int, default=0)
 ap.add_argument("--ring", type=int, default=0)
-ap.add_argument("--wide", action="store_true", help="the 64 KB pair table, one prmt per lookup address (session 23)")
 ap.add_argument("--sass", help="write the SASS here")
 ap.add_argument("--out", help="append the row (with the options) to this JSON file's rows")
 args = ap.parse_args()
@@ -39,8 +38,7 @@ types = ["*bf16", "*i32", "*i32", "*bf16", "*i32", "*fp32", "*bf16", "*fp32", "*
 sig = dict(zip(names, types))
 consts = dict(BITS=4, GROUP=128, NT=args.nt, R=args.r, W=args.warps, IS_BF16=True, USE_SPLIT=True, INTERPRET=False,
               PREFETCH=args.prefetch, S_BF16=True, GU=args.gu, XH=args.xh, RING=args.ring,
-              RING_BASE=L.mma_table_bytes(4) * (2 if args.wide else 1) if args.ring else 0, SP=False, PDL=False,
-              WIDE=args.wide)
+              RING_BASE=L.mma_table_bytes(4) if args.ring else 0, SP=False, PDL=False)
 
 sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
@@ -48,7 +46,7 @@ k = triton.compile(ASTSource(fn=L._lut_mma_kernel, signature=sig, constexprs=con
                    target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps, "num_stages": 1})
 row = report(k, dict(ld_global="ld.global", ld_shared="ld.shared", mma="mma.sync", bar="bar.sync"),
        f"r {args.r}, warps {args.warps}, gu {args.gu}, prefetch {args.prefetch}, nt {args.nt}, xh {args.xh}, "
-       f"ring {args.ring}, wide {args.wide}",
+       f"ring {args.ring}",
        top=30)
 if args.out:  # one file collects the variants (each run appends its row)
     import json

@@ -35,7 +35,7 @@ ap.add_argument("--stages", type=int, default=3)
 ap.add_argument("--out", help="also write the rows as JSON (with versions and the command)")
 ap.add_argument("--decode", action="store_true",
                 help="only the op's 4-bit launches (wgmma_config at --bm tokens, two dots rt 8 / one dot rt 4, reg_a) "
-                     "with the byte-table decode vs smem_table (SMEM_TAB 1 and 2 = 'wide'), with the SASS loop's "
+                     "with the byte-table decode vs smem_table (SMEM_TAB 1), with the SASS loop's "
                      "opcodes")
 ap.add_argument("--caps", default="",
                 help="with --decode: also build the byte-table and smem_table launches under these register caps (comma list; "
@@ -49,11 +49,10 @@ SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y":
 ATTRS = {(i,): [["tt.divisibility", 16]] for i in list(range(8)) + [9, 10, 15, 16, 17]}
 
 
-def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: int = 0, maxnreg=None,
-          x_perm: bool = False) -> dict:
+def build(one_dot: bool, scale_w: int, rt: int, reg_a: bool = False, smem_tab: int = 0, maxnreg=None) -> dict:
     consts = {"GROUP": 128, "RT": rt, "BLOCK_M": args.bm, "USE_SPLIT": True, "EMU": False, "PREFETCH": True,
               "ONE_DOT": one_dot, "BITS": args.bits, "SCALE_W": scale_w,
-              "REG_A": reg_a, "SMEM_TAB": smem_tab, "X_PERM": x_perm}
+              "REG_A": reg_a, "SMEM_TAB": smem_tab}
     sig = dict(SIG, **{k: "constexpr" for k in consts})
     opts = {"num_warps": 4, "num_stages": args.stages}
     if maxnreg:
@@ -83,13 +82,10 @@ if args.decode:  # the op's configs at this token count (wgmma_config, --bits), 
         cfg = wgmma_config(args.bm, n, kk, 128, args.bits)
         rt, one_dot, sw = cfg["rt"], cfg["one_dot"], int(cfg["scale_w"])
         reg_a = cfg["reg_a"] == "auto" and rt * (16 if one_dot else 8) == 64
-        # the last row: 'wide' + x_perm, with reg_a (which x_perm needs) even where the config has it off (3-bit above
-        # 32 tokens: session 23's 64-token finding)
-        for st, xp, ra in ((0, False, reg_a), (1, False, reg_a), (2, False, reg_a), (2, True, True)):
-            name = f"{shape} rt{rt} {'one_dot' if one_dot else 'two dots'} " + \
-                   ["byte tables", "smem_table", "smem_table wide"][st] + (" x_perm" if xp else "") + \
-                   (" reg_a" if ra and not reg_a else "")
-            rows[name] = build(one_dot, sw, rt, ra, st, cfg.get("maxnreg"), xp)
+        # (the 'wide' table and x_perm rows of sessions 23-24 went with those options in session 26)
+        for st in (0, 1):
+            name = f"{shape} rt{rt} {'one_dot' if one_dot else 'two dots'} " + ["byte tables", "smem_table"][st]
+            rows[name] = build(one_dot, sw, rt, reg_a, st, cfg.get("maxnreg"))
             print(f"{name:40s}", {k: rows[name][k] for k in ("regs", "spill_B", "shared_B", "serialized",
                                                               "sass_loops")}, flush=True)
         for cap, st in ((int(c), st) for c in args.caps.split(",") if c for st in (0, 1)):

@@ -74,7 +74,7 @@ def test_gluon_matches_reference_and_triton_gpu(m, n, k, g, dtype, cfg):
     assert rel_l2(y, ref) < KERNEL_VS_REF[dtype]
     yt = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n)
     assert rel_l2(y, yt) < KERNEL_VS_REF[dtype]
-    for mode in (True, "wide"):  # session 23's pair-table lookups: the same values, bit-equal output
+    for mode in (False, True):  # the byte tables / session 23's pair-table lookups: the same values, bit-equal
         assert torch.equal(LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=g, out_features=n, smem_table=mode, **cfg),
                            y)
 

@@ -195,37 +195,16 @@ def test_small_m_config_rule():
         assert c["nt"] == 4 and c["xh"] == 2 and c["num_warps"] == 4
 
 
-@pytest.mark.parametrize("m,n,k,dtype,extra", [
-    (1, 40, 300, torch.bfloat16, {}), (3, 33, 256, torch.float16, {}),
-    pytest.param(1, 28672, 4096, torch.bfloat16, {}, marks=pytest.mark.gpu),  # _R2_W8
-    pytest.param(8, 4096, 14336, torch.bfloat16, {}, marks=pytest.mark.gpu),  # _PF_W8
-    pytest.param(4, 6144, 4096, torch.float16, {}, marks=pytest.mark.gpu),  # _RING_W8
-    pytest.param(16, 28672, 4096, torch.bfloat16, {}, marks=pytest.mark.gpu),
-    pytest.param(32, 3000, 1111, torch.bfloat16, {}, marks=pytest.mark.gpu),
-    pytest.param(2, 4096, 4096, torch.bfloat16, {"pdl": True}, marks=pytest.mark.gpu)])
-def test_wide_table_same_result(m, n, k, dtype, extra, dev):
-    """Option ``wide`` (the 64 KB pair table, one ``prmt`` per lookup address): the same values in the same
-    order, so the output is bit-equal to the default launch (GPU: the committed small-M launches, ring and PDL
-    included; the interpreter runs the emulated lookup); 3-bit is refused."""
-    args, kw = _frag_args(m, n, k, dtype, dev)
-    kw.update(extra)
-    assert torch.equal(K.lut_mma_triton(*args, wide=True, **kw), K.lut_mma_triton(*args, **kw))
-    args3, kw3 = _frag_args(m, n, k, dtype, dev, bits=3)
-    with pytest.raises(ValueError, match="wide"):
-        K.lut_mma_triton(*args3, wide=True, **kw3)
-
-
 @settings(max_examples=60, deadline=None)
 @given(words=st.lists(st.integers(0, 2 ** 32 - 1), min_size=4, max_size=4),
-       table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16), lane=st.integers(0, 31),
-       wide=st.booleans())
-def test_fragment_lookup_ptx_reads_the_pair_table(words, table, lane, wide):
-    """The lookups of the fragment kernel's PTX (``_mma_asm``, 4-bit, default and ``wide``), run k-step by k-step
-    through the tests' PTX interpreter (the ``mma.sync`` lines left out): A register b of k-step s holds the pair of
-    code byte b of word s, read from lane ``lane``'s copy of the table (stride 128, or 256 with ``wide``)."""
-    stride = 256 if wide else 128
+       table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16), lane=st.integers(0, 31))
+def test_fragment_lookup_ptx_reads_the_pair_table(words, table, lane):
+    """The lookups of the fragment kernel's PTX (``_mma_asm``, 4-bit), run k-step by k-step through the tests' PTX
+    interpreter (the ``mma.sync`` lines left out): A register b of k-step s holds the pair of code byte b of word s,
+    read from lane ``lane``'s copy of the table (entries 128 bytes apart)."""
+    stride = 128
     smem = {a: v for a, v in pair_smem(table, 0, stride).items() if a % stride == 4 * lane}
-    stmts = [t.strip().strip("{}").strip() for t in K._mma_asm(1, True, 4, wide=wide).split(";")]
+    stmts = [t.strip().strip("{}").strip() for t in K._mma_asm(1, True, 4).split(";")]
     steps, cur = [], []
     for t in stmts:  # k-step s = the statements before its mma.sync
         if t.startswith("mma.sync"):

@@ -239,7 +239,7 @@ def test_wgmma_prmt_decode_gpu(m, n, k, g, dtype, one_dot, scale_w):
 @pytest.mark.parametrize("m,n,k,g,dtype", [(16, 4096, 4096, 128, torch.bfloat16), (33, 1000, 576, 64, torch.float16),
                                            (64, 6144, 4096, 128, torch.bfloat16), (128, 512, 1000, 256, torch.bfloat16)])
 @pytest.mark.parametrize("one_dot,scale_w", [(False, False), (True, False), (False, True), (True, "asm")])
-@pytest.mark.parametrize("split,mode", [(1, True), (3, True), (3, "wide")])
+@pytest.mark.parametrize("split,mode", [(1, True), (3, True)])
 def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split, mode):
     """``smem_table``: the pair lookups in shared memory give the byte-table decode's values, so the output is
     bit-equal to the default decode at the same launch (split fixed: the residency-planned split may differ);
@@ -255,7 +255,6 @@ def test_wgmma_smem_table_gpu(m, n, k, g, dtype, one_dot, scale_w, split, mode):
     kw = dict(group_size=g, out_features=n, one_dot=one_dot, scale_w=scale_w, split_k=split)
     y = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, **kw)
     assert torch.equal(y, LW.lut_wgmma_triton(x, qm, s, pairs, **kw))
-    assert torch.equal(y, LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, x_perm=True, **kw))
     assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[dtype]
 
 
@@ -396,14 +395,14 @@ def test_decode_scaled_asm_is_lookup_times_scale(word, seed, half):
 
 @settings(max_examples=100, deadline=None)
 @given(word=st.integers(0, 2 ** 32 - 1), table=st.lists(st.integers(0, 2 ** 16 - 1), min_size=16, max_size=16),
-       lane=st.integers(0, 31), off=st.integers(0, 4096).map(lambda v: 16 * v), wide=st.booleans())
-def test_smem_table_decode_asm_is_a_table_lookup(word, table, lane, off, wide):
-    """The ``smem_table`` decode PTX (pair lookups in the lane-duplicated table at shared offset ``off``; ``wide``:
-    entries 256 bytes apart, one ``prmt`` per address) returns T[nibble j] for the 8 nibbles of any word and reads
-    only lane ``lane``'s copies (the interpreter's memory holds nothing else), all in one bank: no conflicts."""
-    stride = 256 if wide else 128
+       lane=st.integers(0, 31), off=st.integers(0, 4096).map(lambda v: 16 * v))
+def test_smem_table_decode_asm_is_a_table_lookup(word, table, lane, off):
+    """The ``smem_table`` decode PTX (pair lookups in the lane-duplicated table at shared offset ``off``) returns
+    T[nibble j] for the 8 nibbles of any word and reads only lane ``lane``'s copies (the interpreter's memory holds
+    nothing else), all in one bank: no conflicts."""
+    stride = 128
     own = {a: v for a, v in _pair_smem(table, off, stride).items() if (a - off) % stride == 4 * lane}
-    asm = (LW._LDSW_ASM if wide else LW._LDS_ASM).value
+    asm = LW._LDS_ASM.value
     out = _run_ptx(asm, {"$8": word, "$9": off}, own, lane)
     assert [out[f"${j}"] for j in range(8)] == [table[(word >> 4 * j) & 15] for j in range(8)]
     assert len({((off + 4 * lane) // 4 + stride // 4 * ((word >> 8 * b) & 0xFF)) % 32 for b in range(4)}) == 1
@@ -411,8 +410,8 @@ def test_smem_table_decode_asm_is_a_table_lookup(word, table, lane, off, wide):
 
 @settings(max_examples=50, deadline=None)
 @given(word=st.integers(0, 2 ** 32 - 1), seed=st.integers(0, 2 ** 16), half=st.sampled_from(["bf16", "f16"]),
-       lane=st.integers(0, 31), wide=st.booleans())
-def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane, wide):
+       lane=st.integers(0, 31))
+def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane):
     """``smem_table`` with ``scale_w='asm'``: the same correctly rounded ``T[c] * s`` as the byte-table PTX."""
     dt = torch.bfloat16 if half == "bf16" else torch.float16
     g = torch.Generator().manual_seed(seed)
@@ -424,13 +423,13 @@ def test_smem_table_scaled_asm_equals_byte_table_scaled(word, seed, half, lane, 
         ops[f"${9 + j}"] = sum((tb[4 * j + i] & 0xFF) << 8 * i for i in range(4))
         ops[f"${13 + j}"] = sum((tb[4 * j + i] >> 8) << 8 * i for i in range(4))
     want = _run_ptx(LW._decode_asm(half), ops)
-    got = _run_ptx(LW._lds_decode_asm(half, wide), {"$8": word, "$9": 256, "$10": s0, "$11": s1},
-                   _pair_smem(tb, 256, 256 if wide else 128), lane)
+    got = _run_ptx(LW._lds_decode_asm(half), {"$8": word, "$9": 256, "$10": s0, "$11": s1}, _pair_smem(tb, 256, 128),
+                   lane)
     assert [got[f"${j}"] for j in range(8)] == [want[f"${j}"] for j in range(8)]
 
 
 def test_smem_table_option_checks():
-    """``smem_table`` takes False / True / 'wide'; under the interpreter it runs the same (emulated) decode at 3 and
+    """``smem_table`` takes False / True ('wide', removed in session 26, is refused); under the interpreter it runs the same (emulated) decode at 3 and
     4 bits."""
     from lowbit.formats.lut import pack_codes_mma, pair_table
 
@@ -441,6 +440,9 @@ def test_smem_table_option_checks():
     t4 = torch.linspace(-1, 1, 16)
     with pytest.raises(ValueError, match="smem_table"):
         LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), group_size=128, out_features=32, smem_table="yes")
+    with pytest.raises(ValueError, match="smem_table"):
+        LW.lut_wgmma_triton(x, qw4, sc, pair_table(t4, 4, x.dtype), group_size=128, out_features=32,
+                            smem_table="wide")
     if INTERPRET:  # the launcher path with the option on (the interpreter's decode is the emulated one)
         qw3, qh3 = pack_codes_mma(codes, 3, 128)
         t3 = torch.linspace(-1, 1, 8)
@@ -448,36 +450,12 @@ def test_smem_table_option_checks():
                          (3, dict(qweight=qw3, pairs=pair_table(t3, 3, x.dtype), qweight_hi=qh3))):
             kw.update(group_size=128, out_features=32, bits=bits, x=x, scales=sc)
             y0 = LW.lut_wgmma_triton(**kw)
-            for mode in (True, "wide"):
-                assert torch.equal(y0, LW.lut_wgmma_triton(smem_table=mode, **kw))
-
-
-@pytest.mark.parametrize("m,n,k,g,bits,kw", [(20, 64, 256, 128, 4, {}), (40, 48, 300, 64, 4, {"one_dot": True}),
-                                             (17, 32, 256, 128, 3, {}), (33, 40, 640, 128, 3, {"reg_a": True})])
-def test_x_perm_same_result(m, n, k, g, bits, kw, dev):
-    """Option ``x_perm`` (x copied into the relabelled column order, read with 16-byte vectors): the same tiles, so
-    the output is bit-equal to the gathered default; ``permute_x`` is the ``_reg_a_k`` gather."""
-    q, x, qm, s, pairs, *qh = _case(m, n, k, g, torch.bfloat16, dev, bits=bits)
-    ck = 64 if bits == 4 else 128
-    xp = torch.randn(3, 2 * ck)
-    cols = torch.tensor([(ck // 4) * ((c // 2) % 4) + 4 * (c // 16) + 2 * ((c // 8) % 2) + c % 2 for c in range(ck)])
-    assert torch.equal(LW.permute_x(xp, ck), xp.view(3, 2, ck)[:, :, cols].reshape(3, 2 * ck))
-    args = dict(group_size=g, out_features=n, bits=bits, qweight_hi=qh[0] if bits == 3 else None, split_k=1, **kw)
-    assert torch.equal(LW.lut_wgmma_triton(x, qm, s, pairs, x_perm=True, **args),
-                       LW.lut_wgmma_triton(x, qm, s, pairs, **args))
-    with pytest.raises(ValueError, match="x_perm"):
-        LW.lut_wgmma_triton(x, qm, s, pairs, x_perm="yes", **args)
-    if k % ck == 0:  # 'given': the caller's x is already in the relabelled order (a producer writing it)
-        assert torch.equal(LW.lut_wgmma_triton(LW.permute_x(x, ck), qm, s, pairs, x_perm="given", **args),
-                           LW.lut_wgmma_triton(x, qm, s, pairs, **args))
-    else:
-        with pytest.raises(ValueError, match="x_perm='given'"):
-            LW.lut_wgmma_triton(x, qm, s, pairs, x_perm="given", **args)
+            assert torch.equal(y0, LW.lut_wgmma_triton(smem_table=True, **kw))
 
 
 def test_table_offset_patches_each_compiled_kernel_once():
     """``table_offset`` (the ``smem_table`` launches' ``TAB_OFF``): Triton's shared size rounded up to 128 bytes, the
-    launch's shared size raised by the table (32 KB, 64 KB for 'wide') before the module loads, one warmup per
+    launch's shared size raised by the table (32 KB) before the module loads, one warmup per
     launch key, and a kernel already loaded without the table refused (a fake compiled kernel: no GPU here)."""
     from collections import namedtuple
 
@@ -502,16 +480,16 @@ def test_table_offset_patches_each_compiled_kernel_once():
 
     fn = Fn(12300)
     x = torch.zeros(4, 8)
-    kw = dict(SMEM_TAB=2, BLOCK_M=16)
+    kw = dict(SMEM_TAB=1, BLOCK_M=16)
     assert LW.table_offset(fn, (x, 16, 1), (1, 1, 1), kw) == 12416  # 12300 rounded up to 128 bytes
-    assert fn.kernel.packed_metadata == (4, 1, 12416 + 65536) and fn.kernel.metadata.shared == 12416 + 65536
+    assert fn.kernel.packed_metadata == (4, 1, 12416 + 32768) and fn.kernel.metadata.shared == 12416 + 32768
     assert LW.table_offset(fn, (x, 32, 1), (2, 1, 1), kw) == 12416 and Fn.warmups == 1  # same key: no warmup
     assert LW.table_offset(fn, (x, 17, 1), (1, 1, 1), kw) == 12416 and Fn.warmups == 2  # new key, same kernel
-    assert fn.kernel.packed_metadata[2] == 12416 + 65536  # patched once
+    assert fn.kernel.packed_metadata[2] == 12416 + 32768  # patched once
     loaded = Kernel(100)
     loaded.module = "loaded"
     with pytest.raises(RuntimeError, match="loaded before"):
-        LW._patch_table(loaded, 1)
+        LW._patch_table(loaded)
 
 
 def test_nibble_indexed_3bit_table_rows():

@@ -1,7 +1,7 @@
-"""compute-sanitizer target: session 23's LUT decode options on small ragged cases -- the register-table kernel's
-``smem_table`` (True / 'wide', with and without ``x_perm``, 3 and 4 bits), the Gluon kernel's ``smem_table``, the
-fragment kernel's ``wide`` -- whose pair table lives past Triton's own shared memory (memcheck catches a table offset
-or a launch shared size that is off), and the W8 (INT8 weight) GEMV / GEMM kernels, never sanitized before.
+"""compute-sanitizer target: session 23's LUT decode option on small ragged cases -- the register-table kernels'
+``smem_table`` (Triton at 3 and 4 bits, Gluon), whose pair table lives past Triton's own shared memory (memcheck
+catches a table offset or a launch shared size that is off; the 'wide' / ``x_perm`` variants it also ran in
+sessions 23-24 were removed in session 26) -- and the W8 (INT8 weight) GEMV / GEMM kernels, never sanitized before.
 
     compute-sanitizer --tool memcheck python3 benchmarks/device/lut_w8_sanitize.py [--kernels lut,w8]
     compute-sanitizer --tool racecheck python3 benchmarks/device/lut_w8_sanitize.py --kernels lut
@@ -21,7 +21,6 @@ kernels = ap.parse_args().kernels.split(",")
 
 if "lut" in kernels:
     from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut
-    from lowbit.kernels import lut_gemm as LG
     from lowbit.kernels import lut_wgmma as LW
     from lowbit.kernels import lut_wgmma_gluon as LGL
 
@@ -33,19 +32,12 @@ if "lut" in kernels:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         s, pairs = q.scales.t().contiguous(), pair_table(q.table, bits, torch.bfloat16).cuda()
         kw = dict(group_size=128, out_features=n, bits=bits, qweight_hi=qh)
-        outs = {"default": LW.lut_wgmma_triton(x, qm, s, pairs, **kw)}
-        for mode in (True, "wide"):
-            outs[f"smem_{mode}"] = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, **kw)
-            outs[f"smem_{mode}_xperm"] = LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=mode, x_perm=True, **kw)
-            if bits == 4 and m <= 16 and LGL.supported(x, 4, 128):
-                outs[f"gluon_{mode}"] = LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=128, out_features=n,
-                                                            smem_table=mode)
-        eq = {name: torch.equal(o, outs["default"]) for name, o in outs.items() if name != "default"}
-        if bits == 4 and m <= 16:  # (compared with its own default launch: another kernel, another summation order)
-            args = (x, qm, None, s, pairs, q.table.cuda())
-            yf = LG.lut_mma_triton(*args, bits=4, group_size=128, out_features=n)
-            eq["fragment_wide"] = torch.equal(LG.lut_mma_triton(*args, bits=4, group_size=128, out_features=n,
-                                                                wide=True), yf)
+        outs = {"default": LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=False, **kw)}
+        eq = {"smem": torch.equal(LW.lut_wgmma_triton(x, qm, s, pairs, smem_table=True, **kw), outs["default"])}
+        if bits == 4 and m <= 16 and LGL.supported(x, 4, 128):  # (Gluon against its own byte-table launch)
+            g = [LGL.lut_wgmma_gluon(x, qm, s, pairs, group_size=128, out_features=n, smem_table=mode)
+                 for mode in (False, True)]
+            eq["gluon_smem"] = torch.equal(g[1], g[0])
         torch.cuda.synchronize()
         print(f"lut M={m} N={n} K={k} bits={bits}: " + " ".join(f"{name} eq={bool(v)}" for name, v in eq.items()))
 

@@ -1,19 +1,18 @@
-"""Session-23 model A/B: the LUT decode options (``smem_table`` in the register-table kernel, ``wide`` in the fragment
-kernel) switched on for every launch of the op by patching the launch-config functions, then the model bench as in
-session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT recipes beside bf16.
+"""Session-23 model A/B: LUT decode options switched on or off for every launch of the op by patching the
+launch-config functions, then the model bench as in session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT
+recipes beside bf16.
 
     PYTHONPATH=$PWD python3 benchmarks/device/s23_model.py OUT     (env S23_LUT, S23_BATCHES, S23_RECIPES)
 
-``S23_LUT`` (comma-separated): ``smem`` / ``wide`` = the register-table kernels' (Triton and Gluon) ``smem_table``
-True / 'wide'; ``xperm`` = the register-table kernel's ``x_perm`` (x copied into the relabelled column order);
-``frag_wide`` = the fragment kernel's ``wide``; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
+``S23_LUT`` (comma-separated): ``smem`` = the register-table kernels' (Triton and Gluon) ``smem_table`` on
+everywhere; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
 register-table kernel instead of the Gluon one; ``off`` = session 24's table defaults undone (no ``smem_table``, the
 4-bit K >= 8192 weights at 9..16 tokens on the fragment kernel); ``s24`` = session 25's launch changes undone
 (LUT dispatch and the float-cache decode's split rule); ``qkv_o4`` = the stacked dot on qkv-sized N at 33..64
-tokens; (session 26's ``trig0/1/2`` and ``fragpass``, the fragment kernel's SiLU*mul epilogue under PDL with each trigger
-point and without the epilogue, were measured at commit 59ef336 + that session's work tree: ``model_s26_b1.json``);
-empty = the committed
-dispatch.
+tokens; empty = the committed dispatch. Options measured and since removed with what they switched (their runs
+name the command; the script at those commits has them): ``wide`` / ``xperm`` / ``frag_wide`` (sessions 23-24: the
+64 KB tables and ``x_perm``), ``trig0/1/2`` / ``fragpass`` (session 26: the fragment kernel's SiLU*mul epilogue
+under PDL with each trigger point, and without the epilogue; ``model_s26_b1_*.json``).
 """
 import os
 import sys
@@ -21,23 +20,15 @@ import time
 
 sys.path.insert(0, os.getcwd())
 from lowbit.bench import model as BM  # noqa: E402
-from lowbit.kernels import lut_gemm as LG  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
 from lowbit.kernels import lut_wgmma_gluon as LGL  # noqa: E402
 
 opts = [o for o in os.environ.get("S23_LUT", "").split(",") if o]
-_wgmma_config, _mma_config = LW.wgmma_config, LG.mma_config
+_wgmma_config = LW.wgmma_config
 _gluon_config = LGL.gluon_config
-extra = {"x_perm": True} if "xperm" in opts else {}
-if "smem" in opts or "wide" in opts:  # both register-table kernels (Triton and Gluon)
-    mode = "wide" if "wide" in opts else True
-    extra["smem_table"] = mode
-    LGL.gluon_config = lambda M, N=0: dict(_gluon_config(M, N), smem_table=mode)
-if extra:
-    LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), **extra)
-if "frag_wide" in opts:
-    LG.mma_config = lambda M, N, K, bits, G: dict(_mma_config(M, N, K, bits, G),
-                                                  **({"wide": True} if bits == 4 else {}))
+if "smem" in opts:  # both register-table kernels (Triton and Gluon)
+    LGL.gluon_config = lambda M, N=0: dict(_gluon_config(M, N), smem_table=True)
+    LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), smem_table=True)
 if "off" in opts:  # session 24's defaults undone: no smem_table anywhere, 4-bit K >= 8192 at 9..16 tokens on the
     # fragment kernel again (the A/B baseline once the table is the default)
     LW.wgmma_config = lambda *a, **k: dict(_wgmma_config(*a, **k), smem_table=False)

@@ -2,24 +2,19 @@
 in the fragment kernel's lane-duplicated pair table in shared memory, ``lowbit.kernels.lut_wgmma._lds_decode_asm``:
 8 integer instructions + 4 ``ld.shared`` per 8 codes instead of the byte tables' 22 integer instructions; offline
 sm_90a SASS of the main loop at 16 / 32 / 64 tokens, gate_up: 560 -> 391, 628 -> 457, 738 -> 581) against the
-default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes; ``smem_table='wide'``
-(64 KB, one ``prmt`` per address: 335 / 390 / 518 SASS at 16 / 32 / 64 tokens) beside it.
+default decode, the committed dispatch and cuBLAS bf16, one run, NF4 g128, Llama-3-8B shapes. (Sessions 23-24 also
+ran ``smem_table='wide'``, ``x_perm`` and the fragment kernel's ``wide`` here -- ``S23_MORE=3`` and part ``f`` --
+all slower; removed with those options in session 26: the script at 59ef336 has them.)
 
-    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ctf]   (env S23_MS, S23_NAME,
-        S23_BITS=3 for the 3-bit codes: parts c / t, the fragment kernel's wide table is 4-bit only; S23_MORE=1,
-        S23_MORE=2: session 24's 2-stage table variants; S23_MORE=3: x handed over already permuted, x_perm='given';
-        S23_MORE=4: launch-shape variants around the committed config; S23_MORE=5: the re-shaped config vs the previous;
+    PYTHONPATH=$PWD python3 benchmarks/device/s23_smem_table.py --out DIR [--parts ct]   (env S23_MS, S23_NAME,
+        S23_BITS=3 for the 3-bit codes; S23_MORE=1, S23_MORE=2: session 24's 2-stage table variants; S23_MORE=4: launch-shape variants around the committed config; S23_MORE=5: the re-shaped config vs the previous;
         S23_MORE=6: register caps for one more resident program per SM (session 25);
         S23_GLUON=1: the Gluon kernel's split target / activation prefetch grid at M <= 16)
 
 Part ``c``: correctness per shape and M: the option's output against the default decode at the same fixed split
-(bit-equal expected: same values, same summation order; the 4-way split rows with ``x_perm`` as well) and rel-L2 to
-the float64 reference. Part ``t``: CUDA-event medians, weights rotated over 3 sets (> 2x L2 on the large shapes):
+(bit-equal expected: same values, same summation order) and rel-L2 to the float64 reference. Part ``t``: CUDA-event medians, weights rotated over 3 sets (> 2x L2 on the large shapes):
 cuBLAS, the op, the Triton kernel with each decode (its committed launch config; ``balance`` plans the split from
-each variant's own residency), and at M <= 16 the fragment kernel and the Gluon kernel with each decode. Part ``f``
-(run when named): the fragment kernel's committed launches at 1 / 4 / 8 / 16 tokens with its 32 KB table vs
-``wide=True`` (64 KB, one ``prmt`` per lookup address; offline SASS per loop at M = 1 278 -> 213, 78 -> 64
-registers; the 16-token ``pf`` launch 198 -> 166), bit-equality checked per row.
+each variant's own residency), and at M <= 16 the fragment kernel and the Gluon kernel with each decode.
 """
 import os
 import sys
@@ -28,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench import peers  # noqa: E402
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_rotated, write_probe  # noqa: E402
 from lowbit.bench.suites.lut import mma_fn, probe_cases, reference_f64  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
@@ -42,30 +36,18 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_u
 doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median ms * 1000"}
 BITS = int(os.environ.get("S23_BITS", "4"))  # 3: the flute-nf3 codes (the table built from the 3-bit pairs)
 doc["bits"] = BITS
-# the committed decode, the 32 KB table (shift + LOP3 per address), the 64 KB one (one prmt per address; 2 programs
-# per SM by shared memory at 16-32 tokens), each also with x copied into the relabelled column order first (one
-# permute copy per call, timed with the GEMM). Every variant compiles its own kernels (about 2 s each, with the
-# split-K residency build): S23_MORE=1 adds the second-tier ones.
-VARIANTS = {"wgmma": {}, "wgmma_smem": {"smem_table": True}, "wgmma_wide": {"smem_table": "wide"},
-            "wgmma_smem_xperm": {"smem_table": True, "x_perm": True},
-            "wgmma_wide_xperm": {"smem_table": "wide", "x_perm": True}}
+# the committed decode, the byte tables and the 32 KB table (shift + LOP3 per address). Every variant compiles its
+# own kernels (about 2 s each, with the split-K residency build): S23_MORE=1 adds the second-tier ones.
+VARIANTS = {"wgmma": {}, "wgmma_nosmem": {"smem_table": False}, "wgmma_smem": {"smem_table": True}}
 if os.environ.get("S23_MORE") == "1":
-    VARIANTS |= {"wgmma_wide_s2": {"smem_table": "wide", "num_stages": 2},  # one activation stage less (-4..16 KB)
-                 # the other committed tile shape (one stacked dot over 4 row tiles / two dots over 8)
+    VARIANTS |= {  # the other committed tile shape (one stacked dot over 4 row tiles / two dots over 8)
                  "wgmma_smem_o4": {"smem_table": True, "rt": 4, "one_dot": True},
-                 "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False},
-                 "wgmma_xperm": {"x_perm": True}}
+                 "wgmma_smem_d8": {"smem_table": True, "rt": 8, "one_dot": False}}
 if os.environ.get("S23_MORE") == "2":  # session 24: the table with one activation stage less (33..64 tokens, where
     # the 80 KB of the 3-stage table launch halve the resident programs); "wgmma" is the committed dispatch
     VARIANTS = {"wgmma": {}, "wgmma_nosmem": {"smem_table": False}, "wgmma_smem": {"smem_table": True},
                 "wgmma_smem_s2": {"smem_table": True, "num_stages": 2}, "wgmma_nosmem_s2": {"smem_table": False,
                                                                                             "num_stages": 2}}
-if os.environ.get("S23_MORE") == "3":  # session 24: x already in the relabelled order (x_perm='given': what a producer
-    # kernel writing that order would hand over; the permute copy is outside the timing), with each table
-    VARIANTS = {"wgmma": {}, "wgmma_xperm": {"x_perm": True}, "wgmma_xgiven": {"x_perm": "given"},
-                "wgmma_nosmem_xgiven": {"smem_table": False, "x_perm": "given"},
-                "wgmma_smem_xgiven": {"smem_table": True, "x_perm": "given"},
-                "wgmma_wide_xgiven": {"smem_table": "wide", "x_perm": "given"}}
 if os.environ.get("S23_MORE") == "4":  # session 24: the launch shape around the committed config, with the table on
     # (fewer registers at 32 tokens, 95 vs 112, more shared memory): tile, split target, pipeline depth
     VARIANTS = {"wgmma": {}, "wgmma_o4": {"rt": 4, "one_dot": True}, "wgmma_d8": {"rt": 8, "one_dot": False},
@@ -105,11 +87,6 @@ if os.environ.get("S23_MORE") == "6":  # session 25: register caps for one more 
 # where it leads on qkv / o but trails the Triton kernel on the larger weights (down M = 16 27.1 vs 25.7 us)
 GLUON_MORE = {} if os.environ.get("S23_GLUON") != "1" else {
     f"gluon_c{c}_x{x}": {"ctas_per_sm": c, "xpf": x} for c in (2, 4, 8) for x in (1, 2)}
-if BITS == 3:  # 3-bit above 32 tokens runs without reg_a (so without x_perm); offline, reg_a + 'wide' + x_perm also
-    # removes the wgmma serialization (C7515) of the committed split-K 64-token config: 849 -> 642 SASS per chunk
-    VARIANTS["wgmma_wide_xperm_rega"] = {"smem_table": "wide", "x_perm": True, "reg_a": True}
-
-
 
 
 def op(p):
@@ -117,17 +94,10 @@ def op(p):
                               layout="mma")
 
 
-_XP: dict = {}  # x_perm='given': each activation set's permuted copy, made once (outside the timing)
-
-
 def tri(p, **kw):
     N = p["scales"].shape[1]
-    f = lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128,  # noqa: E731
-                                      out_features=N, bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
-    if kw.get("x_perm") != "given":
-        return f
-    ck = LW.MMA_CHUNK[p["bits"]]
-    return lambda x: f(_XP.setdefault(id(x), (x, LW.permute_x(x, ck)))[1])
+    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N,
+                                         bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
 
 
 def glu(p, **kw):
@@ -141,19 +111,15 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         ref = reference_f64(p, x)
         row = {}
         if M <= 16 and BITS == 4:  # the Gluon kernel's options against its default launch
-            yg = glu(p)(x)
-            for mode in (True, "wide"):
-                row[f"gluon_{'wide' if mode == 'wide' else 'smem'}_bit_equal"] = bool(
-                    torch.equal(glu(p, smem_table=mode)(x), yg))
+            row["gluon_smem_bit_equal"] = bool(torch.equal(glu(p, smem_table=True)(x), glu(p, smem_table=False)(x)))
         for split in (1, 4):
-            y0 = tri(p, split_k=split)(x)
-            for mode in (True, "wide"):
-                y1 = tri(p, split_k=split, smem_table=mode, x_perm=split == 4)(x)
-                torch.cuda.synchronize()
-                tag = f"{'wide' if mode == 'wide' else 'smem'}_split{split}"
-                row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))
-                row[tag + "_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
-                row[tag + "_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
+            y0 = tri(p, split_k=split, smem_table=False)(x)
+            y1 = tri(p, split_k=split, smem_table=True)(x)
+            torch.cuda.synchronize()
+            tag = f"smem_split{split}"
+            row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))
+            row[tag + "_maxdiff"] = (y0.float() - y1.float()).abs().max().item()
+            row[tag + "_rel"] = ((y1.double() - ref).norm() / ref.norm()).item()
         probe_row(doc, f"c_{name}_M{M}", row)
     if "t" in args.parts:
         row = {"M": M, "N": N, "K": K}
@@ -163,8 +129,8 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         if M <= 16:
             fns["fragment"] = [mma_fn(p) for p in ps]
             if BITS == 4:  # the Gluon register-table kernel (the op's 8..16-token launch on qkv / o) and its options
-                for gn, gkw in ({"gluon": {}, "gluon_smem": {"smem_table": True},
-                                 "gluon_wide": {"smem_table": "wide"}} | GLUON_MORE).items():
+                for gn, gkw in ({"gluon": {}, "gluon_nosmem": {"smem_table": False},
+                                 "gluon_smem": {"smem_table": True}} | GLUON_MORE).items():
                     fns[gn] = [glu(p, **gkw) for p in ps]
         time_rotated(row, fns, xs)
         for vn in VARIANTS:  # the compiled launch of each variant (registers, split, shared bytes)
@@ -181,21 +147,4 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
                 row[vn + "_vs_cublas"] = round(row["cublas_us"] / row[vn + "_us"], 3)
         row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
         probe_row(doc, f"t_{name}_M{M}", row)
-if "f" in args.parts:  # the fragment kernel's committed launches at 1..16 tokens, default table vs ``wide``
-    for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, (1, 4, 8, 16), BITS):
-        y0, y1 = mma_fn(ps[0])(xs[0]), mma_fn(ps[0], wide=True)(xs[0])
-        row = {"M": M, "N": N, "K": K, "wide_bit_equal": bool(torch.equal(y0, y1))}
-        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
-               "fragment": [mma_fn(p) for p in ps], "fragment_wide": [mma_fn(p, wide=True) for p in ps]}
-        try:  # issue 4's M = 1 peer (>= 1.3x torch int4 tinygemm)
-            fns["tinygemm"] = [peers.tinygemm_int4(w) for w in ws]
-        except peers.PeerUnavailable as exc:
-            row["tinygemm_err"] = str(exc)[:200]
-        time_rotated(row, fns, xs)
-        if "fragment_wide_us" in row and "fragment_us" in row:
-            row["wide_speedup"] = round(row["fragment_us"] / row["fragment_wide_us"], 3)
-        for fn_name in ("op", "fragment", "fragment_wide"):
-            if "tinygemm_us" in row and fn_name + "_us" in row:
-                row[fn_name + "_vs_tinygemm"] = round(row["tinygemm_us"] / row[fn_name + "_us"], 3)
-        probe_row(doc, f"f_{name}_M{M}", row)
 print(write_probe(doc, args.out, os.environ.get("S23_NAME", "s23_smem_table.json")))

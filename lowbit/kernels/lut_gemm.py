@@ -485,7 +485,7 @@ def _lut_dequant_kernel(
 
 
 # ----------------------------------------------------------------------------- MMA fragment kernel
-def _mma_asm(nt: int, bf16: bool, bits: int, wide: bool = False) -> str:
+def _mma_asm(nt: int, bf16: bool, bits: int) -> str:
     """PTX of one pack=4 instance of ``_lut_mma_kernel``'s step (4 int32 code words per lane =
     one 16-byte load): ``KS`` k-steps (4 at 4-bit, 8 at 3-bit) x ``nt`` n-tiles of
     ``mma.sync.m16n8k16`` with f32 accumulation. Per k-step, 4 pair lookups (shift; and + or with
@@ -493,9 +493,7 @@ def _mma_asm(nt: int, bf16: bool, bits: int, wide: bool = False) -> str:
     f16x2 A registers. 3-bit first merges the 2-bit and 1-bit planes into one byte per pair with a
     single select (``lop3``), see ``formats.lut.pack_codes_mma``.
     Operands: C out (nt x 4) | words 4 | [3-bit: hi words 4] | lane offsets 4 |
-    x words (nt x NX x 4: word w of n-tile j at j*4*NX + w) | C in (nt x 4).
-    ``wide`` (4-bit, option ``wide``): the table's entries 256 bytes apart (64 KB), so one ``prmt`` builds each
-    lookup address (the code byte as byte 1, the lane offset as byte 0) in place of shift + ``LOP3``."""
+    x words (nt x NX x 4: word w of n-tile j at j*4*NX + w) | C in (nt x 4)."""
     ty = "bf16" if bf16 else "f16"
     nx = 2 if bits == 4 else 4  # x tensors per n-tile (8 or 16 words: b0/b1 of each k-step)
     o_w = 4 * nt
@@ -524,11 +522,8 @@ def _mma_asm(nt: int, bf16: bool, bits: int, wide: bool = False) -> str:
             m = "m"
         shifts = ("shl.b32 t, {w}, 7;", "shr.u32 t, {w}, 1;", "shr.u32 t, {w}, 9;", "shr.u32 t, {w}, 17;")
         for b, sh in enumerate(shifts):
-            if wide and bits == 4:  # selector nibbles (low first): lane byte, code byte b, zero, zero
-                lines.append(f"prmt.b32 t, {m}, {lb}, 0x55{b}4; add.u32 t, t, gs; ld.shared.b32 a{b}, [t];")
-            else:
-                lines.append(sh.format(w=m) + f" and.b32 t, t, {mask}; or.b32 t, t, {lb}; add.u32 t, t, gs; "
-                             f"ld.shared.b32 a{b}, [t];")
+            lines.append(sh.format(w=m) + f" and.b32 t, t, {mask}; or.b32 t, t, {lb}; add.u32 t, t, gs; "
+                         f"ld.shared.b32 a{b}, [t];")
         for j in range(nt):
             d = ", ".join(f"${4 * j + r}" for r in range(4))
             cin = d if s else ", ".join(f"${o_c + 4 * j + r}" for r in range(4))
@@ -551,9 +546,6 @@ def _asm_table():
             out[f"_MMA{bits}_{nt}_BF"] = tl.constexpr(_mma_asm(nt, True, bits))
             out[f"_MMA{bits}_{nt}_F"] = tl.constexpr(_mma_asm(nt, False, bits))
             out[f"_MMA{bits}_{nt}_C"] = tl.constexpr(_mma_cons(nt, bits))
-            if bits == 4:
-                out[f"_MMA4_{nt}_BFW"] = tl.constexpr(_mma_asm(nt, True, 4, wide=True))
-                out[f"_MMA4_{nt}_FW"] = tl.constexpr(_mma_asm(nt, False, 4, wide=True))
     return out
 
 
@@ -692,13 +684,12 @@ _PAIR_STORE = tl.constexpr(PAIR_STORE_PTX)
 
 
 @triton.jit
-def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128, NIBBLES: tl.constexpr = False):
+def _store_pair_table(P, BITS: tl.constexpr, off=0, NIBBLES: tl.constexpr = False):
     """The lane-duplicated pair table (int32 rows of ``P``) into shared memory at byte offset ``off`` (see
     ``_lut_mma_kernel``; the register-table kernel's ``SMEM_TAB`` puts it past Triton's own buffers): lane l's
-    copy of entry e at ``off + STRIDE e + 4 l`` (``STRIDE`` 128, or 256 for ``SMEM_TAB == 2``, whose entries then
-    use half of each row), then a barrier. ``NIBBLES`` (3-bit): 256 entries indexed like the 4-bit table, entry e
-    = the codes (e & 7, (e >> 4) & 7) of one byte of the 4-bit-layout words ``lut_wgmma._words3`` builds, read from
-    the 3-bit pair table's row ``formats.lut.pair_table`` indexes them by."""
+    copy of entry e at ``off + 128 e + 4 l``, then a barrier. ``NIBBLES`` (3-bit): 256 entries indexed like the
+    4-bit table, entry e = the codes (e & 7, (e >> 4) & 7) of one byte of the 4-bit-layout words
+    ``lut_wgmma._words3`` builds, read from the 3-bit pair table's row ``formats.lut.pair_table`` indexes them by."""
     if NIBBLES:
         NE: tl.constexpr = 256
     else:
@@ -711,8 +702,7 @@ def _store_pair_table(P, BITS: tl.constexpr, off=0, STRIDE: tl.constexpr = 128, 
     else:
         pv = tl.load(P + f // 8)
     tl.inline_asm_elementwise(
-        _PAIR_STORE, "=r,r,r", [(f * 16 if STRIDE == 128 else (f // 8) * STRIDE + (f % 8) * 16) + off, pv], dtype=tl.int32,
-        is_pure=False, pack=1)
+        _PAIR_STORE, "=r,r,r", [f * 16 + off, pv], dtype=tl.int32, is_pure=False, pack=1)
     tl.debug_barrier()
 
 
@@ -777,32 +767,22 @@ def _xall(X, m0, t, stride_xm, kc, M, BITS: tl.constexpr, NT: tl.constexpr):
 
 @triton.jit
 def _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3,
-              p0, p1, p2, p3, NT: tl.constexpr, BITS: tl.constexpr, IS_BF16: tl.constexpr, WIDE: tl.constexpr = False):
-    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3 (``WIDE``: the 4-bit
-    lookups of the 64 KB table, ``_mma_asm(wide=True)``)."""
+              p0, p1, p2, p3, NT: tl.constexpr, BITS: tl.constexpr, IS_BF16: tl.constexpr):
+    """One chunk: NT n-tiles; a*/b*/c*/e* = x words of n-tiles 0..3, p* = C of n-tiles 0..3."""
     F: tl.constexpr = (tl.float32, tl.float32, tl.float32, tl.float32)
     if BITS == 4:
         if NT == 1:
-            if WIDE:
-                A1: tl.constexpr = _MMA4_1_BFW if IS_BF16 else _MMA4_1_FW
-            else:
-                A1: tl.constexpr = _MMA4_1_BF if IS_BF16 else _MMA4_1_F
+            A1: tl.constexpr = _MMA4_1_BF if IS_BF16 else _MMA4_1_F
             r0 = tl.inline_asm_elementwise(A1, _MMA4_1_C, [words, laneb, a0, a1, p0], dtype=tl.float32, is_pure=True,
                                            pack=4)
             r1, r2, r3 = p1, p2, p3
         elif NT == 2:
-            if WIDE:
-                A2: tl.constexpr = _MMA4_2_BFW if IS_BF16 else _MMA4_2_FW
-            else:
-                A2: tl.constexpr = _MMA4_2_BF if IS_BF16 else _MMA4_2_F
+            A2: tl.constexpr = _MMA4_2_BF if IS_BF16 else _MMA4_2_F
             r0, r1 = tl.inline_asm_elementwise(A2, _MMA4_2_C, [words, laneb, a0, a1, b0, b1, p0, p1],
                                                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
             r2, r3 = p2, p3
         else:
-            if WIDE:
-                A4: tl.constexpr = _MMA4_4_BFW if IS_BF16 else _MMA4_4_FW
-            else:
-                A4: tl.constexpr = _MMA4_4_BF if IS_BF16 else _MMA4_4_F
+            A4: tl.constexpr = _MMA4_4_BF if IS_BF16 else _MMA4_4_F
             r0, r1, r2, r3 = tl.inline_asm_elementwise(
                 A4, _MMA4_4_C, [words, laneb, a0, a1, b0, b1, c0, c1, e0, e1, p0, p1, p2, p3], dtype=F, is_pure=True,
                 pack=4)
@@ -921,7 +901,6 @@ def _lut_mma_kernel(
     RING: tl.constexpr = 0, RING_BASE: tl.constexpr = 0,  # cp.async ring depth (chunks; 0 = off), its smem offset
     SP: tl.constexpr = False,  # scales of the next group loaded one group ahead
     PDL: tl.constexpr = False,  # programmatic dependent launch (triggers the next one after its wait)
-    WIDE: tl.constexpr = False,  # 4-bit: the 64 KB table (entries 256 B apart), one prmt per lookup address
     SILU_MUL: tl.constexpr = False,  # fused gate_up (rows interleaved by 8): Y [M, N / 2] = silu(gate) * up
 ):
     """Tensor-core LUT GEMM on the fragment layout (``formats.lut.pack_codes_mma``), FLUTE §3.
@@ -946,12 +925,11 @@ def _lut_mma_kernel(
     (``RING_BASE``): each lane copies and later reads only its own 16 bytes, so ``cp.async.wait_group``
     is the only synchronisation, and n - 1 chunks stay in flight without holding registers; ``SP``
     loads the next group's scales with the current group (otherwise their load sits right before the
-    scale FMA, one exposed memory latency per group). ``WIDE`` (4-bit, session 23, off: slower) spaces the
-    table's entries 256 bytes apart (64 KB, half of each row unused) so that one ``prmt`` builds each lookup
-    address (code byte as byte 1, lane offset as byte 0) in place of shift + ``LOP3`` (offline SASS of the M = 1
-    launch's loop: 278 -> 213 instructions, 78 -> 64 registers), yet on the H200 it loses at 1..8 tokens
-    (session 24, ``s24_frag_wide.json``, us: M = 1 down 22.4 vs 17.9, gate_up 30.9 vs 26.3; M = 8 qkv 20.0 vs
-    14.4) and ties at 16: the 64 KB table halves the resident programs.
+    scale FMA, one exposed memory latency per group). (A ``WIDE`` option, session 23, spaced the table's entries 256
+    bytes apart (64 KB) so that one ``prmt`` builds each lookup address: offline SASS of the M = 1 launch's loop 278
+    -> 213 instructions, yet on the H200 it lost at 1..8 tokens (session 24, ``s24_frag_wide.json``, us: M = 1 down
+    22.4 vs 17.9, gate_up 30.9 vs 26.3; M = 8 qkv 20.0 vs 14.4) and tied at 16 -- the 64 KB table halves the
+    resident programs -- and was removed in session 26.)
     (The register-table decode of ``lowbit.kernels.lut_prmt``
     in place of the pair lookups was built in session 13 and removed in session 14: bit-equal but slower where the
     op uses this kernel, H200 ``s14_probe_prmt.json``: 4-bit M = 1 down 27.9 vs 17.4 us, gate_up 42.5 vs 24.3.)
@@ -989,9 +967,8 @@ def _lut_mma_kernel(
     m0 = pid_m * (8 * NT) + g  # x rows of the B fragments (n-tile j adds 8 j)
     mc = pid_m * (8 * NT) + 2 * t + (v % 2)  # token of C register v (n-tile j adds 8 j)
     laneb = lane * 4
-    TSTRIDE: tl.constexpr = 256 if WIDE else 128  # bytes between the table's entries
     if not INTERPRET and RING == 0:  # (with RING the first copies are issued first, table after them)
-        _store_pair_table(P, BITS, 0, TSTRIDE)
+        _store_pair_table(P, BITS, 0)
     CPG: tl.constexpr = GROUP // CK
     g0 = pid_k * GROUPS_PER_SPLIT
     g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, NG)
@@ -1029,7 +1006,7 @@ def _lut_mma_kernel(
             _ring_issue(Q, q_off, rc0 + sidx, rt_ok & (sidx < nch), rdst + sidx * (R * SW * 4))
             if BITS == 3:
                 _ring_issue_hi(QH, rt, lane, NC, rc0 + sidx, rt_ok & (sidx < nch), hdst + sidx * (R * SW * 2))
-        _store_pair_table(P, BITS, 0, TSTRIDE)  # while the first chunks are in flight (the ring lies after the table)
+        _store_pair_table(P, BITS, 0)  # while the first chunks are in flight (the ring lies after the table)
     if SP:  # the first group's scales (GU == 1, GPU only)
         s_nxt = _load_scales(S, g0, stride_sg, rt, g, (row < N) & (g0 < g1), S_BF16)
     CH: tl.constexpr = GU * CPG  # chunks per loop step
@@ -1123,7 +1100,7 @@ def _lut_mma_kernel(
                         a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3 = _xall(
                             X, m0, t, stride_xm, kc, M, BITS, NT)
                     p0, p1, p2, p3 = _mma_step(words, hi, laneb, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
-                                               e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16, WIDE)
+                                               e0, e1, e2, e3, p0, p1, p2, p3, NT, BITS, IS_BF16)
             if INTERPRET:
                 s = tl.load(S + gi * stride_sg + row, mask=(row < N) & gok, other=0.0).to(tl.float32)
             elif SP:
@@ -1550,14 +1527,8 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     sp = bool(cfg.get("sp", False)) and gu == 1 and not interpret_mode()
     if sp:  # scales one group ahead
         kw["SP"] = True
-    wide = cfg.get("wide", False)
-    if wide not in (False, True) or (wide and bits != 4):
-        raise ValueError(f"wide (the 64 KB pair table) must be False or True and needs bits=4, got {wide!r}, "
-                         f"bits={bits}")
-    smem = mma_table_bytes(bits) * (2 if wide else 1)
-    if wide and not interpret_mode():  # passed only when set: the default launch stays as measured
-        kw["WIDE"] = True
-    if silu_mul:  # (likewise)
+    smem = mma_table_bytes(bits)
+    if silu_mul:  # passed only when set: the default launch stays as measured
         kw["SILU_MUL"] = True
     if ring:
         kw["RING"], kw["RING_BASE"] = ring, smem
@@ -1566,7 +1537,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
         # ints are not specialized (do_not_specialize): the compiled kernel depends only on the
         # constexprs and the 16-byte alignment of the pointers
         key = (x.device.index, bits, nt, r, nw, G, x.dtype, scales.dtype, split > 1, pf, gu, xh, ring, sp,
-               pdl, wide, silu_mul, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
+               pdl, silu_mul, tuple(a.data_ptr() % 16 == 0 for a in args[:9]))
         if key not in _MMA_PATCHED:  # the pair table lives in dynamic shared memory Triton does not
             # know about: raise the launch's dynamic shared size to hold it (compile once, patch)
             k = _lut_mma_kernel.warmup(*args, grid=grid, **kw)

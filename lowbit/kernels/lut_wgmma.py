@@ -47,10 +47,10 @@ lookup a pure register computation:
   on gate_up-sized N up to 64, at 3 bits up to 16, measured in ``wgmma_config``): the decode
   instead looks each code byte up in the fragment kernel's lane-duplicated pair table (32 KB of shared memory past
   Triton's own buffers): shift, one ``LOP3``, one ``ld.shared`` per two codes, 8 integer instructions + 4 loads per
-  8 codes instead of 22 integer instructions, the same values (``_lds_decode_asm``). ``smem_table='wide'``: entries
-  256 bytes apart (64 KB), one ``prmt`` per address (4 integer instructions + 4 loads per 8 codes). Offline SASS per
-  main loop (``benchmarks/offline_ptx.py --decode``), gate_up-sized at 16 / 32 / 64 tokens: 560 / 628 / 738 ->
-  391 / 457 / 581 -> 335 / 390 / 518.
+  8 codes instead of 22 integer instructions, the same values (``_lds_decode_asm``). Offline SASS per main loop
+  (``benchmarks/offline_ptx.py --decode``), gate_up-sized at 16 / 32 / 64 tokens: 560 / 628 / 738 -> 391 / 457 /
+  581. (A 64 KB 'wide' table, entries 256 bytes apart and one ``prmt`` per address, 335 / 390 / 518 SASS, lost or
+  tied on the H200 in session 24 and was removed in session 26, as was ``x_perm``: see ``wgmma_config``.)
 - Split-K over scale groups with the fragment kernel's deterministic in-kernel reduction (FP32 partials, the
   last program of a tile to arrive sums them in split order).
 - ``SILU_MUL`` (session 26; option ``silu_mul``): a fused gate_up whose rows alternate gate / up in blocks of 8
@@ -89,24 +89,18 @@ def _decode_asm(scaled: str | None = None) -> str:
     return "\n".join(lines + ["}"])
 
 
-def _lds_decode_asm(scaled: str | None = None, wide: bool = False) -> str:
+def _lds_decode_asm(scaled: str | None = None) -> str:
     """PTX of the ``SMEM_TAB`` decode: one code word (``$8``) -> the same 8 values as ``_decode_asm`` by 4 lookups in
     the fragment kernel's lane-duplicated pair table (``lut_gemm._store_pair_table``: row ``b`` = the pair
     (T[b & 15], T[b >> 4]) of a code byte, entry e of lane l at ``128 e + 4 l``, so a warp's 32 lookups hit 32
     distinct banks), placed at shared offset ``$9`` past Triton's own shared memory. Per code byte: shift,
     and + or with the lane offset (one ``LOP3``), ``ld.shared.b32`` (the uniform table base folds into the
     address): 8 integer instructions + 4 loads per 8 codes against the byte tables' 22 integer instructions.
-    ``scaled``: as ``_decode_asm`` (scale pairs ``$10`` rows g, ``$11`` rows g + 8). ``wide`` (``SMEM_TAB == 2``):
-    entries 256 bytes apart (64 KB; lane l's copy of entry e at ``256 e + 4 l``), so one ``prmt`` builds each
-    address -- the code byte as byte 1, the lane offset ``4 l`` as byte 0, zeros above: 4 integer instructions +
-    4 loads per 8 codes."""
+    ``scaled``: as ``_decode_asm`` (scale pairs ``$10`` rows g, ``$11`` rows g + 8)."""
     lines = ["{", ".reg .b32 t, l, g, o0, o1, o2, o3;", "mov.u32 l, %laneid;", "shl.b32 l, l, 2;",
              "mov.u32 g, global_smem;", "add.u32 g, g, $9;"]
     for b, sh in enumerate(("shl.b32 t, $8, 7;", "shr.u32 t, $8, 1;", "shr.u32 t, $8, 9;", "shr.u32 t, $8, 17;")):
-        if wide:  # selector nibbles (low first): byte 4 (l's low byte), byte b of the word, byte 5 (0) twice
-            lines += [f"prmt.b32 t, $8, l, 0x55{b}4;", "add.u32 t, t, g;", f"ld.shared.b32 o{b}, [t];"]
-        else:
-            lines += [sh, "and.b32 t, t, 0x7F80;", "or.b32 t, t, l;", "add.u32 t, t, g;", f"ld.shared.b32 o{b}, [t];"]
+        lines += [sh, "and.b32 t, t, 0x7F80;", "or.b32 t, t, l;", "add.u32 t, t, g;", f"ld.shared.b32 o{b}, [t];"]
     for p in range(4):  # pair p = code byte p = nibbles 2 p, 2 p + 1 = (bh, rh) = (p // 2, p % 2)
         if scaled:
             lines.append(f"mul.rn.{'bf16x2' if scaled == 'bf16' else 'f16x2'} o{p}, o{p}, ${10 + p % 2};")
@@ -118,9 +112,6 @@ _DECODE_ASM = tl.constexpr(_decode_asm())
 _LDS_ASM = tl.constexpr(_lds_decode_asm())
 _LDS_BF_SCALED_ASM = tl.constexpr(_lds_decode_asm("bf16"))
 _LDS_F_SCALED_ASM = tl.constexpr(_lds_decode_asm("f16"))
-_LDSW_ASM = tl.constexpr(_lds_decode_asm(wide=True))
-_LDSW_BF_SCALED_ASM = tl.constexpr(_lds_decode_asm("bf16", wide=True))
-_LDSW_F_SCALED_ASM = tl.constexpr(_lds_decode_asm("f16", wide=True))
 _LDS_SCALED_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 4))
 _LDS_CONS = tl.constexpr(",".join(["=h"] * 8 + ["r"] * 2))
 _DECODE_BF_SCALED_ASM = tl.constexpr(_decode_asm("bf16"))
@@ -160,7 +151,7 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
     (rows g, rows g + 8) ``[R, 4 W]`` in the activation dtype, K in natural order. ``SCALE`` (``scale_w``): 1 =
     the values times their rows' scales ``s0`` / ``s1`` ``[R]`` (activation dtype) by Triton's multiply, 2 = inside
     the PTX, each scale packed into both halves of a ``mul.rn.{bf16x2,f16x2}`` operand (the same values).
-    ``SMEM_TAB`` (1, or 2 = ``wide``): the pair-table lookups of ``_lds_decode_asm`` (table at shared offset
+    ``SMEM_TAB``: the pair-table lookups of ``_lds_decode_asm`` (table at shared offset
     ``tab_off``; 3-bit: the 4-bit-indexed table of ``_store_pair_table(NIBBLES=True)``) in place of the byte-table
     ``prmt`` decode; the same values."""
     R: tl.constexpr = words.shape[0]
@@ -177,20 +168,12 @@ def _decode(words, P, tabs, EMU: tl.constexpr, OUT_DTYPE: tl.constexpr, BITS: tl
         n7 = tl.load(PI + 2 * _entry_row((words >> 28) & 15, BITS))
     elif SMEM_TAB > 0:
         off = tl.full([R, W], 0, tl.int32) + tab_off
-        if SMEM_TAB == 2:
-            ASM: tl.constexpr = _LDSW_ASM
-            ASM_BF: tl.constexpr = _LDSW_BF_SCALED_ASM
-            ASM_F: tl.constexpr = _LDSW_F_SCALED_ASM
-        else:
-            ASM: tl.constexpr = _LDS_ASM
-            ASM_BF: tl.constexpr = _LDS_BF_SCALED_ASM
-            ASM_F: tl.constexpr = _LDS_F_SCALED_ASM
         if SCALE == 2:
             p0, p1 = _scale_pairs(s0, s1, W)
-            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], ASM_BF, ASM_F, _LDS_SCALED_CONS,
-                                                         OUT_DTYPE)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off, p0, p1], _LDS_BF_SCALED_ASM, _LDS_F_SCALED_ASM,
+                                                         _LDS_SCALED_CONS, OUT_DTYPE)
         else:
-            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], ASM, ASM, _LDS_CONS, OUT_DTYPE)
+            n0, n1, n2, n3, n4, n5, n6, n7 = _run_decode([words, off], _LDS_ASM, _LDS_ASM, _LDS_CONS, OUT_DTYPE)
     elif SCALE == 2:
         p0, p1 = _scale_pairs(s0, s1, W)
         lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3 = tabs
@@ -331,7 +314,7 @@ def _lut_wgmma_kernel(
     # constexpr flags
     GROUP: tl.constexpr, RT: tl.constexpr, BLOCK_M: tl.constexpr, USE_SPLIT: tl.constexpr, EMU: tl.constexpr,
     PREFETCH: tl.constexpr, ONE_DOT: tl.constexpr, BITS: tl.constexpr = 4, SCALE_W: tl.constexpr = 0,
-    REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = 0, X_PERM: tl.constexpr = False,
+    REG_A: tl.constexpr = False, SMEM_TAB: tl.constexpr = 0,
     SILU_MUL: tl.constexpr = False,
 ):
     """Program = ``RT`` row tiles (16 rows) x ``BLOCK_M`` tokens x one split-K range of scale groups.
@@ -346,10 +329,7 @@ def _lut_wgmma_kernel(
     map to weight rows through ``_reg_a_row``, the activation tile's columns to K through ``_reg_a_k``.
     ``SMEM_TAB`` (option ``smem_table``): the codes are looked up in the fragment kernel's lane-duplicated
     pair table, written at the start to shared offset ``TAB_OFF`` (past Triton's own buffers; the launcher raises
-    the launch's dynamic shared size by the table's 32 KB, 64 KB for ``SMEM_TAB == 2``), instead of the byte-table
-    ``prmt`` decode. ``X_PERM`` (with ``REG_A``; option ``x_perm``): ``X`` arrives with each chunk's columns
-    already in the relabelled order (``permute_x``), so the activation tile is read as contiguous 16-byte vectors
-    instead of gathered 4-byte pairs. ``SILU_MUL`` (two dots only; a fused gate_up whose rows alternate in blocks
+    the launch's dynamic shared size by the table's 32 KB), instead of the byte-table ``prmt`` decode. ``SILU_MUL`` (two dots only; a fused gate_up whose rows alternate in blocks
     of 8, ``formats.common.interleave_rows(gate, up, 8)``: each 16-row tile's rows g are gate rows, its rows g + 8
     the up rows of the same columns): the output ``Y [M, N / 2]`` is ``silu(acc0) * acc1`` (``silu_mul_f32``'s
     roundings), element by element -- the two accumulators share their layout, so the epilogue moves nothing --
@@ -384,14 +364,13 @@ def _lut_wgmma_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     kx = tl.arange(0, CK)
-    if REG_A and not X_PERM:  # the activation columns in the relabelled tile's K order (X_PERM: X already is)
+    if REG_A:  # the activation columns in the relabelled tile's K order
         kx = _reg_a_k(kx, CK)
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm + kx[None, :]
     if SMEM_TAB > 0:
         tabs = (0, 0, 0, 0, 0, 0, 0, 0)
-        TSTRIDE: tl.constexpr = 256 if SMEM_TAB == 2 else 128  # bytes between table entries
         if not EMU:
-            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, TSTRIDE, BITS == 3)
+            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, BITS == 3)
     else:
         tabs = _byte_tables(P, BITS)  # (unused by the interpreter's decode)
     g0 = pid_k * GROUPS_PER_SPLIT
@@ -530,7 +509,7 @@ def wgmma_config(M: int, N: int, K: int, group_size: int, bits: int = 4) -> dict
     at 128 tokens (``s24_m8_128.json``: qkv / o / down 44.2 / 33.1 / 88.0 vs 33.2 / 24.9 / 63.2), so it is off
     there. The 64 KB 'wide' table loses or ties everywhere (M = 16 down 34.5, gate_up 49.0) and ``x_perm``'s
     kernel is slower even with x handed over permuted (``x_perm='given'``, ``s24_xgiven.json``: M = 16 qkv 18.9,
-    down 31.0 vs 14.6 / 25.5); both stay options. 3-bit
+    down 31.0 vs 14.6 / 25.5); both were removed in session 26. 3-bit
     (``s24_3bit.json``): the table wins up to 16 tokens (M = 16 qkv / o / down / gate_up 14.8 / 13.6 / 27.2 / 43.6
     vs 16.2 / 14.1 / 30.9 / 49.1; 8192^2 32.6 vs 32.0) and loses above (M = 32 down 39.3 vs 35.1), so it is on
     there only.
@@ -613,14 +592,6 @@ def mma_output(x: torch.Tensor, N: int, G: int, kp: int, name: str):
     return y, done, cdiv(K, G), (x if done else fragment_x(x, kp))
 
 
-def permute_x(x: torch.Tensor, ck: int) -> torch.Tensor:
-    """``x [M, Kp]`` (Kp a multiple of the chunk ``ck``) with each chunk's columns in the ``_reg_a``-relabelled
-    order (column ``16 s + 8 a + 2 t + b`` of a chunk = its K ``(ck / 4) t + 4 s + 2 a + b``, ``_reg_a_k``): the
-    activations the ``X_PERM`` kernel reads with 16-byte vectors. One copy of x."""
-    M, Kp = x.shape
-    return x.reshape(M, Kp // ck, 4, ck // 16, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, Kp)
-
-
 def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
                      group_size: int, out_features: int, bits: int = 4, qweight_hi: torch.Tensor | None = None,
                      silu_mul: bool = False, **overrides) -> torch.Tensor:
@@ -630,10 +601,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     not 16-byte aligned. ``overrides`` replace fields of ``wgmma_config`` (``split_k`` fixes the split;
     ``scale_w``: False, True or 'asm', the kernel's ``SCALE_W`` option 0 / 1 / 2; ``reg_a``: False, True or 'auto'
     = on for 64-row tiles without ``scale_w='asm'``; ``smem_table``: True = the shared-memory pair-table decode,
-    ``SMEM_TAB``, 'wide' = its 64 KB form with one ``prmt`` per address; 3-bit looks the merged words' bytes up in
-    a 256-entry table built from the 3-bit pairs; ``x_perm``: with ``reg_a``, x copied once into the relabelled
-    column order (``permute_x``) so the kernel loads it with 16-byte vectors, or 'given': ``x`` is already
-    ``permute_x(x)`` (a producer that writes that order; K a multiple of the chunk); the defaults: ``wgmma_config``).
+    ``SMEM_TAB`` (3-bit looks the merged words' bytes up in a 256-entry table built from the 3-bit pairs); the
+    defaults: ``wgmma_config``).
     3-bit (G in 128 / 256): the two planes are merged into 4-bit-layout words in registers (``_words3``, ~8
     integer ops per 8 codes) before the same decode (the op dispatches both widths: ``WGMMA_BITS``).
     ``silu_mul``: the weight is a fused gate_up with rows interleaved in blocks of 8 (N a multiple of 16); the
@@ -661,8 +630,8 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                                  qweight_hi=qweight_hi, **overrides)
             return silu_mul_triton(y, block=8)
     smem_tab = cfg.get("smem_table", False)
-    if smem_tab not in (False, True, "wide"):
-        raise ValueError(f"smem_table must be False, True or 'wide', got {smem_tab!r}")
+    if smem_tab not in (False, True):
+        raise ValueError(f"smem_table must be False or True, got {smem_tab!r}")
     y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton")
     if silu_mul:
         y = y[:, : N // 2] if done else torch.empty((M, N // 2), device=x.device, dtype=x.dtype)
@@ -687,17 +656,7 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if cfg.get("maxnreg"):  # register cap per thread (ptxas spills above it; passed only when set)
         kw["maxnreg"] = int(cfg["maxnreg"])
     if smem_tab:  # passed only when set: the byte-table launches keep their compiled kernels
-        kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
-    x_perm = cfg.get("x_perm", False)
-    if x_perm not in (False, True, "given"):
-        raise ValueError(f"x_perm must be False, True or 'given', got {x_perm!r}")
-    if x_perm == "given" and (not reg_a or K % MMA_CHUNK[bits]):
-        raise ValueError(f"x_perm='given' needs reg_a and K a multiple of {MMA_CHUNK[bits]} (x = permute_x(x, "
-                         f"{MMA_CHUNK[bits]}) of the unpadded activations), got reg_a={reg_a}, K={K}")
-    if x_perm and reg_a:  # (without reg_a the kernel reads x in natural order anyway)
-        kw["X_PERM"] = True
-        if x_perm is True:
-            x = permute_x(x, MMA_CHUNK[bits])
+        kw["SMEM_TAB"] = 1
     split = cfg.get("split_k")
     if split is None and cfg.get("balance") and not interpret_mode():
         occ = _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw)
@@ -729,10 +688,10 @@ def balance_split(tiles: int, ng: int, sms: int, ctas_per_sm: int, resident: int
     return None
 
 
-def _patch_table(k, mode: int) -> int:
-    """Shared byte offset of the pair table in the compiled ``SMEM_TAB = mode`` kernel ``k``: Triton's own shared
-    size, rounded up to 128 bytes. The first call per compiled kernel raises its launch's dynamic shared size by the
-    table's 32 KB (64 KB for mode 2; Triton does not know about the table; as the fragment kernel's launcher does)
+def _patch_table(k) -> int:
+    """Shared byte offset of the pair table in the compiled ``SMEM_TAB`` kernel ``k``: Triton's own shared size,
+    rounded up to 128 bytes. The first call per compiled kernel raises its launch's dynamic shared size by the
+    table's 32 KB (Triton does not know about the table; as the fragment kernel's launcher does)
     before the module is loaded, so the loader opts in to more than 48 KB where needed; the offset is kept on the
     kernel object."""
     off = getattr(k, "lowbit_table_offset", None)
@@ -741,7 +700,7 @@ def _patch_table(k, mode: int) -> int:
     if k.module is not None:  # loaded before its shared size could be raised: never, by construction
         raise RuntimeError("smem_table: the kernel was loaded before its shared size was set")
     off = -(-int(k.metadata.shared) // 128) * 128
-    smem = off + mma_table_bytes(4) * mode
+    smem = off + mma_table_bytes(4)
     k.metadata = k.metadata._replace(shared=smem)
     k._init_handles()
     nwarps, nctas, shared = k.packed_metadata
@@ -773,7 +732,7 @@ def table_offset(fn, args: tuple, grid: tuple, kw: dict) -> int:
     key = launch_key(fn, args, kw)
     off = _TAB_OFF.get(key)
     if off is None:
-        off = _TAB_OFF[key] = _patch_table(fn.warmup(*args, 0, grid=grid, **kw), kw["SMEM_TAB"])
+        off = _TAB_OFF[key] = _patch_table(fn.warmup(*args, 0, grid=grid, **kw))
     return off
 
 
@@ -793,7 +752,7 @@ def _resident(x, qweight, qh, scales, pairs, y, M, N, nrt, nc, ng, kw) -> int | 
                                      x.stride(0), scales.stride(0), y.stride(0), 0, USE_SPLIT=True, grid=(1, 1, 1),
                                      **kw)
         if kw.get("SMEM_TAB"):  # the table counts: its shared size is raised (and the module loaded) here
-            _patch_table(k, kw["SMEM_TAB"])
+            _patch_table(k)
         k._init_handles()  # (a kernel compiled but never launched has no register count before this)
         _RESIDENT[key] = resident_ctas(k, kw["num_warps"])
     return _RESIDENT[key]

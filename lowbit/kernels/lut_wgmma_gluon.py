@@ -36,7 +36,7 @@ group pair waits to zero (``benchmarks/offline_lut_gluon.py`` checks the notes a
 
 Option ``smem_table`` (session 23; on in the op's range since session 24, timed in ``gluon_config``): the decode
 through the shared-memory pair table of ``lut_wgmma._lds_decode_asm`` (offline SASS per group pair at 8 / 16 tokens:
-563 / 565 -> 392 / 458, 'wide' 329 / 370).
+563 / 565 -> 392 / 458; the 64 KB 'wide' table, 329 / 370, lost on the H200 and was removed in session 26).
 
 The interpreter cannot run Gluon: the CPU path is the Triton kernel, whose decode PTX and relabelling this kernel
 shares (both checked on the CPU in ``tests/test_lut_wgmma.py``); the GPU tests (``tests/test_lut_gluon.py``) compare
@@ -69,19 +69,18 @@ if HAS_GLUON:
     _DEC = gl.constexpr(_decode_asm())
     _DEC_CONS = gl.constexpr(",".join(["=h"] * 8 + ["r"] * 9))
     _LDS = gl.constexpr(_lds_decode_asm())
-    _LDSW = gl.constexpr(_lds_decode_asm(wide=True))
     _LDS_CONS = gl.constexpr(",".join(["=h"] * 8 + ["r"] * 2))
     _PAIR_STORE = gl.constexpr(PAIR_STORE_PTX)
 
     @gluon.jit
-    def _store_table(P, off, STRIDE: gl.constexpr):
+    def _store_table(P, off):
         """``lut_gemm._store_pair_table`` (4-bit) in Gluon: its tensors need Gluon layouts, so unlike the scalar
         ``_tables`` it cannot call the Triton helper (the store PTX is shared): lane l's copy of pair row e at shared
-        byte offset ``off + STRIDE e + 4 l`` (16-byte slot f = 4 lane copies of row f // 8), then a barrier."""
+        byte offset ``off + 128 e + 4 l`` (16-byte slot f = 4 lane copies of row f // 8), then a barrier."""
         fl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         f = gl.arange(0, 2048, layout=fl)
         pv = gl.load(P.to(gl.pointer_type(gl.int32)) + f // 8)
-        gl.inline_asm_elementwise(_PAIR_STORE, "=r,r,r", [(f // 8) * STRIDE + (f % 8) * 16 + off, pv],
+        gl.inline_asm_elementwise(_PAIR_STORE, "=r,r,r", [(f // 8) * 128 + (f % 8) * 16 + off, pv],
                                   dtype=gl.int32, is_pure=False, pack=1)
         gl.thread_barrier()
 
@@ -98,14 +97,10 @@ if HAS_GLUON:
     def _decode_a(words, tabs, a_l: gl.constexpr, ODT: gl.constexpr, SMEM_TAB: gl.constexpr = 0):
         """Code words ``[32, 16]`` (row ``8 rt + g``, column ``4 t + s``) -> the ``[64, 64]`` A tile in the wgmma
         register fragment (``lut_wgmma._decode`` + the stacked halves + ``_reg_a``: row ``16 rt + 8 rh + g``,
-        column ``16 s + 8 a + 2 t + b`` = K ``16 t + 4 s + 2 a + b``). ``SMEM_TAB`` (1, 2 = wide): ``tabs`` is the
-        pair table's shared offset and the lookups are ``lut_wgmma._lds_decode_asm``'s."""
+        column ``16 s + 8 a + 2 t + b`` = K ``16 t + 4 s + 2 a + b``). ``SMEM_TAB``: ``tabs`` is the pair table's
+        shared offset and the lookups are ``lut_wgmma._lds_decode_asm``'s."""
         z = words * 0
-        if SMEM_TAB == 2:
-            asm: gl.constexpr = _LDSW
-            cons: gl.constexpr = _LDS_CONS
-            args = [words, z + tabs]
-        elif SMEM_TAB == 1:
+        if SMEM_TAB == 1:
             asm: gl.constexpr = _LDS
             cons: gl.constexpr = _LDS_CONS
             args = [words, z + tabs]
@@ -155,7 +150,7 @@ if HAS_GLUON:
                           GROUP: gl.constexpr, BLOCK_M: gl.constexpr, USE_SPLIT: gl.constexpr,
                           XPF: gl.constexpr = 2, SMEM_TAB: gl.constexpr = 0):
         """Module docstring. Grid: (row blocks of 64, token blocks of ``BLOCK_M``, splits). ``SMEM_TAB`` (option
-        ``smem_table``, 1 or 2 = 'wide'): the pair table at shared offset ``TAB_OFF`` (past this kernel's own
+        ``smem_table``): the pair table at shared offset ``TAB_OFF`` (past this kernel's own
         buffers; the launcher raises the shared size) and ``lut_wgmma._lds_decode_asm``'s lookups."""
         ODT: gl.constexpr = Y.dtype.element_ty
         CPG: gl.constexpr = GROUP // 64  # chunks per scale group
@@ -187,7 +182,7 @@ if HAS_GLUON:
         n_acc = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         n_ok = n_acc < N
         if SMEM_TAB > 0:
-            _store_table(P, TAB_OFF, 256 if SMEM_TAB == 2 else 128)
+            _store_table(P, TAB_OFF)
             tabs = TAB_OFF
         else:
             tabs = _tables(P)
@@ -312,8 +307,8 @@ LAST_COMPILED: dict = {}
 def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, pairs: torch.Tensor, *,
                     group_size: int, out_features: int, **overrides) -> torch.Tensor:
     """Launch ``_lut_gluon_kernel`` (4-bit 'mma' codes, ``pairs`` = ``pair_table(table, 4, x.dtype)``, ``scales``
-    ``[ceil(K/G), N]``; ``overrides``: ``block_m``, ``split_k``, ``ctas_per_sm``, ``maxnreg``, ``smem_table``: False,
-    True or 'wide' as in ``lut_wgmma.lut_wgmma_triton``)."""
+    ``[ceil(K/G), N]``; ``overrides``: ``block_m``, ``split_k``, ``ctas_per_sm``, ``maxnreg``, ``smem_table``: False
+    or True as in ``lut_wgmma.lut_wgmma_triton``)."""
     M, K = x.shape
     N, G = out_features, group_size
     if not supported(x, 4, G):
@@ -334,14 +329,14 @@ def lut_wgmma_gluon(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     if cfg.get("maxnreg"):
         kw["maxnreg"] = int(cfg["maxnreg"])
     smem_tab = cfg.get("smem_table", False)
-    if smem_tab not in (False, True, "wide"):
-        raise ValueError(f"smem_table must be False, True or 'wide', got {smem_tab!r}")
+    if smem_tab not in (False, True):
+        raise ValueError(f"smem_table must be False or True, got {smem_tab!r}")
     args = (x, qweight, scales, pairs, y, ws, locks, M, N, nrt, nc, ng, per, split, x.stride(0), scales.stride(0),
             y.stride(0))
     grid = (grid_n, grid_m, split)
     tab_off = 0
     if smem_tab:  # passed only when set (byte-table launches keep their kernels); the table past Gluon's buffers
-        kw["SMEM_TAB"] = 2 if smem_tab == "wide" else 1
+        kw["SMEM_TAB"] = 1
         tab_off = table_offset(_lut_gluon_kernel, args, grid, kw)
     LAST_COMPILED["gluon"] = _lut_gluon_kernel[grid](*args, tab_off, **kw)
     LAST_COMPILED["gluon_split"] = split
