@@ -412,7 +412,7 @@ def _build_model(meta: dict):
 
 
 def _build_container(path: str, where: str) -> nn.Module:
-    """A lowbit module that only holds quantized children (e.g. ``W4A8FP8MLP``): built with
+    """A lowbit module that only holds quantized children (e.g. ``FusedMLP``): built with
     ``nn.Identity`` placeholders for its constructor's module arguments, which the QuantLinear
     replacement then fills."""
     import inspect

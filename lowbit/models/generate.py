@@ -328,7 +328,7 @@ class _FusedLayer:
 
     - ``qkv``: q/k/v stacked into one projection where they stack exactly (``_fuse_rows``), else None;
     - ``gate_up``: gate/up stacked (output ``[gate | up]``), or the recipe's own fused gate_up with
-      the SiLU*mul epilogue (``W4A8FP8MLP`` of ``fuse_mlp``: ``gate_up_act``), else None;
+      SiLU*mul from its GEMM (a ``nn.base.FusedMLP``: ``nn.w4a8_fp8.fuse_mlp``, ``nn.lut.fuse_mlp``), else None;
     - with W4A8 projections (``_Proj.aq``), the input RMSNorms are fused into the activation
       quantization (``norm_q`` / ``post_q``: one launch gives the codes shared by q/k/v, and by
       gate/up), SiLU*mul is fused into the quantization of ``down``'s input, and the residual adds of
