@@ -2,6 +2,7 @@
 q/k/v and gate/up stack into one module exactly, in both packed layouts, at 3 and 4 bits."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from lowbit.models.generate import _fuse_rows
@@ -233,3 +234,36 @@ def test_fuse_mlp_planar_layout(bits, group):
     g, u = gate.to(dev)(xb), up.to(dev)(xb)
     want = (torch.nn.functional.silu(g.float()).to(torch.bfloat16).float() * u.float()).to(torch.bfloat16)
     assert rel_l2(new.gate_up.to(dev)(xb).cpu(), want.cpu()) < 2 * KERNEL_VS_REF[torch.bfloat16]
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 70), n16=st.integers(1, 5), k=st.integers(1, 300), bits=st.sampled_from([3, 4]),
+       g=st.sampled_from([64, 128]))
+def test_silu_mul_op_fuzz(m, n16, k, bits, g):
+    """``lut_gemm(silu_mul=True)`` over random legal shapes (N a multiple of 16, any K, 1..70 tokens: the fragment
+    kernel, the register-table kernel with either launch, 3 and 4 bits; the interpreter on the CPU) against
+    ``silu_mul_ref`` of the float64 product."""
+    import os
+
+    from lowbit.formats.common import interleave_rows, silu_mul_ref
+    from lowbit.formats.lut import dequantize_lut, mma_layout_ok, pack_codes_mma, pair_table, quantize_lut
+    from lowbit.ops.lut import lut_gemm
+    from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+    if not GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter or a GPU")
+    if not mma_layout_ok(bits, g):
+        g = 128
+    dev = "cuda" if GPU else "cpu"
+    torch.manual_seed(m * 31 + n16 + k)
+    n = 16 * n16
+    w = interleave_rows(torch.randn(n // 2, k), torch.randn(n // 2, k), 8)
+    q = quantize_lut(w, bits=bits, group_size=g, table="nf", scale_dtype=torch.bfloat16)
+    qm, qh = pack_codes_mma(q.codes, bits, g, k)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    y = lut_gemm(x.to(dev), qm.to(dev), None if qh is None else qh.to(dev), q.scales.t().contiguous().to(dev),
+                 q.table.to(dev), bits=bits, group_size=g, layout="mma",
+                 pairs=pair_table(q.table, bits, torch.bfloat16).to(dev), silu_mul=True)
+    ref = silu_mul_ref((x.double() @ dequantize_lut(q).double().t()).to(torch.bfloat16), 8)
+    assert y.shape == (m, n // 2)
+    assert rel_l2(y.cpu(), ref) < 2 * KERNEL_VS_REF[torch.bfloat16]
