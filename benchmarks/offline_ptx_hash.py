@@ -3,7 +3,9 @@ fragment kernel (``mma_config``'s launches, with and without PDL and the SiLU*mu
 compiled for its default constexprs and hashed with the debug lines (``.loc``, ``.file``, ``$L__tmp`` labels, the
 debug sections) removed. A refactor that must not change the generated code compares the fingerprints of two trees.
 
-    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_ptx_hash.py [TREE] > a.json   # TREE: a lowbit checkout (default .)
+    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_ptx_hash.py [TREE] [--sorted] > a.json   # TREE: a checkout (.)
+
+``--sorted`` hashes the PTX lines sorted: the same instructions in another order (a schedule change) compare equal.
 
 (``/tmp/t36``: the device's Triton 3.6, installed as in ``benchmarks/offline_kv4.py``.) Session 26: the removal of
 the 'wide' tables and ``x_perm`` left every fingerprint unchanged, and session 26's SiLU*mul work left every launch
@@ -15,7 +17,9 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "."))
+SORTED = "--sorted" in sys.argv
+_args = [a for a in sys.argv[1:] if a != "--sorted"]
+sys.path.insert(0, os.path.abspath(_args[0] if _args else "."))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -25,7 +29,8 @@ from lowbit.kernels import lut_wgmma as LW  # noqa: E402
 
 
 def fingerprint(ptx: str) -> str:
-    ptx = "\n".join(ln for ln in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:)", ln))
+    lines = [ln for ln in ptx.splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:)", ln)]
+    ptx = "\n".join(sorted(lines) if SORTED else lines)
     return hashlib.sha1(re.sub(r"\.section\s+\.debug.*", "", ptx, flags=re.S).encode()).hexdigest()[:12]
 
 
@@ -38,7 +43,7 @@ def build(fn, sig: dict, consts: dict, attrs: dict, opts: dict) -> str:
     return fingerprint(k.asm["ptx"])
 
 
-out = {"triton": triton.__version__}
+out = {"triton": triton.__version__, "sorted": SORTED}
 SIG = {"X": "*bf16", "Q": "*i32", "QH": "*i32", "S": "*bf16", "P": "*bf16", "Y": "*bf16", "WS": "*fp32", "LOCKS": "*i32",
        "M": "i32", "N": "i32", "NRT": "i32", "NC": "i32", "NG": "i32", "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32",
        "stride_xm": "i32", "stride_sg": "i32", "stride_ym": "i32", "TAB_OFF": "i32"}

@@ -16,31 +16,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_cuda, time_rotated, write_probe  # noqa: E402
-from lowbit.bench.suites.lut import probe_cases, reference_f64, weight_sets  # noqa: E402
-from lowbit.kernels.lut_wgmma import lut_wgmma_triton  # noqa: E402
+from lowbit.bench.suites.lut import gluon_fn, op_fn, probe_cases, reference_f64, weight_sets, wgmma_fn  # noqa: E402
 from lowbit.kernels import lut_wgmma_gluon as LG  # noqa: E402
-from lowbit.ops.lut import lut_gemm, lut_gemm_ref  # noqa: E402
+from lowbit.ops.lut import lut_gemm_ref  # noqa: E402
 
 args = probe_args("ct")  # part x (the 2..8-token crossover against the fragment kernel) runs when named
 MS = [int(m) for m in os.environ.get("S22_MS", "1,8,16,32,64").split(",")]
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 14336), "gate_up": (28672, 4096),
           "8192sq": (8192, 8192)}
 doc = {"env": env_info(" ".join(sys.argv)), "note": "NF4 g128, bf16; us = median ms * 1000"}
-
-
-def op(p):
-    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=4, group_size=128,
-                              layout="mma")
-
-
-def tri(p):
-    N = p["scales"].shape[1]
-    return lambda x: lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N)
-
-
-def glu(p, **kw):
-    N = p["scales"].shape[1]
-    return lambda x: LG.lut_wgmma_gluon(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
 
 
 def variants(M):
@@ -58,23 +42,23 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS):
     if "c" in args.parts:
         p, x = ps[0], xs[0]
         ref = reference_f64(p, x)
-        yt = tri(p)(x)
+        yt = wgmma_fn(p)(x)
         row = {}
         for vn, kw in variants(M).items():
-            y = glu(p, **kw)(x)
+            y = gluon_fn(p, **kw)(x)
             torch.cuda.synchronize()
             row[vn + "_rel"] = ((y.double() - ref).norm() / ref.norm()).item()
             row[vn + "_maxdiff_triton"] = (y.float() - yt.float()).abs().max().item()
         row["triton_rel"] = ((yt.double() - ref).norm() / ref.norm()).item()
-        row["op_rel"] = ((op(p)(x).double() - ref).norm() / ref.norm()).item()
+        row["op_rel"] = ((op_fn(p)(x).double() - ref).norm() / ref.norm()).item()
         probe_row(doc, f"c_{name}_M{M}", row)
     if "t" in args.parts:
         row = {"M": M, "N": N, "K": K}
         sets = [(xs[i],) for i in range(3)]
-        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
-               "triton_wgmma": [tri(p) for p in ps]}
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op_fn(p) for p in ps],
+               "triton_wgmma": [wgmma_fn(p) for p in ps]}
         for vn, kw in variants(M).items():
-            fns[vn] = [glu(p, **kw) for p in ps]
+            fns[vn] = [gluon_fn(p, **kw) for p in ps]
         time_rotated(row, fns, xs)
         row["gluon_split"] = LG.LAST_COMPILED.get("gluon_split")
         best = min(v for k, v in row.items() if k.startswith("gluon") and k.endswith("_us"))
@@ -89,9 +73,9 @@ if "x" in args.parts:  # the op's range for this kernel: fragment kernel vs this
         for M in (1, 2, 3, 4, 6, 8, 12, 16):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
             row = {"M": M, "N": N, "K": K}
-            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
-                   "fragment": [mma_fn(p) for p in ps], "triton_wgmma": [tri(p) for p in ps],
-                   "gluon": [glu(p) for p in ps]}
+            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op_fn(p) for p in ps],
+                   "fragment": [mma_fn(p) for p in ps], "triton_wgmma": [wgmma_fn(p) for p in ps],
+                   "gluon": [gluon_fn(p) for p in ps]}
             time_rotated(row, fns, xs)
             row["gluon_vs_fragment"] = round(row["fragment_us"] / row["gluon_us"], 3)
             row["op_vs_cublas"] = round(row["cublas_us"] / row["op_us"], 3)
@@ -111,7 +95,7 @@ if "f" in args.parts:  # the fragment kernel's 2..8-token launch: its M <= 8 con
             ref = lut_gemm_ref(xs[0].float(), ps[0]["qmma"], None, ps[0]["scales"], ps[0]["table"], 4, 128, K,
                                layout="mma").double()
             row = {"M": M, "N": N, "K": K}
-            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
+            fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op_fn(p) for p in ps]}
             fns |= {"frag_" + v: [mma_fn(p, **kw) for p in ps] for v, kw in FV.items()}
             for fn_name, fl in fns.items():
                 try:

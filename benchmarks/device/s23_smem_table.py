@@ -24,10 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_rotated, write_probe  # noqa: E402
-from lowbit.bench.suites.lut import mma_fn, probe_cases, reference_f64  # noqa: E402
+from lowbit.bench.suites.lut import gluon_fn, mma_fn, op_fn, probe_cases, reference_f64, wgmma_fn  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
-from lowbit.kernels import lut_wgmma_gluon as LGL  # noqa: E402
-from lowbit.ops.lut import lut_gemm  # noqa: E402
 
 args = probe_args("ct")
 MS = [int(m) for m in os.environ.get("S23_MS", "9,16,32,64,128").split(",")]
@@ -89,32 +87,17 @@ GLUON_MORE = {} if os.environ.get("S23_GLUON") != "1" else {
     f"gluon_c{c}_x{x}": {"ctas_per_sm": c, "xpf": x} for c in (2, 4, 8) for x in (1, 2)}
 
 
-def op(p):
-    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"], group_size=128,
-                              layout="mma")
-
-
-def tri(p, **kw):
-    N = p["scales"].shape[1]
-    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N,
-                                         bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
-
-
-def glu(p, **kw):
-    N = p["scales"].shape[1]
-    return lambda x: LGL.lut_wgmma_gluon(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
-
-
 for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
     if "c" in args.parts:
         p, x = ps[0], xs[0]
         ref = reference_f64(p, x)
         row = {}
         if M <= 16 and BITS == 4:  # the Gluon kernel's options against its default launch
-            row["gluon_smem_bit_equal"] = bool(torch.equal(glu(p, smem_table=True)(x), glu(p, smem_table=False)(x)))
+            row["gluon_smem_bit_equal"] = bool(torch.equal(gluon_fn(p, smem_table=True)(x),
+                                                           gluon_fn(p, smem_table=False)(x)))
         for split in (1, 4):
-            y0 = tri(p, split_k=split, smem_table=False)(x)
-            y1 = tri(p, split_k=split, smem_table=True)(x)
+            y0 = wgmma_fn(p, split_k=split, smem_table=False)(x)
+            y1 = wgmma_fn(p, split_k=split, smem_table=True)(x)
             torch.cuda.synchronize()
             tag = f"smem_split{split}"
             row[tag + "_bit_equal"] = bool(torch.equal(y0, y1))
@@ -123,19 +106,19 @@ for name, N, K, M, ws, ps, xs in probe_cases(SHAPES, MS, BITS):
         probe_row(doc, f"c_{name}_M{M}", row)
     if "t" in args.parts:
         row = {"M": M, "N": N, "K": K}
-        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op_fn(p) for p in ps]}
         var = {vn: (kw(M, N, K) if callable(kw) else kw) for vn, kw in VARIANTS.items()}
-        fns |= {vn: [tri(p, **kw) for p in ps] for vn, kw in var.items()}
+        fns |= {vn: [wgmma_fn(p, **kw) for p in ps] for vn, kw in var.items()}
         if M <= 16:
             fns["fragment"] = [mma_fn(p) for p in ps]
             if BITS == 4:  # the Gluon register-table kernel (the op's 8..16-token launch on qkv / o) and its options
                 for gn, gkw in ({"gluon": {}, "gluon_nosmem": {"smem_table": False},
                                  "gluon_smem": {"smem_table": True}} | GLUON_MORE).items():
-                    fns[gn] = [glu(p, **gkw) for p in ps]
+                    fns[gn] = [gluon_fn(p, **gkw) for p in ps]
         time_rotated(row, fns, xs)
         for vn in VARIANTS:  # the compiled launch of each variant (registers, split, shared bytes)
             try:
-                tri(ps[0], **var[vn])(xs[0])
+                wgmma_fn(ps[0], **var[vn])(xs[0])
                 k = LW.LAST_COMPILED["wgmma"]
                 row[vn + "_regs"], row[vn + "_split"] = k.n_regs, LW.LAST_COMPILED["wgmma_split"]
                 row[vn + "_shared"] = k.packed_metadata[2]

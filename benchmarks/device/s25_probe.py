@@ -29,43 +29,25 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_cuda, time_rotated, write_probe  # noqa: E402
-from lowbit.bench.suites.lut import probe_cases, reference_f64  # noqa: E402
+from lowbit.bench.suites.lut import gluon_fn, op_fn, probe_cases, reference_f64, wgmma_fn  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
-from lowbit.kernels import lut_wgmma_gluon as LGL  # noqa: E402
 from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_triton  # noqa: E402
-from lowbit.ops.lut import lut_gemm  # noqa: E402
 
 args = probe_args("lf")
 doc = {"env": env_info(" ".join(sys.argv)), "note": "us = median ms * 1000"}
 REPS = int(os.environ.get("S25_REPS", "3"))
 
 
-def op(p):
-    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"], group_size=128,
-                              layout="mma")
-
-
-def tri(p, **kw):
-    N = p["scales"].shape[1]
-    return lambda x: LW.lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N,
-                                         bits=p["bits"], qweight_hi=p["qmma_hi"], **kw)
-
-
-def glu(p, **kw):
-    N = p["scales"].shape[1]
-    return lambda x: LGL.lut_wgmma_gluon(x, p["qmma"], p["scales"], p["pairs"], group_size=128, out_features=N, **kw)
-
-
 # (shape, M) -> candidate name -> builder(p, M, N, K)
+def _o4(**extra):  # the register-table kernel's committed config at (M, N, K), as one stacked dot over 4 row tiles
+    return lambda p, M, N, K: wgmma_fn(p, **dict(LW.wgmma_config(M, N, K, 128), rt=4, one_dot=True, **extra))
+
+
 CANDS = {
-    ("down", 16): {"o4_cap96_c5": lambda p, M, N, K: tri(p, **dict(LW.wgmma_config(M, N, K, 128), rt=4, one_dot=True,
-                                                                   maxnreg=96, ctas_per_sm=5))},
-    ("8192sq", 16): {"gluon_c2_x1": lambda p, M, N, K: glu(p, ctas_per_sm=2, xpf=1)},
-    ("gate_up", 16): {"gluon_c2_x1": lambda p, M, N, K: glu(p, ctas_per_sm=2, xpf=1)},
-    ("qkv", 64): {"o4_smem_s2_cap168": lambda p, M, N, K: tri(p, **dict(LW.wgmma_config(M, N, K, 128), rt=4,
-                                                                        one_dot=True, smem_table=True, num_stages=2,
-                                                                        maxnreg=168, ctas_per_sm=3)),
-                  "o4": lambda p, M, N, K: tri(p, **dict(LW.wgmma_config(M, N, K, 128), rt=4, one_dot=True))},
+    ("down", 16): {"o4_cap96_c5": _o4(maxnreg=96, ctas_per_sm=5)},
+    ("8192sq", 16): {"gluon_c2_x1": lambda p, M, N, K: gluon_fn(p, ctas_per_sm=2, xpf=1)},
+    ("gate_up", 16): {"gluon_c2_x1": lambda p, M, N, K: gluon_fn(p, ctas_per_sm=2, xpf=1)},
+    ("qkv", 64): {"o4_smem_s2_cap168": _o4(smem_table=True, num_stages=2, maxnreg=168, ctas_per_sm=3), "o4": _o4()},
 }
 SHAPES = {"qkv": (6144, 4096), "down": (4096, 14336), "gate_up": (28672, 4096), "8192sq": (8192, 8192)}
 
@@ -75,12 +57,12 @@ if "l" in args.parts:
         if not cands:
             continue
         row = {"M": M, "N": N, "K": K}
-        y0 = op(ps[0])(xs[0])
+        y0 = op_fn(ps[0])(xs[0])
         for cn, mk in cands.items():
             y1 = mk(ps[0], M, N, K)(xs[0])
             row[cn + "_bit_equal_op"] = bool(torch.equal(y0, y1))
             row[cn + "_rel_op"] = ((y1.double() - y0.double()).norm() / y0.double().norm()).item()
-        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps]}
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op_fn(p) for p in ps]}
         fns |= {cn: [mk(p, M, N, K) for p in ps] for cn, mk in cands.items()}
         for r in range(REPS):  # interleaved repeats: op, candidates, op, ...
             sub = time_rotated({}, fns, xs)
@@ -99,11 +81,11 @@ def prev_dispatch(p, M, N, K):
     programs), qkv-sized N at 33..64 with two dots."""
     cfg = LW.wgmma_config(M, N, K, 128)
     if 9 <= M <= 16 and N >= 16384:
-        return tri(p, **cfg)
+        return wgmma_fn(p, **cfg)
     if 9 <= M <= 16 and N <= 4096 and K >= 8192:
-        return tri(p, **dict(cfg, rt=8, one_dot=False, maxnreg=128, ctas_per_sm=4))
+        return wgmma_fn(p, **dict(cfg, rt=8, one_dot=False, maxnreg=128, ctas_per_sm=4))
     if 33 <= M <= 64 and 4096 < N < 16384 and K < 8192:
-        return tri(p, **dict(cfg, rt=8, one_dot=False))
+        return wgmma_fn(p, **dict(cfg, rt=8, one_dot=False))
     return None
 
 
@@ -112,11 +94,11 @@ if "a" in args.parts:  # the session-25 dispatch (the op) against the previous l
     for name, N, K, M, ws, ps, xs in probe_cases(AB, (9, 12, 16, 40, 48, 64)):
         if prev_dispatch(ps[0], M, N, K) is None:
             continue
-        y0, y1 = op(ps[0])(xs[0]), prev_dispatch(ps[0], M, N, K)(xs[0])
+        y0, y1 = op_fn(ps[0])(xs[0]), prev_dispatch(ps[0], M, N, K)(xs[0])
         ref = reference_f64(ps[0], xs[0])
         row = {"M": M, "N": N, "K": K, "op_rel_ref": ((y0.double() - ref).norm() / ref.norm()).item(),
                "prev_rel_ref": ((y1.double() - ref).norm() / ref.norm()).item()}
-        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op(p) for p in ps],
+        fns = {"cublas": [lambda x, w=w: F.linear(x, w) for w in ws], "op": [op_fn(p) for p in ps],
                "prev": [prev_dispatch(p, M, N, K) for p in ps]}
         for r in range(REPS):
             sub = time_rotated({}, fns, xs)
@@ -135,9 +117,9 @@ if "q" in args.parts:  # qkv at 33..64 tokens: the two launches of the disagreei
         var = {"d8": dict(cfg, rt=8, one_dot=False), "o4": dict(cfg, rt=4, one_dot=True)}
         row = {"M": M, "N": N, "K": K}
         for vn, kw in var.items():
-            tri(ps[0], **kw)(xs[0])
+            wgmma_fn(ps[0], **kw)(xs[0])
             row[vn + "_split"], row[vn + "_regs"] = LW.LAST_COMPILED["wgmma_split"], LW.LAST_COMPILED["wgmma"].n_regs
-        fns = {"op": [op(p) for p in ps]} | {vn: [tri(p, **kw) for p in ps] for vn, kw in var.items()}
+        fns = {"op": [op_fn(p) for p in ps]} | {vn: [wgmma_fn(p, **kw) for p in ps] for vn, kw in var.items()}
         _cfg = LW.wgmma_config
 
         def _with_o4(f):  # the op with its config patched to the stacked dot (the route of s25_ab.json's 'op')
@@ -148,7 +130,7 @@ if "q" in args.parts:  # qkv at 33..64 tokens: the two launches of the disagreei
                 finally:
                     LW.wgmma_config = _cfg
             return g
-        fns["op_o4"] = [_with_o4(op(p)) for p in ps]
+        fns["op_o4"] = [_with_o4(op_fn(p)) for p in ps]
         for r in range(REPS):
             for k, v in time_rotated({}, fns, xs).items():
                 row.setdefault(k, []).append(v)

@@ -15,24 +15,18 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import env_info, probe_args, probe_row, time_rotated, write_probe  # noqa: E402
-from lowbit.bench.suites.lut import make_packed, reference_f64  # noqa: E402
+from lowbit.bench.suites.lut import make_packed, op_fn, reference_f64  # noqa: E402
 from lowbit.formats.common import interleave_rows, silu_mul_ref  # noqa: E402
 from lowbit.kernels import lut_wgmma as LW  # noqa: E402
 from lowbit.kernels.act_quant import fused_rows_triton  # noqa: E402
-from lowbit.ops.lut import lut_gemm  # noqa: E402
 
 args = probe_args("g")
 doc = {"env": env_info(" ".join(sys.argv)), "note": "us = median ms * 1000"}
 REPS = int(os.environ.get("S26_REPS", "3"))
 
 
-def op(p, silu=False):
-    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"], group_size=128,
-                              layout="mma", silu_mul=silu)
-
-
 def plain(p, inter):
-    f = op(p)
+    f = op_fn(p)
 
     def run(x):
         g, u = f(x).split(inter, dim=-1)
@@ -59,11 +53,11 @@ if "g" in args.parts:
         ps, pf = sets[0]
         ref = silu_mul_ref(reference_f64(pf, xs[0]).to(torch.bfloat16), 8)
         row["rel_plain"] = rel(plain(ps, inter)(xs[0]), ref)
-        row["rel_fused"] = rel(op(pf, True)(xs[0]), ref)
+        row["rel_fused"] = rel(op_fn(pf, silu_mul=True)(xs[0]), ref)
         row["split_fused"] = LW.LAST_COMPILED.get("wgmma_split") if M >= 8 else None
         for r in range(REPS):
             t = time_rotated({}, {"plain": [plain(s[0], inter) for s in sets],
-                                  "fused": [op(s[1], True) for s in sets]}, xs)
+                                  "fused": [op_fn(s[1], silu_mul=True) for s in sets]}, xs)
             for k, v in t.items():
                 row.setdefault(k, []).append(v)
         probe_row(doc, f"gate_up_M{M}", row)

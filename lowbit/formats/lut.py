@@ -317,6 +317,9 @@ def pair_table(table: torch.Tensor, bits: int, dtype: torch.dtype = torch.bfloat
 
 
 # ----------------------------------------------------------------------------- MMA fragment layout
+# A fused gate_up (``lowbit.nn.lut.fuse_mlp``) interleaves gate / up rows in blocks of 8
+# (``formats.common.interleave_rows``): rows g / g + 8 of each 16-row fragment tile, so N is a multiple of 16.
+SILU_BLOCK = 8
 MMA_CHUNK = {4: 64, 3: 128}  # K codes per row tile per loop step of the fragment kernel (4 / 8 mma k-steps)
 
 

@@ -82,16 +82,24 @@ def default_warps(M: int, block: int) -> int:
 
 
 @triton.jit
+def round16(v, DT: tl.constexpr, EMU: tl.constexpr):
+    """fp32 ``v`` rounded to the 16-bit ``DT`` (nearest, ties to even), as fp32. ``EMU`` and bf16: the rounding
+    done on the bit pattern (Triton 3.6's interpreter truncates fp32 -> bf16 casts), else the cast."""
+    if EMU and DT == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        return v.to(DT).to(tl.float32)
+
+
+@triton.jit
 def _load_x(X, D, offs, mask, ADD: tl.constexpr):
     """x at ``offs`` of one row, in x's dtype; with ``ADD`` the residual-stream sum ``x + d`` rounded
     to x's dtype (torch's half-precision add: the fp32 sum of two fp16/bf16 values, rounded once)."""
     x = tl.load(X + offs, mask=mask, other=0.0)
     if ADD:
         s = x.to(tl.float32) + tl.load(D + offs, mask=mask, other=0.0).to(tl.float32)
-        if x.dtype == tl.bfloat16:  # round half-even on the bit pattern (the interpreter's cast truncates)
-            bits = s.to(tl.int32, bitcast=True)
-            s = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        x = s.to(x.dtype)
+        x = round16(s, x.dtype, True).to(x.dtype)  # (bf16: on the bit pattern, GPU too)
     return x
 
 
@@ -114,12 +122,12 @@ def _fused_value(x, G, W, offs, mask, rstd, FUSE: tl.constexpr):
 
 
 @triton.jit
-def silu_mul_rounded(x, u):
+def silu_mul_rounded(x, u, EMU: tl.constexpr = False):
     """``silu(x) * u`` as fp32, each intermediate rounded to x's dtype like the eager half-precision
-    model (``u`` fp32 holding values of x's dtype)."""
+    model (``u`` fp32 holding values of x's dtype; ``EMU``: ``round16``'s interpreter rounding)."""
     xf = x.to(tl.float32)
-    a = (xf / (1.0 + tl.exp(-xf))).to(x.dtype).to(tl.float32)
-    return (a * u).to(x.dtype).to(tl.float32)
+    a = round16(xf / (1.0 + tl.exp(-xf)), x.dtype, EMU)
+    return round16(a * u, x.dtype, EMU)
 
 
 @triton.jit

@@ -75,7 +75,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode, warn_once
-from lowbit.formats.lut import pack_block, packed_k
+from lowbit.formats.lut import SILU_BLOCK, pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
 from lowbit.kernels.silu_mul import silu_mul_f32
 
@@ -1208,11 +1208,20 @@ def _workspace(device, numel_ws: int, numel_locks: int):
     return ws, locks
 
 
-def gemm_output(x: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, bool]:
-    """The ``[M, N]`` output in x's dtype, and whether it is already final without a launch (no rows or columns:
-    empty; K = 0: zeros)."""
+def out_columns(N: int, silu_mul: bool) -> int:
+    """The output columns of an ``N``-row weight: N, or N / 2 for a fused gate_up (``silu_mul``: gate / up rows
+    interleaved in blocks of ``SILU_BLOCK``; N must be a multiple of 2 ``SILU_BLOCK``)."""
+    if silu_mul and N % (2 * SILU_BLOCK):
+        raise ValueError(f"silu_mul needs out_features a multiple of {2 * SILU_BLOCK} (gate/up rows interleaved by "
+                         f"{SILU_BLOCK}), got {N}")
+    return N // 2 if silu_mul else N
+
+
+def gemm_output(x: torch.Tensor, N: int, K: int, cols: int | None = None) -> tuple[torch.Tensor, bool]:
+    """The ``[M, cols]`` output (default ``N`` columns) in x's dtype, and whether it is already final without a launch
+    (no rows or columns: empty; K = 0: zeros)."""
     M = x.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    y = torch.empty((M, N if cols is None else cols), device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y, True
     if K == 0:
@@ -1469,8 +1478,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     (rows interleaved in blocks of 8, N a multiple of 16) -> ``[M, N / 2]`` = silu(gate) * up (``SILU_MUL``)."""
     M, K = x.shape
     N = out_features
-    if silu_mul and N % 16:
-        raise ValueError(f"silu_mul needs out_features a multiple of 16 (gate/up rows interleaved by 8), got {N}")
+    cols = out_columns(N, silu_mul)
     G = group_size
     if bits not in MMA_GROUPS or G not in MMA_GROUPS[bits]:
         raise ValueError(f"the fragment kernel needs bits in (3, 4) and group_size in {MMA_GROUPS.get(bits)}, "
@@ -1478,9 +1486,7 @@ def lut_mma_triton(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Ten
     cfg = mma_config(M, N, K, bits, G)
     cfg.update(overrides)
     nt, r, nw = cfg["nt"], cfg["r"], cfg["num_warps"]
-    y, done = gemm_output(x, N, K)
-    if silu_mul:
-        y = y[:, : N // 2] if done else torch.empty((M, N // 2), device=x.device, dtype=x.dtype)
+    y, done = gemm_output(x, N, K, cols)
     if done:
         return y
     ng = cdiv(K, G)

@@ -66,10 +66,10 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode, resident_ctas
-from lowbit.formats.lut import MMA_CHUNK, mma_shapes
+from lowbit.formats.lut import MMA_CHUNK, SILU_BLOCK, mma_shapes
 from lowbit.kernels.lut_gemm import (_pick4, _sm_count, _store_pair_table, _workspace, balanced_split,
-                                     busiest_sm_groups, fragment_x, gemm_output, mma_table_bytes, planned_split,
-                                     split_plan)
+                                     busiest_sm_groups, fragment_x, gemm_output, mma_table_bytes, out_columns,
+                                     planned_split, split_plan)
 from lowbit.kernels.lut_prmt import DECODE_REGS, _byte_tables, _entry_row, decode_lines
 from lowbit.kernels.silu_mul import silu_mul_f32
 
@@ -329,11 +329,13 @@ def _lut_wgmma_kernel(
     map to weight rows through ``_reg_a_row``, the activation tile's columns to K through ``_reg_a_k``.
     ``SMEM_TAB`` (option ``smem_table``): the codes are looked up in the fragment kernel's lane-duplicated
     pair table, written at the start to shared offset ``TAB_OFF`` (past Triton's own buffers; the launcher raises
-    the launch's dynamic shared size by the table's 32 KB), instead of the byte-table ``prmt`` decode. ``SILU_MUL`` (two dots only; a fused gate_up whose rows alternate in blocks
-    of 8, ``formats.common.interleave_rows(gate, up, 8)``: each 16-row tile's rows g are gate rows, its rows g + 8
-    the up rows of the same columns): the output ``Y [M, N / 2]`` is ``silu(acc0) * acc1`` (``silu_mul_f32``'s
-    roundings), element by element -- the two accumulators share their layout, so the epilogue moves nothing --
-    at column ``8 (tile) + g``."""
+    the launch's dynamic shared size by the table's 32 KB), instead of the byte-table ``prmt`` decode.
+    ``SILU_MUL`` (two dots only; a fused gate_up whose rows alternate in blocks of 8,
+    ``formats.common.interleave_rows(gate, up, 8)``: each 16-row tile's rows g are gate rows, its rows g + 8 the up
+    rows of the same columns): the output ``Y [M, N / 2]`` is ``silu(acc0) * acc1`` (``silu_mul_f32``'s roundings),
+    element by element -- the two accumulators share their layout, so the epilogue moves nothing -- at column
+    ``8 (tile) + g``.
+    """
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -582,13 +584,13 @@ def check_mma_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return nrt, nc
 
 
-def mma_output(x: torch.Tensor, N: int, G: int, kp: int, name: str):
-    """(y ``[M, N]``, whether y is already final, scale groups, x as the kernels read it: ``fragment_x`` up to the
-    padded K ``kp``); 32-bit output offsets checked."""
+def mma_output(x: torch.Tensor, N: int, G: int, kp: int, name: str, cols: int | None = None):
+    """(y ``[M, cols]`` (default N columns), whether y is already final, scale groups, x as the kernels read it:
+    ``fragment_x`` up to the padded K ``kp``); 32-bit output offsets checked."""
     M, K = x.shape
     if M * N >= 2 ** 31:
         raise ValueError(f"{name}: M * N = {M * N} needs 64-bit output offsets (< 2**31 supported)")
-    y, done = gemm_output(x, N, K)
+    y, done = gemm_output(x, N, K, cols)
     return y, done, cdiv(K, G), (x if done else fragment_x(x, kp))
 
 
@@ -619,22 +621,19 @@ def lut_wgmma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                          f"({nrt * nc * 64} int32 words)")
     cfg = wgmma_config(M, N, K, G, bits)
     cfg.update(overrides)
+    cols = out_columns(N, silu_mul)
     if silu_mul:
-        if N % 16:
-            raise ValueError(f"silu_mul needs out_features a multiple of 16 (gate/up rows interleaved by 8), got {N}")
         if cfg.get("one_dot"):  # the epilogue pairs the two dots' accumulators: a stacked-dot launch stays as it is,
             # then one pass (3-bit at <= 32 tokens: d8 with the epilogue lost, batch-16 model 1.57x vs 1.72x bf16)
             from lowbit.kernels.silu_mul import silu_mul_triton
 
             y = lut_wgmma_triton(x, qweight, scales, pairs, group_size=G, out_features=N, bits=bits,
                                  qweight_hi=qweight_hi, **overrides)
-            return silu_mul_triton(y, block=8)
+            return silu_mul_triton(y, block=SILU_BLOCK)
     smem_tab = cfg.get("smem_table", False)
     if smem_tab not in (False, True):
         raise ValueError(f"smem_table must be False or True, got {smem_tab!r}")
-    y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton")
-    if silu_mul:
-        y = y[:, : N // 2] if done else torch.empty((M, N // 2), device=x.device, dtype=x.dtype)
+    y, done, ng, x = mma_output(x, N, G, nc * MMA_CHUNK[bits], "lut_wgmma_triton", cols)
     if done:
         return y
     sw = {False: 0, True: 1, "asm": 2}.get(cfg.get("scale_w", False))

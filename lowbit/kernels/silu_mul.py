@@ -15,27 +15,15 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, check_tensor, interpret_mode
-from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
-
-
-@triton.jit
-def round16(v, DT: tl.constexpr, EMU: tl.constexpr):
-    """fp32 ``v`` rounded to the 16-bit ``DT`` (nearest, ties to even), as fp32. ``EMU`` (the interpreter, whose
-    fp32 -> bf16 cast truncates): the bf16 rounding done on the bit pattern."""
-    if EMU and DT == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    else:
-        return v.to(DT).to(tl.float32)
+from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue, round16, silu_mul_rounded
 
 
 @triton.jit
 def silu_mul_f32(gate, up, DT: tl.constexpr, EMU: tl.constexpr):
-    """``silu(gate) * up`` from fp32 ``gate`` / ``up`` (GEMM outputs), as fp32 holding a ``DT`` value: gate, up,
-    silu(gate) and the product each rounded to ``DT`` (``formats.common.silu_mul_ref``)."""
-    g = round16(gate, DT, EMU)
-    a = round16(g / (1.0 + tl.exp(-g)), DT, EMU)
-    return round16(a * round16(up, DT, EMU), DT, EMU)
+    """``silu(gate) * up`` from fp32 ``gate`` / ``up`` (GEMM outputs), as fp32 holding a ``DT`` value: gate and up
+    rounded to ``DT`` first, then ``act_quant.silu_mul_rounded`` (silu(gate) and the product rounded too:
+    ``formats.common.silu_mul_ref``)."""
+    return silu_mul_rounded(round16(gate, DT, EMU).to(DT), round16(up, DT, EMU), EMU)
 
 
 @triton.jit

@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from lowbit.formats.common import interleave_rows
-from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, make_table, mma_layout_ok, mma_packed_shapes, pack_codes,
+from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, SILU_BLOCK, make_table, mma_layout_ok, mma_packed_shapes, pack_codes,
                                 pack_codes_mma, pack_lut, packed_shapes, pair_table, quantize_lut, table_is_uniform)
 
 DEFAULT_LAYOUT = "mma"  # 'mma' where it exists (mma_layout_ok), else 'planar'; see docs/sections/lut.md
 from lowbit.nn.base import FusedMLP, QuantLinear
-from lowbit.ops.lut import SILU_BLOCK, dequantize_packed, lut_gemm
+from lowbit.ops.lut import dequantize_packed, lut_gemm
 
 
 class LUTLinear(QuantLinear):

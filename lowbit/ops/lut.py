@@ -27,10 +27,9 @@ import torch.nn.functional as F
 
 from lowbit._utils import cached_dense, check_tensor, derived, use_triton, warn_once
 from lowbit.formats.common import silu_mul_ref
-from lowbit.formats.lut import (BITS, GROUP_SIZES, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
+from lowbit.formats.lut import (BITS, GROUP_SIZES, SILU_BLOCK, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
                                 unpack_codes_mma)
 
-SILU_BLOCK = 8  # fused gate_up rows alternate gate / up in blocks of 8 (rows g / g + 8 of the fragment tiles)
 MAX_KERNEL_M = 64  # measured crossover on H200 (r2): kernel 0.124 vs 0.176 ms at M=64, 0.234 vs 0.180 at 128
 _ACT = (torch.float16, torch.bfloat16)
 

@@ -72,6 +72,33 @@ def mma_fn(p: dict, **cfg):
                                     group_size=p["group_size"], out_features=N, **cfg)
 
 
+def op_fn(p: dict, **kw):
+    """Callable x -> y through the op on the fragment-layout codes (``LUTLinear``'s default dispatch); ``kw``: more
+    ``lut_gemm`` options (e.g. ``silu_mul``)."""
+    from lowbit.ops.lut import lut_gemm
+
+    return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"],
+                              group_size=p["group_size"], pairs=p["pairs"], layout="mma", **kw)
+
+
+def wgmma_fn(p: dict, **cfg):
+    """Callable x -> y through the register-table kernel (``lut_wgmma_triton``; ``cfg`` overrides its config)."""
+    from lowbit.kernels.lut_wgmma import lut_wgmma_triton
+
+    N = p["scales"].shape[1]
+    return lambda x: lut_wgmma_triton(x, p["qmma"], p["scales"], p["pairs"], group_size=p["group_size"],
+                                      out_features=N, bits=p["bits"], qweight_hi=p["qmma_hi"], **cfg)
+
+
+def gluon_fn(p: dict, **cfg):
+    """Callable x -> y through the Gluon register-table kernel (4-bit; ``cfg`` overrides its config)."""
+    from lowbit.kernels.lut_wgmma_gluon import lut_wgmma_gluon
+
+    N = p["scales"].shape[1]
+    return lambda x: lut_wgmma_gluon(x, p["qmma"], p["scales"], p["pairs"], group_size=p["group_size"],
+                                     out_features=N, **cfg)
+
+
 def lut_bytes(M: int, N: int, K: int, bits: int, group_size: int) -> float:
     return N * K * bits / 8 + N * (K // group_size) * 2 + 2 * M * K + 2 * M * N
 
@@ -83,8 +110,7 @@ def lut_fn(p: dict, lookup: str = "load", **cfg):
 
     if not cfg:
         if lookup == "load" and "qmma" in p:  # the default layout of LUTLinear where it exists
-            return lambda x: lut_gemm(x, p["qmma"], p["qmma_hi"], p["scales"], p["table"], bits=p["bits"],
-                                      group_size=p["group_size"], pairs=p["pairs"], layout="mma")
+            return op_fn(p)
         return lambda x: lut_gemm(x, p["qweight"], p["qweight_hi"], p["scales"], p["table"], bits=p["bits"],
                                   group_size=p["group_size"], lookup=lookup)
     N = p["scales"].shape[1]
