@@ -2,7 +2,11 @@
 launch-config functions, then the model bench as in session 22 (decode at ctx 1k, prefill 16 x 1024) for the LUT
 recipes beside bf16.
 
-    PYTHONPATH=$PWD python3 benchmarks/device/s23_model.py OUT     (env S23_LUT, S23_BATCHES, S23_RECIPES)
+    PYTHONPATH=$PWD python3 benchmarks/device/s23_model.py OUT     (env S23_LUT, S23_BATCHES, S23_RECIPES, S23_LAYERS,
+    S23_CTX)
+
+``S23_LAYERS`` (session 27): decoder layers built and measured (default 2, scaled to 32; 32 = the whole depth,
+no scaling: the head-only step's noise is then not multiplied by 16).
 
 ``S23_LUT`` (comma-separated): ``smem`` = the register-table kernels' (Triton and Gluon) ``smem_table`` on
 everywhere; ``no_gluon`` = the 8..16-token qkv / o launches go to the Triton
@@ -61,7 +65,9 @@ if "no_gluon" in opts:
 t0 = time.time()
 B = [int(b) for b in os.environ.get("S23_BATCHES", "1,64").split(",")]  # issue 7: >= 2.5x at 1, >= 1.5x at 64
 tag = "_".join(opts) or "committed"
+nl = int(os.environ.get("S23_LAYERS", "2"))
 BM.run(os.path.join(sys.argv[1], f"model_{tag}"), recipes=tuple(os.environ.get("S23_RECIPES", "flute-nf4").split(",")),
-       prefill_seqs=[1024], decode_batches=B, decode_ctx=[1024], time_budget_s=float(os.environ.get("S23_BUDGET", "200")),
-       command=f"benchmarks/device/s23_model.py (session 23: S23_LUT={','.join(opts)})")
+       prefill_seqs=[1024], decode_batches=B, decode_ctx=[int(c) for c in os.environ.get("S23_CTX", "1024").split(",")], layers=nl, time_budget_s=float(os.environ.get("S23_BUDGET", "200")),
+       command=" ".join([f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("S23_")]
+                        + ["PYTHONPATH=$PWD python3"] + sys.argv))
 print("model_s", time.time() - t0)

@@ -199,7 +199,8 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
         except Exception as exc:
             traceback.print_exc()
             print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
-    scale_note = f"measured with {layers} of 32 layers + head-only step, scaled to 32 layers"
+    scale_note = (f"measured with all {layers} layers" if layers == FULL_LAYERS else
+                  f"measured with {layers} of 32 layers + head-only step, scaled to 32 layers")
     full_note = scale_note + (f"; {note}" if note else "")
     B = 16
     for S in prefill_seqs:
@@ -461,8 +462,9 @@ def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefi
     memory: dict = {}
     profiles: dict = {}
     prof_set = set(("bf16", "fireq") if profile is True else (profile or ()))
-    rec.note(f"Llama-3-8B shapes, random bf16 weights, {layers} decoder layers measured and scaled to 32 "
-             "(t_32 = t_head + 32/layers * (t_layers - t_head)); prefill = 16 x seq tokens, lm_head on the last "
+    depth = (f"all {FULL_LAYERS} decoder layers measured (no scaling)" if layers == FULL_LAYERS else
+             f"{layers} decoder layers measured and scaled to 32 (t_32 = t_head + 32/layers * (t_layers - t_head))")
+    rec.note(f"Llama-3-8B shapes, random bf16 weights, {depth}; prefill = 16 x seq tokens, lm_head on the last "
              "token only; decode = one token per request with ctx tokens cached, CUDA graphs")
     model = build_model(layers)
     print("== bf16", flush=True)
