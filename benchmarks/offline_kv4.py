@@ -4,7 +4,7 @@ the SASS per key block (loop lengths and opcodes, bundled cuobjdump), for the la
 heads per KV head, one query token, D=128, pages of 64) or those given.
 
     python3 -m pip download triton==3.6.0 --no-deps -d /tmp/wh && python3 -m pip install --no-deps --target /tmp/t36 /tmp/wh/triton-3.6.0-*.whl
-    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_kv4.py [--stages 2] [--maxnreg 128] [--zp] [--half 32] [--ptx FILE]
+    PYTHONPATH=/tmp/t36 python3 benchmarks/offline_kv4.py [--stages 2] [--maxnreg 128] [--zp] [--half 32] [--vsub] [--ptx FILE]
 
 The numbers guide which variants to time; they are not a measurement.
 """
@@ -26,6 +26,7 @@ ap.add_argument("--stages", type=int, default=K.GLUON_STAGES)
 ap.add_argument("--maxnreg", type=int, default=K.GLUON_MAXNREG, help="0: none")
 ap.add_argument("--half", type=int, default=64)
 ap.add_argument("--ptx", help="also write the PTX here")
+ap.add_argument("--vsub", action="store_true", help="V codes as fp16 subnormals (VSUB, session 27)")
 args = ap.parse_args()
 
 names = ["Q", "KC", "KS", "KZ", "VC", "VS", "VZ", "PT", "LENS", "CRSQ", "O", "OP", "MP", "LP", "TS",
@@ -40,7 +41,7 @@ bn, half = 32, args.half
 consts = dict(G=4, TQ=1, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=bn, ZERO_POINT=args.zp, HAS_CRS=False, SPLIT=True,
               QK8=2, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=args.stages, LAZY=False,
               AHEAD=False, SW_VEC=1, SW_PHASE=1, SW_MAX=1, PDL=True, LEAN=False, ILP=False, SRING=False, PTA=False,
-              PROBE=False, STAMP=False)
+              PROBE=False, STAMP=False, VSUB=args.vsub)
 sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(19, 28))}
 k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
@@ -48,4 +49,4 @@ k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, 
                    options={"num_warps": 1, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
 report(k, dict(mma_e4m3="e4m3.e4m3", mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.", ld_shared="ld.shared",
                prmt="prmt", bar_sync="bar.sync"),
-       f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}", args.ptx, top=40)
+       f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}, vsub {args.vsub}", args.ptx, top=40)

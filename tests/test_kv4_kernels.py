@@ -413,3 +413,25 @@ def test_torch_compile_fullgraph(monkeypatch):
     f = torch.compile(lambda q: ops.decode_kv4(q, kc, ks, vc, vs, pt, lengths, max_len=9), fullgraph=True,
                       backend="eager")
     assert rel_l2(f(q), ops.decode_kv4(q, kc, ks, vc, vs, pt, lengths)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_point", (False, True))
+@pytest.mark.parametrize("vsub", (False, True))
+def test_decode_gpu_gluon_vsub(zero_point, vsub):
+    """``VSUB`` (V codes as fp16 subnormals, the offset subtracted at the end): the tensor core multiplies the
+    subnormals exactly, so either form stays within the kernel's tolerance of the float64 reference and within
+    fp32-accumulation distance of the other, with signed and with zero-point codes."""
+    from lowbit.bench.suites.kv4 import random_cache
+    from lowbit.kernels.decode_kv4 import HAS_GLUON
+
+    if not HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    c = random_cache(3, 8, 128, 3000, device="cuda", zero_point=zero_point)
+    c["lengths"] = torch.tensor([3000, 1, 2961], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"])
+    kw = dict(k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), gluon=True)
+    o = decode_kv4_triton(*args, vsub=vsub, **kw)
+    assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
+    assert rel_l2(o, decode_kv4_triton(*args, vsub=not vsub, **kw)) < 2e-3

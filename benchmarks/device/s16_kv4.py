@@ -31,11 +31,13 @@ VARIANTS = {"default": {}, **json.loads(os.environ.get("S16_VARIANTS", "{}"))}  
 CASES = [(16, 1024), (16, 4096), (16, 8192), (16, 16384), (16, 32768), (1, 8192), (1, 32768), (4, 8192)]
 if os.environ.get("S16_CASES"):  # "B:L,B:L"
     CASES = [tuple(int(v) for v in c.split(":")) for c in os.environ["S16_CASES"].split(",")]
-doc = {"env": env_info("PYTHONPATH=$PWD python3 benchmarks/device/s16_kv4.py " + " ".join(sys.argv[1:])),
+doc = {"env": env_info(" ".join(f"{k}='{v}'" for k, v in sorted(os.environ.items()) if k.startswith("S16_"))
+                      + " PYTHONPATH=$PWD python3 benchmarks/device/s16_kv4.py " + " ".join(sys.argv[1:])),
        "shape": {"B": B, "Hq": HQ, "Hkv": HKV, "D": D}}
 
 
 TQ = int(os.environ.get("S16_TQ", "1"))  # query tokens per sequence in parts t / s (MTP: 2-4)
+ZP = os.environ.get("S16_ZP") == "1"  # part t over QServe's zero-point caches (kv4-zp; session 27)
 
 
 def call(q, c, L, **kw):
@@ -97,13 +99,13 @@ def part_c():
 
 def sets_for(L, b=B):  # noqa: D103
     return rotating_inputs(lambda: (torch.randn(b, HQ, TQ, D, device="cuda", dtype=torch.bfloat16),
-                                    random_cache(b, HKV, D, L)))
+                                    random_cache(b, HKV, D, L, zero_point=ZP)))
 
 
 def part_t():
     for B_, L in CASES:
         sets = sets_for(L, B_)
-        nb = kv4_bytes(B_, HQ, HKV, D, L, TQ, False)
+        nb = kv4_bytes(B_, HQ, HKV, D, L, TQ, ZP)
         for name, kw in VARIANTS.items():
             modes = [("full", {})]
             if name == "default" and B_ == B:
@@ -112,7 +114,7 @@ def part_t():
                                              if k.startswith(f"c {name} ")):
                 continue
             for mode, extra in modes:
-                key = f"t {name} B={B_} L={L} {mode}"
+                key = f"t {name} B={B_} L={L} {mode}" + (" zp" if ZP else "")
                 try:
                     fn = lambda q, c: call(q, c, L, **kw, **extra)  # noqa: E731
                     fn(*sets[0])

@@ -167,6 +167,26 @@ fma.rn.f16x2 $3, a3, k2, k3;
 ASM_BOTH_S = tl.constexpr(_ASM_BOTH.format(mlo="0x64086408", mhi="0x64806480", off="0x64086408", offh="0xD480D480"))
 ASM_BOTH_U = tl.constexpr(_ASM_BOTH.format(mlo="0x64006400", mhi="0x64006400", off="0x64006400", offh="0xD400D400"))
 
+# ``VSUB`` (session 27, Gluon kernel): the codes as fp16 *subnormals*, no offset arithmetic. A 16-bit pattern ``u``
+# (u < 1024) is the fp16 number u * 2^-24 exactly, so the low nibble masked in place is u * 2^-24 and the high nibble
+# (left at bits 4-7) 16 u * 2^-24 = u * 2^-20: 2 ``prmt`` + 4 ``lop3`` per 8 values instead of 10 instructions (the
+# ``sub`` / ``fma`` pairs go). The tensor core multiplies subnormal fp16 operands exactly (products and sums in fp32,
+# far above fp32's subnormal range), so ``P V`` comes out as 2^-24 (or 2^-20) * sum P' u; the epilogue scales it back
+# by the power of two and subtracts the offset (8 for signed codes after the ``^ 8`` to offset binary, the zero point
+# for QServe's codes) times sum P', accumulated beside the row sums from the same rounded fp16 P'. The subtraction is
+# of two fp32 sums of one size order (u in [0, 15] against 8), not the 1024-sized magic-number offset.
+_ASM_SUB = """{{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, {xlo}, 0x6A;
+lop3.b32 $1, t1, 0x000F000F, {xlo}, 0x6A;
+lop3.b32 $2, t0, 0x00F000F0, {xhi}, 0x6A;
+lop3.b32 $3, t1, 0x00F000F0, {xhi}, 0x6A;
+}}"""
+ASM_SUB_S = tl.constexpr(_ASM_SUB.format(xlo="0x00080008", xhi="0x00800080"))
+ASM_SUB_U = tl.constexpr(_ASM_SUB.format(xlo="0x00000000", xhi="0x00000000"))
+
 
 @triton.jit
 def _convert_both(c, XOR: tl.constexpr, OFFSET: tl.constexpr, ZERO_POINT: tl.constexpr, ASM: tl.constexpr):
@@ -640,7 +660,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None, sring=None,
-                      pta=None, return_kernel=False,
+                      pta=None, vsub=None, return_kernel=False,
                       _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
@@ -655,7 +675,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
-                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe)
+                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe, vsub)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -800,6 +820,13 @@ GLUON_PDL = True
 # each loop step may wait for
 GLUON_SRING = False
 GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop steps ahead instead of one
+# the V codes as fp16 subnormals (``_ASM_SUB``): True, False or "zp" = for zero-point (QServe kv4-zp) caches only.
+# Session 27 (H200, B=16, 32/8 heads, D=128, same process, default / VSUB / default again, ms; s27_kv4_vsub*.json):
+# zero points 8k 0.0566 / 0.0552 / 0.0566, 32k 0.1785 / 0.1730 / 0.1784 (the loop 676 -> 618 SASS, offline); signed
+# codes slower at every shape (8k 0.0517 / 0.0535 / 0.0518, 32k 0.1603 / 0.1664 / 0.1605: the offset's per-block
+# token sum costs shuffles and a 16-byte spill at the 128-register cap, 576 -> 542 SASS). Output error vs float64
+# (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4.
+GLUON_VSUB = "zp"
 
 
 def _copy_layout(half: int):
@@ -952,12 +979,14 @@ if HAS_GLUON:
         return ks, vs, kz, vz
 
     @gluon.jit
-    def _g_rescale(acc_e, acc_o, l_acc, z_acc, alpha, ZERO_POINT: gl.constexpr):
+    def _g_rescale(acc_e, acc_o, l_acc, z_acc, alpha, ZERO_POINT: gl.constexpr, VSUB: gl.constexpr = False):
         """Online-softmax rescale of the per-query columns by alpha."""
         acc_e = acc_e * alpha[None, :]
         acc_o = acc_o * alpha[None, :]
         l_acc = l_acc * alpha[None, :]
-        if ZERO_POINT:
+        if VSUB and not ZERO_POINT:  # the offset's sum, already one value per query column
+            z_acc = z_acc * alpha
+        elif ZERO_POINT:
             z_acc = z_acc * alpha[None, :]
         return acc_e, acc_o, l_acc, z_acc
 
@@ -985,19 +1014,20 @@ if HAS_GLUON:
     def _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0, end, qe, qo, qe_lo, qo_lo,
                 row_scale, qsum, qpos, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
                 ZERO_POINT: gl.constexpr, QK8: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr,
-                ILP: gl.constexpr = False):
+                ILP: gl.constexpr = False, VSUB: gl.constexpr = False):
         """One key block: ``S^T`` on the INT8 tensor cores, then ``_g_pv``."""
         x = _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, ILP)
         return _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x, vc, ks, vs, kz, vz, n0, end, row_scale, qsum, qpos,
-                     HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, MASK, LAZY)
+                     HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, MASK, LAZY, VSUB)
 
     @gluon.jit
     def _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x, vc, ks, vs, kz, vz, n0, end, row_scale, qsum, qpos,
               HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, ZERO_POINT: gl.constexpr,
-              MASK: gl.constexpr, LAZY: gl.constexpr):
+              MASK: gl.constexpr, LAZY: gl.constexpr, VSUB: gl.constexpr = False):
         """Online softmax over tokens of ``S^T`` (axis 0, lazy rescale; the denominators and the
         zero-point sums accumulate per thread in ``l_acc`` / ``z_acc [BLOCK_N, BLOCK_Q]`` and are
-        reduced once at the end), then ``O^T += V^T (P^T v_scale)`` in fp16."""
+        reduced once at the end), then ``O^T += V^T (P^T v_scale)`` in fp16. ``VSUB``: the codes as fp16
+        subnormals (``_ASM_SUB``) and ``z_acc`` the offset's sum (signed codes: sum P', times 8 at the end)."""
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         a16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=2)
         b16: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=2)
@@ -1016,16 +1046,28 @@ if HAS_GLUON:
         if LAZY:  # skip the rescale (a warp-uniform branch) when no running max grew: alpha == 1 exactly
             grew = gl.max((m_new > m_i).to(gl.int32), axis=0)
             if grew > 0:
-                acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT)
+                acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT,
+                                                        VSUB)
         else:  # branch-free: the V conversion may be scheduled across it
-            acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT)
+            acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT,
+                                                    VSUB)
         l_acc += p
         pv16 = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
         if ZERO_POINT:
             z_acc += pv16.to(gl.float32) * vz.to(gl.float32)[:, None]
+        elif VSUB:  # reduced over the block's tokens at once: a [BLOCK_N, BLOCK_Q] sum would cost 8 more
+            # registers a thread and spill at the 128-register cap (offline build)
+            z_acc += gl.sum(pv16.to(gl.float32), axis=0)
         pb = gl.convert_layout(pv16, b16)
         vca = gl.convert_layout(gl.reshape(gl.permute(vc, [1, 0, 2]), [HALF, BLOCK_N]), a16)
-        if ZERO_POINT:
+        if VSUB:
+            if ZERO_POINT:
+                v_lo, v_hi = gl.inline_asm_elementwise(ASM_SUB_U, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
+                                                       is_pure=True, pack=4)
+            else:
+                v_lo, v_hi = gl.inline_asm_elementwise(ASM_SUB_S, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
+                                                       is_pure=True, pack=4)
+        elif ZERO_POINT:
             v_lo, v_hi = gl.inline_asm_elementwise(ASM_BOTH_U, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
                                                    is_pure=True, pack=4)
         else:
@@ -1053,6 +1095,7 @@ if HAS_GLUON:
         LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
         PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False, SRING: gl.constexpr = False,
         PTA: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
+        VSUB: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1160,7 +1203,10 @@ if HAS_GLUON:
         # then the split's partial block and the causal diagonal (at most two) masked
         m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=q_l)
         l_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
-        z_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
+        if VSUB and not ZERO_POINT:
+            z_acc = gl.zeros([BLOCK_Q], gl.float32, layout=q_l)
+        else:
+            z_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
         acc_e = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
         acc_o = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
         if STAMP:
@@ -1186,7 +1232,7 @@ if HAS_GLUON:
                 ks, vs, kz, vz = _g_rows(ks_a, vs_a, kz_a, vz_a, ZERO_POINT)
                 acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
                                                           end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP)
+                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP, VSUB)
                 ks_a, vs_a, kz_a, vz_a = ks_b, vs_b, kz_b, vz_b
                 ks_b, vs_b, kz_b, vz_b = ks_n, vs_n, kz_n, vz_n
                 it += 1
@@ -1209,7 +1255,7 @@ if HAS_GLUON:
                 pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
                 acc_e, acc_o, m_i, l_acc, z_acc = _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x_cur, vc, ks, vs, kz, vz,
                                                         n0, end, row_scale, qsum, qpos,
-                                                        HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, False, LAZY)
+                                                        HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, False, LAZY, VSUB)
                 x_cur = x_next
                 ks, vs, kz, vz = ks2, vs2, kz2, vz2
                 it += 1
@@ -1237,7 +1283,7 @@ if HAS_GLUON:
                 pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
                 acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
                                                           end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP)
+                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP, VSUB)
                 ks, vs, kz, vz = ks2, vs2, kz2, vz2
                 it += 1
                 if LEAN:
@@ -1252,12 +1298,19 @@ if HAS_GLUON:
                                              HALF, PAGE, BLOCK_N, ZERO_POINT, True, LV)
             acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0, end,
                                                       qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                      HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, True, LAZY)
+                                                      HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, True, LAZY, False, VSUB)
         l_i = gl.sum(l_acc, axis=0)
         if STAMP:
             g2 = _g_stamp("mov.u64 $0, %globaltimer;")
             c2 = _g_stamp("mov.u64 $0, %clock64;")
-        if ZERO_POINT:
+        if VSUB:  # back from the subnormal scale, minus the offset's sum (``_ASM_SUB``)
+            if ZERO_POINT:
+                zs = gl.sum(z_acc, axis=0)
+            else:
+                zs = z_acc * 8.0
+            acc_e = acc_e * 16777216.0 - zs[None, :]
+            acc_o = acc_o * 1048576.0 - zs[None, :]
+        elif ZERO_POINT:
             zs = gl.sum(z_acc, axis=0)
             acc_e -= zs[None, :]
             acc_o -= zs[None, :]
@@ -1299,7 +1352,7 @@ if HAS_GLUON:
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
-                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False):
+                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring)."""
     B, Hq, TQ, D = q.shape
@@ -1316,8 +1369,11 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     lazy = GLUON_LAZY if lazy is None else bool(lazy)
     sring = (GLUON_SRING if sring is None else bool(sring)) and stages == 3 and not ahead
     pta = sring and (GLUON_PTA if pta is None else bool(pta))
+    if vsub is None:
+        vsub = GLUON_VSUB is True or (GLUON_VSUB == "zp" and k_zero is not None)
+    vsub = bool(vsub)
     occ_key = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-               crs_q is not None, sring, pta)
+               crs_q is not None, sring, pta, vsub)
     if num_splits is None:
         num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(occ_key),
                                    good=GLUON_GOOD_WAVE)
@@ -1344,7 +1400,8 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
         AHEAD=ahead, PDL=pdl, LEAN=GLUON_LEAN if lean is None else bool(lean), ILP=GLUON_ILP if ilp is None else bool(ilp),
-        SRING=sring, PTA=pta, PROBE=probe is True, STAMP=stamp, num_warps=1, **({"maxnreg": mr} if mr else {}),
+        SRING=sring, PTA=pta, PROBE=probe is True, STAMP=stamp, VSUB=vsub,
+        num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     if occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = resident_ctas(kernel, 1)
