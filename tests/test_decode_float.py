@@ -119,3 +119,98 @@ def test_gpu_kernel_ragged(lens, Hq, Hkv, TQ, D, page, splits):
     out = ops.decode_float(q, k, v, pt, lengths, num_splits=splits or 0)
     assert rel_l2(out, ops.decode_float_ref(q, k, v, pt, lengths)) < 1e-2
 
+
+
+def _unfused_append_decode(q, kn, vn, k, v, pt, lengths, cos, sin, **kw):
+    """The runner's two launches: ``float_append_triton`` (q and k rotated, k / v written) then the decode."""
+    from lowbit.kernels.kv4_append import float_append_triton
+
+    TQ = q.shape[2]
+    qo = torch.empty_like(q)
+    float_append_triton(kn, vn, k, v, pt, (lengths - TQ).to(torch.int32), cos=cos, sin=sin, q=q, q_out=qo)
+    return decode_float_triton(qo, k, v, pt, lengths, **kw)
+
+
+def _rope_inputs(B, Hq, Hkv, TQ, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, TQ, D, generator=g).to(dtype).to(DEV)
+    kn = torch.randn(B, Hkv, TQ, D, generator=g).to(dtype).to(DEV)
+    vn = torch.randn(B, Hkv, TQ, D, generator=g).to(dtype).to(DEV)
+    ang = torch.rand(B, TQ, D // 2, generator=g) * 6.0
+    ang = torch.cat([ang, ang], dim=-1)  # half-split: cos[..., i] == cos[..., i + D/2]
+    return q, kn, vn, ang.cos().to(dtype).to(DEV), ang.sin().to(dtype).to(DEV)
+
+
+# (lengths incl. the new tokens, Hq, Hkv, TQ, D, page, splits): one split, several (fused combine), a split
+# boundary inside the new tokens (TQ = 4, splits of 16 keys), MQA, a length equal to TQ (no cached key)
+APPEND_CASES = [
+    ([37, 5], 4, 2, 1, 64, 16, None),
+    ([70, 129], 8, 2, 2, 128, 32, 3),
+    ([34, 4, 18], 4, 1, 4, 64, 16, 3),
+    ([100], 2, 2, 3, 32, 16, 5),
+]
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv,TQ,D,page,splits", APPEND_CASES)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_append_fused_matches_unfused(lens, Hq, Hkv, TQ, D, page, splits, dtype):
+    """``decode_float_append_triton`` = ``float_append_triton`` + ``decode_float_triton``: the same cache bytes
+    (k rotated with the same rounding, v copied) and the same output: bit for bit with the combine launch (the
+    key blocks and their values are the unfused launches'), to fp32 summation order with the fused combine."""
+    from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_append_triton
+
+    k, v, pt, lengths = _paged(lens, Hkv, page, D, dtype)
+    q, kn, vn, cos, sin = _rope_inputs(len(lens), Hq, Hkv, TQ, D, dtype)
+    k2, v2 = k.clone(), v.clone()
+    ref = _unfused_append_decode(q, kn, vn, k2, v2, pt, lengths, cos, sin, num_splits=splits, block_n=16)
+    for fuse in (False, True):
+        k1, v1 = k.clone(), v.clone()
+        out = decode_float_append_triton(q, kn, vn, k1, v1, pt, lengths, cos=cos, sin=sin, num_splits=splits,
+                                         block_n=16, fuse_combine=fuse)
+        assert LAST_LAUNCH["fused_combine"] == (fuse and LAST_LAUNCH["num_splits"] > 1)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert torch.equal(out, ref) if not fuse else rel_l2(out, ref) < 1e-3
+        qr = ops.rope_ref(q, cos, sin).to(dtype)
+        assert rel_l2(out, ops.decode_float_ref(qr, k1, v1, pt, lengths)) < (1.5e-2 if dtype == torch.bfloat16 else 3e-3)
+
+
+@pytest.mark.parametrize("splits", (2, 5))
+def test_fused_combine_matches_combine_launch(splits):
+    """``fuse_combine``: the last program per (sequence, KV head) combines the splits like the combine launch
+    (same partials, same formula); the counters are back at zero after the launch (a second call agrees)."""
+    from lowbit.kernels.decode_float import _COUNTERS
+
+    k, v, pt, lengths = _paged([70, 33], 2, 16, 64, torch.bfloat16)
+    q = torch.randn(2, 8, 2, 64).to(torch.bfloat16).to(DEV)
+    a = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16)
+    b = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16, fuse_combine=True)
+    c = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16, fuse_combine=True)
+    assert rel_l2(b, a) < 1e-3 and torch.equal(b, c)
+    assert all(int(t.abs().sum()) == 0 for t in _COUNTERS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,page,splits", [([1025], 1088, None), ([1025, 7, 300], 64, None), ([8192], 8256, None)])
+def test_gpu_append_fused_llama_shapes(lens, page, splits):
+    """GPU (compiled): the runner's fused decode at Llama-3-8B's head shapes (32 / 8 heads, D = 128; the dense cache
+    as one page per request, and a paged ragged batch) against the append + decode + combine launches: the same
+    cache bytes, the output within fp32 summation order (fused combine), and under a CUDA graph."""
+    if not GPU:
+        pytest.skip("needs CUDA")
+    from lowbit._utils import capture_cuda_graph
+    from lowbit.kernels.decode_float import LAST_LAUNCH, decode_float_append_triton
+
+    k, v, pt, lengths = _paged(lens, 8, page, 128, torch.bfloat16)
+    q, kn, vn, cos, sin = _rope_inputs(len(lens), 32, 8, 1, 128, torch.bfloat16)
+    k2, v2 = k.clone(), v.clone()
+    ref = _unfused_append_decode(q, kn, vn, k2, v2, pt, lengths, cos, sin, max_len=max(lens))
+    out = decode_float_append_triton(q, kn, vn, k, v, pt, lengths, cos=cos, sin=sin, max_len=max(lens))
+    assert LAST_LAUNCH["num_splits"] > 1
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert rel_l2(out, ref) < 1e-3
+    g, o2 = capture_cuda_graph(lambda: decode_float_append_triton(q, kn, vn, k, v, pt, lengths, cos=cos, sin=sin,
+                                                                  max_len=max(lens)))
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o2, out)

@@ -65,7 +65,9 @@ GEN_TOKENS = {"rope": {"rope_kernel": True}, "norope": {"rope_kernel": False},
 FLAG_TOKENS = {"pdl": ("lowbit.kernels.act_quant", "PDL_DEFAULT", True),
                "qw4": ("lowbit.kernels.kv4_append", "ROPE_Q_WARPS", 4),
                "sp0": ("lowbit.kernels.decode_kv4", "SHORT_MIN_PROGRAMS", 0),  # session 9: the old split cap
-               "dp4a0": ("lowbit.kernels.w4a8_int8_gemm", "DP4A_M1_MAX_N", {"rows": 0, "tiled": 0})}  # no DP4A at M=1
+               "dp4a0": ("lowbit.kernels.w4a8_int8_gemm", "DP4A_M1_MAX_N", {"rows": 0, "tiled": 0}),  # no DP4A at M=1
+               # session 27: the dense cache's decode as the append, decode and combine launches (not fused)
+               "attn3": ("lowbit.models.generate", "FUSED_FLOAT_DECODE", False)}
 
 
 def provider_spec(name: str) -> tuple[str, dict, dict, list]:

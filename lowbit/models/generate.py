@@ -456,6 +456,12 @@ class _FusedLayer:
 
 
 # ---------------------------------------------------------------------------- KV backends
+# The dense cache's kernel decode as ONE launch (``lowbit.kernels.decode_float.decode_float_append_triton``: q / k
+# rotated, k / v written, attention, the split combine by the last program) instead of three (the append, the
+# decode, the combine). Session 27; False keeps the three launches (bench token ``+attn3``).
+FUSED_FLOAT_DECODE = True
+
+
 class DenseKV:
     """Static float cache, one ``[B, Hkv, S_max, D]`` K and V per layer.
 
@@ -504,6 +510,11 @@ class DenseKV:
         pos, rows, mask, start = st
         B, Hq, _, D = q.shape
         kc, vc = self.k[layer][:B], self.v[layer][:B]
+        if q_rope and FUSED_FLOAT_DECODE:  # one launch: rotate q / k, write k / v, attend, combine the splits
+            from lowbit.kernels.decode_float import decode_float_append_triton
+
+            return decode_float_append_triton(q, k, v, kc, vc, self.page_table[:B], mask, cos=cos, sin=sin,
+                                              sm_scale=D ** -0.5, max_len=self.smax)
         if q_rope:  # kernel mode only (rope_in_decode); the dense cache is one page per request
             from lowbit.kernels.kv4_append import float_append_triton
 
