@@ -214,3 +214,31 @@ def test_gpu_append_fused_llama_shapes(lens, page, splits):
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(o2, out)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_op_decode_float_append(dtype):
+    """``lowbit::decode_float_append``: the kernel (interpreter / GPU) and the CPU reference write the same cache
+    and agree on O; opcheck (schema, fake tensor); torch.compile(fullgraph) traces it; bad arguments name
+    themselves."""
+    lens = [40, 3]
+    k, v, pt, lengths = _paged(lens, 2, 16, 64, dtype)
+    q, kn, vn, cos, sin = _rope_inputs(2, 4, 2, 2, 64, dtype)
+    k1, v1, k2, v2 = k.clone(), v.clone(), k.cpu().clone(), v.cpu().clone()
+    out = ops.decode_float_append(q, kn, vn, k1, v1, pt, lengths, cos=cos, sin=sin, max_len=64)
+    ref = ops.decode_float_append_ref(q.cpu(), kn.cpu(), vn.cpu(), k2, v2, pt.cpu(), lengths.cpu(), cos=cos.cpu(),
+                                      sin=sin.cpu())
+    assert torch.equal(k1.cpu(), k2) and torch.equal(v1.cpu(), v2)
+    assert rel_l2(out.cpu(), ref) < (1.5e-2 if dtype == torch.bfloat16 else 3e-3)
+    torch.library.opcheck(torch.ops.lowbit.decode_float_append.default,
+                          (q, kn, vn, k.clone(), v.clone(), pt, lengths, cos, sin, 64 ** -0.5, 64, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+    f = torch.compile(lambda q: ops.decode_float_append(q, kn, vn, k.clone(), v.clone(), pt, lengths, cos=cos, sin=sin,
+                                                         max_len=64), fullgraph=True, backend="eager")
+    assert rel_l2(f(q), out) < 1e-6
+    with pytest.raises(ValueError, match="k_new"):
+        ops.decode_float_append(q, kn[:, :1], vn, k, v, pt, lengths, cos=cos, sin=sin)
+    with pytest.raises(ValueError, match="cos"):
+        ops.decode_float_append(q, kn, vn, k, v, pt, lengths, cos=cos[:, :1], sin=sin)
+    with pytest.raises(TypeError, match="q"):
+        ops.decode_float_append(q.float(), kn, vn, k, v, pt, lengths, cos=cos, sin=sin)

@@ -195,6 +195,76 @@ def _(q, k, v, page_table, lengths, sm_scale, max_len, num_splits):
     return torch.empty_like(q)
 
 
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE of x ``[B, H, T, D]`` (cos / sin ``[B, T, D]``) as transformers' eager ops compute it in x's
+    dtype (``x * cos + rotate(x) * sin``, each op rounded): the bits ``lowbit.kernels.rope`` reproduces."""
+    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+    return x * c + rotate(x, False) * s
+
+
+def decode_float_append_ref(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin, sm_scale=None) -> torch.Tensor:
+    """Reference of ``decode_float_append``: q and the new keys rotated (``rope_half``), the new keys / values
+    written to slots ``lengths - TQ + t`` of the float pages ``k``, ``v`` (in place), then ``decode_float_ref``."""
+    TQ = q.shape[2]
+    page, off = _slots(page_table, lengths - TQ, TQ, k.shape[2])
+    kr = rope_half(k_new, cos, sin)
+    for t in range(TQ):
+        for b in range(q.shape[0]):
+            k[page[b, t], :, off[b, t]] = kr[b, :, t].to(k.dtype)
+            v[page[b, t], :, off[b, t]] = v_new[b, :, t].to(v.dtype)
+    return decode_float_ref(rope_half(q, cos, sin), k, v, page_table, lengths, sm_scale=sm_scale)
+
+
+@torch.library.custom_op("lowbit::decode_float_append", mutates_args=("k", "v"))
+def _decode_float_append(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         page_table: torch.Tensor, lengths: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         sm_scale: float, max_len: int, num_splits: int) -> torch.Tensor:
+    if use_triton(q, k):
+        from lowbit.kernels.decode_float import decode_float_append_triton
+
+        cap = page_table.shape[1] * k.shape[2]
+        return decode_float_append_triton(q, k_new, v_new, k, v, page_table, lengths, cos=cos, sin=sin,
+                                          sm_scale=sm_scale, max_len=min(max_len or cap, cap),
+                                          num_splits=num_splits or None)
+    return decode_float_append_ref(q, k_new, v_new, k, v, page_table, lengths, cos=cos, sin=sin, sm_scale=sm_scale)
+
+
+@_decode_float_append.register_fake
+def _(q, k_new, v_new, k, v, page_table, lengths, cos, sin, sm_scale, max_len, num_splits):
+    return torch.empty_like(q)
+
+
+def decode_float_append(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin, sm_scale=None, max_len: int = 0,
+                        num_splits: int = 0) -> torch.Tensor:
+    """One decode step over a paged float cache whose TQ new tokens are not in it yet (session 27; the fast
+    runner's step): ``q [B, Hq, TQ, D]`` and ``k_new`` / ``v_new [B, Hkv, TQ, D]`` pre-RoPE, half-split ``cos`` /
+    ``sin [B, TQ, D]``; the new keys (rotated) and values are written to slots ``lengths[b] - TQ + t`` of ``k``,
+    ``v [num_pages, Hkv, PAGE, D]`` (``lengths`` counts them) and O ``[B, Hq, TQ, D]`` is returned, attending
+    causally among the new tokens. The same bits as ``float_append`` + ``decode_float`` with q rotated by the
+    append (one launch instead of three: ``lowbit.kernels.decode_float``). bf16 / fp16 only."""
+    check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16), ndim=4)
+    B, Hq, TQ, D = q.shape
+    check_tensor(k, "k", dtype=q.dtype, ndim=4)
+    check_tensor(v, "v", dtype=q.dtype, shape=list(k.shape))
+    _, Hkv, PAGE, Dk = k.shape
+    check_tensor(k_new, "k_new", dtype=q.dtype, shape=[B, Hkv, TQ, D])
+    check_tensor(v_new, "v_new", dtype=q.dtype, shape=[B, Hkv, TQ, D])
+    check_tensor(cos, "cos", shape=[B, TQ, D])
+    check_tensor(sin, "sin", shape=[B, TQ, D])
+    if Dk != D or D < 16 or D & (D - 1):
+        raise ValueError(f"k's head dim ({Dk}) must equal q's ({D}) and be a power of two >= 16")
+    if PAGE % 16:
+        raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must have unit stride along the head dim")
+    q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float_append")
+    k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+    v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    check_page_writes(lengths - TQ, page_table, TQ, PAGE, k.shape[0])  # "start" = lengths - TQ
+    return _decode_float_append(q, k_new, v_new, k, v, page_table, lengths, cos.to(q.dtype), sin.to(q.dtype),
+                                sm_scale, int(max_len), int(num_splits))
+
+
 def _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, head_dim):
     check_tensor(k_codes, "k_codes", dtype=torch.uint8, ndim=4, contiguous=True)
     P, H, PAGE, HALF = k_codes.shape
