@@ -293,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="output folder (default benchmarks/results/<gpu>)")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
     b.add_argument("--layers", type=int, default=None,
-                   help="bench model: decoder layers of the Llama-3-8B-shaped model (default 2, scaled to 32 with a "
-                        "head-only step; 32 measures the whole depth: ~16 GB of bf16 weights + the largest KV cache)")
+                   help="bench model: decoder layers of the Llama-3-8B-shaped model (default: all 32 where the bf16 "
+                        "weights and the largest KV cache fit the GPU, else 2 scaled to 32 with a head-only step)")
     b.set_defaults(func=_cmd_bench)
     return p
 

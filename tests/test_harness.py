@@ -142,6 +142,18 @@ def test_model_bench_provider_tokens():
         provider_spec("fireq+bogus")
 
 
+def test_model_bench_layers_auto():
+    """``auto_layers``: all 32 layers where the bf16 model + the run's largest KV cache (+20 %) fit the free memory
+    (an H200 for the default shapes), else 2 (scaled to 32); the ``+attn3`` token sets the runner's flag."""
+    from lowbit.bench.model import auto_layers, provider_spec
+
+    default = dict(decode_batches=[1, 16, 64], decode_ctx=[1024, 2048, 4096, 8192], prefill_seqs=[1024, 2048, 4096])
+    assert auto_layers(**default, free_bytes=140 * 10 ** 9) == 32
+    assert auto_layers(**default, free_bytes=79 * 10 ** 9) == 2
+    assert auto_layers([1, 64], [1024], [1024], free_bytes=79 * 10 ** 9) == 32
+    assert provider_spec("flute-nf4+attn3")[3] == [("lowbit.models.generate", "FUSED_FLOAT_DECODE", False)]
+
+
 def test_sass_summary_counts_the_longest_loop():
     """``sass_summary`` reads triton.tools.disasm's text: loops are backward branches longer than ``min_loop``,
     their length is the instructions per iteration, and the longest one's opcodes are counted (predicates dropped)."""

@@ -1,15 +1,17 @@
 """``lowbit bench model``: whole-model throughput of a Llama-3-8B-shaped model (FireQ Table 1).
 
 The model is ``LlamaConfig`` with Llama-3-8B's shapes (hidden 4096, MLP 14336, 32 query / 8 KV
-heads of 128, vocab 128256, RoPE theta 500000) and random bf16 weights (no download). To fit the
-time and memory of one run it is built with ``layers`` decoder layers (2 by default) and every
-number is scaled to the real 32 layers with a second measurement of the same step with no
-decoder layer (embedding + final norm + ``lm_head``)::
+heads of 128, vocab 128256, RoPE theta 500000) and random bf16 weights (no download). Where the bf16
+model and the run's largest KV cache fit the GPU (``auto_layers``: an H200 for the default shapes) all
+32 decoder layers are built and timed as they are (session 27). Otherwise it is built with ``layers``
+decoder layers (2) and every number is scaled to the real 32 layers with a second measurement of the
+same step with no decoder layer (embedding + final norm + ``lm_head``)::
 
     t_32 = t_head + (32 / layers) * (t_layers - t_head)
 
-(decoder layers are identical in cost, so this is exact up to timing noise; the JSON keeps both
-raw times). Each row says how it was scaled.
+(decoder layers are identical in cost, so this is exact up to timing noise, but the head-only step's
+noise is multiplied by 16: session 26's batch-1 estimates spread 2.46-2.55x from raw steps within 1 %;
+the JSON keeps both raw times). Each row says how it was measured.
 
 Providers, side by side in one process and on one GPU:
 
@@ -448,17 +450,30 @@ def _hf_prefill_row(rec, model, B, S, layers, deadline):
     row["tokens_per_s"] = B * S / (ts["median_ms"] * 1e-3)
 
 
-def run(out_dir, *, quick: bool = False, layers: int = 2, recipes=RECIPES, prefill_seqs=None, decode_batches=None,
-        decode_ctx=None, time_budget_s: float | None = None, command: str | None = None,
+def auto_layers(decode_batches, decode_ctx, prefill_seqs, free_bytes: int | None = None) -> int:
+    """Decoder layers to build (session 27): all 32 where the bf16 model (16.1 GB) plus the largest bf16 KV cache of
+    the run (131072 bytes per token at 32 layers) and 20 % headroom fit the free GPU memory (an H200 for the
+    default shapes), else 2 (scaled to 32: an 80 GB H100 at batch 64 x 8k)."""
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    tokens = max([b * (c + 1) for b in decode_batches for c in decode_ctx] + [16 * s for s in prefill_seqs])
+    need = 16.1e9 + 131072 * tokens
+    return FULL_LAYERS if free_bytes >= 1.2 * need else 2
+
+
+def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECIPES, prefill_seqs=None,
+        decode_batches=None, decode_ctx=None, time_budget_s: float | None = None, command: str | None = None,
         profile=False) -> Path:
     """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``.
-    ``profile``: False, True (bf16 and fireq) or a tuple of provider names to profile first
-    (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
+    ``layers``: decoder layers built (None: ``auto_layers``; 32 = no scaling). ``profile``: False, True (bf16 and
+    fireq) or a tuple of provider names to profile first (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
     from lowbit.bench.harness import Recorder, env_info
 
     prefill_seqs = prefill_seqs or ([1024, 4096] if quick else [1024, 2048, 4096])
     decode_batches = decode_batches or [1, 16, 64]
     decode_ctx = decode_ctx or ([1024, 8192] if quick else [1024, 2048, 4096, 8192])
+    if layers is None:
+        layers = auto_layers(decode_batches, decode_ctx, prefill_seqs)
     rec = Recorder("model")
     deadline = _Deadline(time_budget_s)
     memory: dict = {}
@@ -612,6 +627,6 @@ def main(args) -> int:
         print("lowbit bench model needs a CUDA GPU (none found).", file=sys.stderr)
         return 2
     out = getattr(args, "out", None) or f"benchmarks/results/{harness.gpu_slug()}"
-    layers = getattr(args, "layers", None) or 2
-    run(out, quick=bool(getattr(args, "quick", False)), layers=layers, command=" ".join(sys.argv))
+    run(out, quick=bool(getattr(args, "quick", False)), layers=getattr(args, "layers", None) or None,
+        command=" ".join(sys.argv))
     return 0
