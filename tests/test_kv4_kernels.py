@@ -435,3 +435,23 @@ def test_decode_gpu_gluon_vsub(zero_point, vsub):
     o = decode_kv4_triton(*args, vsub=vsub, **kw)
     assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
     assert rel_l2(o, decode_kv4_triton(*args, vsub=not vsub, **kw)) < 2e-3
+
+
+def test_occupancy_key_per_variant():
+    """The residency cache of the split choice is keyed per compiled variant (session 27): SPLIT on / off and
+    Triton's integer / alignment specialization give different keys, and the key read before a split launch is the
+    one that launch stores (the output allocated first: a strided q view and its empty_like output differ)."""
+    from lowbit.kernels.decode_kv4 import _occupancy_key
+
+    q = torch.randn(2, 8, 1, 64)
+    kc = torch.zeros(4, 2, 16, 32, dtype=torch.uint8)
+    ks = torch.zeros(4, 2, 16)
+    pt = torch.zeros(2, 4, dtype=torch.int32)
+    out = torch.empty_like(q)
+    base = ("x",)
+    assert _occupancy_key(base, True, q, kc, ks, pt, 2, out) == _occupancy_key(base, True, q, kc, ks, pt, 2, out)
+    assert _occupancy_key(base, True, q, kc, ks, pt, 2, out) != _occupancy_key(base, False, q, kc, ks, pt, 2, out)
+    assert _occupancy_key(base, True, q, kc, ks, pt, 2, out) != _occupancy_key(base, True, q, kc, ks, pt, 1, out)
+    qv = torch.randn(2, 8, 1, 72)[..., :64]  # a view whose strides (72) are not multiples of 16
+    assert _occupancy_key(base, True, qv, kc, ks, pt, 2, qv) != _occupancy_key(base, True, qv, kc, ks, pt, 2,
+                                                                                torch.empty_like(qv))

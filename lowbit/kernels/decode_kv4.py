@@ -656,6 +656,20 @@ LAST_LAUNCH: dict = {}  # the split count of the latest launch (benchmarks repor
 _OCCUPANCY: dict = {}  # launch configuration -> resident programs per SM (filled after the first launch)
 
 
+def _spec(*args) -> tuple:
+    """Triton's specialization of launch arguments (ints: == 1, divisible by 16; tensors: 16-byte alignment), a part
+    of the ``_OCCUPANCY`` keys: a compiled variant's residency does not hold for another (session 27; the same class
+    of call-order dependence as session 25's ``lut_wgmma._resident``)."""
+    return tuple((a == 1, a % 16 == 0) if isinstance(a, int) else a.data_ptr() % 16 == 0 for a in args)
+
+
+def _occupancy_key(base: tuple, split: bool, q, k_codes, k_scale, page_table, Hkv, out) -> tuple:
+    """``_OCCUPANCY`` key of the variant with constexpr ``SPLIT = split``: ``choose_splits`` reads the split
+    variant's residency (that is where the split count matters), each launch stores its own variant's."""
+    return base + (split, _spec(q, k_codes, k_scale, page_table, Hkv, *q.stride()[:3], *k_codes.stride()[:3],
+                                *k_scale.stride()[:2], page_table.stride(0), *out.stride()[:3]))
+
+
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
@@ -684,14 +698,16 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
     nw = num_warps or DEFAULT_WARPS
-    occ_key = (q.device, q.dtype, G, TQ, HALF, PAGE, block_n, k_zero is not None, crs_q is not None, trans, asm, lazy,
-               qk_int8, nw, num_stages, maxnreg, DEFAULT_TRANS, DEFAULT_LAZY, DEFAULT_QK8, DEFAULT_STAGES, DEFAULT_MAXNREG)
+    occ_base = (q.device, q.dtype, G, TQ, HALF, PAGE, block_n, k_zero is not None, crs_q is not None, trans, asm, lazy,
+                qk_int8, nw, num_stages, maxnreg, DEFAULT_TRANS, DEFAULT_LAZY, DEFAULT_QK8, DEFAULT_STAGES,
+                DEFAULT_MAXNREG)
+    out = torch.empty_like(q)
     if num_splits is None:
-        num_splits = choose_splits(B, Hkv, max_len, block_n, _num_sms(q.device), nw, _OCCUPANCY.get(occ_key))
+        num_splits = choose_splits(B, Hkv, max_len, block_n, _num_sms(q.device), nw, _OCCUPANCY.get(
+            _occupancy_key(occ_base, True, q, k_codes, k_scale, page_table, Hkv, out)))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     LAST_LAUNCH["num_splits"] = num_splits
-    out = torch.empty_like(q)
     zero_point = k_zero is not None
     kz = k_zero if zero_point else k_scale
     vz = v_zero if zero_point else v_scale
@@ -716,6 +732,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
         num_warps=num_warps or DEFAULT_WARPS, num_stages=num_stages or DEFAULT_STAGES,
         **({"maxnreg": mr} if (mr := DEFAULT_MAXNREG if maxnreg is None else maxnreg) and q.is_cuda else {}),
     )
+    occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
     if q.is_cuda and occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = resident_ctas(kernel, nw)
     if split:
@@ -1372,15 +1389,17 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     if vsub is None:
         vsub = GLUON_VSUB is True or (GLUON_VSUB == "zp" and k_zero is not None)
     vsub = bool(vsub)
-    occ_key = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-               crs_q is not None, sring, pta, vsub)
+    lean = GLUON_LEAN if lean is None else bool(lean)
+    ilp = GLUON_ILP if ilp is None else bool(ilp)
+    occ_base = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
+                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl))
+    out = torch.empty_like(q)
     if num_splits is None:
-        num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(occ_key),
-                                   good=GLUON_GOOD_WAVE)
+        num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(
+            _occupancy_key(occ_base, True, q, k_codes, k_scale, page_table, Hkv, out)), good=GLUON_GOOD_WAVE)
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), bn) * bn
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     LAST_LAUNCH["num_splits"] = num_splits
-    out = torch.empty_like(q)
     zero_point = k_zero is not None
     split = num_splits > 1
     op, mp, lp = split_workspace(out, B * Hkv, num_splits, BQ, D)
@@ -1399,10 +1418,11 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
-        AHEAD=ahead, PDL=pdl, LEAN=GLUON_LEAN if lean is None else bool(lean), ILP=GLUON_ILP if ilp is None else bool(ilp),
+        AHEAD=ahead, PDL=pdl, LEAN=lean, ILP=ilp,
         SRING=sring, PTA=pta, PROBE=probe is True, STAMP=stamp, VSUB=vsub,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
+    occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
     if occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = resident_ctas(kernel, 1)
     if split and not skip_combine:  # skip_combine: benchmarks time the main kernel alone
