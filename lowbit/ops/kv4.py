@@ -195,6 +195,22 @@ def _(q, k, v, page_table, lengths, sm_scale, max_len, num_splits):
     return torch.empty_like(q)
 
 
+def _check_float_cache(k, v, D: int, dtypes: tuple) -> tuple[int, int]:
+    """Checks of the float pages ``k, v [num_pages, Hkv, PAGE, D]`` shared by the float-cache decode ops (a dtype of
+    ``dtypes``, one shape, head dim ``D`` a power of two >= 16, PAGE a multiple of 16, unit stride along D) ->
+    (Hkv, PAGE)."""
+    check_tensor(k, "k", dtype=dtypes, ndim=4)
+    check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
+    _, Hkv, PAGE, Dk = k.shape
+    if Dk != D or D < 16 or D & (D - 1):
+        raise ValueError(f"k's head dim ({Dk}) must equal q's ({D}) and be a power of two >= 16")
+    if PAGE % 16:
+        raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must have unit stride along the head dim")
+    return Hkv, PAGE
+
+
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split RoPE of x ``[B, H, T, D]`` (cos / sin ``[B, T, D]``) as transformers' eager ops compute it in x's
     dtype (``x * cos + rotate(x) * sin``, each op rounded): the bits ``lowbit.kernels.rope`` reproduces."""
@@ -244,19 +260,11 @@ def decode_float_append(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin,
     append (one launch instead of three: ``lowbit.kernels.decode_float``). bf16 / fp16 only."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16), ndim=4)
     B, Hq, TQ, D = q.shape
-    check_tensor(k, "k", dtype=q.dtype, ndim=4)
-    check_tensor(v, "v", dtype=q.dtype, shape=list(k.shape))
-    _, Hkv, PAGE, Dk = k.shape
+    Hkv, PAGE = _check_float_cache(k, v, D, (q.dtype,))
     check_tensor(k_new, "k_new", dtype=q.dtype, shape=[B, Hkv, TQ, D])
     check_tensor(v_new, "v_new", dtype=q.dtype, shape=[B, Hkv, TQ, D])
     check_tensor(cos, "cos", shape=[B, TQ, D])
     check_tensor(sin, "sin", shape=[B, TQ, D])
-    if Dk != D or D < 16 or D & (D - 1):
-        raise ValueError(f"k's head dim ({Dk}) must equal q's ({D}) and be a power of two >= 16")
-    if PAGE % 16:
-        raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("k and v must have unit stride along the head dim")
     q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float_append")
     k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
     v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
@@ -370,15 +378,6 @@ def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 
     split-KV grid without a device sync; ``num_splits`` 0 = automatic. Kernel:
     ``lowbit.kernels.decode_float``."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
-    B, Hq, TQ, D = q.shape
-    check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
-    check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
-    _, Hkv, PAGE, Dk = k.shape
-    if Dk != D or D < 16 or D & (D - 1):
-        raise ValueError(f"k's head dim ({Dk}) must equal q's ({D}) and be a power of two >= 16")
-    if PAGE % 16:
-        raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("k and v must have unit stride along the head dim")
+    Hkv, _ = _check_float_cache(k, v, q.shape[3], (torch.float16, torch.bfloat16, torch.float32))
     q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float")
     return _decode_float(q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))
