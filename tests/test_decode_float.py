@@ -242,3 +242,24 @@ def test_op_decode_float_append(dtype):
         ops.decode_float_append(q, kn, vn, k, v, pt, lengths, cos=cos[:, :1], sin=sin)
     with pytest.raises(TypeError, match="q"):
         ops.decode_float_append(q.float(), kn, vn, k, v, pt, lengths, cos=cos, sin=sin)
+
+
+@settings(deadline=None, max_examples=8)
+@given(b=st.integers(1, 3), hkv=st.sampled_from([1, 2]), grp=st.sampled_from([1, 2, 4]), tq=st.integers(1, 4),
+       L=st.integers(4, 90), splits=st.sampled_from([None, 1, 2, 7]), fuse=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_append_fused_fuzz_shapes(b, hkv, grp, tq, L, splits, fuse, dtype):
+    """``decode_float_append_triton`` against the append + decode launches on fuzzed ragged batches (1-4 new tokens,
+    GQA / MQA / MHA, split counts that put split boundaries among the new tokens): the same cache bytes, the same
+    output bit for bit with the combine launch, within fp32 summation order with the fused combine."""
+    from lowbit.kernels.decode_float import decode_float_append_triton
+
+    lens = [max(tq, L - 13 * i) for i in range(b)]
+    k, v, pt, lengths = _paged(lens, hkv, 16, 32, dtype, seed=L)
+    q, kn, vn, cos, sin = _rope_inputs(b, hkv * grp, hkv, tq, 32, dtype, seed=L)
+    k2, v2 = k.clone(), v.clone()
+    ref = _unfused_append_decode(q, kn, vn, k2, v2, pt, lengths, cos, sin, num_splits=splits, block_n=16)
+    out = decode_float_append_triton(q, kn, vn, k, v, pt, lengths, cos=cos, sin=sin, num_splits=splits, block_n=16,
+                                     fuse_combine=fuse)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert rel_l2(out, ref) < 1e-3 if fuse else torch.equal(out, ref)
