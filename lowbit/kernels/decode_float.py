@@ -43,9 +43,10 @@ launcher:
   rounding) and values to their slots ``L - TQ + t`` (a position outside the page table or a page outside the pool
   writes nothing, as in the append kernel); a barrier (``bar.sync``: CTA-scope memory ordering) then lets the key
   loop read them from the cache like every other key. Blocks, values and order are the unfused launches', so the
-  output and the cache are bit for bit theirs. (Taking the new rows from registers inside the loop's last blocks
-  instead, built first, cost 255 registers and 2.5 KB of spills in the offline sm_90 build and ran the batch-64
-  model 1.17x bf16 against 1.52x unfused, session 27.)
+  output and the cache are bit for bit theirs. Offline sm_90 build (``benchmarks/offline_decode_float.py``): 244
+  registers (250 with a split), no spill, as the plain kernel. (Taking the new rows from registers inside the
+  loop's last blocks instead, built first, cost 255 registers and 2.5 KB of spills and ran the batch-64 model
+  1.17x bf16 against 1.52x unfused, session 27.)
 - ``FUSE_COMBINE``: the split partials are combined by the last program of each (sequence, KV head) to finish
   (an atomic counter, acquire / release at GPU scope, reset by that program: graph-safe), reading all splits'
   rows in one round trip, in place of ``decode_kv4._combine``'s launch; used where the splits' rows fit one
