@@ -103,6 +103,30 @@ def resident_ctas(kernel, num_warps: int) -> int | None:
     return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
 
 
+def arg_specialization(args: Iterable) -> tuple:
+    """Triton's specialization of launch arguments, part of a compiled variant's identity: ints by == 1 and
+    divisibility by 16, tensors by device, dtype and 16-byte alignment. The caches of per-variant facts
+    (``lut_wgmma.launch_key``, ``decode_kv4._occupancy_key``) key by it: a fact of one compiled variant (its
+    registers, its residency) does not hold for another."""
+    return tuple((a == 1, a % 16 == 0) if isinstance(a, int) else (a.device.index, a.dtype, a.data_ptr() % 16 == 0)
+                 for a in args)
+
+
+ARRIVAL_COUNTERS: dict = {}  # (owner, device) -> int32 counters of the single-launch split reductions
+
+
+def arrival_counters(owner: str, device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 arrival counters of ``owner`` (a kernel family) on ``device``: the single-launch
+    split reductions (the program that arrives last combines the partials and resets its counter, so every launch
+    leaves them at zero: no memset per call, none inside a CUDA graph once a warm-up call has sized them). One
+    buffer per owner, so launches of different families never share a counter."""
+    key = (owner, device.type, device.index)
+    c = ARRIVAL_COUNTERS.get(key)
+    if c is None or c.numel() < n:
+        c = ARRIVAL_COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+    return c
+
+
 def _warned(msg: str) -> bool:
     warnings.warn(msg, stacklevel=3)
     return True

@@ -178,7 +178,7 @@ def test_append_fused_matches_unfused(lens, Hq, Hkv, TQ, D, page, splits, dtype)
 def test_fused_combine_matches_combine_launch(splits):
     """``fuse_combine``: the last program per (sequence, KV head) combines the splits like the combine launch
     (same partials, same formula); the counters are back at zero after the launch (a second call agrees)."""
-    from lowbit.kernels.decode_float import _COUNTERS
+    from lowbit._utils import ARRIVAL_COUNTERS
 
     k, v, pt, lengths = _paged([70, 33], 2, 16, 64, torch.bfloat16)
     q = torch.randn(2, 8, 2, 64).to(torch.bfloat16).to(DEV)
@@ -186,7 +186,7 @@ def test_fused_combine_matches_combine_launch(splits):
     b = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16, fuse_combine=True)
     c = decode_float_triton(q, k, v, pt, lengths, num_splits=splits, block_n=16, fuse_combine=True)
     assert rel_l2(b, a) < 1e-3 and torch.equal(b, c)
-    assert all(int(t.abs().sum()) == 0 for t in _COUNTERS.values())
+    assert all(int(t.abs().sum()) == 0 for t in ARRIVAL_COUNTERS.values())
 
 
 @pytest.mark.gpu

@@ -77,7 +77,8 @@ def test_fused_quant_nan_row_and_tiny_rows():
 
 @pytest.mark.parametrize("sem", [True, False])
 def test_split_k_single_launch_and_reduce_kernel_agree(sem):
-    from lowbit.kernels.w4a8_fp8_gemm import _LOCKS, w4a8_fp8_gemm
+    from lowbit._utils import ARRIVAL_COUNTERS
+    from lowbit.kernels.w4a8_fp8_gemm import w4a8_fp8_gemm
 
     codes, sc, inv = _weights(64, 640, 128, seed=2)
     xq, sx = quantize_per_token(torch.randn(3, 640), FP8_E4M3)
@@ -87,7 +88,7 @@ def test_split_k_single_launch_and_reduce_kernel_agree(sem):
     # no ACC_TILE here: on Hopper the FP8 MMA sums each 64 products with ~14 bits before the FP32 promotion
     assert rel_l2(y.cpu(), ref) < (1e-5 if DEV == "cpu" else 2e-4)
     if sem:  # the counters are left at zero for the next call
-        assert all(int(b.abs().sum()) == 0 for b in _LOCKS.values())
+        assert all(int(b.abs().sum()) == 0 for b in ARRIVAL_COUNTERS.values())
 
 
 @pytest.mark.parametrize("mode", ["dequant", "scaled_mm"])

@@ -60,28 +60,15 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import interpret_mode
+from lowbit._utils import arrival_counters, interpret_mode
 from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms, split_rows, split_workspace
-from lowbit.kernels.rope import _round
+from lowbit.kernels.rope import rope_tile
 
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
 DEFAULT_STAGES = 3
 NO_SPLIT_PER_SM = 3  # B * Hkv >= this many programs per SM: one split (no partials, no combine launch)
 FUSED_COMBINE_MAX = 8192  # splits (next power of 2) x query rows (next power of 2) x D read by one program
-
-
-@triton.jit
-def _rope_tile(X, r_off, d, rmask, COS, SIN, c_off, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """Rows ``X + r_off[:, None] + d`` rotated (half-split pairs) with ``lowbit.kernels.rope.rope_row``'s rounding
-    (cos / sin rows at ``c_off``): fp32 holding values of the input dtype; masked rows 0."""
-    HALF: tl.constexpr = D // 2
-    x = tl.load(X + r_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    r = tl.load(X + r_off[:, None] + ((d + HALF) % D)[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    rot = tl.where(d[None, :] < HALF, -r, r)
-    c = tl.load(COS + c_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    sn = tl.load(SIN + c_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    return _round(_round(x * c, BF16, INTERPRET) + _round(rot * sn, BF16, INTERPRET), BF16, INTERPRET)
 
 
 @triton.jit
@@ -123,12 +110,12 @@ def _decode_float_kernel(
     d = tl.arange(0, D)
     q_row = b * stride_qb + (h * G + g) * stride_qh + t * stride_qt
     if APPEND:  # q rotated here (the bits the append launch would have stored); this split's new keys written
-        q = _rope_tile(Q, q_row, d, row_ok, COS, SIN, b * stride_cb + t * stride_ct, D, ROW_BF16,
+        q = rope_tile(Q, q_row, d, row_ok, COS, SIN, b * stride_cb + t * stride_ct, D, ROW_BF16,
                        INTERPRET).to(K.dtype.element_ty)
         j = tl.arange(0, TQ_P2)
         pos = L - TQ + j
         mine = (j < TQ) & (pos >= start) & (pos < end)
-        kn = _rope_tile(KN, b * stride_knb + h * stride_knh + j * stride_knt, d, mine, COS, SIN,
+        kn = rope_tile(KN, b * stride_knb + h * stride_knh + j * stride_knt, d, mine, COS, SIN,
                         b * stride_cb + j * stride_ct, D, ROW_BF16, INTERPRET).to(K.dtype.element_ty)
         vn = tl.load(VN + (b * stride_vnb + h * stride_vnh + j * stride_vnt)[:, None] + d[None, :],
                      mask=mine[:, None], other=0.0)
@@ -191,16 +178,6 @@ def _decode_float_kernel(
 
 
 LAST_LAUNCH: dict = {}  # split count of the latest launch (benchmarks report it)
-_COUNTERS: dict = {}  # per device: FUSE_COMBINE's int32 arrival counters (each launch leaves them at zero)
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    key = (device.type, device.index)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-        _COUNTERS[key] = c
-    return c
 
 
 def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=None, num_splits=None,
@@ -220,16 +197,8 @@ def decode_float_append_triton(q, k, v, k_cache, v_cache, page_table, lengths, *
     page_table, lengths - TQ, cos=cos, sin=sin, q=q, q_out=qo)`` + ``decode_float_triton(qo, k_cache, v_cache,
     ...)``. q ``[B, Hq, TQ, D]``, k / v ``[B, Hkv, TQ, D]`` pre-RoPE (bf16 / fp16, the caches' dtype, unit stride on
     D); cos / sin ``[B, TQ, D]`` half-split; ``lengths[b]`` counts the TQ new tokens too (their slots are
-    ``lengths[b] - TQ + t``). Writes k (rotated) and v to the cache; returns O ``[B, Hq, TQ, D]``."""
-    B, Hq, TQ, D = q.shape
-    if (q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype
-            or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or k.shape != (B, k_cache.shape[1], TQ, D)
-            or v.shape != k.shape or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-            or cos.shape != (B, TQ, D) or sin.shape != cos.shape):
-        raise ValueError(f"decode_float_append_triton: q [B, Hq, TQ, D], k / v [B, Hkv, TQ, D] and the caches in one "
-                         f"bf16/fp16 dtype with unit stride on D, cos / sin [B, TQ, D]; got q {q.dtype} "
-                         f"{tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, v {tuple(v.shape)}, k_cache {k_cache.dtype} "
-                         f"{tuple(k_cache.shape)}, cos {tuple(cos.shape)}")
+    ``lengths[b] - TQ + t``). Writes k (rotated) and v to the cache; returns O ``[B, Hq, TQ, D]``. Arguments are
+    checked by ``lowbit.ops.kv4.decode_float_append``."""
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     return _launch(q, k_cache, v_cache, page_table, lengths, (k, v, cos, sin), sm_scale, max_len, num_splits,
@@ -274,7 +243,7 @@ def _launch(q, k, v, page_table, lengths, append, sm_scale, max_len, num_splits,
                   APPEND=True, TQ_P2=max(16, triton.next_power_of_2(TQ)), ROW_BF16=q.dtype == torch.bfloat16,
                   INTERPRET=interpret_mode())
     if fused:
-        kw.update(CNT=_counters(q.device, B * Hkv), FUSE_COMBINE=True, SPLITS_P2=sp2, ROWS_P2=rp2)
+        kw.update(CNT=arrival_counters("decode_float", q.device, B * Hkv), FUSE_COMBINE=True, SPLITS_P2=sp2, ROWS_P2=rp2)
     _decode_float_kernel[(B * Hkv, num_splits)](
         q, k, v, page_table, lengths, out, op, mp, lp,
         sm_scale * LOG2E, split_len, Hkv,

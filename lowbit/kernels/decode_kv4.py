@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import resident_ctas
+from lowbit._utils import arg_specialization, resident_ctas
 
 LOG2E = 1.4426950408889634
 # Defaults = the fastest correct fp16-Q configuration of the device sweep (B=16, L=8k).
@@ -656,18 +656,15 @@ LAST_LAUNCH: dict = {}  # the split count of the latest launch (benchmarks repor
 _OCCUPANCY: dict = {}  # launch configuration -> resident programs per SM (filled after the first launch)
 
 
-def _spec(*args) -> tuple:
-    """Triton's specialization of launch arguments (ints: == 1, divisible by 16; tensors: 16-byte alignment), a part
-    of the ``_OCCUPANCY`` keys: a compiled variant's residency does not hold for another (session 27; the same class
-    of call-order dependence as session 25's ``lut_wgmma._resident``)."""
-    return tuple((a == 1, a % 16 == 0) if isinstance(a, int) else a.data_ptr() % 16 == 0 for a in args)
-
-
 def _occupancy_key(base: tuple, split: bool, q, k_codes, k_scale, page_table, Hkv, out) -> tuple:
-    """``_OCCUPANCY`` key of the variant with constexpr ``SPLIT = split``: ``choose_splits`` reads the split
-    variant's residency (that is where the split count matters), each launch stores its own variant's."""
-    return base + (split, _spec(q, k_codes, k_scale, page_table, Hkv, *q.stride()[:3], *k_codes.stride()[:3],
-                                *k_scale.stride()[:2], page_table.stride(0), *out.stride()[:3]))
+    """``_OCCUPANCY`` key of the variant with constexpr ``SPLIT = split`` and this launch's argument specialization
+    (``_utils.arg_specialization``; session 27: a first launch without a split, or with other strides, had set the
+    residency of later split launches, the call-order dependence of session 25's ``lut_wgmma._resident``).
+    ``choose_splits`` reads the split variant's residency (that is where the split count matters), each launch
+    stores its own variant's."""
+    return base + (split, arg_specialization((q, k_codes, k_scale, page_table, Hkv, *q.stride()[:3],
+                                              *k_codes.stride()[:3], *k_scale.stride()[:2], page_table.stride(0),
+                                              *out.stride()[:3])))
 
 
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
@@ -1077,19 +1074,12 @@ if HAS_GLUON:
             z_acc += gl.sum(pv16.to(gl.float32), axis=0)
         pb = gl.convert_layout(pv16, b16)
         vca = gl.convert_layout(gl.reshape(gl.permute(vc, [1, 0, 2]), [HALF, BLOCK_N]), a16)
-        if VSUB:
-            if ZERO_POINT:
-                v_lo, v_hi = gl.inline_asm_elementwise(ASM_SUB_U, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
-                                                       is_pure=True, pack=4)
-            else:
-                v_lo, v_hi = gl.inline_asm_elementwise(ASM_SUB_S, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
-                                                       is_pure=True, pack=4)
-        elif ZERO_POINT:
-            v_lo, v_hi = gl.inline_asm_elementwise(ASM_BOTH_U, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
-                                                   is_pure=True, pack=4)
+        if VSUB:  # the codes as fp16 subnormals, or the magic-number conversion with its offset
+            asm: gl.constexpr = ASM_SUB_U if ZERO_POINT else ASM_SUB_S
         else:
-            v_lo, v_hi = gl.inline_asm_elementwise(ASM_BOTH_S, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
-                                                   is_pure=True, pack=4)
+            asm: gl.constexpr = ASM_BOTH_U if ZERO_POINT else ASM_BOTH_S
+        v_lo, v_hi = gl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r", [vca], dtype=(gl.float16, gl.float16),
+                                               is_pure=True, pack=4)
         acc_e = _mma_v2(v_lo, pb, acc_e)
         acc_o = _mma_v2(v_hi, pb, acc_o)
         return acc_e, acc_o, m_new, l_acc, z_acc

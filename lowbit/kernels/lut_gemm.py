@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode, warn_once
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, warn_once
 from lowbit.formats.lut import SILU_BLOCK, pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
 from lowbit.kernels.silu_mul import silu_mul_f32
@@ -1197,15 +1197,12 @@ LAST_COMPILED: dict = {}  # the last launched compiled kernel (PTX / register re
 
 
 def _workspace(device, numel_ws: int, numel_locks: int):
-    """Per-device float32 partials and int32 counters (counters stay zero between calls)."""
+    """Per-device float32 partials and int32 counters (``_utils.arrival_counters``: zero between calls)."""
     key = (device.type, device.index)
-    ws, locks = _WORKSPACE.get(key, (None, None))
+    ws = _WORKSPACE.get(key)
     if ws is None or ws.numel() < numel_ws:
-        ws = torch.empty(max(numel_ws, 1 << 16), device=device, dtype=torch.float32)
-    if locks is None or locks.numel() < numel_locks:
-        locks = torch.zeros(max(numel_locks, 1 << 12), device=device, dtype=torch.int32)
-    _WORKSPACE[key] = (ws, locks)
-    return ws, locks
+        ws = _WORKSPACE[key] = torch.empty(max(numel_ws, 1 << 16), device=device, dtype=torch.float32)
+    return ws, arrival_counters("lut", device, numel_locks)
 
 
 def out_columns(N: int, silu_mul: bool) -> int:

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode, resident_ctas
+from lowbit._utils import arg_specialization, cdiv, interpret_mode, resident_ctas
 from lowbit.formats.lut import MMA_CHUNK, SILU_BLOCK, mma_shapes
 from lowbit.kernels.lut_gemm import (_pick4, _sm_count, _store_pair_table, _workspace, balanced_split,
                                      busiest_sm_groups, fragment_x, gemm_output, mma_table_bytes, out_columns,
@@ -715,9 +715,7 @@ def launch_key(fn, args: tuple, kw: dict) -> tuple:
     alignment). The caches of per-variant facts (``table_offset``, ``_resident``) are keyed by it: a fact of one
     variant does not hold for another (session 25: the 64-token stacked dot compiles to 195 registers at M = 40 and
     168 at M = 48 / 64, and a residency cached at M = 40 had set the split of every later M)."""
-    return (fn, tuple(sorted(kw.items())), tuple(
-        (a == 1, a % 16 == 0) if isinstance(a, int) else (a.device.index, a.dtype, a.data_ptr() % 16 == 0)
-        for a in args))
+    return fn, tuple(sorted(kw.items())), arg_specialization(args)
 
 
 _TAB_OFF: dict = {}  # launch key -> the pair table's shared offset (so later calls skip the warmup)

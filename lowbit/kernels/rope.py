@@ -62,6 +62,15 @@ def _round(x, BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def rope_values(x, r, c, sn, low, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x * cos + rotate(x) * sin`` with the rounding of the module docstring, on fp32 values: x, its pair partner
+    ``r`` (element ``(d + D/2) % D``), cos, sin; ``low`` = d < D/2 (where the partner enters negated). The one
+    definition of this numerics: the rope kernel, ``rope_row`` and ``rope_tile`` call it."""
+    rot = tl.where(low, -r, r)
+    return _round(_round(x * c, BF16, INTERPRET) + _round(rot * sn, BF16, INTERPRET), BF16, INTERPRET)
+
+
+@triton.jit
 def rope_row(X, O, COS, SIN, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
     """One head row: ``O[d] = rope(X)[d]`` with the rounding of the module docstring (X, O, COS, SIN
     point at the row's first element, unit stride). Used by ``lowbit.kernels.kv4_append``'s
@@ -70,11 +79,21 @@ def rope_row(X, O, COS, SIN, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.
     d = tl.arange(0, D)
     x = tl.load(X + d).to(tl.float32)
     r = tl.load(X + (d + HALF) % D).to(tl.float32)
-    rot = tl.where(d < HALF, -r, r)
     c = tl.load(COS + d).to(tl.float32)
     sn = tl.load(SIN + d).to(tl.float32)
-    y = _round(_round(x * c, BF16, INTERPRET) + _round(rot * sn, BF16, INTERPRET), BF16, INTERPRET)
-    tl.store(O + d, y.to(O.dtype.element_ty))
+    tl.store(O + d, rope_values(x, r, c, sn, d < HALF, BF16, INTERPRET).to(O.dtype.element_ty))
+
+
+@triton.jit
+def rope_tile(X, r_off, d, rmask, COS, SIN, c_off, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows ``X + r_off[:, None] + d`` rotated (cos / sin rows at ``c_off``), returned as fp32 holding values of the
+    input dtype; masked rows 0. Used by ``lowbit.kernels.decode_float``'s ``APPEND`` (q and the new keys)."""
+    HALF: tl.constexpr = D // 2
+    x = tl.load(X + r_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    r = tl.load(X + r_off[:, None] + ((d + HALF) % D)[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    c = tl.load(COS + c_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    sn = tl.load(SIN + c_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    return rope_values(x, r, c, sn, d[None, :] < HALF, BF16, INTERPRET)
 
 
 @triton.jit
@@ -100,11 +119,10 @@ def _rope_kernel(
     x_row = X + b.to(tl.int64) * stride_xb + s.to(tl.int64) * stride_xs + h[:, None] * stride_xh
     x = tl.load(x_row + d[None, :], mask=hmask, other=0.0).to(tl.float32)
     r = tl.load(x_row + ((d + HALF) % D)[None, :], mask=hmask, other=0.0).to(tl.float32)
-    rot = tl.where((d < HALF)[None, :], -r, r)
     c_off = b.to(tl.int64) * stride_cb + s.to(tl.int64) * stride_cs + d
     c = tl.load(COS + c_off).to(tl.float32)
     sn = tl.load(SIN + c_off).to(tl.float32)
-    y = _round(_round(x * c[None, :], BF16, INTERPRET) + _round(rot * sn[None, :], BF16, INTERPRET), BF16, INTERPRET)
+    y = rope_values(x, r, c[None, :], sn[None, :], (d < HALF)[None, :], BF16, INTERPRET)
     o_row = OUT + b.to(tl.int64) * stride_ob + s.to(tl.int64) * stride_os + h[:, None] * stride_oh
     tl.store(o_row + d[None, :], y.to(OUT.dtype.element_ty), mask=hmask)
 

@@ -73,7 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, check_tensor, interpret_mode
+from lowbit._utils import arrival_counters, cdiv, check_tensor, interpret_mode
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX
 from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols, tiled_shape
 from lowbit.formats.w4a8_fp8 import TILE_N as _TILE_N
@@ -751,18 +751,7 @@ def _dequant_fp8_kernel(
 
 
 # ------------------------------------------------------------------------------------ launchers
-_LOCKS: dict = {}
 _SCALE_B: dict = {}
-
-
-def _lock_buffer(n: int, device) -> torch.Tensor:
-    """Zeroed int32 tile counters for single-launch split-K (each use leaves them zero again)."""
-    key = (device.type, device.index)
-    buf = _LOCKS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _LOCKS[key] = buf
-    return buf
 
 
 def _use_lut(cfg: dict) -> bool:
@@ -802,7 +791,7 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
     sk_sem = split > 1 and cfg.get("SK_SEM", True)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     grid = (cdiv(M, qrows), cdiv(N, bn), split)
-    lock = _lock_buffer(grid[0] * grid[1], a.device) if sk_sem else out
+    lock = arrival_counters("w4a8_fp8", a.device, grid[0] * grid[1]) if sk_sem else out  # single-launch split-K
     dummy = sx
     tma = bool(cfg.get("TMA", False)) and not w_fp8 and bq.data_ptr() % 16 == 0 and bq.stride(0) % 16 == 0
     bdesc = bq

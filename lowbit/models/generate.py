@@ -456,7 +456,8 @@ class _FusedLayer:
 
 
 # ---------------------------------------------------------------------------- KV backends
-# The dense cache's kernel decode as ONE launch (``lowbit.kernels.decode_float.decode_float_append_triton``: q / k
+# The dense cache's kernel decode as ONE launch (``lowbit.kernels.decode_float.decode_float_append_triton``, the
+# launcher of op ``lowbit::decode_float_append``, called directly as the runner calls ``float_append_triton``: q / k
 # rotated, k / v written, attention, the split combine by the last program) instead of three (the append, the
 # decode, the combine). Session 27; False keeps the three launches (bench token ``+attn3``).
 FUSED_FLOAT_DECODE = True

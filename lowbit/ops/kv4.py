@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import check_page_writes, check_tensor, use_triton
+from lowbit._utils import check_indices, check_page_writes, check_tensor, use_triton
 from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
@@ -40,11 +40,20 @@ def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
-    """x ``[B, H, T, D]``, cos/sin ``[B, T, D]`` -> fp32 ``x * cos + rotate(x) * sin``."""
-    xf = x.float()
-    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
+             eager: bool = False) -> torch.Tensor:
+    """x ``[B, H, T, D]``, cos/sin ``[B, T, D]`` -> fp32 ``x * cos + rotate(x) * sin``. ``eager``: in x's dtype,
+    each op rounded as transformers' eager ops compute it (the bits ``lowbit.kernels.rope`` reproduces)."""
+    xf = x if eager else x.float()
+    c, s = cos.to(xf.dtype).unsqueeze(1), sin.to(xf.dtype).unsqueeze(1)
     return xf * c + rotate(xf, interleaved) * s
+
+
+def _write_slots(dst: torch.Tensor, x: torch.Tensor, page: torch.Tensor, off: torch.Tensor) -> None:
+    """The append references' paged write: ``x [B, H, T, ...]`` to ``dst[page[b, t], h, off[b, t]]`` (``_slots``)."""
+    B, H, T = x.shape[:3]
+    dst[page[:, None, :].expand(B, H, T), torch.arange(H, device=dst.device)[None, :, None].expand(B, H, T),
+        off[:, None, :].expand(B, H, T)] = x.to(dst.dtype)
 
 
 def _slots(page_table, start, T, page_size):
@@ -57,21 +66,17 @@ def _slots(page_table, start, T, page_size):
 def kv4_append_ref(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
                    crs_k=None, k_zero=None, v_zero=None, interleaved=False) -> None:
     """Reference of ``kv4_append`` (writes the cache tensors in place)."""
-    B, H, T, D = k.shape
     kf = rope_ref(k, cos, sin, interleaved=interleaved) if cos is not None else k.float()
     if crs_k is not None:
         kf = kf * crs_k.float()[None, :, None, :]
     zp = k_zero is not None
-    page, off = _slots(page_table, start, T, k_codes.shape[2])  # [B, T]
+    page, off = _slots(page_table, start, k.shape[2], k_codes.shape[2])  # [B, T]
     for x, codes, scale, zero in ((kf, k_codes, k_scale, k_zero), (v.float(), v_codes, v_scale, v_zero)):
         c, s, z = quantize_kv4(x, zero_point=zp, scale_dtype=scale.dtype)  # [B, H, T, ...]
-        pi = page[:, None, :].expand(B, H, T)
-        hi = torch.arange(H, device=k.device)[None, :, None].expand(B, H, T)
-        oi = off[:, None, :].expand(B, H, T)
-        codes[pi, hi, oi] = c
-        scale[pi, hi, oi] = s
+        _write_slots(codes, c, page, off)
+        _write_slots(scale, s, page, off)
         if zp:
-            zero[pi, hi, oi] = z
+            _write_slots(zero, z, page, off)
 
 
 def gather_pages(t, page_table_row, length: int) -> torch.Tensor:
@@ -211,24 +216,15 @@ def _check_float_cache(k, v, D: int, dtypes: tuple) -> tuple[int, int]:
     return Hkv, PAGE
 
 
-def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE of x ``[B, H, T, D]`` (cos / sin ``[B, T, D]``) as transformers' eager ops compute it in x's
-    dtype (``x * cos + rotate(x) * sin``, each op rounded): the bits ``lowbit.kernels.rope`` reproduces."""
-    c, s = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-    return x * c + rotate(x, False) * s
-
-
 def decode_float_append_ref(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin, sm_scale=None) -> torch.Tensor:
-    """Reference of ``decode_float_append``: q and the new keys rotated (``rope_half``), the new keys / values
-    written to slots ``lengths - TQ + t`` of the float pages ``k``, ``v`` (in place), then ``decode_float_ref``."""
+    """Reference of ``decode_float_append``: q and the new keys rotated (``rope_ref(eager=True)``), the new keys /
+    values written to slots ``lengths - TQ + t`` of the float pages ``k``, ``v`` (in place), then
+    ``decode_float_ref``."""
     TQ = q.shape[2]
     page, off = _slots(page_table, lengths - TQ, TQ, k.shape[2])
-    kr = rope_half(k_new, cos, sin)
-    for t in range(TQ):
-        for b in range(q.shape[0]):
-            k[page[b, t], :, off[b, t]] = kr[b, :, t].to(k.dtype)
-            v[page[b, t], :, off[b, t]] = v_new[b, :, t].to(v.dtype)
-    return decode_float_ref(rope_half(q, cos, sin), k, v, page_table, lengths, sm_scale=sm_scale)
+    _write_slots(k, rope_ref(k_new, cos, sin, eager=True), page, off)
+    _write_slots(v, v_new, page, off)
+    return decode_float_ref(rope_ref(q, cos, sin, eager=True), k, v, page_table, lengths, sm_scale=sm_scale)
 
 
 @torch.library.custom_op("lowbit::decode_float_append", mutates_args=("k", "v"))
@@ -268,7 +264,8 @@ def decode_float_append(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin,
     q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float_append")
     k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
     v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-    check_page_writes(lengths - TQ, page_table, TQ, PAGE, k.shape[0])  # "start" = lengths - TQ
+    if check_indices(lengths, page_table):  # (on CUDA only under LOWBIT_CHECK_INDEX: no extra launch in a graph)
+        check_page_writes(lengths - TQ, page_table, TQ, PAGE, k.shape[0])  # "start" = lengths - TQ
     return _decode_float_append(q, k_new, v_new, k, v, page_table, lengths, cos.to(q.dtype), sin.to(q.dtype),
                                 sm_scale, int(max_len), int(num_splits))
 
