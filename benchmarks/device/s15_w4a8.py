@@ -21,9 +21,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench import peers  # noqa: E402
-from lowbit.bench.harness import env_info, graph_us, probe_args, probe_row, rotating_inputs, write_probe  # noqa: E402
-from lowbit.bench.suites.w4a8_fp8 import GROUP, random_packed  # noqa: E402
+from lowbit.bench.harness import env_info, graph_us, probe_args, probe_row, write_probe  # noqa: E402
+from lowbit.bench.suites.w4a8_fp8 import GROUP, peer_gemm_fns, probe_cases  # noqa: E402
 from lowbit.kernels.w4a8_fp8_gemm import BLOCK_K, _split_k, pick_config, w4a8_fp8_gemm  # noqa: E402
 from lowbit.ops.quant import per_token_quant  # noqa: E402
 
@@ -61,42 +60,32 @@ def sass_info(k):
 
 
 def part_t():
-    for name, (N, K) in LAYERS.items():
-        sets = rotating_inputs(lambda: random_packed(N, K))
-        for M in MS:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            xq, sx = per_token_quant(x, "fp8")
-            row = {"M": M, "N": N, "K": K}
-            fns = {}
+    for name, N, K, sets, M, x, xq, sx in probe_cases(LAYERS, MS):
+        row = {"M": M, "N": N, "K": K}
+        fns = {}
+        for vn, cfg in variants(M, N, K).items():
+            fns[vn] = [lambda c=c, s=s, cfg=cfg: w4a8_fp8_gemm(xq, sx, c, s, 2.0 ** -8, K, GROUP, config=cfg)
+                       for (c, s) in sets]
+            row[vn + "_cfg"] = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages")}
+        fns.update(peer_gemm_fns(x, N, K))
+        ref = fns["default"][0]()
+        if M == MS[0]:
             for vn, cfg in variants(M, N, K).items():
-                fns[vn] = [lambda c=c, s=s, cfg=cfg: w4a8_fp8_gemm(xq, sx, c, s, 2.0 ** -8, K, GROUP, config=cfg)
-                           for (c, s) in sets]
-                row[vn + "_cfg"] = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "SPLIT_K", "num_warps", "num_stages")}
-            ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(3)]
-            fns["cublas_bf16"] = [lambda w=w: torch.nn.functional.linear(x, w) for w in ws]
-            mm = [peers.scaled_mm_rowwise(w, quantize_x=False) for w in ws]
-            px = peers.fp8_rowwise_act(x)
-            fns["scaled_mm_fp8"] = [lambda f=f: f(*px) for f in mm]
-            ref = fns["default"][0]()
-            if M == MS[0]:
-                for vn, cfg in variants(M, N, K).items():
-                    try:
-                        _, k = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cfg, return_compiled=True)
-                        row[vn + "_sass"] = sass_info(k)
-                    except Exception as exc:
-                        row[vn + "_sass"] = f"{type(exc).__name__}: {str(exc)[-200:]}"
-            for vn, fl in fns.items():
                 try:
-                    out = fl[0]()
-                    if vn not in ("cublas_bf16", "scaled_mm_fp8"):
-                        row[vn + "_rel"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    row[vn] = [round(graph_us(fl), 2) for _ in range(2)]
+                    _, k = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cfg, return_compiled=True)
+                    row[vn + "_sass"] = sass_info(k)
                 except Exception as exc:
-                    row[vn] = f"{type(exc).__name__}: {str(exc)[-300:]}"
-            probe_row(doc, f"t {name} M={M}", row)
-            del ws, mm
-        del sets
-        torch.cuda.empty_cache()
+                    row[vn + "_sass"] = f"{type(exc).__name__}: {str(exc)[-200:]}"
+        for vn, fl in fns.items():
+            try:
+                out = fl[0]()
+                if vn not in ("cublas_bf16", "scaled_mm_fp8"):
+                    row[vn + "_rel"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                row[vn] = [round(graph_us(fl), 2) for _ in range(2)]
+            except Exception as exc:
+                row[vn] = f"{type(exc).__name__}: {str(exc)[-300:]}"
+        probe_row(doc, f"t {name} M={M}", row)
+        del fns
         write_probe(doc, a.out, "s15_w4a8.json")
 
 

@@ -885,6 +885,16 @@ def _silu_mul_store(Y, a, row, mj, M, N, stride_ym, EMU: tl.constexpr):
     tl.store(Y + mg * stride_ym + (rg // 16) * 8 + rg % 8, y.to(Y.dtype.element_ty), mask=(rg < N) & (mg < M))
 
 
+@triton.jit
+def _smem_anchor(W: tl.constexpr):
+    """0, computed through a cross-warp reduction so that Triton allocates (and so declares) its shared memory symbol
+    ``global_smem``, which the pair table's inline PTX names: Triton emits the symbol only where its own code uses
+    shared memory, and the fragment kernel's ``SILU_MUL`` epilogue without split-K has none (ptxas: "Unknown symbol
+    'global_smem'"; found by ``tests/test_lut_fuse.py::test_silu_mul_op_fuzz`` on the H200, session 28)."""
+    s = tl.sum(tl.full([32 * W], 0, tl.int32) + tl.program_id(0), axis=0)
+    return (s < 0).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["M", "N", "K", "NRT", "NC", "NG", "GROUPS_PER_SPLIT", "SPLIT_K", "stride_xm",
                                "stride_sg", "stride_ym"])  # every int: see _MMA_PATCHED
 def _lut_mma_kernel(
@@ -967,6 +977,8 @@ def _lut_mma_kernel(
     m0 = pid_m * (8 * NT) + g  # x rows of the B fragments (n-tile j adds 8 j)
     mc = pid_m * (8 * NT) + 2 * t + (v % 2)  # token of C register v (n-tile j adds 8 j)
     laneb = lane * 4
+    if SILU_MUL and not USE_SPLIT and not INTERPRET:  # the table's PTX needs Triton's shared memory symbol
+        laneb += _smem_anchor(W)
     if not INTERPRET and RING == 0:  # (with RING the first copies are issued first, table after them)
         _store_pair_table(P, BITS, 0)
     CPG: tl.constexpr = GROUP // CK

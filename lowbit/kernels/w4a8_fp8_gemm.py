@@ -191,14 +191,9 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
                 ACC_TILE=True, SWORD=False, **MID_FLAGS)
 
 
-# ------------------------------------------------------------------------------------ kernel
-@triton.jit
-def _fp8_lut(sig):
-    """sigma (fp16, any shape) -> the 8-byte LUT FP8(k * sigma), k = 0..7, as two int32 words
-    (bytes 0..3 = k 0..3, bytes 4..7 = k 4..7). k*sigma is exact in fp16 (<= 7 significant bits,
-    <= 3136); ``cvt.rn.satfinite`` rounds to nearest even and clamps to 448 like the reference."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+# The PTX of the two LUT steps (one copy: session 28's Gluon probe kernel, benchmarks/device/w4a8_gluon_kernel.py,
+# imports them too).
+FP8_LUT_PTX = """{
         .reg .b32 s2, k, m;
         .reg .b16 c0, c1, c2, c3;
         mov.b32 s2, {$2, $2};
@@ -216,13 +211,33 @@ def _fp8_lut(sig):
         cvt.rn.satfinite.e4m3x2.f16x2 c3, m;
         mov.b32 $0, {c0, c1};
         mov.b32 $1, {c2, c3};
-        }""",
-        constraints="=r,=r,h",
-        args=[sig],
-        dtype=(tl.int32, tl.int32),
-        is_pure=True,
-        pack=1,
-    )
+        }"""
+FP8_LOOKUP2_PTX = """{
+        .reg .b32 m, d, sg;
+        and.b32 m, $2, 0x77777777;
+        prmt.b32 d, $3, $7, m;
+        and.b32 sg, $2, 0x80808080;
+        xor.b32 $0, d, sg;
+        shr.b32 m, m, 16;
+        prmt.b32 d, $11, $15, m;
+        shl.b32 sg, $2, 4;
+        and.b32 sg, sg, 0x80808080;
+        xor.b32 $1, d, sg;
+        }"""
+FP8_LOOKUP2_CONS = "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r"
+_LUT_C = tl.constexpr(FP8_LUT_PTX)
+_LOOKUP2_C = tl.constexpr(FP8_LOOKUP2_PTX)
+_LOOKUP2_CONS_C = tl.constexpr(FP8_LOOKUP2_CONS)
+
+
+# ------------------------------------------------------------------------------------ kernel
+@triton.jit
+def _fp8_lut(sig):
+    """sigma (fp16, any shape) -> the 8-byte LUT FP8(k * sigma), k = 0..7, as two int32 words
+    (bytes 0..3 = k 0..3, bytes 4..7 = k 4..7). k*sigma is exact in fp16 (<= 7 significant bits,
+    <= 3136); ``cvt.rn.satfinite`` rounds to nearest even and clamps to 448 like the reference."""
+    return tl.inline_asm_elementwise(asm=_LUT_C, constraints="=r,=r,h", args=[sig], dtype=(tl.int32, tl.int32),
+                                     is_pure=True, pack=1)
 
 
 @triton.jit
@@ -259,20 +274,8 @@ def _fp8_lookup2(p, l0, l1, h0, h1):
     masks all 8 magnitudes (``w & 0x77777777``), the hi selectors are that >> 16, so per 8 weights
     AND, 2 PRMT, SHR, SHL and 2 AND-XOR (fused to LOP3 by ptxas): 7 instructions instead of 8
     (``_fp8_lookup`` twice). LUTs {l1:l0} (lo columns) and {h1:h0} (hi columns)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 m, d, sg;
-        and.b32 m, $2, 0x77777777;
-        prmt.b32 d, $3, $7, m;
-        and.b32 sg, $2, 0x80808080;
-        xor.b32 $0, d, sg;
-        shr.b32 m, m, 16;
-        prmt.b32 d, $11, $15, m;
-        shl.b32 sg, $2, 4;
-        and.b32 sg, sg, 0x80808080;
-        xor.b32 $1, d, sg;
-        }""", "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [p, l0, l1, h0, h1], dtype=(tl.float8e4nv, tl.float8e4nv),
-        is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(_LOOKUP2_C, _LOOKUP2_CONS_C, [p, l0, l1, h0, h1],
+                                     dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -48,6 +48,31 @@ def random_packed(N: int, K: int, dev="cuda"):
     return codes, scales
 
 
+def probe_cases(layers: dict, ms, make=None):
+    """Cases of the device probes' GEMM-alone timing: per layer ``name -> (N, K)`` and per M, ``(name, N, K, sets, M,
+    x, xq, sx)``: ``sets`` rotating weight copies (``make(N, K)``, default ``random_packed``), ``x`` bf16 ``[M, K]``
+    and its per-token FP8 ``xq``, ``sx``. The copies are freed after each layer."""
+    from lowbit.ops.quant import per_token_quant
+
+    for name, (N, K) in layers.items():
+        sets = rotating_inputs(lambda: (make or random_packed)(N, K))
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            xq, sx = per_token_quant(x, "fp8")
+            yield name, N, K, sets, M, x, xq, sx
+        del sets
+        torch.cuda.empty_cache()
+
+
+def peer_gemm_fns(x, N: int, K: int, copies: int = 3) -> dict:
+    """cuBLAS bf16 and ``torch._scaled_mm`` FP8 row-wise (x pre-quantized) on ``copies`` random ``[N, K]`` weights,
+    as lists of callables for ``graph_us``."""
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(copies)]
+    mm = [peers.scaled_mm_rowwise(w, quantize_x=False) for w in ws]
+    px = peers.fp8_rowwise_act(x)
+    return {"cublas_bf16": [lambda w=w: F.linear(x, w) for w in ws], "scaled_mm_fp8": [lambda f=f: f(*px) for f in mm]}
+
+
 def lowbit_fns(codes, scales, K, *, silu_mul=False):
     from lowbit.ops.w4a8_fp8 import w4a8_fp8_gemm, w4a8_fp8_linear
 
