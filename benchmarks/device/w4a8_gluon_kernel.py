@@ -31,12 +31,14 @@ decode of one tile beside the previous tile's wgmma) close the M = 128 gap to ``
   (``FP8_LUT_PTX``); groups of 128 and 64. Split-K with the last-arriver reduction of the Triton kernel.
 
 Measured (H200, GEMM alone on pre-quantized x, CUDA graphs over rotated weight copies; ``s28_w4a8_gluon_r{1,2,3}.json``):
-the best variant per shape was at best level with the committed Triton path (qkv M = 128: 18.5 vs 19.7 us; gate_up
-M = 256: 96.7-99.7 vs 99-106) and slower elsewhere (gate_up M = 128 52.6 vs 50.5, down M = 128 37.7 vs 30.2, o M = 128
-17.8 vs 16.2); 3-4 programs per SM (``maxnreg`` 168 / 128) or 32-token tiles did not help. Nsight Compute (gate_up
+the best variant per shape beat the committed Triton path by 2-6 % on qkv (M = 128: 18.5 vs 19.6 us) and gate_up at
+M = 256 (96.7 vs 99.2-100.9) and lost elsewhere (gate_up M = 128 52.6 vs 50.5, o M = 128 17.8 vs 16.0, down M = 128
+37.6 vs 30.2); 3-4 programs per SM (``maxnreg`` 168 / 128) or 32-token tiles did not help. Nsight Compute (gate_up
 M = 128, ``BLOCK_N`` 64, ``BLOCK_T`` 128): 2 warps per scheduler, 4.5 cycles between issues per warp, 34% of the SM's
-compute and 55% of L2 throughput used: latency-bound per tile in both kernels, so reordering the waits inside one
-warpgroup does not pay; the next step is warp specialization (a loader warp and decoding consumer warpgroups).
+compute and 55% of L2 throughput used; neither more programs per SM nor 128-row programs (half the activation
+tile's L2 re-reads; gate_up M = 128 55.0 us) helped, so the cause is not isolated. Next, untested: per-instruction
+stall sampling, then a warp-specialized form (a loader warp, two decoding consumer warpgroups sharing one activation
+tile).
 """
 from __future__ import annotations
 
