@@ -143,12 +143,7 @@ def _rope_inputs(B, Hq, Hkv, TQ, D, dtype, seed=0):
 
 # (lengths incl. the new tokens, Hq, Hkv, TQ, D, page, splits): one split, several (fused combine), a split
 # boundary inside the new tokens (TQ = 4, splits of 16 keys), MQA, a length equal to TQ (no cached key)
-APPEND_CASES = [
-    ([37, 5], 4, 2, 1, 64, 16, None),
-    ([70, 129], 8, 2, 2, 128, 32, 3),
-    ([34, 4, 18], 4, 1, 4, 64, 16, 3),
-    ([100], 2, 2, 3, 32, 16, 5),
-]
+APPEND_CASES = CASES[:2] + [([34, 4, 18], 4, 1, 4, 64, 16, 3)] + CASES[3:]
 
 
 @pytest.mark.parametrize("lens,Hq,Hkv,TQ,D,page,splits", APPEND_CASES)

@@ -262,7 +262,7 @@ def supported(xq: torch.Tensor, codes: torch.Tensor, group_size: int, *, silu_mu
             and codes.stride(0) % 16 == 0 and codes.data_ptr() % 16 == 0)
 
 
-def gluon_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
+def gluon_config(M: int, N: int, K: int) -> dict:
     """Launch parameters: ``block_n`` weight rows (64 per warpgroup), ``block_t`` tokens, ``stages``, ``unroll`` and
     the split-K (until the programs fill the GPU ``ctas_per_sm`` times, keeping >= 4 K tiles per split)."""
     bt = 64 if M <= 64 else 128

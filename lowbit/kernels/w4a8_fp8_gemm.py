@@ -78,7 +78,7 @@ from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX
 from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols, tiled_shape
 from lowbit.formats.w4a8_fp8 import TILE_N as _TILE_N
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue, round_to_fp8_e4m3
-from lowbit.kernels.silu_mul import silu_mul_triton
+from lowbit.kernels.silu_mul import silu_mul_f32, silu_mul_triton
 
 BLOCK_K = PACK_BLOCK
 HALF_K = tl.constexpr(PACK_BLOCK // 2)
@@ -310,10 +310,7 @@ def _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta,
         y += b.to(tl.float32)[None, :]
     if SILU_MUL:
         gate, up = tl.split(tl.reshape(y, [y.shape[0], BLOCK_N // 2, 2]))
-        gate = gate.to(C.dtype.element_ty).to(tl.float32)
-        up = up.to(C.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(C.dtype.element_ty).to(tl.float32)
-        y = act * up
+        y = silu_mul_f32(gate, up, C.dtype.element_ty, False)  # the eager model's roundings
         cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     else:
         cols = offs_n
