@@ -326,6 +326,44 @@ def test_defer_promotion_is_bit_equal(M, N, K, g, split):
     assert rel_l2(outs[1].cpu(), ref) < (1e-5 if DEV == "cpu" else 3e-4)  # GPU: FP8 MMA sums within a K tile
 
 
+@pytest.mark.parametrize("M,N,K,g,full,split,kw", [
+    (130, 320, 600, 128, 2, 2, {}),                  # 2 m-tiles, 5 n-tiles: 2 whole, 3 split in 2
+    (70, 200, 900, 32, 1, 3, {"bias": True}),       # ragged N (4 n-tiles, the last one partial), K % 128 != 0
+    (90, 256, 1100, 64, 3, 4, {"silu": True}),      # SiLU*mul epilogue, one split tile
+])
+def test_hybrid_split_whole_tiles_then_split_tail(M, N, K, g, full, split, kw):
+    """``HYB_FULL`` (session 29): the first ``full`` n-tiles run whole, the rest split-K in the same launch. Each output
+    column equals bit for bit the launch that runs its tile the same way (SPLIT_K 1 for the whole tiles, ``split``
+    for the rest)."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    silu = kw.get("silu", False)
+    codes, sc, inv = _weights(N, K, g, seed=29, silu=silu)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    bias = torch.randn(N // 2 if silu else N).to(DEV) if kw.get("bias") else None
+    base = dict(pick_config(M, N, K))
+    assert base["BLOCK_N"] == 64 and base["SWAP_AB"]
+    run = lambda **c: w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32, bias=bias,
+                                    silu_mul=silu, config=dict(base, **c))
+    whole, splitk, hyb = run(SPLIT_K=1), run(SPLIT_K=split), run(SPLIT_K=split, HYB_FULL=full)
+    cut = full * 64 // (2 if silu else 1)
+    assert torch.equal(hyb[:, :cut], whole[:, :cut])
+    assert torch.equal(hyb[:, cut:], splitk[:, cut:])
+    again = run(SPLIT_K=split, HYB_FULL=full)  # the arrival counters were reset by the last arrivers
+    assert torch.equal(again, hyb)
+
+
+def test_hybrid_split_config_errors():
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    M, N, K, g = 100, 256, 512, 128
+    codes, sc, inv = _weights(N, K, g, seed=3)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    with pytest.raises(ValueError, match="HYB_FULL"):
+        w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g,
+                      config=dict(pick_config(M, N, K), SPLIT_K=2, HYB_FULL=1, SK_SEM=False))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,N,K", [(1, 17000, 1000), (5, 2 * 8448, 4096), (3, 4096, 10944)])
 def test_decode_defaults_on_gpu(M, N, K):

@@ -60,6 +60,9 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   commit/wait pairs. All of them leave the arithmetic unchanged (bit-equal on the GPU, R12). ``DEFER`` (with
   ``CAT``, ``SWAP_AB`` and ``ACC_TILE``): each K tile's FP8 product is added into the FP32 accumulator one iteration
   later (the next tile's dequantization comes first), same sums in the same order (bit-equal on the H200, S15).
+  ``HYB_FULL`` (runtime int, with single-launch split-K): n-tiles below it run whole, the rest ``SPLIT_K`` ways, in
+  one launch (grid axis 1 = ``HYB_FULL + (n_tiles - HYB_FULL) * SPLIT_K``; each tile bit-equal to the launch that
+  runs it the same way): the remainder of the mid-M waves (``pick_config``).
 
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
 Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
@@ -134,12 +137,21 @@ MID_FLAGS: dict = {"LUT2": True, "CAT": True, "DEFER": True}  # 64 < M < DEQUANT
 #   (54.0 / 52.4), group scales as one word (SWORD, 59.5); 64-token tiles won on o only (15.1) and lost on gate_up
 #   (61.3) and down (35.6). M <= 64 paths (s15_w4a8_decode.json): DEFER slower or equal there (gate_up M = 1 / 64
 #   22.6 / 31.3 vs 20.9 / 28.7, o M = 64 16.4 vs 15.9, qkv and down within 0.3 us): off.
-# - from M = 512: dequantize the weight once to FP8 and use torch._scaled_mm row-wise (R4, gate_up
+# - from M = DEQUANT_MIN_M (512 until session 29): dequantize the weight once to FP8 and use torch._scaled_mm row-wise (R4, gate_up
 #   M=1024: 233.9 us vs 431.5 us fused-dequant and 348.0 us for the Triton W_FP8 GEMM; R5, M=512:
 #   gate_up 148.6 vs 187.9 us, down 72.5 vs 122.2, 4096^2 26.2 vs 41.9 for the swap-AB kernel; at
 #   M=256 the swap-AB kernel still wins or ties: 101.8 vs 114.2, 66.0 vs 69.0, 24.8 vs 24.9 us;
-#   M=384 was not measured).
-DEQUANT_MIN_M = 512  # from this M: dequantize the weight once to FP8, then a plain FP8 GEMM
+#   M=384 was not measured). Session 29 (s29_w4a8_hybrid_od.json, GEMM alone, us, fused (with HYB_FULL where it
+#   applies) / dequantize + _scaled_mm): gate_up M=256 92.6 / 113.0, 384 135.1-145.0 / 136.8, 448 175.5 / 170.3, 511
+#   170.4-181.7 / 151.3; qkv M=384 41.4-47.7 / 37.9, 448 44.7 / 42.9, 511 44.3 / 36.9: from 384.
+DEQUANT_MIN_M = 384  # from this M: dequantize the weight once to FP8, then a plain FP8 GEMM
+# - mid-M hybrid split (``HYB_FULL``, session 29): the mid config's programs (222 registers, 81 KB shared memory) run 2
+#   per SM, and each one's time is set by its own latency chain, not by its SM neighbours: M = 128, K = 4096, GEMM
+#   alone, us: N = 16896 / 22528 / 28672 / 33792 (1 / 1.33 / 1.70 / 2 waves of 264 programs) 27.0 / 45.7 / 50.9 /
+#   51.6. A partial last wave costs a whole one. Where the remainder fits half a wave, its tiles run split-K 2 in
+#   the same launch behind the whole waves: gate_up M = 256 (896 tiles = 3 waves + 104) 92.9 vs 99.0; where it does
+#   not (M = 128: 264 + 184) splitting the tail loses (59.2 vs 50.5; s29_w4a8_hybrid.json).
+MID_CTAS_PER_SM = 2
 DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
 
 
@@ -159,7 +171,8 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
       27.6-38.6 us, M=128 gate_up 64.7 vs 58.1), a rotated K start per tile (no change), 6 stages.
     - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
       dequantized weight stays the register A operand (gate_up M=128: 59.4 us vs 72.6 us for 64x128
-      tiles without swap; R4), split-K until one wave.
+      tiles without swap; R4), split-K until one wave; beyond one wave (2 programs per SM), a remainder
+      that fits half a wave runs split-K 2 behind the whole waves (``HYB_FULL``, session 29).
     - M >= DEQUANT_MIN_M: ``MODE=DEQUANT_GEMM`` (dequantize once + FP8 GEMM); the tile entries are
       used by the Triton W_FP8 GEMM (``MODE="dequant"``, and where _scaled_mm cannot run).
     - Every fused-dequant config adds ``DECODE_FLAGS`` / ``LONG_K_FLAGS`` / ``MID_FLAGS`` (``LUT2``,
@@ -186,9 +199,23 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
         split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                     ACC_TILE=True, SWORD=False, **DECODE_FLAGS)
-    split = _split_k(cdiv(N, 64) * cdiv(M, 128), k_tiles, n_sm)
-    return dict(BLOCK_M=128, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
-                ACC_TILE=True, SWORD=False, **MID_FLAGS)
+    m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
+    split = _split_k(n_tiles * m_tiles, k_tiles, n_sm)
+    cfg = dict(BLOCK_M=128, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
+               ACC_TILE=True, SWORD=False, **MID_FLAGS)
+    if split == 1:
+        cfg.update(hybrid_split(n_tiles, m_tiles, k_tiles, MID_CTAS_PER_SM * n_sm))
+    return cfg
+
+
+def hybrid_split(n_tiles: int, m_tiles: int, k_tiles: int, slots: int) -> dict:
+    """``{SPLIT_K: 2, HYB_FULL: f}`` when the tiles overflow whole waves of ``slots`` resident programs by at most
+    half a wave (the remainder's tiles then run split-K 2 behind the whole waves), else ``{}``."""
+    if n_tiles * m_tiles <= slots or k_tiles < 8:
+        return {}
+    full = (n_tiles * m_tiles // slots) * slots // m_tiles  # whole n-tiles per m-tile row
+    rest = (n_tiles - full) * m_tiles
+    return {"SPLIT_K": 2, "HYB_FULL": full} if 0 < rest and 2 * rest <= slots else {}
 
 
 # The PTX of the two LUT steps (one copy: session 28's Gluon probe kernel, benchmarks/device/w4a8_gluon_kernel.py,
@@ -654,7 +681,7 @@ def _w4a8_fp8_gemm_kernel(
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
     SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr, TMA: tl.constexpr,
     TILED: tl.constexpr, LUT2: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, CAT: tl.constexpr,
-    DEFER: tl.constexpr = False,
+    DEFER: tl.constexpr = False, HYBRID: tl.constexpr = False, HYB_FULL=0,
 ):
     pdl_prologue(PDL, PDL_TRIGGER)  # PDL launch: wait for the producer of x / sx before any load
     k_tiles = tl.cdiv(K, 2 * HALF_K)
@@ -677,35 +704,61 @@ def _w4a8_fp8_gemm_kernel(
         pid_m = pid
         pid_n = tl.program_id(1)
     per = tl.cdiv(k_tiles, SPLIT_K)
+    is_full = False
+    if HYBRID:  # (GROUP_M == 1) n-tiles < HYB_FULL whole (no split), then SPLIT_K programs per n-tile
+        p = tl.program_id(1)
+        is_full = p < HYB_FULL
+        t = tl.maximum(p - HYB_FULL, 0)
+        pid_n = tl.where(is_full, p, HYB_FULL + t // SPLIT_K)
+        pid_k = tl.where(is_full, 0, t % SPLIT_K)
     kt0 = pid_k * per
     kt1 = tl.minimum(kt0 + per, k_tiles)
+    if HYBRID:
+        kt1 = tl.where(is_full, k_tiles, kt1)
     acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
                          pid_m, pid_n, pid_k, kt0, kt1, GROUP, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, LUT, IMPRECISE,
                          ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA, TILED,
                          LUT2, CAT, DEFER)
     offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    if SPLIT_K > 1:
-        ws = Ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        wmask = mask_m[:, None] & mask_n[None, :]
-        tl.store(ws + pid_k.to(tl.int64) * M * N, acc, mask=wmask)
-        if SK_SEM:
-            # single-launch split-K: the last program of the tile to arrive (atomic counter) sums the
-            # partials in split order (deterministic) and runs the epilogue; it resets the counter
-            tl.debug_barrier()
-            tile = pid_m * num_n + pid_n
-            cnt = tl.atomic_add(Lock + tile, 1, sem="acq_rel")
-            if cnt == SPLIT_K - 1:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(SPLIT_K):
-                    acc += tl.load(ws + s * M * N, mask=wmask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(Lock + tile, 0)
-                _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, Bias, Res, C, stride_rm,
-                          stride_cm, BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
+    if HYBRID:
+        if is_full:
+            _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, Bias, Res, C, stride_rm, stride_cm,
+                      BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
+        else:
+            _split_finish(acc, sx, offs_m, offs_n, pid_m, pid_n, pid_k, num_n, M, N, N_OUT, inv_delta, Bias, Res, C,
+                          Ws, Lock, stride_rm, stride_cm, BLOCK_M, BLOCK_N, SPLIT_K, SK_SEM, HAS_BIAS, HAS_RES,
+                          SILU_MUL)
+    elif SPLIT_K > 1:
+        _split_finish(acc, sx, offs_m, offs_n, pid_m, pid_n, pid_k, num_n, M, N, N_OUT, inv_delta, Bias, Res, C,
+                      Ws, Lock, stride_rm, stride_cm, BLOCK_M, BLOCK_N, SPLIT_K, SK_SEM, HAS_BIAS, HAS_RES, SILU_MUL)
     else:
         _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, Bias, Res, C, stride_rm, stride_cm,
                   BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
+
+
+@triton.jit
+def _split_finish(acc, sx, offs_m, offs_n, pid_m, pid_n, pid_k, num_n, M, N, N_OUT, inv_delta, Bias, Res, C, Ws, Lock,
+                  stride_rm, stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                  SK_SEM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr):
+    """A split-K partial -> the fp32 workspace ``Ws [SPLIT_K, M, N]``; with ``SK_SEM`` (single-launch split-K) the
+    last program of the tile to arrive (atomic counter) sums the partials in split order (deterministic), runs the
+    epilogue and resets the counter; otherwise ``_splitk_reduce_kernel`` does that in a second launch."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    ws = Ws + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    wmask = mask_m[:, None] & mask_n[None, :]
+    tl.store(ws + pid_k.to(tl.int64) * M * N, acc, mask=wmask)
+    if SK_SEM:
+        tl.debug_barrier()
+        tile = pid_m * num_n + pid_n
+        cnt = tl.atomic_add(Lock + tile, 1, sem="acq_rel")
+        if cnt == SPLIT_K - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                acc += tl.load(ws + s * M * N, mask=wmask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(Lock + tile, 0)
+            _epilogue(acc, sx, offs_m, offs_n, pid_n, M, N, N_OUT, inv_delta, Bias, Res, C, stride_rm,
+                      stride_cm, BLOCK_N, HAS_BIAS, HAS_RES, SILU_MUL)
 
 
 @triton.jit
@@ -791,6 +844,12 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
     sk_sem = split > 1 and cfg.get("SK_SEM", True)
     ws = torch.empty((split, M, N), dtype=torch.float32, device=a.device) if split > 1 else out
     grid = (cdiv(M, qrows), cdiv(N, bn), split)
+    hyb_full = int(cfg.get("HYB_FULL", 0))
+    hybrid = 0 < hyb_full < grid[1] and split > 1
+    if hybrid:  # whole tiles first, then the remaining n-tiles split-K (single launch, last arriver reduces)
+        if not sk_sem or cfg.get("GROUP_M", 1) > 1 or quant_a:
+            raise ValueError("config HYB_FULL needs single-launch split-K (SK_SEM), GROUP_M 1 and pre-quantized x")
+        grid = (grid[0], hyb_full + (grid[1] - hyb_full) * split, 1)
     lock = arrival_counters("w4a8_fp8", a.device, grid[0] * grid[1]) if sk_sem else out  # single-launch split-K
     dummy = sx
     tma = bool(cfg.get("TMA", False)) and not w_fp8 and bq.data_ptr() % 16 == 0 and bq.stride(0) % 16 == 0
@@ -816,6 +875,8 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(a, cfg.get("PDL")) else {"PDL": False}),
         PDL_TRIGGER=bool(cfg.get("PDL_TRIGGER", True)), CAT=bool(cfg.get("CAT", False)),
         DEFER=bool(cfg.get("DEFER", False) and cfg.get("CAT") and cfg.get("ACC_TILE") and cfg["SWAP_AB"]) and not quant_a,
+        **({"HYBRID": True, "HYB_FULL": hyb_full} if hybrid else {}),
+        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (ptxas spills above)
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:
