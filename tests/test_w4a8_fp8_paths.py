@@ -353,6 +353,21 @@ def test_hybrid_split_whole_tiles_then_split_tail(M, N, K, g, full, split, kw):
     assert torch.equal(again, hyb)
 
 
+@pytest.mark.parametrize("M,N,K,g,split", [(130, 200, 576, 64, 1), (70, 64, 1088, 128, 2), (200, 128, 128, 32, 1)])
+def test_xtma_activation_boxes_bit_equal(M, N, K, g, split):
+    """``XTMA`` (session 29): the mid-M path reads each ``[128, 128]`` x tile by TMA (rows >= M and columns >= K
+    read as 0, as the masked loads give): the output equals the pointer-load launch bit for bit."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, g, seed=41)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    base = dict(pick_config(M, N, K), SPLIT_K=split)
+    assert base["CAT"] and base.get("KSTEP", 1) == 1
+    outs = [w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32,
+                          config=dict(base, XTMA=t)) for t in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_hybrid_split_config_errors():
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
 

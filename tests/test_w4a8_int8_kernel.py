@@ -110,6 +110,23 @@ def test_dequantize_w8_and_w8_gemm(M, N, K, g, dev):
     assert rel_l2(y0, r) <= KERNEL_VS_REF[torch.float16]
 
 
+@pytest.mark.parametrize("M,N,K,g,bm,split,swap,w8", [
+    (130, 72, 400, 128, 128, 1, True, False),   # two row tiles (the second mostly past M), K % 128 != 0
+    (70, 40, 1024, 64, 64, 3, True, False),     # split-K, groups gathered per column
+    (20, 48, 256, -1, 16, 1, False, False),     # per-channel, no swap
+    (130, 64, 384, 128, 64, 2, False, True),    # the W8 path ([BLOCK_M, 128] boxes)
+])
+def test_xtma_activation_boxes_bit_equal(M, N, K, g, bm, split, swap, w8, dev):
+    """``XTMA`` (session 29): x tiles by TMA boxes (rows >= M and columns >= K read as 0; those rows are never
+    stored) give the pointer-load launch's output bit for bit, in-register and W8 paths."""
+    qw, xq, xs, b = _case(M, N, K, g, torch.bfloat16, dev, bias=True, seed=M + K)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=64, SPLIT_K=split, num_warps=4, num_stages=3, SWAP_AB=swap)
+    kw = {"w8": dequantize_w8(qw.qweight, qw.gscale, qw.gzs)} if w8 else {}
+    outs = [launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, K, qw.effective_group_size, torch.bfloat16,
+                   config=dict(cfg, XTMA=t), **kw)[0] for t in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("kstep,split", [(2, 1), (2, 3), (4, 2)])
 def test_kstep_and_l2_prefetch(kstep, split, dev):
     """KSTEP chunks per loop iteration (splits rounded to a multiple of it; the last one runs past Kp,

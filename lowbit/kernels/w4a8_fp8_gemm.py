@@ -62,7 +62,9 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   later (the next tile's dequantization comes first), same sums in the same order (bit-equal on the H200, S15).
   ``HYB_FULL`` (runtime int, with single-launch split-K): n-tiles below it run whole, the rest ``SPLIT_K`` ways, in
   one launch (grid axis 1 = ``HYB_FULL + (n_tiles - HYB_FULL) * SPLIT_K``; each tile bit-equal to the launch that
-  runs it the same way): the remainder of the mid-M waves (``pick_config``).
+  runs it the same way): the remainder of the mid-M waves (``pick_config``). ``XTMA`` (with ``CAT``, one K tile per
+  step, pre-quantized x with 16-byte rows): each ``[BLOCK_M, 128]`` x tile is one TMA box (rows >= M and columns >= K
+  read as 0, like the masked loads: bit-equal), instead of per-thread cp.async and their address arithmetic.
 
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
 Alignment: none required for correctness; 16-byte-aligned rows (K % 16 == 0, which all Llama
@@ -129,7 +131,7 @@ def use_pdl_linear(M: int, N: int, K: int) -> bool:
 #   down 39.2 / 40.5 / 34.5.
 DECODE_FLAGS: dict = {"LUT2": True, "CAT": True}  # M <= 64, 128-row wide-N and 64-row paths
 LONG_K_FLAGS: dict = {"LUT2": True}  # M <= 64, long-K (down) path: CAT lost at M = 1
-MID_FLAGS: dict = {"LUT2": True, "CAT": True, "DEFER": True}  # 64 < M < DEQUANT_MIN_M
+MID_FLAGS: dict = {"LUT2": True, "CAT": True, "DEFER": True, "XTMA": True}  # 64 < M < DEQUANT_MIN_M
 # - DEFER (session 15, H200, M = 128, GEMM alone, graph us, default / DEFER, bit-equal): qkv 20.75 / 19.73, o 16.97 /
 #   16.35, gate_up 52.2 / 50.6, down 32.1 / 30.4 (benchmarks/results/h200/s15_w4a8.json). The same run's losers at
 #   M = 128 (s15_w4a8_r1.json): KSTEP=2 (gate_up 92.5), the FP32 promotion once per 2 K tiles (78.6; and 3.3x the
@@ -137,6 +139,17 @@ MID_FLAGS: dict = {"LUT2": True, "CAT": True, "DEFER": True}  # 64 < M < DEQUANT
 #   (54.0 / 52.4), group scales as one word (SWORD, 59.5); 64-token tiles won on o only (15.1) and lost on gate_up
 #   (61.3) and down (35.6). M <= 64 paths (s15_w4a8_decode.json): DEFER slower or equal there (gate_up M = 1 / 64
 #   22.6 / 31.3 vs 20.9 / 28.7, o M = 64 16.4 vs 15.9, qkv and down within 0.3 us): off.
+# - XTMA (session 29, H200, GEMM alone, graph us, pointer loads / XTMA, bit-equal; s29_w4a8_hybrid_x.json): the x tile
+#   ([128, 128] FP8) as one TMA box instead of 8 cp.async per thread and their address chain (ncu: 30 % of the stall
+#   samples were fixed-latency waits, mostly on that chain); 222 -> 189 registers. gate_up M = 128 / 256 50.6-50.9 /
+#   93.5-93.7 -> 44.5-44.9 / 83.5-85.5, qkv 19.6-19.9 / 26.3-26.5 -> 18.7-18.8 / 22.8-23.2, o 16.9-17.1 / 20.5-21.0 ->
+#   16.7-16.9 / 19.6-19.9, down 31.7-32.0 / 48.6-48.8 -> 29.9-30.0 / 44.3-44.4. The codes by TMA as well lost (gate_up
+#   47.1-47.2), as they did alone (53.3-53.7). 3 stages with TMA codes or a 168-register cap give 3 programs per SM:
+#   faster only on gate_up M = 256 (79.1 vs 85.9; s29_w4a8_hybrid_y.json), slower on the 7 other shapes: not taken.
+#   The 64-row decode configs (s29_w4a8_hybrid_z.json, off / XTMA): o M = 16 / 32 / 64 8.56-8.62 / 10.18-10.23 /
+#   16.22-16.38 -> 8.92-8.96 / 10.28-10.32 / 13.58-13.75, qkv 9.88-9.89 / 11.04-11.09 / 13.81-13.88 -> 10.18-10.25 /
+#   11.03-11.05 / 13.72-13.78: XTMA with 64-token tiles (M = 33..64) only. M = 96 (mid): qkv 19.2-19.3 -> 18.1-18.2, o
+#   15.3 -> 15.1, gate_up 50.6-51.1 -> 45.6-45.7.
 # - from M = DEQUANT_MIN_M (512 until session 29): dequantize the weight once to FP8 and use torch._scaled_mm row-wise (R4, gate_up
 #   M=1024: 233.9 us vs 431.5 us fused-dequant and 348.0 us for the Triton W_FP8 GEMM; R5, M=512:
 #   gate_up 148.6 vs 187.9 us, down 72.5 vs 122.2, 4096^2 26.2 vs 41.9 for the swap-AB kernel; at
@@ -172,7 +185,8 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
     - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
       dequantized weight stays the register A operand (gate_up M=128: 59.4 us vs 72.6 us for 64x128
       tiles without swap; R4), split-K until one wave; beyond one wave (2 programs per SM), a remainder
-      that fits half a wave runs split-K 2 behind the whole waves (``HYB_FULL``, session 29).
+      that fits half a wave runs split-K 2 behind the whole waves (``HYB_FULL``, session 29); x tiles by TMA
+      (``XTMA``, session 29; also on the 64-token decode tiles).
     - M >= DEQUANT_MIN_M: ``MODE=DEQUANT_GEMM`` (dequantize once + FP8 GEMM); the tile entries are
       used by the Triton W_FP8 GEMM (``MODE="dequant"``, and where _scaled_mm cannot run).
     - Every fused-dequant config adds ``DECODE_FLAGS`` / ``LONG_K_FLAGS`` / ``MID_FLAGS`` (``LUT2``,
@@ -198,7 +212,7 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
         bn = 64
         split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
-                    ACC_TILE=True, SWORD=False, **DECODE_FLAGS)
+                    ACC_TILE=True, SWORD=False, **DECODE_FLAGS, XTMA=bm == 64)
     m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
     split = _split_k(n_tiles * m_tiles, k_tiles, n_sm)
     cfg = dict(BLOCK_M=128, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
@@ -510,14 +524,14 @@ def _tile_offsets(pid_m, pid_n, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _gemm_tile(
-    A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
+    A, A_scale, Bq, B_scale, Bdesc, Adesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
     pid_m, pid_n, pid_k, kt0, kt1,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, LUT: tl.constexpr, IMPRECISE: tl.constexpr, ACC_TILE: tl.constexpr,
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr,
     W_FP8: tl.constexpr, SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr,
     TMA: tl.constexpr, TILED: tl.constexpr, LUT2: tl.constexpr, CAT: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
+    DEFER: tl.constexpr = False, XTMA: tl.constexpr = False,
 ):
     """K tiles [kt0, kt1) of output tile (pid_m, pid_n) -> (acc [BLOCK_M, BLOCK_N] fp32 before
     scaling, the tile rows' per-token scales sx [BLOCK_M])."""
@@ -610,7 +624,10 @@ def _gemm_tile(
                 kmask = k_all < K
                 if KSTEP > 1:
                     kmask = kmask & (kt < kt1)
-                a_all = tl.load(a_rows + k_all[None, :], mask=mask_m[:, None] & kmask[None, :], other=0.0)
+                if XTMA:  # [BLOCK_M, 128] box by the tensor-memory accelerator (rows >= M, columns >= K read as 0)
+                    a_all = Adesc.load([pid_m * BLOCK_M, k0])
+                else:
+                    a_all = tl.load(a_rows + k_all[None, :], mask=mask_m[:, None] & kmask[None, :], other=0.0)
             else:
                 a_lo = tl.load(a_rows + k_lo[None, :], mask=mask_m[:, None] & kmask_lo[None, :], other=0.0)
                 a_hi = tl.load(a_rows + k_hi[None, :], mask=mask_m[:, None] & kmask_hi[None, :], other=0.0)
@@ -669,7 +686,7 @@ def _gemm_tile(
 @triton.jit
 def _w4a8_fp8_gemm_kernel(
     # pointers
-    A, A_scale, Bq, B_scale, Bias, Res, C, Ws, Lock, Bdesc,
+    A, A_scale, Bq, B_scale, Bias, Res, C, Ws, Lock, Bdesc, Adesc,
     # sizes / scalars
     M, N, K, N_OUT, inv_delta, amax_eps,
     # strides (last dims contiguous)
@@ -681,7 +698,7 @@ def _w4a8_fp8_gemm_kernel(
     QUANT_A: tl.constexpr, QROWS: tl.constexpr, RSTEP: tl.constexpr, QCH: tl.constexpr, QWIDE: tl.constexpr, W_FP8: tl.constexpr,
     SK_SEM: tl.constexpr, EMU: tl.constexpr, SWORD: tl.constexpr, KSTEP: tl.constexpr, TMA: tl.constexpr,
     TILED: tl.constexpr, LUT2: tl.constexpr, PDL: tl.constexpr, PDL_TRIGGER: tl.constexpr, CAT: tl.constexpr,
-    DEFER: tl.constexpr = False, HYBRID: tl.constexpr = False, HYB_FULL=0,
+    DEFER: tl.constexpr = False, HYBRID: tl.constexpr = False, HYB_FULL=0, XTMA: tl.constexpr = False,
 ):
     pdl_prologue(PDL, PDL_TRIGGER)  # PDL launch: wait for the producer of x / sx before any load
     k_tiles = tl.cdiv(K, 2 * HALF_K)
@@ -715,10 +732,10 @@ def _w4a8_fp8_gemm_kernel(
     kt1 = tl.minimum(kt0 + per, k_tiles)
     if HYBRID:
         kt1 = tl.where(is_full, k_tiles, kt1)
-    acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
+    acc, sx = _gemm_tile(A, A_scale, Bq, B_scale, Bdesc, Adesc, M, N, K, amax_eps, stride_am, stride_bn, stride_sn,
                          pid_m, pid_n, pid_k, kt0, kt1, GROUP, BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB, LUT, IMPRECISE,
                          ACC_TILE, QUANT_A, QROWS, RSTEP, QCH, QWIDE, W_FP8, SK_SEM, EMU, SWORD, KSTEP, TMA, TILED,
-                         LUT2, CAT, DEFER)
+                         LUT2, CAT, DEFER, XTMA)
     offs_m, offs_n = _tile_offsets(pid_m, pid_n, M, BLOCK_M, BLOCK_N, QROWS, RSTEP)
     if HYBRID:
         if is_full:
@@ -858,11 +875,19 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         bdesc = TensorDescriptor(bq, list(bq.shape), [bq.stride(0), 1], [bn, HALF_K.value])
+    # x by TMA (config XTMA; the CAT path with one K tile per step and pre-quantized x): one [BLOCK_M, 128] box
+    xtma = (bool(cfg.get("XTMA", False)) and not quant_a and bool(cfg.get("CAT")) and cfg.get("KSTEP", 1) == 1
+            and qrows == bm and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0)
+    adesc = a
+    if xtma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        adesc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, 2 * HALF_K.value])
     qwide = cfg.get("QWIDE", False)
     qch = max(HALF_K.value, min(2048 if qwide else 1024, 2048 // qrows))  # prologue columns per iteration
     compiled = _w4a8_fp8_gemm_kernel[grid](
         a, sx, bq, scales, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        out, ws, lock, bdesc,
+        out, ws, lock, bdesc, adesc,
         M, N, K, n_out, float(inv_delta), AMAX_EPS,
         a.stride(0), bq.stride(0), scales.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),
@@ -877,6 +902,7 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         DEFER=bool(cfg.get("DEFER", False) and cfg.get("CAT") and cfg.get("ACC_TILE") and cfg["SWAP_AB"]) and not quant_a,
         **({"HYBRID": True, "HYB_FULL": hyb_full} if hybrid else {}),
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),  # register cap (ptxas spills above)
+        **({"XTMA": True} if xtma else {}),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not sk_sem:

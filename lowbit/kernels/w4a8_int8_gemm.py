@@ -29,7 +29,9 @@ the epilogue, in the same launch: no memset, no cast kernel). BLOCK_K = 128 = on
 the packed tile is loaded as ``[BLOCK_N, 64]`` bytes (16-byte loads), its low nibbles are the
 tile's first 64 columns and its high nibbles the last 64, so the x tile is loaded as two
 contiguous halves and the product is two ``tl.dot`` of K = 64 (B transposed: k-major, as
-Hopper's int8 wgmma wants). Dequantization on the GPU is the 4-lanes-per-register PTX below
+Hopper's int8 wgmma wants). ``XTMA`` (pre-quantized x with 16-byte rows; on from the 64-token bucket, off on
+the W8 path): those halves are ``[BLOCK_M, 64]`` TMA boxes (``[BLOCK_M, 128]`` on the W8 path), rows >= M and
+columns >= K read as 0 (the pointer loads clamp rows >= M to row 0; those rows are never stored: bit-equal). Dequantization on the GPU is the 4-lanes-per-register PTX below
 (7 instructions per 8 weights); under the interpreter the same integers one lane at a time.
 
 Group parameters (g128 and any group that is a multiple of 128: one (s2, zs) per row and tile):
@@ -77,14 +79,18 @@ AMAX_EPS = tl.constexpr(_AMAX_EPS)
 # M bucket -> (BLOCK_M, BLOCK_N, SPLIT_K (0 = auto), num_warps, num_stages, programs per SM for
 # the auto split, extra constexpr flags). BLOCK_K = CHUNK = 128. Chosen from the device sweeps
 # (benchmarks/device/w4a8_int8.py, rounds r2-r4); see docs/sections/w4a8_int8.md.
+# XTMA (session 29; x tiles as TMA boxes instead of pointer loads, bit-equal; GEMM alone, H200, us, pointer / XTMA,
+# s29_int8_xtma.json): M = 64 qkv 14.2 / 13.1, gate_up 32.2 / 30.1, down 21.1 / 20.3; M = 128 qkv 19.1 / 15.7, gate_up
+# 49.0 / 44.7, down 37.6 / 35.1; M = 1024 qkv 65.1 / 54.6, o 35.5 / 32.4, gate_up 241.8 / 230.5; M = 4096 qkv 202.5 /
+# 190.6, gate_up 972.4 / 959.5. It lost on the W8 path (down M = 1024 126.0 / 132.0, 4096 439.6 / 452.9): off there.
 CONFIGS = {
     16: (16, 64, 0, 4, 4, 4, {}),
     32: (32, 64, 0, 4, 4, 2, {}),
-    64: (64, 64, 0, 4, 4, 2, {}),
+    64: (64, 64, 0, 4, 4, 2, {"XTMA": True}),
     # r8 (x pre-quantized, us): one 128-token tile, so each weight tile is dequantized once: down
     # 56.6 -> 43.0, gate_up 77.4 -> 56.7, o 23.6 -> 17.7 (the old 64x128 tile dequantized it twice)
-    128: (128, 64, 0, 4, 4, 2, {}),
-    1 << 62: (128, 128, 1, 8, 3, 1, {}),
+    128: (128, 64, 0, 4, 4, 2, {"XTMA": True}),
+    1 << 62: (128, 128, 1, 8, 3, 1, {"XTMA": True}),
 }
 # Large M: dequantize the UINT4 weight once to its INT8 level-1 values (a transient int8 [N, Kp]
 # buffer, ``dequantize_w8``: one read of N*Kp/2 bytes, one write of N*Kp) and run the same kernel as
@@ -326,7 +332,7 @@ def _bulk_prefetch_l2(W, rn, stride_wn, tile, KP, NBYTES: tl.constexpr):
 @triton.jit
 def _w4a8_int8_gemm_kernel(
     # pointers
-    X, XS, W, WS, GS, GZS, BIAS, OUT, PART, CNT,
+    X, XS, W, WS, GS, GZS, BIAS, OUT, PART, CNT, XD,
     # sizes (UP_OFF: elements from gate to up, ACT = 1)
     M, N, K, KP, NUM_GROUPS, TILES_PER_SPLIT, UP_OFF,
     # strides (elements; W in bytes; GS/GZS in their element: byte or, with GS_WORDS, int32 word)
@@ -338,7 +344,7 @@ def _w4a8_int8_gemm_kernel(
     FUSE_QUANT: tl.constexpr, QROWS: tl.constexpr, QCHUNK: tl.constexpr, UNROLL_REDUCE: tl.constexpr,
     ACT: tl.constexpr, L2_PREFETCH: tl.constexpr, JOIN_K: tl.constexpr, W8: tl.constexpr,
     KSTEP: tl.constexpr, PF_DIST: tl.constexpr, PF_BULK: tl.constexpr, W_TILED: tl.constexpr,
-    DP4A: tl.constexpr, PDL: tl.constexpr = False,
+    DP4A: tl.constexpr, PDL: tl.constexpr = False, XTMA: tl.constexpr = False,
 ):
     BLOCK_K: tl.constexpr = 128  # = lowbit.formats.w4a8_int8.CHUNK
     HALF: tl.constexpr = 64
@@ -425,7 +431,10 @@ def _w4a8_int8_gemm_kernel(
         for j in tl.static_range(KSTEP):  # KSTEP chunks per iteration: 64 * KSTEP contiguous bytes per row
             k0 = (t0 + i + j) * BLOCK_K
             if W8:  # one K = 128 dot, both operands straight from memory (wgmma from shared memory)
-                a = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_k)[None, :] < K, other=0)
+                if XTMA:  # [BLOCK_M, 128] box (rows >= M, columns >= K read as 0; rows >= M are not stored)
+                    a = XD.load([pid_m * BLOCK_M, k0])
+                else:
+                    a = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_k)[None, :] < K, other=0)
                 w = tl.load(w_ptrs + k0, mask=k0 < KP, other=0)
                 if SWAP_AB:
                     acc = tl.dot(w, tl.trans(a), acc, out_dtype=tl.int32)
@@ -437,6 +446,9 @@ def _w4a8_int8_gemm_kernel(
                     a_hi = _act_tile(x_ptrs + (k0 + HALF) * stride_xk, UP_OFF, xrow & ((k0 + HALF + offs_h)[None, :] < K), ACT)
                     a_lo = _quantize_tile(a_lo, sx, inv_sx, not USE_ASM)
                     a_hi = _quantize_tile(a_hi, sx, inv_sx, not USE_ASM)
+                elif XTMA:  # two [BLOCK_M, 64] boxes by the tensor-memory accelerator (as in the W8 path)
+                    a_lo = XD.load([pid_m * BLOCK_M, k0])
+                    a_hi = XD.load([pid_m * BLOCK_M, k0 + HALF])
                 else:
                     a_lo = tl.load(x_ptrs + k0 * stride_xk, mask=(k0 + offs_h)[None, :] < K, other=0)
                     a_hi = tl.load(x_ptrs + (k0 + HALF) * stride_xk, mask=(k0 + HALF + offs_h)[None, :] < K, other=0)
@@ -744,8 +756,17 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     else:
         part = cnt = wscale  # unused
     grid = (tiles, split)
+    # x by TMA (config XTMA): boxes of [BLOCK_M, 64] (in-register dequantization) or [BLOCK_M, 128] (W8)
+    xtma = (bool(cfg.pop("XTMA", False)) and not fuse_quant and not dp4a and xq.stride(1) == 1
+            and (xq.stride(0) * xq.element_size()) % 16 == 0 and xq.data_ptr() % 16 == 0)
+    xd = xq
+    if xtma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, bk if w8 is not None else bk // 2])
     kernel = _w4a8_int8_gemm_kernel[grid](
         xq, xscale, qweight if w8 is None else w8, wscale, gs, gz, bias if bias is not None else wscale, out, part, cnt,
+        xd,
         M, N, K, KP, G, tps, up_offset or 0,
         xq.stride(0), xq.stride(1), qweight.stride(0) if w8 is None else w8.stride(0), stride_g, out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, NSPLIT=split,
@@ -753,7 +774,7 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
         PREFETCH=prefetch, FUSE_QUANT=fuse_quant, QROWS=qrows, QCHUNK=qchunk, UNROLL_REDUCE=unroll,
         ACT=0 if up_offset is None else 1, L2_PREFETCH=l2pf,
         JOIN_K=cfg.pop("JOIN_K", False), W8=w8 is not None, KSTEP=kstep, PF_DIST=pf_dist, PF_BULK=pf_bulk,
-        W_TILED=bool(tiled) and w8 is None, DP4A=dp4a, PDL=pdl, **cfg,
+        W_TILED=bool(tiled) and w8 is None, DP4A=dp4a, PDL=pdl, **({"XTMA": True} if xtma else {}), **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out, kernel
