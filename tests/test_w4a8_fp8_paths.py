@@ -2,6 +2,7 @@
 (decode), single-launch split-K, dequantize-once + FP8 GEMM (large M), and the op/module dispatch."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.formats.common import interleave_rows
@@ -366,6 +367,26 @@ def test_xtma_activation_boxes_bit_equal(M, N, K, g, split):
     outs = [w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32,
                           config=dict(base, XTMA=t)) for t in (False, True)]
     assert torch.equal(outs[0], outs[1])
+
+
+@settings(max_examples=6, deadline=None)
+@given(M=st.integers(1, 300), N=st.integers(1, 400), K=st.integers(1, 700), g=st.sampled_from((32, 64, 128)),
+       full=st.integers(0, 6))
+def test_xtma_and_hybrid_fuzz(M, N, K, g, full):
+    """Random shapes (K % 16 != 0 falls back to pointer loads): ``XTMA`` equals the pointer loads bit for bit, and a
+    hybrid split over the same launch stays within the kernel tolerance of the reference."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    codes, sc, inv = _weights(N, K, g, seed=M + N + K)
+    xq, sx = quantize_per_token(torch.randn(M, K), FP8_E4M3)
+    base = dict(pick_config(M, N, K), BLOCK_N=64)
+    run = lambda **c: w4a8_fp8_gemm(xq.to(DEV), sx.to(DEV), codes, sc, inv, K, g, out_dtype=torch.float32,
+                                    config=dict(base, **c))
+    if base.get("CAT") and base.get("KSTEP", 1) == 1:
+        assert torch.equal(run(XTMA=False), run(XTMA=True))
+    ref = reference_gemm(xq, sx, codes.cpu(), sc.cpu(), inv, K, g, out_dtype=torch.float32)
+    hyb = run(SPLIT_K=2, HYB_FULL=full)
+    assert rel_l2(hyb.cpu(), ref) < SAME_REF
 
 
 def test_hybrid_split_config_errors():

@@ -2,7 +2,7 @@
 GPU, against the reference of the same numerics (lowbit.formats.w4a8_int8.gemm_ref)."""
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowbit.formats import w4a8_int8 as fmt
@@ -124,6 +124,18 @@ def test_xtma_activation_boxes_bit_equal(M, N, K, g, bm, split, swap, w8, dev):
     kw = {"w8": dequantize_w8(qw.qweight, qw.gscale, qw.gzs)} if w8 else {}
     outs = [launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, K, qw.effective_group_size, torch.bfloat16,
                    config=dict(cfg, XTMA=t), **kw)[0] for t in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 130), st.integers(2, 600), st.sampled_from([16, 64, 128]))
+def test_xtma_fuzz(M, N, K, bm):
+    """Random shapes (K % 16 != 0 falls back to pointer loads): ``XTMA`` equals the pointer loads bit for bit."""
+    dev = "cuda" if GPU else "cpu"
+    qw, xq, xs, b = _case(M, N, K, 128, torch.bfloat16, dev, seed=M * 7 + N + K)
+    cfg = dict(BLOCK_M=bm, BLOCK_N=64, SPLIT_K=1, num_warps=4, num_stages=2, SWAP_AB=True)
+    outs = [launch(xq, xs, qw.qweight, qw.wscale, qw.gscale, qw.gzs, b, K, qw.effective_group_size, torch.bfloat16,
+                   config=dict(cfg, XTMA=t))[0] for t in (False, True)]
     assert torch.equal(outs[0], outs[1])
 
 
