@@ -389,6 +389,25 @@ def test_xtma_and_hybrid_fuzz(M, N, K, g, full):
     assert rel_l2(hyb.cpu(), ref) < SAME_REF
 
 
+def test_hybrid_split_rule():
+    """``hybrid_split``: only when the tiles overflow whole waves by at most half a wave; ``pick_config`` applies it
+    to the mid-M configs at 2 programs per SM (session 29's measured cases) and switches to dequantize-once at 384."""
+    from lowbit.kernels.w4a8_fp8_gemm import DEQUANT_MIN_M, MID_CTAS_PER_SM, hybrid_split, pick_config
+
+    assert hybrid_split(448, 1, 32, 264) == {}  # 264 + 184: more than half a wave left
+    assert hybrid_split(448, 2, 32, 264) == {"SPLIT_K": 2, "HYB_FULL": 396}  # 3 waves + 104 tiles
+    assert hybrid_split(96, 3, 32, 264) == {"SPLIT_K": 2, "HYB_FULL": 88}  # 264 + 24
+    assert hybrid_split(200, 1, 32, 264) == {}  # one wave
+    assert hybrid_split(448, 2, 4, 264) == {}  # too few K tiles to split
+    assert MID_CTAS_PER_SM == 2 and DEQUANT_MIN_M == 384
+    assert pick_config(256, 28672, 4096).get("HYB_FULL") == 396
+    assert "HYB_FULL" not in pick_config(128, 28672, 4096)
+    assert pick_config(320, 6144, 4096).get("HYB_FULL") == 88
+    assert pick_config(384, 6144, 4096)["MODE"] == "scaled_mm"
+    assert pick_config(128, 28672, 4096)["XTMA"] and pick_config(64, 4096, 4096)["XTMA"]
+    assert not pick_config(16, 4096, 4096)["XTMA"]
+
+
 def test_hybrid_split_config_errors():
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
 

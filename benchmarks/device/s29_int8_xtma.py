@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench.harness import env_info, graph_us, probe_args, probe_row, rotating_inputs, write_probe  # noqa: E402
+from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, rotating_inputs, write_probe  # noqa: E402
 from lowbit.bench.suites.w4a8_fp8 import peer_gemm_fns  # noqa: E402
 from lowbit.bench.suites.w4a8_int8 import LLAMA3_8B, _qoq  # noqa: E402
 from lowbit.kernels.w4a8_int8_gemm import dequantize_w8, launch, pick_config, use_w8  # noqa: E402
@@ -20,9 +20,7 @@ from lowbit.ops.quant import per_token_quant  # noqa: E402
 
 a = probe_args("x")
 MS = [int(m) for m in os.environ.get("S29_MS", "64,128,256,1024,4096").split(",")]
-doc = {"env": env_info(" ".join(f"{k}={os.environ[k]}" for k in ("S29_MS",) if k in os.environ)
-                      + " PYTHONPATH=$PWD python3 benchmarks/device/s29_int8_xtma.py " + " ".join(sys.argv[1:])),
-       "rows": {}}
+doc = probe_doc("benchmarks/device/s29_int8_xtma.py", ("S29_MS",))
 
 
 def fn(q, xq, xs, K, xtma):

@@ -20,15 +20,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench.harness import env_info, graph_us, probe_args, probe_row, write_probe  # noqa: E402
+from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, write_probe  # noqa: E402
 from lowbit.bench.suites.w4a8_fp8 import GROUP, peer_gemm_fns, probe_cases  # noqa: E402
 from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm  # noqa: E402
 
 a = probe_args("wh")
 MS = [int(m) for m in os.environ.get("S29_MS", "128,256").split(",")]
-doc = {"env": env_info(" ".join(f"{k}={os.environ[k]}" for k in ("S29_MS",) if k in os.environ)
-                      + " PYTHONPATH=$PWD python3 benchmarks/device/s29_w4a8_hybrid.py " + " ".join(sys.argv[1:])),
-       "rows": {}}
+doc = probe_doc("benchmarks/device/s29_w4a8_hybrid.py", ("S29_MS",))
 
 
 def fns(sets, xq, sx, K, cfg):
@@ -37,6 +35,16 @@ def fns(sets, xq, sx, K, cfg):
 
 def rel(a_, b_):
     return ((a_.float() - b_.float()).norm() / b_.float().norm()).item()
+
+
+def compare_and_time(row, variants, sets, xq, sx, K, y0, reps):
+    """Each variant's rel-L2 against ``y0`` on the first weight set, then ``reps`` alternations of their graph times."""
+    for vn, cfg in variants.items():
+        y = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cfg)
+        row[vn + "_rel"] = float(f"{rel(y, y0):.2e}")
+    for rep in range(reps):
+        for vn, cfg in variants.items():
+            row.setdefault(vn + "_us", []).append(round(graph_us(fns(sets, xq, sx, K, cfg)), 2))
 
 
 if "w" in a.parts:
@@ -62,12 +70,7 @@ if "h" in a.parts:
                 variants[f"hyb{f}_s{s}"] = dict(base, SPLIT_K=s, HYB_FULL=f)
         ref = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=base)
         row = {"N": N, "K": K, "M": M, "n_tiles": ntiles, "m_tiles": mt}
-        for vn, cfg in variants.items():
-            y = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cfg)
-            row[vn + "_rel"] = float(f"{rel(y, ref):.2e}")
-        for rep in range(2):  # two alternations of every variant
-            for vn, cfg in variants.items():
-                row.setdefault(vn + "_us", []).append(round(graph_us(fns(sets, xq, sx, K, cfg)), 2))
+        compare_and_time(row, variants, sets, xq, sx, K, ref, 2)  # two alternations of every variant
         for pn, pf in peer_gemm_fns(x, N, K).items():
             row[pn + "_us"] = round(graph_us(pf), 2)
         probe_row(doc, f"h_{name}_m{M}", row)
@@ -120,12 +123,7 @@ if "o" in a.parts:  # more programs per SM: fewer stages / a register cap, with 
                 h = hybrid_split(-(-N // 64), -(-M // 128), -(-K // BLOCK_K), ctas * 132)
                 if h:
                     variants[c + "_hyb"] = dict(cfg, **h)
-        for vn, cfg in variants.items():
-            y = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cfg)
-            row[vn + "_rel"] = float(f"{rel(y, y0):.2e}")
-        for rep in range(2):
-            for vn, cfg in variants.items():
-                row.setdefault(vn + "_us", []).append(round(graph_us(fns(sets, xq, sx, K, cfg)), 2))
+        compare_and_time(row, variants, sets, xq, sx, K, y0, 2)
         probe_row(doc, f"o_{name}_m{M}", row)
 
 if "d" in a.parts:  # dequantize-once + torch._scaled_mm (the M >= 512 path) below 512
@@ -148,12 +146,7 @@ if "m" in a.parts:  # decode (128-row TMA tiles): whole tiles on every SM, the r
                     variants[f"hyb{f}_s{sp}"] = dict(base, SPLIT_K=sp, HYB_FULL=f)
         y0 = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=base)
         row = {"N": N, "K": K, "M": M, "n_tiles": nt}
-        for vn, cfg in variants.items():
-            y = w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cfg)
-            row[vn + "_rel"] = float(f"{rel(y, y0):.2e}")
-        for rep in range(3):
-            for vn, cfg in variants.items():
-                row.setdefault(vn + "_us", []).append(round(graph_us(fns(sets, xq, sx, K, cfg)), 2))
+        compare_and_time(row, variants, sets, xq, sx, K, y0, 3)
         probe_row(doc, f"m_{name}_m{M}", row)
 if "x" in a.parts:  # x tiles by TMA (XTMA), and the codes by TMA too, at M = 128 / 256
     for name, N, K, sets, M, x, xq, sx in probe_cases({"gate_up": (28672, 4096), "qkv": (6144, 4096),

@@ -180,6 +180,15 @@ def probe_args(default_parts: str):
     return args
 
 
+def probe_doc(script: str, env_keys=()) -> dict:
+    """A device probe's result document: ``env`` (``env_info``) with the command that ran it (the set variables of
+    ``env_keys``, then ``PYTHONPATH=$PWD python3 <script> <argv>``) and empty ``rows``."""
+    import sys
+
+    env = " ".join(f"{k}={os.environ[k]}" for k in env_keys if k in os.environ)
+    return {"env": env_info(f"{env} PYTHONPATH=$PWD python3 {script} " + " ".join(sys.argv[1:])), "rows": {}}
+
+
 def probe_row(doc: dict, key: str, row: dict) -> None:
     """Store one row of a device probe under ``doc['rows'][key]`` and print it (the device log keeps it even if a
     later row faults)."""
