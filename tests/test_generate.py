@@ -83,6 +83,7 @@ def test_cuda_graph_decode_matches_eager_gpu():
         assert torch.equal(a.cpu(), b.cpu())
 
 
+@pytest.mark.interpreter  # CPU tensors; on the GPU: test_rope_kernel_gpu_and_graph_runner
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_kernel_bit_equal_to_eager(dtype):
     """``lowbit.kernels.rope`` (interpreter on CPU) == the runner's eager RoPE, bit for bit: strided
@@ -109,6 +110,7 @@ def test_rope_kernel_bit_equal_to_eager(dtype):
         rope_triton(x.float(), cos, sin)
 
 
+@pytest.mark.interpreter  # a CPU model; on the GPU: test_rope_kernel_gpu_and_graph_runner
 def test_runner_rope_kernel_same_tokens():
     """bf16 model, dense cache: q and k rotated in ONE launch over the fused q/k/v output (kernel
     under the interpreter on CPU) give the eager runner's tokens."""
@@ -178,26 +180,27 @@ def _qkv_rope_inputs(g, B, T, Hkv, G, D, dtype, dev):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kv4_append_rotates_q_too(dtype):
     """``kv4_append``'s ROPE_Q (the runner's ``rope_q_append``): the cache written is the one without
-    it, and q_out is ``lowbit.kernels.rope``'s result bit for bit (interpreter on CPU)."""
+    it, and q_out is ``lowbit.kernels.rope``'s result bit for bit (interpreter on CPU, compiled on a GPU)."""
     pytest.importorskip("triton")
     from lowbit.kernels.kv4_append import kv4_append_triton
     from lowbit.kernels.rope import rope_triton
 
+    dev = "cuda" if GPU else "cpu"
     g = torch.Generator().manual_seed(3)
     B, Hkv, G, T, D, PAGE = 2, 2, 2, 3, 16, 16
-    q, k, v, cos, sin = _qkv_rope_inputs(g, B, T, Hkv, G, D, dtype, "cpu")
-    pt = torch.arange(2 * B, dtype=torch.int32).view(B, 2)
-    start = torch.tensor([0, 5], dtype=torch.int32)
+    q, k, v, cos, sin = _qkv_rope_inputs(g, B, T, Hkv, G, D, dtype, dev)
+    pt = torch.arange(2 * B, dtype=torch.int32, device=dev).view(B, 2)
+    start = torch.tensor([0, 5], dtype=torch.int32, device=dev)
 
     def cache():
-        return dict(k_codes=torch.zeros(2 * B, Hkv, PAGE, D // 2, dtype=torch.uint8),
-                    k_scale=torch.zeros(2 * B, Hkv, PAGE, dtype=torch.float8_e4m3fn),
-                    v_codes=torch.zeros(2 * B, Hkv, PAGE, D // 2, dtype=torch.uint8),
-                    v_scale=torch.zeros(2 * B, Hkv, PAGE, dtype=torch.float8_e4m3fn))
+        return dict(k_codes=torch.zeros(2 * B, Hkv, PAGE, D // 2, dtype=torch.uint8, device=dev),
+                    k_scale=torch.zeros(2 * B, Hkv, PAGE, dtype=torch.float8_e4m3fn, device=dev),
+                    v_codes=torch.zeros(2 * B, Hkv, PAGE, D // 2, dtype=torch.uint8, device=dev),
+                    v_scale=torch.zeros(2 * B, Hkv, PAGE, dtype=torch.float8_e4m3fn, device=dev))
 
     c0, c1 = cache(), cache()
     kv4_append_triton(k, v, page_table=pt, start=start, cos=cos, sin=sin, **c0)
-    qo = torch.empty(B, T, Hkv * G, D, dtype=dtype).transpose(1, 2)
+    qo = torch.empty(B, T, Hkv * G, D, dtype=dtype, device=dev).transpose(1, 2)
     kv4_append_triton(k, v, page_table=pt, start=start, cos=cos, sin=sin, q=q, q_out=qo, **c1)
     for n in c0:
         assert torch.equal(c0[n].view(torch.uint8), c1[n].view(torch.uint8)), n
@@ -205,6 +208,7 @@ def test_kv4_append_rotates_q_too(dtype):
     assert torch.equal(qo.contiguous().view(torch.int16), ref.contiguous().view(torch.int16))
 
 
+@pytest.mark.interpreter  # CPU tensors; on the GPU: test_float_append_rope_bit_equal_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("Hkv,G,T,page", [(2, 2, 1, 16), (1, 3, 2, 8), (3, 1, 3, 32)])
 def test_float_append_rope_bit_equal(dtype, Hkv, G, T, page):
