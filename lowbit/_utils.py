@@ -112,15 +112,23 @@ def arg_specialization(args: Iterable) -> tuple:
                  for a in args)
 
 
-ARRIVAL_COUNTERS: dict = {}  # (owner, device) -> int32 counters of the single-launch split reductions
+ARRIVAL_COUNTERS: dict = {}  # (owner, device, stream) -> int32 counters of the single-launch split reductions
+
+
+def stream_key(device) -> int:
+    """The current CUDA stream's handle on ``device`` (0 off CUDA): per-stream scratch buffers key by it."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def arrival_counters(owner: str, device, n: int) -> torch.Tensor:
-    """At least ``n`` zeroed int32 arrival counters of ``owner`` (a kernel family) on ``device``: the single-launch
-    split reductions (the program that arrives last combines the partials and resets its counter, so every launch
-    leaves them at zero: no memset per call, none inside a CUDA graph once a warm-up call has sized them). One
-    buffer per owner, so launches of different families never share a counter."""
-    key = (owner, device.type, device.index)
+    """At least ``n`` zeroed int32 arrival counters of ``owner`` (a kernel family) on ``device`` and the current
+    stream: the single-launch split reductions (the program that arrives last combines the partials and resets its
+    counter, so every launch leaves them at zero: no memset per call). One buffer per owner and stream: launches of
+    different families, or of one family on two streams at once, never share a counter (session 29; before, the
+    buffer was per owner only, and two streams running the same kernel family concurrently could miscount). A CUDA
+    graph captured on a stream that has no buffer yet allocates it (and its zeroing) inside the capture, as
+    ``w4a8_int8_gemm``'s workspace always did."""
+    key = (owner, device.type, device.index, stream_key(device))
     c = ARRIVAL_COUNTERS.get(key)
     if c is None or c.numel() < n:
         c = ARRIVAL_COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)

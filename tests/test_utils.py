@@ -1,4 +1,4 @@
-"""``lowbit._utils.derived`` / ``cached_dense`` (values kept per tensor; the CPU reference paths' dense weights) and ``formats.w4a8_int8.exact_int_dot``."""
+"""``lowbit._utils.derived`` / ``cached_dense`` (values kept per tensor; the CPU reference paths' dense weights), ``formats.w4a8_int8.exact_int_dot`` and the per-stream arrival counters of the split reductions."""
 import pytest
 import torch
 
@@ -102,3 +102,27 @@ def test_lut_table_values_are_kept_per_table_tensor():
     table[3] += 0.05  # in place: both values follow
     assert not _uniform(table)
     assert torch.equal(_pairs_for(table, 4, torch.float16), pair_table(table, 4, torch.float16))
+
+
+def test_arrival_counters_per_owner_and_stream(monkeypatch):
+    """One zeroed counter buffer per (owner, device, stream), reused while large enough, grown on demand: two streams
+    running one kernel family at once never share a counter (session 29)."""
+    import lowbit._utils as U
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(U, "ARRIVAL_COUNTERS", {})
+    monkeypatch.setattr(U, "stream_key", lambda d: 7)
+    a = U.arrival_counters("fam", dev, 10)
+    assert a.numel() >= 10 and a.dtype == torch.int32 and int(a.abs().sum()) == 0
+    assert U.arrival_counters("fam", dev, 100) is a  # large enough: the same buffer
+    assert U.arrival_counters("other", dev, 10) is not a  # another family
+    big = U.arrival_counters("fam", dev, 10000)
+    assert big.numel() >= 10000 and big is not a
+    monkeypatch.setattr(U, "stream_key", lambda d: 8)  # another stream
+    assert U.arrival_counters("fam", dev, 10) is not big
+
+
+def test_stream_key_off_cuda():
+    from lowbit._utils import stream_key
+
+    assert stream_key(torch.device("cpu")) == 0

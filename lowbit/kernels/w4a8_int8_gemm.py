@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_key
 from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
 from lowbit.kernels.act_quant import pdl_enabled, silu_mul_rounded
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -784,15 +784,12 @@ _WORKSPACES: dict = {}
 
 
 def _split_workspace(device: torch.device, n_partial: int, n_tiles: int):
-    """INT32 partial tiles and per-tile arrival counters for split-K, one pair per (device, stream),
-    grown on demand. The counters start at 0 and the kernel leaves them at 0 (the last program of a
-    tile re-arms its counter), so no memset launch is needed per call; launches on one stream are
-    ordered, and each stream has its own pair."""
-    key = (device.type, device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    part, cnt = _WORKSPACES.get(key, (None, None))
+    """INT32 partial tiles (one buffer per device and stream, grown on demand) and per-tile arrival counters
+    (``lowbit._utils.arrival_counters``, per stream too). The counters start at 0 and the kernel leaves them at 0
+    (the last program of a tile re-arms its counter), so no memset launch is needed per call; launches on one
+    stream are ordered, and each stream has its own buffers."""
+    key = (device.type, device.index, stream_key(device))
+    part = _WORKSPACES.get(key)
     if part is None or part.numel() < n_partial:
-        part = torch.empty(max(n_partial, 1 << 20), device=device, dtype=torch.int32)
-    if cnt is None or cnt.numel() < n_tiles:
-        cnt = torch.zeros(max(n_tiles, 4096), device=device, dtype=torch.int32)
-    _WORKSPACES[key] = (part, cnt)
-    return part, cnt
+        part = _WORKSPACES[key] = torch.empty(max(n_partial, 1 << 20), device=device, dtype=torch.int32)
+    return part, arrival_counters("w4a8_int8", device, n_tiles)
