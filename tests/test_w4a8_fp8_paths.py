@@ -558,3 +558,28 @@ def test_pdl_linear_in_cuda_graph(M, N, K):
     finally:
         kmod.DECODE_FLAGS.clear()
         kmod.DECODE_FLAGS.update(old)
+
+
+@pytest.mark.gpu
+def test_split_k_on_two_streams_at_once():
+    """Single-launch split-K GEMMs of one family on two CUDA streams at once (session 29: the arrival counters are per
+    stream): every output equals the same launch run alone, bit for bit, over many interleaved launches."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
+
+    M, N, K, g = 4, 4096, 14336, 128  # the long-K decode config: split-K over many programs
+    codes, sc, inv = _weights(N, K, g, seed=5)
+    xs = [quantize_per_token(torch.randn(M, K, generator=torch.Generator().manual_seed(i)), FP8_E4M3) for i in (0, 1)]
+    xs = [(a.to(DEV), b.to(DEV)) for a, b in xs]
+    cfg = pick_config(M, N, K)
+    assert cfg["SPLIT_K"] > 1
+    ref = [w4a8_fp8_gemm(a, b, codes, sc, inv, K, g, out_dtype=torch.float32, config=cfg) for a, b in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[], []]
+    torch.cuda.synchronize()
+    for _ in range(50):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                outs[i].append(w4a8_fp8_gemm(*xs[i], codes, sc, inv, K, g, out_dtype=torch.float32, config=cfg))
+    torch.cuda.synchronize()
+    for i in (0, 1):
+        assert all(torch.equal(y, ref[i]) for y in outs[i]), i
