@@ -151,6 +151,33 @@ def interpret_mode() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def tma_capable(t: torch.Tensor) -> bool:
+    """Whether a kernel may read ``t`` through a tensor-memory-accelerator descriptor: on a CUDA device of compute
+    capability >= 9 (Hopper; Ada and Ampere have no TMA), or on the CPU under the interpreter (which emulates
+    descriptors, so the tests run those paths)."""
+    if t.is_cuda:
+        return _cuda_major(t.device.index if t.device.index is not None else torch.cuda.current_device()) >= 9
+    return interpret_mode()
+
+
+def tma_descriptor(t: torch.Tensor, block: Sequence[int]):
+    """A host TMA descriptor of the 2-D ``t`` with boxes ``block`` (out-of-bounds elements read as 0), or None
+    where TMA cannot read it (``tma_capable``; a unit last stride, a 16-byte-aligned base and row stride are
+    needed): the caller then keeps its pointer loads."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return None
+    if not tma_capable(t):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block))
+
+
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

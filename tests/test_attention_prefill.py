@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lowbit._utils import triton_available
 from lowbit.formats import attention_quant as aq
 from lowbit.ops import attention_prefill as ap
 from lowbit.ops.attention import attention_ref
@@ -95,7 +96,7 @@ def test_fused_kv_prologue_equals_two_launches(mode, vg, causal, chunk):
     from lowbit._utils import interpret_mode
     from lowbit.kernels.attention_prefill import quant_attention_triton
 
-    if not ap._triton_ok() or not interpret_mode():
+    if not triton_available() or not interpret_mode():
         pytest.skip("interpreter only (the GPU script checks the fused path on the device)")
     dt = torch.float16 if mode == "int8-qk" else torch.float32
     q, k, v = _qkv(1, 4, 2, 19, 37, 32, dtype=dt, seed=21)
@@ -118,7 +119,7 @@ def test_q_prepass_equals_in_register_q(mode, causal, tma):
     from lowbit.kernels.attention_prefill import quant_attention_triton
     from lowbit.kernels.attention_quant import quantize_kv_triton
 
-    if not ap._triton_ok() or not interpret_mode():
+    if not triton_available() or not interpret_mode():
         pytest.skip("interpreter only (the GPU script checks q_pre on the device)")
     dt = torch.float16 if mode == "int8-qk" else torch.float32
     q, k, v = _qkv(1, 4, 2, 19, 37, 32, dtype=dt, seed=23)
@@ -157,7 +158,7 @@ def test_tma_descriptor_path(mode):
     from lowbit.kernels.attention_quant import quantize_kv_triton
     from lowbit.ops.attention_prefill import reference
 
-    if not ap._triton_ok() or not __import__("lowbit._utils", fromlist=["x"]).interpret_mode():
+    if not triton_available() or not __import__("lowbit._utils", fromlist=["x"]).interpret_mode():
         pytest.skip("interpreter only (the GPU script checks TMA on the device)")
     q, k, v = _qkv(2, 4, 2, 21, 37, 32, dtype=torch.float16 if mode == "int8-qk" else torch.float32, seed=12)
     cfg = {**default_config(mode, 32, True, 21), "tma": True}
@@ -378,7 +379,7 @@ def test_exp2_polynomial_accuracy(dev):
     """``_exp2_poly`` (FlashAttention-4's exp2 on the FMA pipe, option ``poly``): max relative error
     < 2e-4 over the softmax range, exact powers of two at integers, -inf and very negative inputs
     give ~0 (clamped at 2^-126), no NaN. Runs the @triton.jit helper (interpreter on the CPU, compiled on CUDA)."""
-    if not ap._triton_ok() or _exp2_test_kernel is None:
+    if not triton_available() or _exp2_test_kernel is None:
         pytest.skip("no Triton backend")
     k = _exp2_test_kernel
     ints = torch.arange(-20.0, 9.0)
@@ -404,7 +405,7 @@ def test_poly_exp2_option_matches_reference(mode):
     (the polynomial's 1.2e-4 is far below the P rounding of FP8 / INT8)."""
     from lowbit.kernels.attention_prefill import quant_attention_triton
 
-    if not ap._triton_ok():
+    if not triton_available():
         pytest.skip("no Triton backend")
     q, k, v = _qkv(1, 4, 2, 33, 47, 32, seed=5)
     kw = dict(mode=mode, causal=True, sm_scale=32 ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
@@ -456,7 +457,7 @@ def test_vperm_layout_matches_plain(mode, causal):
     from lowbit.kernels.attention_prefill_gluon import permute_vt, vperm_pos
     from lowbit.kernels.attention_quant import quantize_kv_triton
 
-    if not ap._triton_ok():
+    if not triton_available():
         pytest.skip("no Triton backend")
     t = torch.arange(96)
     assert sorted(vperm_pos(t).tolist()) == list(range(96))
@@ -486,7 +487,7 @@ def test_vperm_quantization_writes_permuted_vt(mode):
     from lowbit.kernels.attention_prefill_gluon import permute_vt
     from lowbit.kernels.attention_quant import kv4_to_fp8_triton, quantize_kv_triton
 
-    if not ap._triton_ok():
+    if not triton_available():
         pytest.skip("no Triton backend")
     q, k, v = _qkv(1, 2, 1, 19, 45, 32, seed=4)
     dt = torch.float8_e4m3fn if mode == "fp8" else torch.int8
@@ -516,7 +517,7 @@ def test_exp16_option_matches_reference(causal, dev):
     float64 stays within the fp8 ceiling and near the fp32 numerator's."""
     from lowbit.kernels.attention_prefill import default_config, quant_attention_triton
 
-    if not ap._triton_ok():
+    if not triton_available():
         pytest.skip("no Triton backend")
     q, k, v = _qkv(1, 4, 2, 33, 47, 64, seed=7)
     bn = default_config("fp8", 64, causal, 33)["BLOCK_N"]

@@ -126,3 +126,20 @@ def test_stream_key_off_cuda():
     from lowbit._utils import stream_key
 
     assert stream_key(torch.device("cpu")) == 0
+
+
+def test_tma_descriptor_only_where_tma_can_read(monkeypatch):
+    """``tma_descriptor``: a descriptor for a 2-D tensor with a unit last stride and 16-byte base / rows on a
+    TMA-capable device (the CPU only under the interpreter); None otherwise, so launchers keep their pointer loads."""
+    import lowbit._utils as U
+
+    pytest.importorskip("triton")
+    t = torch.zeros(8, 64, dtype=torch.uint8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert U.tma_descriptor(t, [8, 64]) is not None
+    assert U.tma_descriptor(t[:, 1:], [8, 32]) is None  # base not 16-byte aligned
+    assert U.tma_descriptor(torch.zeros(8, 40, dtype=torch.uint8), [8, 32]) is None  # 40-byte rows
+    assert U.tma_descriptor(t.t(), [8, 8]) is None  # last stride not 1
+    assert U.tma_descriptor(torch.zeros(2, 8, 64, dtype=torch.uint8), [8, 64]) is None  # not 2-D
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not U.tma_capable(t) and U.tma_descriptor(t, [8, 64]) is None  # CPU without the interpreter

@@ -82,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode
+from lowbit._utils import cdiv, interpret_mode, tma_capable
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 from lowbit.kernels.attention_quant import _kv_quant_task
@@ -649,11 +649,9 @@ def _attn_fwd(
 
 # ----------------------------------------------------------------------------------------- launcher
 def _tma_ok(k, v, mode) -> bool:
-    """TMA descriptors need contiguous operands with 16-byte rows (our quantized K/V always are;
-    a strided KV4 cache view falls back to pointer loads)."""
-    if interpret_mode():
-        pass  # the interpreter emulates descriptors (tests exercise this path on the CPU)
-    elif not k.is_cuda or torch.cuda.get_device_capability(k.device)[0] < 9:
+    """TMA descriptors need a TMA-capable device (``lowbit._utils.tma_capable``) and contiguous operands with
+    16-byte rows (our quantized K/V always are; a strided KV4 cache view falls back to pointer loads)."""
+    if not tma_capable(k):
         return False
     return all(t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (k, v))

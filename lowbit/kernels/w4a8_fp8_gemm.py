@@ -63,7 +63,8 @@ Math (numerics of ``lowbit.formats.w4a8_fp8.reference_linear``)::
   ``HYB_FULL`` (runtime int, with single-launch split-K): n-tiles below it run whole, the rest ``SPLIT_K`` ways, in
   one launch (grid axis 1 = ``HYB_FULL + (n_tiles - HYB_FULL) * SPLIT_K``; each tile bit-equal to the launch that
   runs it the same way): the remainder of the mid-M waves (``pick_config``). ``XTMA`` (with ``CAT``, one K tile per
-  step, pre-quantized x with 16-byte rows): each ``[BLOCK_M, 128]`` x tile is one TMA box (rows >= M and columns >= K
+  step, pre-quantized x with 16-byte rows, a TMA-capable GPU: ``lowbit._utils.tma_descriptor``; else pointer
+  loads): each ``[BLOCK_M, 128]`` x tile is one TMA box (rows >= M and columns >= K
   read as 0, like the masked loads: bit-equal), instead of per-thread cp.async and their address arithmetic.
 
 Shapes: any M >= 1, any N >= 1 (masked), any K >= 1 (masked; codes are stored padded to 128).
@@ -78,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arrival_counters, cdiv, check_tensor, interpret_mode
+from lowbit._utils import arrival_counters, cdiv, check_tensor, interpret_mode, tma_descriptor
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX
 from lowbit.formats.w4a8_fp8 import PACK_BLOCK, padded_k, scale_cols, tiled_shape
 from lowbit.formats.w4a8_fp8 import TILE_N as _TILE_N
@@ -869,25 +870,18 @@ def _launch(a, sx, bq, scales, inv_delta, K, group_size, bias, residual, silu_mu
         grid = (grid[0], hyb_full + (grid[1] - hyb_full) * split, 1)
     lock = arrival_counters("w4a8_fp8", a.device, grid[0] * grid[1]) if sk_sem else out  # single-launch split-K
     dummy = sx
-    tma = bool(cfg.get("TMA", False)) and not w_fp8 and bq.data_ptr() % 16 == 0 and bq.stride(0) % 16 == 0
-    bdesc = bq
-    if tma:  # host-side TMA descriptor of the packed codes, one [BLOCK_N, 64 B] box per K tile
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        bdesc = TensorDescriptor(bq, list(bq.shape), [bq.stride(0), 1], [bn, HALF_K.value])
-    # x by TMA (config XTMA; the CAT path with one K tile per step and pre-quantized x): one [BLOCK_M, 128] box
-    xtma = (bool(cfg.get("XTMA", False)) and not quant_a and bool(cfg.get("CAT")) and cfg.get("KSTEP", 1) == 1
-            and qrows == bm and a.data_ptr() % 16 == 0 and a.stride(0) % 16 == 0)
-    adesc = a
-    if xtma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        adesc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, 2 * HALF_K.value])
+    # TMA descriptors (None where TMA cannot read the tensor: the kernel keeps its pointer loads): the packed codes,
+    # one [BLOCK_N, 64 B] box per K tile (config TMA); x, one [BLOCK_M, 128] box per K tile (config XTMA: the CAT path
+    # with one K tile per step and pre-quantized x)
+    bdesc = tma_descriptor(bq, [bn, HALF_K.value]) if cfg.get("TMA", False) and not w_fp8 else None
+    use_x = cfg.get("XTMA", False) and not quant_a and cfg.get("CAT") and cfg.get("KSTEP", 1) == 1 and qrows == bm
+    adesc = tma_descriptor(a, [bm, 2 * HALF_K.value]) if use_x else None
+    tma, xtma = bdesc is not None, adesc is not None
     qwide = cfg.get("QWIDE", False)
     qch = max(HALF_K.value, min(2048 if qwide else 1024, 2048 // qrows))  # prologue columns per iteration
     compiled = _w4a8_fp8_gemm_kernel[grid](
         a, sx, bq, scales, bias if bias is not None else dummy, residual if residual is not None else dummy,
-        out, ws, lock, bdesc, adesc,
+        out, ws, lock, bdesc if tma else bq, adesc if xtma else a,
         M, N, K, n_out, float(inv_delta), AMAX_EPS,
         a.stride(0), bq.stride(0), scales.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0),

@@ -29,7 +29,7 @@ the epilogue, in the same launch: no memset, no cast kernel). BLOCK_K = 128 = on
 the packed tile is loaded as ``[BLOCK_N, 64]`` bytes (16-byte loads), its low nibbles are the
 tile's first 64 columns and its high nibbles the last 64, so the x tile is loaded as two
 contiguous halves and the product is two ``tl.dot`` of K = 64 (B transposed: k-major, as
-Hopper's int8 wgmma wants). ``XTMA`` (pre-quantized x with 16-byte rows; on from the 64-token bucket, off on
+Hopper's int8 wgmma wants). ``XTMA`` (pre-quantized x with 16-byte rows on a TMA-capable GPU, ``lowbit._utils.tma_descriptor``; on from the 64-token bucket, off on
 the W8 path): those halves are ``[BLOCK_M, 64]`` TMA boxes (``[BLOCK_M, 128]`` on the W8 path), rows >= M and
 columns >= K read as 0 (the pointer loads clamp rows >= M to row 0; those rows are never stored: bit-equal). Dequantization on the GPU is the 4-lanes-per-register PTX below
 (7 instructions per 8 weights); under the interpreter the same integers one lane at a time.
@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_key
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_key, tma_descriptor
 from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
 from lowbit.kernels.act_quant import pdl_enabled, silu_mul_rounded
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -756,17 +756,15 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     else:
         part = cnt = wscale  # unused
     grid = (tiles, split)
-    # x by TMA (config XTMA): boxes of [BLOCK_M, 64] (in-register dequantization) or [BLOCK_M, 128] (W8)
-    xtma = (bool(cfg.pop("XTMA", False)) and not fuse_quant and not dp4a and xq.stride(1) == 1
-            and (xq.stride(0) * xq.element_size()) % 16 == 0 and xq.data_ptr() % 16 == 0)
-    xd = xq
-    if xtma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        xd = TensorDescriptor(xq, list(xq.shape), [xq.stride(0), 1], [bm, bk if w8 is not None else bk // 2])
+    # x by TMA (config XTMA; None where TMA cannot read it): boxes of [BLOCK_M, 64] (in-register dequantization) or
+    # [BLOCK_M, 128] (W8)
+    xd = None
+    if cfg.pop("XTMA", False) and not fuse_quant and not dp4a:
+        xd = tma_descriptor(xq, [bm, bk if w8 is not None else bk // 2])
+    xtma = xd is not None
     kernel = _w4a8_int8_gemm_kernel[grid](
         xq, xscale, qweight if w8 is None else w8, wscale, gs, gz, bias if bias is not None else wscale, out, part, cnt,
-        xd,
+        xd if xtma else xq,
         M, N, K, KP, G, tps, up_offset or 0,
         xq.stride(0), xq.stride(1), qweight.stride(0) if w8 is None else w8.stride(0), stride_g, out.stride(0), out.stride(1),
         GROUP_SIZE=group_size, BLOCK_M=bm, BLOCK_N=bn, NSPLIT=split,

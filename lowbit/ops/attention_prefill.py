@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import check_tensor, interpret_mode, use_triton, warn_once
+from lowbit._utils import check_tensor, interpret_mode, triton_available, use_triton, warn_once
 from lowbit.formats.attention_quant import MODES, V_BLOCK, V_GRANULARITIES, attention_quant_ref, quantize_qkv
 from lowbit.formats.common import FP8_E4M3
 
@@ -42,15 +42,7 @@ def _ref_block_n(mode: str, head_dim: int) -> int:
     """The BLOCK_N the kernel would use (the reference replays the same blocks)."""
     from lowbit.kernels.attention_prefill import default_config
 
-    return default_config(mode, head_dim, False, 1)["BLOCK_N"] if _triton_ok() else 128
-
-
-def _triton_ok() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return default_config(mode, head_dim, False, 1)["BLOCK_N"] if triton_available() else 128
 
 
 def _kernel_dim(d: int) -> int | None:
