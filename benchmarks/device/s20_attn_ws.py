@@ -26,8 +26,6 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait  # noqa: E402
 
-args = probe_args("t")
-doc = {"env": env_info(" ".join(sys.argv))}
 NS = 3
 
 
@@ -47,9 +45,9 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, qbar, kv_ready, k
 
 
 @gluon.jit
-def _ws_consumer(q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, QS, KSb, VSb, Out, qk_scale, Sq, Skv, causal_off,
+def _ws_consumer(q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, turn, QS, KSb, VSb, Out, qk_scale, Sq, Skv, causal_off,
                  m0, qrow, b, hq, n_blk, stride_ksn, stride_vsn, stride_ob, stride_oh, stride_om, C: gl.constexpr,
-                 CAUSAL: gl.constexpr, NS: gl.constexpr):
+                 CAUSAL: gl.constexpr, NS: gl.constexpr, PP: gl.constexpr):
     BM: gl.constexpr = 64
     BN: gl.constexpr = 128
     D: gl.constexpr = 128
@@ -84,9 +82,16 @@ def _ws_consumer(q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, QS, KSb, VSb, 
             nxt = j + 1
             sn = nxt % NS
             mbarrier.wait(kv_ready.index(sn), (nxt // NS) & 1)
-            s = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s, use_acc=False, is_async=True)
-            p8 = AG._g_pa(p, BM, BN, True, p_l)
-            acc = warpgroup_mma(p8, v_smem.index(j % NS).permute((1, 0)), acc, is_async=True)
+            if PP:  # ping-pong (session 30): P converted outside the turn; the turn covers the two GEMM issues only
+                p8 = AG._g_pa(p, BM, BN, True, p_l)
+                mbarrier.wait(turn.index(C), (j & 1) ^ (1 - C))
+                s = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p8, v_smem.index(j % NS).permute((1, 0)), acc, is_async=True)
+                mbarrier.arrive(turn.index(1 - C))
+            else:
+                s = warpgroup_mma(q, k_smem.index(sn).permute((1, 0)), s, use_acc=False, is_async=True)
+                p8 = AG._g_pa(p, BM, BN, True, p_l)
+                acc = warpgroup_mma(p8, v_smem.index(j % NS).permute((1, 0)), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             if nxt < nf_blk:
                 p, alpha, m_i, l_i = AG._g_softmax(s, nxt, m_i, l_i, qs, mc, Skv, causal_off, KSb, stride_ksn, BM, BN,
@@ -113,7 +118,8 @@ def _ws_consumer(q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, QS, KSb, VSb, 
 @gluon.jit
 def _ws_attn_kernel(q_desc, k_desc, v_desc, QS, KS, VS, Out, qk_scale, Sq, Skv, causal_off, Hq, n_rep, n_mblk, sq_al,
                     stride_ksb, stride_ksh, stride_ksn, stride_vsb, stride_vsh, stride_vsn,
-                    stride_ob, stride_oh, stride_om, CAUSAL: gl.constexpr, NS: gl.constexpr, C1_REGS: gl.constexpr):
+                    stride_ob, stride_oh, stride_om, CAUSAL: gl.constexpr, NS: gl.constexpr, C1_REGS: gl.constexpr,
+                    PP: gl.constexpr = False):
     BN: gl.constexpr = 128
     D: gl.constexpr = 128
     pid_m = gl.program_id(0)
@@ -139,26 +145,28 @@ def _ws_attn_kernel(q_desc, k_desc, v_desc, QS, KS, VS, Out, qk_scale, Sq, Skv, 
     qbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(qbar.index(i), count=1)
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NS):
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=2)
     KSb = KS + b.to(gl.int64) * stride_ksb + hk.to(gl.int64) * stride_ksh
     VSb = VS + b.to(gl.int64) * stride_vsb + hk.to(gl.int64) * stride_vsh
     gl.warp_specialize([
-        (_ws_consumer, (q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, QS, KSb, VSb, Out, qk_scale, Sq, Skv,
+        (_ws_consumer, (q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, turn, QS, KSb, VSb, Out, qk_scale, Sq, Skv,
                         causal_off, m0, qrow, b, hq, n_blk, stride_ksn, stride_vsn, stride_ob, stride_oh, stride_om, 0,
-                        CAUSAL, NS)),
-        (_ws_consumer, (q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, QS, KSb, VSb, Out, qk_scale, Sq, Skv,
+                        CAUSAL, NS, PP)),
+        (_ws_consumer, (q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, turn, QS, KSb, VSb, Out, qk_scale, Sq, Skv,
                         causal_off, m0, qrow, b, hq, n_blk, stride_ksn, stride_vsn, stride_ob, stride_oh, stride_om, 1,
-                        CAUSAL, NS)),
+                        CAUSAL, NS, PP)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, qbar, kv_ready, kv_free, m0, qrow, krow, vrow,
                       n_blk, NS)),
     ], [4, 1], [C1_REGS, 24])
 
 
-def ws_attention(q_codes, kc, ks, vt, vs, *, causal, qk_scale, out, c1_regs=232, maxnreg=168):
+def ws_attention(q_codes, kc, ks, vt, vs, *, causal, qk_scale, out, c1_regs=232, maxnreg=168, pp=False, ns=None):
     qc, qs = q_codes
     B, Hq, Sq, D = qc.shape
     Hkv, Skv = kc.shape[1], kc.shape[2]
@@ -175,7 +183,7 @@ def ws_attention(q_codes, kc, ks, vt, vs, *, causal, qk_scale, out, c1_regs=232,
     _ws_attn_kernel[(n_mblk, B * Hq)](
         q_desc, k_desc, v_desc, qs, ks, vs, out, qk_scale, Sq, Skv, Skv - Sq, Hq, Hq // Hkv, n_mblk, sq_al,
         ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), CAUSAL=bool(causal), NS=NS, C1_REGS=c1_regs,
+        out.stride(0), out.stride(1), out.stride(2), CAUSAL=bool(causal), NS=ns or NS, C1_REGS=c1_regs, PP=bool(pp),
         num_warps=4, maxnreg=maxnreg)
     return out
 
@@ -184,45 +192,52 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-B, H, D = 4, 32, 128
-for S in (4096, 16384, 1000):
-    for causal in (False, True):
-        key = f"t S={S} causal={causal}"
-        try:
-            torch.manual_seed(0)
-            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            kc, ks, vt, vs, qc, qs = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=128,
-                                                        v_granularity="block", q=q, vperm=True)
-            sm = D ** -0.5
-            codes = (qc, qs)
-            out_ws = torch.empty_like(q)
-            out_g = torch.empty_like(q)
-            ws_attention(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E, out=out_ws)
-            AG.fp8_attention_gluon(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E, out=out_g, vperm=True)
-            tl_out = attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm, k_block=128,
-                                              q_codes=codes, config={"vperm": True})
-            row = {"S": S, "causal": causal, "ws_vs_gluon": rel(out_ws, out_g), "ws_vs_tl": rel(out_ws, tl_out),
-                   "finite": bool(torch.isfinite(out_ws).all())}
-            fl = 4.0 * B * H * S * S * D / (2 if causal else 1)
-            fns = {
-                "ws": lambda: ws_attention(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E, out=out_ws),
-                "gluon": lambda: AG.fp8_attention_gluon(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E,
-                                                        out=out_g, vperm=True),
-                "tl": lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm,
-                                                       k_block=128, q_codes=codes, config={"vperm": True}),
-            }
-            from torch.nn.attention import SDPBackend, sdpa_kernel
+def main():
+    args = probe_args("t")
+    doc = {"env": env_info(" ".join(sys.argv))}
+    B, H, D = 4, 32, 128
+    for S in (4096, 16384, 1000):
+        for causal in (False, True):
+            key = f"t S={S} causal={causal}"
+            try:
+                torch.manual_seed(0)
+                q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                kc, ks, vt, vs, qc, qs = quantize_kv_triton(k, v, dtype=torch.float8_e4m3fn, k_block=128,
+                                                            v_granularity="block", q=q, vperm=True)
+                sm = D ** -0.5
+                codes = (qc, qs)
+                out_ws = torch.empty_like(q)
+                out_g = torch.empty_like(q)
+                ws_attention(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E, out=out_ws)
+                AG.fp8_attention_gluon(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E, out=out_g, vperm=True)
+                tl_out = attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm, k_block=128,
+                                                  q_codes=codes, config={"vperm": True})
+                row = {"S": S, "causal": causal, "ws_vs_gluon": rel(out_ws, out_g), "ws_vs_tl": rel(out_ws, tl_out),
+                       "finite": bool(torch.isfinite(out_ws).all())}
+                fl = 4.0 * B * H * S * S * D / (2 if causal else 1)
+                fns = {
+                    "ws": lambda: ws_attention(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E, out=out_ws),
+                    "gluon": lambda: AG.fp8_attention_gluon(codes, kc, ks, vt, vs, causal=causal, qk_scale=sm * LOG2E,
+                                                            out=out_g, vperm=True),
+                    "tl": lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm,
+                                                           k_block=128, q_codes=codes, config={"vperm": True}),
+                }
+                from torch.nn.attention import SDPBackend, sdpa_kernel
 
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            fns["sdpa_cudnn"] = cudnn
-            for name, fn in fns.items():
-                t = time_cuda(fn, [()], warmup=3, reps=20 if S > 8192 else 50)
-                row[f"{name}_ms"] = t["median_ms"]
-                row[f"{name}_tflops"] = fl / (t["median_ms"] * 1e-3) / 1e12
-            probe_row(doc, key, row)
-            torch.cuda.empty_cache()
-        except Exception as exc:  # noqa: BLE001
-            probe_row(doc, key, {"error": repr(exc)[:800]})
-write_probe(doc, args.out, "s20_attn_ws.json")
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                fns["sdpa_cudnn"] = cudnn
+                for name, fn in fns.items():
+                    t = time_cuda(fn, [()], warmup=3, reps=20 if S > 8192 else 50)
+                    row[f"{name}_ms"] = t["median_ms"]
+                    row[f"{name}_tflops"] = fl / (t["median_ms"] * 1e-3) / 1e12
+                probe_row(doc, key, row)
+                torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001
+                probe_row(doc, key, {"error": repr(exc)[:800]})
+    write_probe(doc, args.out, "s20_attn_ws.json")
+
+
+if __name__ == "__main__":
+    main()
