@@ -830,13 +830,19 @@ def _use_lut(cfg: dict) -> bool:
 
 
 def dequantize_to_fp8(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int, *,
-                      block_n: int = 64, tiled: bool = False) -> torch.Tensor:
+                      block_n: int = 64, tiled: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed weight -> FP8 E4M3 ``[N, Kp]`` holding FP8(q * sigma) (columns >= k are 0): the
     values the fused kernel builds in registers, written once for a plain FP8 GEMM (large M).
-    ``tiled``: tile-major codes (N from ``scales``)."""
+    ``tiled``: tile-major codes (N from ``scales``). ``out``: an FP8 ``[N, Kp]`` buffer to write
+    (unit column stride; e.g. a reused buffer that stays in L2)."""
     N = scales.shape[0] if tiled else codes.shape[0]
     kp = padded_k(k)
-    out = torch.empty((N, kp), dtype=FP8_E4M3, device=codes.device)
+    if out is None:
+        out = torch.empty((N, kp), dtype=FP8_E4M3, device=codes.device)
+    else:
+        check_tensor(out, "out", dtype=FP8_E4M3, shape=(N, kp))
+        if out.stride(1) != 1:
+            raise ValueError(f"out needs unit column stride, got strides {tuple(out.stride())}")
     if N:
         _dequant_fp8_kernel[(cdiv(N, block_n), kp // BLOCK_K)](
             codes, scales, out, N, codes.stride(0), scales.stride(0), out.stride(0),
