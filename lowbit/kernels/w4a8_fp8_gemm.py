@@ -830,7 +830,8 @@ def _use_lut(cfg: dict) -> bool:
 
 
 def dequantize_to_fp8(codes: torch.Tensor, scales: torch.Tensor, k: int, group_size: int, *,
-                      block_n: int = 64, tiled: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                      block_n: int = 64, tiled: bool = False, out: torch.Tensor | None = None,
+                      num_warps: int = 4) -> torch.Tensor:
     """Packed weight -> FP8 E4M3 ``[N, Kp]`` holding FP8(q * sigma) (columns >= k are 0): the
     values the fused kernel builds in registers, written once for a plain FP8 GEMM (large M).
     ``tiled``: tile-major codes (N from ``scales``). ``out``: an FP8 ``[N, Kp]`` buffer to write
@@ -846,7 +847,7 @@ def dequantize_to_fp8(codes: torch.Tensor, scales: torch.Tensor, k: int, group_s
     if N:
         _dequant_fp8_kernel[(cdiv(N, block_n), kp // BLOCK_K)](
             codes, scales, out, N, codes.stride(0), scales.stride(0), out.stride(0),
-            GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, TILED=tiled, num_warps=4)
+            GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, TILED=tiled, num_warps=num_warps)
     return out
 
 
