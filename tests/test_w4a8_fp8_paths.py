@@ -125,6 +125,28 @@ def test_dequantize_once_paths(mode):
     assert y[3].eq(0).all()
 
 
+def test_dequantize_to_fp8_into_a_given_buffer():
+    """``out=``: rows of a wider reused buffer (a row-slice view, row stride > Kp) get exactly the values of the
+    allocating call, the rows around them are untouched; a wrong dtype / shape / column stride is refused by name."""
+    from lowbit.kernels.w4a8_fp8_gemm import dequantize_to_fp8
+
+    N, K, g = 70, 200, 64  # N not a multiple of the 64-row block, K not of 128
+    codes, sc, _ = _weights(N, K, g, seed=5)
+    want = dequantize_to_fp8(codes, sc, K, g)
+    buf = torch.full((N + 8, 384), 7, dtype=torch.uint8, device=DEV).view(FP8_E4M3)
+    got = dequantize_to_fp8(codes[10:60], sc[10:60], K, g, out=buf[4:54, :256])
+    assert got.data_ptr() == buf[4:54].data_ptr()
+    assert torch.equal(buf[4:54, :256].view(torch.uint8), want[10:60].view(torch.uint8))
+    assert buf[:4].view(torch.uint8).eq(7).all() and buf[54:].view(torch.uint8).eq(7).all()
+    assert buf[:, 256:].view(torch.uint8).eq(7).all()
+    with pytest.raises(TypeError, match="out"):
+        dequantize_to_fp8(codes, sc, K, g, out=torch.empty(N, 256, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="out"):
+        dequantize_to_fp8(codes, sc, K, g, out=torch.empty(N, 128, dtype=FP8_E4M3, device=DEV))
+    with pytest.raises(ValueError, match="out"):
+        dequantize_to_fp8(codes, sc, K, g, out=torch.empty(256, N, dtype=FP8_E4M3, device=DEV).t())
+
+
 def test_module_forward_dispatch_small_and_large_m(monkeypatch):
     """W4A8FP8Linear.forward: M <= FUSED_QUANT_MAX_M goes through lowbit::w4a8_fp8_linear_fused,
     larger M through per_token_quant + lowbit::w4a8_fp8_gemm; both equal the reference."""

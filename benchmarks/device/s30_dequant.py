@@ -5,7 +5,8 @@ weight element at ~2.9 TB/s (gate_up 60 us of the 234 us GEMM at M = 1024).
     PYTHONPATH=$PWD python3 benchmarks/device/s30_dequant.py --out DIR
 
 Per Llama-3-8B layer: CUDA graph over rotating weight copies (> 2x L2), us and TB/s (codes + scales read, FP8 written)
-for (block_n, num_warps) variants; outputs compared with the default launch (bit-equal expected).
+for (block_n, num_warps) variants; outputs compared with the default launch (bit-equal expected); ``cat``: torch.cat of
+the codes with themselves, the same read : write mix as a plain copy (the bandwidth ceiling of these bytes).
 Writes ``s30_dequant.json``.
 """
 import os
@@ -41,6 +42,11 @@ def main():
                 row[f"{v}_tbs"] = nbytes / us / 1e6
             except Exception as exc:  # noqa: BLE001
                 row[f"{v}_error"] = repr(exc)[:300]
+        # the read : write mix of the dequantization without its arithmetic: torch.cat of the codes with themselves
+        # (reads N x Kp/2 bytes, writes N x Kp): the bandwidth a plain copy kernel reaches on these bytes
+        us = graph_us([lambda c=c: torch.cat([c, c], 1) for c, _ in sets], n=max(12, len(sets)), reps=10)
+        cat_bytes = 3 * sets[0][0].numel()
+        row.update(cat_us=us, cat_tbs=cat_bytes / us / 1e6)
         probe_row(doc, name, row)
         write_probe(doc, args.out, "s30_dequant.json")
         del sets
