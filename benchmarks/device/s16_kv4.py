@@ -180,13 +180,26 @@ def part_s():
                         best = max(best, n)
                     conc.append(best)
                 late = sum(1 for a_ in start if a_ > min(end))  # programs that started after some program ended
+                # session 30: is the spread of the ends within an SM (its programs progress unevenly) or across SMs?
+                ends_sm = [[e_ for _, e_ in iv] for iv in per_sm.values()]
+                n_sm = [len(v) for v in ends_sm]
+                by_n = {n: [statistics.mean(v) for v in ends_sm if len(v) == n] for n in sorted(set(n_sm))}
+                extra = {"within_sm_spread_us": pct([max(v) - min(v) for v in ends_sm]),
+                         "sm_mean_end_us": pct([statistics.mean(v) for v in ends_sm]),
+                         "sm_min_end_us": pct([min(v) for v in ends_sm]),
+                         "sm_max_end_us": pct([max(v) for v in ends_sm]),
+                         "sm_mean_end_by_programs": {str(n): round(statistics.mean(v), 3) for n, v in by_n.items()}}
+                if os.environ.get("S16_RAW"):  # every program's stamps (JSON beside the probe's)
+                    with open(os.path.join(args.out, f"s16_stamps_{name}_L{L}.json"), "w") as f:
+                        json.dump({"columns": ["t_entry_ns", "t_loop_ns", "t_loop_end_ns", "t_exit_ns", "c_entry",
+                                               "c_loop", "c_loop_end", "c_exit", "sm"], "rows": ts.tolist()}, f)
                 probe_row(doc, key, {
                     "L": L, "variant": name, "programs": len(start), "splits": dk.LAST_LAUNCH.get("num_splits"),
                     "span_us": round(max(end), 3), "start_us": pct(start), "end_us": pct(end),
                     "prologue_cyc": pct(pro), "loop_cyc": pct(loop), "epilogue_cyc": pct(epi),
                     "sms": len(per_sm), "programs_per_sm": pct([len(v) for v in per_sm.values()]),
                     "concurrent_per_sm": pct(conc), "started_after_first_end": late,
-                    "mean_phase_cyc": [round(statistics.mean(x)) for x in (pro, loop, epi)]})
+                    "mean_phase_cyc": [round(statistics.mean(x)) for x in (pro, loop, epi)], **extra})
             except Exception as exc:  # noqa: BLE001
                 probe_row(doc, key, {"error": repr(exc)[:400]})
         del sets
