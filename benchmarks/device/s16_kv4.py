@@ -158,7 +158,7 @@ def part_s():
                 for i in range(3):  # warm (compile, occupancy, split plan), then the stamped launch
                     call(*sets[i % len(sets)], L, **kw, _skip_combine=True)
                 torch.cuda.synchronize()
-                call(q, c, L, **kw, _skip_combine=True, _probe="stamp")
+                call(q, c, L, **kw, _skip_combine=True, _probe="stamp1" if os.environ.get("S16_STAMP_PROBE") else "stamp")
                 torch.cuda.synchronize()
                 ts = dk.LAST_LAUNCH["stamps"].cpu()
                 g0 = ts[:, 0].min().item()

@@ -1424,7 +1424,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     split = num_splits > 1
     op, mp, lp = split_workspace(out, B * Hkv, num_splits, BQ, D)
     pdl = split and (GLUON_PDL if pdl is None else bool(pdl))
-    stamp = probe == "stamp"  # TS int64 [B*Hkv*splits, 9], returned beside O (LAST_LAUNCH["stamps"])
+    stamp = probe in ("stamp", "stamp1")  # TS int64 [B*Hkv*splits, 9], beside O (LAST_LAUNCH["stamps"]); "stamp1": + PROBE
     ts = torch.zeros(B * Hkv * num_splits, 9, device=q.device, dtype=torch.int64) if stamp else out
     if stamp:
         LAST_LAUNCH["stamps"] = ts
@@ -1439,7 +1439,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
         AHEAD=ahead, PDL=pdl, LEAN=lean, ILP=ilp,
-        SRING=sring, PTA=pta, PROBE=probe is True, STAMP=stamp, VSUB=vsub, SKEW=skew,
+        SRING=sring, PTA=pta, PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, SKEW=skew,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
