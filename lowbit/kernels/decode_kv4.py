@@ -618,23 +618,6 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_bounds(split_len: int, num_splits: int, block_n: int, skew: int = 0) -> list[int]:
-    """Key offsets ``[start_0, ..., start_S]`` of the Gluon decode kernel's splits (split s reads keys
-    ``[start_s, start_{s+1})`` of each sequence, cut at its length). ``skew = 0``: even splits of ``split_len``.
-    ``skew = a`` (percent, 0..50; session 30): longer splits first, lengths falling linearly from about
-    ``(1 + a/100) split_len`` to ``(1 - a/100) split_len``: ``start_s = s split_len + block_n floor(a n s (S - s) /
-    (100 (S - 1)))`` with ``n = split_len / block_n``. Why: the splits of one sequence are launched in split order
-    (grid ``(B * Hkv, S)``, x fastest), so every SM holds about one program of each split index, and its warp
-    schedulers favour the older ones: with even splits at B=16 L=8k the mean end of split s rose from 36.9 us (s = 0)
-    to 42.7 us (s = 15); the within-SM end spread was 6.6-11.1 us against 3.3 us between the SMs' mean ends
-    (``benchmarks/results/h200/s30_kv4_stamp.json``), so the last warps of each SM ran the tail with little latency
-    hiding. Same math, other partial sums (the combine is unchanged)."""
-    if num_splits <= 1:
-        return [0, split_len]
-    n, d = split_len // block_n, 100 * (num_splits - 1)
-    return [s * split_len + (s * (num_splits - s) * skew * n) // d * block_n for s in range(num_splits + 1)]
-
-
 def _splits_used(max_len: int, splits: int, block_n: int) -> int:
     split_len = -(-(-(-max(max_len, 1) // splits)) // block_n) * block_n
     return max(1, -(-max(max_len, 1) // split_len))
@@ -688,7 +671,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None, sring=None,
-                      pta=None, vsub=None, skew=None, return_kernel=False,
+                      pta=None, vsub=None, return_kernel=False,
                       _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
@@ -703,7 +686,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
-                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe, vsub, skew)
+                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe, vsub)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -811,7 +794,14 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # 0.0645 / 0.0609 / 0.0597 ms vs 0.0548 static, slower at every B and L timed; the loop grew 10-19% per block and
 # the ends stayed as spread. Nsight Compute (same shape): 0.51 issued instructions per scheduler cycle with 3.65
 # warps per scheduler, DRAM 59% of peak: the loop (581 SASS instructions per 32-key block) is latency / issue
-# bound, not HBM bound.
+# bound, not HBM bound. Session 30 (``s30_kv4_stamp.json``): the spread of the ends is inside each SM (6.6-11.1 us
+# between an SM's first and last program; the SMs' mean ends lie within 3.3 us of each other) and follows the launch
+# order: the mean end of split s rose from 36.9 us (s = 0) to 42.7 us (s = 15), the warp schedulers favouring the
+# older programs. Longer splits first (lengths falling linearly by +-4..16 %, ``s30_kv4_skew.json``) did not help:
+# B=16 8k 51.9-53.6 vs 52.0 us, 32k 160.5-161.6 vs 160.6-161.1, the spread as before (removed). The one-block probe
+# grid (``s30_kv4_probe_stamp.json``) spans 15.7 us: prologue ~4k cycles, the one block 2.4-21.8k, the partials'
+# epilogue 0.6-14k, so most of the ~16 us that does not scale with L is the first block and the epilogue of 16
+# programs per SM queued behind each other, not the launch (empty grid 4.5 us).
 # ------------------------------------------------------------------------------------------------
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it (the Triton kernel above is the CPU path)
     from triton.experimental import gluon
@@ -858,8 +848,6 @@ GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop st
 # token sum costs shuffles and a 16-byte spill at the 128-register cap, 576 -> 542 SASS). Output error vs float64
 # (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4.
 GLUON_VSUB = "zp"
-# longer splits first (``split_bounds``; percent, 0 = even splits): session 30, to be measured
-GLUON_SKEW = 0
 
 
 def _copy_layout(half: int):
@@ -1121,7 +1109,7 @@ if HAS_GLUON:
         LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
         PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False, SRING: gl.constexpr = False,
         PTA: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
-        VSUB: gl.constexpr = False, SKEW: gl.constexpr = 0,
+        VSUB: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1141,14 +1129,7 @@ if HAS_GLUON:
         b = pid_bh // Hkv
         h = pid_bh % Hkv
         L = gl.load(LENS + b)
-        if SKEW:  # longer splits first (split_bounds)
-            ns = gl.num_programs(1)
-            nb = SPLIT_LEN // BLOCK_N
-            start = sid * SPLIT_LEN + (sid * (ns - sid) * SKEW * nb) // (100 * (ns - 1)) * BLOCK_N
-            nxt = (sid + 1) * SPLIT_LEN + ((sid + 1) * (ns - sid - 1) * SKEW * nb) // (100 * (ns - 1)) * BLOCK_N
-        else:
-            start = sid * SPLIT_LEN
-            nxt = start + SPLIT_LEN
+        start = sid * SPLIT_LEN
         ptb = PT + b * stride_ptb
         mq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ql))
         dq = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, ql))
@@ -1159,7 +1140,7 @@ if HAS_GLUON:
                 pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
                 ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N,
                                            ZERO_POINT)
-        end = gl.minimum(nxt, L)
+        end = gl.minimum(start + SPLIT_LEN, L)
         # ---- the first key blocks' copies are issued before Q is prepared (their latency overlaps it)
         lim = gl.minimum(end, L - TQ + 1)  # keys < lim are seen by every query row
         full_end = start + gl.maximum(lim - start, 0) // BLOCK_N * BLOCK_N
@@ -1385,9 +1366,9 @@ if HAS_GLUON:
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
-                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None, skew=None):
+                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
-    ``num_stages`` = depth of the cp.async ring; ``skew``: see ``split_bounds``)."""
+    ``num_stages`` = depth of the cp.async ring)."""
     B, Hq, TQ, D = q.shape
     P, Hkv, PAGE, HALF = k_codes.shape
     G = Hq // Hkv
@@ -1407,11 +1388,8 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     vsub = bool(vsub)
     lean = GLUON_LEAN if lean is None else bool(lean)
     ilp = GLUON_ILP if ilp is None else bool(ilp)
-    skew = int(GLUON_SKEW if skew is None else skew)
-    if not 0 <= skew <= 50:
-        raise ValueError(f"skew must be a percentage in [0, 50], got {skew}")
     occ_base = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl), skew)
+                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl))
     out = torch.empty_like(q)
     if num_splits is None:
         num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(
@@ -1419,7 +1397,6 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), bn) * bn
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     LAST_LAUNCH["num_splits"] = num_splits
-    skew = skew if num_splits > 1 else 0
     zero_point = k_zero is not None
     split = num_splits > 1
     op, mp, lp = split_workspace(out, B * Hkv, num_splits, BQ, D)
@@ -1439,7 +1416,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
         AHEAD=ahead, PDL=pdl, LEAN=lean, ILP=ilp,
-        SRING=sring, PTA=pta, PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, SKEW=skew,
+        SRING=sring, PTA=pta, PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
