@@ -93,6 +93,14 @@ FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 # ------------------------------------------------------------------------------------ configs
+def _split_k_fit(tiles: int, k_tiles: int, slots: int) -> int:
+    """Largest power-of-two split with tiles * split <= slots (at least 1), keeping >= 4 K tiles per split."""
+    split = 1
+    while tiles * split * 2 <= slots and split * 2 <= max(1, k_tiles // 4):
+        split *= 2
+    return split
+
+
 def _split_k(tiles: int, k_tiles: int, target: int) -> int:
     """Smallest power-of-two split with tiles * split >= target, keeping >= 4 K tiles per split."""
     split = 1
@@ -166,6 +174,9 @@ DEQUANT_MIN_M = 384  # from this M: dequantize the weight once to FP8, then a pl
 #   the same launch behind the whole waves: gate_up M = 256 (896 tiles = 3 waves + 104) 92.9 vs 99.0; where it does
 #   not (M = 128: 264 + 184) splitting the tail loses (59.2 vs 50.5; s29_w4a8_hybrid.json).
 MID_CTAS_PER_SM = 2
+# split-K of the mid-M tiles: "fill" = the smallest split reaching one program per SM (the rule until session 30),
+# "fit" = the largest split staying within one program per SM
+MID_SPLIT = "fill"
 DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
 
 
@@ -215,7 +226,10 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                     ACC_TILE=True, SWORD=False, **DECODE_FLAGS, XTMA=bm == 64)
     m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
-    split = _split_k(n_tiles * m_tiles, k_tiles, n_sm)
+    if MID_SPLIT == "fit":
+        split = _split_k_fit(n_tiles * m_tiles, k_tiles, n_sm)
+    else:
+        split = _split_k(n_tiles * m_tiles, k_tiles, n_sm)
     cfg = dict(BLOCK_M=128, BLOCK_N=64, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                ACC_TILE=True, SWORD=False, **MID_FLAGS)
     if split == 1:

@@ -1,0 +1,60 @@
+"""Session-30 probe (issue 3): the split-K rule of the fused ``w4a8-fp8`` mid-M tiles (``MID_SPLIT``): "fill" (the
+smallest power-of-two split reaching one program per SM; the rule until session 30) against "fit" (the largest one
+staying within one program per SM). ``s30_w4a8_mid.json`` found fewer splits faster on qkv / o at M = 128 / 256.
+
+    PYTHONPATH=$PWD python3 benchmarks/device/s30_w4a8_split.py --out DIR
+
+Every (layer, M) where the two rules differ: GEMM alone on pre-quantized x, CUDA graph over rotating weight copies
+(> 2x L2), 3 alternations, plus cuBLAS bf16 and ``torch._scaled_mm``; rel-L2 between the two. Writes
+``s30_w4a8_split.json``.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, write_probe  # noqa: E402
+from lowbit.bench.suites.w4a8_fp8 import GROUP, peer_gemm_fns, probe_cases  # noqa: E402
+import lowbit.kernels.w4a8_fp8_gemm as W  # noqa: E402
+
+LAYERS = {"l3_qkv": (6144, 4096), "l3_o": (4096, 4096), "l3_down": (4096, 14336), "l2_down": (4096, 11008),
+          "tp4_qkv": (1536, 4096), "tp4_o": (4096, 1024), "tp8_gate_up": (3584, 4096), "tp8_down": (4096, 1792)}
+MS = [96, 128, 192, 256, 320]
+
+
+def cfg_for(rule, M, N, K):
+    old, W.MID_SPLIT = W.MID_SPLIT, rule
+    try:
+        return W.pick_config(M, N, K)
+    finally:
+        W.MID_SPLIT = old
+
+
+def main():
+    a = probe_args("t")
+    doc = probe_doc("benchmarks/device/s30_w4a8_split.py")
+    for name, N, K, sets, M, x, xq, sx in probe_cases(LAYERS, MS):
+        cf, ct = cfg_for("fill", M, N, K), cfg_for("fit", M, N, K)
+        if cf == ct:
+            continue
+        row = {"N": N, "K": K, "M": M, "fill_split": cf["SPLIT_K"], "fit_split": ct["SPLIT_K"]}
+        try:
+            y0 = W.w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cf)
+            y1 = W.w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=ct)
+            row["rel"] = float(f"{((y1.float() - y0.float()).norm() / y0.float().norm()).item():.2e}")
+            for rep in range(3):
+                for vn, cfg in (("fill", cf), ("fit", ct)):
+                    fl = [lambda c=c, s=s, cfg=cfg: W.w4a8_fp8_gemm(xq, sx, c, s, 2.0 ** -8, K, GROUP, config=cfg)
+                          for c, s in sets]
+                    row.setdefault(vn + "_us", []).append(round(graph_us(fl), 2))
+            for pn, fl in peer_gemm_fns(x, N, K).items():
+                row[pn + "_us"] = round(graph_us(fl), 2)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = repr(exc)[:400]
+        probe_row(doc, f"{name} M={M}", row)
+        write_probe(doc, a.out, "s30_w4a8_split.json")
+
+
+if __name__ == "__main__":
+    main()
