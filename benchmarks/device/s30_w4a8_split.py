@@ -11,8 +11,6 @@ Every (layer, M) where the two rules differ: GEMM alone on pre-quantized x, CUDA
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.getcwd())
 from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, write_probe  # noqa: E402
 from lowbit.bench.suites.w4a8_fp8 import GROUP, peer_gemm_fns, probe_cases  # noqa: E402
