@@ -430,6 +430,23 @@ def test_hybrid_split_rule():
     assert not pick_config(16, 4096, 4096)["XTMA"]
 
 
+def test_mid_split_rule():
+    """Mid-M split-K (session 30, ``MID_SPLIT = "auto"``): within one program per SM below 64 K tiles, at least one
+    program per SM from 64 K tiles (long-K down), and never fewer than 4 K tiles per split."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config
+
+    assert pick_config(128, 6144, 4096)["SPLIT_K"] == 1  # 96 tiles
+    assert pick_config(128, 4096, 4096)["SPLIT_K"] == 2  # 64 tiles -> 128 programs
+    assert pick_config(256, 4096, 4096)["SPLIT_K"] == 1  # 128 tiles
+    assert pick_config(128, 1536, 4096)["SPLIT_K"] == 4  # tensor-parallel qkv shard: 24 tiles -> 96 programs
+    assert pick_config(128, 4096, 14336)["SPLIT_K"] == 4  # long K: 64 tiles -> 256 programs
+    assert pick_config(256, 4096, 11008)["SPLIT_K"] == 2
+    assert pick_config(128, 256, 512)["SPLIT_K"] == 1  # 4 K tiles: one split
+    for M, N, K in [(96, 1000, 10944), (200, 4096, 1024), (300, 333, 4096), (100, 64, 640)]:
+        split = pick_config(M, N, K)["SPLIT_K"]
+        assert split == 1 or -(-K // 128) // split >= 4
+
+
 def test_hybrid_split_config_errors():
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
 

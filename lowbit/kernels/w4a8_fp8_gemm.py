@@ -175,8 +175,14 @@ DEQUANT_MIN_M = 384  # from this M: dequantize the weight once to FP8, then a pl
 #   not (M = 128: 264 + 184) splitting the tail loses (59.2 vs 50.5; s29_w4a8_hybrid.json).
 MID_CTAS_PER_SM = 2
 # split-K of the mid-M tiles: "fill" = the smallest split reaching one program per SM (the rule until session 30),
-# "fit" = the largest split staying within one program per SM
-MID_SPLIT = "fill"
+# "fit" = the largest split staying within one program per SM, "auto" = "fit" below MID_FILL_MIN_K_TILES K tiles,
+# "fill" from there. Session 30 (H200, GEMM alone, same run, all 27 shapes of M = 96..320 where the two differ,
+# s30_w4a8_split.json): "fit" 4-41 % faster at K <= 4096 (Llama-3-8B qkv M = 128 18.95 -> 17.29 us, o 16.23 -> 14.38,
+# o M = 256 19.47 -> 17.66; tensor-parallel shards: N = 1536 qkv M = 128 17.78 -> 12.13, o K = 1024 M = 256 11.78 ->
+# 6.97, down K = 1792 13.61 -> 9.53), 4-18 % slower on the long-K down layers (K = 14336 / 11008, 86-112 K tiles:
+# 29.63 -> 32.43 at M = 128); bit-identical outputs either way
+MID_SPLIT = "auto"
+MID_FILL_MIN_K_TILES = 64
 DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
 
 
@@ -196,9 +202,11 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
       27.6-38.6 us, M=128 gate_up 64.7 vs 58.1), a rotated K start per tile (no change), 6 stages.
     - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
       dequantized weight stays the register A operand (gate_up M=128: 59.4 us vs 72.6 us for 64x128
-      tiles without swap; R4), split-K until one wave; beyond one wave (2 programs per SM), a remainder
+      tiles without swap; R4), split-K (below); beyond one wave (2 programs per SM), a remainder
       that fits half a wave runs split-K 2 behind the whole waves (``HYB_FULL``, session 29); x tiles by TMA
-      (``XTMA``, session 29; also on the 64-token decode tiles).
+      (``XTMA``, session 29; also on the 64-token decode tiles). Split-K (session 30, ``MID_SPLIT``): below 64 K
+      tiles the largest split that keeps within one program per SM, from 64 K tiles (long-K down) the smallest
+      one reaching it.
     - M >= DEQUANT_MIN_M: ``MODE=DEQUANT_GEMM`` (dequantize once + FP8 GEMM); the tile entries are
       used by the Triton W_FP8 GEMM (``MODE="dequant"``, and where _scaled_mm cannot run).
     - Every fused-dequant config adds ``DECODE_FLAGS`` / ``LONG_K_FLAGS`` / ``MID_FLAGS`` (``LUT2``,
@@ -226,7 +234,7 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                     ACC_TILE=True, SWORD=False, **DECODE_FLAGS, XTMA=bm == 64)
     m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
-    if MID_SPLIT == "fit":
+    if MID_SPLIT == "fit" or (MID_SPLIT == "auto" and k_tiles < MID_FILL_MIN_K_TILES):
         split = _split_k_fit(n_tiles * m_tiles, k_tiles, n_sm)
     else:
         split = _split_k(n_tiles * m_tiles, k_tiles, n_sm)

@@ -1,0 +1,71 @@
+"""Session-30 probe (issue 5): the split-K target of the ``w4a8-int8`` GEMM's small/mid-M buckets (``auto_split``,
+``CONFIGS``' programs per SM: 2 at M = 33..128). The FP8 kernel's mid-M tiles ran 4-41 % faster with at most one
+program per SM at K <= 4096 (``s30_w4a8_split.json``); the same question here: 1 vs 2 programs per SM.
+
+    PYTHONPATH=$PWD python3 benchmarks/device/s30_int8_split.py --out DIR
+
+Llama-3-8B layers and tensor-parallel shards, M = 64 / 96 / 128, row-tiled codes (the modules' layout), x
+pre-quantized, CUDA graph over rotating weight copies (> 2x L2), 3 alternations; bit-equality of the outputs.
+Writes ``s30_int8_split.json``.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, rotating_inputs, write_probe  # noqa: E402
+from lowbit.bench.suites.w4a8_fp8 import peer_gemm_fns  # noqa: E402
+from lowbit.bench.suites.w4a8_int8 import _qoq  # noqa: E402
+from lowbit.kernels.w4a8_int8_gemm import CONFIGS, auto_split, launch, pick_config  # noqa: E402
+from lowbit.ops.quant import per_token_quant  # noqa: E402
+
+LAYERS = {"l3_qkv": (6144, 4096), "l3_o": (4096, 4096), "l3_gate_up": (28672, 4096), "l3_down": (4096, 14336),
+          "tp4_qkv": (1536, 4096), "tp4_o": (4096, 1024), "tp8_gate_up": (3584, 4096), "tp8_down": (4096, 1792)}
+MS = [64, 96, 128]
+
+
+def cfg_for(M, N, KP, ctas):
+    cfg = pick_config(M, N, KP, 128, tiled=True)
+    bound = min(b for b in CONFIGS if M <= b)
+    bm, bn, split, _, _, _, extra = CONFIGS[bound]
+    if split == 0:
+        cfg["SPLIT_K"] = auto_split(M, N, KP, bm, bn, 132, ctas, max(4, extra.get("KSTEP", 1)))
+    return cfg
+
+
+def fn(q, xq, xs, K, cfg):
+    qw, ws, gs, gz = q
+    return lambda: launch(xq, xs, qw, ws, gs, gz, None, K, 128, torch.bfloat16, config=dict(cfg), tiled=True)[0]
+
+
+def main():
+    a = probe_args("t")
+    doc = probe_doc("benchmarks/device/s30_int8_split.py")
+    for name, (N, K) in LAYERS.items():
+        sets = rotating_inputs(lambda: _qoq(N, K))
+        KP = 2 * sets[0][0].shape[1]
+        for M in MS:
+            c2, c1 = cfg_for(M, N, KP, 2), cfg_for(M, N, KP, 1)
+            if c1 == c2:
+                continue
+            row = {"N": N, "K": K, "M": M, "split_2ctas": c2["SPLIT_K"], "split_1cta": c1["SPLIT_K"]}
+            try:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                xq, xs = per_token_quant(x, "int8")
+                row["bitequal"] = bool(torch.equal(fn(sets[0], xq, xs, K, c2)(), fn(sets[0], xq, xs, K, c1)()))
+                for rep in range(3):
+                    for vn, cfg in (("ctas2", c2), ("ctas1", c1)):
+                        row.setdefault(vn + "_us", []).append(round(graph_us([fn(s, xq, xs, K, cfg) for s in sets]), 2))
+                for pn, pf in peer_gemm_fns(x, N, K).items():
+                    row[pn + "_us"] = round(graph_us(pf), 2)
+            except Exception as exc:  # noqa: BLE001
+                row["error"] = repr(exc)[:400]
+            probe_row(doc, f"{name} M={M}", row)
+            write_probe(doc, a.out, "s30_int8_split.json")
+        del sets
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
