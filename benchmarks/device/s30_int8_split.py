@@ -1,6 +1,6 @@
 """Session-30 probe (issue 5): the split-K target of the ``w4a8-int8`` GEMM's small/mid-M buckets (``auto_split``,
 ``CONFIGS``' programs per SM: 2 at M = 33..128). The FP8 kernel's mid-M tiles ran 4-41 % faster with at most one
-program per SM at K <= 4096 (``s30_w4a8_split.json``); the same question here: 1 vs 2 programs per SM.
+program per SM at K <= 4096 (``s30_w4a8_split.json``); the same question here: 1, 1.5 and 2 programs per SM (run 1: 1 vs 2, ``s30_int8_split_r1.json``).
 
     PYTHONPATH=$PWD python3 benchmarks/device/s30_int8_split.py --out DIR
 
@@ -26,11 +26,13 @@ MS = [64, 96, 128]
 
 
 def cfg_for(M, N, KP, ctas):
+    """The committed config with the auto split aimed at ``ctas`` programs per SM (a float: 1.5 = 198 programs)."""
     cfg = pick_config(M, N, KP, 128, tiled=True)
     bound = min(b for b in CONFIGS if M <= b)
     bm, bn, split, _, _, _, extra = CONFIGS[bound]
     if split == 0:
-        cfg["SPLIT_K"] = auto_split(M, N, KP, bm, bn, 132, ctas, max(4, extra.get("KSTEP", 1)))
+        slots = int(ctas * 132)
+        cfg["SPLIT_K"] = auto_split(M, N, KP, bm, bn, slots, 1, max(4, extra.get("KSTEP", 1)))
     return cfg
 
 
@@ -46,16 +48,18 @@ def main():
         sets = rotating_inputs(lambda: _qoq(N, K))
         KP = 2 * sets[0][0].shape[1]
         for M in MS:
-            c2, c1 = cfg_for(M, N, KP, 2), cfg_for(M, N, KP, 1)
-            if c1 == c2:
+            cfgs = {"ctas2": cfg_for(M, N, KP, 2), "ctas1": cfg_for(M, N, KP, 1), "ctas1.5": cfg_for(M, N, KP, 1.5)}
+            c2 = cfgs["ctas2"]
+            if all(c == c2 for c in cfgs.values()):
                 continue
-            row = {"N": N, "K": K, "M": M, "split_2ctas": c2["SPLIT_K"], "split_1cta": c1["SPLIT_K"]}
+            row = {"N": N, "K": K, "M": M, **{f"split_{vn}": c["SPLIT_K"] for vn, c in cfgs.items()}}
             try:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 xq, xs = per_token_quant(x, "int8")
-                row["bitequal"] = bool(torch.equal(fn(sets[0], xq, xs, K, c2)(), fn(sets[0], xq, xs, K, c1)()))
+                y0 = fn(sets[0], xq, xs, K, c2)()
+                row["bitequal"] = all(bool(torch.equal(fn(sets[0], xq, xs, K, c)(), y0)) for c in cfgs.values())
                 for rep in range(3):
-                    for vn, cfg in (("ctas2", c2), ("ctas1", c1)):
+                    for vn, cfg in cfgs.items():
                         row.setdefault(vn + "_us", []).append(round(graph_us([fn(s, xq, xs, K, cfg) for s in sets]), 2))
                 for pn, pf in peer_gemm_fns(x, N, K).items():
                     row[pn + "_us"] = round(graph_us(pf), 2)
