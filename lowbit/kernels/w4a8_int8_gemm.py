@@ -89,7 +89,10 @@ CONFIGS = {
     64: (64, 64, 0, 4, 4, 2, {"XTMA": True}),
     # r8 (x pre-quantized, us): one 128-token tile, so each weight tile is dequantized once: down
     # 56.6 -> 43.0, gate_up 77.4 -> 56.7, o 23.6 -> 17.7 (the old 64x128 tile dequantized it twice)
-    128: (128, 64, 0, 4, 4, 2, {"XTMA": True}),
+    # session 30 (s30_int8_split_r{1,2}.json, x pre-quantized, us, 2 -> 1 program per SM): M = 128 o 14.43 -> 13.12,
+    # down 35.12 -> 30.34, tensor-parallel shards 0.84-0.93x; Llama-3 qkv (96 tiles: 96 programs) lost 15.65 -> 17.27,
+    # so a split leaving fewer than 0.8 programs per SM takes one more (FILL)
+    128: (128, 64, 0, 4, 4, 1, {"XTMA": True, "FILL": 0.8}),
     1 << 62: (128, 128, 1, 8, 3, 1, {"XTMA": True}),
 }
 # Large M: dequantize the UINT4 weight once to its INT8 level-1 values (a transient int8 [N, Kp]
@@ -625,8 +628,14 @@ def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, 
             if M <= bound:
                 bm, bn, split, warps, stages, ctas, extra = CONFIGS[bound]
                 break
+    extra = dict(extra)
+    fill = extra.pop("FILL", 0.0)
     if split == 0:
-        split = auto_split(M, N, K, bm, bn, num_sms, ctas, max(MIN_TILES_PER_SPLIT, extra.get("KSTEP", 1)))
+        min_tiles = max(MIN_TILES_PER_SPLIT, extra.get("KSTEP", 1))
+        split = auto_split(M, N, K, bm, bn, num_sms, ctas, min_tiles)
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        if tiles * split < fill * ctas * num_sms and split + 1 <= min(cdiv(K, 128) // min_tiles, MAX_SPLIT):
+            split += 1
     return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, **extra)
 
 
