@@ -241,3 +241,24 @@ def test_tiled_default_path_hypothesis(M, N, K, g):
     y = w4a8_int8_gemm_triton(xq, xs, fmt.tile_codes(qw.qweight), qw.wscale, qw.gscale, qw.gzs, None, K,
                               qw.effective_group_size, torch.float32, tiled=True)
     assert torch.equal(y, r)
+
+
+def test_mid_bucket_split_rule():
+    """65..128 tokens (session 30): split-K aimed at one program per SM, one more split where that leaves fewer than
+    0.8 programs per SM; the FILL knob never reaches the kernel's launch config."""
+    from lowbit.kernels.w4a8_int8_gemm import CONFIGS, pick_config
+
+    def split(M, N, K):
+        cfg = pick_config(M, N, K, 128, tiled=True)
+        assert "FILL" not in cfg
+        return cfg["SPLIT_K"]
+
+    assert split(128, 4096, 4096) == 2  # 64 tiles -> 128 programs
+    assert split(128, 6144, 4096) == 2  # 96 tiles -> 96 programs < 0.8 x 132 -> one more split
+    assert split(96, 1536, 4096) == 5  # tensor-parallel qkv shard: 24 tiles -> 120 programs
+    assert split(128, 28672, 4096) == 1
+    assert split(64, 4096, 4096) == 4  # the 64-token bucket keeps 2 programs per SM
+    assert "FILL" in CONFIGS[128][6]  # the table itself is not mutated by pick_config
+    for M, N, K in [(100, 1000, 10944), (77, 64, 640), (128, 333, 256)]:
+        s = split(M, N, K)
+        assert s == 1 or -(-K // 128) // s >= 4
