@@ -796,7 +796,7 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # warps per scheduler, DRAM 59% of peak: the loop (581 SASS instructions per 32-key block) is latency / issue
 # bound, not HBM bound. Session 30 (``s30_kv4_stamp.json``): the spread of the ends is inside each SM (6.6-11.1 us
 # between an SM's first and last program; the SMs' mean ends lie within 3.3 us of each other) and follows the launch
-# order: the mean end of split s rose from 36.9 us (s = 0) to 42.7 us (s = 15), the warp schedulers favouring the
+# order: the mean end of split s rose from 36.9 us (s = 0) to 43.0 us (s = 15), the warp schedulers favouring the
 # older programs. Longer splits first (lengths falling linearly by +-4..16 %, ``s30_kv4_skew.json``) did not help:
 # B=16 8k 51.9-53.6 vs 52.0 us, 32k 160.5-161.6 vs 160.6-161.1, the spread as before (removed). The one-block probe
 # grid (``s30_kv4_probe_stamp.json``) spans 15.7 us: prologue ~4k cycles, the one block 2.4-21.8k, the partials'
