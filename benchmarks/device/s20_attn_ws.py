@@ -188,6 +188,19 @@ def ws_attention(q_codes, kc, ks, vt, vs, *, causal, qk_scale, out, c1_regs=232,
     return out
 
 
+def time_with_cudnn(row, fns, q, k, v, causal, flops, S):
+    """Time each of ``fns`` and SDPA cuDNN bf16 on the same q / k / v (median ms and TFLOP/s into ``row``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    for name, fn in {**fns, "sdpa_cudnn": cudnn}.items():
+        t = time_cuda(fn, [()], warmup=3, reps=20 if S > 8192 else 50)
+        row[f"{name}_ms"] = t["median_ms"]
+        row[f"{name}_tflops"] = flops / (t["median_ms"] * 1e-3) / 1e12
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -222,16 +235,7 @@ def main():
                     "tl": lambda: attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm,
                                                            k_block=128, q_codes=codes, config={"vperm": True}),
                 }
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                fns["sdpa_cudnn"] = cudnn
-                for name, fn in fns.items():
-                    t = time_cuda(fn, [()], warmup=3, reps=20 if S > 8192 else 50)
-                    row[f"{name}_ms"] = t["median_ms"]
-                    row[f"{name}_tflops"] = fl / (t["median_ms"] * 1e-3) / 1e12
+                time_with_cudnn(row, fns, q, k, v, causal, fl, S)
                 probe_row(doc, key, row)
                 torch.cuda.empty_cache()
             except Exception as exc:  # noqa: BLE001

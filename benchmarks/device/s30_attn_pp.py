@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lowbit.bench.harness import probe_args, probe_doc, probe_row, time_cuda, write_probe  # noqa: E402
+from lowbit.bench.harness import probe_args, probe_doc, probe_row, write_probe  # noqa: E402
 from lowbit.kernels.attention_prefill import LOG2E, attention_prefill_triton  # noqa: E402
 from lowbit.kernels.attention_quant import quantize_kv_triton  # noqa: E402
-from s20_attn_ws import ws_attention  # noqa: E402
+from s20_attn_ws import time_with_cudnn, ws_attention  # noqa: E402
 
 
 def rel(a, b):
@@ -61,16 +61,7 @@ def main():
                     row[f"{name}_vs_ws"] = rel(outs[name], outs["ws"])
                     fns[name] = (lambda kw=kw, o=outs[name]: ws_attention(codes, kc, ks, vt, vs, causal=causal,
                                                                           qk_scale=sm * LOG2E, out=o, **kw))
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                fns["sdpa_cudnn"] = cudnn
-                for name, fn in fns.items():
-                    t = time_cuda(fn, [()], warmup=3, reps=20 if S > 8192 else 50)
-                    row[f"{name}_ms"] = t["median_ms"]
-                    row[f"{name}_tflops"] = fl / (t["median_ms"] * 1e-3) / 1e12
+                time_with_cudnn(row, fns, q, k, v, causal, fl, S)
                 probe_row(doc, key, row)
                 del q, k, v, kc, ks, vt, vs, qc, qs, outs
                 torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, rotating_inputs, write_probe  # noqa: E402
+from lowbit.bench.harness import graph_alternations, graph_us, probe_args, probe_doc, probe_row, rotating_inputs, write_probe  # noqa: E402
 from lowbit.bench.suites.w4a8_fp8 import peer_gemm_fns  # noqa: E402
 from lowbit.bench.suites.w4a8_int8 import _qoq  # noqa: E402
 from lowbit.kernels.w4a8_int8_gemm import CONFIGS, auto_split, launch, pick_config  # noqa: E402
@@ -58,9 +58,7 @@ def main():
                 xq, xs = per_token_quant(x, "int8")
                 y0 = fn(sets[0], xq, xs, K, c2)()
                 row["bitequal"] = all(bool(torch.equal(fn(sets[0], xq, xs, K, c)(), y0)) for c in cfgs.values())
-                for rep in range(3):
-                    for vn, cfg in cfgs.items():
-                        row.setdefault(vn + "_us", []).append(round(graph_us([fn(s, xq, xs, K, cfg) for s in sets]), 2))
+                graph_alternations(row, {vn: [fn(s, xq, xs, K, cfg) for s in sets] for vn, cfg in cfgs.items()})
                 for pn, pf in peer_gemm_fns(x, N, K).items():
                     row[pn + "_us"] = round(graph_us(pf), 2)
             except Exception as exc:  # noqa: BLE001

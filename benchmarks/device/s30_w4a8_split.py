@@ -12,7 +12,7 @@ import os
 import sys
 
 sys.path.insert(0, os.getcwd())
-from lowbit.bench.harness import graph_us, probe_args, probe_doc, probe_row, write_probe  # noqa: E402
+from lowbit.bench.harness import graph_alternations, graph_us, probe_args, probe_doc, probe_row, write_probe  # noqa: E402
 from lowbit.bench.suites.w4a8_fp8 import GROUP, peer_gemm_fns, probe_cases  # noqa: E402
 import lowbit.kernels.w4a8_fp8_gemm as W  # noqa: E402
 
@@ -41,11 +41,9 @@ def main():
             y0 = W.w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=cf)
             y1 = W.w4a8_fp8_gemm(xq, sx, *sets[0], 2.0 ** -8, K, GROUP, config=ct)
             row["rel"] = float(f"{((y1.float() - y0.float()).norm() / y0.float().norm()).item():.2e}")
-            for rep in range(3):
-                for vn, cfg in (("fill", cf), ("fit", ct)):
-                    fl = [lambda c=c, s=s, cfg=cfg: W.w4a8_fp8_gemm(xq, sx, c, s, 2.0 ** -8, K, GROUP, config=cfg)
-                          for c, s in sets]
-                    row.setdefault(vn + "_us", []).append(round(graph_us(fl), 2))
+            graph_alternations(row, {vn: [lambda c=c, s=s, cfg=cfg: W.w4a8_fp8_gemm(xq, sx, c, s, 2.0 ** -8, K, GROUP,
+                                                                                 config=cfg) for c, s in sets]
+                                      for vn, cfg in (("fill", cf), ("fit", ct))})
             for pn, fl in peer_gemm_fns(x, N, K).items():
                 row[pn + "_us"] = round(graph_us(fl), 2)
         except Exception as exc:  # noqa: BLE001

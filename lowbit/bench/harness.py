@@ -167,6 +167,16 @@ def graph_us(fn, n: int = 20, reps: int = 15) -> float:
     return statistics.median(ts)
 
 
+def graph_alternations(row: dict, fns: dict, reps: int = 3) -> dict:
+    """Probe helper: ``reps`` rounds, each timing every ``name -> [callable per weight set]`` of ``fns`` once with
+    ``graph_us`` (so slow drift of the machine hits every variant alike); the list of per-round us goes to
+    ``row[name + "_us"]`` (2 decimals). Returns ``row``."""
+    for _ in range(reps):
+        for name, fl in fns.items():
+            row.setdefault(name + "_us", []).append(round(graph_us(fl), 2))
+    return row
+
+
 def probe_args(default_parts: str):
     """Command line of a device probe script: ``--out DIR`` (created) and ``--parts`` (letters of the parts
     to run, default ``default_parts``)."""
