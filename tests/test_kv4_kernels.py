@@ -384,7 +384,8 @@ def test_decode_gpu_gluon(q8, zp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("flags", ({"pdl": False}, {"pdl": True}, {"lean": True}, {"ilp": True}, {"sring": True},
-                                   {"sring": True, "pta": True}, {"sring": True, "pta": True, "lean": True}))
+                                   {"sring": True, "pta": True}, {"sring": True, "pta": True, "lean": True},
+                                   {"cstore": True}))
 def test_decode_gpu_gluon_options(flags):
     """The Gluon kernel's launch / prologue / MMA-chain options give the default's result."""
     from lowbit.bench.suites.kv4 import random_cache
@@ -398,6 +399,27 @@ def test_decode_gpu_gluon_options(flags):
     args = (q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"])
     o = decode_kv4_triton(*args, gluon=True, **flags)
     assert torch.equal(o, decode_kv4_triton(*args, gluon=True))
+    assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,TQ,splits,zero_point", [(128, 1, 1, False), (128, 1, None, False), (64, 1, 1, False),
+                                                     (64, 2, None, True), (128, 2, 1, True)])
+def test_decode_gpu_gluon_cstore(D, TQ, splits, zero_point):
+    """``cstore`` (the epilogue's vector stores, channels in order): the same partials and the same O, bit for bit,
+    with one split (O written by the kernel, bf16) and several (fp32 partials for the combine), D = 64 / 128."""
+    from lowbit.bench.suites.kv4 import random_cache
+    from lowbit.kernels.decode_kv4 import HAS_GLUON
+
+    if not HAS_GLUON:
+        pytest.skip("no Gluon in this Triton")
+    c = random_cache(3, 8, D, 700, device="cuda", zero_point=zero_point)
+    c["lengths"] = torch.tensor([700, 5, 513], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 32 if TQ == 1 else 16, TQ, D, device="cuda", dtype=torch.bfloat16)
+    args = (q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"])
+    kw = dict(gluon=True, num_splits=splits, k_zero=c.get("k_zero"), v_zero=c.get("v_zero"))
+    o = decode_kv4_triton(*args, cstore=True, **kw)
+    assert torch.equal(o, decode_kv4_triton(*args, cstore=False, **kw))
     assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
 
 

@@ -671,7 +671,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None, sring=None,
-                      pta=None, vsub=None, return_kernel=False,
+                      pta=None, vsub=None, cstore=None, return_kernel=False,
                       _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
@@ -686,7 +686,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
-                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe, vsub)
+                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe, vsub, cstore)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -848,6 +848,10 @@ GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop st
 # token sum costs shuffles and a 16-byte spill at the 128-register cap, 576 -> 542 SASS). Output error vs float64
 # (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4.
 GLUON_VSUB = "zp"
+# the epilogue's partial O (or O) as whole 16-byte vectors of channels in order, through one shared-memory layout
+# change, instead of the MMA fragments' 4-byte scatter (one 32-byte sector per lane and store; session 30's stamps
+# put the one-block grid's epilogue at up to 14k cycles). Bit-equal; not timed yet
+GLUON_CSTORE = False
 
 
 def _copy_layout(half: int):
@@ -870,6 +874,17 @@ def _v_load_layout(block_n: int, half: int):
 
 
 if HAS_GLUON:
+    @gluon.jit
+    def _g_rows_in_order(acc_e, acc_o, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, st_l: gl.constexpr):
+        """``CSTORE``: the even / odd channel accumulators ``[HALF, BLOCK_Q]`` (MMA layout; row m holds channel pair
+        j = (HALF/8) (m % 8) + m // 8) as ``[BLOCK_Q, 2 HALF]`` query rows of channels in order, in ``st_l``: with
+        m = 8 b + a, j = (HALF/8) a + b, so the m axis split into (b, a) and swapped is j, and channel = 2 j + (0 | 1).
+        The layout change goes through shared memory once; the stores are then whole vectors instead of the MMA
+        fragments' 4-byte scatter (one 32-byte sector per lane and store)."""
+        both = gl.permute(gl.join(acc_e, acc_o), [1, 0, 2])  # [BLOCK_Q, HALF (m), 2]
+        both = gl.permute(gl.reshape(both, [BLOCK_Q, HALF // 8, 8, 2]), [0, 2, 1, 3])  # [BLOCK_Q, a, b, 2]
+        return gl.convert_layout(gl.reshape(both, [BLOCK_Q, 2 * HALF]), st_l)
+
     @gluon.jit
     def _g_stamp(ASM: gl.constexpr):
         """One 64-bit special register (``%globaltimer`` ns or ``%clock64`` cycles): the ``STAMP`` probe."""
@@ -1109,7 +1124,7 @@ if HAS_GLUON:
         LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
         PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False, SRING: gl.constexpr = False,
         PTA: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
-        VSUB: gl.constexpr = False,
+        VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1332,7 +1347,32 @@ if HAS_GLUON:
         row_ok = r_idx < G * TQ
         mm = gl.arange(0, HALF, layout=gl.SliceLayout(1, _MMA))
         ch = 2 * ((HALF // 8) * (mm % 8) + mm // 8)
-        if SPLIT:
+        if CSTORE:  # rows of channels in order, one 16-byte vector per lane and store (see ``_g_rows_in_order``)
+            if SPLIT:
+                if PDL:
+                    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                              is_pure=False, pack=1)
+                base = (pid_bh * gl.num_programs(1) + sid) * BLOCK_Q
+                gl.store(MP + base + r_idx, m_i, mask=row_ok)
+                gl.store(LP + base + r_idx, l_i, mask=row_ok)
+                st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 16], threads_per_warp=[1, 32],
+                                                      warps_per_cta=[1, 1], order=[1, 0])
+                vals = _g_rows_in_order(acc_e, acc_o, HALF, BLOCK_Q, st_l)
+                rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, st_l))
+                cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, st_l))
+                gl.store(OP + (base + rows)[:, None] * (2 * HALF) + cols[None, :], vals,
+                         mask=(rows < G * TQ)[:, None])
+            else:
+                inv = gl.where(l_i > 0, 1.0 / l_i, 0.0)
+                st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 8], threads_per_warp=[2, 16],
+                                                      warps_per_cta=[1, 1], order=[1, 0])
+                vals = _g_rows_in_order(acc_e * inv[None, :], acc_o * inv[None, :], HALF, BLOCK_Q, st_l)
+                rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, st_l))
+                cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, st_l))
+                o_ptr = (O + b * stride_ob + (h * G + rows // TQ)[:, None] * stride_oh
+                         + (rows % TQ)[:, None] * stride_ot + cols[None, :])
+                gl.store(o_ptr, vals.to(O.dtype.element_ty), mask=(rows < G * TQ)[:, None])
+        elif SPLIT:
             if PDL:  # the combine kernel (programmatic dependent launch) may be scheduled now; it waits for this grid
                 gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                           is_pure=False, pack=1)
@@ -1366,9 +1406,9 @@ if HAS_GLUON:
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
-                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None):
+                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None, cstore=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
-    ``num_stages`` = depth of the cp.async ring)."""
+    ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``)."""
     B, Hq, TQ, D = q.shape
     P, Hkv, PAGE, HALF = k_codes.shape
     G = Hq // Hkv
@@ -1388,8 +1428,9 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     vsub = bool(vsub)
     lean = GLUON_LEAN if lean is None else bool(lean)
     ilp = GLUON_ILP if ilp is None else bool(ilp)
+    cstore = GLUON_CSTORE if cstore is None else bool(cstore)
     occ_base = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl))
+                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl), cstore)
     out = torch.empty_like(q)
     if num_splits is None:
         num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(
@@ -1417,6 +1458,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
         AHEAD=ahead, PDL=pdl, LEAN=lean, ILP=ilp,
         SRING=sring, PTA=pta, PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub,
+        CSTORE=cstore,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
