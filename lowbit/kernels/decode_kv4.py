@@ -841,12 +841,17 @@ GLUON_PDL = True
 # each loop step may wait for
 GLUON_SRING = False
 GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop steps ahead instead of one
-# the V codes as fp16 subnormals (``_ASM_SUB``): True, False or "zp" = for zero-point (QServe kv4-zp) caches only.
+# the V codes as fp16 subnormals (``_ASM_SUB``): True, False, "zp" = for zero-point (QServe kv4-zp) caches only, or
+# "mma" (below).
 # Session 27 (H200, B=16, 32/8 heads, D=128, same process, default / VSUB / default again, ms; s27_kv4_vsub*.json):
 # zero points 8k 0.0566 / 0.0552 / 0.0566, 32k 0.1785 / 0.1730 / 0.1784 (the loop 676 -> 618 SASS, offline); signed
 # codes slower at every shape (8k 0.0517 / 0.0535 / 0.0518, 32k 0.1603 / 0.1664 / 0.1605: the offset's per-block
 # token sum costs shuffles and a 16-byte spill at the 128-register cap, 576 -> 542 SASS). Output error vs float64
-# (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4.
+# (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4. ``"mma"`` (option, session 30, not timed yet): for signed codes the offset's
+# sum sum P' comes from one more MMA, a 16 x BLOCK_N tile of ones times P' (2 HMMA per block), instead of a reduction
+# over the block's tokens (the shuffles and spills that made VSUB slower for signed codes). Offline sm_90a build (main
+# loop SASS per 32-key block): default 576 (1 LDL), VSUB 542 (4 LDL), "mma" 523 (3 LDL); at maxnreg 136 (15 programs
+# per SM instead of 16) "mma" 506 with no spill, 502 with CSTORE.
 GLUON_VSUB = "zp"
 # the epilogue's partial O (or O) as whole 16-byte vectors of channels in order, through one shared-memory layout
 # change, instead of the MMA fragments' 4-byte scatter (one 32-byte sector per lane and store; session 30's stamps
@@ -1020,9 +1025,9 @@ if HAS_GLUON:
         acc_e = acc_e * alpha[None, :]
         acc_o = acc_o * alpha[None, :]
         l_acc = l_acc * alpha[None, :]
-        if VSUB and not ZERO_POINT:  # the offset's sum, already one value per query column
+        if VSUB == 1 and not ZERO_POINT:  # the offset's sum, already one value per query column
             z_acc = z_acc * alpha
-        elif ZERO_POINT:
+        elif ZERO_POINT or VSUB == 2:  # per token and column, or the ones-tile MMA's [16, BLOCK_Q] accumulator
             z_acc = z_acc * alpha[None, :]
         return acc_e, acc_o, l_acc, z_acc
 
@@ -1091,10 +1096,12 @@ if HAS_GLUON:
         pv16 = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
         if ZERO_POINT:
             z_acc += pv16.to(gl.float32) * vz.to(gl.float32)[:, None]
-        elif VSUB:  # reduced over the block's tokens at once: a [BLOCK_N, BLOCK_Q] sum would cost 8 more
+        elif VSUB == 1:  # reduced over the block's tokens at once: a [BLOCK_N, BLOCK_Q] sum would cost 8 more
             # registers a thread and spill at the 128-register cap (offline build)
             z_acc += gl.sum(pv16.to(gl.float32), axis=0)
         pb = gl.convert_layout(pv16, b16)
+        if VSUB == 2 and not ZERO_POINT:  # the offset's sum on the tensor cores: a tile of ones times P'
+            z_acc = _mma_v2(gl.full([16, BLOCK_N], 1.0, gl.float16, layout=a16), pb, z_acc)
         vca = gl.convert_layout(gl.reshape(gl.permute(vc, [1, 0, 2]), [HALF, BLOCK_N]), a16)
         if VSUB:  # the codes as fp16 subnormals, or the magic-number conversion with its offset
             asm: gl.constexpr = ASM_SUB_U if ZERO_POINT else ASM_SUB_S
@@ -1232,8 +1239,10 @@ if HAS_GLUON:
         # then the split's partial block and the causal diagonal (at most two) masked
         m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=q_l)
         l_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
-        if VSUB and not ZERO_POINT:
+        if VSUB == 1 and not ZERO_POINT:
             z_acc = gl.zeros([BLOCK_Q], gl.float32, layout=q_l)
+        elif VSUB == 2 and not ZERO_POINT:  # every one of the 16 rows holds the same sum
+            z_acc = gl.zeros([16, BLOCK_Q], gl.float32, layout=_MMA)
         else:
             z_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
         acc_e = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
@@ -1335,6 +1344,8 @@ if HAS_GLUON:
         if VSUB:  # back from the subnormal scale, minus the offset's sum (``_ASM_SUB``)
             if ZERO_POINT:
                 zs = gl.sum(z_acc, axis=0)
+            elif VSUB == 2:
+                zs = gl.max(z_acc, axis=0) * 8.0
             else:
                 zs = z_acc * 8.0
             acc_e = acc_e * 16777216.0 - zs[None, :]
@@ -1425,7 +1436,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     pta = sring and (GLUON_PTA if pta is None else bool(pta))
     if vsub is None:
         vsub = GLUON_VSUB is True or (GLUON_VSUB == "zp" and k_zero is not None)
-    vsub = bool(vsub)
+    vsub = 2 if vsub == "mma" and k_zero is None else int(bool(vsub))  # "mma": the offset's sum by a ones tile
     lean = GLUON_LEAN if lean is None else bool(lean)
     ilp = GLUON_ILP if ilp is None else bool(ilp)
     cstore = GLUON_CSTORE if cstore is None else bool(cstore)
