@@ -2,7 +2,8 @@
 smallest power-of-two split reaching one program per SM; the rule until session 30) against "fit" (the largest one
 staying within one program per SM). ``s30_w4a8_mid.json`` found fewer splits faster on qkv / o at M = 128 / 256.
 
-    PYTHONPATH=$PWD python3 benchmarks/device/s30_w4a8_split.py --out DIR
+    PYTHONPATH=$PWD python3 benchmarks/device/s30_w4a8_split.py --out DIR   (S30_DECODE=1: the M <= 64 configs, 2 vs
+    1 program per SM; written to s30_w4a8_split_decode.json)
 
 Every (layer, M) where the two rules differ: GEMM alone on pre-quantized x, CUDA graph over rotating weight copies
 (> 2x L2), 3 alternations, plus cuBLAS bf16 and ``torch._scaled_mm``; rel-L2 between the two. Writes
@@ -21,7 +22,18 @@ LAYERS = {"l3_qkv": (6144, 4096), "l3_o": (4096, 4096), "l3_down": (4096, 14336)
 MS = [96, 128, 192, 256, 320]
 
 
+DECODE = os.environ.get("S30_DECODE") == "1"  # the decode configs (M <= 64): 2 vs 1 program per SM instead
+if DECODE:
+    MS = [16, 32, 64]
+
+
 def cfg_for(rule, M, N, K):
+    if DECODE:  # "fill" = the committed 2 programs per SM, "fit" = 1
+        old, W.DECODE_SPLIT_PER_SM = W.DECODE_SPLIT_PER_SM, 2 if rule == "fill" else 1
+        try:
+            return W.pick_config(M, N, K)
+        finally:
+            W.DECODE_SPLIT_PER_SM = old
     old, W.MID_SPLIT = W.MID_SPLIT, rule
     try:
         return W.pick_config(M, N, K)
@@ -31,7 +43,7 @@ def cfg_for(rule, M, N, K):
 
 def main():
     a = probe_args("t")
-    doc = probe_doc("benchmarks/device/s30_w4a8_split.py")
+    doc = probe_doc("benchmarks/device/s30_w4a8_split.py", ("S30_DECODE",))
     for name, N, K, sets, M, x, xq, sx in probe_cases(LAYERS, MS):
         cf, ct = cfg_for("fill", M, N, K), cfg_for("fit", M, N, K)
         if cf == ct:
@@ -49,7 +61,7 @@ def main():
         except Exception as exc:  # noqa: BLE001
             row["error"] = repr(exc)[:400]
         probe_row(doc, f"{name} M={M}", row)
-        write_probe(doc, a.out, "s30_w4a8_split.json")
+        write_probe(doc, a.out, "s30_w4a8_split_decode.json" if DECODE else "s30_w4a8_split.json")
 
 
 if __name__ == "__main__":

@@ -183,6 +183,10 @@ MID_CTAS_PER_SM = 2
 # 29.63 -> 32.43 at M = 128); bit-identical outputs either way
 MID_SPLIT = "auto"
 MID_FILL_MIN_K_TILES = 64
+# decode (M <= 64), 64-row tiles (qkv, o): split-K until this many programs per SM (R4-R8 sweeps); session 30's
+# mid-M finding (fewer splits faster at K <= 4096) is not timed here yet: benchmarks/device/s30_w4a8_split.py
+# with S30_DECODE=1 compares 2 and 1
+DECODE_SPLIT_PER_SM = 2
 DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
 
 
@@ -230,7 +234,7 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
             return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                         ACC_TILE=True, SWORD=True, TMA=True, **LONG_K_FLAGS)
         bn = 64
-        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, 2 * n_sm)
+        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, DECODE_SPLIT_PER_SM * n_sm)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                     ACC_TILE=True, SWORD=False, **DECODE_FLAGS, XTMA=bm == 64)
     m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
