@@ -18,7 +18,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowbit.kernels import decode_kv4 as K  # noqa: E402
-from benchmarks._offline import report  # noqa: E402
+from benchmarks._offline import report, write_json  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--zp", action="store_true")
@@ -26,6 +26,7 @@ ap.add_argument("--stages", type=int, default=K.GLUON_STAGES)
 ap.add_argument("--maxnreg", type=int, default=K.GLUON_MAXNREG, help="0: none")
 ap.add_argument("--half", type=int, default=64)
 ap.add_argument("--ptx", help="also write the PTX here")
+ap.add_argument("--json", help="append this build's row to the rows of this JSON file (created with the environment)")
 ap.add_argument("--vsub", action="store_true", help="V codes as fp16 subnormals (VSUB, session 27)")
 ap.add_argument("--vsub-mma", action="store_true", help="VSUB with the offset's sum by a ones-tile MMA (session 30)")
 ap.add_argument("--cstore", action="store_true", help="the epilogue's stores as whole vectors (CSTORE, session 30)")
@@ -50,6 +51,14 @@ attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(1
 k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 1, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
-report(k, dict(mma_e4m3="e4m3.e4m3", mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.", ld_shared="ld.shared",
-               prmt="prmt", bar_sync="bar.sync"),
-       f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}, vsub {args.vsub}", args.ptx, top=40)
+label = (f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}, vsub {'mma' if args.vsub_mma else args.vsub}, "
+         f"cstore {args.cstore}, split {not args.nosplit}")
+row = report(k, dict(mma_e4m3="e4m3.e4m3", mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.",
+                     ld_shared="ld.shared", prmt="prmt", bar_sync="bar.sync", st_global="st.global"),
+             label, args.ptx, top=40)
+if args.json:
+    import json
+
+    rows = json.load(open(args.json))["rows"] if os.path.exists(args.json) else []
+    write_json(args.json, rows + [{"variant": label, "argv": " ".join(sys.argv[1:]), **row}], "benchmarks/offline_kv4.py",
+               ["<see each row argv>"])

@@ -120,6 +120,20 @@ def stream_key(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+STREAM_SCRATCH: dict = {}  # (owner, device, stream) -> the split reductions' partial-tile buffers
+
+
+def stream_scratch(owner: str, device, n: int, dtype: torch.dtype, *, minimum: int = 1 << 16) -> torch.Tensor:
+    """At least ``n`` elements of ``dtype`` of ``owner``'s scratch (uninitialised) on ``device`` and the current
+    stream, grown on demand: the split-K partial tiles, which, like ``arrival_counters``, two streams running one
+    kernel family at once must not share."""
+    key = (owner, device.type, device.index, stream_key(device))
+    t = STREAM_SCRATCH.get(key)
+    if t is None or t.numel() < n:
+        t = STREAM_SCRATCH[key] = torch.empty(max(n, minimum), device=device, dtype=dtype)
+    return t
+
+
 def arrival_counters(owner: str, device, n: int) -> torch.Tensor:
     """At least ``n`` zeroed int32 arrival counters of ``owner`` (a kernel family) on ``device`` and the current
     stream: the single-launch split reductions (the program that arrives last combines the partials and resets its

@@ -122,6 +122,23 @@ def test_arrival_counters_per_owner_and_stream(monkeypatch):
     assert U.arrival_counters("fam", dev, 10) is not big
 
 
+def test_stream_scratch_per_owner_and_stream(monkeypatch):
+    """The split-K partial buffers: one per (owner, device, stream) like the counters, reused while large enough,
+    grown on demand, of the dtype asked for."""
+    import lowbit._utils as U
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(U, "STREAM_SCRATCH", {})
+    monkeypatch.setattr(U, "stream_key", lambda d: 7)
+    a = U.stream_scratch("fam", dev, 10, torch.float32, minimum=16)
+    assert a.numel() == 16 and a.dtype == torch.float32
+    assert U.stream_scratch("fam", dev, 16, torch.float32) is a
+    assert U.stream_scratch("other", dev, 10, torch.int32).dtype == torch.int32
+    assert U.stream_scratch("fam", dev, 100, torch.float32).numel() >= 100
+    monkeypatch.setattr(U, "stream_key", lambda d: 8)  # another stream
+    assert U.stream_scratch("fam", dev, 10, torch.float32) is not a
+
+
 def test_stream_key_off_cuda():
     from lowbit._utils import stream_key
 

@@ -850,8 +850,9 @@ GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop st
 # (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4. ``"mma"`` (option, session 30, not timed yet): for signed codes the offset's
 # sum sum P' comes from one more MMA, a 16 x BLOCK_N tile of ones times P' (2 HMMA per block), instead of a reduction
 # over the block's tokens (the shuffles and spills that made VSUB slower for signed codes). Offline sm_90a build (main
-# loop SASS per 32-key block): default 576 (1 LDL), VSUB 542 (4 LDL), "mma" 523 (3 LDL); at maxnreg 136 (15 programs
-# per SM instead of 16) "mma" 506 with no spill, 502 with CSTORE.
+# loop SASS per 32-key block; benchmarks/results/offline/s30_kv4_variants.json): default 576 (1 LDL), VSUB 542
+# (4 LDL), "mma" 523 (3 LDL); at maxnreg 136 (15 programs per SM instead of 16) "mma" 506 with no spill, 502 with
+# CSTORE.
 GLUON_VSUB = "zp"
 # the epilogue's partial O (or O) as whole 16-byte vectors of channels in order, through one shared-memory layout
 # change, instead of the MMA fragments' 4-byte scatter (one 32-byte sector per lane and store; session 30's stamps
@@ -889,6 +890,16 @@ if HAS_GLUON:
         both = gl.permute(gl.join(acc_e, acc_o), [1, 0, 2])  # [BLOCK_Q, HALF (m), 2]
         both = gl.permute(gl.reshape(both, [BLOCK_Q, HALF // 8, 8, 2]), [0, 2, 1, 3])  # [BLOCK_Q, a, b, 2]
         return gl.convert_layout(gl.reshape(both, [BLOCK_Q, 2 * HALF]), st_l)
+
+    @gluon.jit
+    def _g_row_offsets(rows, base, b, h, stride_ob, stride_oh, stride_ot, G: gl.constexpr, TQ: gl.constexpr,
+                       HALF: gl.constexpr, SPLIT: gl.constexpr):
+        """Element offsets of the epilogue's query rows ``rows`` (r = g * TQ + t): in the split partials ``OP``
+        (``base`` + r rows of 2 HALF channels) or in O ``[B, Hq, TQ, D]``."""
+        if SPLIT:
+            return (base + rows) * (2 * HALF)
+        else:
+            return b * stride_ob + (h * G + rows // TQ) * stride_oh + (rows % TQ) * stride_ot
 
     @gluon.jit
     def _g_stamp(ASM: gl.constexpr):
@@ -1358,47 +1369,37 @@ if HAS_GLUON:
         row_ok = r_idx < G * TQ
         mm = gl.arange(0, HALF, layout=gl.SliceLayout(1, _MMA))
         ch = 2 * ((HALF // 8) * (mm % 8) + mm // 8)
-        if CSTORE:  # rows of channels in order, one 16-byte vector per lane and store (see ``_g_rows_in_order``)
-            if SPLIT:
-                if PDL:
-                    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                              is_pure=False, pack=1)
-                base = (pid_bh * gl.num_programs(1) + sid) * BLOCK_Q
-                gl.store(MP + base + r_idx, m_i, mask=row_ok)
-                gl.store(LP + base + r_idx, l_i, mask=row_ok)
-                st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 16], threads_per_warp=[1, 32],
-                                                      warps_per_cta=[1, 1], order=[1, 0])
-                vals = _g_rows_in_order(acc_e, acc_o, HALF, BLOCK_Q, st_l)
-                rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, st_l))
-                cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, st_l))
-                gl.store(OP + (base + rows)[:, None] * (2 * HALF) + cols[None, :], vals,
-                         mask=(rows < G * TQ)[:, None])
-            else:
-                inv = gl.where(l_i > 0, 1.0 / l_i, 0.0)
-                st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 8], threads_per_warp=[2, 16],
-                                                      warps_per_cta=[1, 1], order=[1, 0])
-                vals = _g_rows_in_order(acc_e * inv[None, :], acc_o * inv[None, :], HALF, BLOCK_Q, st_l)
-                rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, st_l))
-                cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, st_l))
-                o_ptr = (O + b * stride_ob + (h * G + rows // TQ)[:, None] * stride_oh
-                         + (rows % TQ)[:, None] * stride_ot + cols[None, :])
-                gl.store(o_ptr, vals.to(O.dtype.element_ty), mask=(rows < G * TQ)[:, None])
-        elif SPLIT:
+        if SPLIT:  # partials (fp32, unnormalized) for the combine
             if PDL:  # the combine kernel (programmatic dependent launch) may be scheduled now; it waits for this grid
                 gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                           is_pure=False, pack=1)
             base = (pid_bh * gl.num_programs(1) + sid) * BLOCK_Q
             gl.store(MP + base + r_idx, m_i, mask=row_ok)
             gl.store(LP + base + r_idx, l_i, mask=row_ok)
-            o_ptr = OP + (base + r_idx)[None, :] * (2 * HALF) + ch[:, None]
-            gl.store(o_ptr, acc_e, mask=row_ok[None, :])
-            gl.store(o_ptr + 1, acc_o, mask=row_ok[None, :])
-        else:
+            dst = OP
+        else:  # O itself
+            base = 0
             inv = gl.where(l_i > 0, 1.0 / l_i, 0.0)
-            o_ptr = (O + b * stride_ob + (h * G + r_idx // TQ)[None, :] * stride_oh + (r_idx % TQ)[None, :] * stride_ot
-                     + ch[:, None])
-            gl.store(o_ptr, (acc_e * inv[None, :]).to(O.dtype.element_ty), mask=row_ok[None, :])
-            gl.store(o_ptr + 1, (acc_o * inv[None, :]).to(O.dtype.element_ty), mask=row_ok[None, :])
+            acc_e = acc_e * inv[None, :]
+            acc_o = acc_o * inv[None, :]
+            dst = O
+        if CSTORE:  # rows of channels in order, one 16-byte vector per lane and store (see ``_g_rows_in_order``)
+            if SPLIT:
+                st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 16], threads_per_warp=[1, 32],
+                                                      warps_per_cta=[1, 1], order=[1, 0])
+            else:
+                st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 8], threads_per_warp=[2, 16],
+                                                      warps_per_cta=[1, 1], order=[1, 0])
+            vals = _g_rows_in_order(acc_e, acc_o, HALF, BLOCK_Q, st_l)
+            rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, st_l))
+            cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, st_l))
+            o_ptr = dst + _g_row_offsets(rows, base, b, h, stride_ob, stride_oh, stride_ot, G, TQ, HALF, SPLIT)
+            gl.store(o_ptr[:, None] + cols[None, :], vals.to(dst.dtype.element_ty), mask=(rows < G * TQ)[:, None])
+        else:  # the MMA fragments as they lie: 4-byte (fp32) / 2-byte stores
+            o_ptr = dst + _g_row_offsets(r_idx, base, b, h, stride_ob, stride_oh, stride_ot, G, TQ, HALF, SPLIT)
+            o_ptr = o_ptr[None, :] + ch[:, None]
+            gl.store(o_ptr, acc_e.to(dst.dtype.element_ty), mask=row_ok[None, :])
+            gl.store(o_ptr + 1, acc_o.to(dst.dtype.element_ty), mask=row_ok[None, :])
         if STAMP:
             g3 = _g_stamp("mov.u64 $0, %globaltimer;")
             c3 = _g_stamp("mov.u64 $0, %clock64;")

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arrival_counters, cdiv, interpret_mode, warn_once
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_scratch, warn_once
 from lowbit.formats.lut import SILU_BLOCK, pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
 from lowbit.kernels.silu_mul import silu_mul_f32
@@ -1204,17 +1204,14 @@ def _lut_dequant_mma_kernel(
 
 
 # ----------------------------------------------------------------------------- configs
-_WORKSPACE: dict = {}
 LAST_COMPILED: dict = {}  # the last launched compiled kernel (PTX / register reports in benchmarks)
 
 
 def _workspace(device, numel_ws: int, numel_locks: int):
-    """Per-device float32 partials and int32 counters (``_utils.arrival_counters``: zero between calls)."""
-    key = (device.type, device.index)
-    ws = _WORKSPACE.get(key)
-    if ws is None or ws.numel() < numel_ws:
-        ws = _WORKSPACE[key] = torch.empty(max(numel_ws, 1 << 16), device=device, dtype=torch.float32)
-    return ws, arrival_counters("lut", device, numel_locks)
+    """float32 partials and int32 arrival counters of the split-K launches, per device and stream
+    (``_utils.stream_scratch`` / ``_utils.arrival_counters``: the counters are zero between calls)."""
+    return (stream_scratch("lut", device, numel_ws, torch.float32),
+            arrival_counters("lut", device, numel_locks))
 
 
 def out_columns(N: int, silu_mul: bool) -> int:

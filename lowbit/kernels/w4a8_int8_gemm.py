@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_key, tma_descriptor
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_scratch, tma_descriptor
 from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
 from lowbit.kernels.act_quant import pdl_enabled, silu_mul_rounded
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -597,11 +597,16 @@ MAX_SPLIT = 16
 
 
 def auto_split(M: int, N: int, K: int, bm: int, bn: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM,
-               min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+               min_tiles: int = MIN_TILES_PER_SPLIT, fill: float = 0.0) -> int:
     """Splits of K so that about ``ctas_per_sm`` programs run per SM, each keeping >= ``min_tiles``
-    k-tiles of 128 (at most ``MAX_SPLIT`` splits)."""
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    return max(1, min(ctas_per_sm * num_sms // max(tiles, 1), cdiv(K, 128) // min_tiles, MAX_SPLIT))
+    k-tiles of 128 (at most ``MAX_SPLIT`` splits); one split more where that leaves fewer than ``fill * ctas_per_sm``
+    programs per SM (``CONFIGS``' ``FILL``, session 30)."""
+    tiles = max(cdiv(M, bm) * cdiv(N, bn), 1)
+    cap = min(cdiv(K, 128) // min_tiles, MAX_SPLIT)
+    split = max(1, min(ctas_per_sm * num_sms // tiles, cap))
+    if tiles * split < fill * ctas_per_sm * num_sms and split + 1 <= cap:
+        split += 1
+    return split
 
 
 def use_w8(M: int, N: int, K: int) -> bool:
@@ -631,11 +636,7 @@ def pick_config(M: int, N: int, K: int, group_size: int, *, num_sms: int = 132, 
     extra = dict(extra)
     fill = extra.pop("FILL", 0.0)
     if split == 0:
-        min_tiles = max(MIN_TILES_PER_SPLIT, extra.get("KSTEP", 1))
-        split = auto_split(M, N, K, bm, bn, num_sms, ctas, min_tiles)
-        tiles = cdiv(M, bm) * cdiv(N, bn)
-        if tiles * split < fill * ctas * num_sms and split + 1 <= min(cdiv(K, 128) // min_tiles, MAX_SPLIT):
-            split += 1
+        split = auto_split(M, N, K, bm, bn, num_sms, ctas, max(MIN_TILES_PER_SPLIT, extra.get("KSTEP", 1)), fill)
     return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=warps, num_stages=stages, **extra)
 
 
@@ -787,16 +788,10 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
     return out, kernel
 
 
-_WORKSPACES: dict = {}
-
-
 def _split_workspace(device: torch.device, n_partial: int, n_tiles: int):
-    """INT32 partial tiles (one buffer per device and stream, grown on demand) and per-tile arrival counters
-    (``lowbit._utils.arrival_counters``, per stream too). The counters start at 0 and the kernel leaves them at 0
+    """INT32 partial tiles and per-tile arrival counters, one pair per device and stream, grown on demand
+    (``lowbit._utils.stream_scratch`` / ``arrival_counters``). The counters start at 0 and the kernel leaves them at 0
     (the last program of a tile re-arms its counter), so no memset launch is needed per call; launches on one
     stream are ordered, and each stream has its own buffers."""
-    key = (device.type, device.index, stream_key(device))
-    part = _WORKSPACES.get(key)
-    if part is None or part.numel() < n_partial:
-        part = _WORKSPACES[key] = torch.empty(max(n_partial, 1 << 20), device=device, dtype=torch.int32)
-    return part, arrival_counters("w4a8_int8", device, n_tiles)
+    return (stream_scratch("w4a8_int8", device, n_partial, torch.int32, minimum=1 << 20),
+            arrival_counters("w4a8_int8", device, n_tiles))
