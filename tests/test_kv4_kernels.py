@@ -420,6 +420,7 @@ def test_decode_gpu_gluon_cstore(D, TQ, splits, zero_point):
     kw = dict(gluon=True, num_splits=splits, k_zero=c.get("k_zero"), v_zero=c.get("v_zero"))
     o = decode_kv4_triton(*args, cstore=True, **kw)
     assert torch.equal(o, decode_kv4_triton(*args, cstore=False, **kw))
+    assert torch.equal(o, decode_kv4_triton(*args, **kw))  # the default ("short": on below 2048 keys per split)
     assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
 
 

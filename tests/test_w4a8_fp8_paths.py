@@ -447,6 +447,21 @@ def test_mid_split_rule():
         assert split == 1 or -(-K // 128) // split >= 4
 
 
+def test_decode_split_rule():
+    """Decode split-K of the 64-row tiles (session 31, ``DECODE_SPLIT_PER_SM``): 2 programs per SM at 16 tokens,
+    1.5 at 32 / 64 (fewer fp32 partials where each weighs more)."""
+    from lowbit.kernels.w4a8_fp8_gemm import pick_config
+
+    assert pick_config(16, 4096, 4096)["SPLIT_K"] == 8  # 64 tiles -> 512 programs (>= 264)
+    assert pick_config(64, 4096, 4096)["SPLIT_K"] == 4  # 256 programs (>= 198)
+    assert pick_config(32, 14336, 4096)["SPLIT_K"] == 1  # 224 tiles
+    assert pick_config(16, 14336, 4096)["SPLIT_K"] == 2
+    assert pick_config(64, 6144, 4096)["SPLIT_K"] == 4  # 96 tiles: 192 < 198 programs at split 2
+    for M, N, K in [(1, 1000, 10944), (33, 4096, 1024), (64, 333, 4096), (17, 64, 640)]:
+        split = pick_config(M, N, K)["SPLIT_K"]
+        assert split == 1 or -(-K // 128) // split >= 4
+
+
 def test_hybrid_split_config_errors():
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
 

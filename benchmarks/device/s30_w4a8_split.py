@@ -22,14 +22,18 @@ LAYERS = {"l3_qkv": (6144, 4096), "l3_o": (4096, 4096), "l3_down": (4096, 14336)
 MS = [96, 128, 192, 256, 320]
 
 
-DECODE = os.environ.get("S30_DECODE") == "1"  # the decode configs (M <= 64): 2 vs 1 program per SM instead
+DECODE = os.environ.get("S30_DECODE") == "1"  # the decode configs (M <= 64): 2 vs FIT_PER_SM programs per SM
+FIT_PER_SM = float(os.environ.get("S30_FIT_PER_SM", "1"))  # decode: the "fit" rule's programs per SM
 if DECODE:
     MS = [16, 32, 64]
+    LAYERS.update({"l3_gate": (14336, 4096), "tp4_gate_up": (7168, 4096), "tp2_qkv": (3072, 4096),
+                   "n8192": (8192, 4096), "n5120": (5120, 4096), "n2560": (2560, 2560)})
 
 
 def cfg_for(rule, M, N, K):
     if DECODE:  # "fill" = the committed 2 programs per SM, "fit" = 1
-        old, W.DECODE_SPLIT_PER_SM = W.DECODE_SPLIT_PER_SM, 2 if rule == "fill" else 1
+        per_sm = 2.0 if rule == "fill" else FIT_PER_SM  # the same for every tile height
+        old, W.DECODE_SPLIT_PER_SM = W.DECODE_SPLIT_PER_SM, {16: per_sm, 32: per_sm, 64: per_sm}
         try:
             return W.pick_config(M, N, K)
         finally:
@@ -43,7 +47,7 @@ def cfg_for(rule, M, N, K):
 
 def main():
     a = probe_args("t")
-    doc = probe_doc("benchmarks/device/s30_w4a8_split.py", ("S30_DECODE",))
+    doc = probe_doc("benchmarks/device/s30_w4a8_split.py", ("S30_DECODE", "S30_FIT_PER_SM"))
     for name, N, K, sets, M, x, xq, sx in probe_cases(LAYERS, MS):
         cf, ct = cfg_for("fill", M, N, K), cfg_for("fit", M, N, K)
         if cf == ct:

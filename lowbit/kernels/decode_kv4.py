@@ -856,8 +856,19 @@ GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop st
 GLUON_VSUB = "zp"
 # the epilogue's partial O (or O) as whole 16-byte vectors of channels in order, through one shared-memory layout
 # change, instead of the MMA fragments' 4-byte scatter (one 32-byte sector per lane and store; session 30's stamps
-# put the one-block grid's epilogue at up to 14k cycles). Bit-equal; not timed yet
-GLUON_CSTORE = False
+# put the one-block grid's epilogue at up to 14k cycles). Bit-equal. Session 31 (H200, 32/8 heads, D=128, same
+# process, three runs, ms, scatter -> CSTORE; s31_kv4_opts.json, s31_kv4_cstore_r2.json, s31_kv4_op16.json):
+# B=16 8k 0.0518 / 0.0523 / 0.0518 -> 0.0499 / 0.0497 / 0.0497, 1k 0.0193 -> 0.0163, B=4 8k 0.0265 / 0.0269 / 0.0262
+# -> 0.0201 / 0.0203 / 0.0200, B=1 32k 0.0267 / 0.0268 / 0.0265 -> 0.0201 / 0.0202 / 0.0201, B=4 32k 0.0509 / 0.0507
+# -> 0.0490 / 0.0488; zero points alike (B=16 8k 0.0552 -> 0.0523, B=4 8k 0.0271 -> 0.0211). Long splits gain
+# nothing: B=16 16k (1024 keys per split) 0.0873 -> 0.0874, and 32k (2048) lose 1.5 %, 0.1615 / 0.1612 / 0.1611 ->
+# 0.1638 / 0.1637 / 0.1634 (one more 4-byte spill reloaded in the main loop: 1 -> 2 LDL per block, offline SASS).
+# Default "short": on below GLUON_CSTORE_MAX_SPLIT keys per split. Lost in the same runs: VSUB "mma" 0.0526 /
+# 0.1628 (8k / 32k), maxnreg 136 or 144 (15 / 14 programs per SM) 0.068-0.073 at 8k, 8 / 12 / 14 splits instead of
+# 16 at B=16 (8k 0.0605 / 0.0537 / 0.0541 vs 0.0501, s31_kv4_splits.json), and the split partials as fp16 divided by
+# l (half the partial bytes; 8k 0.0506 vs 0.0497, 32k 0.1615 vs 0.1611, s31_kv4_op16.json).
+GLUON_CSTORE = "short"  # True, False or "short"
+GLUON_CSTORE_MAX_SPLIT = 2048
 
 
 def _copy_layout(half: int):
@@ -1420,7 +1431,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
                   num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
                   pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None, cstore=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
-    ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``)."""
+    ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``, by split length)."""
     B, Hq, TQ, D = q.shape
     P, Hkv, PAGE, HALF = k_codes.shape
     G = Hq // Hkv
@@ -1440,15 +1451,17 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     vsub = 2 if vsub == "mma" and k_zero is None else int(bool(vsub))  # "mma": the offset's sum by a ones tile
     lean = GLUON_LEAN if lean is None else bool(lean)
     ilp = GLUON_ILP if ilp is None else bool(ilp)
-    cstore = GLUON_CSTORE if cstore is None else bool(cstore)
     occ_base = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl), cstore)
+                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl))
     out = torch.empty_like(q)
-    if num_splits is None:
+    if num_splits is None:  # the residency of either epilogue (CSTORE or not: same registers, same shared memory)
         num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(
             _occupancy_key(occ_base, True, q, k_codes, k_scale, page_table, Hkv, out)), good=GLUON_GOOD_WAVE)
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), bn) * bn
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
+    if cstore is None:
+        cstore = GLUON_CSTORE is True or (GLUON_CSTORE == "short" and split_len < GLUON_CSTORE_MAX_SPLIT)
+    cstore = bool(cstore)
     LAST_LAUNCH["num_splits"] = num_splits
     zero_point = k_zero is not None
     split = num_splits > 1

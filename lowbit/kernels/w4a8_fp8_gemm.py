@@ -183,10 +183,15 @@ MID_CTAS_PER_SM = 2
 # 29.63 -> 32.43 at M = 128); bit-identical outputs either way
 MID_SPLIT = "auto"
 MID_FILL_MIN_K_TILES = 64
-# decode (M <= 64), 64-row tiles (qkv, o): split-K until this many programs per SM (R4-R8 sweeps); session 30's
-# mid-M finding (fewer splits faster at K <= 4096) is not timed here yet: benchmarks/device/s30_w4a8_split.py
-# with S30_DECODE=1 compares 2 and 1
-DECODE_SPLIT_PER_SM = 2
+# decode (M <= 64), 64-row tiles (qkv, o, gate / up shards): split-K until this many programs per SM, by the tile's
+# rows (16 / 32 / 64 tokens). R4-R8 sweeps set 2; session 31 (H200, GEMM alone, same run, 3 alternations,
+# s31_w4a8_decode_split15.json) against 1.5 where the two differ: at 32 / 64 tokens 1.5 is 2-17 % faster (us, M = 64:
+# Llama-3-8B o 13.6 -> 11.95, gate 14336 x 4096 22.9 -> 20.2, tp4 gate_up 7168 16.8 -> 14.9, N = 8192 16.8 -> 15.1,
+# tp8 gate_up 14.0 -> 11.6; M = 32: o 10.0 -> 9.1, gate 18.7 -> 18.0, the rest within 1 %); at 16 tokens 2 stays
+# (1.5: o 8.6 -> 8.3 but gate 16.8 -> 17.2, tp4 gate_up 11.0 -> 11.6, N = 8192 11.1 -> 11.8). One program per SM
+# lost at every M on qkv (N = 6144: 13.4 -> 14.6 at M = 64, s30_w4a8_split_decode.json): the fp32 partials
+# (M x N x split) weigh more at 64 tokens, too few programs starve the 16-token tiles.
+DECODE_SPLIT_PER_SM = {16: 2.0, 32: 1.5, 64: 1.5}
 DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
 
 
@@ -200,8 +205,8 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
       alone): gate_up 25.4 us (R7 default 29.9: 128 rows, cp.async, 16-byte scale chunk; TMA+SWORD
       26.8, SWORD only 28.4), lm_head (N=128256) 77.2 us (111.7). Long K (>= 64 K tiles, i.e. down):
       128 rows, TMA, SWORD, split-K to ~1.5 programs per SM (down M=1: 16.1 vs 18.8 us for 64 rows x
-      split 8). Otherwise (qkv, o) 64 rows, split-K until >= 2 programs per SM, cp.async + 16-byte
-      scale chunk (TMA / SWORD measured 0.2-1.2 us slower there). ``ACC_TILE`` (31.0 vs 32.1 us, R4).
+      split 8). Otherwise (qkv, o) 64 rows, split-K until ``DECODE_SPLIT_PER_SM`` programs per SM (2 at 16
+      tokens, 1.5 above; session 31), cp.async + 16-byte scale chunk (TMA / SWORD measured 0.2-1.2 us slower there). ``ACC_TILE`` (31.0 vs 32.1 us, R4).
       Measured and dropped (R7/R8): stream-K over (tile, K tile) units with 132-528 programs (gate_up
       27.6-38.6 us, M=128 gate_up 64.7 vs 58.1), a rotated K start per tile (no change), 6 stages.
     - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
@@ -234,7 +239,7 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
             return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                         ACC_TILE=True, SWORD=True, TMA=True, **LONG_K_FLAGS)
         bn = 64
-        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, DECODE_SPLIT_PER_SM * n_sm)
+        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, int(DECODE_SPLIT_PER_SM[bm] * n_sm))
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                     ACC_TILE=True, SWORD=False, **DECODE_FLAGS, XTMA=bm == 64)
     m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
