@@ -448,8 +448,9 @@ def test_mid_split_rule():
 
 
 def test_decode_split_rule():
-    """Decode split-K of the 64-row tiles (session 31, ``DECODE_SPLIT_PER_SM``): 2 programs per SM at 16 tokens,
-    1.5 at 32 / 64 (fewer fp32 partials where each weighs more)."""
+    """Decode split-K (session 31): 2 programs per SM at 16 tokens, 1.5 at 32 / 64 (``DECODE_SPLIT_PER_SM``; fewer
+    fp32 partials where each weighs more), each split keeping >= 8 K tiles at 64 tokens and on the long-K tiles,
+    >= 4 otherwise."""
     from lowbit.kernels.w4a8_fp8_gemm import pick_config
 
     assert pick_config(16, 4096, 4096)["SPLIT_K"] == 8  # 64 tiles -> 512 programs (>= 264)
@@ -457,6 +458,10 @@ def test_decode_split_rule():
     assert pick_config(32, 14336, 4096)["SPLIT_K"] == 1  # 224 tiles
     assert pick_config(16, 14336, 4096)["SPLIT_K"] == 2
     assert pick_config(64, 6144, 4096)["SPLIT_K"] == 4  # 96 tiles: 192 < 198 programs at split 2
+    assert pick_config(64, 1536, 4096)["SPLIT_K"] == 4  # 24 tiles; >= 8 K tiles per split at 64 tokens
+    assert pick_config(16, 1536, 4096)["SPLIT_K"] == 8  # >= 4 at 16
+    assert pick_config(16, 2048, 10944)["SPLIT_K"] == 8  # long K: 86 K tiles, >= 8 per split
+    assert pick_config(16, 4096, 14336)["SPLIT_K"] == 8
     for M, N, K in [(1, 1000, 10944), (33, 4096, 1024), (64, 333, 4096), (17, 64, 640)]:
         split = pick_config(M, N, K)["SPLIT_K"]
         assert split == 1 or -(-K // 128) // split >= 4

@@ -22,7 +22,7 @@ from lowbit.ops.quant import per_token_quant  # noqa: E402
 
 LAYERS = {"l3_qkv": (6144, 4096), "l3_o": (4096, 4096), "l3_gate_up": (28672, 4096), "l3_down": (4096, 14336),
           "tp4_qkv": (1536, 4096), "tp4_o": (4096, 1024), "tp8_gate_up": (3584, 4096), "tp8_down": (4096, 1792)}
-MS = [64, 96, 128]
+MS = [int(m) for m in os.environ.get("S30_MS", "64,96,128").split(",")]  # session 31: S30_MS=16,32
 
 
 def cfg_for(M, N, KP, ctas):
@@ -43,13 +43,15 @@ def fn(q, xq, xs, K, cfg):
 
 def main():
     a = probe_args("t")
-    doc = probe_doc("benchmarks/device/s30_int8_split.py")
+    doc = probe_doc("benchmarks/device/s30_int8_split.py", ("S30_MS",))
     for name, (N, K) in LAYERS.items():
         sets = rotating_inputs(lambda: _qoq(N, K))
         KP = 2 * sets[0][0].shape[1]
         for M in MS:
             cfgs = {"ctas2": cfg_for(M, N, KP, 2), "ctas1": cfg_for(M, N, KP, 1), "ctas1.5": cfg_for(M, N, KP, 1.5)}
-            c2 = cfgs["ctas2"]
+            if M <= 16:  # the committed 16-token bucket aims at 4 programs per SM
+                cfgs["ctas4"] = cfg_for(M, N, KP, 4)
+            c2 = cfgs["ctas4" if M <= 16 else "ctas2"]
             if all(c == c2 for c in cfgs.values()):
                 continue
             row = {"N": N, "K": K, "M": M, **{f"split_{vn}": c["SPLIT_K"] for vn, c in cfgs.items()}}

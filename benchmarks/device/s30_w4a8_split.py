@@ -24,20 +24,39 @@ MS = [96, 128, 192, 256, 320]
 
 DECODE = os.environ.get("S30_DECODE") == "1"  # the decode configs (M <= 64): 2 vs FIT_PER_SM programs per SM
 FIT_PER_SM = float(os.environ.get("S30_FIT_PER_SM", "1"))  # decode: the "fit" rule's programs per SM
+MIN_TILES = int(os.environ.get("S30_MIN_TILES", "0"))  # decode: K tiles per split at least (against 4, session 31's run)
+LONG_K = os.environ.get("S30_LONG_K") == "1"  # decode: the long-K tiles' rule (1.5 programs per SM) against FIT
 if DECODE:
     MS = [16, 32, 64]
-    LAYERS.update({"l3_gate": (14336, 4096), "tp4_gate_up": (7168, 4096), "tp2_qkv": (3072, 4096),
-                   "n8192": (8192, 4096), "n5120": (5120, 4096), "n2560": (2560, 2560)})
+    if MIN_TILES:
+        LAYERS.update({"l3_gate": (14336, 4096), "tp4_gate_up": (7168, 4096), "n8192": (8192, 4096),
+                       "l70_o": (8192, 8192), "k10944": (2048, 10944), "tp2_o": (4096, 2048), "n2048k4096": (2048, 4096)})
+    elif LONG_K:
+        LAYERS = {"l3_down": (4096, 14336), "l2_down": (4096, 11008), "tp2_down": (4096, 7168),
+                  "l70_o": (8192, 8192), "l70_down_tp4": (8192, 7168), "k10944": (2048, 10944)}
+    else:
+        LAYERS.update({"l3_gate": (14336, 4096), "tp4_gate_up": (7168, 4096), "tp2_qkv": (3072, 4096),
+                       "n8192": (8192, 4096), "n5120": (5120, 4096), "n2560": (2560, 2560)})
 
 
 def cfg_for(rule, M, N, K):
-    if DECODE:  # "fill" = the committed 2 programs per SM, "fit" = 1
-        per_sm = 2.0 if rule == "fill" else FIT_PER_SM  # the same for every tile height
-        old, W.DECODE_SPLIT_PER_SM = W.DECODE_SPLIT_PER_SM, {16: per_sm, 32: per_sm, 64: per_sm}
+    if DECODE and MIN_TILES:  # "fill" = >= 4 K tiles per split (the rule before), "fit" = >= MIN_TILES
+        old = (W.DECODE_MIN_K_TILES, W.LONG_K_MIN_K_TILES)
+        W.DECODE_MIN_K_TILES, W.LONG_K_MIN_K_TILES = (({16: MIN_TILES, 32: MIN_TILES, 64: MIN_TILES}, MIN_TILES)
+                                                      if rule == "fit" else ({16: 4, 32: 4, 64: 4}, 4))
         try:
             return W.pick_config(M, N, K)
         finally:
-            W.DECODE_SPLIT_PER_SM = old
+            W.DECODE_MIN_K_TILES, W.LONG_K_MIN_K_TILES = old
+    if DECODE:  # "fill" = 2 programs per SM (long K: 1.5), "fit" = FIT_PER_SM, for every tile height
+        name = "LONG_K_SPLIT_PER_SM" if LONG_K else "DECODE_SPLIT_PER_SM"
+        per_sm = (1.5 if LONG_K else 2.0) if rule == "fill" else FIT_PER_SM
+        old = getattr(W, name)
+        setattr(W, name, {16: per_sm, 32: per_sm, 64: per_sm})
+        try:
+            return W.pick_config(M, N, K)
+        finally:
+            setattr(W, name, old)
     old, W.MID_SPLIT = W.MID_SPLIT, rule
     try:
         return W.pick_config(M, N, K)
@@ -47,7 +66,7 @@ def cfg_for(rule, M, N, K):
 
 def main():
     a = probe_args("t")
-    doc = probe_doc("benchmarks/device/s30_w4a8_split.py", ("S30_DECODE", "S30_FIT_PER_SM"))
+    doc = probe_doc("benchmarks/device/s30_w4a8_split.py", ("S30_DECODE", "S30_FIT_PER_SM", "S30_LONG_K", "S30_MIN_TILES"))
     for name, N, K, sets, M, x, xq, sx in probe_cases(LAYERS, MS):
         cf, ct = cfg_for("fill", M, N, K), cfg_for("fit", M, N, K)
         if cf == ct:

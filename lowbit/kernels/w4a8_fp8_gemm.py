@@ -101,10 +101,10 @@ def _split_k_fit(tiles: int, k_tiles: int, slots: int) -> int:
     return split
 
 
-def _split_k(tiles: int, k_tiles: int, target: int) -> int:
-    """Smallest power-of-two split with tiles * split >= target, keeping >= 4 K tiles per split."""
+def _split_k(tiles: int, k_tiles: int, target: int, min_k_tiles: int = 4) -> int:
+    """Smallest power-of-two split with tiles * split >= target, keeping >= ``min_k_tiles`` K tiles per split."""
     split = 1
-    while tiles * split < target and split * 2 <= max(1, k_tiles // 4):
+    while tiles * split < target and split * 2 <= max(1, k_tiles // min_k_tiles):
         split *= 2
     return split
 
@@ -192,6 +192,17 @@ MID_FILL_MIN_K_TILES = 64
 # lost at every M on qkv (N = 6144: 13.4 -> 14.6 at M = 64, s30_w4a8_split_decode.json): the fp32 partials
 # (M x N x split) weigh more at 64 tokens, too few programs starve the 16-token tiles.
 DECODE_SPLIT_PER_SM = {16: 2.0, 32: 1.5, 64: 1.5}
+# ... and of the long-K decode tiles (128 rows, >= 64 K tiles: down), by the tile's rows (R8: ~1.5 at M = 1)
+LONG_K_SPLIT_PER_SM = {16: 1.5, 32: 1.5, 64: 1.5}
+# ... each split keeping at least this many K tiles (of 128), by the tile's rows; the long-K tiles: LONG_K_MIN_K_TILES.
+# Session 31 (H200, GEMM alone, same run, 3 alternations; s31_w4a8_min_tiles8.json, every decode shape where 8
+# differs from 4): at M = 64 8 won on all 6 (us: tp4 qkv 1536 x 4096 11.58 -> 9.52, tp4 o 4096 x 1024 7.32 -> 6.13,
+# tp2 o 4096 x 2048 9.80 -> 9.04, N = 2048 K = 4096 11.42 -> 9.76, tp8 down 4096 x 1792 8.64 -> 8.53, 2048 x 10944
+# 25.2 -> 16.9); at 16 / 32 tokens it lost on the small shards (tp2 o M = 16 6.41 -> 6.96, tp8 down 6.64 -> 7.10)
+# and won on others (o 8.45 -> 8.24, tp4 o 5.50 -> 5.07), so 4 stays there. Long K: 8 at every M (2048 x 10944:
+# 13.5 -> 11.2 at M = 16, 14.9 -> 12.9 at 32; Llama-3/2 down keep their split, 14 / 10.75 K tiles each).
+DECODE_MIN_K_TILES = {16: 4, 32: 4, 64: 8}
+LONG_K_MIN_K_TILES = 8
 DEQUANT_GEMM = "scaled_mm"  # ... by torch._scaled_mm ("scaled_mm") or by this kernel ("dequant")
 
 
@@ -235,11 +246,13 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
             return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=3, GROUP_M=1,
                         ACC_TILE=True, SWORD=True, TMA=True, KSTEP=2, **DECODE_FLAGS)
         if k_tiles >= 64:  # long K (down): 128 rows, split-K to ~1.5 programs per SM
-            split = _split_k(cdiv(N, 128) * cdiv(M, bm), k_tiles, 3 * n_sm // 2)
+            split = _split_k(cdiv(N, 128) * cdiv(M, bm), k_tiles, int(LONG_K_SPLIT_PER_SM[bm] * n_sm),
+                             LONG_K_MIN_K_TILES)
             return dict(BLOCK_M=bm, BLOCK_N=128, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                         ACC_TILE=True, SWORD=True, TMA=True, **LONG_K_FLAGS)
         bn = 64
-        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, int(DECODE_SPLIT_PER_SM[bm] * n_sm))
+        split = _split_k(cdiv(N, bn) * cdiv(M, bm), k_tiles, int(DECODE_SPLIT_PER_SM[bm] * n_sm),
+                         DECODE_MIN_K_TILES[bm])
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=4, GROUP_M=1,
                     ACC_TILE=True, SWORD=False, **DECODE_FLAGS, XTMA=bm == 64)
     m_tiles, n_tiles = cdiv(M, 128), cdiv(N, 64)
