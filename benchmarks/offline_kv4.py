@@ -28,7 +28,6 @@ ap.add_argument("--half", type=int, default=64)
 ap.add_argument("--ptx", help="also write the PTX here")
 ap.add_argument("--json", help="append this build's row to the rows of this JSON file (created with the environment)")
 ap.add_argument("--vsub", action="store_true", help="V codes as fp16 subnormals (VSUB, session 27)")
-ap.add_argument("--vsub-mma", action="store_true", help="VSUB with the offset's sum by a ones-tile MMA (session 30)")
 ap.add_argument("--cstore", action="store_true", help="the epilogue's stores as whole vectors (CSTORE, session 30)")
 ap.add_argument("--nosplit", action="store_true", help="one split: O written directly")
 args = ap.parse_args()
@@ -43,15 +42,14 @@ if args.zp:
 sig = dict(zip(names, types))
 bn, half = 32, args.half
 consts = dict(G=4, TQ=1, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=bn, ZERO_POINT=args.zp, HAS_CRS=False, SPLIT=not args.nosplit,
-              QK8=2, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=args.stages, LAZY=False,
-              AHEAD=False, SW_VEC=1, SW_PHASE=1, SW_MAX=1, PDL=True, LEAN=False, ILP=False, SRING=False, PTA=False,
-              PROBE=False, STAMP=False, VSUB=2 if args.vsub_mma else int(args.vsub), CSTORE=args.cstore)
+              QK8=2, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=args.stages, PDL=True,
+              PROBE=False, STAMP=False, VSUB=args.vsub, CSTORE=args.cstore)
 sig.update({k: "constexpr" for k in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(19, 28))}
 k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 1, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
-label = (f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}, vsub {'mma' if args.vsub_mma else args.vsub}, "
+label = (f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}, vsub {args.vsub}, "
          f"cstore {args.cstore}, split {not args.nosplit}")
 row = report(k, dict(mma_e4m3="e4m3.e4m3", mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.",
                      ld_shared="ld.shared", prmt="prmt", bar_sync="bar.sync", st_global="st.global"),

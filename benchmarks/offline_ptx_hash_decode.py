@@ -70,8 +70,8 @@ for zp in (False, True):
         if zp: types[3] = types[6] = "*u8"
         sig = dict(zip(names, types))
         c = dict(G=4, TQ=1, BLOCK_Q=8, HALF=64, PAGE=64, BLOCK_N=32, ZERO_POINT=zp, HAS_CRS=False, SPLIT=True, QK8=2,
-                 LV=K._v_load_layout(32, 64), CL=K._copy_layout(64), STAGES=2, LAZY=False, AHEAD=False, SW_VEC=1, SW_PHASE=1,
-                 SW_MAX=1, PDL=True, LEAN=False, ILP=False, SRING=False, PTA=False, PROBE=False, STAMP=False, VSUB=vs)
+                 LV=K._v_load_layout(32, 64), CL=K._copy_layout(64), STAGES=2, PDL=True, PROBE=False, STAMP=False,
+                 VSUB=vs)
         sig.update({k: "constexpr" for k in c})
         attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(19, 28))}
         out[f"gluon_kv4_zp{zp}_vsub{vs}"] = h(triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=c, attrs=attrs), target=T, options={"num_warps": 1, "maxnreg": 128}))

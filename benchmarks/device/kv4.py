@@ -391,15 +391,8 @@ def gluon_section():
 
     run_checks(2, cases)
     n0 = len(doc["checks"])
-    # scales two blocks ahead (one byte per lane) + page-table reads two steps ahead -- the candidate default:
-    # every shape class of the cases; the scales alone on the timing shape
-    run_checks(2, cases[:1] + cases[3:6], sring=True, pta=True)
-    run_checks(2, cases[:1], sring=True)
-    sring_ok = all(c["pass"] for c in doc["checks"][n0:])
-    n0 = len(doc["checks"])
-    run_checks(2, cases[:1], lean=True, sring=True, pta=True)  # page-table reads beside the length read
-    lean_ok = all(c["pass"] for c in doc["checks"][n0:])
-    ilp_ok = False  # ILP: the same SASS up to register names (offline sm_90 compile): no longer timed
+    run_checks(2, cases[:1] + cases[3:6], cstore=False)  # the epilogue's scatter stores (the default until session 31)
+    cstore_ok = all(c["pass"] for c in doc["checks"][n0:])
     n0 = len(doc["checks"])
     run_checks(2, cases[:1], pdl=False)  # the combine as a plain launch (the default until round 12)
     pdl_ok = all(c["pass"] for c in doc["checks"][n0:])
@@ -421,7 +414,6 @@ def gluon_section():
         return check(f"gluon cuda-graph B=4 L=3000 {kw}", body, 1e-6)
 
     pdl_ok = graph_check() and pdl_ok  # the default (pdl) captured in a CUDA graph
-    sring_ok = graph_check(sring=True, pta=True) and sring_ok
     doc["all_pass"] = ok_all
     # registers / spills of the main configurations
     for bn, st, q8 in ((32, 3, 2),):
@@ -444,38 +436,33 @@ def gluon_section():
         (16, 32768, True, 2, None, None, None, None, None), (16, 8192, False, 2, None, None, None, None, None),
         (16, 8192, False, 0, None, None, None, None, None),
     ]
-    SR, SP = {"sring": True}, {"sring": True, "pta": True}
-    SPL = {"sring": True, "pta": True, "lean": True}
     D0 = (True, 2, None, None, None, None, None)  # gluon, q8, block_n, stages, maxnreg, lazy, splits: the defaults
     NC = (True, 2, None, None, None, "nocombine", None)
+    SC = {"cstore": False}  # the epilogue's scatter stores (default until session 31)
     configs = [  # (B, L, gluon, q8, block_n, stages, maxnreg, lazy, splits[, kwargs]); lazy "nocombine": main kernel alone
-        (16, 8192, *D0), (16, 8192, *D0, {"pdl": False}),  # the default (pdl) vs the default until round 11
-        (16, 8192, *D0, SR), (16, 8192, *D0, SP), (16, 8192, *D0, SPL),
-        (16, 8192, *NC), (16, 8192, *NC, SP),
+        (16, 8192, *D0), (16, 8192, *D0, {"pdl": False}), (16, 8192, *D0, SC),
+        (16, 8192, *NC), (16, 8192, *NC, SC),
         (16, 8192, *D0),  # the default again (drift)
-        (16, 8192, *D0, {"zp": True}), (16, 8192, *D0, {"zp": True, **SP}),
-        (16, 32768, *D0), (16, 32768, *D0, {"pdl": False}), (16, 32768, *D0, SR), (16, 32768, *D0, SP),
-        (16, 32768, *D0, SPL),
+        (16, 8192, *D0, {"zp": True}), (16, 8192, *D0, {"zp": True, **SC}),
+        (16, 32768, *D0), (16, 32768, *D0, {"pdl": False}), (16, 32768, *D0, {"cstore": True}),
         (16, 1024, True, 2, None, None, None, "nocombine", 16),  # fixed cost of a wave: 2 key blocks per program
-        (16, 1024, True, 2, None, None, None, "nocombine", 16, SP),
-        (1, 32768, *D0), (1, 32768, *D0, SP), (16, 8192, *D0, SP),  # sring + pta again (drift)
-        (16, 8192, True, 2, None, None, None, None, 12, SP), (16, 8192, True, 2, None, None, None, None, 8, SP),
+        (16, 1024, True, 2, None, None, None, "nocombine", 16, SC),
+        (1, 32768, *D0), (1, 32768, *D0, SC), (4, 8192, *D0), (4, 8192, *D0, SC),
+        (16, 8192, True, 2, None, None, None, None, 12), (16, 8192, True, 2, None, None, None, None, 8),
         (16, 8192, True, 2, None, None, None, "nocombine", 16, {"_probe": True}),  # one key block per program: the fixed part
-        (16, 8192, True, 2, None, None, None, "nocombine", 16, {"_probe": True, **SP}),
+        (16, 8192, True, 2, None, None, None, "nocombine", 16, {"_probe": True, **SC}),
     ]
     if SHORT_SWEEP:
         configs = short
     cache = {}
     main_ok = all(c["pass"] for c in doc["checks"][:2])  # the B=16 timing shape's kernels (TQ=1, bn 32 / 16)
-    ahead_ok = all(c["pass"] for c in doc["checks"] if "ahead" in c["case"])
     for cfg in configs:
         (B, L, gl_, q8, bn, st, mr, lazy, nsp), xkw = cfg[:9], dict(cfg[9] if len(cfg) > 9 else {})
         zp = xkw.pop("zp", False)  # a kv4-zp cache
         contig = xkw.pop("contig", False)  # pages of a sequence consecutive in the pool (identity page order)
-        if gl_ and not main_ok or isinstance(st, str) and not ahead_ok:
+        if gl_ and not main_ok:
             continue
-        if (xkw.get("lean") and not lean_ok or "pdl" in xkw and not pdl_ok or xkw.get("ilp") and not ilp_ok
-                or xkw.get("sring") and not sring_ok):
+        if "pdl" in xkw and not pdl_ok or "cstore" in xkw and not cstore_ok:
             continue
         try:
             if (B, L, zp) not in cache:
@@ -490,18 +477,16 @@ def gluon_section():
                         for q_, c_ in sets]
             skip = lazy == "nocombine"  # the main kernel alone (its partials are not combined): the combine's cost
             lz = None if skip else lazy
-            ahead = isinstance(st, str)  # "4a": 4 stages, S^T one block ahead
-            st = int(st[:-1]) if ahead else st
             fn = lambda q, c: dk.decode_kv4_triton(q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"],  # noqa: E731
                                                   c["page_table"], c["lengths"], max_len=L, qk_int8=q8, gluon=gl_,
                                                   block_n=bn, num_stages=st, maxnreg=mr, lazy=lz, num_splits=nsp,
-                                                  _skip_combine=skip, ahead=ahead, k_zero=c.get("k_zero"),
+                                                  _skip_combine=skip, k_zero=c.get("k_zero"),
                                                   v_zero=c.get("v_zero"), **xkw)
             fn(*sets[0])
             t = _time(fn, sets)
             tb = kv4_bytes(B, Hq, Hkv, D, L, 1, zp) / (t["median_ms"] * 1e-3) / 1e12
             r = {"B": B, "L": L, "gluon": gl_, "q8": q8, "block_n": bn, "stages": st, "maxnreg": mr, "lazy": lazy,
-                 "ahead": ahead, "splits": dk.LAST_LAUNCH.get("num_splits"), **xkw, "zp": zp, "contig": contig,
+                 "splits": dk.LAST_LAUNCH.get("num_splits"), **xkw, "zp": zp, "contig": contig,
                  "ms": t["median_ms"],
                  "TBps": tb}
         except Exception as exc:

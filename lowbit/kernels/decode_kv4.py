@@ -670,8 +670,7 @@ def _occupancy_key(base: tuple, split: bool, q, k_codes, k_scale, page_table, Hk
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
-                      maxnreg=None, qk_int8=None, gluon=None, ahead=None, pdl=None, lean=None, ilp=None, sring=None,
-                      pta=None, vsub=None, cstore=None, return_kernel=False,
+                      maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, return_kernel=False,
                       _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
@@ -685,8 +684,8 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     use_gluon = DEFAULT_GLUON if gluon is None else bool(gluon)
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
-                             sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel,
-                             _skip_combine, ahead, pdl, lean, ilp, sring, pta, _probe, vsub, cstore)
+                             sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, return_kernel,
+                             _skip_combine, pdl, _probe, vsub, cstore)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -779,11 +778,12 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # two INT8 planes (QK8 == 2, ~15 bits); the fp16-Q numerics (QK8 == 0) use the Triton kernel.
 # Options (constexpr, same result bit for bit; a default only once measured faster on the device):
 # ``PDL`` (the combine kernel as a programmatic dependent launch; default since round 11's A/B: B=16 L=8k
-# 0.0538 vs 0.0564 ms), ``LEAN`` (prologue: Q, page table and first scales read before the length arrives;
-# ring indices carried by the loop), ``ILP`` (the two Q planes as two independent MMA chains; ptxas emits
-# the same SASS up to register names), ``SRING`` (the scales two blocks ahead like the codes, one byte per
-# lane, instead of one block ahead in the MMA row layout: a loop step then never waits on a DRAM round trip
-# issued one step earlier; offline sm_90 compile: 568 loop instructions vs 581, 128 registers). A split combine in
+# 0.0538 vs 0.0564 ms), ``CSTORE`` (the epilogue's vector stores, below), ``VSUB`` (V codes as fp16 subnormals,
+# below). Options measured slower or no faster and removed in session 31 (their numbers stay in the kv4 section):
+# ``LEAN`` (prologue: Q, page table and first scales read before the length arrives), ``ILP`` (the two Q planes
+# as two independent MMA chains), ``SRING`` / ``PTA`` (the scales, and the page-table reads, two blocks ahead
+# like the codes), ``AHEAD`` (S^T of block i+1 before the softmax of block i), ``LAZY`` (skip the rescale when
+# no running max grew), the swizzled shared layouts of the ring, VSUB ``"mma"`` (below). A split combine in
 # the last program of each (b, h) (atomic counter) was measured and removed (R10: 0.0568 vs 0.0554 ms
 # at B=16 L=8k, 0.093 vs 0.029 ms at B=1 L=32k: one warp reading all partials is a serial tail).
 # ``STAMP`` (probe only): every program writes %globaltimer / %clock64 at entry, loop start, loop end and exit and
@@ -817,11 +817,9 @@ except Exception:  # pragma: no cover - older Triton
 # kernel's 0.0781 ms (same numerics) and 0.0941 ms (fp16 Q); 0.197 vs 0.261 ms at 32k.
 DEFAULT_GLUON = True  # use the Gluon kernel on the GPU where it applies (QK8 >= 1, G*TQ <= 8, D in {64, 128})
 GLUON_BLOCK_N = 32  # keys per loop step (R8, B=16 L=8k: 0.0593 ms at 32 vs 0.0626 at 16; 32k: 0.188 vs 0.196)
-GLUON_LAZY = False  # R8: always rescaling (branch-free) 0.0568 ms vs 0.0593 with the lazy branch (B=16 L=8k)
 GLUON_MAX_ROWS = 8  # G*TQ <= 8 query rows (one m16n8 N tile); R8: 16 rows (168 registers) ran slower than the
 # Triton kernel (B=16 L=8k TQ=4: 0.186 vs 0.116 ms), so more rows use the Triton kernel; session 16 with 2 stages:
 # 16 rows won only at B=16 L=32k (0.282 vs 0.311 ms), lost at B=16 L=8k (0.112 vs 0.102), B=1 L=32k, B=4 L=8k
-GLUON_AHEAD = False  # S^T of block i+1 before the softmax of block i (needs >= 4 stages)
 GLUON_STAGES = 2  # cp.async ring depth: the next key block in flight while one computes
 # (session 16, H200, same runs, ms, 3 stages -> 2: B=16 L=4k / 8k / 16k / 32k 0.0379 / 0.0545 / 0.0906 / 0.1656 ->
 # 0.0359 / 0.0522 / 0.0875 / 0.1611; B=1 L=8k / 32k 0.0145 / 0.0289 -> 0.0142 / 0.0268; B=4 L=8k 0.0287 -> 0.0265;
@@ -830,29 +828,19 @@ GLUON_MAXNREG = 128  # 16 one-warp programs per SM
 # first split count whose waves are this full (R10, B=16 L=32k: 16 splits = 0.970 of one wave 0.168 ms; the
 # 0.97 rule took 49 = 0.990 of three waves, 0.179 ms: every split also costs its prologue and partials)
 GLUON_GOOD_WAVE = 0.95
-GLUON_LEAN = False  # page-table reads beside the length read in the prologue; ring indices without division
-GLUON_ILP = False  # the two INT8 Q planes as two independent MMA chains (joined by x * 254 + y); S16 (2 stages): 0.9-1.7%
-# faster in 5 of 5 shapes, inside the run-to-run spread; lazy (the rescale branch) 6-10% slower, lean 1-3% slower
 # the combine kernel as a programmatic dependent launch (its launch overlaps the decode grid); same-process A/B at
-# B=16 (round 11): 8k 0.0538 vs 0.0564 / 0.0561 ms, 32k 0.1654 vs 0.1659 ms, B=1 32k (with lean+ilp) 0.0282 vs 0.0296
+# B=16 (round 11): 8k 0.0538 vs 0.0564 / 0.0561 ms, 32k 0.1654 vs 0.1659 ms, B=1 32k (with options since removed)
+# 0.0282 vs 0.0296
 GLUON_PDL = True
-# scales (and zero points) two blocks ahead like the codes (STAGES == 3), one byte per lane, read from the page of
-# the codes' copy; the default reads them one block ahead (8 one-byte loads per lane), a DRAM round trip that
-# each loop step may wait for
-GLUON_SRING = False
-GLUON_PTA = False  # with SRING: the page-table reads for the copies two loop steps ahead instead of one
-# the V codes as fp16 subnormals (``_ASM_SUB``): True, False, "zp" = for zero-point (QServe kv4-zp) caches only, or
-# "mma" (below).
+# the V codes as fp16 subnormals (``_ASM_SUB``): True, False or "zp" = for zero-point (QServe kv4-zp) caches only.
 # Session 27 (H200, B=16, 32/8 heads, D=128, same process, default / VSUB / default again, ms; s27_kv4_vsub*.json):
 # zero points 8k 0.0566 / 0.0552 / 0.0566, 32k 0.1785 / 0.1730 / 0.1784 (the loop 676 -> 618 SASS, offline); signed
 # codes slower at every shape (8k 0.0517 / 0.0535 / 0.0518, 32k 0.1603 / 0.1664 / 0.1605: the offset's per-block
 # token sum costs shuffles and a 16-byte spill at the 128-register cap, 576 -> 542 SASS). Output error vs float64
-# (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4. ``"mma"`` (option, session 30, not timed yet): for signed codes the offset's
-# sum sum P' comes from one more MMA, a 16 x BLOCK_N tile of ones times P' (2 HMMA per block), instead of a reduction
-# over the block's tokens (the shuffles and spills that made VSUB slower for signed codes). Offline sm_90a build (main
-# loop SASS per 32-key block; benchmarks/results/offline/s30_kv4_variants.json): default 576 (1 LDL), VSUB 542
-# (4 LDL), "mma" 523 (3 LDL); at maxnreg 136 (15 programs per SM instead of 16) "mma" 506 with no spill, 502 with
-# CSTORE.
+# (5 cases each): 4.1-6.7e-4 vs 3.9-6.0e-4. ``"mma"`` (session 30; removed in session 31): for signed codes the
+# offset's sum from one more MMA, a tile of ones times P' (main loop 576 -> 523 SASS per 32-key block, offline), ran
+# slower on the H200 (B=16 8k 0.0526 vs 0.0518 ms, 32k 0.1628 vs 0.1615; s31_kv4_opts.json), and 136 registers
+# without spills (15 programs per SM) 0.0677: the loop is not bound by its instruction count.
 GLUON_VSUB = "zp"
 # the epilogue's partial O (or O) as whole 16-byte vectors of channels in order, through one shared-memory layout
 # change, instead of the MMA fragments' 4-byte scatter (one 32-byte sector per lane and store; session 30's stamps
@@ -1009,63 +997,24 @@ if HAS_GLUON:
         return ks, vs, kz, vz
 
     @gluon.jit
-    def _g_scales_c(KS, KZ, VS, VZ, page, n0, h, pred, stride_sp, stride_sh: gl.constexpr, PAGE: gl.constexpr,
-                    BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr):
-        """``SRING``: scales (and zero points) of one full key block in a compact layout (token t in
-        lane t: one 32-byte request per tensor, one register each), predicated on ``pred``; they are
-        moved to the MMA rows' layout (``_g_rows``) when the block is consumed, two blocks later."""
-        cl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
-        s_off = page * stride_sp + h * stride_sh + (n0 % PAGE) + gl.arange(0, BLOCK_N, layout=cl)
-        ks = gl.load(KS + s_off, mask=pred)
-        vs = gl.load(VS + s_off, mask=pred)
-        if ZERO_POINT:
-            kz = gl.load(KZ + s_off, mask=pred)
-            vz = gl.load(VZ + s_off, mask=pred)
-        else:
-            kz = ks
-            vz = vs
-        return ks, vs, kz, vz
-
-    @gluon.jit
-    def _g_rows(ks, vs, kz, vz, ZERO_POINT: gl.constexpr):
-        """Compact per-token scales -> the token (row) layout of ``S^T`` (``_g_scales``' layout)."""
-        _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-        tok_l: gl.constexpr = gl.SliceLayout(1, _MMA)
-        ks = gl.convert_layout(ks, tok_l)
-        vs = gl.convert_layout(vs, tok_l)
-        if ZERO_POINT:
-            kz = gl.convert_layout(kz, tok_l)
-            vz = gl.convert_layout(vz, tok_l)
-        else:
-            kz = ks
-            vz = vs
-        return ks, vs, kz, vz
-
-    @gluon.jit
     def _g_rescale(acc_e, acc_o, l_acc, z_acc, alpha, ZERO_POINT: gl.constexpr, VSUB: gl.constexpr = False):
         """Online-softmax rescale of the per-query columns by alpha."""
         acc_e = acc_e * alpha[None, :]
         acc_o = acc_o * alpha[None, :]
         l_acc = l_acc * alpha[None, :]
-        if VSUB == 1 and not ZERO_POINT:  # the offset's sum, already one value per query column
+        if VSUB and not ZERO_POINT:  # the offset's sum, already one value per query column
             z_acc = z_acc * alpha
-        elif ZERO_POINT or VSUB == 2:  # per token and column, or the ones-tile MMA's [16, BLOCK_Q] accumulator
+        elif ZERO_POINT:  # per token and column
             z_acc = z_acc * alpha[None, :]
         return acc_e, acc_o, l_acc, z_acc
 
     @gluon.jit
     def _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, ZERO_POINT: gl.constexpr,
-              QK8: gl.constexpr, ILP: gl.constexpr = False):
+              QK8: gl.constexpr):
         """``S^T [BLOCK_N, BLOCK_Q]`` (int32) of one key block on the INT8 tensor cores."""
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         k_lo, k_hi = _g_convert_i8(kc, ZERO_POINT)
         x = gl.zeros([BLOCK_N, BLOCK_Q], gl.int32, layout=_MMA)
-        if QK8 == 2 and ILP:  # the two planes as independent MMA chains, joined by one IMAD per element
-            y = _mma_v2(k_lo, qe_lo, x)
-            x = _mma_v2(k_lo, qe, x)
-            y = _mma_v2(k_hi, qo_lo, y)
-            x = _mma_v2(k_hi, qo, x)
-            return x * 254 + y
         x = _mma_v2(k_lo, qe, x)
         x = _mma_v2(k_hi, qo, x)
         if QK8 == 2:
@@ -1076,18 +1025,17 @@ if HAS_GLUON:
     @gluon.jit
     def _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0, end, qe, qo, qe_lo, qo_lo,
                 row_scale, qsum, qpos, HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr,
-                ZERO_POINT: gl.constexpr, QK8: gl.constexpr, MASK: gl.constexpr, LAZY: gl.constexpr,
-                ILP: gl.constexpr = False, VSUB: gl.constexpr = False):
+                ZERO_POINT: gl.constexpr, QK8: gl.constexpr, MASK: gl.constexpr, VSUB: gl.constexpr = False):
         """One key block: ``S^T`` on the INT8 tensor cores, then ``_g_pv``."""
-        x = _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, ILP)
+        x = _g_qk(kc, qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8)
         return _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x, vc, ks, vs, kz, vz, n0, end, row_scale, qsum, qpos,
-                     HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, MASK, LAZY, VSUB)
+                     HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, MASK, VSUB)
 
     @gluon.jit
     def _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x, vc, ks, vs, kz, vz, n0, end, row_scale, qsum, qpos,
               HALF: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_Q: gl.constexpr, ZERO_POINT: gl.constexpr,
-              MASK: gl.constexpr, LAZY: gl.constexpr, VSUB: gl.constexpr = False):
-        """Online softmax over tokens of ``S^T`` (axis 0, lazy rescale; the denominators and the
+              MASK: gl.constexpr, VSUB: gl.constexpr = False):
+        """Online softmax over tokens of ``S^T`` (axis 0, branch-free rescale; the denominators and the
         zero-point sums accumulate per thread in ``l_acc`` / ``z_acc [BLOCK_N, BLOCK_Q]`` and are
         reduced once at the end), then ``O^T += V^T (P^T v_scale)`` in fp16. ``VSUB``: the codes as fp16
         subnormals (``_ASM_SUB``) and ``z_acc`` the offset's sum (signed codes: sum P', times 8 at the end)."""
@@ -1106,24 +1054,17 @@ if HAS_GLUON:
         m_new = gl.maximum(m_i, gl.max(xf, axis=0) * row_scale)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(xf * row_scale[None, :] - m_safe[None, :])
-        if LAZY:  # skip the rescale (a warp-uniform branch) when no running max grew: alpha == 1 exactly
-            grew = gl.max((m_new > m_i).to(gl.int32), axis=0)
-            if grew > 0:
-                acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT,
-                                                        VSUB)
-        else:  # branch-free: the V conversion may be scheduled across it
-            acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT,
-                                                    VSUB)
+        # branch-free rescale (R8: faster than skipping it when no running max grew): the V conversion may be
+        # scheduled across it
+        acc_e, acc_o, l_acc, z_acc = _g_rescale(acc_e, acc_o, l_acc, z_acc, gl.exp2(m_i - m_safe), ZERO_POINT, VSUB)
         l_acc += p
         pv16 = (p * vs.to(gl.float32)[:, None]).to(gl.float16)
         if ZERO_POINT:
             z_acc += pv16.to(gl.float32) * vz.to(gl.float32)[:, None]
-        elif VSUB == 1:  # reduced over the block's tokens at once: a [BLOCK_N, BLOCK_Q] sum would cost 8 more
+        elif VSUB:  # reduced over the block's tokens at once: a [BLOCK_N, BLOCK_Q] sum would cost 8 more
             # registers a thread and spill at the 128-register cap (offline build)
             z_acc += gl.sum(pv16.to(gl.float32), axis=0)
         pb = gl.convert_layout(pv16, b16)
-        if VSUB == 2 and not ZERO_POINT:  # the offset's sum on the tensor cores: a tile of ones times P'
-            z_acc = _mma_v2(gl.full([16, BLOCK_N], 1.0, gl.float16, layout=a16), pb, z_acc)
         vca = gl.convert_layout(gl.reshape(gl.permute(vc, [1, 0, 2]), [HALF, BLOCK_N]), a16)
         if VSUB:  # the codes as fp16 subnormals, or the magic-number conversion with its offset
             asm: gl.constexpr = ASM_SUB_U if ZERO_POINT else ASM_SUB_S
@@ -1150,9 +1091,7 @@ if HAS_GLUON:
         G: gl.constexpr, TQ: gl.constexpr, BLOCK_Q: gl.constexpr, HALF: gl.constexpr, PAGE: gl.constexpr,
         BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, HAS_CRS: gl.constexpr, SPLIT: gl.constexpr,
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
-        LAZY: gl.constexpr = True, AHEAD: gl.constexpr = False, SW_VEC: gl.constexpr = 1, SW_PHASE: gl.constexpr = 1, SW_MAX: gl.constexpr = 1,
-        PDL: gl.constexpr = False, LEAN: gl.constexpr = False, ILP: gl.constexpr = False, SRING: gl.constexpr = False,
-        PTA: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
+        PDL: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
         VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -1178,12 +1117,6 @@ if HAS_GLUON:
         mq = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, ql))
         dq = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, ql))
         q_ptr = Q + b * stride_qb + (h * G + mq // TQ)[:, None] * stride_qh + (mq % TQ)[:, None] * stride_qt
-        if LEAN:  # every read that does not need the length is issued first (one memory round trip for all)
-            q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
-            if not SRING:
-                pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
-                ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N,
-                                           ZERO_POINT)
         end = gl.minimum(start + SPLIT_LEN, L)
         # ---- the first key blocks' copies are issued before Q is prepared (their latency overlaps it)
         lim = gl.minimum(end, L - TQ + 1)  # keys < lim are seen by every query row
@@ -1193,46 +1126,20 @@ if HAS_GLUON:
             end = full_end
         # cp.async ring of STAGES blocks (codes; STAGES - 1 in flight); scales one block ahead in registers
         a8: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_MMA, k_width=4)
-        sl: gl.constexpr = gl.SwizzledSharedLayout(vec=SW_VEC, per_phase=SW_PHASE, max_phase=SW_MAX, order=[1, 0])
+        sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         smem_k = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
         smem_v = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
-        if SRING:  # STAGES == 3: blocks 0 and 1 -- codes into the ring, scales (compact) into registers
-            nb = start + BLOCK_N
-            if LEAN:
-                pga = gl.load(ptb + gl.minimum(start // PAGE, NPT - 1)).to(gl.int64)
-                pgb = gl.load(ptb + gl.minimum(nb // PAGE, NPT - 1)).to(gl.int64)
-            else:
-                pga = gl.load(ptb + gl.minimum(start, end - 1) // PAGE).to(gl.int64)
-                pgb = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
-            _g_issue(smem_k, smem_v, 0, KC, VC, pga, start, h, start < full_end, stride_cp, stride_ch, stride_cn,
+        for i in gl.static_range(STAGES - 1):
+            nb = start + i * BLOCK_N
+            pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
+            _g_issue(smem_k, smem_v, i, KC, VC, pg, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
                      HALF, PAGE, BLOCK_N, CL)
-            _g_issue(smem_k, smem_v, 1, KC, VC, pgb, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
-                     HALF, PAGE, BLOCK_N, CL)
-            ks_a, vs_a, kz_a, vz_a = _g_scales_c(KS, KZ, VS, VZ, pga, start, h, start < full_end, stride_sp, stride_sh,
-                                                 PAGE, BLOCK_N, ZERO_POINT)
-            ks_b, vs_b, kz_b, vz_b = _g_scales_c(KS, KZ, VS, VZ, pgb, nb, h, nb < full_end, stride_sp, stride_sh,
-                                                 PAGE, BLOCK_N, ZERO_POINT)
-        else:
-            for i in gl.static_range(STAGES - 1):
-                nb = start + i * BLOCK_N
-                if LEAN:  # page-table reads in parallel with the length read (the copies are predicated on it)
-                    pg = gl.load(ptb + gl.minimum(nb // PAGE, NPT - 1)).to(gl.int64)
-                else:
-                    pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
-                _g_issue(smem_k, smem_v, i, KC, VC, pg, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
-                         HALF, PAGE, BLOCK_N, CL)
         last = gl.maximum(full_end - BLOCK_N, start)  # scale prefetches stay inside the split's full blocks
-        if not SRING:
-            pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
+        pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
         pgs = gl.load(ptb + gl.minimum(start + (STAGES - 1) * BLOCK_N, end - 1) // PAGE).to(gl.int64)
-        if PTA:  # the page of the copy after that too (page-table reads two loop steps ahead)
-            pgs2 = gl.load(ptb + gl.minimum(start + STAGES * BLOCK_N, end - 1) // PAGE).to(gl.int64)
-        if not LEAN:
-            if not SRING:
-                pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
-                ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N,
-                                           ZERO_POINT)
-            q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
+        pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
+        ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+        q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
         # ---- Q [BLOCK_Q, D] fp32 (row r = g * TQ + t), CRS, INT8 plane(s), B operand [HALF, BLOCK_Q]
         q = q.to(gl.float32)
         if HAS_CRS:
@@ -1261,10 +1168,8 @@ if HAS_GLUON:
         # then the split's partial block and the causal diagonal (at most two) masked
         m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=q_l)
         l_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
-        if VSUB == 1 and not ZERO_POINT:
+        if VSUB and not ZERO_POINT:
             z_acc = gl.zeros([BLOCK_Q], gl.float32, layout=q_l)
-        elif VSUB == 2 and not ZERO_POINT:  # every one of the 16 rows holds the same sum
-            z_acc = gl.zeros([16, BLOCK_Q], gl.float32, layout=_MMA)
         else:
             z_acc = gl.zeros([BLOCK_N, BLOCK_Q], gl.float32, layout=_MMA)
         acc_e = gl.zeros([HALF, BLOCK_Q], gl.float32, layout=_MMA)
@@ -1273,83 +1178,24 @@ if HAS_GLUON:
             g1 = _g_stamp("mov.u64 $0, %globaltimer;")
             c1 = _g_stamp("mov.u64 $0, %clock64;")
         it = 0
-        if SRING:  # scales two blocks ahead (like the codes), read from the page of the codes' copy
-            for n0 in range(start, full_end, BLOCK_N):
-                _async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                kc = smem_k.index(it % STAGES).load(a8)
-                vc = smem_v.index(it % STAGES).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
-                nf = n0 + (STAGES - 1) * BLOCK_N
-                _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
-                         stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
-                ks_n, vs_n, kz_n, vz_n = _g_scales_c(KS, KZ, VS, VZ, pgs, nf, h, nf < full_end, stride_sp, stride_sh,
-                                                     PAGE, BLOCK_N, ZERO_POINT)
-                if PTA:
-                    pgs = pgs2
-                    pgs2 = gl.load(ptb + gl.minimum(nf + 2 * BLOCK_N, end - 1) // PAGE).to(gl.int64)
-                else:
-                    pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
-                ks, vs, kz, vz = _g_rows(ks_a, vs_a, kz_a, vz_a, ZERO_POINT)
-                acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
-                                                          end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP, VSUB)
-                ks_a, vs_a, kz_a, vz_a = ks_b, vs_b, kz_b, vz_b
-                ks_b, vs_b, kz_b, vz_b = ks_n, vs_n, kz_n, vz_n
-                it += 1
-        elif AHEAD:  # S^T of the next block is computed before this block's softmax (independent work for the scheduler)
+        for n0 in range(start, full_end, BLOCK_N):
+            stage = it % STAGES
             _async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()
-            x_cur = _g_qk(smem_k.index(0).load(a8), qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8)
-            for n0 in range(start, full_end, BLOCK_N):
-                _async_copy.wait_group(STAGES - 3)
-                gl.thread_barrier()
-                x_next = _g_qk(smem_k.index((it + 1) % STAGES).load(a8), qe, qo, qe_lo, qo_lo, BLOCK_N, BLOCK_Q,
-                               ZERO_POINT, QK8)
-                vc = smem_v.index(it % STAGES).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
-                nf = n0 + (STAGES - 1) * BLOCK_N
-                _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
-                         stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
-                pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
-                ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
-                                               stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
-                pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
-                acc_e, acc_o, m_i, l_acc, z_acc = _g_pv(acc_e, acc_o, m_i, l_acc, z_acc, x_cur, vc, ks, vs, kz, vz,
-                                                        n0, end, row_scale, qsum, qpos,
-                                                        HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, False, LAZY, VSUB)
-                x_cur = x_next
-                ks, vs, kz, vz = ks2, vs2, kz2, vz2
-                it += 1
-        else:
-            stage = 0
-            for n0 in range(start, full_end, BLOCK_N):
-                if not LEAN:
-                    stage = it % STAGES
-                _async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                kc = smem_k.index(stage).load(a8)
-                vc = smem_v.index(stage).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
-                nf = n0 + (STAGES - 1) * BLOCK_N
-                if LEAN:  # ring indices carried by the loop (no division by STAGES)
-                    nstage = stage - 1
-                    if stage == 0:
-                        nstage = STAGES - 1
-                else:
-                    nstage = (it + STAGES - 1) % STAGES
-                _g_issue(smem_k, smem_v, nstage, KC, VC, pgs, nf, h, nf < full_end,
-                         stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
-                pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
-                ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
-                                               stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
-                pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
-                acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
-                                                          end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                          HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, LAZY, ILP, VSUB)
-                ks, vs, kz, vz = ks2, vs2, kz2, vz2
-                it += 1
-                if LEAN:
-                    stage += 1
-                    if stage == STAGES:
-                        stage = 0
+            kc = smem_k.index(stage).load(a8)
+            vc = smem_v.index(stage).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
+            nf = n0 + (STAGES - 1) * BLOCK_N
+            _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
+                     stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
+            pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
+            ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
+                                           stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+            pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
+            acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
+                                                      end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
+                                                      HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, VSUB)
+            ks, vs, kz, vz = ks2, vs2, kz2, vz2
+            it += 1
         _async_copy.wait_group(0)
         for n0 in range(full_end, end, BLOCK_N):
             page = gl.load(PT + b * stride_ptb + n0 // PAGE).to(gl.int64)
@@ -1358,7 +1204,7 @@ if HAS_GLUON:
                                              HALF, PAGE, BLOCK_N, ZERO_POINT, True, LV)
             acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0, end,
                                                       qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
-                                                      HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, True, LAZY, False, VSUB)
+                                                      HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, True, VSUB)
         l_i = gl.sum(l_acc, axis=0)
         if STAMP:
             g2 = _g_stamp("mov.u64 $0, %globaltimer;")
@@ -1366,8 +1212,6 @@ if HAS_GLUON:
         if VSUB:  # back from the subnormal scale, minus the offset's sum (``_ASM_SUB``)
             if ZERO_POINT:
                 zs = gl.sum(z_acc, axis=0)
-            elif VSUB == 2:
-                zs = gl.max(z_acc, axis=0) * 8.0
             else:
                 zs = z_acc * 8.0
             acc_e = acc_e * 16777216.0 - zs[None, :]
@@ -1428,8 +1272,8 @@ if HAS_GLUON:
 
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
-                  num_splits, block_n, num_stages, maxnreg, qk8, lazy, return_kernel, skip_combine=False, ahead=None,
-                  pdl=None, lean=None, ilp=None, sring=None, pta=None, probe=False, vsub=None, cstore=None):
+                  num_splits, block_n, num_stages, maxnreg, qk8, return_kernel, skip_combine=False, pdl=None,
+                  probe=False, vsub=None, cstore=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``, by split length)."""
     B, Hq, TQ, D = q.shape
@@ -1437,22 +1281,16 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     G = Hq // Hkv
     BQ = max(8, triton.next_power_of_2(G * TQ))
     bn = min(PAGE, block_n or (GLUON_BLOCK_N if BQ == 8 else 16))
-    ahead = GLUON_AHEAD if ahead is None else bool(ahead)
-    stages = num_stages or (max(GLUON_STAGES, 4) if ahead else GLUON_STAGES)
+    stages = num_stages or GLUON_STAGES
     mr = (GLUON_MAXNREG if BQ == 8 else 168) if maxnreg is None else maxnreg  # 16 query rows: 2x the accumulator
     sm_scale = D ** -0.5 if sm_scale is None else sm_scale
     if max_len is None:
         max_len = int(lengths.max().item()) if B else 0
-    lazy = GLUON_LAZY if lazy is None else bool(lazy)
-    sring = (GLUON_SRING if sring is None else bool(sring)) and stages == 3 and not ahead
-    pta = sring and (GLUON_PTA if pta is None else bool(pta))
     if vsub is None:
         vsub = GLUON_VSUB is True or (GLUON_VSUB == "zp" and k_zero is not None)
-    vsub = 2 if vsub == "mma" and k_zero is None else int(bool(vsub))  # "mma": the offset's sum by a ones tile
-    lean = GLUON_LEAN if lean is None else bool(lean)
-    ilp = GLUON_ILP if ilp is None else bool(ilp)
-    occ_base = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, lazy, ahead, k_zero is not None,
-                crs_q is not None, sring, pta, vsub, lean, ilp, probe, GLUON_PDL if pdl is None else bool(pdl))
+    vsub = bool(vsub)
+    occ_base = ("gluon", q.device, q.dtype, G, TQ, HALF, PAGE, bn, stages, mr, qk8, k_zero is not None,
+                crs_q is not None, vsub, probe, GLUON_PDL if pdl is None else bool(pdl))
     out = torch.empty_like(q)
     if num_splits is None:  # the residency of either epilogue (CSTORE or not: same registers, same shared memory)
         num_splits = choose_splits(B, Hkv, max_len, bn, _num_sms(q.device), 1, _OCCUPANCY.get(
@@ -1480,10 +1318,8 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         page_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
-        SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, LAZY=lazy,
-        AHEAD=ahead, PDL=pdl, LEAN=lean, ILP=ilp,
-        SRING=sring, PTA=pta, PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub,
-        CSTORE=cstore,
+        SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, PDL=pdl,
+        PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)

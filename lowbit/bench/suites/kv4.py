@@ -136,9 +136,9 @@ def run(rec, quick: bool):
     import lowbit.kernels.decode_kv4 as dk
 
     rec.note(f"decode defaults: q_int8={dk.DEFAULT_QK8}, gluon={dk.DEFAULT_GLUON and dk.HAS_GLUON} (BLOCK_N "
-             f"{dk.GLUON_BLOCK_N}, {dk.GLUON_STAGES} cp.async stages, maxnreg {dk.GLUON_MAXNREG}, lazy {dk.GLUON_LAZY}, "
-             f"splits: first wave fill >= {dk.GLUON_GOOD_WAVE}, lean {dk.GLUON_LEAN}, ilp {dk.GLUON_ILP}, "
-             f"pdl {dk.GLUON_PDL}); "
+             f"{dk.GLUON_BLOCK_N}, {dk.GLUON_STAGES} cp.async stages, maxnreg {dk.GLUON_MAXNREG}, "
+             f"splits: first wave fill >= {dk.GLUON_GOOD_WAVE}, pdl {dk.GLUON_PDL}, vsub {dk.GLUON_VSUB}, "
+             f"cstore {dk.GLUON_CSTORE} below {dk.GLUON_CSTORE_MAX_SPLIT} keys per split); "
              f"Triton kernel: trans={dk.DEFAULT_TRANS} warps={dk.DEFAULT_WARPS} stages={dk.DEFAULT_STAGES} "
              f"BLOCK_N {dk.DEFAULT_BLOCK_N}; page 64")
     decode_rows(rec, quick)
