@@ -49,7 +49,7 @@ def main():
         KP = 2 * sets[0][0].shape[1]
         for M in MS:
             cfgs = {"ctas2": cfg_for(M, N, KP, 2), "ctas1": cfg_for(M, N, KP, 1), "ctas1.5": cfg_for(M, N, KP, 1.5)}
-            if M <= 16:  # the committed 16-token bucket aims at 4 programs per SM
+            if M <= 32:  # the committed 16-token bucket aims at 4 programs per SM (session 31: also tried at 32)
                 cfgs["ctas4"] = cfg_for(M, N, KP, 4)
             c2 = cfgs["ctas4" if M <= 16 else "ctas2"]
             if all(c == c2 for c in cfgs.values()):
