@@ -216,8 +216,10 @@ def pick_config(M: int, N: int, K: int, n_sm: int = 132) -> dict:
       alone): gate_up 25.4 us (R7 default 29.9: 128 rows, cp.async, 16-byte scale chunk; TMA+SWORD
       26.8, SWORD only 28.4), lm_head (N=128256) 77.2 us (111.7). Long K (>= 64 K tiles, i.e. down):
       128 rows, TMA, SWORD, split-K to ~1.5 programs per SM (down M=1: 16.1 vs 18.8 us for 64 rows x
-      split 8). Otherwise (qkv, o) 64 rows, split-K until ``DECODE_SPLIT_PER_SM`` programs per SM (2 at 16
-      tokens, 1.5 above; session 31), cp.async + 16-byte scale chunk (TMA / SWORD measured 0.2-1.2 us slower there). ``ACC_TILE`` (31.0 vs 32.1 us, R4).
+      split 8; session 31: each split keeps >= 8 K tiles). Otherwise (qkv, o) 64 rows, split-K until
+      ``DECODE_SPLIT_PER_SM`` programs per SM (2 at 16 tokens, 1.5 above; >= 8 K tiles per split at 64 tokens;
+      session 31), cp.async + 16-byte scale chunk (TMA / SWORD measured 0.2-1.2 us slower there). ``ACC_TILE``
+      (31.0 vs 32.1 us, R4).
       Measured and dropped (R7/R8): stream-K over (tile, K tile) units with 132-528 programs (gate_up
       27.6-38.6 us, M=128 gate_up 64.7 vs 58.1), a rotated K start per tile (no change), 6 stages.
     - 64 < M < DEQUANT_MIN_M: SWAP_AB with BLOCK_M = 128 x-rows x BLOCK_N = 64 weight rows: the
