@@ -467,6 +467,30 @@ def test_decode_split_rule():
         assert split == 1 or -(-K // 128) // split >= 4
 
 
+@settings(max_examples=300, deadline=None)
+@given(M=st.integers(1, 2048), N=st.integers(1, 140000), K=st.integers(1, 30000))
+def test_pick_config_is_legal(M, N, K):
+    """Every shape gets a launchable plan: split-K >= 1 and never more splits than K tiles allow (the rule's
+    minimum K tiles per split, 4 below the decode paths' own minimum), tile sizes from the swept set, the
+    dequantize-once path from ``DEQUANT_MIN_M`` tokens."""
+    from lowbit.kernels import w4a8_fp8_gemm as W
+
+    cfg = W.pick_config(M, N, K)
+    k_tiles = -(-K // 128)
+    split = cfg["SPLIT_K"]
+    assert split >= 1 and (split == 1 or k_tiles // split >= 4)
+    if M >= W.DEQUANT_MIN_M:
+        assert cfg["MODE"] == W.DEQUANT_GEMM
+        return
+    assert cfg["BLOCK_M"] in (16, 32, 64, 128) and cfg["BLOCK_N"] in (64, 128) and cfg["SWAP_AB"]
+    if M <= 64 and cfg["BLOCK_N"] == 64:
+        assert split == 1 or k_tiles // split >= W.DECODE_MIN_K_TILES[cfg["BLOCK_M"]]
+    if M <= 64 and cfg["BLOCK_N"] == 128 and k_tiles >= 64:
+        assert split == 1 or k_tiles // split >= W.LONG_K_MIN_K_TILES
+    if "HYB_FULL" in cfg:
+        assert cfg["SPLIT_K"] == 2 and 0 < cfg["HYB_FULL"] < -(-N // 64)
+
+
 def test_hybrid_split_config_errors():
     from lowbit.kernels.w4a8_fp8_gemm import pick_config, w4a8_fp8_gemm
 
