@@ -13,8 +13,9 @@ not fence (per-warp mbarriers, or register prefetch).
 
 Offline build (``--offline``, W = 16, one (b, h) per CTA): 128 registers, 20 spill bytes, 139 KB shared memory (1
 CTA per SM), 593 SASS per 32-key block and warp. The committed one-warp kernel has 576, and the ring loads and the
-operand conversions stay in registers as there. W = 8: 599 SASS, 16 spill bytes, 70 KB. Three stages (W = 16):
-205 KB, 60 spill bytes, 610 SASS with 11 local loads per block.
+operand conversions stay in registers as there. W = 8: 599 SASS, 16 spill bytes, 70 KB. W = 4 (four CTAs
+per SM, each fencing only its own warps; 4 partials per (b, h) for the combine kernel): 16 spill bytes, 35 KB.
+Three stages (W = 16): 205 KB, 60 spill bytes, 610 SASS with 11 local loads per block.
 
 Scope of the prototype: signed codes (``kv4``, no zero points), no CRS, Q as two INT8 planes (the default
 numerics), D = 128, G * TQ <= 8, pages a multiple of 32 keys. Every key block is masked (per warp: its split's end
@@ -258,8 +259,8 @@ def decode_cta(q, c, *, max_len, W=W_DEFAULT, ctas=None, cta_sync=False, stages=
     P, Hkv, PAGE, HALF = c["k_codes"].shape
     G = Hq // Hkv
     assert D == 128 and G * TQ <= 8 and PAGE % BLOCK_N == 0 and "k_zero" not in c
-    if ctas is None:  # about one CTA per SM
-        ctas = max(1, min(round(n_sm / (B * Hkv)), triton.cdiv(max_len, W * BLOCK_N)))
+    if ctas is None:  # about 16 warps per SM
+        ctas = max(1, min(round(n_sm * (16 // W) / (B * Hkv)), triton.cdiv(max_len, W * BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), W * ctas), BLOCK_N) * BLOCK_N
     out = torch.empty_like(q)
     op, mp, lp = dk.split_workspace(out, B * Hkv, ctas, 8, D)
@@ -291,7 +292,7 @@ def offline():
     types = ["*bf16", "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32",
              "fp32"] + ["i32"] * 11
     for W, partial, sync, st in ((16, False, False, 2), (16, True, False, 2), (8, False, False, 2),
-                                 (16, False, False, 3)):
+                                 (4, True, False, 2), (16, False, False, 3)):
         consts = dict(W=W, G=4, TQ=1, BLOCK_Q=8, HALF=64, PAGE=64, BLOCK_N=BLOCK_N, STAGES=st,
                       LV=v_layout(W, BLOCK_N, 64), CL=copy_layout(W, 64), PARTIAL=partial, CTA_SYNC=sync)
         sig = dict(zip(names, types))
@@ -333,7 +334,8 @@ def main():
         x, y = x.double(), y.double()
         return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
 
-    variants = {"cta16": dict(W=16), "cta8": dict(W=8), "cta16s3": dict(W=16, stages=3)}
+    # W = 4: four CTAs per SM, each fencing only its own 4 warps, and 4 partials per (b, h) for the combine kernel
+    variants = {"cta16": dict(W=16), "cta8": dict(W=8), "cta4": dict(W=4), "cta16s3": dict(W=16, stages=3)}
     if "c" in a.parts:
         cases = [(3, 32, 8, 1, [1000, 3001, 77]), (2, 32, 8, 2, [4099, 257]), (4, 8, 1, 1, [300, 129, 2048, 33]),
                  (16, 32, 8, 1, [8192] * 16), (2, 32, 8, 1, [5, 0])]
