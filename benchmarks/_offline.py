@@ -25,6 +25,35 @@ def assemble(ptx: str, row: dict) -> dict:
     return row
 
 
+def signature(fn, types: dict, consts: dict, default_type: str = "i32"):
+    """``(signature, constexprs, attrs)`` for ``triton.compile`` of the JIT / Gluon kernel ``fn``, read from its
+    parameter list: runtime arguments typed by ``types`` (name -> "*bf16", "fp32", ...; others ``default_type``),
+    constexprs from ``consts`` or their defaults, pointers and ``stride_*`` arguments marked divisible by 16 (as the
+    launchers' aligned, contiguous tensors specialize them)."""
+    sig, cexpr, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            cexpr[p.name] = consts[p.name] if p.name in consts else p.default
+            continue
+        sig[p.name] = types.get(p.name, default_type)
+        if sig[p.name].startswith("*") or p.name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, cexpr, attrs
+
+
+# runtime argument types of the Gluon INT4-cache decode kernel (``decode_kv4._decode_kv4_gluon_kernel``), signed codes
+# (zero-point caches: KZ / VZ "*u8")
+KV4_GLUON_TYPES = {"Q": "*bf16", "KC": "*u8", "KS": "*fp8e4nv", "KZ": "*fp8e4nv", "VC": "*u8", "VS": "*fp8e4nv",
+                   "VZ": "*fp8e4nv", "PT": "*i32", "LENS": "*i32", "CRSQ": "*fp32", "O": "*bf16", "OP": "*fp32",
+                   "MP": "*fp32", "LP": "*fp32", "TS": "*i64", "qk_scale": "fp32"}
+
+
+def kv4_gluon_types(zero_point: bool) -> dict:
+    """``KV4_GLUON_TYPES`` for signed (``zero_point`` False) or zero-point codes."""
+    return {**KV4_GLUON_TYPES, **({"KZ": "*u8", "VZ": "*u8"} if zero_point else {})}
+
+
 def report(kernel, patterns: dict, label: str, ptx_path: str | None = None, top: int = 40) -> dict:
     """Print one offline build of a compiled Gluon/Triton ``kernel``: the count of each PTX substring of
     ``patterns`` (name -> text), shared memory, registers / spills (``assemble``), then the SASS per loop and its

@@ -18,7 +18,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowbit.kernels import decode_kv4 as K  # noqa: E402
-from benchmarks._offline import report, write_json  # noqa: E402
+from benchmarks._offline import kv4_gluon_types, report, signature, write_json  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--zp", action="store_true")
@@ -32,20 +32,11 @@ ap.add_argument("--cstore", action="store_true", help="the epilogue's stores as 
 ap.add_argument("--nosplit", action="store_true", help="one split: O written directly")
 args = ap.parse_args()
 
-names = ["Q", "KC", "KS", "KZ", "VC", "VS", "VZ", "PT", "LENS", "CRSQ", "O", "OP", "MP", "LP", "TS",
-         "qk_scale", "SPLIT_LEN", "Hkv", "NPT", "stride_qb", "stride_qh", "stride_qt", "stride_cp", "stride_sp",
-         "stride_ptb", "stride_ob", "stride_oh", "stride_ot"]
-types = ["*bf16", "*u8", "*fp8e4nv", "*fp8e4nv", "*u8", "*fp8e4nv", "*fp8e4nv", "*i32", "*i32", "*fp32", "*bf16",
-         "*fp32", "*fp32", "*fp32", "*i64", "fp32"] + ["i32"] * 12
-if args.zp:
-    types[3] = types[6] = "*u8"
-sig = dict(zip(names, types))
 bn, half = 32, args.half
 consts = dict(G=4, TQ=1, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=bn, ZERO_POINT=args.zp, HAS_CRS=False, SPLIT=not args.nosplit,
               QK8=2, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=args.stages, PDL=True,
               PROBE=False, STAMP=False, VSUB=args.vsub, CSTORE=args.cstore)
-sig.update({k: "constexpr" for k in consts})
-attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(19, 28))}
+sig, consts, attrs = signature(K._decode_kv4_gluon_kernel, kv4_gluon_types(args.zp), consts)
 k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 1, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})

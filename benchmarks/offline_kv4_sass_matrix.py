@@ -8,7 +8,6 @@ values, so the same script builds both trees.
     PYTHONPATH=/tmp/t36 python3 benchmarks/offline_kv4_sass_matrix.py DIR [TREE] [i ...]
 """
 import hashlib
-import inspect
 import os
 import re
 import sys
@@ -25,9 +24,9 @@ tree = sys.argv[2] if len(sys.argv) > 2 and not sys.argv[2].isdigit() else os.pa
 sys.path.insert(0, tree)
 from lowbit.kernels import decode_kv4 as K  # noqa: E402
 
-names = ["Q", "KC", "KS", "KZ", "VC", "VS", "VZ", "PT", "LENS", "CRSQ", "O", "OP", "MP", "LP", "TS",
-         "qk_scale", "SPLIT_LEN", "Hkv", "NPT", "stride_qb", "stride_qh", "stride_qt", "stride_cp", "stride_sp",
-         "stride_ptb", "stride_ob", "stride_oh", "stride_ot"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _offline import kv4_gluon_types, signature  # noqa: E402
+
 configs = [  # zp, half, split, cstore, G, TQ, crs, qk8, vsub, stages
     (False, 64, True, True, 4, 1, False, 2, 0, 2), (False, 64, True, False, 4, 1, False, 2, 0, 2),
     (False, 64, False, True, 4, 1, False, 2, 0, 2), (True, 64, True, True, 4, 1, False, 2, 1, 2),
@@ -40,24 +39,13 @@ only = [int(i) for i in sys.argv[2:] if i.isdigit()]
 for i, (zp, half, split, cstore, G, TQ, crs, qk8, vsub, stages) in enumerate(configs):
     if only and i not in only:
         continue
-    types = ["*bf16", "*u8", "*fp8e4nv", "*fp8e4nv", "*u8", "*fp8e4nv", "*fp8e4nv", "*i32", "*i32", "*fp32", "*bf16",
-             "*fp32", "*fp32", "*fp32", "*i64", "fp32"] + ["i32"] * 12
-    if zp:
-        types[3] = types[6] = "*u8"
-    sig = dict(zip(names, types))
-    bn = 32
-    consts = dict(G=G, TQ=TQ, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=bn, ZERO_POINT=zp, HAS_CRS=crs, SPLIT=split,
-                  QK8=qk8, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=stages,
-                  PDL=split, PROBE=False, STAMP=False, VSUB=vsub, CSTORE=cstore)
-    params = inspect.signature(K._decode_kv4_gluon_kernel.fn).parameters
-    for opt in ("AHEAD", "LEAN", "ILP", "SRING", "PTA", "LAZY"):
-        if opt in params:
-            consts[opt] = False
-    for opt in ("SW_VEC", "SW_PHASE", "SW_MAX"):
-        if opt in params:
-            consts[opt] = 1
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(j,): [["tt.divisibility", 16]] for j in list(range(15)) + list(range(19, 28))}
+    consts = dict(G=G, TQ=TQ, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=32, ZERO_POINT=zp, HAS_CRS=crs, SPLIT=split,
+                  QK8=qk8, LV=K._v_load_layout(32, half), CL=K._copy_layout(half), STAGES=stages,
+                  PDL=split, PROBE=False, STAMP=False, VSUB=vsub, CSTORE=cstore,
+                  # options of older trees (removed in session 31), off
+                  AHEAD=False, LEAN=False, ILP=False, SRING=False, PTA=False, LAZY=False, SW_VEC=1, SW_PHASE=1,
+                  SW_MAX=1)
+    sig, consts, attrs = signature(K._decode_kv4_gluon_kernel, kv4_gluon_types(zp), consts)
     k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "maxnreg": 128})
     ptx = "\n".join(ln for ln in k.asm["ptx"].splitlines()

@@ -18,6 +18,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from lowbit.kernels import decode_float as DF, kv4_append as KA, rope as RO, decode_kv4 as K
+import os
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _offline import kv4_gluon_types, signature
 
 def h(k):
     lines = [ln for ln in k.asm["ptx"].splitlines() if not re.match(r"\s*(\.loc|\.file|//|\$L__tmp\d+:)", ln)]
@@ -62,17 +65,11 @@ for app in (False, True):
         sig.update({k: "constexpr" for k in c})
         out[f"decode_float_app{app}_split{sp}"] = h(triton.compile(ASTSource(fn=DF._decode_float_kernel, signature=sig, constexprs=c), target=T, options={"num_warps": 4, "num_stages": 3}))
 # gluon kv4 decode
-names = ["Q","KC","KS","KZ","VC","VS","VZ","PT","LENS","CRSQ","O","OP","MP","LP","TS","qk_scale","SPLIT_LEN","Hkv","NPT",
-         "stride_qb","stride_qh","stride_qt","stride_cp","stride_sp","stride_ptb","stride_ob","stride_oh","stride_ot"]
 for zp in (False, True):
     for vs in (False, True):
-        types = ["*bf16","*u8","*fp8e4nv","*fp8e4nv","*u8","*fp8e4nv","*fp8e4nv","*i32","*i32","*fp32","*bf16","*fp32","*fp32","*fp32","*i64","fp32"]+["i32"]*12
-        if zp: types[3] = types[6] = "*u8"
-        sig = dict(zip(names, types))
         c = dict(G=4, TQ=1, BLOCK_Q=8, HALF=64, PAGE=64, BLOCK_N=32, ZERO_POINT=zp, HAS_CRS=False, SPLIT=True, QK8=2,
                  LV=K._v_load_layout(32, 64), CL=K._copy_layout(64), STAGES=2, PDL=True, PROBE=False, STAMP=False,
                  VSUB=vs)
-        sig.update({k: "constexpr" for k in c})
-        attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(15)) + list(range(19, 28))}
+        sig, c, attrs = signature(K._decode_kv4_gluon_kernel, kv4_gluon_types(zp), c)
         out[f"gluon_kv4_zp{zp}_vsub{vs}"] = h(triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=c, attrs=attrs), target=T, options={"num_warps": 1, "maxnreg": 128}))
 print(json.dumps(out, indent=1))

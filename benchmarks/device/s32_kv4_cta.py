@@ -53,23 +53,6 @@ BLOCK_N = 32
 STAGES = 2
 
 
-def v_layout(W: int, block_n: int, half: int):
-    """``decode_kv4._v_load_layout`` with the warp (split) as a leading dimension: ``[W, 8, half // 8, block_n]``."""
-    nb = half // 8
-    reg = [[0, 0, 1 << i, 0] for i in range(nb.bit_length() - 1)] + [[0, 0, 0, 1], [0, 0, 0, 8]]
-    reg += [[0, 0, 0, 16 << i] for i in range((block_n // 16).bit_length() - 1)]
-    lane = [[0, 0, 0, 2], [0, 0, 0, 4], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
-    warp = [[1 << i, 0, 0, 0] for i in range(W.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                      shape=[W, 8, nb, block_n])
-
-
-def copy_layout(W: int, half: int):
-    """cp.async source tile ``[W, BLOCK_N, half]``: 16 bytes per thread, warp w copies split w's block."""
-    return gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 32 // (half // 16), half // 16],
-                            warps_per_cta=[W, 1, 1], order=[2, 1, 0])
-
-
 @gluon.jit
 def _warp_sync():
     """``bar.warp.sync``: the warp's own cp.async data visible to all its lanes (each warp reads only its slice)."""
@@ -270,7 +253,7 @@ def decode_cta(q, c, *, max_len, W=W_DEFAULT, ctas=None, cta_sync=False, stages=
         q.stride(0), q.stride(1), q.stride(2), c["k_codes"].stride(0), c["k_scale"].stride(0),
         c["page_table"].stride(0), out.stride(0), out.stride(1), out.stride(2),
         W=W, G=G, TQ=TQ, BLOCK_Q=8, HALF=HALF, PAGE=PAGE, BLOCK_N=BLOCK_N, STAGES=stages,
-        LV=v_layout(W, BLOCK_N, HALF), CL=copy_layout(W, HALF), PARTIAL=ctas > 1, CTA_SYNC=cta_sync,
+        LV=dk._v_load_layout(BLOCK_N, HALF, W), CL=dk._copy_layout(HALF, W), PARTIAL=ctas > 1, CTA_SYNC=cta_sync,
         num_warps=W, maxnreg=128,
     )
     if ctas > 1:
@@ -284,20 +267,13 @@ def offline():
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from _offline import report
+    from _offline import kv4_gluon_types, report, signature
 
-    names = ["Q", "KC", "KS", "VC", "VS", "PT", "LENS", "O", "OP", "MP", "LP", "qk_scale", "SPLIT_LEN", "Hkv",
-             "stride_qb", "stride_qh", "stride_qt", "stride_cp", "stride_sp", "stride_ptb", "stride_ob", "stride_oh",
-             "stride_ot"]
-    types = ["*bf16", "*u8", "*fp8e4nv", "*u8", "*fp8e4nv", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32",
-             "fp32"] + ["i32"] * 11
     for W, partial, sync, st in ((16, False, False, 2), (16, True, False, 2), (8, False, False, 2),
                                  (4, True, False, 2), (16, False, False, 3)):
         consts = dict(W=W, G=4, TQ=1, BLOCK_Q=8, HALF=64, PAGE=64, BLOCK_N=BLOCK_N, STAGES=st,
-                      LV=v_layout(W, BLOCK_N, 64), CL=copy_layout(W, 64), PARTIAL=partial, CTA_SYNC=sync)
-        sig = dict(zip(names, types))
-        sig.update({k: "constexpr" for k in consts})
-        attrs = {(i,): [["tt.divisibility", 16]] for i in list(range(11)) + list(range(14, 23))}
+                      LV=dk._v_load_layout(BLOCK_N, 64, W), CL=dk._copy_layout(64, W), PARTIAL=partial, CTA_SYNC=sync)
+        sig, consts, attrs = signature(_cta_kernel, kv4_gluon_types(False), consts)
         k = triton.compile(GluonASTSource(fn=_cta_kernel, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": W, "maxnreg": 128})
         report(k, dict(mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.", bar_sync="bar.sync",
