@@ -461,7 +461,8 @@ def test_decode_gpu_gluon_vsub(zero_point, vsub):
 def test_gluon_launcher_plumbing(monkeypatch):
     """The Gluon launcher's Python side on the CPU, with the compiled kernel stubbed (the kernel itself is checked
     on the GPU and by offline builds): grid and split plan, the constexprs it passes (CSTORE below
-    ``GLUON_CSTORE_MAX_SPLIT`` keys per split, VSUB for zero-point caches, PDL only with a split), the combine
+    ``GLUON_CSTORE_MAX_SPLIT`` keys per split, VSUB for zero-point caches, SRAW for signed codes from
+    ``GLUON_SRAW_MIN_SPLIT`` keys per split, PDL only with a split), the combine
     launched only with a split, and the compiled kernel's keyword set (every constexpr it names exists)."""
     import inspect
 
@@ -483,8 +484,10 @@ def test_gluon_launcher_plumbing(monkeypatch):
 
     monkeypatch.setattr(dk, "_decode_kv4_gluon_kernel", Stub())
     monkeypatch.setattr(dk, "_combine", lambda *a, **k: combines.append(k))
-    for zp, max_len, splits, cstore, pdl in ((False, 8192, 16, True, True), (True, 8192, 2, False, True),
-                                             (False, 300, 1, True, False)):
+    for zp, max_len, splits, cstore, pdl, sraw in ((False, 8192, 16, True, True, True),
+                                                   (True, 8192, 2, False, True, False),
+                                                   (False, 8192, 32, True, True, False),
+                                                   (False, 300, 1, True, False, False)):
         c = random_cache(2, 8, 128, max_len, device="cpu", zero_point=zp)
         q = torch.randn(2, 32, 1, 128, dtype=torch.bfloat16)
         calls.clear()
@@ -493,7 +496,7 @@ def test_gluon_launcher_plumbing(monkeypatch):
                          c.get("k_zero"), c.get("v_zero"), None, None, max_len, splits, None, None, None, 2, False)
         (grid, kw), = calls
         assert grid == (2 * 8, splits)
-        assert kw["SPLIT"] == (splits > 1) and kw["PDL"] == pdl and kw["CSTORE"] == cstore
+        assert kw["SPLIT"] == (splits > 1) and kw["PDL"] == pdl and kw["CSTORE"] == cstore and kw["SRAW"] == sraw
         assert kw["VSUB"] == zp and kw["ZERO_POINT"] == zp and kw["STAGES"] == dk.GLUON_STAGES
         assert len(combines) == (splits > 1)
 

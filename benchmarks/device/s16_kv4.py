@@ -92,7 +92,10 @@ def part_c():
                     g.replay()
                 torch.cuda.synchronize()
                 errs.append(rel(out, ref))
-                probe_row(doc, key, {"errs": errs, "pass": max(errs) < 5e-3, "splits": dk.LAST_LAUNCH.get("num_splits")})
+                row = {"errs": errs, "pass": max(errs) < 5e-3, "splits": dk.LAST_LAUNCH.get("num_splits")}
+                if name != "default":  # bit for bit the default's output?
+                    row["bitequal_default"] = bool(torch.equal(o, call(q, c, max(lens), crs_q=crs)))
+                probe_row(doc, key, row)
             except Exception as exc:  # noqa: BLE001
                 probe_row(doc, key, {"error": repr(exc)[:600], "pass": False})
 

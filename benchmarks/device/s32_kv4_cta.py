@@ -1,5 +1,21 @@
-"""Session-32 probe (issue 8; written in session 31 without a device, compiled offline only): the INT4-cache decode
-as CTAs of ``W`` warps, one key split per warp, the warps' partials combined in shared memory at the end.
+"""Session-32 probe (issue 8; written in session 31 without a device): the INT4-cache decode as CTAs of ``W`` warps,
+one key split per warp, the warps' partials combined in shared memory at the end.
+
+**Measured in session 32 (H200, ``benchmarks/results/h200/s32_kv4_cta.json``): correct, and slower at every shape.**
+All 20 checks passed (rel-L2 3.6-7.8e-4 against ``decode_kv4_ref``). Time in us, same process, B / L:
+
+| variant | 16 / 8k | 16 / 32k | 4 / 8k | 1 / 32k |
+|---|---|---|---|---|
+| committed one-warp kernel (+ combine) | 49.9 | 161.6 | 20.3 | 20.2 |
+| W = 16 | 80.2 | 234.6 | 44.6 | 44.8 |
+| W = 8 | 68.5 | 206.8 | 32.8 | 32.9 |
+| W = 4 | 59.9 | 186.0 | 27.4 | 27.3 |
+| W = 16, 3 stages | 83.8 | 236.8 | 46.1 | 46.3 |
+| SDPA flash, bf16 | 133.5 | 489.2 | 48.9 | 50.3 |
+
+The fewer warps a CTA holds, the less it loses, so the lockstep of the ring's CTA-wide barriers costs more than the
+combine launch and the tail of program ends that it removes. The probe stays as the record; nothing of it moved into
+the library.
 
 Why: the committed Gluon kernel runs one-warp programs, 16 per SM, one per split. At B=16 L=8k the main kernel alone
 takes 46.8 us and its split combine, a second launch, 2.9 us more (``s31_kv4_op16.json``). A CTA whose warps are the

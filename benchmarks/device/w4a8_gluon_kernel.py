@@ -39,6 +39,9 @@ compute and 55% of L2 throughput used; neither more programs per SM nor 128-row 
 tile's L2 re-reads; gate_up M = 128 55.0 us) helped, so the cause is not isolated. Next, untested: per-instruction
 stall sampling, then a warp-specialized form (a loader warp, two decoding consumer warpgroups sharing one activation
 tile).
+
+Session 32 (``s32_w4a8_gluon_bigm.json``, ``S28_MS=1024,4096``): at full token tiles the best variant runs at about
+cuBLAS bf16 speed (0.94-1.09x), 1.3-1.7x slower than the committed dequantize-once + ``torch._scaled_mm`` path.
 """
 from __future__ import annotations
 

@@ -670,8 +670,8 @@ def _occupancy_key(base: tuple, split: bool, q, k_codes, k_scale, page_table, Hk
 def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None,
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
-                      maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, return_kernel=False,
-                      _skip_combine=False, _probe=False):
+                      maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, sraw=None,
+                      return_kernel=False, _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -685,7 +685,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, return_kernel,
-                             _skip_combine, pdl, _probe, vsub, cstore)
+                             _skip_combine, pdl, _probe, vsub, cstore, sraw)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -779,7 +779,7 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # Options (constexpr, same result bit for bit; a default only once measured faster on the device):
 # ``PDL`` (the combine kernel as a programmatic dependent launch; default since round 11's A/B: B=16 L=8k
 # 0.0538 vs 0.0564 ms), ``CSTORE`` (the epilogue's vector stores, below), ``VSUB`` (V codes as fp16 subnormals,
-# below). Options measured slower or no faster and removed in session 31 (their numbers stay in the kv4 section):
+# below), ``SRAW`` (the next block's token scales loaded into 32-bit registers, below). Options measured slower or no faster and removed in session 31 (their numbers stay in the kv4 section):
 # ``LEAN`` (prologue: Q, page table and first scales read before the length arrives), ``ILP`` (the two Q planes
 # as two independent MMA chains), ``SRING`` / ``PTA`` (the scales, and the page-table reads, two blocks ahead
 # like the codes), ``AHEAD`` (S^T of block i+1 before the softmax of block i), ``LAZY`` (skip the rescale when
@@ -857,6 +857,18 @@ GLUON_VSUB = "zp"
 # l (half the partial bytes; 8k 0.0506 vs 0.0497, 32k 0.1615 vs 0.1611, s31_kv4_op16.json).
 GLUON_CSTORE = "short"  # True, False or "short"
 GLUON_CSTORE_MAX_SPLIT = 2048
+# SRAW (session 32): the next block's token scales (and zero points) are loaded one loop step ahead, as before, but
+# into 32-bit registers by inline PTX and typed only where they are used. Nsight Compute's stall sampling of the
+# default build (B=16 L=8k, s32_kv4_ncu_src_8k.csv) put 22 % of all samples on one PRMT that waits on the scale
+# byte loaded ~95 instructions earlier in the same step: under the 128-register cap ptxas had parked the HFMA2
+# constant 0x2c00 in the upper half of the 16-bit scale load's destination register, so the packing PRMT waits
+# for the load. Raw 32-bit destinations leave no half register to share. The outputs are bit-equal; the time
+# (s32_kv4_sraw.json, same process, default / SRAW / default again, us): B=16 8k 50.2 / 49.6 / 50.2, 16k 87.7 /
+# 85.8 / 87.7, 32k 161.1 / 156.5 / 161.0, but B=4 8k and B=1 32k (128-key splits) 20.3 -> 21.2, and zero-point
+# caches slower everywhere (s32_kv4_sraw_zp.json: B=16 8k 52.4 -> 53.6, 32k 172.8 -> 178.7). Stall samples move to
+# other waits rather than vanish. Default "long": signed codes with splits of >= GLUON_SRAW_MIN_SPLIT keys.
+GLUON_SRAW = "long"  # True, False or "long"
+GLUON_SRAW_MIN_SPLIT = 512
 
 
 def _copy_layout(half: int, warps: int = 0):
@@ -990,21 +1002,63 @@ if HAS_GLUON:
         _async_copy.commit_group()
 
     @gluon.jit
+    def _g_ld_raw(ptrs):
+        """One 8- or 16-bit element per pointer, zero-extended into a 32-bit register (``ld.global.nc.u8`` /
+        ``.u16``): ``SRAW``."""
+        if ptrs.dtype.element_ty.primitive_bitwidth == 8:
+            v = gl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        else:
+            v = gl.inline_asm_elementwise("ld.global.nc.u16 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        return v
+
+    @gluon.jit
     def _g_scales(KS, KZ, VS, VZ, page, n0, h, stride_sp, stride_sh: gl.constexpr, PAGE: gl.constexpr,
-                  BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr):
+                  BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, SRAW: gl.constexpr = False):
         """Scales (and zero points) of one full key block, per token (rows of ``S^T``); unmasked
-        (the caller clamps the block to one inside the split's pages)."""
+        (the caller clamps the block to one inside the split's pages). ``SRAW``: the bytes as int32
+        (``_g_ld_raw``; ``_g_unraw`` types them where they are used, a loop step later)."""
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         n_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _MMA))
         s_off = page * stride_sp + h * stride_sh + (n0 % PAGE) + n_off
-        ks = gl.load(KS + s_off)
-        vs = gl.load(VS + s_off)
-        if ZERO_POINT:
-            kz = gl.load(KZ + s_off)
-            vz = gl.load(VZ + s_off)
+        if SRAW:
+            ks = _g_ld_raw(KS + s_off)
+            vs = _g_ld_raw(VS + s_off)
+            if ZERO_POINT:
+                kz = _g_ld_raw(KZ + s_off)
+                vz = _g_ld_raw(VZ + s_off)
+            else:
+                kz = ks
+                vz = vs
         else:
-            kz = ks
-            vz = vs
+            ks = gl.load(KS + s_off)
+            vs = gl.load(VS + s_off)
+            if ZERO_POINT:
+                kz = gl.load(KZ + s_off)
+                vz = gl.load(VZ + s_off)
+            else:
+                kz = ks
+                vz = vs
+        return ks, vs, kz, vz
+
+    @gluon.jit
+    def _g_unraw(ks, vs, kz, vz, KS, KZ, ZERO_POINT: gl.constexpr, SRAW: gl.constexpr):
+        """``_g_scales``' values typed as the cache stores them (FP8 / BF16 scales, uint8 zero points)."""
+        if SRAW:
+            st: gl.constexpr = KS.dtype.element_ty
+            if st.primitive_bitwidth == 8:
+                ks = ks.to(gl.uint8).to(st, bitcast=True)
+                vs = vs.to(gl.uint8).to(st, bitcast=True)
+            else:
+                ks = ks.to(gl.uint16).to(st, bitcast=True)
+                vs = vs.to(gl.uint16).to(st, bitcast=True)
+            if ZERO_POINT:
+                kz = kz.to(KZ.dtype.element_ty)
+                vz = vz.to(KZ.dtype.element_ty)
+            else:
+                kz = ks
+                vz = vs
         return ks, vs, kz, vz
 
     @gluon.jit
@@ -1103,7 +1157,7 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, HAS_CRS: gl.constexpr, SPLIT: gl.constexpr,
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         PDL: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
-        VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False,
+        VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False, SRAW: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1149,7 +1203,8 @@ if HAS_GLUON:
         pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
         pgs = gl.load(ptb + gl.minimum(start + (STAGES - 1) * BLOCK_N, end - 1) // PAGE).to(gl.int64)
         pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
-        ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+        ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT,
+                                   SRAW)
         q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
         # ---- Q [BLOCK_Q, D] fp32 (row r = g * TQ + t), CRS, INT8 plane(s), B operand [HALF, BLOCK_Q]
         q = q.to(gl.float32)
@@ -1200,21 +1255,23 @@ if HAS_GLUON:
                      stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
             pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
             ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
-                                           stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT)
+                                           stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT, SRAW)
+            ksu, vsu, kzu, vzu = _g_unraw(ks, vs, kz, vz, KS, KZ, ZERO_POINT, SRAW)
             pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
-            acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0,
-                                                      end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
+            acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ksu, vsu, kzu, vzu,
+                                                      n0, end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
                                                       HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, VSUB)
             ks, vs, kz, vz = ks2, vs2, kz2, vz2
             it += 1
         _async_copy.wait_group(0)
         for n0 in range(full_end, end, BLOCK_N):
             page = gl.load(PT + b * stride_ptb + n0 // PAGE).to(gl.int64)
-            kc, vc, ks, vs, kz, vz = _g_load(KC, KS, KZ, VC, VS, VZ, page, n0, end, h, n0 < end,
-                                             stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
-                                             HALF, PAGE, BLOCK_N, ZERO_POINT, True, LV)
-            acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ks, vs, kz, vz, n0, end,
-                                                      qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
+            # the tail's bytes as loaded (their own names: with SRAW the main loop's carry int32)
+            kct, vct, kst, vst, kzt, vzt = _g_load(KC, KS, KZ, VC, VS, VZ, page, n0, end, h, n0 < end,
+                                                   stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
+                                                   HALF, PAGE, BLOCK_N, ZERO_POINT, True, LV)
+            acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kct, vct, kst, vst, kzt, vzt,
+                                                      n0, end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
                                                       HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, True, VSUB)
         l_i = gl.sum(l_acc, axis=0)
         if STAMP:
@@ -1284,7 +1341,7 @@ if HAS_GLUON:
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, return_kernel, skip_combine=False, pdl=None,
-                  probe=False, vsub=None, cstore=None):
+                  probe=False, vsub=None, cstore=None, sraw=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``, by split length)."""
     B, Hq, TQ, D = q.shape
@@ -1311,6 +1368,9 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
     if cstore is None:
         cstore = GLUON_CSTORE is True or (GLUON_CSTORE == "short" and split_len < GLUON_CSTORE_MAX_SPLIT)
     cstore = bool(cstore)
+    if sraw is None:  # both at the 128-register cap, same shared memory: the residency key above does not need it
+        sraw = GLUON_SRAW is True or (GLUON_SRAW == "long" and k_zero is None and split_len >= GLUON_SRAW_MIN_SPLIT)
+    sraw = bool(sraw)
     LAST_LAUNCH["num_splits"] = num_splits
     zero_point = k_zero is not None
     split = num_splits > 1
@@ -1330,7 +1390,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, PDL=pdl,
-        PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore,
+        PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore, SRAW=sraw,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
