@@ -865,7 +865,7 @@ GLUON_CSTORE_MAX_SPLIT = 2048
 # for the load. Raw 32-bit destinations leave no half register to share. The outputs are bit-equal; the time
 # (s32_kv4_sraw.json, same process, default / SRAW / default again, us): B=16 8k 50.2 / 49.6 / 50.2, 16k 87.7 /
 # 85.8 / 87.7, 32k 161.1 / 156.5 / 161.0, but B=4 8k and B=1 32k (128-key splits) 20.3 -> 21.2, and zero-point
-# caches slower everywhere (s32_kv4_sraw_zp.json: B=16 8k 52.4 -> 53.6, 32k 172.8 -> 178.7). Stall samples move to
+# caches slower everywhere (s32_kv4_sraw_zp.json: B=16 8k 52.3 -> 53.6, 32k 172.8 -> 178.7). Stall samples move to
 # other waits rather than vanish. Default "long": signed codes with splits of >= GLUON_SRAW_MIN_SPLIT keys.
 GLUON_SRAW = "long"  # True, False or "long"
 GLUON_SRAW_MIN_SPLIT = 512
