@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 32: ONEPG (one page-table load per loop step) in the INT4-cache decode: memcheck + bit-equality
 # (benchmarks/device/s32_sanitize.py), then correctness and timing beside the default in one process. Writes under $OUT.
+# Measured slower (s32_kv4_onepg*.json) and removed: this script runs only on commit f9912f7, which had the option.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 { echo "# H200, session 32, commit ${S32_COMMIT:-unknown}: compute-sanitizer --tool memcheck python3 benchmarks/device/s32_sanitize.py"

@@ -671,7 +671,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, sraw=None,
-                      onepg=None, return_kernel=False, _skip_combine=False, _probe=False):
+                      return_kernel=False, _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -685,7 +685,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, return_kernel,
-                             _skip_combine, pdl, _probe, vsub, cstore, sraw, onepg)
+                             _skip_combine, pdl, _probe, vsub, cstore, sraw)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -869,7 +869,6 @@ GLUON_CSTORE_MAX_SPLIT = 2048
 # other waits rather than vanish. Default "long": signed codes with splits of >= GLUON_SRAW_MIN_SPLIT keys.
 GLUON_SRAW = "long"  # True, False or "long"
 GLUON_SRAW_MIN_SPLIT = 512
-GLUON_ONEPG = False  # one page-table load per loop step (2-stage ring): the copy's page also addresses the scales
 
 
 def _copy_layout(half: int, warps: int = 0):
@@ -1158,7 +1157,7 @@ if HAS_GLUON:
         BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, HAS_CRS: gl.constexpr, SPLIT: gl.constexpr,
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         PDL: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
-        VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False, SRAW: gl.constexpr = False, ONEPG: gl.constexpr = False,
+        VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False, SRAW: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1252,18 +1251,13 @@ if HAS_GLUON:
             kc = smem_k.index(stage).load(a8)
             vc = smem_v.index(stage).reshape([BLOCK_N, 8, HALF // 8]).permute([1, 2, 0]).load(LV)
             nf = n0 + (STAGES - 1) * BLOCK_N
-            pgc = pgs
-            _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgc, nf, h, nf < full_end,
+            _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
                      stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
             pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
-            if ONEPG and STAGES == 2:  # the copy's page (pgc) is the scales' page for every block that is used
-                ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pgc, gl.minimum(n0 + BLOCK_N, last), h,
-                                               stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT, SRAW)
-            else:
-                ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
-                                               stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT, SRAW)
-                pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
+            ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
+                                           stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT, SRAW)
             ksu, vsu, kzu, vzu = _g_unraw(ks, vs, kz, vz, KS, KZ, ZERO_POINT, SRAW)
+            pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
             acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ksu, vsu, kzu, vzu,
                                                       n0, end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
                                                       HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, VSUB)
@@ -1347,7 +1341,7 @@ if HAS_GLUON:
 
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, return_kernel, skip_combine=False, pdl=None,
-                  probe=False, vsub=None, cstore=None, sraw=None, onepg=None):
+                  probe=False, vsub=None, cstore=None, sraw=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``, by split length)."""
     B, Hq, TQ, D = q.shape
@@ -1397,7 +1391,6 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, PDL=pdl,
         PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore, SRAW=sraw,
-        ONEPG=bool(GLUON_ONEPG if onepg is None else onepg),
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
