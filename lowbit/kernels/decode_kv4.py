@@ -779,7 +779,8 @@ def _combine(op, mp, lp, out, B, Hkv, num_splits, G, TQ, BLOCK_M, D, pdl=False):
 # Options (constexpr, same result bit for bit; a default only once measured faster on the device):
 # ``PDL`` (the combine kernel as a programmatic dependent launch; default since round 11's A/B: B=16 L=8k
 # 0.0538 vs 0.0564 ms), ``CSTORE`` (the epilogue's vector stores, below), ``VSUB`` (V codes as fp16 subnormals,
-# below), ``SRAW`` (the next block's token scales loaded into 32-bit registers, below). Options measured slower or no faster and removed in session 31 (their numbers stay in the kv4 section):
+# below), ``SRAW`` (the next block's token scales loaded into 32-bit registers, below). Options measured slower or
+# no faster and removed in session 31 (their numbers stay in the kv4 section):
 # ``LEAN`` (prologue: Q, page table and first scales read before the length arrives), ``ILP`` (the two Q planes
 # as two independent MMA chains), ``SRING`` / ``PTA`` (the scales, and the page-table reads, two blocks ahead
 # like the codes), ``AHEAD`` (S^T of block i+1 before the softmax of block i), ``LAZY`` (skip the rescale when
@@ -1369,7 +1370,8 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         cstore = GLUON_CSTORE is True or (GLUON_CSTORE == "short" and split_len < GLUON_CSTORE_MAX_SPLIT)
     cstore = bool(cstore)
     if sraw is None:  # both at the 128-register cap, same shared memory: the residency key above does not need it
-        sraw = GLUON_SRAW is True or (GLUON_SRAW == "long" and k_zero is None and split_len >= GLUON_SRAW_MIN_SPLIT)
+        sraw = GLUON_SRAW is True or (GLUON_SRAW == "long" and k_zero is None
+                                      and split_len >= GLUON_SRAW_MIN_SPLIT)
     sraw = bool(sraw)
     LAST_LAUNCH["num_splits"] = num_splits
     zero_point = k_zero is not None
