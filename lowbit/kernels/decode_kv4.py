@@ -1003,10 +1003,12 @@ if HAS_GLUON:
         _async_copy.commit_group()
 
     @gluon.jit
-    def _g_ld_raw(ptrs):
-        """One 8- or 16-bit element per pointer, zero-extended into a 32-bit register (``ld.global.nc.u8`` /
-        ``.u16``): ``SRAW``."""
-        if ptrs.dtype.element_ty.primitive_bitwidth == 8:
+    def _g_ld(ptrs, SRAW: gl.constexpr):
+        """One element per pointer: as stored, or (``SRAW``) zero-extended into a 32-bit register by
+        ``ld.global.nc.u8`` / ``.u16``, to be typed by ``_g_typed`` where it is used."""
+        if not SRAW:
+            v = gl.load(ptrs)
+        elif ptrs.dtype.element_ty.primitive_bitwidth == 8:
             v = gl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
                                           is_pure=False, pack=1)
         else:
@@ -1015,51 +1017,45 @@ if HAS_GLUON:
         return v
 
     @gluon.jit
+    def _g_typed(v, ty: gl.constexpr, SRAW: gl.constexpr):
+        """A value of ``_g_ld`` as the cache stores it (``ty``: FP8 / BF16 scales, uint8 zero points)."""
+        if SRAW:
+            if ty.primitive_bitwidth == 8:
+                v = v.to(gl.uint8).to(ty, bitcast=True)
+            else:
+                v = v.to(gl.uint16).to(ty, bitcast=True)
+        return v
+
+    @gluon.jit
     def _g_scales(KS, KZ, VS, VZ, page, n0, h, stride_sp, stride_sh: gl.constexpr, PAGE: gl.constexpr,
                   BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, SRAW: gl.constexpr = False):
         """Scales (and zero points) of one full key block, per token (rows of ``S^T``); unmasked
-        (the caller clamps the block to one inside the split's pages). ``SRAW``: the bytes as int32
-        (``_g_ld_raw``; ``_g_unraw`` types them where they are used, a loop step later)."""
+        (the caller clamps the block to one inside the split's pages). ``SRAW``: the raw bits as int32
+        (``_g_ld``; ``_g_unraw`` types them where they are used, a loop step later)."""
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         n_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _MMA))
         s_off = page * stride_sp + h * stride_sh + (n0 % PAGE) + n_off
-        if SRAW:
-            ks = _g_ld_raw(KS + s_off)
-            vs = _g_ld_raw(VS + s_off)
-            if ZERO_POINT:
-                kz = _g_ld_raw(KZ + s_off)
-                vz = _g_ld_raw(VZ + s_off)
-            else:
-                kz = ks
-                vz = vs
+        ks = _g_ld(KS + s_off, SRAW)
+        vs = _g_ld(VS + s_off, SRAW)
+        if ZERO_POINT:
+            kz = _g_ld(KZ + s_off, SRAW)
+            vz = _g_ld(VZ + s_off, SRAW)
         else:
-            ks = gl.load(KS + s_off)
-            vs = gl.load(VS + s_off)
-            if ZERO_POINT:
-                kz = gl.load(KZ + s_off)
-                vz = gl.load(VZ + s_off)
-            else:
-                kz = ks
-                vz = vs
+            kz = ks
+            vz = vs
         return ks, vs, kz, vz
 
     @gluon.jit
     def _g_unraw(ks, vs, kz, vz, KS, KZ, ZERO_POINT: gl.constexpr, SRAW: gl.constexpr):
-        """``_g_scales``' values typed as the cache stores them (FP8 / BF16 scales, uint8 zero points)."""
-        if SRAW:
-            st: gl.constexpr = KS.dtype.element_ty
-            if st.primitive_bitwidth == 8:
-                ks = ks.to(gl.uint8).to(st, bitcast=True)
-                vs = vs.to(gl.uint8).to(st, bitcast=True)
-            else:
-                ks = ks.to(gl.uint16).to(st, bitcast=True)
-                vs = vs.to(gl.uint16).to(st, bitcast=True)
-            if ZERO_POINT:
-                kz = kz.to(KZ.dtype.element_ty)
-                vz = vz.to(KZ.dtype.element_ty)
-            else:
-                kz = ks
-                vz = vs
+        """``_g_scales``' values typed as the cache stores them (``_g_typed``)."""
+        ks = _g_typed(ks, KS.dtype.element_ty, SRAW)
+        vs = _g_typed(vs, KS.dtype.element_ty, SRAW)
+        if ZERO_POINT:
+            kz = _g_typed(kz, KZ.dtype.element_ty, SRAW)
+            vz = _g_typed(vz, KZ.dtype.element_ty, SRAW)
+        else:
+            kz = ks
+            vz = vs
         return ks, vs, kz, vz
 
     @gluon.jit
