@@ -383,9 +383,10 @@ def test_decode_gpu_gluon(q8, zp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flags", ({"pdl": False}, {"pdl": True}, {"cstore": True}, {"cstore": False}))
+@pytest.mark.parametrize("flags", ({"pdl": False}, {"pdl": True}, {"cstore": True}, {"cstore": False},
+                                   {"sraw": True}, {"sraw": False}))
 def test_decode_gpu_gluon_options(flags):
-    """The Gluon kernel's launch / epilogue options give the default's result."""
+    """The Gluon kernel's launch / epilogue / scale-load options give the default's result."""
     from lowbit.bench.suites.kv4 import random_cache
     from lowbit.kernels.decode_kv4 import HAS_GLUON
 
