@@ -671,7 +671,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, sraw=None,
-                      return_kernel=False, _skip_combine=False, _probe=False):
+                      ptreg=None, return_kernel=False, _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -685,7 +685,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, return_kernel,
-                             _skip_combine, pdl, _probe, vsub, cstore, sraw)
+                             _skip_combine, pdl, _probe, vsub, cstore, sraw, ptreg)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
