@@ -671,7 +671,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, sraw=None,
-                      ptreg=None, return_kernel=False, _skip_combine=False, _probe=False):
+                      return_kernel=False, _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -685,7 +685,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, return_kernel,
-                             _skip_combine, pdl, _probe, vsub, cstore, sraw, ptreg)
+                             _skip_combine, pdl, _probe, vsub, cstore, sraw)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -870,10 +870,6 @@ GLUON_CSTORE_MAX_SPLIT = 2048
 # other waits rather than vanish. Default "long": signed codes with splits of >= GLUON_SRAW_MIN_SPLIT keys.
 GLUON_SRAW = "long"  # True, False or "long"
 GLUON_SRAW_MIN_SPLIT = 512
-# PTREG (session 33): the split's page-table entries loaded once in the prologue, one per lane, and each loop step's
-# page taken by ``shfl.sync.idx`` instead of a global load (after SRAW, stall sampling put 11 % of the samples on the
-# R2UR that waits for the page-table load in the step that issued it). Only where a split spans <= 32 pages. Bit-equal.
-GLUON_PTREG = False  # True (where it fits) or False
 
 
 def _copy_layout(half: int, warps: int = 0):
@@ -1031,23 +1027,6 @@ if HAS_GLUON:
         return v
 
     @gluon.jit
-    def _g_lane():
-        """This thread's lane id (a scalar that differs per lane: ``PTREG`` only)."""
-        return gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _g_page(ptb, ptl, p0, key, PAGE: gl.constexpr, PTREG: gl.constexpr):
-        """Page (int64) of ``key``: read from the sequence's page-table row ``ptb``, or (``PTREG``) taken by
-        ``shfl.sync.idx`` from lane ``key // PAGE - p0`` of ``ptl`` (one entry per lane, loaded in the prologue), so
-        no loop step waits on a page-table load (session 33)."""
-        if PTREG:
-            pg = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, -1;", "=r,r,r", [ptl, key // PAGE - p0],
-                                           dtype=gl.int32, is_pure=True, pack=1)
-        else:
-            pg = gl.load(ptb + key // PAGE)
-        return pg.to(gl.int64)
-
-    @gluon.jit
     def _g_scales(KS, KZ, VS, VZ, page, n0, h, stride_sp, stride_sh: gl.constexpr, PAGE: gl.constexpr,
                   BLOCK_N: gl.constexpr, ZERO_POINT: gl.constexpr, SRAW: gl.constexpr = False):
         """Scales (and zero points) of one full key block, per token (rows of ``S^T``); unmasked
@@ -1176,7 +1155,6 @@ if HAS_GLUON:
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         PDL: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
         VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False, SRAW: gl.constexpr = False,
-        PTREG: gl.constexpr = False,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1213,20 +1191,15 @@ if HAS_GLUON:
         sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         smem_k = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
         smem_v = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, HALF], sl)
-        p0 = start // PAGE
-        if PTREG:  # lane i holds the split's page-table entry p0 + i (clamped to the split's last page)
-            ptl = gl.load(ptb + p0 + gl.minimum(_g_lane(), gl.maximum(end - 1, start) // PAGE - p0))
-        else:
-            ptl = p0
         for i in gl.static_range(STAGES - 1):
             nb = start + i * BLOCK_N
-            pg = _g_page(ptb, ptl, p0, gl.minimum(nb, end - 1), PAGE, PTREG)
+            pg = gl.load(ptb + gl.minimum(nb, end - 1) // PAGE).to(gl.int64)
             _g_issue(smem_k, smem_v, i, KC, VC, pg, nb, h, nb < full_end, stride_cp, stride_ch, stride_cn,
                      HALF, PAGE, BLOCK_N, CL)
         last = gl.maximum(full_end - BLOCK_N, start)  # scale prefetches stay inside the split's full blocks
-        pg1 = _g_page(ptb, ptl, p0, gl.minimum(start + BLOCK_N, last), PAGE, PTREG)
-        pgs = _g_page(ptb, ptl, p0, gl.minimum(start + (STAGES - 1) * BLOCK_N, end - 1), PAGE, PTREG)
-        pg0 = _g_page(ptb, ptl, p0, start, PAGE, PTREG)
+        pg1 = gl.load(ptb + gl.minimum(start + BLOCK_N, last) // PAGE).to(gl.int64)
+        pgs = gl.load(ptb + gl.minimum(start + (STAGES - 1) * BLOCK_N, end - 1) // PAGE).to(gl.int64)
+        pg0 = gl.load(ptb + start // PAGE).to(gl.int64)
         ks, vs, kz, vz = _g_scales(KS, KZ, VS, VZ, pg0, start, h, stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT,
                                    SRAW)
         q = gl.load(q_ptr + dq[None, :], mask=(mq < G * TQ)[:, None], other=0.0)
@@ -1277,11 +1250,11 @@ if HAS_GLUON:
             nf = n0 + (STAGES - 1) * BLOCK_N
             _g_issue(smem_k, smem_v, (it + STAGES - 1) % STAGES, KC, VC, pgs, nf, h, nf < full_end,
                      stride_cp, stride_ch, stride_cn, HALF, PAGE, BLOCK_N, CL)
-            pgs = _g_page(ptb, ptl, p0, gl.minimum(nf + BLOCK_N, end - 1), PAGE, PTREG)
+            pgs = gl.load(ptb + gl.minimum(nf + BLOCK_N, end - 1) // PAGE).to(gl.int64)
             ks2, vs2, kz2, vz2 = _g_scales(KS, KZ, VS, VZ, pg1, gl.minimum(n0 + BLOCK_N, last), h,
                                            stride_sp, stride_sh, PAGE, BLOCK_N, ZERO_POINT, SRAW)
             ksu, vsu, kzu, vzu = _g_unraw(ks, vs, kz, vz, KS, KZ, ZERO_POINT, SRAW)
-            pg1 = _g_page(ptb, ptl, p0, gl.minimum(n0 + 2 * BLOCK_N, last), PAGE, PTREG)
+            pg1 = gl.load(ptb + gl.minimum(n0 + 2 * BLOCK_N, last) // PAGE).to(gl.int64)
             acc_e, acc_o, m_i, l_acc, z_acc = _g_step(acc_e, acc_o, m_i, l_acc, z_acc, kc, vc, ksu, vsu, kzu, vzu,
                                                       n0, end, qe, qo, qe_lo, qo_lo, row_scale, qsum, qpos,
                                                       HALF, BLOCK_N, BLOCK_Q, ZERO_POINT, QK8, False, VSUB)
@@ -1363,15 +1336,9 @@ if HAS_GLUON:
             gl.store(tsb + 8, smid.to(gl.int64))
 
 
-def ptreg_fits(split_len: int, page: int) -> bool:
-    """``PTREG`` holds one page-table entry per lane: a split of ``split_len`` keys starting anywhere in a page spans at
-    most ``split_len // page + 1`` (+1 when not a multiple) pages, and they must fit in 32 lanes."""
-    return -(-split_len // page) + 1 <= 32
-
-
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, return_kernel, skip_combine=False, pdl=None,
-                  probe=False, vsub=None, cstore=None, sraw=None, ptreg=None):
+                  probe=False, vsub=None, cstore=None, sraw=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``, by split length)."""
     B, Hq, TQ, D = q.shape
@@ -1402,7 +1369,6 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         sraw = GLUON_SRAW is True or (GLUON_SRAW == "long" and k_zero is None
                                       and split_len >= GLUON_SRAW_MIN_SPLIT)
     sraw = bool(sraw)
-    ptreg = (GLUON_PTREG if ptreg is None else bool(ptreg)) and ptreg_fits(split_len, PAGE)
     LAST_LAUNCH["num_splits"] = num_splits
     zero_point = k_zero is not None
     split = num_splits > 1
@@ -1422,7 +1388,7 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         out.stride(0), out.stride(1), out.stride(2),
         G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
         SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, PDL=pdl,
-        PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore, SRAW=sraw, PTREG=ptreg,
+        PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore, SRAW=sraw,
         num_warps=1, **({"maxnreg": mr} if mr else {}),
     )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
