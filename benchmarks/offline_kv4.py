@@ -31,20 +31,18 @@ ap.add_argument("--vsub", action="store_true", help="V codes as fp16 subnormals 
 ap.add_argument("--cstore", action="store_true", help="the epilogue's stores as whole vectors (CSTORE, session 30)")
 ap.add_argument("--nosplit", action="store_true", help="one split: O written directly")
 ap.add_argument("--sraw", action="store_true", help="the scales as raw 32-bit loads (SRAW, session 32)")
-ap.add_argument("--cluster", type=int, default=0, help="splits combined in a thread-block cluster (CLUSTER, session 33)")
 args = ap.parse_args()
 
 bn, half = 32, args.half
 consts = dict(G=4, TQ=1, BLOCK_Q=8, HALF=half, PAGE=64, BLOCK_N=bn, ZERO_POINT=args.zp, HAS_CRS=False, SPLIT=not args.nosplit,
               QK8=2, LV=K._v_load_layout(bn, half), CL=K._copy_layout(half), STAGES=args.stages, PDL=True,
-              PROBE=False, STAMP=False, VSUB=args.vsub, CSTORE=args.cstore, SRAW=args.sraw,
-              CLUSTER=args.cluster, XOFF=8704 if args.cluster else 0)
+              PROBE=False, STAMP=False, VSUB=args.vsub, CSTORE=args.cstore, SRAW=args.sraw)
 sig, consts, attrs = signature(K._decode_kv4_gluon_kernel, kv4_gluon_types(args.zp), consts)
 k = triton.compile(GluonASTSource(fn=K._decode_kv4_gluon_kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 1, **({"maxnreg": args.maxnreg} if args.maxnreg else {})})
 label = (f"zp {args.zp}, stages {args.stages}, maxnreg {args.maxnreg}, vsub {args.vsub}, "
-         f"cstore {args.cstore}, split {not args.nosplit}, sraw {args.sraw}, cluster {args.cluster}")
+         f"cstore {args.cstore}, split {not args.nosplit}, sraw {args.sraw}")
 row = report(k, dict(mma_e4m3="e4m3.e4m3", mma_s8="s8.s8", mma_f16="f16.f16", cp_async="cp.async.",
                      ld_shared="ld.shared", prmt="prmt", bar_sync="bar.sync", st_global="st.global"),
              label, args.ptx, top=40)

@@ -423,41 +423,6 @@ def test_decode_gpu_gluon_cstore(D, TQ, splits, zero_point):
     assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, **c)) < 5e-3
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("D,Hq,Hkv,TQ,splits,zero_point,crs", [(128, 32, 8, 1, 16, False, False),
-                                                                (128, 32, 8, 1, 2, True, True),
-                                                                (64, 4, 1, 2, 4, False, False),
-                                                                (128, 16, 8, 4, 8, False, True),
-                                                                (128, 64, 8, 1, 16, False, False)])
-def test_decode_gpu_gluon_cluster(D, Hq, Hkv, TQ, splits, zero_point, crs):
-    """``cluster`` (the splits of one (b, h) combined in a thread-block cluster through distributed shared memory):
-    the combine kernel's result up to the order of its fp32 sums, on ragged lengths (a sequence shorter than one
-    split: splits with no keys), GQA 4 / 8 and 2 query rows per KV head, 1-4 query tokens, zero points, CRS, under a
-    CUDA graph."""
-    from lowbit._utils import capture_cuda_graph
-    from lowbit.bench.suites.kv4 import random_cache
-    from lowbit.kernels.decode_kv4 import HAS_GLUON, LAST_LAUNCH
-
-    if not HAS_GLUON:
-        pytest.skip("no Gluon in this Triton")
-    c = random_cache(3, Hkv, D, 3000, device="cuda", zero_point=zero_point)
-    c["lengths"] = torch.tensor([3000, TQ, 2961], dtype=torch.int32, device="cuda")
-    q = torch.randn(3, Hq, TQ, D, device="cuda", dtype=torch.bfloat16)
-    crs_q = torch.rand(Hkv, D, device="cuda") + 0.5 if crs else None
-    args = (q, c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"], c["page_table"], c["lengths"])
-    kw = dict(gluon=True, num_splits=splits, k_zero=c.get("k_zero"), v_zero=c.get("v_zero"), crs_q=crs_q,
-              max_len=3000)
-    o = decode_kv4_triton(*args, cluster=True, **kw)
-    assert LAST_LAUNCH["cluster"] == splits
-    base = decode_kv4_triton(*args, cluster=False, **kw)
-    assert LAST_LAUNCH["cluster"] == 0
-    assert (o.float() - base.float()).abs().max().item() <= 2 * 2.0 ** -8 * base.float().abs().max().item()
-    assert rel_l2(o, ops.decode_kv4_ref(q, q_int8=2, crs_q=crs_q, **c)) < 5e-3
-    g, out = capture_cuda_graph(lambda: decode_kv4_triton(*args, cluster=True, **kw))
-    g.replay()
-    assert torch.equal(out, o)
-
-
 @pytest.mark.slow
 def test_torch_compile_fullgraph(monkeypatch):
     """The ops are opaque custom ops: a compiled decode step traces without graph breaks."""

@@ -671,7 +671,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
                       v_zero=None, crs_q=None, sm_scale=None, max_len=None, num_splits=None,
                       block_n=None, num_warps=None, num_stages=None, trans=None, asm=None, lazy=None,
                       maxnreg=None, qk_int8=None, gluon=None, pdl=None, vsub=None, cstore=None, sraw=None,
-                      cluster=None, return_kernel=False, _skip_combine=False, _probe=False):
+                      return_kernel=False, _skip_combine=False, _probe=False):
     """Launcher. q ``[B, Hq, TQ, D]`` (post-RoPE; any float dtype); cache tensors as in the module
     docstring; returns O ``[B, Hq, TQ, D]`` in q's dtype. Arguments are checked by
     ``lowbit.ops.kv4.decode_kv4``; ``max_len`` (host int) avoids a device sync when given.
@@ -685,7 +685,7 @@ def decode_kv4_triton(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths
     if use_gluon and HAS_GLUON and q.is_cuda and qk8 >= 1 and G * TQ <= GLUON_MAX_ROWS and HALF in (32, 64) and not trans:
         return _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                              sm_scale, max_len, num_splits, block_n, num_stages, maxnreg, qk8, return_kernel,
-                             _skip_combine, pdl, _probe, vsub, cstore, sraw, cluster)
+                             _skip_combine, pdl, _probe, vsub, cstore, sraw)
     BLOCK_M = max(16, triton.next_power_of_2(G * TQ))
     block_n = min(PAGE, block_n or DEFAULT_BLOCK_N)  # a key block never spans two pages (PAGE is a power of 2)
     if block_n < 16 or block_n & (block_n - 1):
@@ -870,12 +870,6 @@ GLUON_CSTORE_MAX_SPLIT = 2048
 # other waits rather than vanish. Default "long": signed codes with splits of >= GLUON_SRAW_MIN_SPLIT keys.
 GLUON_SRAW = "long"  # True, False or "long"
 GLUON_SRAW_MIN_SPLIT = 512
-# CLUSTER (session 33): where a launch has 2 / 4 / 8 / 16 splits, the splits of one (b, h) run as one thread-block
-# cluster and combine their partials through distributed shared memory (``_g_cluster_combine``): no fp32 partials in
-# memory and no combine launch (2.9 us of the 49.6 us at B=16 8k in session 31). Not bit-equal to the combine kernel
-# (its sums run in a different order); same formula.
-GLUON_CLUSTER = False
-_CLUSTER_XOFF = {}  # compiled-variant key -> byte offset of the exchange region (the kernel's own shared memory size)
 
 
 def _copy_layout(half: int, warps: int = 0):
@@ -1145,90 +1139,6 @@ if HAS_GLUON:
         return acc_e, acc_o, m_new, l_acc, z_acc
 
     @gluon.jit
-    def _g_smem_base():
-        """Shared-window address of Triton's dynamic shared memory (``global_smem``, the module's extern array)."""
-        return gl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-
-    @gluon.jit
-    def _g_st_cluster(addr, rank, val, flag):
-        """``val`` (fp32) stored at shared address ``addr`` of CTA ``rank`` of this cluster (``mapa`` +
-        ``st.shared::cluster``) where ``flag`` != 0."""
-        return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 a; setp.ne.s32 p, $4, 0; mapa.shared::cluster.u32 a, $1, $2; "
-            "@p st.shared::cluster.f32 [a], $3; mov.u32 $0, 0; }",
-            "=r,r,r,r,r", [addr, rank, val, flag], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _g_ld_local(addr):
-        """fp32 at this CTA's shared address ``addr`` (ordered after ``_g_cluster_sync``: not pure)."""
-        return gl.inline_asm_elementwise("ld.shared.f32 $0, [$1];", "=r,r", [addr], dtype=gl.float32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def _g_cluster_sync():
-        """``barrier.cluster`` arrive (release) + wait (acquire): every CTA's remote stores before it are visible to
-        every CTA after it, and no CTA leaves (its shared memory still written) before all have arrived."""
-        return gl.inline_asm_elementwise(
-            "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; mov.u32 $0, 0;",
-            "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _g_cluster_combine(acc_e, acc_o, m_i, l_i, O, b, h, sid, stride_ob, stride_oh, stride_ot, G: gl.constexpr,
-                           TQ: gl.constexpr, HALF: gl.constexpr, BLOCK_Q: gl.constexpr, CLUSTER: gl.constexpr,
-                           XOFF: gl.constexpr):
-        """``CLUSTER`` epilogue: the CLUSTER splits of one (b, h) are the CTAs of one thread-block cluster. CTA ``sid``
-        combines channels ``[sid * CW, (sid + 1) * CW)`` (CW = D / CLUSTER) of every query row: each CTA stores its
-        unnormalized partial's slice for CTA r, and its running max and denominator per row, into CTA r's
-        shared memory (region at byte ``XOFF``: ``[CLUSTER][rows][CW]`` fp32 partials, then ``[CLUSTER][rows][2]``
-        (m, l)); one cluster barrier; then each CTA merges its slice over the splits in split order (same formula
-        as ``_combine_kernel``) and writes O. Replaces the fp32 partials in memory and the combine launch."""
-        ROWS: gl.constexpr = G * TQ
-        CW: gl.constexpr = 2 * HALF // CLUSTER
-        MLOFF: gl.constexpr = CLUSTER * ROWS * CW * 4
-        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 16], threads_per_warp=[1, 32],
-                                              warps_per_cta=[1, 1], order=[1, 0])
-        region = _g_smem_base() + XOFF
-        vals = _g_rows_in_order(acc_e, acc_o, HALF, BLOCK_Q, st_l)  # [BLOCK_Q, 2 HALF], channels in order
-        rows = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, st_l))
-        cols = gl.arange(0, 2 * HALF, layout=gl.SliceLayout(0, st_l))
-        rs = gl.minimum(rows, ROWS - 1)  # padding rows: in-bounds addresses, never stored
-        addr = region + ((sid * ROWS + rs[:, None]) * CW + (cols % CW)[None, :]) * 4
-        flag = ((rows < ROWS)[:, None] & (cols >= 0)[None, :]).to(gl.int32)
-        _g_st_cluster(addr, (cols // CW)[None, :] + 0 * rs[:, None], vals, flag)
-        ml_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // BLOCK_Q, BLOCK_Q],
-                                              warps_per_cta=[1, 1], order=[1, 0])
-        recv = gl.arange(0, CLUSTER, layout=gl.SliceLayout(1, ml_l))
-        r_ml = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, ml_l))
-        m_b = gl.convert_layout(m_i, gl.SliceLayout(0, ml_l))
-        l_b = gl.convert_layout(l_i, gl.SliceLayout(0, ml_l))
-        a_ml = region + MLOFF + ((sid * ROWS + gl.minimum(r_ml, ROWS - 1)) * 2) * 4
-        f_ml = ((recv >= 0)[:, None] & (r_ml < ROWS)[None, :]).to(gl.int32)
-        rk = recv[:, None] + 0 * r_ml[None, :]
-        _g_st_cluster(a_ml[None, :] + 0 * rk, rk, m_b[None, :] + 0.0 * rk.to(gl.float32), f_ml)
-        _g_st_cluster(a_ml[None, :] + 4 + 0 * rk, rk, l_b[None, :] + 0.0 * rk.to(gl.float32), f_ml)
-        _g_cluster_sync()
-        # ---- this CTA's channel slice over the splits, in split order
-        TC: gl.constexpr = CW if CW < 32 else 32
-        c_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // TC, TC],
-                                             warps_per_cta=[1, 1], order=[1, 0])
-        r2 = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(1, c_l))
-        c2 = gl.arange(0, CW, layout=gl.SliceLayout(0, c_l))
-        r2s = gl.minimum(r2, ROWS - 1)
-        m_tot = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=gl.SliceLayout(1, c_l))
-        for s in gl.static_range(CLUSTER):
-            m_tot = gl.maximum(m_tot, _g_ld_local(region + MLOFF + ((s * ROWS + r2s) * 2) * 4))
-        m_safe = gl.where(m_tot == float("-inf"), 0.0, m_tot)
-        acc = gl.zeros([BLOCK_Q, CW], gl.float32, layout=c_l)
-        l_tot = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(1, c_l))
-        for s in gl.static_range(CLUSTER):
-            w = gl.exp2(_g_ld_local(region + MLOFF + ((s * ROWS + r2s) * 2) * 4) - m_safe)
-            l_tot += w * _g_ld_local(region + MLOFF + ((s * ROWS + r2s) * 2 + 1) * 4)
-            acc += w[:, None] * _g_ld_local(region + ((s * ROWS + r2s[:, None]) * CW + c2[None, :]) * 4)
-        inv = gl.where(l_tot > 0, 1.0 / l_tot, 0.0)
-        o_ptr = (O + b * stride_ob + (h * G + r2 // TQ) * stride_oh + (r2 % TQ) * stride_ot)[:, None] + sid * CW + c2[None, :]
-        gl.store(o_ptr, (acc * inv[:, None]).to(O.dtype.element_ty), mask=(r2 < ROWS)[:, None])
-
-    @gluon.jit
     def _decode_kv4_gluon_kernel(
         # pointers
         Q, KC, KS, KZ, VC, VS, VZ, PT, LENS, CRSQ, O, OP, MP, LP, TS,
@@ -1245,7 +1155,6 @@ if HAS_GLUON:
         QK8: gl.constexpr, LV: gl.constexpr, CL: gl.constexpr, STAGES: gl.constexpr,
         PDL: gl.constexpr = False, PROBE: gl.constexpr = False, STAMP: gl.constexpr = False,
         VSUB: gl.constexpr = False, CSTORE: gl.constexpr = False, SRAW: gl.constexpr = False,
-        CLUSTER: gl.constexpr = 0, XOFF: gl.constexpr = 0,
     ):
         _MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
         b8: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=_MMA, k_width=4)
@@ -1260,12 +1169,8 @@ if HAS_GLUON:
         if STAMP:  # probe: TS[program] = globaltimer / clock64 at entry, loop start, loop end, exit; SM id
             g0 = _g_stamp("mov.u64 $0, %globaltimer;")
             c0 = _g_stamp("mov.u64 $0, %clock64;")
-        if CLUSTER:  # grid (CLUSTER, B * Hkv) launched as clusters of CLUSTER CTAs: the splits of one (b, h)
-            pid_bh = gl.program_id(1)
-            sid = gl.program_id(0)
-        else:
-            pid_bh = gl.program_id(0)
-            sid = gl.program_id(1)
+        pid_bh = gl.program_id(0)
+        sid = gl.program_id(1)
         b = pid_bh // Hkv
         h = pid_bh % Hkv
         L = gl.load(LENS + b)
@@ -1384,10 +1289,7 @@ if HAS_GLUON:
         row_ok = r_idx < G * TQ
         mm = gl.arange(0, HALF, layout=gl.SliceLayout(1, _MMA))
         ch = 2 * ((HALF // 8) * (mm % 8) + mm // 8)
-        if CLUSTER:  # the splits combine through distributed shared memory; no partials, no combine launch
-            _g_cluster_combine(acc_e, acc_o, m_i, l_i, O, b, h, sid, stride_ob, stride_oh, stride_ot, G, TQ, HALF,
-                               BLOCK_Q, CLUSTER, XOFF)
-        elif SPLIT:  # partials (fp32, unnormalized) for the combine
+        if SPLIT:  # partials (fp32, unnormalized) for the combine
             if PDL:  # the combine kernel (programmatic dependent launch) may be scheduled now; it waits for this grid
                 gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                           is_pure=False, pack=1)
@@ -1401,9 +1303,7 @@ if HAS_GLUON:
             acc_e = acc_e * inv[None, :]
             acc_o = acc_o * inv[None, :]
             dst = O
-        if CLUSTER:
-            pass
-        elif CSTORE:  # rows of channels in order, one 16-byte vector per lane and store (see ``_g_rows_in_order``)
+        if CSTORE:  # rows of channels in order, one 16-byte vector per lane and store (see ``_g_rows_in_order``)
             if SPLIT:
                 st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, HALF // 16], threads_per_warp=[1, 32],
                                                       warps_per_cta=[1, 1], order=[1, 0])
@@ -1436,31 +1336,9 @@ if HAS_GLUON:
             gl.store(tsb + 8, smid.to(gl.int64))
 
 
-def _launch_cluster(args, kw, cluster: int, programs: int, rows: int, D: int, out, return_kernel: bool):
-    """Launch of the ``CLUSTER`` variant: grid ``(cluster, programs)`` as clusters of ``cluster`` CTAs along x. Triton
-    launches clusters for kernels compiled with ``num_ctas > 1`` only, and that compile mode changes the code, so
-    the variant is compiled as one-CTA programs and its launch metadata (num_warps, num_ctas, shared bytes) is
-    set to clusters of ``cluster`` with the exchange region (``_g_cluster_combine``) added to its dynamic shared
-    memory. The region's offset is the kernel's own shared memory size, a constexpr: known after a first build."""
-    grid = (1, programs)  # x: clusters (Triton's launcher multiplies it by num_ctas)
-    key = (kw["HALF"], kw["BLOCK_Q"], kw["G"], kw["TQ"], kw["STAGES"], kw["CSTORE"], kw["SRAW"], kw["VSUB"],
-           kw["ZERO_POINT"], kw["HAS_CRS"], kw["QK8"], kw.get("maxnreg"), cluster)
-    if key not in _CLUSTER_XOFF:
-        k0 = _decode_kv4_gluon_kernel.warmup(*args, grid=grid, CLUSTER=cluster, XOFF=0, **kw)
-        k0 = k0.result() if hasattr(k0, "result") else k0
-        _CLUSTER_XOFF[key] = -(-k0.metadata.shared // 16) * 16
-    xoff = _CLUSTER_XOFF[key]
-    kernel = _decode_kv4_gluon_kernel.warmup(*args, grid=grid, CLUSTER=cluster, XOFF=xoff, **kw)
-    kernel = kernel.result() if hasattr(kernel, "result") else kernel
-    region = cluster * rows * (D // cluster) * 4 + cluster * rows * 2 * 4
-    kernel.packed_metadata = (kernel.metadata.num_warps, cluster, xoff + region)
-    _decode_kv4_gluon_kernel[grid](*args, CLUSTER=cluster, XOFF=xoff, **kw)
-    return (out, kernel) if return_kernel else out
-
-
 def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q, sm_scale, max_len,
                   num_splits, block_n, num_stages, maxnreg, qk8, return_kernel, skip_combine=False, pdl=None,
-                  probe=False, vsub=None, cstore=None, sraw=None, cluster=None):
+                  probe=False, vsub=None, cstore=None, sraw=None):
     """Launcher of ``_decode_kv4_gluon_kernel`` (same split-KV plan and combine as the Triton kernel;
     ``num_stages`` = depth of the cp.async ring; ``cstore``: ``GLUON_CSTORE``, by split length)."""
     B, Hq, TQ, D = q.shape
@@ -1491,32 +1369,28 @@ def _launch_gluon(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_
         sraw = GLUON_SRAW is True or (GLUON_SRAW == "long" and k_zero is None
                                       and split_len >= GLUON_SRAW_MIN_SPLIT)
     sraw = bool(sraw)
-    cluster = num_splits if ((GLUON_CLUSTER if cluster is None else bool(cluster)) and num_splits in (2, 4, 8, 16)
-                             and not probe) else 0
     LAST_LAUNCH["num_splits"] = num_splits
-    LAST_LAUNCH["cluster"] = cluster
     zero_point = k_zero is not None
     split = num_splits > 1
-    op, mp, lp = (out, out, out) if cluster else split_workspace(out, B * Hkv, num_splits, BQ, D)
+    op, mp, lp = split_workspace(out, B * Hkv, num_splits, BQ, D)
     pdl = split and (GLUON_PDL if pdl is None else bool(pdl))
     stamp = probe in ("stamp", "stamp1")  # TS int64 [B*Hkv*splits, 9], beside O (LAST_LAUNCH["stamps"]); "stamp1": + PROBE
     ts = torch.zeros(B * Hkv * num_splits, 9, device=q.device, dtype=torch.int64) if stamp else out
     if stamp:
         LAST_LAUNCH["stamps"] = ts
-    args = (q, k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
-            page_table, lengths, crs_q if crs_q is not None else q, out, op, mp, lp, ts,
-            sm_scale * LOG2E, split_len, Hkv,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_codes.stride(0), k_scale.stride(0),
-            page_table.stride(0),
-            out.stride(0), out.stride(1), out.stride(2))
-    kw = dict(G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point,
-              HAS_CRS=crs_q is not None, SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF),
-              STAGES=stages, PDL=pdl and not cluster, PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub,
-              CSTORE=cstore, SRAW=sraw, num_warps=1, **({"maxnreg": mr} if mr else {}))
-    if cluster:
-        return _launch_cluster(args, kw, cluster, B * Hkv, G * TQ, D, out, return_kernel)
-    kernel = _decode_kv4_gluon_kernel[(B * Hkv, num_splits)](*args, **kw)
+    kernel = _decode_kv4_gluon_kernel[(B * Hkv, num_splits)](
+        q, k_codes, k_scale, k_zero if zero_point else k_scale, v_codes, v_scale, v_zero if zero_point else v_scale,
+        page_table, lengths, crs_q if crs_q is not None else q, out, op, mp, lp, ts,
+        sm_scale * LOG2E, split_len, Hkv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_codes.stride(0), k_scale.stride(0),
+        page_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        G=G, TQ=TQ, BLOCK_Q=BQ, HALF=HALF, PAGE=PAGE, BLOCK_N=bn, ZERO_POINT=zero_point, HAS_CRS=crs_q is not None,
+        SPLIT=split, QK8=qk8, LV=_v_load_layout(bn, HALF), CL=_copy_layout(HALF), STAGES=stages, PDL=pdl,
+        PROBE=probe is True or probe == "stamp1", STAMP=stamp, VSUB=vsub, CSTORE=cstore, SRAW=sraw,
+        num_warps=1, **({"maxnreg": mr} if mr else {}),
+    )
     occ_key = _occupancy_key(occ_base, split, q, k_codes, k_scale, page_table, Hkv, out)
     if occ_key not in _OCCUPANCY:
         _OCCUPANCY[occ_key] = resident_ctas(kernel, 1)
