@@ -37,6 +37,7 @@ doc = {"env": env_info(" ".join(f"{k}='{v}'" for k, v in sorted(os.environ.items
 
 
 TQ = int(os.environ.get("S16_TQ", "1"))  # query tokens per sequence in parts t / s (MTP: 2-4)
+SDPA_LS = [int(x) for x in os.environ.get("S16_SDPA_LS", "8192,32768").split(",")]  # context lengths timed with SDPA flash
 ZP = os.environ.get("S16_ZP") == "1"  # part t over QServe's zero-point caches (kv4-zp; session 27)
 
 
@@ -127,7 +128,7 @@ def part_t():
                                          "TBps": nb / (t["median_ms"] * 1e-3) / 1e12})
                 except Exception as exc:  # noqa: BLE001
                     probe_row(doc, key, {"error": repr(exc)[:400]})
-        if L in (8192, 32768):
+        if L in SDPA_LS:
             qs = [(torch.randn(B_, HQ, TQ, D, device="cuda", dtype=torch.bfloat16),
                    torch.randn(B_, HKV, L, D, device="cuda", dtype=torch.bfloat16),
                    torch.randn(B_, HKV, L, D, device="cuda", dtype=torch.bfloat16)) for _ in range(3)]
