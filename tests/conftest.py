@@ -19,6 +19,7 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=30, deadline=None)
+settings.register_profile("deep", max_examples=300, deadline=None)  # random seeds: a longer fuzz than CI's fixed 15
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

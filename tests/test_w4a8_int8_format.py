@@ -56,7 +56,15 @@ def test_quantize_properties(n, k, g, mag):
     assert (z * qw.gscale.to(torch.int32) == qw.gzs.to(torch.int32)).all() and z.max() <= 15
     deq = fmt.dequantize(qw)
     assert deq.shape == (n, k)
-    assert rel_l2(deq, w) < 0.25
+    # error bound per element: half a level-1 step (s1 / 2) plus one level-2 step (s2 INT8 units: rounding, and the
+    # zero point's rounding that can clip the group's top code). A fixed rel-L2 bound is not a property here: per
+    # channel (g = -1) with the 40x outlier in a single row, the step is ~43 / 15 of that row's scale and most
+    # N(0, 1) entries round to zero (session 33's random fuzz found rel-L2 0.253 at n=1, k=167)
+    gidx = torch.arange(k) // (kp if g == -1 else g)
+    bound = qw.wscale.float()[:, None] * (0.5 + qw.gscale.float()[:, gidx])
+    assert ((deq - w).abs() <= bound * (1 + 1e-5) + 1e-30).all()
+    if g != -1:  # groups: the outlier's step stays inside its own group
+        assert rel_l2(deq, w) < 0.25
 
 
 def test_all_zero_groups_and_rows():
