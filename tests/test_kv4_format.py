@@ -31,6 +31,33 @@ def test_roundtrip_error_and_codes(rows, half, zp, sd, xdt, mag):
     assert ((y - x.float()).abs() <= 0.5 * step * 1.0001 + 1e-30).all() or mag < 0.01
 
 
+@pytest.mark.parametrize("sd", (torch.float8_e4m3fn, torch.bfloat16))
+def test_zero_point_scale_never_clips(sd):
+    """``kv4-zp`` scales (session 33): the nearest value of the scale dtype unless it would clip the top code, then
+    the next value up. Over rows of random spans (and a random fuzz's falsifying example, which clipped 0.79 steps
+    before) every element is within half a step, the nearest scale is kept wherever it does not clip, and some rows
+    need the rounded-up one."""
+    from lowbit.formats.kv4 import round_scale
+
+    torch.manual_seed(28)
+    x = (torch.randn(2, 56) * 0.05).to(torch.float16).float()  # the fuzz's example (rows=2, half=28, mag 0.05)
+    g = torch.Generator().manual_seed(0)
+    spans = torch.exp(torch.empty(2048).uniform_(-3, 3, generator=g))
+    lo = -torch.rand(2048, generator=g) * spans
+    rows = lo[:, None] + torch.rand(2048, 64, generator=g) * spans[:, None]
+    rows[:, 0], rows[:, 1] = lo, lo + spans  # both ends present
+    for xx in (x, rows):
+        c, s, z = quantize_kv4(xx, zero_point=True, scale_dtype=sd)
+        y = dequantize_kv4(c, s, z)
+        assert ((y - xx).abs() <= 0.5 * s.float()[:, None] * (1 + 1e-6)).all()
+    hi, lo = rows.amax(-1), rows.amin(-1).clamp_max(0)
+    st = (hi - lo) / 15.0
+    near, up = round_scale(st, sd).float(), round_scale(st, sd, up=True).float()
+    clips = torch.round(hi / near) + torch.round(-lo / near) > 15
+    assert torch.equal(s.float(), torch.where(clips, up, near))
+    assert 0 < int(clips.sum()) < len(clips)
+
+
 def test_error_bound_vs_bits():
     x = torch.randn(256, 128)
     for zp in (False, True):

@@ -42,6 +42,23 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^
 
 
 @triton.jit
+def _ceil_to_grid(s, STEPS: tl.constexpr):
+    """``lowbit.formats.kv4.ceil_to_grid``: s (fp32, > 0, normal) = m * 2^e, m in [1, 2) rounded up to a multiple of
+    1 / STEPS (8: E4M3's mantissa, 128: bf16's); exact."""
+    p = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)  # 2^e
+    return tl.ceil((s / p) * STEPS) / STEPS * p
+
+
+@triton.jit
+def _no_clip(sn, su, lo, hi):
+    """``kv4-zp``: the nearest scale ``sn`` unless ``rint(hi / sn) + rint(-lo / sn) > 15`` (the top code would clip),
+    then ``su`` (``lowbit.formats.kv4``)."""
+    qh = (tl.div_rn(hi, sn) + _RNE_MAGIC) - _RNE_MAGIC
+    ql = (tl.div_rn(-lo, sn) + _RNE_MAGIC) - _RNE_MAGIC
+    return tl.where(qh + ql > 15.0, su, sn)
+
+
+@triton.jit
 def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
     """Even/odd halves of one row (fp32) -> (packed bytes uint8, scale fp32 (exactly the stored
     value), zero fp32). Numerics of ``lowbit.formats.kv4.quantize_kv4``."""
@@ -55,12 +72,18 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
     if SCALE_KIND == 1:  # float8_e4m3fn
         s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # floor 2^-9: no whole-token underflow
         sub = tl.ceil(s * 512.0) / 512.0  # subnormal range: round up to a multiple of 2^-9
-        s = tl.where(s < 0.015625, sub, round_to_fp8_e4m3(s))
+        sn = tl.where(s < 0.015625, sub, round_to_fp8_e4m3(s))
+        if ZERO_POINT:  # the nearest scale unless it clips the top code: then the next value up (no clipping)
+            sn = _no_clip(sn, tl.where(s < 0.015625, sub, _ceil_to_grid(s, 8.0)), lo, hi)
+        s = sn
     elif SCALE_KIND == 2:  # bfloat16: the codes must use the stored (rounded) scale
         # fp32 -> bf16 round-half-even in integer arithmetic (the interpreter's cast truncates)
         bits = s.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        s = bits.to(tl.float32, bitcast=True)
+        sn = bits.to(tl.float32, bitcast=True)
+        if ZERO_POINT:
+            sn = _no_clip(sn, _ceil_to_grid(s, 128.0), lo, hi)
+        s = sn
     ye = tl.div_rn(xe, s)
     yo = tl.div_rn(xo, s)
     if ZERO_POINT:
