@@ -23,9 +23,10 @@ from lowbit.models.loading import load_model  # noqa: E402
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--out", default="benchmarks/results/cpu/s33_kvzp_rounding.json")
+ap.add_argument("--device", default="cpu", help="cpu (reference path) or cuda (the kernels)")
 args = ap.parse_args()
 torch.manual_seed(0)
-model, tok = load_model(None, device="cpu")
+model, tok = load_model(None, device=args.device)
 ids = tokenize(tok, load_text())
 rows = {"fp32 (no KV quantization)": perplexity(model, ids, max_tokens=args.tokens).perplexity}
 orig = fk.round_scale
@@ -40,8 +41,9 @@ for name, up in (("kv4-zp, nearest scale unless it clips, then up (session 33)",
 fk.round_scale = orig
 print(json.dumps(rows, indent=1))
 os.makedirs(os.path.dirname(args.out), exist_ok=True)
-json.dump({"env": {"machine": f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores",
-                   "torch": torch.__version__, "command": "python3 benchmarks/s33_kvzp_rounding.py "
+gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+json.dump({"env": {"machine": gpu or f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores",
+                   "torch": torch.__version__, "commit": os.environ.get("S33_COMMIT", "unknown"), "command": "python3 benchmarks/s33_kvzp_rounding.py "
                    + " ".join(sys.argv[1:]), "model": "SmolLM2-135M-Instruct (embedded, FP32)",
                    "tokens": args.tokens},
            "ppl": rows}, open(args.out, "w"), indent=1)
