@@ -48,7 +48,22 @@ def pytest_report_header(config):
     return f"lowbit: Triton interpreter ({'CUDA present, gpu tests skipped' if torch.cuda.is_available() else 'no CUDA'})"
 
 
+def _scale_fuzz(items, factor: int):
+    """``LOWBIT_FUZZ_SCALE=N``: every hypothesis test whose ``@settings`` pins ``max_examples`` (the kernel tests,
+    kept short for CI) runs N times as many examples. With ``HYPOTHESIS_PROFILE=deep`` (random seeds), a longer fuzz
+    of the kernels than CI's."""
+    for item in items:
+        fn = getattr(item, "obj", None)
+        inner = getattr(getattr(fn, "hypothesis", None), "inner_test", None)
+        st = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if inner is None or st is None:
+            continue
+        fn._hypothesis_internal_use_settings = settings(st, max_examples=st.max_examples * factor)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LOWBIT_FUZZ_SCALE"):
+        _scale_fuzz(items, int(os.environ["LOWBIT_FUZZ_SCALE"]))
     if GPU:  # compiled kernels: the interpreter's tests would hand them CPU tensors or miss their tolerances
         if os.environ.get("LOWBIT_AUDIT_INTERPRETER_TESTS") == "1":  # audit: run them compiled, to see which pass
             return
