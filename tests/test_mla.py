@@ -3,6 +3,8 @@ kernel (bf16 and FP8) against float64 references, the paged cache, errors and to
 Kernels run under the Triton interpreter on the CPU (latent 64 + RoPE 16, pages of 16)."""
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from lowbit.bench.suites.mla import poison_tail
 from lowbit.formats.mla_fp8 import bytes_per_token, dequantize_latent, quantize_latent
@@ -80,6 +82,34 @@ def test_quantize_q_kernel_matches_reference(dev, dtype):
     assert torch.equal(c.float(), c0.float()) and torch.equal(s, s0) and torch.equal(r.float(), r0.float())
 
 
+@given(rows=st.integers(1, 4), dc=st.sampled_from((16, 64, 96)), dr=st.sampled_from((8, 16)),
+       cmag=st.sampled_from((0.0, 1e-9, 1e-3, 1.0, 1e3)), rmag=st.sampled_from((1e-3, 1.0, 1e3, 1e6)),
+       dtype=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)), seed=st.integers(0, 9))
+def test_format_error_bounds_over_ranges(rows, dc, dr, cmag, rmag, dtype, seed):
+    """The FP8 latent over content / RoPE magnitudes 12 decades apart (all-zero content included): every field
+    finite, content within E4M3's half ulp (2^-4 relative) or half its subnormal step (2^-10 * 448 * s... i.e.
+    2^-10 of the code unit s), the pre-divided RoPE part within bf16's half ulp (2^-8 relative, plus the fp32
+    product) of the input: the RoPE range never depends on the content's scale."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(rows, dc + dr, generator=g)
+    kv[:, :dc] *= cmag
+    kv[:, dc:] *= rmag
+    kv = kv.to(dtype).float()
+    assume(torch.isfinite(kv).all())  # fp16 inputs of 1e6 overflow before the format sees them
+    c, sc, r = quantize_latent(kv, dc)
+    assert torch.isfinite(c.float()).all() and torch.isfinite(sc).all() and torch.isfinite(r.float()).all()
+    assert (sc > 0).all()
+    y = dequantize_latent(c, sc, r, dtype=torch.float64)
+    x = kv.double()
+    s = sc.double()[:, None]
+    ce = (y[:, :dc] - x[:, :dc]).abs()
+    assert (ce <= 2.0 ** -4 * x[:, :dc].abs() + 2.0 ** -10 * s * (1 + 1e-6)).all()
+    re = (y[:, dc:] - x[:, dc:]).abs()
+    assert (re <= (2.0 ** -8 + 2.0 ** -20) * x[:, dc:].abs() + 1e-300).all()
+    if cmag == 0.0:
+        assert (c.float() == 0).all()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_append_kernel_and_gather_dequant(dev, fp8):
     c, kv = make_cache([40, 7], fp8, dev)
@@ -127,6 +157,24 @@ def test_decode_kernel_vs_float64(dev, fp8, lens, H, Sq, splits):
     # the unquantized-query float64 reference: the whole FP8 error stays small
     ref_unq = mla_decode_ref(q, cache, pt, sl, quantize_query=False)
     assert rel_l2(out, ref_unq) < (1e-2 if not fp8 else 4e-2)
+
+
+@settings(max_examples=6, deadline=None)
+@given(lens=st.lists(st.integers(1, 90), min_size=1, max_size=3), H=st.sampled_from((1, 2, 3, 4, 8)),
+       Sq=st.integers(1, 4), splits=st.sampled_from((None, 1, 2, 3, 5)), fp8=st.booleans(),
+       rope_range=st.sampled_from((1.0, 6.0, 50.0)), seed=st.integers(0, 99))
+def test_decode_kernel_fuzz_vs_float64(lens, H, Sq, splits, fp8, rope_range, seed):
+    """The decode kernel on random ragged batches (lengths 1-90 around the 16-token pages and blocks, MTP 1-4,
+    1-8 heads, 1-5 splits, wide RoPE ranges) against the float64 reference on the same cache and query."""
+    lens = [max(L, Sq) for L in lens]  # every sequence holds its Sq new tokens
+    dev = "cuda" if GPU else "cpu"
+    c, _ = make_cache(lens, fp8, dev, seed=seed, rope_range=rope_range)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(lens), Sq, H, DC + DR, generator=g).to(dev, torch.bfloat16)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    out = mla_decode(q, cache, pt, sl, num_splits=splits, max_seq_len=max(lens))
+    assert out.shape == (len(lens), Sq, H, DC) and torch.isfinite(out.float()).all()
+    assert rel_l2(out, mla_decode_ref(q, cache, pt, sl)) < (1e-2 if not fp8 else 3e-2)
 
 
 @pytest.mark.interpreter  # compiled: 0.035 > 3e-2 vs float64 (H200, s16); GPU: test_gpu_wide_tile_and_unmasked_loop
