@@ -88,3 +88,78 @@ def test_errors():
     c = PagedKVCache(1, 1, 64, batch_size=1)
     with pytest.raises(ValueError, match="begin_step"):
         c.append(0, torch.randn(1, 1, 2, 64), torch.randn(1, 1, 2, 64))
+
+
+# ---- stateful fuzz of the allocator and the page writes ------------------------------------
+from hypothesis import settings as _settings  # noqa: E402
+from hypothesis import strategies as _st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+from lowbit.formats.kv4 import dequantize_kv4, quantize_kv4  # noqa: E402
+
+
+class PagedCacheMachine(RuleBasedStateMachine):
+    """Random interleavings of ``begin_step`` (1-40 tokens: page boundaries crossed, the pool grown from one page),
+    per-layer ``append`` and ``release``: no physical page is held twice (by two sequences, or by a sequence and the
+    free list), every sequence holds exactly the pages its length needs, and ``dequantize`` of every layer returns
+    what was appended, quantized by the format's reference (exactly, for every numerics)."""
+
+    @initialize(numerics=_st.sampled_from(("kv4", "kv4-zp", "bf16")), batch=_st.integers(1, 3),
+                sd=_st.sampled_from((torch.float8_e4m3fn, torch.bfloat16)))
+    def setup(self, numerics, batch, sd):
+        self.c = PagedKVCache(2, 2, 16, numerics=numerics, batch_size=batch, page_size=16, num_pages=1, device=DEV,
+                              dtype=torch.float32, scale_dtype=sd)
+        self.rows = [[[] for _ in range(batch)] for _ in range(2)]  # [layer][b] -> list of (k, v) [H, D] rows
+        self.gen = torch.Generator().manual_seed(batch)
+
+    def _expect(self, x):
+        if self.c.numerics == "bf16":
+            return x
+        c, s, z = quantize_kv4(x, zero_point=self.c.numerics == "kv4-zp", scale_dtype=self.c.scale_dtype)
+        return dequantize_kv4(c, s, z)
+
+    @rule(T=_st.integers(1, 40), mag=_st.sampled_from((1e-3, 1.0, 30.0)))
+    def step(self, T, mag):
+        B = self.c.batch_size
+        self.c.begin_step(T)
+        for layer in range(2):
+            k = torch.randn(B, 2, T, 16, generator=self.gen) * mag
+            v = torch.randn(B, 2, T, 16, generator=self.gen) * mag
+            self.c.append(layer, k.to(DEV), v.to(DEV))
+            ek, ev = self._expect(k), self._expect(v)
+            for b in range(B):
+                self.rows[layer][b].extend((ek[b, :, t], ev[b, :, t]) for t in range(T))
+
+    @rule(data=_st.data())
+    def release(self, data):
+        b = data.draw(_st.integers(0, self.c.batch_size - 1))
+        self.c.release(b)
+        for layer in range(2):
+            self.rows[layer][b] = []
+
+    @invariant()
+    def pages_are_owned_once(self):
+        held = [p for pg in self.c._pages for p in pg]
+        assert len(held) == len(set(held)) and not set(held) & set(self.c._free)
+        assert len(held) + len(self.c._free) == self.c.num_pages
+        for b, pg in enumerate(self.c._pages):
+            assert len(pg) == -(-self.c.host_lengths[b] // self.c.page_size)
+        assert self.c.lengths.tolist() == self.c.host_lengths
+
+    @invariant()
+    def dequantize_returns_what_was_appended(self):
+        if self.c.max_length == 0:
+            return
+        for layer in range(2):
+            k, v = self.c.dequantize(layer, dtype=torch.float32)
+            for b, rows in enumerate(self.rows[layer]):
+                L = len(rows)
+                assert L == self.c.host_lengths[b]
+                if L:
+                    assert torch.equal(k[b, :, :L].cpu(), torch.stack([r[0] for r in rows], 1))
+                    assert torch.equal(v[b, :, :L].cpu(), torch.stack([r[1] for r in rows], 1))
+                assert (k[b, :, L:] == 0).all() and (v[b, :, L:] == 0).all()
+
+
+PagedCacheMachine.TestCase.settings = _settings(max_examples=10, stateful_step_count=8, deadline=None)
+test_paged_cache_state_machine = PagedCacheMachine.TestCase
