@@ -64,6 +64,16 @@ def test_bad_options():
         LUTLinear.from_linear(torch.randn(3, 3))
 
 
+@pytest.mark.parametrize("K", (1, 100, 130))
+def test_x_width_must_match_in_features(K):
+    """An x narrower or wider than in_features raises, naming x, even when it fits in the padded groups (the op
+    sees only the groups; session 33's shape fuzz found a K = 1 module taking x of width 2)."""
+    m = lowbit.quantize_linear(nn.Linear(K, 8), "lut")
+    for width in (K + 1, K + 3, max(K - 1, 1) if K > 1 else 2):
+        with pytest.raises(ValueError, match="x must have"):
+            m(torch.randn(2, width))
+
+
 def test_quantized_model_generates():
     model = _tiny_llama()
     from lowbit.models.arch import decoder_layers

@@ -139,6 +139,8 @@ class LUTLinear(QuantLinear):
     # --- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
         """``x @ W_hat^T (+ bias)``; ``pdl``: as ``lowbit.ops.lut.lut_gemm`` (the runner's batch-1 chain)."""
+        if x.shape[-1] != self.in_features:  # the op sees only the padded groups: an x up to a group wider would pass
+            raise ValueError(f"x must have {self.in_features} features in its last dim, got shape {list(x.shape)}")
         xin = x
         if x.is_cuda and x.dtype != self.dtype:
             x = x.to(self.dtype)
