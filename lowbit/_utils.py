@@ -295,6 +295,28 @@ def check_page_writes(start: torch.Tensor, page_table: torch.Tensor, T: int, pag
                          f"pages), got [{int(pages.min())}, {int(pages.max())}]")
 
 
+def check_page_reads(lengths: torch.Tensor, page_table: torch.Tensor, page_size: int, num_pages: int,
+                     name: str = "lengths") -> None:
+    """Range checks of a paged read of ``lengths[b]`` tokens per sequence (when ``check_indices`` says so): the
+    lengths in [0, page_table columns x page size], and the page-table entries of every page read inside the cache's
+    ``num_pages``; ValueError naming the argument otherwise. Unchecked (CUDA index tensors), a page id outside the
+    pool makes the kernel read outside it (session 33: the interpreter segfaulted on one; on the GPU it is an illegal
+    address), so callers on the GPU can set ``LOWBIT_CHECK_INDEX=1`` while debugging."""
+    B = page_table.shape[0]
+    if not (B and check_indices(lengths, page_table)):
+        return
+    cap = page_table.shape[1] * page_size
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo < 0 or hi > cap:
+        raise ValueError(f"{name} must lie in [0, {cap}] (page_table columns x page size), got [{lo}, {hi}]")
+    used = (lengths.to(page_table.device).long() + page_size - 1) // page_size  # page-table columns read
+    cols = torch.arange(page_table.shape[1], device=page_table.device)
+    pages = page_table[cols < used[:, None]]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise ValueError(f"page_table entries of the pages read must lie in [0, {num_pages}) (the cache's pages), "
+                         f"got [{int(pages.min())}, {int(pages.max())}]")
+
+
 def _patch_triton_interpreter() -> None:
     """Triton 3.6's interpreter converts loop bounds with ``int(ndarray)``, which NumPy >= 2.4
     refuses for 1-element arrays ("only 0-dimensional arrays can be converted"): every

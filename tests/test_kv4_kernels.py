@@ -261,6 +261,39 @@ def test_choose_splits():
 
 # ---- ops ----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("op", ("decode_kv4", "decode_float"))
+def test_decode_page_reads_are_range_checked(op):
+    """CPU index tensors: a length past the page table's columns, a negative one, or a page id outside the pool
+    (one the decode would read) raise ValueError naming the argument, instead of reading outside the cache
+    (session 33: a page id of 10^6 segfaulted the interpreter; on the GPU it is an illegal address)."""
+    from lowbit.bench.suites.kv4 import random_cache, random_float_pages
+
+    q = torch.randn(2, 4, 1, 64)
+    if op == "decode_kv4":
+        c = random_cache(2, 2, 64, 100, page=16, device="cpu")
+        cache = (c["k_codes"], c["k_scale"], c["v_codes"], c["v_scale"])
+        pt, lens = c["page_table"], c["lengths"]
+        fn = ops.decode_kv4
+    else:
+        k, v, pt, lens = random_float_pages([100, 90], 2, 16, 64, dtype=torch.float32, device="cpu")
+        cache = (k, v)
+        fn = ops.decode_float
+    cap = pt.shape[1] * 16
+    fn(q, *cache, pt, lens)  # valid
+    for bad_lens in ([100, cap + 1], [-1, 100]):
+        with pytest.raises(ValueError, match="lengths must lie in"):
+            fn(q, *cache, pt, torch.tensor(bad_lens, dtype=torch.int32))
+    for page in (10 ** 6, -1):
+        bad = pt.clone()
+        bad[0, 0] = page
+        with pytest.raises(ValueError, match="page_table entries of the pages read"):
+            fn(q, *cache, bad, lens)
+    beyond = pt.clone()
+    beyond[1, -1] = 10 ** 6  # a column past sequence 1's length is never read: no error
+    if int(lens[1]) <= (pt.shape[1] - 1) * 16:
+        fn(q, *cache, beyond, lens)
+
+
 def test_ops_dispatch_and_errors():
     B, Hq, Hkv, D, page = 2, 4, 2, 64, 16
     pt, P = _page_table([20, 20], page)

@@ -337,6 +337,27 @@ def test_cache_attend_prefill_path_matches_decode(dev):
 
 
 # ------------------------------------------------------------------------------------------ errors
+def test_page_reads_are_range_checked(dev):
+    """CPU index tensors: ``seq_lens`` past the page table's capacity or a page id outside the pool raise ValueError
+    naming the argument (decode and gather), instead of reading outside the cache."""
+    if dev != "cpu":
+        pytest.skip("the checks read the index tensors only when they live on the CPU (or LOWBIT_CHECK_INDEX=1)")
+    from lowbit.ops.mla import mla_gather
+
+    c, _ = make_cache([40, 7], True, dev)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    q = torch.randn(2, 1, 2, DC + DR, dtype=torch.bfloat16)
+    cap = pt.shape[1] * PAGE
+    with pytest.raises(ValueError, match="seq_lens must lie in"):
+        mla_decode(q, cache, pt, torch.tensor([40, cap + 1], dtype=torch.int32))
+    bad = pt.clone()
+    bad[0, 0] = 10 ** 6
+    with pytest.raises(ValueError, match="page_table entries of the pages read"):
+        mla_decode(q, cache, bad, sl)
+    with pytest.raises(ValueError, match="page_table entries of the pages read"):
+        mla_gather(cache, bad, sl)
+
+
 def test_bad_inputs_raise_clear_errors(dev):
     c, _ = make_cache([20], True, dev)
     cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import check_indices, check_page_writes, check_tensor, use_triton
+from lowbit._utils import check_indices, check_page_reads, check_page_writes, check_tensor, use_triton
 from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
@@ -266,6 +266,7 @@ def decode_float_append(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin,
     v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
     if check_indices(lengths, page_table):  # (on CUDA only under LOWBIT_CHECK_INDEX: no extra launch in a graph)
         check_page_writes(lengths - TQ, page_table, TQ, PAGE, k.shape[0])  # "start" = lengths - TQ
+        check_page_reads(lengths, page_table, PAGE, k.shape[0])
     return _decode_float_append(q, k_new, v_new, k, v, page_table, lengths, cos.to(q.dtype), sin.to(q.dtype),
                                 sm_scale, int(max_len), int(num_splits))
 
@@ -354,8 +355,9 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
     (FireQ's 8-bit Q; see ``lowbit.kernels.decode_kv4``), else fp16 Q; P, V and O as before."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     B, Hq, TQ, D = q.shape
-    _, Hkv, PAGE = _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, D)
+    P, Hkv, PAGE = _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, D)
     q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_kv4")
+    check_page_reads(lengths, page_table, PAGE, P)
     if crs_q is not None:
         check_tensor(crs_q, "crs_q", shape=[Hkv, D])
         crs_q = crs_q.float().contiguous()
@@ -375,6 +377,7 @@ def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 
     split-KV grid without a device sync; ``num_splits`` 0 = automatic. Kernel:
     ``lowbit.kernels.decode_float``."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
-    Hkv, _ = _check_float_cache(k, v, q.shape[3], (torch.float16, torch.bfloat16, torch.float32))
+    Hkv, PAGE = _check_float_cache(k, v, q.shape[3], (torch.float16, torch.bfloat16, torch.float32))
     q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float")
+    check_page_reads(lengths, page_table, PAGE, k.shape[0])
     return _decode_float(q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))

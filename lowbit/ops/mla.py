@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from lowbit._utils import check_indices, check_same_device, check_tensor, use_triton, warn_once
+from lowbit._utils import check_indices, check_page_reads, check_same_device, check_tensor, use_triton, warn_once
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
 __all__ = ["mla_decode", "mla_append", "mla_quantize_q", "mla_gather", "mla_prefill", "mla_decode_ref",
@@ -289,13 +289,14 @@ def _(content, rope, scale, page_table, seq_lens, max_len, out_dtype):
 # public functions
 
 
-def _check_tables(page_table, seq_lens, B, P):
+def _check_tables(page_table, seq_lens, B, P, page):
     check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
     check_tensor(seq_lens, "seq_lens", dtype=torch.int32, shape=(page_table.shape[0],))
     if page_table.shape[0] != B:
         raise ValueError(f"page_table has {page_table.shape[0]} rows but the batch is {B}")
     if page_table.stride(1) != 1:
         raise ValueError("page_table must have contiguous rows")
+    check_page_reads(seq_lens, page_table, page, P, name="seq_lens")
 
 
 def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
@@ -332,7 +333,7 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
         raise TypeError(f"q dtype {q.dtype} must match the bf16/fp16 cache dtype {content.dtype}")
     if is_fp8 and q.dtype == torch.float32:
         q = q.to(torch.bfloat16)
-    _check_tables(page_table, seq_lens, B, P)
+    _check_tables(page_table, seq_lens, B, P, page)
     check_same_device(q=q, content=content, rope=rope, page_table=page_table, seq_lens=seq_lens)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
@@ -379,7 +380,7 @@ def mla_gather(cache, page_table: torch.Tensor, seq_lens: torch.Tensor, max_len:
     length are zero."""
     content, rope, scale = _unpack_cache(cache)
     P, page = _check_cache(content, rope, scale)
-    _check_tables(page_table, seq_lens, page_table.shape[0], P)
+    _check_tables(page_table, seq_lens, page_table.shape[0], P, page)
     if max_len is None:
         max_len = int(seq_lens.max()) if page_table.shape[0] else 0
     return _mla_gather_op(content, rope, scale, page_table, seq_lens, int(max_len), dtype)
