@@ -112,6 +112,22 @@ def _args(dev="cpu", M=3, N=24, K=136, dtype=torch.bfloat16, bias=True):
     return x, c, s, b
 
 
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_x_row_gives_nonfinite_output_row(M, bad, dev):
+    """A NaN or Inf in a row of x makes that row's output non-finite and leaves the other rows alone, on every path
+    (the GEMV at M = 1, the GEMM, the reference). Session 33: the planes kernel's max skipped the NaN, so the row
+    came out finite with its NaN element silently replaced."""
+    torch.manual_seed(M)
+    lin = torch.nn.Linear(200, 40).to(dev)
+    m = lowbit.quantize_linear(lin, "w8")
+    x = torch.randn(M, 200, device=dev)
+    x[M // 2, 7] = bad
+    y = m(x)
+    fin = torch.isfinite(y).all(-1).tolist()
+    assert fin == [i != M // 2 for i in range(M)]
+
+
 def test_opcheck(dev):
     torch.library.opcheck(_w8_linear, _args(dev), test_utils=("test_schema", "test_faketensor",
                                                               "test_autograd_registration"))

@@ -43,8 +43,11 @@ def _x_planes_kernel(X, HI, LO, SX, K, KP, stride_xm, stride_pm, BLOCK: tl.const
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         v = tl.load(xrow + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    a = tl.maximum(tl.max(amax, axis=0), _EPS)
+        amax = tl.maximum(amax, tl.where(v == v, tl.abs(v), float("inf")))  # NaN -> inf: max would skip it
+    a = tl.max(amax, axis=0)
+    # an Inf or NaN in the row gives a NaN scale, so the row's output is NaN, as the reference's (session 33: the
+    # row came out finite, its NaN element silently replaced)
+    a = tl.maximum(tl.where(a == float("inf"), float("nan"), a), _EPS, propagate_nan=tl.PropagateNan.ALL)
     tl.store(SX + m, tl.div_rn(a, tl.full([], _QMAX, tl.float32)))  # div_rn: rounded as the reference (``/`` is not)
     prow = m.to(tl.int64) * stride_pm
     for k0 in range(0, KP, BLOCK):
