@@ -1,7 +1,10 @@
 """Recipes over random tiny Llama shapes (head_dim 16-64, MHA / GQA / MQA, FFN widths that are no multiple of any
 group or block, 1-2 layers, odd vocabularies): ``quantize_model`` either works (finite logits near the float model's,
-the fast runner generates) or raises ``NotImplementedError`` / ``ValueError`` naming what it cannot do. CPU
+the fast runner generates, a saved checkpoint loads to the same logits) or raises ``NotImplementedError`` / ``ValueError`` naming what it cannot do. CPU
 reference ops (the kernels have their own tests)."""
+import os
+import tempfile
+
 import pytest
 import torch
 from hypothesis import event, given, settings
@@ -60,3 +63,8 @@ def test_recipe_on_random_tiny_llama(recipe, head_dim, heads, kv_div, inter, lay
     assert cos > 0.3, float(cos)
     toks = generate(q, [prompt[0], prompt[0, :4]], 3)
     assert [t.numel() for t in toks] == [3, 3]
+    with tempfile.TemporaryDirectory() as d:  # the checkpoint gives the same logits, bit for bit
+        lowbit.save_quantized(q, os.path.join(d, "ck"))
+        loaded = lowbit.load_quantized(os.path.join(d, "ck"))
+        with torch.no_grad():
+            assert torch.equal(loaded(prompt).logits.float(), out)
