@@ -68,3 +68,44 @@ def test_recipe_on_random_tiny_llama(recipe, head_dim, heads, kv_div, inter, lay
         loaded = lowbit.load_quantized(os.path.join(d, "ck"))
         with torch.no_grad():
             assert torch.equal(loaded(prompt).logits.float(), out)
+
+
+@settings(max_examples=3, deadline=None)
+@given(heads=st.sampled_from((1, 2, 4)), rank=st.sampled_from((16, 32, 48, 64)), rope=st.sampled_from((8, 16, 32)),
+       nope=st.sampled_from((8, 16, 32)), vdim=st.sampled_from((8, 16, 24)), q_lora=st.sampled_from((None, 24)),
+       seed=st.integers(0, 9))
+def test_fp8_mla_on_random_tiny_deepseek(heads, rank, rope, nope, vdim, q_lora, seed):
+    """``fp8-mla`` over random DeepSeek-V3-shaped tiny configs (latent and RoPE widths that are and are not powers of
+    two, with and without a q LoRA): the quantized model's logits stay finite and near the float model's, greedy
+    generation runs, and the checkpoint reloads to the same logits."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    cfg = DeepseekV3Config(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads,
+                           kv_lora_rank=rank, q_lora_rank=q_lora, qk_rope_head_dim=rope, qk_nope_head_dim=nope,
+                           v_head_dim=vdim, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+                           max_position_embeddings=128)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    m.generation_config.eos_token_id = None
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ref = m(prompt).logits.float()
+    try:
+        lowbit.quantize_model(m, "fp8-mla")
+    except (NotImplementedError, ValueError) as exc:
+        event(f"fp8-mla: {type(exc).__name__}")
+        assert any(w in str(exc) for w in ("rank", "rope", "head", "dim", "not supported", "must")), str(exc)
+        return
+    event("fp8-mla: quantized")
+    with torch.no_grad():
+        out = m(prompt).logits.float()
+    assert torch.isfinite(out).all()
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.9, float(cos)  # FP8 latent, bf16 RoPE part: close to the float model
+    assert m.generate(prompt, max_new_tokens=3, do_sample=False).shape[1] == 12
+    with tempfile.TemporaryDirectory() as d:
+        lowbit.save_quantized(m, os.path.join(d, "ck"))
+        loaded = lowbit.load_quantized(os.path.join(d, "ck"))
+        with torch.no_grad():
+            assert torch.equal(loaded(prompt).logits.float(), out)
