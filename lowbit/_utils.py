@@ -275,6 +275,20 @@ def check_indices(*tensors: torch.Tensor) -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def _check_span_pages(begin: torch.Tensor, end: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                      num_pages: int, verb: str) -> None:
+    """The page-table entries of the pages that hold positions ``[begin[b], end[b])`` of each sequence (the
+    columns ``begin // page_size`` up to ``ceil(end / page_size)``) must lie inside the cache's ``num_pages``."""
+    dev = page_table.device
+    first = begin.to(dev).long() // page_size
+    stop = (end.to(dev).long() + page_size - 1) // page_size
+    cols = torch.arange(page_table.shape[1], device=dev)
+    pages = page_table[(cols >= first[:, None]) & (cols < stop[:, None])]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise ValueError(f"page_table entries of the pages {verb} must lie in [0, {num_pages}) (the cache's "
+                         f"pages), got [{int(pages.min())}, {int(pages.max())}]")
+
+
 def check_page_writes(start: torch.Tensor, page_table: torch.Tensor, T: int, page_size: int, num_pages: int) -> None:
     """Range checks of a paged append of ``T`` tokens per sequence at positions ``start[b] + t`` (when
     ``check_indices`` says so): the positions inside the page table's columns, and the page-table entries of the
@@ -286,13 +300,7 @@ def check_page_writes(start: torch.Tensor, page_table: torch.Tensor, T: int, pag
     if int(start.min()) < 0 or int(start.max()) + T > cap:
         raise ValueError(f"start + T must lie in [0, {cap}] (page_table columns x page size), "
                          f"got start in [{int(start.min())}, {int(start.max())}] with T={T}")
-    first = start.to(page_table.device).long() // page_size  # the page-table columns written: first .. last
-    last = (start.to(page_table.device).long() + T - 1) // page_size
-    cols = torch.arange(page_table.shape[1], device=page_table.device)
-    pages = page_table[(cols >= first[:, None]) & (cols <= last[:, None])]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        raise ValueError(f"page_table entries of the pages written must lie in [0, {num_pages}) (the cache's "
-                         f"pages), got [{int(pages.min())}, {int(pages.max())}]")
+    _check_span_pages(start, start + T, page_table, page_size, num_pages, "written")
 
 
 def check_page_reads(lengths: torch.Tensor, page_table: torch.Tensor, page_size: int, num_pages: int,
@@ -309,12 +317,7 @@ def check_page_reads(lengths: torch.Tensor, page_table: torch.Tensor, page_size:
     lo, hi = int(lengths.min()), int(lengths.max())
     if lo < 0 or hi > cap:
         raise ValueError(f"{name} must lie in [0, {cap}] (page_table columns x page size), got [{lo}, {hi}]")
-    used = (lengths.to(page_table.device).long() + page_size - 1) // page_size  # page-table columns read
-    cols = torch.arange(page_table.shape[1], device=page_table.device)
-    pages = page_table[cols < used[:, None]]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        raise ValueError(f"page_table entries of the pages read must lie in [0, {num_pages}) (the cache's pages), "
-                         f"got [{int(pages.min())}, {int(pages.max())}]")
+    _check_span_pages(torch.zeros_like(lengths), lengths, page_table, page_size, num_pages, "read")
 
 
 def _patch_triton_interpreter() -> None:

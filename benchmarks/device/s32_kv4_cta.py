@@ -249,6 +249,21 @@ def _cta_kernel(
     gl.store(ptr + 1, o_o.to(ptr.dtype.element_ty), mask=row_ok[None, :])
 
 
+def _copy_layout_w(half: int, warps: int):
+    """``decode_kv4._copy_layout`` with a leading dimension of ``warps`` warps: ``[warps, BLOCK_N, half]``."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 32 // (half // 16), half // 16],
+                            warps_per_cta=[warps, 1, 1], order=[2, 1, 0])
+
+
+def _v_layout_w(block_n: int, half: int, warps: int):
+    """``decode_kv4._v_load_layout`` per warp, with a leading dimension of ``warps`` warps:
+    ``[warps, 8, half // 8, block_n]``."""
+    reg, lane = dk._v_load_bases(block_n, half)
+    return gl.DistributedLinearLayout(reg_bases=[[0] + r for r in reg], lane_bases=[[0] + r for r in lane],
+                                      warp_bases=[[1 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)],
+                                      block_bases=[], shape=[warps, 8, half // 8, block_n])
+
+
 def decode_cta(q, c, *, max_len, W=W_DEFAULT, ctas=None, cta_sync=False, stages=STAGES, n_sm=132,
                return_kernel=False):
     """Launcher (the cache dict of ``lowbit.bench.suites.kv4.random_cache``, signed codes)."""
@@ -269,7 +284,7 @@ def decode_cta(q, c, *, max_len, W=W_DEFAULT, ctas=None, cta_sync=False, stages=
         q.stride(0), q.stride(1), q.stride(2), c["k_codes"].stride(0), c["k_scale"].stride(0),
         c["page_table"].stride(0), out.stride(0), out.stride(1), out.stride(2),
         W=W, G=G, TQ=TQ, BLOCK_Q=8, HALF=HALF, PAGE=PAGE, BLOCK_N=BLOCK_N, STAGES=stages,
-        LV=dk._v_load_layout(BLOCK_N, HALF, W), CL=dk._copy_layout(HALF, W), PARTIAL=ctas > 1, CTA_SYNC=cta_sync,
+        LV=_v_layout_w(BLOCK_N, HALF, W), CL=_copy_layout_w(HALF, W), PARTIAL=ctas > 1, CTA_SYNC=cta_sync,
         num_warps=W, maxnreg=128,
     )
     if ctas > 1:
@@ -288,7 +303,7 @@ def offline():
     for W, partial, sync, st in ((16, False, False, 2), (16, True, False, 2), (8, False, False, 2),
                                  (4, True, False, 2), (16, False, False, 3)):
         consts = dict(W=W, G=4, TQ=1, BLOCK_Q=8, HALF=64, PAGE=64, BLOCK_N=BLOCK_N, STAGES=st,
-                      LV=dk._v_load_layout(BLOCK_N, 64, W), CL=dk._copy_layout(64, W), PARTIAL=partial, CTA_SYNC=sync)
+                      LV=_v_layout_w(BLOCK_N, 64, W), CL=_copy_layout_w(64, W), PARTIAL=partial, CTA_SYNC=sync)
         sig, consts, attrs = signature(_cta_kernel, kv4_gluon_types(False), consts)
         k = triton.compile(GluonASTSource(fn=_cta_kernel, signature=sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": W, "maxnreg": 128})

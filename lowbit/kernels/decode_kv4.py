@@ -872,34 +872,29 @@ GLUON_SRAW = "long"  # True, False or "long"
 GLUON_SRAW_MIN_SPLIT = 512
 
 
-def _copy_layout(half: int, warps: int = 0):
-    """Blocked layout of the cp.async source tile ``[BLOCK_N, half]``: 16 bytes per thread. ``warps`` > 0: a leading
-    dimension of that many warps, ``[warps, BLOCK_N, half]`` (one key split per warp: the multi-warp prototype,
-    ``benchmarks/device/s32_kv4_cta.py``)."""
-    if warps:
-        return gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 32 // (half // 16), half // 16],
-                                warps_per_cta=[warps, 1, 1], order=[2, 1, 0])
+def _copy_layout(half: int):
+    """Blocked layout of the cp.async source tile ``[BLOCK_N, half]``: 16 bytes per thread."""
     return gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[32 // (half // 16), half // 16],
                             warps_per_cta=[1, 1], order=[1, 0])
 
 
-def _v_load_layout(block_n: int, half: int, warps: int = 0):
-    """Linear layout of the V-code tile ``[8, half // 8, block_n]`` (one warp): lane (g, t) holds
-    code bytes ``(half/8) g .. (half/8) g + half/8 - 1`` (registers, fastest: one 64-bit load per
-    token) of tokens 2t, 2t+1, 2t+8, 2t+9 (+16): the thread <-> element map of the fp16 A operand
-    of ``O^T = V^T P^T`` after the channel permutation. ``warps`` > 0: the same per warp, with a leading dimension
-    of that many warps, ``[warps, 8, half // 8, block_n]`` (see ``_copy_layout``)."""
+def _v_load_bases(block_n: int, half: int):
+    """(register bases, lane bases) of ``_v_load_layout`` (one warp), for layouts that add dimensions to it."""
     nb = half // 8
     reg = [[0, 1 << i, 0] for i in range(nb.bit_length() - 1)] + [[0, 0, 1], [0, 0, 8]]
     reg += [[0, 0, 16 << i] for i in range((block_n // 16).bit_length() - 1)]
     lane = [[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    shape = [8, nb, block_n]
-    warp = []
-    if warps:
-        reg, lane = [[0] + r for r in reg], [[0] + r for r in lane]
-        warp = [[1 << i, 0, 0, 0] for i in range(warps.bit_length() - 1)]
-        shape = [warps] + shape
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[], shape=shape)
+    return reg, lane
+
+
+def _v_load_layout(block_n: int, half: int):
+    """Linear layout of the V-code tile ``[8, half // 8, block_n]`` (one warp): lane (g, t) holds
+    code bytes ``(half/8) g .. (half/8) g + half/8 - 1`` (registers, fastest: one 64-bit load per
+    token) of tokens 2t, 2t+1, 2t+8, 2t+9 (+16): the thread <-> element map of the fp16 A operand
+    of ``O^T = V^T P^T`` after the channel permutation."""
+    reg, lane = _v_load_bases(block_n, half)
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=[], block_bases=[],
+                                      shape=[8, half // 8, block_n])
 
 
 if HAS_GLUON:

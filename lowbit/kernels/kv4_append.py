@@ -42,6 +42,12 @@ _RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^
 
 
 @triton.jit
+def _rint(y):
+    """``torch.round`` of fp32 ``|y| < 2^22``: to an integer, ties to even (``_RNE_MAGIC``)."""
+    return (y + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
 def _ceil_to_grid(s, STEPS: tl.constexpr):
     """``lowbit.formats.kv4.ceil_to_grid``: s (fp32, > 0, normal) = m * 2^e, m in [1, 2) rounded up to a multiple of
     1 / STEPS (8: E4M3's mantissa, 128: bf16's); exact."""
@@ -53,9 +59,7 @@ def _ceil_to_grid(s, STEPS: tl.constexpr):
 def _no_clip(sn, su, lo, hi):
     """``kv4-zp``: the nearest scale ``sn`` unless ``rint(hi / sn) + rint(-lo / sn) > 15`` (the top code would clip),
     then ``su`` (``lowbit.formats.kv4``)."""
-    qh = (tl.div_rn(hi, sn) + _RNE_MAGIC) - _RNE_MAGIC
-    ql = (tl.div_rn(-lo, sn) + _RNE_MAGIC) - _RNE_MAGIC
-    return tl.where(qh + ql > 15.0, su, sn)
+    return tl.where(_rint(tl.div_rn(hi, sn)) + _rint(tl.div_rn(-lo, sn)) > 15.0, su, sn)
 
 
 @triton.jit
@@ -87,14 +91,14 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
     ye = tl.div_rn(xe, s)
     yo = tl.div_rn(xo, s)
     if ZERO_POINT:
-        z = (tl.div_rn(-lo, s) + _RNE_MAGIC) - _RNE_MAGIC
+        z = _rint(tl.div_rn(-lo, s))
         z = tl.minimum(tl.maximum(z, 0.0), 15.0)
-        qe = tl.minimum(tl.maximum(((ye + _RNE_MAGIC) - _RNE_MAGIC) + z, 0.0), 15.0)
-        qo = tl.minimum(tl.maximum(((yo + _RNE_MAGIC) - _RNE_MAGIC) + z, 0.0), 15.0)
+        qe = tl.minimum(tl.maximum(_rint(ye) + z, 0.0), 15.0)
+        qo = tl.minimum(tl.maximum(_rint(yo) + z, 0.0), 15.0)
     else:
         z = 0.0
-        qe = tl.minimum(tl.maximum((ye + _RNE_MAGIC) - _RNE_MAGIC, -7.0), 7.0)
-        qo = tl.minimum(tl.maximum((yo + _RNE_MAGIC) - _RNE_MAGIC, -7.0), 7.0)
+        qe = tl.minimum(tl.maximum(_rint(ye), -7.0), 7.0)
+        qo = tl.minimum(tl.maximum(_rint(yo), -7.0), 7.0)
     ie = qe.to(tl.int32) & 0xF
     io = qo.to(tl.int32) & 0xF
     packed = (ie | (io << 4)).to(tl.uint8)
