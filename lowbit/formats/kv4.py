@@ -47,6 +47,10 @@ Scale rule (the FP8-scale decisions; the paper leaves them open, FireQ notes §7
   with the stored scale is the best INT4 reconstruction for that scale (no double rounding).
 * ``bfloat16`` / ``float32`` scales: floor ``AMAX_EPS / qmax`` (``lowbit.formats.common``), RNE.
 
+**Non-finite rows.** A row with an Inf or a NaN gets a NaN scale (E4M3's 0x7F, bf16 / float32 NaN) and
+arbitrary codes, so every attention output that reads the token is NaN, as in a float cache (the kernels' maxima
+skip NaN, so they map NaN to +inf first and an infinite range to NaN: ``lowbit.kernels.act_quant.abs_or_inf``).
+
 Integer rounding is round-half-to-even (``torch.round``; ``libdevice.rint`` in kernels); codes are
 clamped to [-7, 7] (symmetric) or [0, 15] (asymmetric). Dequantization multiplies in float32
 and casts to ``dtype``. This module is the ONE reference: the Triton append kernel
@@ -111,12 +115,14 @@ def quantize_kv4(x: torch.Tensor, *, zero_point: bool = False, scale_dtype: torc
     xf = x.float()
     if not zero_point:
         amax = xf.abs().amax(dim=-1)
+        amax = torch.where(torch.isinf(amax), float("nan"), amax)  # a non-finite row: NaN scale
         scale = round_scale(amax.clamp_min(AMAX_EPS) / KV4_SYM_QMAX, scale_dtype)
         q = torch.round(xf / scale.float().unsqueeze(-1)).clamp(-KV4_SYM_QMAX, KV4_SYM_QMAX)
         return pack_int4(q.to(torch.int8)), scale, None
     lo = xf.amin(dim=-1).clamp_max(0.0)
     hi = xf.amax(dim=-1).clamp_min(0.0)
     st = (hi - lo).clamp_min(AMAX_EPS) / KV4_ASYM_QMAX
+    st = torch.where(torch.isinf(st), float("nan"), st)  # a non-finite row: NaN scale
     sf = round_scale(st, scale_dtype).float()
     if scale_dtype != torch.float32:  # the nearest scale unless it clips the top code (module docstring)
         clip = torch.round(hi / sf) + torch.round(-lo / sf) > KV4_ASYM_QMAX

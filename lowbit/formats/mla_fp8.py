@@ -23,6 +23,8 @@ Decisions where the sources are silent or contradict themselves (each has a test
   We use lowbit's one rule ``safe_scale`` (clamp amax at AMAX_EPS = 1e-12): an all-zero latent
   gives codes 0 and a finite 1/s (<= 4.5e14), so the pre-divided RoPE part stays finite in bf16
   (with the 1e-26 clamp it would be ~4.5e28 * k_R: digest 2.12 item 3).
+- a non-finite content element (Inf or NaN) gives the token a NaN scale, so the attention outputs that read it
+  are NaN as in a bf16 cache (the kernels' maxima skip NaN: ``lowbit.kernels.act_quant.abs_or_inf``).
 - the scale covers the content part only (RoPE never enters amax): the RoPE part keeps its own
   range in bf16, which is the point of the scheme (SnapMLA Fig. 3).
 - the pre-divided RoPE part is re-rounded to bf16 (relative error <= 2^-9 on top of bf16); the
@@ -56,7 +58,9 @@ def quantize_latent(kv: torch.Tensor, kv_lora_rank: int):
     # safe_scale's rule, max(amax, AMAX_EPS) / 448, computed as a multiply by the fp32 constant 1/448:
     # CUDA PyTorch divides by a Python scalar that way and CPU PyTorch divides exactly, so the
     # multiply is what every device (and the Triton kernels) rounds alike
-    s = safe_scale(c.abs().amax(dim=-1), 1.0) * (1.0 / FP8_E4M3_MAX)
+    amax = c.abs().amax(dim=-1)
+    amax = torch.where(torch.isinf(amax), float("nan"), amax)  # an Inf or NaN in the content: NaN scale
+    s = safe_scale(amax, 1.0) * (1.0 / FP8_E4M3_MAX)
     inv = 1.0 / s.unsqueeze(-1)
     return round_to(c * inv, FP8_E4M3), s, (r * inv).to(torch.bfloat16)
 

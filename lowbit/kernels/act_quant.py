@@ -189,14 +189,27 @@ def _div_fast(v, scale, rcp):
 
 
 @triton.jit
-def _row_scale(v, amax_eps, QMAX: tl.constexpr):
-    """(scale, rcp) of a row from its values (or per-lane maxima) ``v``: one reduction. NaN is
-    mapped to +inf before the max, and an infinite max (an Inf or NaN in the row) gives a NaN scale,
-    so the row's GEMM output is NaN (the GPU's max would otherwise skip NaN silently)."""
-    a = tl.where(v == v, tl.abs(v), float("inf"))
-    amax = tl.max(a, axis=0)
+def abs_or_inf(v):
+    """``|v|`` with NaN as +inf, the operand of every quantizer's maximum in lowbit: the GPU's (and the
+    interpreter's) ``max`` skips NaN, +inf survives it. ``amax_floor`` then turns an infinite maximum
+    (an Inf or a NaN among the inputs) into a NaN scale, so the non-finite input reaches the output
+    that uses the scale instead of becoming an arbitrary finite code."""
+    return tl.where(v == v, tl.abs(v), float("inf"))
+
+
+@triton.jit
+def amax_floor(amax, amax_eps):
+    """``max(amax, amax_eps)`` (the scale rule's floor, before the division by QMAX that each kernel
+    does its own way) of a maximum of ``abs_or_inf`` values; an infinite ``amax`` gives NaN."""
     amax = tl.where(amax == float("inf"), float("nan"), amax)
-    scale = tl.div_rn(tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL), QMAX)
+    return tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_scale(v, amax_eps, QMAX: tl.constexpr):
+    """(scale, rcp) of a row from its values (or per-lane ``abs_or_inf`` maxima) ``v``: one
+    reduction; an Inf or NaN in the row gives a NaN scale, so the row's GEMM output is NaN."""
+    scale = tl.div_rn(amax_floor(tl.max(abs_or_inf(v), axis=0), amax_eps), QMAX)
     return scale, tl.div_rn(1.0, scale)
 
 
@@ -269,7 +282,7 @@ def _per_token_quant_kernel(
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K
             v = _fused_value(_load_x(Xr, Dr, k0 + offs, m, ADD), Gr, W, k0 + offs, m, rstd, FUSE)
-            amax_v = tl.maximum(amax_v, tl.where(v == v, tl.abs(v), float("inf")))
+            amax_v = tl.maximum(amax_v, abs_or_inf(v))
         scale, rcp = _row_scale(amax_v, amax_eps, QMAX)
         for k0 in range(0, K, BLOCK_K):
             m = (k0 + offs) < K

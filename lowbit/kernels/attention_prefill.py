@@ -85,7 +85,8 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode, tma_capable
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
-from lowbit.kernels.attention_quant import _kv_quant_task
+from lowbit.kernels import attention_quant as _aq
+from lowbit.kernels.attention_quant import _abs_operand, _eps_floor, _kv_quant_task
 
 MODE_FP8, MODE_INT8, MODE_INT8_QK = 0, 1, 2
 MODE_IDS = {"fp8": MODE_FP8, "int8": MODE_INT8, "int8-qk": MODE_INT8_QK, "fp8-kv4": MODE_FP8}
@@ -492,7 +493,8 @@ def _fused_kv_prologue(r, b, hk, bhk, Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, 
                        stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin, S_al,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, V_BLOCK: tl.constexpr, MODE: tl.constexpr,
                        V_CHANNEL: tl.constexpr, V_GIVEN: tl.constexpr, K_PER_BLOCK: tl.constexpr,
-                       USE_TMA: tl.constexpr, INTERPRET: tl.constexpr, KV_CHUNK: tl.constexpr):
+                       USE_TMA: tl.constexpr, INTERPRET: tl.constexpr, KV_CHUNK: tl.constexpr,
+                       NAN_SAFE: tl.constexpr = False):
     """K/V quantization fused into the attention launch (no separate pass, no launch gap; the
     memory-bound quantization of one head overlaps the attention of the heads already running).
 
@@ -513,7 +515,7 @@ def _fused_kv_prologue(r, b, hk, bhk, Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, 
                            stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin,
                            S_al, S_al, n_vq,
                            HEAD_DIM, BLOCK_N, V_BLOCK, 448.0 if MODE == 0 else 127.0, MODE != 0, MODE != 2,
-                           V_CHANNEL, V_GIVEN, K_PER_BLOCK, INTERPRET, KV_CHUNK, Skv, Skv)
+                           V_CHANNEL, V_GIVEN, K_PER_BLOCK, INTERPRET, KV_CHUNK, Skv, Skv, NAN_SAFE=NAN_SAFE)
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_add(CNT + bhk, (n_tasks - r + n_prod - 1) // n_prod, sem="release", scope="gpu")
     done = tl.atomic_add(CNT + bhk, 0, sem="acquire", scope="gpu")
@@ -546,7 +548,7 @@ def _attn_fwd(
     V_CHANNEL: tl.constexpr, EXP16: tl.constexpr, P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr,  #
     FUSE_KV: tl.constexpr, V_GIVEN: tl.constexpr, KV_CHUNK: tl.constexpr, Q_PRE: tl.constexpr,  #
     Q_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr, POLY: tl.constexpr = 0,  #
-    VPERM: tl.constexpr = 0,  #
+    VPERM: tl.constexpr = 0, NAN_SAFE: tl.constexpr = False,  #
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -558,7 +560,7 @@ def _attn_fwd(
                            Kin, Vin, KC, KS, VT, VS, CNT, Skv, n_kq, n_vq, n_prod, amax_eps,
                            stride_kib, stride_kih, stride_kin, stride_vib, stride_vih, stride_vin, S_al,
                            HEAD_DIM, BLOCK_N, V_BLOCK, MODE, V_CHANNEL, V_GIVEN, K_PER_BLOCK, USE_TMA, INTERPRET,
-                           KV_CHUNK)
+                           KV_CHUNK, NAN_SAFE)
     if CAUSAL:  # longest query blocks first
         pid_m = n_mblk - 1 - pid_m
     b64, hq64, hk64 = b.to(tl.int64), hq.to(tl.int64), hk.to(tl.int64)
@@ -583,7 +585,7 @@ def _attn_fwd(
         x = tl.load(Q + b64 * stride_qb + hq64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
                     + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
         QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
-        q_scale = tl.maximum(tl.max(tl.abs(x), 1), amax_eps) / QMAXV
+        q_scale = _eps_floor(tl.max(_abs_operand(x, NAN_SAFE), 1), amax_eps, NAN_SAFE) / QMAXV
         y = x * tl.div_rn(q_scale * 0.0 + 1.0, q_scale)[:, None]  # reciprocal once per row (as the reference)
         y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
         if MODE == 0:
@@ -593,7 +595,10 @@ def _attn_fwd(
     qs = q_scale * qk_scale  # sm_scale * log2(e) folded in
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NAN_SAFE:  # zeros, or NaN for a non-finite query row (INT8 P's integer codes would drop its NaN)
+        l_i = q_scale * 0.0
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # WS: rows of the 2-D scale descriptors: per-block scales [rows, 4] (scale_pad 4), per-token K
@@ -642,7 +647,11 @@ def _attn_fwd(
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL,
                                  EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM)
-    out = acc * (c_acc / tl.maximum(l_i, 1e-30))[:, None]  # l > 0 unless scores are absurd (> 2^17)
+    if NAN_SAFE:  # a NaN l (a non-finite input) stays NaN
+        den = tl.maximum(l_i, 1e-30, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        den = tl.maximum(l_i, 1e-30)
+    out = acc * (c_acc / den)[:, None]  # l > 0 unless scores are absurd (> 2^17)
     tl.store(Out + b64 * stride_ob + hq64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mmask[:, None])
 
@@ -798,7 +807,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
         FUSE_KV=fuse, V_GIVEN=bool(fuse and fuse_from.get("given", False)),
         KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))), Q_PRE=q_codes is not None, Q_TMA=q_tma, WS=ws,
-        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)), VPERM=vperm,
+        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)), VPERM=vperm, NAN_SAFE=_aq.NAN_SAFE,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() and not ws else {}),
     )

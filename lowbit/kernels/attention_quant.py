@@ -25,15 +25,39 @@ Grid: ``(cdiv(S, BLOCK_T) [K programs] + cdiv(S, V_BLOCK) [V programs], B * H)``
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS, QMAX
-from lowbit.kernels.act_quant import round_to_fp8_e4m3
+from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
+# Non-finite inputs (``LOWBIT_NAN_SAFE=1``, or set this attribute): the scale maxima of the prefill quantization
+# (this module's K / V / Q launch, the KV4 -> FP8 launch, the attention kernel's Q prologue) take NaN as +inf and an
+# infinite maximum as NaN (``act_quant.abs_or_inf``), so a NaN or Inf input reaches the attention output. Off by
+# default: it makes the quantization launch 29-35 % slower (H200, session 34, ``s34_nan_ab.json``: the launch is
+# issue-bound, not memory-bound) and the prefill call 3-16 %.
+NAN_SAFE = os.environ.get("LOWBIT_NAN_SAFE", "0") == "1"
+
+
+@triton.jit
+def _abs_operand(x, NAN_SAFE: tl.constexpr):
+    """The operand of a scale maximum: ``|x|``, or with ``NAN_SAFE`` ``act_quant.abs_or_inf(x)``."""
+    if NAN_SAFE:
+        return abs_or_inf(x)
+    return tl.abs(x)
+
+
+@triton.jit
+def _eps_floor(amax, eps, NAN_SAFE: tl.constexpr):
+    """``max(amax, eps)``, or with ``NAN_SAFE`` ``act_quant.amax_floor`` (an infinite maximum gives NaN)."""
+    if NAN_SAFE:
+        return amax_floor(amax, eps)
+    return tl.maximum(amax, eps)
 
 
 @triton.jit
@@ -78,7 +102,7 @@ def _kv_quant_task(
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, V_BLOCK: tl.constexpr,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
     V_GIVEN: tl.constexpr, K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr, CHUNK: tl.constexpr,
-    S_OUT, KS_ROWS, SC_STRIDE: tl.constexpr = 1, VPERM: tl.constexpr = False,
+    S_OUT, KS_ROWS, SC_STRIDE: tl.constexpr = 1, VPERM: tl.constexpr = False, NAN_SAFE: tl.constexpr = False,
 ):
     """Quantize one block of K rows or V rows of head (b, h) (``bh`` = its row in the outputs).
     ``VPERM``: key t of V^T is stored at ``vperm_pos(t)`` (S_al a multiple of 32; ``_vperm_rows``).
@@ -99,13 +123,13 @@ def _kv_quant_task(
         if K_PER_BLOCK:  # one scale for the BLOCK_T keys of this task
             if CHUNK == BLOCK_T:
                 kx = _load_rows(Kh, t0 + tl.arange(0, BLOCK_T), S, stride_kn, HEAD_DIM)
-                kscale = tl.maximum(tl.max(tl.max(tl.abs(kx), 1), 0), amax_eps) / QMAX
+                kscale = _eps_floor(tl.max(tl.max(_abs_operand(kx, NAN_SAFE), 1), 0), amax_eps, NAN_SAFE) / QMAX
             else:
                 am = tl.zeros([CHUNK], dtype=tl.float32)
                 for c in tl.range(0, BLOCK_T, CHUNK, loop_unroll_factor=1):
-                    am = tl.maximum(am, tl.max(tl.abs(_load_rows(Kh, t0 + c + tl.arange(0, CHUNK), S, stride_kn,
-                                                                  HEAD_DIM)), 1))
-                kscale = tl.maximum(tl.max(am, 0), amax_eps) / QMAX
+                    am = tl.maximum(am, tl.max(_abs_operand(_load_rows(Kh, t0 + c + tl.arange(0, CHUNK), S, stride_kn,
+                                                                         HEAD_DIM), NAN_SAFE), 1))
+                kscale = _eps_floor(tl.max(am, 0), amax_eps, NAN_SAFE) / QMAX
             tl.store(KS + (bh.to(tl.int64) * n_kprog + task) * SC_STRIDE, kscale)
         for c in tl.range(0, BLOCK_T, CHUNK, loop_unroll_factor=1):
             koffs_t = t0 + c + tl.arange(0, CHUNK)
@@ -116,7 +140,7 @@ def _kv_quant_task(
             if K_PER_BLOCK:
                 kcodes = _quant_tile(kx, kscale, QMAX, IS_INT8, EXACT_FP8)
             else:
-                kscale_r = tl.maximum(tl.max(tl.abs(kx), 1), amax_eps) / QMAX
+                kscale_r = _eps_floor(tl.max(_abs_operand(kx, NAN_SAFE), 1), amax_eps, NAN_SAFE) / QMAX
                 kcodes = _quant_tile(kx, kscale_r[:, None], QMAX, IS_INT8, EXACT_FP8)
                 tl.store(KS + bh.to(tl.int64) * KS_ROWS + koffs_t, kscale_r, mask=ktmask)
             tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], kcodes, mask=ktmask[:, None])
@@ -126,21 +150,21 @@ def _kv_quant_task(
         t0 = vblk * V_BLOCK
         if CHUNK == V_BLOCK:  # the whole block in registers
             vx = _load_rows(Vh, t0 + tl.arange(0, V_BLOCK), S, stride_vn, HEAD_DIM)
-            vam = tl.max(tl.abs(vx), 0)  # per channel
+            vam = tl.max(_abs_operand(vx, NAN_SAFE), 0)  # per channel
         elif not V_GIVEN:
             vam = tl.zeros([HEAD_DIM], dtype=tl.float32)
             for c in tl.range(0, V_BLOCK, CHUNK, loop_unroll_factor=1):
-                vam = tl.maximum(vam, tl.max(tl.abs(_load_rows(Vh, t0 + c + tl.arange(0, CHUNK), S, stride_vn,
-                                                                HEAD_DIM)), 0))
+                vam = tl.maximum(vam, tl.max(_abs_operand(_load_rows(Vh, t0 + c + tl.arange(0, CHUNK), S, stride_vn,
+                                                                       HEAD_DIM), NAN_SAFE), 0))
         if V_CHANNEL:  # one scale per channel of this block
-            vscale = tl.maximum(vam, amax_eps) / QMAX
+            vscale = _eps_floor(vam, amax_eps, NAN_SAFE) / QMAX
             tl.store(VS + (bh.to(tl.int64) * n_vblk + vblk) * HEAD_DIM + offs_d, vscale)
         else:  # one scale for the block (V_GIVEN: precomputed, e.g. per tensor)
             vvs_ptr = VS + (bh.to(tl.int64) * n_vblk + vblk) * SC_STRIDE
             if V_GIVEN:
                 vscale = tl.load(vvs_ptr)
             else:
-                vscale = tl.maximum(tl.max(vam, 0), amax_eps) / QMAX
+                vscale = _eps_floor(tl.max(vam, 0), amax_eps, NAN_SAFE) / QMAX
                 tl.store(vvs_ptr, vscale)
         for c in tl.range(0, V_BLOCK, CHUNK, loop_unroll_factor=1):
             voffs_t = t0 + c + tl.arange(0, CHUNK)
@@ -172,7 +196,7 @@ def _kv_quant_kernel(
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, QUANT_V: tl.constexpr, V_CHANNEL: tl.constexpr,
     V_GIVEN: tl.constexpr,
     K_PER_BLOCK: tl.constexpr, EXACT_FP8: tl.constexpr, QUANT_Q: tl.constexpr, SC_STRIDE: tl.constexpr,
-    VPERM: tl.constexpr = False,
+    VPERM: tl.constexpr = False, NAN_SAFE: tl.constexpr = False,
 ):
     bh = tl.program_id(1)
     task = tl.program_id(0)
@@ -185,12 +209,12 @@ def _kv_quant_kernel(
         _kv_quant_task(j % n_qprog, b, hq, b * (H * n_rep) + hq, Q, Q, QC, QS, QC, QS, Sq, n_qprog, amax_eps,
                        stride_qb, stride_qh, stride_qn, stride_qb, stride_qh, stride_qn, stride_vtd, S_al, n_vblk,
                        HEAD_DIM, BLOCK_T, V_BLOCK, QMAX, IS_INT8, False, V_CHANNEL, V_GIVEN, False, EXACT_FP8,
-                       BLOCK_T, Sq_al, Sq_al)
+                       BLOCK_T, Sq_al, Sq_al, NAN_SAFE=NAN_SAFE)
     else:
         _kv_quant_task(task, bh // H, bh % H, bh, K, V, KC, KS, VT, VS, S, n_kprog, amax_eps,
                        stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_vtd, S_al, n_vblk,
                        HEAD_DIM, BLOCK_T, V_BLOCK, QMAX, IS_INT8, QUANT_V, V_CHANNEL, V_GIVEN, K_PER_BLOCK, EXACT_FP8,
-                       min(BLOCK_T, V_BLOCK), S, KS_ROWS, SC_STRIDE, VPERM)
+                       min(BLOCK_T, V_BLOCK), S, KS_ROWS, SC_STRIDE, VPERM, NAN_SAFE)
 
 
 def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtype, v_granularity: str = "channel",
@@ -280,7 +304,7 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         HEAD_DIM=D, BLOCK_T=buf["block_t"], V_BLOCK=v_block, QMAX=QMAX[dtype], IS_INT8=dtype == torch.int8,
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=buf["given"],
         K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(), QUANT_Q=q is not None, SC_STRIDE=scale_pad,
-        VPERM=bool(vperm),
+        VPERM=bool(vperm), NAN_SAFE=NAN_SAFE,
         num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
     )
     return res
@@ -295,6 +319,7 @@ def _kv4_to_fp8_kernel(
     stride_vb, stride_vh, stride_vn, stride_vsb, stride_vsh,  # KV4 V
     H, amax_eps,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_FP8: tl.constexpr, VPERM: tl.constexpr = False,
+    NAN_SAFE: tl.constexpr = False,
 ):
     """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
     (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block."""
@@ -322,7 +347,7 @@ def _kv4_to_fp8_kernel(
     lo = (lo - ((lo & 8) << 1)).to(tl.float32)
     hi = (hi - ((hi & 8) << 1)).to(tl.float32)
     x = tl.reshape(tl.join(lo, hi), [BLOCK_T, HEAD_DIM]) * sc[:, None]
-    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps) / 448.0
+    scale = _eps_floor(tl.max(tl.max(_abs_operand(x, NAN_SAFE), 1), 0), amax_eps, NAN_SAFE) / 448.0
     codes = _quant_tile(x, scale, 448.0, False, EXACT_FP8)
     offs_d = tl.arange(0, HEAD_DIM)
     if is_v:
@@ -363,6 +388,7 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, v
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),
             H, AMAX_EPS,
-            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), num_warps=8 if D >= 128 else 4,
+            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), NAN_SAFE=NAN_SAFE,
+            num_warps=8 if D >= 128 else 4,
         )
     return kc, ks, vt, vs

@@ -65,6 +65,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import arg_specialization, resident_ctas
+from lowbit.kernels.act_quant import abs_or_inf, amax_floor
 
 LOG2E = 1.4426950408889634
 # Defaults = the fastest correct fp16-Q configuration of the device sweep (B=16, L=8k).
@@ -277,8 +278,8 @@ def _prologue(Q, LENS, CRSQ, qk_scale, SPLIT_LEN, Hkv, stride_qb, stride_qh, str
     if HAS_CRS:
         q = q * tl.load(CRSQ + h * 2 * HALF + d)[None, :]
     qe, qo = tl.split(tl.reshape(q, [BLOCK_M, HALF, 2]))  # even / odd channels
-    qmax = tl.maximum(tl.max(tl.abs(qe), axis=1), tl.max(tl.abs(qo), axis=1))
-    qmax = tl.maximum(qmax, 1e-30)
+    qmax = tl.maximum(tl.max(abs_or_inf(qe), axis=1), tl.max(abs_or_inf(qo), axis=1))
+    qmax = amax_floor(qmax, 1e-30)  # NaN for a non-finite query row: its scores and output are NaN
     if QK8 == 2:  # two INT8 planes: q * 127 / absmax = hi + lo / 254 (~15 bits); see _q8_planes
         qe16, qe_lo = _q8_planes(qe, qmax)
         qo16, qo_lo = _q8_planes(qo, qmax)
@@ -334,7 +335,7 @@ def _epilogue(acc_e, acc_o, m_i, l_i, O, OP, MP, LP, pid_bh, sid, b, h, m_idx, g
         tl.store(o_ptr, acc_e, mask=row_ok[:, None])  # padding rows are never written nor read
         tl.store(o_ptr + 1, acc_o, mask=row_ok[:, None])
     else:
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        inv = tl.where(l_i == 0, 0.0, 1.0 / l_i)  # NaN l (a NaN scale read) stays NaN
         o_ptr = O + b * stride_ob + (h * G + g)[:, None] * stride_oh + t[:, None] * stride_ot + 2 * j[None, :]
         tl.store(o_ptr, (acc_e * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(o_ptr + 1, (acc_o * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -606,7 +607,7 @@ def _combine_kernel(
             w = tl.exp2(tl.load(MP + rr, mask=ok, other=float("-inf")) - m_safe)
             part = tl.load(OP + rr[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
             acc += tl.sum(w[:, None] * part, axis=0)
-    inv = tl.where(l_tot > 0, 1.0 / l_tot, 0.0)
+    inv = tl.where(l_tot == 0, 0.0, 1.0 / l_tot)
     g = r // TQ
     t = r % TQ
     tl.store(O + b * stride_ob + (h * G + g) * stride_oh + t * stride_ot + d, (acc * inv).to(O.dtype.element_ty))
@@ -1202,7 +1203,9 @@ if HAS_GLUON:
         q = q.to(gl.float32)
         if HAS_CRS:
             q = q * gl.load(CRSQ + h * 2 * HALF + dq)[None, :]
-        qmax = gl.maximum(gl.max(gl.abs(q), axis=1), 1e-30)
+        qmax = gl.max(gl.where(q == q, gl.abs(q), float("inf")), axis=1)  # act_quant.abs_or_inf / amax_floor:
+        qmax = gl.maximum(gl.where(qmax == float("inf"), float("nan"), qmax), 1e-30,
+                          propagate_nan=tl.PropagateNan.ALL)  # NaN for a non-finite query row
         u = q / qmax[:, None] * 127.0
         hi = gl.floor(u + 0.5)
         lo = gl.floor((u - hi) * 254.0 + 0.5)
@@ -1294,7 +1297,7 @@ if HAS_GLUON:
             dst = OP
         else:  # O itself
             base = 0
-            inv = gl.where(l_i > 0, 1.0 / l_i, 0.0)
+            inv = gl.where(l_i == 0, 0.0, 1.0 / l_i)
             acc_e = acc_e * inv[None, :]
             acc_o = acc_o * inv[None, :]
             dst = O

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import check_page_writes
-from lowbit.kernels.act_quant import round_to_fp8_e4m3
+from lowbit.kernels.act_quant import abs_or_inf, round_to_fp8_e4m3
 from lowbit.kernels.rope import rope_row
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
@@ -66,12 +66,13 @@ def _no_clip(sn, su, lo, hi):
 def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
     """Even/odd halves of one row (fp32) -> (packed bytes uint8, scale fp32 (exactly the stored
     value), zero fp32). Numerics of ``lowbit.formats.kv4.quantize_kv4``."""
+    # a row with an Inf or a NaN: amax = inf (``abs_or_inf``), and the scale becomes NaN below
+    amax = tl.maximum(tl.max(abs_or_inf(xe), axis=0), tl.max(abs_or_inf(xo), axis=0))
     if ZERO_POINT:
         lo = tl.minimum(tl.minimum(tl.min(xe, axis=0), tl.min(xo, axis=0)), 0.0)
         hi = tl.maximum(tl.maximum(tl.max(xe, axis=0), tl.max(xo, axis=0)), 0.0)
         s = tl.maximum(hi - lo, 1e-12) / 15.0
     else:
-        amax = tl.maximum(tl.max(tl.abs(xe), axis=0), tl.max(tl.abs(xo), axis=0))
         s = tl.maximum(amax, 1e-12) / 7.0
     if SCALE_KIND == 1:  # float8_e4m3fn
         s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # floor 2^-9: no whole-token underflow
@@ -88,6 +89,7 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
         if ZERO_POINT:
             sn = _no_clip(sn, _ceil_to_grid(s, 128.0), lo, hi)
         s = sn
+    s = tl.where(amax == float("inf"), float("nan"), s)
     ye = tl.div_rn(xe, s)
     yo = tl.div_rn(xo, s)
     if ZERO_POINT:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, interpret_mode
-from lowbit.kernels.act_quant import round_to_fp8_e4m3
+from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _latent_quant_kernel(
         dst = rows
     if FP8:
         # lowbit.formats.common.safe_scale; IEEE divisions (div_rn) so the codes match the reference
-        scale = tl.maximum(tl.max(tl.abs(c), 1), 1e-12) * (1.0 / 448.0)
+        scale = amax_floor(tl.max(abs_or_inf(c), 1), 1e-12) * (1.0 / 448.0)  # NaN for a non-finite content
         inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         q = tl.minimum(tl.maximum(c * inv[:, None], -448.0), 448.0)
         tl.store(C + dst[:, None] * stride_c + offs_c[None, :], _cast(q, C.dtype.element_ty, INTERPRET),
