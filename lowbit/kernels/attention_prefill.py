@@ -587,10 +587,10 @@ def _attn_fwd(
         QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
         q_scale = _eps_floor(tl.max(_abs_operand(x, NAN_SAFE), 1), amax_eps, NAN_SAFE) / QMAXV
         y = x * tl.div_rn(q_scale * 0.0 + 1.0, q_scale)[:, None]  # reciprocal once per row (as the reference)
-        y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
-        if MODE == 0:
+        if MODE == 0:  # no clamp: the saturating convert keeps a NaN (attention_quant._quant_tile)
             q = _to_fp8(y, INTERPRET)
         else:
+            y = tl.minimum(tl.maximum(y, -QMAXV), QMAXV)
             q = ((y + 12582912.0) - 12582912.0).to(tl.int8)
     qs = q_scale * qk_scale  # sm_scale * log2(e) folded in
 

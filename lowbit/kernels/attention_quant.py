@@ -36,11 +36,11 @@ from lowbit.formats.common import AMAX_EPS, QMAX
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
-# Non-finite inputs (``LOWBIT_NAN_SAFE=1``, or set this attribute): the scale maxima of the prefill quantization
-# (this module's K / V / Q launch, the KV4 -> FP8 launch, the attention kernel's Q prologue) take NaN as +inf and an
-# infinite maximum as NaN (``act_quant.abs_or_inf``), so a NaN or Inf input reaches the attention output. Off by
-# default: it makes the quantization launch 29-35 % slower (H200, session 34, ``s34_nan_ab.json``: the launch is
-# issue-bound, not memory-bound) and the prefill call 3-16 %.
+# Non-finite inputs. The FP8 codes carry a NaN by themselves (``_quant_tile``). For the INT8 schemes, set
+# ``LOWBIT_NAN_SAFE=1`` (or this attribute): the scale maxima of the prefill quantization (this module's K / V / Q
+# launch, the KV4 -> FP8 launch, the attention kernel's Q prologue) then take NaN as +inf and an infinite maximum as
+# NaN (``act_quant.abs_or_inf``). Off by default: it makes the quantization launch 29-35 % slower (H200, session 34,
+# ``s34_nan_ab_r4_split.json``: the launch is issue-bound, not memory-bound) and the INT8 prefill call 2-16 %.
 NAN_SAFE = os.environ.get("LOWBIT_NAN_SAFE", "0") == "1"
 
 
@@ -62,11 +62,16 @@ def _eps_floor(amax, eps, NAN_SAFE: tl.constexpr):
 
 @triton.jit
 def _quant_tile(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, EXACT_FP8: tl.constexpr):
-    """fp32 tile * (1 / scale) (broadcast; the reciprocal IEEE-rounded once per scale) -> INT8 or
-    FP8 E4M3 codes (clamped, RNE)."""
+    """fp32 tile * (1 / scale) (broadcast; the reciprocal IEEE-rounded once per scale) -> INT8 (clamped) or
+    FP8 E4M3 codes, RNE. FP8 has no clamp (session 34): ``|x| <= amax`` keeps ``|y| <= 448 (1 + 2^-22)``,
+    which the GPU's ``cvt.rn.satfinite`` (the interpreter: ``round_to_fp8_e4m3``) rounds to 448, the clamped
+    reference's code; and ``satfinite`` keeps a NaN, so a non-finite Q, K or V element (NaN, or an Inf, which
+    makes its scale infinite and its code NaN) reaches the attention output without ``NAN_SAFE``, with two ALU
+    ops per element fewer (the launch 5 % faster, ``s34_nan_ab_r7_noclamp.json``). INT8 codes cannot hold a
+    NaN; without the clamp they also came out different (``max |diff|`` 1) and the launch slower there."""
     y = x * tl.div_rn(scale * 0.0 + 1.0, scale)
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if IS_INT8:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         c = ((y + 12582912.0) - 12582912.0).to(tl.int8)
     else:
         if EXACT_FP8:  # the interpreter's fp32->fp8 cast mis-rounds across binades
