@@ -8,9 +8,13 @@ process on the same inputs. The previous tree's package is a copy of commit 5418
 
 Parts: ``a`` prefill attention through ``api.attention`` (quantization included; B=4, H=32, D=128, S 1024 / 4096,
 causal and not; ``fp8``, ``fp8-kv4``, ``int8``, ``int8-qk``), ``d`` INT4-cache decode (``decode_kv4_triton``,
-B=16, 32/8 heads, D=128, L 8192 / 32768), ``q`` the prefill's two launches apart (``part_q``), ``m`` FP8 MLA decode (``mla_decode``, B=32, H=128, Sq=1, L=16384). Per
-case: max |old - new| on finite inputs (0 expected: the maxima only differ on NaN) and per-call us of each tree
-inside CUDA graphs, alternated 5 rounds (``alternate_us``; prefill: CUDA events, ``ab``). Writes ``s34_nan_ab.json``.
+B=16, 32/8 heads, D=128, L 8192 / 32768), ``q`` the prefill's two launches apart (``part_q``), ``m`` FP8 MLA
+decode (``mla_decode``, B=32, H=128, Sq=1, L=16384). Per case: max |old - new| on finite inputs (0 expected) and
+per-call us of each tree inside CUDA graphs, alternated 5 rounds (``alternate_us``; prefill: CUDA events, ``ab``).
+Writes ``s34_nan_ab.json``; the session's runs are committed as ``benchmarks/results/h200/s34_nan_ab_r*.json``:
+r2 a NaN-propagating row max in the attention loop, r3 NaN-safe quantizer maxima everywhere, r4 the two prefill
+launches apart (r3's tree), r5 the maxima behind ``LOWBIT_NAN_SAFE`` (off), r7 no clamp for FP8 and INT8 with
+NaN-safe INT8 maxima, r8 the committed form (FP8 without the clamp, INT8 unchanged unless ``LOWBIT_NAN_SAFE=1``).
 """
 import os
 import sys
