@@ -1,9 +1,8 @@
 """Session-34 A/B: NaN-propagating quantizers and softmax maxima (this session) against the previous tree, in one
 process on the same inputs. The previous tree's package is a copy of commit 541818b's ``lowbit`` renamed
-``lowbit_old`` (made by the command below, never committed); both are imported side by side.
+``lowbit_old`` (made by ``benchmarks/make_ab_tree.sh``, never committed); both are imported side by side.
 
-    git archive 541818b lowbit | tar -x -C /tmp/ab && mv /tmp/ab/lowbit .ab_old/lowbit_old &&
-      grep -rl lowbit .ab_old/lowbit_old | xargs sed -i 's/\\blowbit\\b/lowbit_old/g'
+    bash benchmarks/make_ab_tree.sh 541818b
     PYTHONPATH=$PWD:$PWD/.ab_old python3 benchmarks/device/s34_nan_ab.py --out DIR [--parts adm]
 
 Parts: ``a`` prefill attention through ``api.attention`` (quantization included; B=4, H=32, D=128, S 1024 / 4096,
