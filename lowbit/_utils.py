@@ -390,6 +390,55 @@ def _patch_triton_interpreter_39() -> None:
     builder._lowbit_patched_39 = True
 
 
+def _patch_triton_interpreter_e4m3_nan() -> None:
+    """Triton's interpreter converts FP8 E4M3 (``float8e4nv``) as if it had no NaN: the code 0x7F / 0xFF reads as
+    +-480 and a float NaN writes as 0x7C (384), where the GPU's ``cvt`` keeps NaN both ways (E4M3's only NaN is
+    S.1111.111). lowbit stores a non-finite input's scale as NaN (FP8 KV4 scales among them), so under the
+    interpreter its conversions are wrapped to keep NaN as the GPU does (session 34; ``tests/test_nonfinite.py``).
+    Every other value converts as before. Idempotent; a no-op if triton's internals differ."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    orig = getattr(ti, "_convert_float", None)
+    if orig is None or getattr(orig, "_lowbit_e4m3_nan", False):
+        return
+
+    def bits_of(a, width):
+        return np.frombuffer(a.tobytes(), dtype=getattr(np, f"uint{width}")).reshape(a.shape).astype(np.uint32)
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        out = orig(input, input_dtype, output_dtype, rounding_mode)
+        wi, wo = input_dtype.primitive_bitwidth, output_dtype.primitive_bitwidth
+        if input_dtype == tl.float8e4nv:
+            b = bits_of(input, 8)
+            nan = (b & 0x7F) == 0x7F
+        elif output_dtype == tl.float8e4nv and input_dtype.is_floating():
+            b = bits_of(input, wi)
+            mw = input_dtype.fp_mantissa_width
+            exp_all = ((b >> mw) & ((1 << (wi - mw - 1)) - 1)) == (1 << (wi - mw - 1)) - 1
+            nan = exp_all & ((b & ((1 << mw) - 1)) != 0)
+        else:
+            return out
+        if not nan.any():
+            return out
+        sign = (b >> (wi - 1)) & 1
+        mo = output_dtype.fp_mantissa_width
+        if output_dtype == tl.float8e4nv:
+            qnan = (1 << (wo - 1)) - 1
+        else:  # all-ones exponent, quiet bit
+            qnan = (((1 << (wo - mo - 1)) - 1) << mo) | (1 << (mo - 1))
+        out = out.copy()
+        out[nan] = ((sign[nan] << (wo - 1)) | qnan).astype(out.dtype)
+        return out
+
+    convert._lowbit_e4m3_nan = True
+    ti._convert_float = convert
+
+
 if interpret_mode():
     _patch_triton_interpreter()
     _patch_triton_interpreter_39()
+    _patch_triton_interpreter_e4m3_nan()

@@ -12,7 +12,7 @@ latent scale yet.
 What is checked, per path: every output row that reads the bad element (as float attention does) is non-finite here
 (the quantized paths may poison more rows: a V scale spans a block of keys, and Inf becomes NaN), a NaN query row
 poisons only its own row, and an untouched head (or sequence) stays finite. Kernels run compiled on CUDA and under
-the interpreter on the CPU; the interpreter reads E4M3 NaN as the GPU does (``tests/conftest.py``).
+the interpreter on the CPU; the interpreter reads E4M3 NaN as the GPU does (``lowbit._utils._patch_triton_interpreter_e4m3_nan``).
 """
 import pytest
 import torch

@@ -807,7 +807,7 @@ def attention_prefill_triton(q: torch.Tensor, k, ks, v, vs, *, mode: str, causal
         V_CHANNEL=vs is not None and vs.ndim == 4, EXP16=bool(exp16), P_BLOCK=bool(p_block), USE_TMA=use_tma,
         FUSE_KV=fuse, V_GIVEN=bool(fuse and fuse_from.get("given", False)),
         KV_CHUNK=int(cfg.get("kv_chunk", min(32, BN, v_block))), Q_PRE=q_codes is not None, Q_TMA=q_tma, WS=ws,
-        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)), VPERM=vperm, NAN_SAFE=_aq.NAN_SAFE,
+        INTERPRET=interpret_mode(), POLY=int(cfg.get("poly", 0)), VPERM=vperm, NAN_SAFE=_aq.NAN_SAFE and mode in ("int8", "int8-qk"),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not interpret_mode() and not ws else {}),
     )

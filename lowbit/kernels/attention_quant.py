@@ -37,8 +37,8 @@ from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
 # Non-finite inputs. The FP8 codes carry a NaN by themselves (``_quant_tile``). For the INT8 schemes, set
-# ``LOWBIT_NAN_SAFE=1`` (or this attribute): the scale maxima of the prefill quantization (this module's K / V / Q
-# launch, the KV4 -> FP8 launch, the attention kernel's Q prologue) then take NaN as +inf and an infinite maximum as
+# ``LOWBIT_NAN_SAFE=1`` (or this attribute): the INT8 scale maxima of the prefill quantization (this module's K / V /
+# Q launch, the attention kernel's Q prologue; the launchers pass it to INT8 launches only) then take NaN as +inf and an infinite maximum as
 # NaN (``act_quant.abs_or_inf``). Off by default: it makes the quantization launch 29-35 % slower (H200, session 34,
 # ``s34_nan_ab_r4_split.json``: the launch is issue-bound, not memory-bound) and the INT8 prefill call 2-16 %.
 NAN_SAFE = os.environ.get("LOWBIT_NAN_SAFE", "0") == "1"
@@ -309,7 +309,7 @@ def quantize_kv_triton(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.
         HEAD_DIM=D, BLOCK_T=buf["block_t"], V_BLOCK=v_block, QMAX=QMAX[dtype], IS_INT8=dtype == torch.int8,
         QUANT_V=v is not None, V_CHANNEL=v_granularity == "channel", V_GIVEN=buf["given"],
         K_PER_BLOCK=k_block is not None, EXACT_FP8=interpret_mode(), QUANT_Q=q is not None, SC_STRIDE=scale_pad,
-        VPERM=bool(vperm), NAN_SAFE=NAN_SAFE,
+        VPERM=bool(vperm), NAN_SAFE=NAN_SAFE and dtype == torch.int8,  # FP8 codes carry a NaN themselves
         num_warps=num_warps or 4,  # H200: 4 warps 0.112 ms vs 8 warps 0.127 ms (fp8, S=4096)
     )
     return res
@@ -324,7 +324,6 @@ def _kv4_to_fp8_kernel(
     stride_vb, stride_vh, stride_vn, stride_vsb, stride_vsh,  # KV4 V
     H, amax_eps,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_FP8: tl.constexpr, VPERM: tl.constexpr = False,
-    NAN_SAFE: tl.constexpr = False,
 ):
     """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
     (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block."""
@@ -352,7 +351,7 @@ def _kv4_to_fp8_kernel(
     lo = (lo - ((lo & 8) << 1)).to(tl.float32)
     hi = (hi - ((hi & 8) << 1)).to(tl.float32)
     x = tl.reshape(tl.join(lo, hi), [BLOCK_T, HEAD_DIM]) * sc[:, None]
-    scale = _eps_floor(tl.max(tl.max(_abs_operand(x, NAN_SAFE), 1), 0), amax_eps, NAN_SAFE) / 448.0
+    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps) / 448.0  # a NaN KV4 scale: NaN codes
     codes = _quant_tile(x, scale, 448.0, False, EXACT_FP8)
     offs_d = tl.arange(0, HEAD_DIM)
     if is_v:
@@ -393,7 +392,6 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, v
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),
             H, AMAX_EPS,
-            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), NAN_SAFE=NAN_SAFE,
-            num_warps=8 if D >= 128 else 4,
+            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), num_warps=8 if D >= 128 else 4,
         )
     return kc, ks, vt, vs
