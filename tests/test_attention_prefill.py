@@ -307,7 +307,29 @@ def test_fp8_kv4_prequantized_matches_float_path(dev):
     vc, vs, _ = quantize_kv4(v)
     a = ap.fp8_kv4_attention(q.to(dev), causal=True, kv4=tuple(t.to(dev) for t in (kc, ks, vc, vs))).cpu()
     b = ap.fp8_kv4_attention(q.to(dev), k.to(dev), v.to(dev), causal=True).cpu()
-    torch.testing.assert_close(a, b)
+    assert torch.equal(a, b)  # the float path's in-launch KV4 quantization is quantize_kv4, bit for bit
+
+
+@pytest.mark.parametrize("vperm", [False, True])
+def test_kv4_to_fp8_from_float_is_the_two_step_conversion(dev, vperm):
+    """``kv4_to_fp8_triton(from_float=True)`` (float K / V quantized to KV4 in registers) writes exactly what the
+    conversion of ``quantize_kv4``'s codes writes: 45 keys over blocks of 32 (a ragged last block), D = 64, a zero
+    row, and a NaN row (its block's FP8 codes and scale go NaN either way)."""
+    from lowbit.formats.kv4 import quantize_kv4
+    from lowbit.kernels.attention_quant import kv4_to_fp8_triton
+
+    _, k, v = _qkv(2, 2, 2, 1, 45, 64, seed=4)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    k[0, 1, 7] = 0.0
+    v[1, 0, 40, 3] = float("nan")
+    codes = (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2])
+    want = kv4_to_fp8_triton(*(t.to(dev) for t in codes), block=32, vperm=vperm)
+    got = kv4_to_fp8_triton(k.to(dev), None, v.to(dev), None, block=32, vperm=vperm, from_float=True)
+    for a, b in zip(got, want):
+        a, b = a.cpu(), b.cpu()
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b) or (a.dtype == torch.float32 and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
 
 
 # ------------------------------------------------------------------ errors, registration
@@ -355,6 +377,8 @@ def test_opcheck_and_compile():
     kc, ks, _ = quantize_kv4(k, scale_dtype=torch.float32)  # schema check cannot compare fp8 tensors
     vc, vs, _ = quantize_kv4(v, scale_dtype=torch.float32)
     torch.library.opcheck(torch.ops.lowbit.fp8_kv4_attention_prefill.default, (q, kc, ks, vc, vs, False, 0.25, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.lowbit.fp8_kv4_attention_float_prefill.default, (q, k, v, True, 0.25),
                           test_utils=("test_schema", "test_faketensor"))
     f = torch.compile(lambda a, b, c: ap.fp8_attention(a, b, c, causal=True), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q, k, v), ap.fp8_attention(q, k, v, causal=True))

@@ -121,3 +121,27 @@ def test_bytes_per_row():
     assert kv4_bytes_per_row(128) == 65
     assert kv4_bytes_per_row(128, zero_point=True) == 66
     assert kv4_bytes_per_row(64, scale_dtype=torch.bfloat16) == 34
+
+
+def test_scale_ties_are_ieee_on_every_device():
+    """Decision test (``formats.common.div_ieee``): the scale is ``RN_E4M3(amax / 7)`` with the quotient correctly
+    rounded. bf16 rows with amax = 17 * 7 / 16 have amax / 7 = 1.0625 exactly, a tie between E4M3's 1.0 and 1.125
+    that goes to the even 1.0; the reciprocal multiply of PyTorch's CUDA scalar division (1.0625 + 1 ulp) would give
+    1.125. The same tie in ``w4a8-fp8``'s group scales. On a GPU, CUDA and CPU must agree bit for bit."""
+    from lowbit.formats.w4a8_fp8 import quantize_weight
+
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    x[:, 0] = torch.tensor([17, 19, 21]) * 7 / 16  # quotients 1.0625, 1.1875, 1.3125: ties to 1.0, 1.25, 1.25
+    _, scale, _ = quantize_kv4(x)
+    assert scale.float().tolist() == [1.0, 1.25, 1.25]
+    assert quantize_weight(x.float(), 64)[1].float()[:, 0].tolist() == [1.0, 1.25, 1.25]
+    if torch.cuda.is_available():
+        g = torch.Generator().manual_seed(0)
+        w = (torch.randint(1, 64, (64, 256), generator=g) * 7 / 16).to(torch.bfloat16)
+        for zp in (False, True):
+            cpu, cuda = quantize_kv4(w, zero_point=zp), quantize_kv4(w.cuda(), zero_point=zp)
+            assert all(torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
+                       for a, b in zip(cpu, cuda) if a is not None)
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, (b.cpu().view(torch.uint8)
+                               if b.dtype == FP8 else b.cpu()))
+                   for a, b in zip(quantize_weight(w.float(), 64), quantize_weight(w.float().cuda(), 64)))

@@ -110,6 +110,68 @@ def test_append_kernel_zero_point_scales_never_clip(sd):
     assert (ks.float() != near).any()  # the rounded-up path ran
 
 
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 3), S=st.integers(1, 37), D=st.sampled_from((16, 32, 64, 24)),
+       xdt=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)), strided=st.booleans(),
+       bad=st.sampled_from((None, float("nan"), float("inf"))))
+def test_kv4_quantize_is_the_format(B, H, S, D, xdt, strided, bad):
+    """``ops.kv4_quantize`` (the append launch over one page per sequence; D = 24 takes the reference) equals
+    ``quantize_kv4`` bit for bit: scales (NaN for a non-finite row) and the codes of every finite row."""
+    g = torch.Generator().manual_seed(B * 1000 + S * 10 + D)
+    k = (torch.randn(B, S, H, D, generator=g) * 4).to(xdt)
+    v = torch.randn(B, S, H, D, generator=g).to(xdt)
+    k, v = (t.transpose(1, 2) if strided else t.transpose(1, 2).contiguous() for t in (k, v))
+    k[0, 0, 0] = 0.0  # an all-zero row: the scale floor, codes 0
+    if bad is not None:
+        v[-1, -1, S // 2, D // 3] = bad
+    out = ops.kv4_quantize(k.to(DEV), v.to(DEV))
+    want = (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2])
+    for i, (a, w) in enumerate(zip(out, want)):
+        a = a.cpu()
+        assert a.shape == w.shape and a.dtype == w.dtype
+        if i in (0, 2):  # a non-finite row's codes are unspecified
+            ok = ~out[i + 1].cpu().float().isnan()
+            a, w = a[ok], w[ok]
+        assert _same(a, w), i
+
+
+@pytest.mark.parametrize("fast", (False, True))
+@pytest.mark.parametrize("zp", (False, True))
+@pytest.mark.parametrize("sd", (FP8, torch.bfloat16, torch.float32))
+def test_kv4_quantize_kernel_numerics(zp, sd, fast):
+    """The dense launcher with zero points and every scale dtype, 19 tokens over tiles of 8 (a ragged last tile),
+    IEEE or Markstein (``fast``) quotients: ``quantize_kv4`` bit for bit, on bf16 rows whose amax / 7 are exact E4M3
+    rounding ties (multiples of 7 / 16)."""
+    import triton
+
+    from lowbit.kernels.kv4_append import kv4_quantize_triton
+
+    if fast and DEV == "cpu" and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip("this Triton's interpreter rounds tl.fma twice")
+
+    g = torch.Generator().manual_seed(5)
+    k = (torch.randn(2, 3, 19, 32, generator=g) * 2).to(torch.bfloat16)
+    k[..., 0] = (torch.randint(1, 40, (2, 3, 19), generator=g) * 7 / 16).to(torch.bfloat16)  # the row amax
+    k = k.clamp(-k[..., :1].abs(), k[..., :1].abs())
+    v = torch.randn(2, 3, 19, 32, generator=g).to(torch.bfloat16)
+    out = kv4_quantize_triton(k.to(DEV), v.to(DEV), zero_point=zp, scale_dtype=sd, rows=8, fast=fast)
+    for x, (c, sc, z) in ((k, (out[0], out[1], out[4])), (v, (out[2], out[3], out[5]))):
+        wc, ws, wz = quantize_kv4(x, zero_point=zp, scale_dtype=sd)
+        assert _same(c.cpu(), wc) and _same(sc.cpu(), ws) and _same(None if z is None else z.cpu(), wz)
+
+
+def test_kv4_quantize_errors_and_opcheck():
+    k = torch.randn(1, 2, 5, 32)
+    with pytest.raises(ValueError, match="even head_dim"):
+        ops.kv4_quantize(k[..., :31], k[..., :31])
+    with pytest.raises(ValueError, match="v must have shape"):
+        ops.kv4_quantize(k, k[:, :1])
+    with pytest.raises(TypeError, match="v must have dtype"):
+        ops.kv4_quantize(k, k.half())
+    torch.library.opcheck(torch.ops.lowbit.kv4_quantize.default, (k.to(DEV), k.to(DEV)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_append_ref_matches_format_and_rope():
     """The reference writes quantize_kv4(rope(k) * crs) at the right (page, offset)."""
     from lowbit.formats.kv4 import quantize_kv4

@@ -69,8 +69,8 @@ from __future__ import annotations
 import torch
 
 from lowbit._utils import cached_dense
-from lowbit.formats.common import (AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, quantize_per_token, silu_mul_ref,
-                                   tile_rows, untile_rows)
+from lowbit.formats.common import (AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, div_ieee, quantize_per_token,
+                                   silu_mul_ref, tile_rows, untile_rows)
 
 GROUP_SIZES = (32, 64, 128)
 PACK_BLOCK = 128  # columns per reorder block (= the kernel's BLOCK_K)
@@ -145,7 +145,7 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
     wf = w.float() * (2.0 ** pts_exp)
     wg = torch.nn.functional.pad(wf, (0, kg - k)).reshape(n, g, group_size)
     amax = wg.abs().amax(-1)
-    sigma = fp8_round(amax.clamp_min(AMAX_EPS) / INT4_MAX)  # [N, G], may be 0 (underflow)
+    sigma = fp8_round(div_ieee(amax.clamp_min(AMAX_EPS), INT4_MAX))  # [N, G], may be 0 (underflow); IEEE on any device
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
     q = torch.round(wg / safe.unsqueeze(-1)).clamp(-7, 7)
     q = torch.where(sigma.unsqueeze(-1) > 0, q, torch.zeros_like(q))

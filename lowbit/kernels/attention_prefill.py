@@ -296,10 +296,12 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
                  MODE: tl.constexpr, KV4: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,  #
                  K_PER_BLOCK: tl.constexpr, V_CHANNEL: tl.constexpr, EXP16: tl.constexpr,  #
                  P_BLOCK: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr, INTERPRET: tl.constexpr,
-                 POLY: tl.constexpr = 0, VPERM: tl.constexpr = 0):
+                 POLY: tl.constexpr = 0, VPERM: tl.constexpr = 0, NAN_SAFE: tl.constexpr = False):
     """KV blocks [lo, hi) of one query block; ``MASK`` adds the tail / causal masks. ``WS``:
     Triton's automatic warp specialization of the loop (every load is a TMA descriptor load then,
-    the per-block K / V scales included: ``ksrow`` / ``vsrow`` index their 1-D descriptors)."""
+    the per-block K / V scales included: ``ksrow`` / ``vsrow`` index their 1-D descriptors).
+    ``NAN_SAFE`` (INT8): a NaN K scale in the block (a non-finite key) is added to l as ``0 * scale``, because the
+    integer P codes and row sums would drop the NaN its scores carry; every row that reads the block turns NaN."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -408,6 +410,11 @@ def _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, lo, hi,  #
             if P_BLOCK:
                 rs = rs * beta
             l_i = l_i * alpha + rs
+            if NAN_SAFE:  # 0, or NaN for a non-finite key in the block (docstring)
+                if K_PER_BLOCK:
+                    l_i = l_i + qsb * 0.0
+                else:
+                    l_i = l_i + tl.sum(ks * 0.0, 0)
         elif EXP16:
             l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
         else:
@@ -641,12 +648,12 @@ def _attn_fwd(
                                  Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, False, K_PER_BLOCK, V_CHANNEL,
-                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM)
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM, NAN_SAFE)
     acc, l_i, m_i, c_acc = _attn_blocks(acc, l_i, m_i, c_acc, q, qs, m0, n_full, hi,  #
                                  Kb, KSb, Vb, VSb, Skv, causal_off, krow, vrow, ksrow, vsrow,  #
                                  stride_kn, stride_ksn, stride_vr, stride_vsn,  #
                                  HEAD_DIM, BLOCK_M, BLOCK_N, V_BLOCK, MODE, KV4, CAUSAL, True, K_PER_BLOCK, V_CHANNEL,
-                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM)
+                                 EXP16, P_BLOCK, USE_TMA, WS, INTERPRET, POLY, VPERM, NAN_SAFE)
     if NAN_SAFE:  # a NaN l (a non-finite input) stays NaN
         den = tl.maximum(l_i, 1e-30, propagate_nan=tl.PropagateNan.ALL)
     else:

@@ -34,6 +34,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS, QMAX
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
+from lowbit.kernels.kv4_append import _quantize_row
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
 # Non-finite inputs. The FP8 codes carry a NaN by themselves (``_quant_tile``). For the INT8 schemes, set
@@ -324,9 +325,12 @@ def _kv4_to_fp8_kernel(
     stride_vb, stride_vh, stride_vn, stride_vsb, stride_vsh,  # KV4 V
     H, amax_eps,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT_FP8: tl.constexpr, VPERM: tl.constexpr = False,
+    FROM_FLOAT: tl.constexpr = False,
 ):
     """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
-    (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block."""
+    (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block. ``FROM_FLOAT``: KC / VC are
+    float K / V ``[B, H, S, D]`` (the code strides are theirs; KS / VS unused), quantized to KV4 here first
+    (``kv4_append._quantize_row``, ``quantize_kv4``'s numerics), so the KV4 codes never reach memory."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -336,7 +340,18 @@ def _kv4_to_fp8_kernel(
     offs_t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.arange(0, HEAD_DIM // 2)
     tmask = offs_t < S
-    if is_v:
+    if FROM_FLOAT:  # float rows -> KV4 codes and scales in registers
+        offs_f = tl.arange(0, HEAD_DIM)
+        if is_v:
+            xf = tl.load(VC + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+                         + offs_t[:, None].to(tl.int64) * stride_vn + offs_f[None, :], mask=tmask[:, None], other=0.0)
+        else:
+            xf = tl.load(KC + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+                         + offs_t[:, None].to(tl.int64) * stride_kn + offs_f[None, :], mask=tmask[:, None], other=0.0)
+        xe, xo = tl.split(tl.reshape(xf.to(tl.float32), [BLOCK_T, HEAD_DIM // 2, 2]))
+        packed, sc, _ = _quantize_row(xe, xo, False, 1, 1, not EXACT_FP8)
+        sc = tl.where(tmask, sc, 0.0)
+    elif is_v:
         packed = tl.load(VC + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
                          + offs_t[:, None].to(tl.int64) * stride_vn + offs_h[None, :], mask=tmask[:, None], other=0)
         sc = tl.load(VS + b.to(tl.int64) * stride_vsb + h.to(tl.int64) * stride_vsh + offs_t,
@@ -367,13 +382,21 @@ def _kv4_to_fp8_kernel(
         tl.store(OK + row[:, None] * HEAD_DIM + offs_d[None, :], codes, mask=tmask[:, None])
 
 
-def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, vperm: bool = False):
+def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, vperm: bool = False,
+                      from_float: bool = False, num_warps: int | None = None):
     """KV4 K/V (codes ``[B, H, S, D/2]`` uint8, scales ``[B, H, S]``) -> the ``fp8`` scheme's
     operands with one scale per ``block`` keys: (kc ``[B, H, S, D]``, ks ``[B, H, NB]``,
     vt ``[B, H, D, S_al]`` transposed, vs ``[B, H, NB]``); numerics of
-    ``quantize_k_block(dequantize_kv4(...), fp8, block)``. ``vperm``: V^T in the ``VPERM`` key order."""
-    B, H, S, D2 = k_codes.shape
-    D = 2 * D2
+    ``quantize_k_block(dequantize_kv4(...), fp8, block)``. ``vperm``: V^T in the ``VPERM`` key order.
+    ``from_float``: ``k_codes`` / ``v_codes`` are float K / V ``[B, H, S, D]`` (D a power of two, unit stride on D;
+    the scales are None), quantized to KV4 (``quantize_kv4``) inside the same launch."""
+    if from_float:
+        B, H, S, D = k_codes.shape
+        D2 = D // 2
+        k_scale, v_scale = k_codes, v_codes  # placeholders: FROM_FLOAT never reads them
+    else:
+        B, H, S, D2 = k_codes.shape
+        D = 2 * D2
     dev = k_codes.device
     al = 32 if vperm else 16
     nb, s_al = cdiv(S, block), -(-S // al) * al
@@ -392,6 +415,7 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, v
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),
             H, AMAX_EPS,
-            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), num_warps=8 if D >= 128 else 4,
+            HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), FROM_FLOAT=bool(from_float),
+            num_warps=num_warps or (16 if D >= 128 else 4),  # 16: H200 s35 (s35_ab_r4 part k), 7-11 % over 8
         )
     return kc, ks, vt, vs

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import check_page_writes
-from lowbit.kernels.act_quant import abs_or_inf, round_to_fp8_e4m3
+from lowbit.kernels.act_quant import _div_fast, abs_or_inf, round_to_fp8_e4m3
 from lowbit.kernels.rope import rope_row
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
@@ -63,17 +63,31 @@ def _no_clip(sn, su, lo, hi):
 
 
 @triton.jit
-def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
-    """Even/odd halves of one row (fp32) -> (packed bytes uint8, scale fp32 (exactly the stored
-    value), zero fp32). Numerics of ``lowbit.formats.kv4.quantize_kv4``."""
-    # a row with an Inf or a NaN: amax = inf (``abs_or_inf``), and the scale becomes NaN below
-    amax = tl.maximum(tl.max(abs_or_inf(xe), axis=0), tl.max(abs_or_inf(xo), axis=0))
-    if ZERO_POINT:
-        lo = tl.minimum(tl.minimum(tl.min(xe, axis=0), tl.min(xo, axis=0)), 0.0)
-        hi = tl.maximum(tl.maximum(tl.max(xe, axis=0), tl.max(xo, axis=0)), 0.0)
-        s = tl.maximum(hi - lo, 1e-12) / 15.0
+def _col(s, AXIS: tl.constexpr):
+    """A per-row value broadcast against the row's elements: as is (one row, ``AXIS`` 0), or ``s[:, None]``."""
+    if AXIS == 1:
+        return s[:, None]
     else:
-        s = tl.maximum(amax, 1e-12) / 7.0
+        return s
+
+
+@triton.jit
+def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, AXIS: tl.constexpr = 0,
+                  FAST: tl.constexpr = False):
+    """Even/odd halves of one row (fp32, ``[HALF]``; or of a tile of rows ``[R, HALF]`` with ``AXIS`` 1) ->
+    (packed bytes uint8, scale fp32 (exactly the stored value), zero fp32), per row. Numerics of
+    ``lowbit.formats.kv4.quantize_kv4``. ``FAST`` (GPU only): ``x / s`` as ``act_quant._div_fast`` from the row's
+    correctly rounded reciprocal (3 FP ops, the same IEEE quotient) instead of ``div_rn`` per element."""
+    # a row with an Inf or a NaN: amax = inf (``abs_or_inf``), and the scale becomes NaN below
+    amax = tl.maximum(tl.max(abs_or_inf(xe), axis=AXIS), tl.max(abs_or_inf(xo), axis=AXIS))
+    if ZERO_POINT:
+        lo = tl.minimum(tl.minimum(tl.min(xe, axis=AXIS), tl.min(xo, axis=AXIS)), 0.0)
+        hi = tl.maximum(tl.maximum(tl.max(xe, axis=AXIS), tl.max(xo, axis=AXIS)), 0.0)
+        s = tl.div_rn(tl.maximum(hi - lo, 1e-12), 15.0)
+    else:
+        # IEEE division (``/`` is div.full.f32 on the GPU, up to 2 ulp off): a bf16 row's amax / 7 can be exactly an
+        # E4M3 rounding tie, which the approximate quotient breaks the wrong way (found on the H200, session 35)
+        s = tl.div_rn(tl.maximum(amax, 1e-12), 7.0)
     if SCALE_KIND == 1:  # float8_e4m3fn
         s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)  # floor 2^-9: no whole-token underflow
         sub = tl.ceil(s * 512.0) / 512.0  # subnormal range: round up to a multiple of 2^-9
@@ -90,13 +104,18 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
             sn = _no_clip(sn, _ceil_to_grid(s, 128.0), lo, hi)
         s = sn
     s = tl.where(amax == float("inf"), float("nan"), s)
-    ye = tl.div_rn(xe, s)
-    yo = tl.div_rn(xo, s)
+    if FAST:
+        rcp = _col(tl.div_rn(s * 0.0 + 1.0, s), AXIS)
+        ye = _div_fast(xe, _col(s, AXIS), rcp)
+        yo = _div_fast(xo, _col(s, AXIS), rcp)
+    else:
+        ye = tl.div_rn(xe, _col(s, AXIS))
+        yo = tl.div_rn(xo, _col(s, AXIS))
     if ZERO_POINT:
         z = _rint(tl.div_rn(-lo, s))
         z = tl.minimum(tl.maximum(z, 0.0), 15.0)
-        qe = tl.minimum(tl.maximum(_rint(ye) + z, 0.0), 15.0)
-        qo = tl.minimum(tl.maximum(_rint(yo) + z, 0.0), 15.0)
+        qe = tl.minimum(tl.maximum(_rint(ye) + _col(z, AXIS), 0.0), 15.0)
+        qo = tl.minimum(tl.maximum(_rint(yo) + _col(z, AXIS), 0.0), 15.0)
     else:
         z = 0.0
         qe = tl.minimum(tl.maximum(_rint(ye), -7.0), 7.0)
@@ -218,6 +237,77 @@ def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, star
     ``lowbit.kernels.rope`` (the eager half-precision ops), saving the runner a launch per layer."""
     _launch(k, v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_table, start, cos, sin, crs_k,
             interleaved, q, q_out, float_pages=False)
+
+
+@triton.jit
+def _quantize_tile(X, C, SC, Z, x_off, row0, t, ok, stride_t, HALF: tl.constexpr, ROWS: tl.constexpr,
+                   ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, FAST: tl.constexpr):
+    """Rows ``t`` of one (sequence, head) of X (``x_off`` + ``t * stride_t``, unit stride on D) -> KV4 codes, scales
+    (and zeros) at dense rows ``row0 + t``. The row is loaded whole (16-byte loads) and split into its even / odd
+    channels, the low / high nibbles."""
+    d = tl.arange(0, 2 * HALF)
+    x = tl.load(X + x_off + t[:, None].to(tl.int64) * stride_t + d[None, :], mask=ok[:, None], other=0.0)
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32), [ROWS, HALF, 2]))
+    packed, s, z = _quantize_row(xe, xo, ZERO_POINT, SCALE_KIND, 1, FAST)
+    rows = row0 + t
+    j = tl.arange(0, HALF)
+    tl.store(C + rows[:, None] * HALF + j[None, :], packed, mask=ok[:, None])
+    tl.store(SC + rows, s.to(SC.dtype.element_ty), mask=ok)
+    if ZERO_POINT:
+        tl.store(Z + rows, z.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _kv4_quantize_kernel(K, V, KC, KS, KZ, VC, VS, VZ, S, H,
+                         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                         HALF: tl.constexpr, ROWS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
+                         FAST: tl.constexpr):
+    """``ROWS`` tokens of one (sequence, KV head) per program, K and V: dense KV4 (``kv4_quantize_triton``)."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    t = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = t < S
+    row0 = bh.to(tl.int64) * S
+    _quantize_tile(K, KC, KS, KZ, b * stride_kb + h * stride_kh, row0, t, ok, stride_kt, HALF, ROWS, ZERO_POINT,
+                   SCALE_KIND, FAST)
+    _quantize_tile(V, VC, VS, VZ, b * stride_vb + h * stride_vh, row0, t, ok, stride_vt, HALF, ROWS, ZERO_POINT,
+                   SCALE_KIND, FAST)
+
+
+# tokens per program and warps of ``kv4_quantize_triton`` (H200, session 35: ``benchmarks/device/s35_ab.py`` part k)
+QUANT_ROWS = 32
+QUANT_WARPS = 4
+
+
+def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.float8_e4m3fn, rows: int | None = None,
+                        num_warps: int | None = None, fast: bool | None = None):
+    """Dense KV4 quantization of whole sequences, no RoPE and no CRS: k, v ``[B, Hkv, S, D]`` (D a power of two,
+    unit stride on D) -> ``(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero)`` with codes uint8
+    ``[B, Hkv, S, D/2]``, scales ``scale_dtype [B, Hkv, S]`` and zeros uint8 ``[B, Hkv, S]`` (None without
+    ``zero_point``): bit for bit ``lowbit.formats.kv4.quantize_kv4`` of each (the append kernel's row numerics,
+    ``_quantize_row``, on tiles of ``rows`` tokens)."""
+    from lowbit._utils import interpret_mode
+
+    B, H, S, D = k.shape
+    dev = k.device
+    kc = torch.empty(B, H, S, D // 2, dtype=torch.uint8, device=dev)
+    vc = torch.empty_like(kc)
+    ks = torch.empty(B, H, S, dtype=scale_dtype, device=dev)
+    vs = torch.empty_like(ks)
+    kz = torch.empty(B, H, S, dtype=torch.uint8, device=dev) if zero_point else None
+    vz = torch.empty_like(kz) if zero_point else None
+    if B * H * S == 0:
+        return kc, ks, vc, vs, kz, vz
+    rows = rows or QUANT_ROWS
+    _kv4_quantize_kernel[(triton.cdiv(S, rows), B * H)](
+        k, v, kc, ks, kz if zero_point else ks, vc, vs, vz if zero_point else vs, S, H,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        HALF=D // 2, ROWS=rows, ZERO_POINT=zero_point,
+        SCALE_KIND={torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[scale_dtype],
+        FAST=not interpret_mode() if fast is None else bool(fast), num_warps=num_warps or QUANT_WARPS,
+    )
+    return kc, ks, vc, vs, kz, vz
 
 
 def float_append_triton(k, v, k_cache, v_cache, page_table, start, *, cos=None, sin=None, q=None, q_out=None):

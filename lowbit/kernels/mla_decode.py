@@ -457,9 +457,9 @@ def _softmax_step(s, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, FP8: tl.constex
         # <= 1: sigma folded into the online-softmax rescale (exactly 1 where neither m nor sigma moved)
         r = tl.where(sig_new == sig_keep, 1.0, sig_keep * inv_sig)
         if PV16:  # P / sigma in fp16 (11-bit mantissa) against V upcast to fp16 (exact)
-            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), tl.float16, INTERPRET)
+            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL), tl.float16, INTERPRET)
         else:
-            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), V_DTYPE, INTERPRET)
+            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0, propagate_nan=tl.PropagateNan.ALL), V_DTYPE, INTERPRET)
         l_new = l_i * r + tl.sum(p, 1) * inv_sig
         return p_op, r, m_new, l_new, sig_new
     elif FP8:  # variant: bf16 P * s_k against the exactly upcast FP8 latent
@@ -491,7 +491,8 @@ def _softmax_step_t(t, qscale, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, BLOCK
     if BLOCK_RULE:
         sig_new = tl.maximum(sig_keep, tl.max(ks, 0) * (1.0 / 448.0))
         r = tl.where(sig_new == sig_keep, 1.0, sig_keep / sig_new)
-        e = tl.exp2(t * qscale[:, None] - (m_safe + tl.log2(sig_new))[:, None])  # p / sigma
+        # p / sigma; log2 floored: a block that sees no key has sig_new = 0 (exp2(-inf + inf) would be NaN)
+        e = tl.exp2(t * qscale[:, None] - (m_safe + tl.log2(tl.maximum(sig_new, 1e-30)))[:, None])
         pv = e * ks[None, :]
         l_new = l_i * r + tl.sum(e, 1)
     else:
@@ -503,7 +504,7 @@ def _softmax_step_t(t, qscale, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, BLOCK
         pv = pt * inv_sig[:, None]
         l_new = l_i * r + tl.sum(p, 1) * inv_sig
     if INTERPRET:  # the GPU's cvt.rn.satfinite clamps the rounding overshoot past 448 by itself
-        pv = tl.minimum(pv, 448.0)
+        pv = tl.minimum(pv, 448.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as in the cvt
     return _cast(pv, V_DTYPE, INTERPRET), r, m_new, l_new, sig_new
 
 
@@ -666,12 +667,12 @@ def _mla_decode_kernel(
 
     if TOKENS_M:
         acc = tl.trans(acc)
-    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    inv_l = tl.where(l_i == 0, 0.0, 1.0 / l_i)  # a NaN l (a NaN latent scale) stays NaN
     offs_v = dv0 + tl.arange(0, BLOCK_DV)
     out = acc * inv_l[:, None]
     if SPLIT:
         ell = l_i * sig_i if (FP8 and PV_FP8) else l_i
-        lse = tl.where(l_i > 0, m_i + tl.log2(ell), float("-inf"))
+        lse = tl.where(l_i == 0, float("-inf"), m_i + tl.log2(ell))
         tl.store(LSE + pid_s * stride_ls + rows, lse, mask=row_ok & (dv0 == 0))  # equal in every column slice
         tl.store(O + pid_s * stride_os + rows[:, None] * stride_o + offs_v[None, :], out, mask=row_ok[:, None])
     else:

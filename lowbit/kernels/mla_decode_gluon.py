@@ -50,6 +50,7 @@ import torch
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    import triton.language as tl  # tl.PropagateNan (Gluon has no alias)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2 as _mma_v2
 
@@ -183,7 +184,7 @@ if HAS_GLUON:
         m_i = m_new
         sig_i = sig_new
         if PV16:
-            p16 = gl.minimum(pv, 448.0).to(gl.float16)
+            p16 = gl.minimum(pv, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float16)
         else:
             p16 = pv.to(gl.float8e4nv).to(gl.float16)  # cvt.rn.satfinite: P̂ <= 448, exact upcast
         # P̂ (a copy per warp: its A operand) and the rows' rescale factors to every warp through shared memory
@@ -325,7 +326,7 @@ if HAS_GLUON:
         sig_i = gl.convert_layout(sig_i, row_l)
         r_idx = r0 + gl.arange(0, BM, layout=row_l)
         row_ok = r_idx < ROWS
-        inv = gl.expand_dims(gl.expand_dims(gl.where(l_i > 0, 1.0 / l_i, 0.0), 1), 0)
+        inv = gl.expand_dims(gl.expand_dims(gl.where(l_i == 0, 0.0, 1.0 / l_i), 1), 0)
         # acc0 / acc1: the even / odd columns of the warp's first 64, acc2 / acc3: of its last 64
         col = (wo * KW)[:, None, None] + 2 * ko[None, None, :]
         C1: gl.constexpr = 1
@@ -333,7 +334,7 @@ if HAS_GLUON:
         C3: gl.constexpr = KW // 2 + 1
         ok = (ro < ROWS)[None, :, None] & (col < DC)
         if SPLIT:  # the split's base-2 LSE beside its fp32 partial (one split: O is the output, stride_os is 0)
-            lse = gl.where(l_i > 0, m_i + gl.log2(l_i * sig_i), float("-inf"))
+            lse = gl.where(l_i == 0, float("-inf"), m_i + gl.log2(l_i * sig_i))
             gl.store(LSE + pid_s * stride_ls + b * ROWS + r_idx, lse, mask=row_ok)
         o_ptr = O + pid_s * stride_os + (b * ROWS + ro)[None, :, None] * stride_o + col
         gl.store(o_ptr, (acc0 * inv).to(O.dtype.element_ty), mask=ok)

@@ -111,7 +111,7 @@ if HAS_GLUON:
                     o_l: gl.constexpr, SPLIT: gl.constexpr):
         """Columns ``[C0, C0 + W)`` of O (or of the split's fp32 partial) = acc / l."""
         cols = C0 + gl.arange(0, W, layout=gl.SliceLayout(0, o_l))
-        out = acc * gl.where(l_o > 0, 1.0 / l_o, 0.0)[:, None]
+        out = acc * gl.where(l_o == 0, 0.0, 1.0 / l_o)[:, None]
         optr = O + pid_s * stride_os + rows[:, None].to(gl.int64) * stride_o + cols[None, :]
         if SPLIT:
             gl.store(optr, out)
@@ -195,7 +195,7 @@ if HAS_GLUON:
         if SPLIT:
             ell = gl.convert_layout(lse_l, row_o)
             m_o = gl.convert_layout(m_i, row_o)
-            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o > 0, m_o + gl.log2(ell), float("-inf")))
+            gl.store(LSE + pid_s * stride_ls + rows, gl.where(l_o == 0, float("-inf"), m_o + gl.log2(ell)))
         _store_cols(acc, l_o, O, rows, stride_o, stride_os, pid_s, 0, acc.shape[1], o_l, SPLIT)
 
     @gluon.jit

@@ -147,6 +147,33 @@ def _(q, k_codes, k_scale, v_codes, v_scale, causal, sm_scale, fused):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("lowbit::fp8_kv4_attention_float_prefill", mutates_args=())
+def _fp8_kv4_attention_float(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                             sm_scale: float) -> torch.Tensor:
+    """``fp8-kv4`` on float K / V, default (unfused) numerics: where the kernels run, one launch quantizes K / V to KV4
+    and converts them to the ``fp8`` operands (``kv4_to_fp8_triton(from_float=True)``: the KV4 codes stay in
+    registers), then the ``fp8`` kernel; elsewhere ``kv4_quantize`` and the KV4 op's path."""
+    D = q.shape[-1]
+    if use_triton(q, k, v) and _kernel_dim(D) == D:
+        from lowbit.kernels.attention_prefill import VPERM_FP8, attention_prefill_triton
+        from lowbit.kernels.attention_quant import kv4_to_fp8_triton
+
+        bn = _ref_block_n("fp8", D)
+        vp = bool(VPERM_FP8) and bn % 32 == 0
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        kc, ks, vt, vs = kv4_to_fp8_triton(k, None, v, None, block=bn, vperm=vp, from_float=True)
+        return attention_prefill_triton(q, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
+                                        v_block=bn, k_block=bn, config={"vperm": vp})
+    from lowbit.ops.kv4 import kv4_quantize
+
+    return _fp8_kv4_attention(q, *kv4_quantize(k, v), causal, sm_scale, False)
+
+
+@_fp8_kv4_attention_float.register_fake
+def _(q, k, v, causal, sm_scale):
+    return torch.empty_like(q)
+
+
 # ------------------------------------------------------------------------------- validation
 def _check_qkv(q, k, v, causal):
     check_tensor(q, "q", dtype=_FLOATS, ndim=4)
@@ -257,7 +284,8 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
     ``fused=True``: the attention kernel reads the INT4 codes itself (exact in FP8), K scale on
     the columns of S, V scale folded into P.
 
-    Pass either float ``k``/``v`` (quantized to KV4 here) or ``kv4=(k_codes, k_scale, v_codes,
+    Pass either float ``k``/``v`` (quantized to KV4 here: on the kernels' path inside the conversion launch, session
+    35; ``fused=True`` quantizes them with ``lowbit.ops.kv4.kv4_quantize``) or ``kv4=(k_codes, k_scale, v_codes,
     v_scale)`` as read from a KV4 cache (then ``k``/``v`` must be None).
     """
     check_tensor(q, "q", dtype=_FLOATS, ndim=4)
@@ -267,10 +295,11 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
         _check_qkv(q, k, v, causal)
         if q.shape[-1] % 2:
             raise ValueError(f"kv4 needs an even head_dim, got {q.shape[-1]}")
-        from lowbit.formats.kv4 import quantize_kv4
+        if not fused:  # one launch: float -> KV4 -> the fp8 operands
+            return _fp8_kv4_attention_float(q, k, v, bool(causal), _scale(sm_scale, q.shape[-1]))
+        from lowbit.ops.kv4 import kv4_quantize
 
-        kc, ksc, _ = quantize_kv4(k)
-        vc, vsc, _ = quantize_kv4(v)
+        kc, ksc, vc, vsc = kv4_quantize(k, v)  # one Triton launch (D a power of two) or quantize_kv4
     else:
         if k is not None or v is not None:
             raise ValueError("pass either k/v or kv4=(...), not both")

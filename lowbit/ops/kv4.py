@@ -27,7 +27,7 @@ from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
-__all__ = ["rope_ref", "kv4_append", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4", "gather_pages",
+__all__ = ["rope_ref", "kv4_append", "kv4_quantize", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4", "gather_pages",
            "decode_float", "decode_float_ref"]
 
 
@@ -158,6 +158,41 @@ def _kv4_append(k: torch.Tensor, v: torch.Tensor, k_codes: torch.Tensor, k_scale
 @_kv4_append.register_fake
 def _(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs_k, k_zero, v_zero, interleaved):
     return None
+
+
+@torch.library.custom_op("lowbit::kv4_quantize", mutates_args=())
+def _kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    D = k.shape[-1]
+    if use_triton(k, v) and D >= 16 and not D & (D - 1):
+        from lowbit.kernels.kv4_append import kv4_quantize_triton
+
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        return kv4_quantize_triton(k, v)[:4]
+    kc, ks, _ = quantize_kv4(k)
+    vc, vs, _ = quantize_kv4(v)
+    return kc, ks, vc, vs
+
+
+@_kv4_quantize.register_fake
+def _(k, v):
+    B, H, S, D = k.shape
+    codes = k.new_empty(B, H, S, D // 2, dtype=torch.uint8)
+    scale = k.new_empty(B, H, S, dtype=torch.float8_e4m3fn)
+    return codes, scale, torch.empty_like(codes), torch.empty_like(scale)
+
+
+def kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric KV4 (FP8 E4M3 scales) of whole dense sequences ``k, v [B, Hkv, S, D]`` (D even):
+    ``(k_codes, k_scale, v_codes, v_scale)``, codes uint8 ``[B, Hkv, S, D/2]`` and scales ``[B, Hkv, S]``;
+    bit for bit ``lowbit.formats.kv4.quantize_kv4``. One Triton launch (the append kernel over one page per
+    sequence) where D is a power of two >= 16, else that reference."""
+    check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
+    check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
+    if k.shape[-1] % 2:
+        raise ValueError(f"kv4 needs an even head_dim, got {k.shape[-1]}")
+    if v.device != k.device:
+        raise ValueError(f"v must be on {k.device}, got {v.device}")
+    return _kv4_quantize(k, v)
 
 
 @torch.library.custom_op("lowbit::decode_kv4", mutates_args=())
