@@ -171,7 +171,7 @@ def test_nan_inf_rows_give_nan_scale(dev, chunked, monkeypatch):
 
 
 def test_markstein_division_is_ieee():
-    """The GPU fast path divides by ``_div_fast``: q0 = RN(v * RN(1/s)), r = RN(v - q0 * s) (one
+    """The GPU fast path divides by ``div_fast``: q0 = RN(v * RN(1/s)), r = RN(v - q0 * s) (one
     FMA), q = RN(q0 + r * RN(1/s)). Emulated here in float64 (every product of two fp32 values is
     exact in float64, so r's single rounding is exact; q0 + r * rcp is rounded twice, which differs
     from one rounding only on exact fp32 midpoints, probability ~2^-29 per value) against IEEE fp32

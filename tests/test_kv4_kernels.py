@@ -115,7 +115,7 @@ def test_append_kernel_zero_point_scales_never_clip(sd):
        xdt=st.sampled_from((torch.float32, torch.bfloat16, torch.float16)), strided=st.booleans(),
        bad=st.sampled_from((None, float("nan"), float("inf"))))
 def test_kv4_quantize_is_the_format(B, H, S, D, xdt, strided, bad):
-    """``ops.kv4_quantize`` (the append launch over one page per sequence; D = 24 takes the reference) equals
+    """``ops.kv4_quantize`` (the dense tile kernel; D = 24 takes the reference) equals
     ``quantize_kv4`` bit for bit: scales (NaN for a non-finite row) and the codes of every finite row."""
     g = torch.Generator().manual_seed(B * 1000 + S * 10 + D)
     k = (torch.randn(B, S, H, D, generator=g) * 4).to(xdt)
@@ -158,6 +158,32 @@ def test_kv4_quantize_kernel_numerics(zp, sd, fast):
     for x, (c, sc, z) in ((k, (out[0], out[1], out[4])), (v, (out[2], out[3], out[5]))):
         wc, ws, wz = quantize_kv4(x, zero_point=zp, scale_dtype=sd)
         assert _same(c.cpu(), wc) and _same(sc.cpu(), ws) and _same(None if z is None else z.cpu(), wz)
+
+
+def test_kv4_quantize_overflowing_range_and_batch_slices(monkeypatch):
+    """A finite fp32 row whose range hi - lo overflows (``kv4-zp``) gets a NaN scale as in ``quantize_kv4``; and the
+    launch in batch slices (grid axis 1 holds at most 65535 (sequence, head) pairs; lowered here to 5) writes the same
+    bits as one launch, for the quantize launch and the KV4 -> FP8 conversion."""
+    import lowbit.kernels.attention_quant as AQ
+    import lowbit.kernels.kv4_append as KA
+
+    k = torch.randn(3, 2, 9, 32)
+    v = torch.randn(3, 2, 9, 32)
+    k[1, 0, 4, :2] = torch.tensor([3e38, -3e38])
+    for sd in (FP8, torch.bfloat16, torch.float32):
+        out = KA.kv4_quantize_triton(k.to(DEV), v.to(DEV), zero_point=True, scale_dtype=sd)
+        want = quantize_kv4(k, zero_point=True, scale_dtype=sd)
+        assert out[1].cpu().float().isnan()[1, 0, 4] and want[1].float().isnan()[1, 0, 4]
+        assert _same(out[1].cpu(), want[1]) or torch.equal(out[1].cpu().float().nan_to_num(), want[1].float().nan_to_num())
+    k[1, 0, 4, :2] = 0.0
+    one = KA.kv4_quantize_triton(k.to(DEV), v.to(DEV))
+    fp8_one = AQ.kv4_to_fp8_triton(*one[:4], block=32, vperm=True)
+    monkeypatch.setattr(KA, "MAX_GRID_Y", 5)
+    monkeypatch.setattr(AQ, "MAX_GRID_Y", 5)
+    sliced = KA.kv4_quantize_triton(k.to(DEV), v.to(DEV))
+    assert all(_same(a, b) for a, b in zip(one[:4], sliced[:4]))
+    fp8_sliced = AQ.kv4_to_fp8_triton(*sliced[:4], block=32, vperm=True)
+    assert all(_same(a, b) for a, b in zip(fp8_one, fp8_sliced))
 
 
 def test_kv4_quantize_errors_and_opcheck():

@@ -10,7 +10,7 @@ Math (per row ``m`` of ``v``, the value to quantize; the numerics of
 
 The quotient is the IEEE round-to-nearest ``v / scale_m``, so the kernel agrees with the PyTorch
 reference bit for bit: on the GPU (``FAST``) by Markstein's correction from the row's correctly
-rounded reciprocal (three FP ops per element, ``_div_fast``) and the hardware RNE FP8 convert; under
+rounded reciprocal (three FP ops per element, ``div_fast``) and the hardware RNE FP8 convert; under
 the interpreter (whose FMA rounds twice and whose FP8 cast mis-rounds) by ``tl.div_rn`` and an
 arithmetic FP8 rounding (which keeps the sign of a zero code, like the hardware convert and the
 reference; session 10: before, tiny negatives gave +0 there and a random test failed for some seeds).
@@ -155,10 +155,10 @@ def round_to_fp8_e4m3(y):
 def _quant_store(Q, offs, mask, v, scale, rcp, QMAX: tl.constexpr, IS_INT8: tl.constexpr, FAST: tl.constexpr):
     """Store ``round(clamp(v / scale))``. ``FAST`` (GPU): the quotient by Markstein's correction
     from the row's correctly rounded reciprocal ``rcp`` (3 FP ops per element instead of div.rn's
-    ~10 with its slow-path branch; RN(v / scale) exactly, see ``_div_fast``) and FP8 by the hardware
+    ~10 with its slow-path branch; RN(v / scale) exactly, see ``div_fast``) and FP8 by the hardware
     RNE convert. Without ``FAST`` (interpreter): ``div_rn`` and the arithmetic FP8 rounding."""
     if FAST:
-        y = _div_fast(v, scale, rcp)
+        y = div_fast(v, scale, rcp)
     else:
         y = tl.div_rn(v, scale)
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -174,7 +174,7 @@ def _quant_store(Q, offs, mask, v, scale, rcp, QMAX: tl.constexpr, IS_INT8: tl.c
 
 
 @triton.jit
-def _div_fast(v, scale, rcp):
+def div_fast(v, scale, rcp):
     """RN(v / scale) from rcp = RN(1 / scale) in three FP ops: q0 = RN(v * rcp) is within about an
     ulp of the quotient (wrong in ~26% of cases on its own), one FMA gives the remainder
     r = RN(v - q0 * scale), and RN(q0 + r * rcp) is the correctly rounded quotient (Markstein's

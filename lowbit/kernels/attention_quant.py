@@ -34,7 +34,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS, QMAX
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
-from lowbit.kernels.kv4_append import _quantize_row
+from lowbit.kernels.kv4_append import MAX_GRID_Y, quantize_row
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
 # Non-finite inputs. The FP8 codes carry a NaN by themselves (``_quant_tile``). For the INT8 schemes, set
@@ -330,7 +330,7 @@ def _kv4_to_fp8_kernel(
     """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
     (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block. ``FROM_FLOAT``: KC / VC are
     float K / V ``[B, H, S, D]`` (the code strides are theirs; KS / VS unused), quantized to KV4 here first
-    (``kv4_append._quantize_row``, ``quantize_kv4``'s numerics), so the KV4 codes never reach memory."""
+    (``kv4_append.quantize_row``, ``quantize_kv4``'s numerics), so the KV4 codes never reach memory."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -349,7 +349,7 @@ def _kv4_to_fp8_kernel(
             xf = tl.load(KC + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
                          + offs_t[:, None].to(tl.int64) * stride_kn + offs_f[None, :], mask=tmask[:, None], other=0.0)
         xe, xo = tl.split(tl.reshape(xf.to(tl.float32), [BLOCK_T, HEAD_DIM // 2, 2]))
-        packed, sc, _ = _quantize_row(xe, xo, False, 1, 1, not EXACT_FP8)
+        packed, sc, _ = quantize_row(xe, xo, False, 1, 1, not EXACT_FP8)
         sc = tl.where(tmask, sc, 0.0)
     elif is_v:
         packed = tl.load(VC + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -408,14 +408,17 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, v
         vt[..., S:].zero_()
     ks = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
     vs = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
-    if B * H and S:
-        _kv4_to_fp8_kernel[(2 * nb, B * H)](
-            k_codes, k_scale, v_codes, v_scale, kc, ks, vt, vs,
+    step = max(1, MAX_GRID_Y // H) if H else 1  # grid axis 1 holds at most 65535 (sequence, head) pairs
+    for b0 in range(0, B if H and S else 0, step):
+        sl = slice(b0, min(B, b0 + step))
+        _kv4_to_fp8_kernel[(2 * nb, (sl.stop - b0) * H)](
+            k_codes[sl], k_scale[sl], v_codes[sl], v_scale[sl], kc[sl], ks[sl], vt[sl], vs[sl],
             S, nb, s_al,
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),
             H, AMAX_EPS,
             HEAD_DIM=D, BLOCK_T=block, EXACT_FP8=interpret_mode(), VPERM=bool(vperm), FROM_FLOAT=bool(from_float),
-            num_warps=num_warps or (16 if D >= 128 else 4),  # 16: H200 s35 (s35_ab_r4 part k), 7-11 % over 8
+            # 16 warps at D >= 128: H200 s35 (s35_ab_r4 part k, D = 128; D = 256 not measured), 6-11 % less time than 8
+            num_warps=num_warps or (16 if D >= 128 else 4),
         )
     return kc, ks, vt, vs

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import check_page_writes
-from lowbit.kernels.act_quant import _div_fast, abs_or_inf, round_to_fp8_e4m3
+from lowbit.kernels.act_quant import abs_or_inf, div_fast, round_to_fp8_e4m3
 from lowbit.kernels.rope import rope_row
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
@@ -72,11 +72,11 @@ def _col(s, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, AXIS: tl.constexpr = 0,
+def quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, AXIS: tl.constexpr = 0,
                   FAST: tl.constexpr = False):
     """Even/odd halves of one row (fp32, ``[HALF]``; or of a tile of rows ``[R, HALF]`` with ``AXIS`` 1) ->
     (packed bytes uint8, scale fp32 (exactly the stored value), zero fp32), per row. Numerics of
-    ``lowbit.formats.kv4.quantize_kv4``. ``FAST`` (GPU only): ``x / s`` as ``act_quant._div_fast`` from the row's
+    ``lowbit.formats.kv4.quantize_kv4``. ``FAST`` (GPU only): ``x / s`` as ``act_quant.div_fast`` from the row's
     correctly rounded reciprocal (3 FP ops, the same IEEE quotient) instead of ``div_rn`` per element."""
     # a row with an Inf or a NaN: amax = inf (``abs_or_inf``), and the scale becomes NaN below
     amax = tl.maximum(tl.max(abs_or_inf(xe), axis=AXIS), tl.max(abs_or_inf(xo), axis=AXIS))
@@ -84,6 +84,8 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, AX
         lo = tl.minimum(tl.minimum(tl.min(xe, axis=AXIS), tl.min(xo, axis=AXIS)), 0.0)
         hi = tl.maximum(tl.maximum(tl.max(xe, axis=AXIS), tl.max(xo, axis=AXIS)), 0.0)
         s = tl.div_rn(tl.maximum(hi - lo, 1e-12), 15.0)
+        # a finite row whose range hi - lo overflows fp32: NaN scale, as the reference (the clamps below drop a NaN)
+        amax = tl.where(s == float("inf"), float("inf"), amax)
     else:
         # IEEE division (``/`` is div.full.f32 on the GPU, up to 2 ulp off): a bf16 row's amax / 7 can be exactly an
         # E4M3 rounding tie, which the approximate quotient breaks the wrong way (found on the H200, session 35)
@@ -106,8 +108,8 @@ def _quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, AX
     s = tl.where(amax == float("inf"), float("nan"), s)
     if FAST:
         rcp = _col(tl.div_rn(s * 0.0 + 1.0, s), AXIS)
-        ye = _div_fast(xe, _col(s, AXIS), rcp)
-        yo = _div_fast(xo, _col(s, AXIS), rcp)
+        ye = div_fast(xe, _col(s, AXIS), rcp)
+        yo = div_fast(xo, _col(s, AXIS), rcp)
     else:
         ye = tl.div_rn(xe, _col(s, AXIS))
         yo = tl.div_rn(xo, _col(s, AXIS))
@@ -159,7 +161,7 @@ def _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, p
 
     c_off = page * stride_cp + h * stride_ch + off * stride_cn + j
     s_off = page * stride_sp + h * stride_sh + off
-    packed, s, z = _quantize_row(xe, xo, ZERO_POINT, SCALE_KIND)
+    packed, s, z = quantize_row(xe, xo, ZERO_POINT, SCALE_KIND)
     tl.store(KC + c_off, packed)
     tl.store(KS + s_off, s.to(KS.dtype.element_ty))
     if ZERO_POINT:
@@ -167,7 +169,7 @@ def _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, p
 
     ve = tl.load(v_row + de).to(tl.float32)
     vo = tl.load(v_row + do).to(tl.float32)
-    packed, s, z = _quantize_row(ve, vo, ZERO_POINT, SCALE_KIND)
+    packed, s, z = quantize_row(ve, vo, ZERO_POINT, SCALE_KIND)
     tl.store(VC + c_off, packed)
     tl.store(VS + s_off, s.to(VS.dtype.element_ty))
     if ZERO_POINT:
@@ -248,7 +250,7 @@ def _quantize_tile(X, C, SC, Z, x_off, row0, t, ok, stride_t, HALF: tl.constexpr
     d = tl.arange(0, 2 * HALF)
     x = tl.load(X + x_off + t[:, None].to(tl.int64) * stride_t + d[None, :], mask=ok[:, None], other=0.0)
     xe, xo = tl.split(tl.reshape(x.to(tl.float32), [ROWS, HALF, 2]))
-    packed, s, z = _quantize_row(xe, xo, ZERO_POINT, SCALE_KIND, 1, FAST)
+    packed, s, z = quantize_row(xe, xo, ZERO_POINT, SCALE_KIND, 1, FAST)
     rows = row0 + t
     j = tl.arange(0, HALF)
     tl.store(C + rows[:, None] * HALF + j[None, :], packed, mask=ok[:, None])
@@ -275,6 +277,8 @@ def _kv4_quantize_kernel(K, V, KC, KS, KZ, VC, VS, VZ, S, H,
                    SCALE_KIND, FAST)
 
 
+# CUDA's limit on grid axis 1 (``kv4_quantize_triton`` slices the batch to stay under it; a test lowers it)
+MAX_GRID_Y = 65535
 # tokens per program and warps of ``kv4_quantize_triton`` (H200, session 35: ``benchmarks/device/s35_ab.py`` part k)
 QUANT_ROWS = 32
 QUANT_WARPS = 4
@@ -286,7 +290,7 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     unit stride on D) -> ``(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero)`` with codes uint8
     ``[B, Hkv, S, D/2]``, scales ``scale_dtype [B, Hkv, S]`` and zeros uint8 ``[B, Hkv, S]`` (None without
     ``zero_point``): bit for bit ``lowbit.formats.kv4.quantize_kv4`` of each (the append kernel's row numerics,
-    ``_quantize_row``, on tiles of ``rows`` tokens)."""
+    ``quantize_row``, on tiles of ``rows`` tokens; ``fast``: Markstein quotients, default on the GPU)."""
     from lowbit._utils import interpret_mode
 
     B, H, S, D = k.shape
@@ -300,13 +304,20 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     if B * H * S == 0:
         return kc, ks, vc, vs, kz, vz
     rows = rows or QUANT_ROWS
-    _kv4_quantize_kernel[(triton.cdiv(S, rows), B * H)](
-        k, v, kc, ks, kz if zero_point else ks, vc, vs, vz if zero_point else vs, S, H,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        HALF=D // 2, ROWS=rows, ZERO_POINT=zero_point,
-        SCALE_KIND={torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[scale_dtype],
-        FAST=not interpret_mode() if fast is None else bool(fast), num_warps=num_warps or QUANT_WARPS,
-    )
+    if rows < 1 or rows & (rows - 1) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"kv4_quantize_triton: rows must be a power of two and k, v one shape [B, H, S, D] with unit "
+                         f"stride on D; got rows={rows}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    step = max(1, MAX_GRID_Y // H)  # grid axis 1 holds at most 65535 (sequence, head) pairs: launch in batch slices
+    for b0 in range(0, B, step):
+        sl = slice(b0, min(B, b0 + step))
+        kc_, ks_, vc_, vs_ = kc[sl], ks[sl], vc[sl], vs[sl]
+        _kv4_quantize_kernel[(triton.cdiv(S, rows), (sl.stop - b0) * H)](
+            k[sl], v[sl], kc_, ks_, kz[sl] if zero_point else ks_, vc_, vs_, vz[sl] if zero_point else vs_, S, H,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            HALF=D // 2, ROWS=rows, ZERO_POINT=zero_point,
+            SCALE_KIND={torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[scale_dtype],
+            FAST=not interpret_mode() if fast is None else bool(fast), num_warps=num_warps or QUANT_WARPS,
+        )
     return kc, ks, vc, vs, kz, vz
 
 

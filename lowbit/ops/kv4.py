@@ -27,8 +27,8 @@ from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
 
-__all__ = ["rope_ref", "kv4_append", "kv4_quantize", "kv4_append_ref", "decode_kv4", "decode_kv4_ref", "gather_kv4", "gather_pages",
-           "decode_float", "decode_float_ref"]
+__all__ = ["rope_ref", "kv4_append", "kv4_quantize", "kv4_append_ref", "decode_kv4", "decode_kv4_ref",
+           "gather_kv4", "gather_pages", "decode_float", "decode_float_ref"]
 
 
 def rotate(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -162,6 +162,7 @@ def _(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs
 
 @torch.library.custom_op("lowbit::kv4_quantize", mutates_args=())
 def _kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kv4_quantize``'s op: the Triton launch for power-of-two D >= 16, else the reference."""
     D = k.shape[-1]
     if use_triton(k, v) and D >= 16 and not D & (D - 1):
         from lowbit.kernels.kv4_append import kv4_quantize_triton
@@ -184,8 +185,8 @@ def _(k, v):
 def kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric KV4 (FP8 E4M3 scales) of whole dense sequences ``k, v [B, Hkv, S, D]`` (D even):
     ``(k_codes, k_scale, v_codes, v_scale)``, codes uint8 ``[B, Hkv, S, D/2]`` and scales ``[B, Hkv, S]``;
-    bit for bit ``lowbit.formats.kv4.quantize_kv4``. One Triton launch (the append kernel over one page per
-    sequence) where D is a power of two >= 16, else that reference."""
+    bit for bit ``lowbit.formats.kv4.quantize_kv4``. One Triton launch (``kv4_append.kv4_quantize_triton``: tiles of
+    tokens, the append kernel's row numerics) where D is a power of two >= 16, else that reference."""
     check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
     if k.shape[-1] % 2:
