@@ -15,10 +15,21 @@ import torch
 
 __all__ = [
     "check_tensor", "check_same_device", "warn_once", "interpret_mode", "triton_available",
-    "use_triton", "cdiv", "FLOAT_DTYPES", "derived", "cached_dense",
+    "use_triton", "cdiv", "batch_slices", "MAX_GRID_Y", "FLOAT_DTYPES", "derived", "cached_dense",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# CUDA's limit on grid axes 1 and 2. Launches that put (batch x heads) there run in batch slices above it
+# (``batch_slices``); read as ``_utils.MAX_GRID_Y`` at call time, so a test can lower it.
+MAX_GRID_Y = 65535
+
+
+def batch_slices(B: int, per_batch: int) -> list[slice]:
+    """Slices of the batch such that each slice's ``B * per_batch`` programs fit grid axis 1 or 2 (``MAX_GRID_Y``)."""
+    step = max(1, MAX_GRID_Y // max(1, per_batch))
+    return [slice(b, min(B, b + step)) for b in range(0, B, step)]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -557,3 +557,23 @@ def test_exp16_option_matches_reference(causal, dev):
     assert rel_l2(ref, exact) < rel_l2(plain, exact) * 1.25 + 1e-3
     with pytest.raises(ValueError, match="exp16"):
         aq.attention_quant_ref(aq.quantize_qkv(q, k, v, mode="int8"), causal=False, sm_scale=0.2, exp16=True)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "int8-qk", "fp8-kv4"])
+def test_large_batch_x_heads_runs_in_batch_slices(dev, scheme, monkeypatch):
+    """Batch x query heads above grid axis 1's 65535 (lowered here to 5) runs the launches over batch slices
+    (``ops.attention_prefill._by_batch``): the same bits as one launch. Before session 35, B x Hq = 70000 failed with
+    a CUDA invalid-argument launch error."""
+    import lowbit._utils as U
+    from lowbit.formats.kv4 import quantize_kv4
+
+    q, k, v = (t.to(dev) for t in _qkv(3, 4, 2, 20, 33, 32, seed=6))
+    kv = tuple(t.to(dev) for t in (*quantize_kv4(k)[:2], *quantize_kv4(v)[:2]))
+    calls = [lambda: ap.quant_attention(q, k, v, mode=scheme, causal=True)]
+    if scheme == "fp8-kv4":
+        calls += [lambda: ap.fp8_kv4_attention(q, causal=True, kv4=kv),
+                  lambda: ap.fp8_kv4_attention(q, causal=True, kv4=kv, fused=True)]
+    whole = [f() for f in calls]
+    monkeypatch.setattr(U, "MAX_GRID_Y", 5)  # 1 sequence (4 query heads) per slice
+    for a, f in zip(whole, calls):
+        assert torch.equal(a, f())

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode
+from lowbit._utils import batch_slices, cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS, QMAX
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
-from lowbit.kernels.kv4_append import MAX_GRID_Y, quantize_row
+from lowbit.kernels.kv4_append import quantize_row
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
 # Non-finite inputs. The FP8 codes carry a NaN by themselves (``_quant_tile``). For the INT8 schemes, set
@@ -408,10 +408,8 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, v
         vt[..., S:].zero_()
     ks = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
     vs = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
-    step = max(1, MAX_GRID_Y // H) if H else 1  # grid axis 1 holds at most 65535 (sequence, head) pairs
-    for b0 in range(0, B if H and S else 0, step):
-        sl = slice(b0, min(B, b0 + step))
-        _kv4_to_fp8_kernel[(2 * nb, (sl.stop - b0) * H)](
+    for sl in batch_slices(B if H and S else 0, H):  # grid axis 1 holds at most 65535 (sequence, head) pairs
+        _kv4_to_fp8_kernel[(2 * nb, (sl.stop - sl.start) * H)](
             k_codes[sl], k_scale[sl], v_codes[sl], v_scale[sl], kc[sl], ks[sl], vt[sl], vs[sl],
             S, nb, s_al,
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),

@@ -277,8 +277,6 @@ def _kv4_quantize_kernel(K, V, KC, KS, KZ, VC, VS, VZ, S, H,
                    SCALE_KIND, FAST)
 
 
-# CUDA's limit on grid axis 1 (``kv4_quantize_triton`` slices the batch to stay under it; a test lowers it)
-MAX_GRID_Y = 65535
 # tokens per program and warps of ``kv4_quantize_triton`` (H200, session 35: ``benchmarks/device/s35_ab.py`` part k)
 QUANT_ROWS = 32
 QUANT_WARPS = 4
@@ -291,7 +289,7 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     ``[B, Hkv, S, D/2]``, scales ``scale_dtype [B, Hkv, S]`` and zeros uint8 ``[B, Hkv, S]`` (None without
     ``zero_point``): bit for bit ``lowbit.formats.kv4.quantize_kv4`` of each (the append kernel's row numerics,
     ``quantize_row``, on tiles of ``rows`` tokens; ``fast``: Markstein quotients, default on the GPU)."""
-    from lowbit._utils import interpret_mode
+    from lowbit._utils import batch_slices, interpret_mode
 
     B, H, S, D = k.shape
     dev = k.device
@@ -307,11 +305,9 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     if rows < 1 or rows & (rows - 1) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"kv4_quantize_triton: rows must be a power of two and k, v one shape [B, H, S, D] with unit "
                          f"stride on D; got rows={rows}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    step = max(1, MAX_GRID_Y // H)  # grid axis 1 holds at most 65535 (sequence, head) pairs: launch in batch slices
-    for b0 in range(0, B, step):
-        sl = slice(b0, min(B, b0 + step))
+    for sl in batch_slices(B, H):  # grid axis 1 holds at most 65535 (sequence, head) pairs
         kc_, ks_, vc_, vs_ = kc[sl], ks[sl], vc[sl], vs[sl]
-        _kv4_quantize_kernel[(triton.cdiv(S, rows), (sl.stop - b0) * H)](
+        _kv4_quantize_kernel[(triton.cdiv(S, rows), (sl.stop - sl.start) * H)](
             k[sl], v[sl], kc_, ks_, kz[sl] if zero_point else ks_, vc_, vs_, vz[sl] if zero_point else vs_, S, H,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             HALF=D // 2, ROWS=rows, ZERO_POINT=zero_point,
