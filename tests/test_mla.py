@@ -769,3 +769,20 @@ def test_gpu_decode_step_in_cuda_graph(H, fp8):
         got = out.clone()
         assert torch.equal(got, step())  # eager, same inputs (the append rewrites the same slots)
         assert rel_l2(got, mla_decode_ref(q, cache, pt, sl)) < (3e-2 if fp8 else 1e-2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_and_gather_run_in_batch_slices(dev, fp8, monkeypatch):
+    """More sequences than grid axes 1 / 2 hold (65535; lowered here to 1) run the decode and the gather launches over
+    batch slices: the same bits as one launch (the split count pinned, since the plan depends on the batch)."""
+    import lowbit._utils as U
+    from lowbit.ops.mla import mla_gather
+
+    lens = [40, 23, 17]
+    c, _ = make_cache(lens, fp8, dev)
+    cache, pt, sl = c.layers[0], c.page_table, c.seq_lens(0)
+    q = torch.randn(3, 2, 4, DC + DR, device=dev, dtype=torch.bfloat16)
+    whole = (mla_decode(q, cache, pt, sl, num_splits=2, max_seq_len=40), mla_gather(cache, pt, sl))
+    monkeypatch.setattr(U, "MAX_GRID_Y", 1)
+    sliced = (mla_decode(q, cache, pt, sl, num_splits=2, max_seq_len=40), mla_gather(cache, pt, sl))
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))

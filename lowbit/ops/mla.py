@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from lowbit._utils import check_indices, check_page_reads, check_same_device, check_tensor, use_triton, warn_once
+from lowbit._utils import (batch_slices, check_indices, check_page_reads, check_same_device, check_tensor, use_triton,
+                           warn_once)
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
 __all__ = ["mla_decode", "mla_append", "mla_quantize_q", "mla_gather", "mla_prefill", "mla_decode_ref",
@@ -195,6 +196,11 @@ def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, s
         from lowbit.kernels.mla_decode import mla_decode_triton
         from lowbit.kernels.mla_quant import latent_quant_triton
 
+        slices = batch_slices(B, 1)  # the decode kernels put the batch on grid axis 2 (at most 65535)
+        if len(slices) > 1:
+            return torch.cat([_mla_decode_op(q[s], content, rope, scale, page_table[s], seq_lens[s], sm_scale,
+                                             max_seq_len, num_splits, pv_fp8, pv16) for s in slices])
+
         q3 = q.reshape(B, Sq * H, D)
         if fp8:  # Fused-Q-Quant: fp8 content, fp32 scale, bf16 RoPE pre-divided by the scale
             qc, qs, qr = latent_quant_triton(q3.reshape(B * Sq * H, D), dc)
@@ -270,6 +276,10 @@ def _mla_gather_op(content: torch.Tensor, rope: torch.Tensor, scale: torch.Tenso
     if use_triton(content, page_table) and _kernel_ok(dc, dr, "mla_gather"):
         from lowbit.kernels.mla_quant import latent_gather_triton
 
+        slices = batch_slices(page_table.shape[0], 1)  # the gather puts the batch on grid axis 1 (at most 65535)
+        if len(slices) > 1:
+            return torch.cat([_mla_gather_op(content, rope, scale, page_table[s], seq_lens[s], max_len, out_dtype)
+                              for s in slices])
         return latent_gather_triton(_rows(content), _rows(rope), _rows(scale) if scale is not None else None,
                                     page_table, seq_lens, max_len, page_size=content.shape[1], out_dtype=out_dtype)
     B = page_table.shape[0]
