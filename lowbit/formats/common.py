@@ -25,17 +25,18 @@ AMAX_EPS = 1e-12
 QMAX = {FP8_E4M3: FP8_E4M3_MAX, torch.int8: INT8_MAX}
 
 
-def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """float32 scale = max(amax, AMAX_EPS) / qmax (see module docstring)."""
-    return amax.float().clamp_min(AMAX_EPS) / qmax
-
-
 def div_ieee(x: torch.Tensor, d: float) -> torch.Tensor:
     """``x / d`` correctly rounded on every device. PyTorch's CUDA kernel divides by a Python scalar as a multiply by
     its reciprocal (up to an ulp off, where the CPU divides exactly). Where the quotient is then rounded to a coarse
     grid that matters: a bf16 row's amax / 7 can be exactly an E4M3 rounding tie, which the reciprocal breaks the other
-    way (found on the H200, session 35: the KV4 and ``w4a8-fp8`` scales). Dividing by a tensor is IEEE everywhere."""
+    way (found on the H200, session 35: the KV4 and ``w4a8-fp8`` scales; ``safe_scale`` too, where a 1-ulp fp32 scale
+    moves a code only at an exact tie). Dividing by a tensor is IEEE everywhere."""
     return x / torch.full_like(x, d)
+
+
+def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """float32 scale = max(amax, AMAX_EPS) / qmax (see module docstring), the quotient IEEE on every device."""
+    return div_ieee(amax.float().clamp_min(AMAX_EPS), qmax)
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats.common import int8_planes, safe_scale
+from lowbit.formats.common import div_ieee, int8_planes, safe_scale
 
 __all__ = ["QMAX", "PLANE_LO", "quantize_w8", "dequantize_w8", "x_planes", "gemm_ref"]
 
@@ -62,7 +62,7 @@ def dequantize_w8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
 def x_planes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` [M, K] -> (hi int8 [M, K], lo int8 [M, K], sx fp32 [M]) as in the module docstring."""
     hi, lo, a = int8_planes(x)
-    return hi, lo, a / QMAX
+    return hi, lo, div_ieee(a, QMAX)
 
 
 def gemm_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

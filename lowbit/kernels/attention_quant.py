@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import batch_slices, cdiv, interpret_mode
-from lowbit.formats.common import AMAX_EPS, QMAX
+from lowbit.formats.common import AMAX_EPS, QMAX, safe_scale
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
 from lowbit.kernels.kv4_append import quantize_row
 
@@ -248,7 +248,7 @@ def alloc_kv_codes(k: torch.Tensor, v: torch.Tensor | None, *, dtype: torch.dtyp
         out["vt"] = torch.empty((B, H, D, out["s_al"]), dtype=dtype, device=dev)  # padding columns written as 0
         if v_granularity == "tensor":
             amax = v.abs().amax(dim=(2, 3)).float()
-            vs = (amax.clamp_min(AMAX_EPS) / QMAX[dtype])[:, :, None, None].expand(B, H, n_vblk, scale_pad)
+            vs = safe_scale(amax, QMAX[dtype])[:, :, None, None].expand(B, H, n_vblk, scale_pad)  # the reference's
             out["vs"] = vs.contiguous()[..., 0]
             out["given"] = True
         elif v_granularity == "channel":
