@@ -15,21 +15,30 @@ import torch
 
 __all__ = [
     "check_tensor", "check_same_device", "warn_once", "interpret_mode", "triton_available",
-    "use_triton", "cdiv", "batch_slices", "MAX_GRID_Y", "FLOAT_DTYPES", "derived", "cached_dense",
+    "use_triton", "cdiv", "by_batch", "MAX_GRID_Y", "FLOAT_DTYPES", "derived", "cached_dense",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# CUDA's limit on grid axes 1 and 2. Launches that put (batch x heads) there run in batch slices above it
-# (``batch_slices``); read as ``_utils.MAX_GRID_Y`` at call time, so a test can lower it.
+# CUDA's limit on grid axes 1 and 2. Ops whose launches put (batch x heads) there run them in batch slices above it
+# (``by_batch``); read as ``_utils.MAX_GRID_Y`` at call time, so a test can lower it.
 MAX_GRID_Y = 65535
 
 
-def batch_slices(B: int, per_batch: int) -> list[slice]:
-    """Slices of the batch such that each slice's ``B * per_batch`` programs fit grid axis 1 or 2 (``MAX_GRID_Y``)."""
+def by_batch(fn, per_batch: int, *tensors):
+    """``fn(*tensors)``; or, where ``B * per_batch`` programs (B = the batch, every tensor's dim 0) would exceed grid
+    axis 1 or 2 (``MAX_GRID_Y``), ``fn`` over batch slices of every tensor, each output (a tensor or a tuple of them)
+    concatenated along dim 0. The ops call it around their launches; every kernel that uses it computes each
+    sequence on its own, so the bits are those of one launch."""
+    B = tensors[0].shape[0]
     step = max(1, MAX_GRID_Y // max(1, per_batch))
-    return [slice(b, min(B, b + step)) for b in range(0, B, step)]
+    if B <= step:
+        return fn(*tensors)
+    outs = [fn(*(t[b:b + step] for t in tensors)) for b in range(0, B, step)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outs))
+    return torch.cat(outs)
 
 
 def cdiv(a: int, b: int) -> int:

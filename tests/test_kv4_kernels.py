@@ -162,11 +162,11 @@ def test_kv4_quantize_kernel_numerics(zp, sd, fast):
 
 def test_kv4_quantize_overflowing_range_and_batch_slices(monkeypatch):
     """A finite fp32 row whose range hi - lo overflows (``kv4-zp``) gets a NaN scale as in ``quantize_kv4``; and the
-    launch in batch slices (grid axis 1 holds at most 65535 (sequence, head) pairs; lowered here to 5) writes the same
-    bits as one launch, for the quantize launch and the KV4 -> FP8 conversion."""
+    ops' launches in batch slices (``lowbit._utils.by_batch``: grid axis 1 holds at most 65535 (sequence, head) pairs;
+    lowered here to 5) give the same bits as one launch, for the quantize launch and the KV4 -> FP8 conversion."""
     import lowbit._utils as U
-    import lowbit.kernels.attention_quant as AQ
     import lowbit.kernels.kv4_append as KA
+    from lowbit.ops.attention_prefill import fp8_kv4_attention
 
     k = torch.randn(3, 2, 9, 32)
     v = torch.randn(3, 2, 9, 32)
@@ -177,13 +177,14 @@ def test_kv4_quantize_overflowing_range_and_batch_slices(monkeypatch):
         assert out[1].cpu().float().isnan()[1, 0, 4] and want[1].float().isnan()[1, 0, 4]
         assert _same(out[1].cpu(), want[1]) or torch.equal(out[1].cpu().float().nan_to_num(), want[1].float().nan_to_num())
     k[1, 0, 4, :2] = 0.0
-    one = KA.kv4_quantize_triton(k.to(DEV), v.to(DEV))
-    fp8_one = AQ.kv4_to_fp8_triton(*one[:4], block=32, vperm=True)
+    q = torch.randn(3, 4, 9, 32).to(DEV)
+    one = ops.kv4_quantize(k.to(DEV), v.to(DEV))
+    fp8_one = fp8_kv4_attention(q, kv4=one, causal=True)
     monkeypatch.setattr(U, "MAX_GRID_Y", 5)
-    sliced = KA.kv4_quantize_triton(k.to(DEV), v.to(DEV))
-    assert all(_same(a, b) for a, b in zip(one[:4], sliced[:4]))
-    fp8_sliced = AQ.kv4_to_fp8_triton(*sliced[:4], block=32, vperm=True)
-    assert all(_same(a, b) for a, b in zip(fp8_one, fp8_sliced))
+    sliced = ops.kv4_quantize(k.to(DEV), v.to(DEV))
+    assert all(_same(a, b) for a, b in zip(one, sliced))
+    fp8_sliced = fp8_kv4_attention(q, kv4=sliced, causal=True)
+    assert _same(fp8_one, fp8_sliced)
 
 
 def test_kv4_quantize_errors_and_opcheck():

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import batch_slices, cdiv, interpret_mode
+from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS, QMAX, safe_scale
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor, round_to_fp8_e4m3
-from lowbit.kernels.kv4_append import quantize_row
+from lowbit.kernels.kv4_append import quantize_rows
 
 _MAGIC = 12582912.0  # 1.5 * 2^23: x + M - M rounds fp32 x to an integer, ties to even
 # Non-finite inputs. The FP8 codes carry a NaN by themselves (``_quant_tile``). For the INT8 schemes, set
@@ -330,7 +330,7 @@ def _kv4_to_fp8_kernel(
     """One program = BLOCK_T tokens of K (program_id(0) < n_blk) or of V: dequantize the KV4 codes
     (code * scale, fp32) and requantize them to FP8 E4M3 with one scale per block. ``FROM_FLOAT``: KC / VC are
     float K / V ``[B, H, S, D]`` (the code strides are theirs; KS / VS unused), quantized to KV4 here first
-    (``kv4_append.quantize_row``, ``quantize_kv4``'s numerics), so the KV4 codes never reach memory."""
+    (``kv4_append.quantize_rows``, ``quantize_kv4``'s numerics), so the KV4 codes never reach memory."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -341,15 +341,12 @@ def _kv4_to_fp8_kernel(
     offs_h = tl.arange(0, HEAD_DIM // 2)
     tmask = offs_t < S
     if FROM_FLOAT:  # float rows -> KV4 codes and scales in registers
-        offs_f = tl.arange(0, HEAD_DIM)
         if is_v:
-            xf = tl.load(VC + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-                         + offs_t[:, None].to(tl.int64) * stride_vn + offs_f[None, :], mask=tmask[:, None], other=0.0)
+            packed, sc, _ = quantize_rows(VC, b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh, offs_t, tmask,
+                                          stride_vn, HEAD_DIM // 2, BLOCK_T, False, 1, not EXACT_FP8)
         else:
-            xf = tl.load(KC + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-                         + offs_t[:, None].to(tl.int64) * stride_kn + offs_f[None, :], mask=tmask[:, None], other=0.0)
-        xe, xo = tl.split(tl.reshape(xf.to(tl.float32), [BLOCK_T, HEAD_DIM // 2, 2]))
-        packed, sc, _ = quantize_row(xe, xo, False, 1, 1, not EXACT_FP8)
+            packed, sc, _ = quantize_rows(KC, b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh, offs_t, tmask,
+                                          stride_kn, HEAD_DIM // 2, BLOCK_T, False, 1, not EXACT_FP8)
         sc = tl.where(tmask, sc, 0.0)
     elif is_v:
         packed = tl.load(VC + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
@@ -408,9 +405,9 @@ def kv4_to_fp8_triton(k_codes, k_scale, v_codes, v_scale, *, block: int = 128, v
         vt[..., S:].zero_()
     ks = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
     vs = torch.empty((B, H, nb), dtype=torch.float32, device=dev)
-    for sl in batch_slices(B if H and S else 0, H):  # grid axis 1 holds at most 65535 (sequence, head) pairs
-        _kv4_to_fp8_kernel[(2 * nb, (sl.stop - sl.start) * H)](
-            k_codes[sl], k_scale[sl], v_codes[sl], v_scale[sl], kc[sl], ks[sl], vt[sl], vs[sl],
+    if B * H and S:  # B * H <= 65535: the ops slice the batch (``lowbit._utils.by_batch``)
+        _kv4_to_fp8_kernel[(2 * nb, B * H)](
+            k_codes, k_scale, v_codes, v_scale, kc, ks, vt, vs,
             S, nb, s_al,
             k_codes.stride(0), k_codes.stride(1), k_codes.stride(2), k_scale.stride(0), k_scale.stride(1),
             v_codes.stride(0), v_codes.stride(1), v_codes.stride(2), v_scale.stride(0), v_scale.stride(1),

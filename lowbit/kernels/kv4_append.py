@@ -242,15 +242,23 @@ def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, star
 
 
 @triton.jit
-def _quantize_tile(X, C, SC, Z, x_off, row0, t, ok, stride_t, HALF: tl.constexpr, ROWS: tl.constexpr,
-                   ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, FAST: tl.constexpr):
-    """Rows ``t`` of one (sequence, head) of X (``x_off`` + ``t * stride_t``, unit stride on D) -> KV4 codes, scales
-    (and zeros) at dense rows ``row0 + t``. The row is loaded whole (16-byte loads) and split into its even / odd
-    channels, the low / high nibbles."""
+def quantize_rows(X, x_off, t, ok, stride_t, HALF: tl.constexpr, ROWS: tl.constexpr, ZERO_POINT: tl.constexpr,
+                  SCALE_KIND: tl.constexpr, FAST: tl.constexpr):
+    """Rows ``t`` (``[ROWS]``, ``ok`` masks them) of X at ``x_off + t * stride_t`` (unit stride on D = 2 HALF) ->
+    ``quantize_row`` of the tile: (packed ``[ROWS, HALF]``, scale, zero). Each row is loaded whole (16-byte loads) and
+    split into its even / odd channels, the low / high nibbles; masked rows read 0. Shared by the dense quantize and
+    the KV4 -> FP8 conversion from float (``attention_quant``)."""
     d = tl.arange(0, 2 * HALF)
     x = tl.load(X + x_off + t[:, None].to(tl.int64) * stride_t + d[None, :], mask=ok[:, None], other=0.0)
     xe, xo = tl.split(tl.reshape(x.to(tl.float32), [ROWS, HALF, 2]))
-    packed, s, z = quantize_row(xe, xo, ZERO_POINT, SCALE_KIND, 1, FAST)
+    return quantize_row(xe, xo, ZERO_POINT, SCALE_KIND, 1, FAST)
+
+
+@triton.jit
+def _quantize_tile(X, C, SC, Z, x_off, row0, t, ok, stride_t, HALF: tl.constexpr, ROWS: tl.constexpr,
+                   ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, FAST: tl.constexpr):
+    """``quantize_rows`` of rows ``t`` of one (sequence, head), stored at dense rows ``row0 + t``."""
+    packed, s, z = quantize_rows(X, x_off, t, ok, stride_t, HALF, ROWS, ZERO_POINT, SCALE_KIND, FAST)
     rows = row0 + t
     j = tl.arange(0, HALF)
     tl.store(C + rows[:, None] * HALF + j[None, :], packed, mask=ok[:, None])
@@ -289,7 +297,7 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     ``[B, Hkv, S, D/2]``, scales ``scale_dtype [B, Hkv, S]`` and zeros uint8 ``[B, Hkv, S]`` (None without
     ``zero_point``): bit for bit ``lowbit.formats.kv4.quantize_kv4`` of each (the append kernel's row numerics,
     ``quantize_row``, on tiles of ``rows`` tokens; ``fast``: Markstein quotients, default on the GPU)."""
-    from lowbit._utils import batch_slices, interpret_mode
+    from lowbit._utils import interpret_mode
 
     B, H, S, D = k.shape
     dev = k.device
@@ -305,15 +313,13 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     if rows < 1 or rows & (rows - 1) or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"kv4_quantize_triton: rows must be a power of two and k, v one shape [B, H, S, D] with unit "
                          f"stride on D; got rows={rows}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    for sl in batch_slices(B, H):  # grid axis 1 holds at most 65535 (sequence, head) pairs
-        kc_, ks_, vc_, vs_ = kc[sl], ks[sl], vc[sl], vs[sl]
-        _kv4_quantize_kernel[(triton.cdiv(S, rows), (sl.stop - sl.start) * H)](
-            k[sl], v[sl], kc_, ks_, kz[sl] if zero_point else ks_, vc_, vs_, vz[sl] if zero_point else vs_, S, H,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            HALF=D // 2, ROWS=rows, ZERO_POINT=zero_point,
-            SCALE_KIND={torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[scale_dtype],
-            FAST=not interpret_mode() if fast is None else bool(fast), num_warps=num_warps or QUANT_WARPS,
-        )
+    _kv4_quantize_kernel[(triton.cdiv(S, rows), B * H)](  # B * H <= 65535: the op slices the batch (``by_batch``)
+        k, v, kc, ks, kz if zero_point else ks, vc, vs, vz if zero_point else vs, S, H,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        HALF=D // 2, ROWS=rows, ZERO_POINT=zero_point,
+        SCALE_KIND={torch.float32: 0, torch.float8_e4m3fn: 1, torch.bfloat16: 2}[scale_dtype],
+        FAST=not interpret_mode() if fast is None else bool(fast), num_warps=num_warps or QUANT_WARPS,
+    )
     return kc, ks, vc, vs, kz, vz
 
 

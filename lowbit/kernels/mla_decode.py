@@ -149,7 +149,6 @@ from lowbit.kernels.mla_quant import _cast
 LOG2E = 1.4426950408889634
 FP8_MAX = 448.0
 SIG_HEADROOM = tl.constexpr(P_SCALE_HEADROOM)  # lazy mode (TAU > 0): a growing P scale overshoots 4x
-NAN_ALL = tl.constexpr(tl.PropagateNan.ALL)  # clamps of P that keep a NaN (defensive: l carries it anyway)
 # GPU defaults per path (bf16, fp8): tokens per KV block and pipeline depth (smem: Q 72/40 KB +
 # stages x the KV tile, under 227 KB; registers: 32-token blocks do not spill)
 # GPU defaults per path (measured in device rounds R3-R5, benchmarks/device/mla.py's sweep):
@@ -458,9 +457,9 @@ def _softmax_step(s, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, FP8: tl.constex
         # <= 1: sigma folded into the online-softmax rescale (exactly 1 where neither m nor sigma moved)
         r = tl.where(sig_new == sig_keep, 1.0, sig_keep * inv_sig)
         if PV16:  # P / sigma in fp16 (11-bit mantissa) against V upcast to fp16 (exact)
-            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0, propagate_nan=NAN_ALL), tl.float16, INTERPRET)
+            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), tl.float16, INTERPRET)
         else:
-            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0, propagate_nan=NAN_ALL), V_DTYPE, INTERPRET)
+            p_op = _cast(tl.minimum(pv * inv_sig[:, None], 448.0), V_DTYPE, INTERPRET)
         l_new = l_i * r + tl.sum(p, 1) * inv_sig
         return p_op, r, m_new, l_new, sig_new
     elif FP8:  # variant: bf16 P * s_k against the exactly upcast FP8 latent
@@ -505,7 +504,7 @@ def _softmax_step_t(t, qscale, ks, m_i, l_i, sig_i, V_DTYPE: tl.constexpr, BLOCK
         pv = pt * inv_sig[:, None]
         l_new = l_i * r + tl.sum(p, 1) * inv_sig
     if INTERPRET:  # the GPU's cvt.rn.satfinite clamps the rounding overshoot past 448 by itself
-        pv = tl.minimum(pv, 448.0, propagate_nan=NAN_ALL)  # a NaN stays NaN, as in the cvt
+        pv = tl.minimum(pv, 448.0)
     return _cast(pv, V_DTYPE, INTERPRET), r, m_new, l_new, sig_new
 
 

@@ -50,7 +50,6 @@ import torch
 try:  # Gluon ships with Triton >= 3.4; the interpreter cannot run it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    import triton.language as tl  # tl.PropagateNan (Gluon has no alias)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2 as _mma_v2
 
@@ -184,7 +183,7 @@ if HAS_GLUON:
         m_i = m_new
         sig_i = sig_new
         if PV16:
-            p16 = gl.minimum(pv, 448.0, propagate_nan=tl.PropagateNan.ALL).to(gl.float16)
+            p16 = gl.minimum(pv, 448.0).to(gl.float16)
         else:
             p16 = pv.to(gl.float8e4nv).to(gl.float16)  # cvt.rn.satfinite: P̂ <= 448, exact upcast
         # P̂ (a copy per warp: its A operand) and the rows' rescale factors to every warp through shared memory

@@ -26,6 +26,7 @@ import triton.language as tl
 from lowbit._utils import cdiv, interpret_mode
 from lowbit.formats.common import AMAX_EPS
 from lowbit.formats.w8 import PLANE_LO, QMAX
+from lowbit.kernels.act_quant import abs_or_inf, amax_floor
 
 GEMV_MAX_M = 1  # token rows served by the dp4a GEMV (M = 2..4 on it re-read the codes: slower than the GEMM)
 _EPS = tl.constexpr(AMAX_EPS)
@@ -43,11 +44,10 @@ def _x_planes_kernel(X, HI, LO, SX, K, KP, stride_xm, stride_pm, BLOCK: tl.const
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         v = tl.load(xrow + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.where(v == v, tl.abs(v), float("inf")))  # NaN -> inf: max would skip it
-    a = tl.max(amax, axis=0)
+        amax = tl.maximum(amax, abs_or_inf(v))  # NaN -> inf: max would skip it
     # an Inf or NaN in the row gives a NaN scale, so the row's output is NaN, as the reference's (session 33: the
     # row came out finite, its NaN element silently replaced)
-    a = tl.maximum(tl.where(a == float("inf"), float("nan"), a), _EPS, propagate_nan=tl.PropagateNan.ALL)
+    a = amax_floor(tl.max(amax, axis=0), _EPS)
     tl.store(SX + m, tl.div_rn(a, tl.full([], _QMAX, tl.float32)))  # div_rn: rounded as the reference (``/`` is not)
     prow = m.to(tl.int64) * stride_pm
     for k0 in range(0, KP, BLOCK):

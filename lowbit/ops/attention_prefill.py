@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import batch_slices, check_tensor, interpret_mode, triton_available, use_triton, warn_once
+from lowbit._utils import by_batch, check_tensor, interpret_mode, triton_available, use_triton, warn_once
 from lowbit.formats.attention_quant import MODES, V_BLOCK, V_GRANULARITIES, attention_quant_ref, quantize_qkv
 from lowbit.formats.common import FP8_E4M3
 
@@ -58,16 +58,6 @@ def _kernel_dim(d: int) -> int | None:
     return None
 
 
-def _by_batch(fn, *tensors):
-    """``fn(*tensors)``, or over batch slices concatenated when batch x query heads exceeds the launches' grid axis 1
-    (65535, ``lowbit._utils.batch_slices``): every scheme's numerics are per sequence and head, so the bits are the
-    same. ``tensors[0]`` is q ``[B, Hq, ...]``; every tensor has the batch first."""
-    slices = batch_slices(tensors[0].shape[0], tensors[0].shape[1])
-    if len(slices) == 1:
-        return fn(*tensors)
-    return torch.cat([fn(*(t[s] for t in tensors)) for s in slices])
-
-
 # ------------------------------------------------------------------------------- torch.library ops
 @torch.library.custom_op("lowbit::quant_attention_prefill", mutates_args=())
 def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, causal: bool,
@@ -83,9 +73,9 @@ def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
         if kd != D:
             warn_once(f"quantized attention: head_dim {D} zero-padded to {kd} for the kernel")
             q, k, v = (F.pad(t, (0, kd - D)) for t in (q, k, v))
-        o = _by_batch(lambda q_, k_, v_: quant_attention_triton(
+        o = by_batch(lambda q_, k_, v_: quant_attention_triton(  # grid axis 1: batch x query heads
             q_, k_, v_, mode=mode, causal=causal, sm_scale=sm_scale, v_granularity=v_granularity, v_block=v_block,
-            k_per_block=k_block is not None, p_block=p_block, fuse_kv=FUSE_KV), q, k, v)
+            k_per_block=k_block is not None, p_block=p_block, fuse_kv=FUSE_KV), q.shape[1], q, k, v)
         return o[..., :D] if kd != D else o
     return _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn, p_block=p_block)
 
@@ -129,8 +119,8 @@ def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Te
         from lowbit.kernels.attention_prefill import attention_prefill_triton
 
         if fused:
-            return _by_batch(lambda *t: attention_prefill_triton(*t, mode="fp8-kv4", causal=causal, sm_scale=sm_scale),
-                             q, k_codes, k_scale, v_codes, v_scale)
+            return by_batch(lambda *t: attention_prefill_triton(*t, mode="fp8-kv4", causal=causal, sm_scale=sm_scale),
+                            q.shape[1], q, k_codes, k_scale, v_codes, v_scale)
         from lowbit.kernels.attention_quant import kv4_to_fp8_triton
 
         from lowbit.kernels.attention_prefill import VPERM_FP8
@@ -142,7 +132,7 @@ def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Te
             return attention_prefill_triton(q_, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
                                             v_block=bn, k_block=bn, config={"vperm": vp})
 
-        return _by_batch(run, q, k_codes, k_scale, v_codes, v_scale)
+        return by_batch(run, q.shape[1], q, k_codes, k_scale, v_codes, v_scale)
     if use_triton(q):
         warn_once(f"fp8-kv4 attention: head_dim {D} has no kernel; using the PyTorch reference")
     from lowbit.formats.attention_quant import kv4_to_fp8_blocks, quantize_qk
@@ -181,7 +171,7 @@ def _fp8_kv4_attention_float(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             return attention_prefill_triton(q_, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
                                             v_block=bn, k_block=bn, config={"vperm": vp})
 
-        return _by_batch(run, q, k, v)
+        return by_batch(run, q.shape[1], q, k, v)
     from lowbit.ops.kv4 import kv4_quantize
 
     return _fp8_kv4_attention(q, *kv4_quantize(k, v), causal, sm_scale, False)

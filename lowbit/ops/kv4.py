@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import check_indices, check_page_reads, check_page_writes, check_tensor, use_triton
+from lowbit._utils import by_batch, check_indices, check_page_reads, check_page_writes, check_tensor, use_triton
 from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
@@ -168,7 +168,7 @@ def _kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
         from lowbit.kernels.kv4_append import kv4_quantize_triton
 
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
-        return kv4_quantize_triton(k, v)[:4]
+        return by_batch(lambda k_, v_: kv4_quantize_triton(k_, v_)[:4], k.shape[1], k, v)
     kc, ks, _ = quantize_kv4(k)
     vc, vs, _ = quantize_kv4(v)
     return kc, ks, vc, vs

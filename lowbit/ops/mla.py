@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from lowbit._utils import (batch_slices, check_indices, check_page_reads, check_same_device, check_tensor, use_triton,
+from lowbit._utils import (by_batch, check_indices, check_page_reads, check_same_device, check_tensor, use_triton,
                            warn_once)
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
@@ -196,22 +196,21 @@ def _mla_decode_op(q: torch.Tensor, content: torch.Tensor, rope: torch.Tensor, s
         from lowbit.kernels.mla_decode import mla_decode_triton
         from lowbit.kernels.mla_quant import latent_quant_triton
 
-        slices = batch_slices(B, 1)  # the decode kernels put the batch on grid axis 2 (at most 65535)
-        if len(slices) > 1:
-            return torch.cat([_mla_decode_op(q[s], content, rope, scale, page_table[s], seq_lens[s], sm_scale,
-                                             max_seq_len, num_splits, pv_fp8, pv16) for s in slices])
+        def run(q, page_table, seq_lens):
+            B = q.shape[0]
+            q3 = q.reshape(B, Sq * H, D)
+            if fp8:  # Fused-Q-Quant: fp8 content, fp32 scale, bf16 RoPE pre-divided by the scale
+                qc, qs, qr = latent_quant_triton(q3.reshape(B * Sq * H, D), dc)
+                qc, qs, qr = qc.view(B, Sq * H, dc), qs.view(B, Sq * H), qr.view(B, Sq * H, dr)
+            else:
+                qc, qs, qr = q3[..., :dc], None, q3[..., dc:]
+            out = mla_decode_triton(qc, qr, qs, _rows(content), _rows(rope), _rows(scale) if fp8 else None,
+                                    page_table, seq_lens, num_heads=H, sm_scale=sm_scale, max_seq_len=max_seq_len,
+                                    page_size=content.shape[1], fp8=fp8, out_dtype=q.dtype,
+                                    num_splits=num_splits or None, pv_fp8=pv_fp8, pv16=pv16)
+            return out.view(B, Sq, H, dc)
 
-        q3 = q.reshape(B, Sq * H, D)
-        if fp8:  # Fused-Q-Quant: fp8 content, fp32 scale, bf16 RoPE pre-divided by the scale
-            qc, qs, qr = latent_quant_triton(q3.reshape(B * Sq * H, D), dc)
-            qc, qs, qr = qc.view(B, Sq * H, dc), qs.view(B, Sq * H), qr.view(B, Sq * H, dr)
-        else:
-            qc, qs, qr = q3[..., :dc], None, q3[..., dc:]
-        out = mla_decode_triton(qc, qr, qs, _rows(content), _rows(rope), _rows(scale) if fp8 else None,
-                                page_table, seq_lens, num_heads=H, sm_scale=sm_scale, max_seq_len=max_seq_len,
-                                page_size=content.shape[1], fp8=fp8, out_dtype=q.dtype,
-                                num_splits=num_splits or None, pv_fp8=pv_fp8, pv16=pv16)
-        return out.view(B, Sq, H, dc)
+        return by_batch(run, 1, q, page_table, seq_lens)  # the decode kernels put the batch on grid axis 2
     from lowbit.kernels.mla_decode import P_BLOCK
 
     rule = "block" if (P_BLOCK["fp8"] and not pv16) else "row"
@@ -276,12 +275,9 @@ def _mla_gather_op(content: torch.Tensor, rope: torch.Tensor, scale: torch.Tenso
     if use_triton(content, page_table) and _kernel_ok(dc, dr, "mla_gather"):
         from lowbit.kernels.mla_quant import latent_gather_triton
 
-        slices = batch_slices(page_table.shape[0], 1)  # the gather puts the batch on grid axis 1 (at most 65535)
-        if len(slices) > 1:
-            return torch.cat([_mla_gather_op(content, rope, scale, page_table[s], seq_lens[s], max_len, out_dtype)
-                              for s in slices])
-        return latent_gather_triton(_rows(content), _rows(rope), _rows(scale) if scale is not None else None,
-                                    page_table, seq_lens, max_len, page_size=content.shape[1], out_dtype=out_dtype)
+        return by_batch(lambda pt, sl: latent_gather_triton(  # the gather puts the batch on grid axis 1
+            _rows(content), _rows(rope), _rows(scale) if scale is not None else None, pt, sl, max_len,
+            page_size=content.shape[1], out_dtype=out_dtype), 1, page_table, seq_lens)
     B = page_table.shape[0]
     out = torch.zeros(B, max_len, dc + dr, device=content.device, dtype=out_dtype)
     for b in range(B):
