@@ -562,8 +562,8 @@ def test_exp16_option_matches_reference(causal, dev):
 @pytest.mark.parametrize("scheme", ["fp8", "int8", "int8-qk", "fp8-kv4"])
 def test_large_batch_x_heads_runs_in_batch_slices(dev, scheme, monkeypatch):
     """Batch x query heads above grid axis 1's 65535 (lowered here to 5) runs the launches over batch slices
-    (``ops.attention_prefill._by_batch``): the same bits as one launch. Before session 35, B x Hq = 70000 failed with
-    a CUDA invalid-argument launch error."""
+    (``lowbit._utils.by_batch``): the same bits as one launch. Before session 35 a launch past the limit failed with a
+    CUDA invalid-argument error."""
     import lowbit._utils as U
     from lowbit.formats.kv4 import quantize_kv4
 
