@@ -5,12 +5,14 @@
 # device with the run tool's `carry: [".ab_old"]` and put it on the path: PYTHONPATH=$PWD:$PWD/.ab_old. Never commit it.
 #
 #   bash benchmarks/make_ab_tree.sh 541818b
+#   bash benchmarks/make_ab_tree.sh $(git stash create) lowbit_wip   # a second copy under another name (session 36)
 set -euo pipefail
-rev=${1:?usage: make_ab_tree.sh REV}
+rev=${1:?usage: make_ab_tree.sh REV [NAME]}
+name=${2:-lowbit_old}
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 git archive "$rev" lowbit | tar -x -C "$tmp"
-rm -rf .ab_old/lowbit_old && mkdir -p .ab_old && mv "$tmp/lowbit" .ab_old/lowbit_old && rm -rf "$tmp"
-grep -rl lowbit .ab_old/lowbit_old | xargs sed -i 's/\blowbit\b/lowbit_old/g'
+rm -rf ".ab_old/$name" && mkdir -p .ab_old && mv "$tmp/lowbit" ".ab_old/$name" && rm -rf "$tmp"
+grep -rl lowbit ".ab_old/$name" | xargs sed -i "s/\blowbit\b/$name/g"
 grep -qx ".ab_old" .git/info/exclude 2>/dev/null || echo ".ab_old" >> .git/info/exclude
-echo "built .ab_old/lowbit_old from $rev ($(du -sh .ab_old | cut -f1))"
+echo "built .ab_old/$name from $rev ($(du -sh .ab_old | cut -f1))"

@@ -110,31 +110,76 @@ def test_fused_kv_prologue_equals_two_launches(mode, vg, causal, chunk):
 
 
 @pytest.mark.parametrize("mode,causal,tma", [("fp8", True, False), ("int8", False, True), ("int8-qk", True, True)])
-def test_q_prepass_equals_in_register_q(mode, causal, tma):
+def test_q_prepass_equals_in_register_q(mode, causal, tma, dev):
     """Config ``q_pre`` (Q quantized by the K/V quantization launch, the form the warp-specialized
     loop needs): the Q codes equal ``quantize_qk`` and the output is bit-identical to the kernel
     that quantizes its Q tile in registers. GQA 4/2, S not a multiple of the blocks, causal
-    bottom-right, pointer and TMA loads."""
+    bottom-right, pointer and TMA loads. On the GPU too since session 36 (both Q quantizers divide by ``tl.div_rn``);
+    the warp-specialized config only under the interpreter (it faulted on the H200, `attention_prefill` section)."""
     from lowbit._utils import interpret_mode
     from lowbit.kernels.attention_prefill import quant_attention_triton
     from lowbit.kernels.attention_quant import quantize_kv_triton
 
-    if not triton_available() or not interpret_mode():
-        pytest.skip("interpreter only (the GPU script checks q_pre on the device)")
+    if not triton_available():
+        pytest.skip("needs Triton")
     dt = torch.float16 if mode == "int8-qk" else torch.float32
-    q, k, v = _qkv(1, 4, 2, 19, 37, 32, dtype=dt, seed=23)
+    q, k, v = (t.to(dev) for t in _qkv(1, 4, 2, 19, 37, 64, dtype=dt, seed=23))  # D = 64: the compiled kernels' least
     cdt = torch.float8_e4m3fn if mode == "fp8" else torch.int8
     *_, qc, qs = quantize_kv_triton(k, v, dtype=cdt, q=q)
-    rc, rs = aq.quantize_qk(q, cdt)
-    assert torch.equal(qc.float(), rc.float()) and torch.equal(qs, rs)
-    kw = dict(mode=mode, causal=causal, sm_scale=32 ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
+    rc, rs = aq.quantize_qk(q.cpu(), cdt)
+    assert torch.equal(qc.cpu().float(), rc.float()) and torch.equal(qs.cpu(), rs)
+    kw = dict(mode=mode, causal=causal, sm_scale=64 ** -0.5, v_granularity="block" if mode == "fp8" else "channel",
               k_per_block=mode == "fp8", fuse_kv=False)
     base = quant_attention_triton(q, k, v, config={"tma": tma, "q_pre": False}, **kw)
     pre = quant_attention_triton(q, k, v, config={"q_pre": True, "tma": tma}, **kw)
     assert torch.equal(base, pre)
-    if mode != "int8-qk":  # config 'ws': also the 16-byte padded scale rows (the interpreter runs no
-        # warp partitions: this checks the layouts and the loads of that path)
+    if mode != "int8-qk" and interpret_mode():  # config 'ws': also the 16-byte padded scale rows (the interpreter
+        # runs no warp partitions: this checks the layouts and the loads of that path)
         assert torch.equal(base, quant_attention_triton(q, k, v, config={"ws": True, "tma": True}, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_quant_launch_scales_and_codes_are_the_reference(dev, dtype):
+    """The prefill quantization launch (K per token and per block, V per channel and per block, Q) and the KV4 -> FP8
+    conversion write the reference's scales and codes bit for bit, on the CPU interpreter and the GPU: each scale is
+    the IEEE quotient ``amax / QMAX`` (``tl.div_rn``, session 36; Triton's ``/`` is ``div.full.f32``, up to 2 ulp
+    off). Rows span 2^-12..2^12 in magnitude so the quotients cover many binades; S = 300 and 45 are not multiples of
+    the 128- / 32-key blocks. The reference runs on the CPU (IEEE)."""
+    from lowbit.formats.kv4 import quantize_kv4
+    from lowbit.kernels.attention_quant import kv4_to_fp8_triton, quantize_kv_triton
+
+    g = torch.Generator().manual_seed(36)
+
+    def rows(*shape):
+        return torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-12, 13, (*shape[:-1], 1), generator=g))
+
+    def same(a, b):
+        a, b = a.cpu(), b.cpu()
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+
+    q, k, v = rows(2, 4, 70, 64), rows(2, 2, 300, 64), rows(2, 2, 300, 64)
+    k[1, 0, 77, 9] = float("inf")  # its scale: inf, as the reference's
+    for vg, kb in (("channel", None), ("block", 128)):
+        kc, ks, vt, vs, qc, qs = quantize_kv_triton(k.to(dev), v.to(dev), dtype=dtype, q=q.to(dev),
+                                                    v_granularity=vg, k_block=kb)
+        rkc, rks = aq.quantize_k_block(k, dtype, kb) if kb else aq.quantize_qk(k, dtype)
+        rvc, rvs = aq.quantize_v(v, dtype, granularity=vg)
+        rqc, rqs = aq.quantize_qk(q, dtype)
+        kcodes_ok = (torch.arange(300) != 77) if kb is None else (torch.arange(300) >= 128)  # Inf -> NaN codes
+        for a, b in ((ks, rks), (vs, rvs), (qs, rqs), (kc[1, 0][kcodes_ok], rkc[1, 0][kcodes_ok]), (kc[0], rkc[0]),
+                     (vt[..., :300].transpose(-1, -2), rvc), (qc, rqc)):
+            same(a, b)
+        assert ks[1, 0, 77 if kb is None else 0].item() == float("inf")
+    if dtype == torch.float8_e4m3fn:
+        kf, vf = rows(2, 2, 45, 64).to(torch.bfloat16), rows(2, 2, 45, 64).to(torch.bfloat16)
+        codes = (*quantize_kv4(kf)[:2], *quantize_kv4(vf)[:2])
+        kc, ks, vt, vs = kv4_to_fp8_triton(*(t.to(dev) for t in codes), block=32)
+        ref = aq.kv4_to_fp8_blocks(*codes, block=32)
+        for a, b in ((ks, ref["k_scale"]), (vs, ref["v_scale"]), (kc, ref["k"]),
+                     (vt[..., :45].transpose(-1, -2), ref["v"])):
+            same(a, b)
 
 
 def test_fused_kv_writes_v_padding_zero(dev):

@@ -592,7 +592,8 @@ def _attn_fwd(
         x = tl.load(Q + b64 * stride_qb + hq64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
                     + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
         QMAXV: tl.constexpr = 448.0 if MODE == 0 else 127.0
-        q_scale = _eps_floor(tl.max(_abs_operand(x, NAN_SAFE), 1), amax_eps, NAN_SAFE) / QMAXV
+        q_amax = _eps_floor(tl.max(_abs_operand(x, NAN_SAFE), 1), amax_eps, NAN_SAFE)
+        q_scale = tl.div_rn(q_amax, QMAXV)  # IEEE, as the reference (session 36)
         y = x * tl.div_rn(q_scale * 0.0 + 1.0, q_scale)[:, None]  # reciprocal once per row (as the reference)
         if MODE == 0:  # no clamp: the saturating convert keeps a NaN (attention_quant._quant_tile)
             q = _to_fp8(y, INTERPRET)

@@ -2,9 +2,11 @@
 
 Numerics: ``lowbit.formats.attention_quant`` (the reference this kernel must match bit for bit):
 
-- K: symmetric per token per head (``K_PER_BLOCK``: per block of BLOCK_T keys), ``scale = max(amax, AMAX_EPS) / QMAX`` (fp32),
-  ``code = cast(clamp(k * (1 / scale)))`` (reciprocal IEEE-rounded once per scale), INT8 codes rounded to
-  nearest even, FP8 codes by the RNE cast.
+- K: symmetric per token per head (``K_PER_BLOCK``: per block of BLOCK_T keys),
+  ``scale = max(amax, AMAX_EPS) / QMAX`` (fp32, ``tl.div_rn``: the IEEE quotient of the reference's ``safe_scale``
+  on every device; Triton's ``/`` is ``div.full.f32``, up to 2 ulp off, session 36),
+  ``code = cast(clamp(k * (1 / scale)))`` (reciprocal IEEE-rounded once per scale), INT8 codes rounded to nearest
+  even, FP8 codes by the RNE cast.
 - V: symmetric, per channel per block of ``V_BLOCK`` tokens (``V_CHANNEL``, scales
   ``[B, H, NB, D]``) or one scale per block (``[B, H, NB]``; ``V_GIVEN``: precomputed, e.g. the
   per-tensor option, and only read).
@@ -129,13 +131,14 @@ def _kv_quant_task(
         if K_PER_BLOCK:  # one scale for the BLOCK_T keys of this task
             if CHUNK == BLOCK_T:
                 kx = _load_rows(Kh, t0 + tl.arange(0, BLOCK_T), S, stride_kn, HEAD_DIM)
-                kscale = _eps_floor(tl.max(tl.max(_abs_operand(kx, NAN_SAFE), 1), 0), amax_eps, NAN_SAFE) / QMAX
+                kam = _eps_floor(tl.max(tl.max(_abs_operand(kx, NAN_SAFE), 1), 0), amax_eps, NAN_SAFE)
+                kscale = tl.div_rn(kam, QMAX)
             else:
                 am = tl.zeros([CHUNK], dtype=tl.float32)
                 for c in tl.range(0, BLOCK_T, CHUNK, loop_unroll_factor=1):
                     am = tl.maximum(am, tl.max(_abs_operand(_load_rows(Kh, t0 + c + tl.arange(0, CHUNK), S, stride_kn,
                                                                          HEAD_DIM), NAN_SAFE), 1))
-                kscale = _eps_floor(tl.max(am, 0), amax_eps, NAN_SAFE) / QMAX
+                kscale = tl.div_rn(_eps_floor(tl.max(am, 0), amax_eps, NAN_SAFE), QMAX)
             tl.store(KS + (bh.to(tl.int64) * n_kprog + task) * SC_STRIDE, kscale)
         for c in tl.range(0, BLOCK_T, CHUNK, loop_unroll_factor=1):
             koffs_t = t0 + c + tl.arange(0, CHUNK)
@@ -146,7 +149,8 @@ def _kv_quant_task(
             if K_PER_BLOCK:
                 kcodes = _quant_tile(kx, kscale, QMAX, IS_INT8, EXACT_FP8)
             else:
-                kscale_r = _eps_floor(tl.max(_abs_operand(kx, NAN_SAFE), 1), amax_eps, NAN_SAFE) / QMAX
+                kscale_r = tl.div_rn(_eps_floor(tl.max(_abs_operand(kx, NAN_SAFE), 1), amax_eps, NAN_SAFE),
+                                     QMAX)
                 kcodes = _quant_tile(kx, kscale_r[:, None], QMAX, IS_INT8, EXACT_FP8)
                 tl.store(KS + bh.to(tl.int64) * KS_ROWS + koffs_t, kscale_r, mask=ktmask)
             tl.store(KC + row[:, None] * HEAD_DIM + offs_d[None, :], kcodes, mask=ktmask[:, None])
@@ -163,14 +167,14 @@ def _kv_quant_task(
                 vam = tl.maximum(vam, tl.max(_abs_operand(_load_rows(Vh, t0 + c + tl.arange(0, CHUNK), S, stride_vn,
                                                                        HEAD_DIM), NAN_SAFE), 0))
         if V_CHANNEL:  # one scale per channel of this block
-            vscale = _eps_floor(vam, amax_eps, NAN_SAFE) / QMAX
+            vscale = tl.div_rn(_eps_floor(vam, amax_eps, NAN_SAFE), QMAX)
             tl.store(VS + (bh.to(tl.int64) * n_vblk + vblk) * HEAD_DIM + offs_d, vscale)
         else:  # one scale for the block (V_GIVEN: precomputed, e.g. per tensor)
             vvs_ptr = VS + (bh.to(tl.int64) * n_vblk + vblk) * SC_STRIDE
             if V_GIVEN:
                 vscale = tl.load(vvs_ptr)
             else:
-                vscale = _eps_floor(tl.max(vam, 0), amax_eps, NAN_SAFE) / QMAX
+                vscale = tl.div_rn(_eps_floor(tl.max(vam, 0), amax_eps, NAN_SAFE), QMAX)
                 tl.store(vvs_ptr, vscale)
         for c in tl.range(0, V_BLOCK, CHUNK, loop_unroll_factor=1):
             voffs_t = t0 + c + tl.arange(0, CHUNK)
@@ -363,7 +367,8 @@ def _kv4_to_fp8_kernel(
     lo = (lo - ((lo & 8) << 1)).to(tl.float32)
     hi = (hi - ((hi & 8) << 1)).to(tl.float32)
     x = tl.reshape(tl.join(lo, hi), [BLOCK_T, HEAD_DIM]) * sc[:, None]
-    scale = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps) / 448.0  # a NaN KV4 scale: NaN codes
+    # a NaN KV4 scale: NaN codes
+    scale = tl.div_rn(tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), amax_eps), 448.0)
     codes = _quant_tile(x, scale, 448.0, False, EXACT_FP8)
     offs_d = tl.arange(0, HEAD_DIM)
     if is_v:
