@@ -24,7 +24,7 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), ".ab_old"))
 import lowbit  # noqa: E402
 import lowbit_old  # noqa: E402
-from lowbit.bench.harness import alternate_us, probe_args, probe_doc, probe_row, time_cuda, write_probe  # noqa: E402
+from lowbit.bench.harness import alternate_us, probe_row, run_probe_parts, time_cuda  # noqa: E402
 
 
 def diff(a, b) -> float:
@@ -134,12 +134,8 @@ def part_m(doc):
 
 
 def main():
-    args = probe_args("adm")
-    doc = probe_doc("benchmarks/device/s34_nan_ab.py")
-    for p, fn in (("q", part_q), ("d", part_d), ("m", part_m), ("a", part_a)):
-        if p in args.parts:
-            fn(doc)
-            write_probe(doc, args.out, "s34_nan_ab.json")
+    run_probe_parts("benchmarks/device/s34_nan_ab.py", {"q": part_q, "d": part_d, "m": part_m, "a": part_a},
+                    "adm", "s34_nan_ab.json")
 
 
 if __name__ == "__main__":

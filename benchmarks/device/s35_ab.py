@@ -23,7 +23,7 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), ".ab_old"))
 import lowbit  # noqa: E402
 import lowbit_old  # noqa: E402
-from lowbit.bench.harness import alternate_us, probe_args, probe_doc, probe_row, time_cuda, write_probe  # noqa: E402
+from lowbit.bench.harness import alternate_us, probe_row, run_probe_parts, time_cuda  # noqa: E402
 
 
 def diff(a, b) -> float:
@@ -155,12 +155,8 @@ def part_i(doc):
 
 
 def main():
-    args = probe_args("akmi")
-    doc = probe_doc("benchmarks/device/s35_ab.py")
-    for p, fn in (("k", part_k), ("m", part_m), ("i", part_i), ("a", part_a)):
-        if p in args.parts:
-            fn(doc)
-            write_probe(doc, args.out, "s35_ab.json")
+    run_probe_parts("benchmarks/device/s35_ab.py", {"k": part_k, "m": part_m, "i": part_i, "a": part_a},
+                    "akmi", "s35_ab.json")
 
 
 if __name__ == "__main__":

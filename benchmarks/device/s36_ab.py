@@ -5,9 +5,9 @@ benchmarks/make_ab_tree.sh 4787e38`` builds the renamed copy ``lowbit_old``; met
 
 The change: the prefill quantization scales (``kernels.attention_quant``'s K / V / Q launch, the KV4 -> FP8
 conversion, the attention kernel's Q prologue) are IEEE quotients instead of Triton's ``/`` (``div.full.f32``).
-Trees: ``new`` (the working tree: Markstein's step, ``attention_quant._scale_div``), ``rn`` (``tl.div_rn``; the
-optional copy ``lowbit_rn``, built by ``make_ab_tree.sh $(git stash create) lowbit_rn`` from that state; r1 ran
-it as ``new`` without the third tree), ``old``. Parts: ``q`` the quantization launches alone (B=4, H=32, D=128, bf16, S 1024 / 4096): per tree the
+Trees: ``new`` (the tree the probe runs in), ``rn`` (an optional copy ``lowbit_rn``, built by
+``make_ab_tree.sh $(git stash create) lowbit_rn`` from a working state), ``old``. Parts: ``q`` the quantization
+launches alone (B=4, H=32, D=128, bf16, S 1024 / 4096): per tree the
 number of scales that differ from the CPU reference (IEEE) and the per-launch us (CUDA graphs, alternating); ``a``
 the whole ``api.attention`` call of ``fp8``, ``int8``, ``int8-qk`` and ``fp8-kv4`` (float K / V), causal and not:
 max |new - old| and us of each tree.
@@ -30,7 +30,7 @@ try:
 except ImportError:
     lowbit_rn = None
 TREES = {"new": lowbit, **({"rn": lowbit_rn} if lowbit_rn else {}), "old": lowbit_old}
-from lowbit.bench.harness import alternate_us, probe_args, probe_doc, probe_row, time_cuda, write_probe  # noqa: E402
+from lowbit.bench.harness import alternate_us, probe_row, run_probe_parts, time_cuda  # noqa: E402
 from lowbit.formats import attention_quant as aq  # noqa: E402
 
 B, H, D = 4, 32, 128
@@ -101,7 +101,8 @@ def part_a(doc):
             for causal in (False, True):
                 row = {"S": S, "causal": causal}
                 try:
-                    fns = {t: (lambda m=m: m.api.attention(q, k, v, scheme=scheme, causal=causal)) for t, m in TREES.items()}
+                    fns = {t: (lambda m=m: m.api.attention(q, k, v, scheme=scheme, causal=causal))
+                           for t, m in TREES.items()}
                     outs = {t: f() for t, f in fns.items()}
                     row.update({f"max_abs_diff_{t}_old": diff(o, outs["old"]) for t, o in outs.items() if t != "old"})
                     if "rn" in outs:
@@ -119,12 +120,8 @@ def part_a(doc):
 
 
 def main():
-    args = probe_args("qa")
-    doc = probe_doc("benchmarks/device/s36_ab.py")
-    for p, fn in (("q", part_q), ("a", part_a)):
-        if p in args.parts:
-            fn(doc)
-            write_probe(doc, args.out, "s36_ab.json")
+    run_probe_parts("benchmarks/device/s36_ab.py", {"q": part_q, "a": part_a},
+                    "qa", "s36_ab.json")
 
 
 if __name__ == "__main__":

@@ -214,6 +214,19 @@ def write_probe(doc: dict, out: str, name: str) -> str:
     return path
 
 
+def run_probe_parts(script: str, parts: dict, default_parts: str, out_name: str) -> dict:
+    """The ``main`` of a device probe made of parts: ``parts`` maps a letter to ``fn(doc)``; the letters of
+    ``--parts`` (default ``default_parts``) run in ``parts``' order, the document written to ``--out``/``out_name``
+    after each. Returns the document."""
+    args = probe_args(default_parts)
+    doc = probe_doc(script)
+    for letter, fn in parts.items():
+        if letter in args.parts:
+            fn(doc)
+            write_probe(doc, args.out, out_name)
+    return doc
+
+
 def sass_summary(sass: str, *, min_loop: int = 100, top: int = 24) -> dict:
     """Instruction counts of ``triton.tools.disasm.get_sass`` text ("LBBn:" labels, "ctrl\tINSTR;" lines): the total,
     the lengths of the loops (backward branches spanning more than ``min_loop`` instructions; a loop's length is the
