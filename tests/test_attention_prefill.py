@@ -182,6 +182,35 @@ def test_quant_launch_scales_and_codes_are_the_reference(dev, dtype):
             same(a, b)
 
 
+@settings(max_examples=6, deadline=None)
+@given(s=st.integers(1, 200), sq=st.integers(1, 70), rep=st.sampled_from([1, 2]), d=st.sampled_from([32, 64]),
+       int8=st.booleans(), vg=st.sampled_from(["channel", "block", "tensor"]), kb=st.sampled_from([None, 64]),
+       exp=st.integers(-30, 30), seed=st.integers(0, 2 ** 16))
+def test_quant_launch_fuzz_is_the_reference(s, sq, rep, d, int8, vg, kb, exp, seed):
+    """Random shapes, granularities and magnitudes (2^exp): the quantization launch's scales and codes are the
+    reference's bit for bit (the fixed-shape test above, over the launch's options)."""
+    from lowbit._utils import interpret_mode
+    from lowbit.kernels.attention_quant import quantize_kv_triton
+
+    if not triton_available():
+        pytest.skip("needs Triton")
+    dev = "cpu" if interpret_mode() else "cuda"
+    dt = torch.int8 if int8 else torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g).mul(2.0 ** exp).to(torch.bfloat16)
+               for h, n in ((2 * rep, sq), (2, s), (2, s)))
+    kc, ks, vt, vs, qc, qs = quantize_kv_triton(k.to(dev), v.to(dev), dtype=dt, q=q.to(dev), v_granularity=vg,
+                                                k_block=kb)
+    rk = aq.quantize_k_block(k, dt, kb) if kb else aq.quantize_qk(k, dt)
+    rv, rq = aq.quantize_v(v, dt, granularity=vg), aq.quantize_qk(q, dt)
+    for a, b in ((kc, rk[0]), (ks, rk[1]), (vt[..., :s].transpose(-1, -2), rv[0]), (vs, rv[1]), (qc, rq[0]),
+                 (qs, rq[1])):
+        a, b = a.cpu(), b.cpu()
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b)
+
+
 def test_fused_kv_writes_v_padding_zero(dev):
     """The V^T buffer's columns S..S_al (16-byte rows for TMA) are written as code 0 by the
     quantization itself (no separate zero fill)."""
