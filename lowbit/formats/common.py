@@ -34,6 +34,12 @@ def div_ieee(x: torch.Tensor, d: float) -> torch.Tensor:
     return x / torch.full_like(x, d)
 
 
+def inf_to_nan(t: torch.Tensor) -> torch.Tensor:
+    """An infinite maximum (or range) becomes NaN: the reference side of ``lowbit.kernels.act_quant.amax_floor``. A row
+    with an Inf gets a NaN scale, so every output that reads it is NaN (a NaN in the row already makes amax NaN)."""
+    return torch.where(torch.isinf(t), float("nan"), t)
+
+
 def safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """float32 scale = max(amax, AMAX_EPS) / qmax (see module docstring), the quotient IEEE on every device."""
     return div_ieee(amax.float().clamp_min(AMAX_EPS), qmax)

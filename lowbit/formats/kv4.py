@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, div_ieee
+from lowbit.formats.common import AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, div_ieee, inf_to_nan
 from lowbit.formats.int4 import pack_int4, unpack_int4
 
 __all__ = [
@@ -115,14 +115,14 @@ def quantize_kv4(x: torch.Tensor, *, zero_point: bool = False, scale_dtype: torc
     xf = x.float()
     if not zero_point:
         amax = xf.abs().amax(dim=-1)
-        amax = torch.where(torch.isinf(amax), float("nan"), amax)  # a non-finite row: NaN scale
+        amax = inf_to_nan(amax)  # a non-finite row: NaN scale
         scale = round_scale(div_ieee(amax.clamp_min(AMAX_EPS), KV4_SYM_QMAX), scale_dtype)
         q = torch.round(xf / scale.float().unsqueeze(-1)).clamp(-KV4_SYM_QMAX, KV4_SYM_QMAX)
         return pack_int4(q.to(torch.int8)), scale, None
     lo = xf.amin(dim=-1).clamp_max(0.0)
     hi = xf.amax(dim=-1).clamp_min(0.0)
     st = div_ieee((hi - lo).clamp_min(AMAX_EPS), KV4_ASYM_QMAX)
-    st = torch.where(torch.isinf(st), float("nan"), st)  # a non-finite row: NaN scale
+    st = inf_to_nan(st)  # a non-finite row: NaN scale
     sf = round_scale(st, scale_dtype).float()
     if scale_dtype != torch.float32:  # the nearest scale unless it clips the top code (module docstring)
         clip = torch.round(hi / sf) + torch.round(-lo / sf) > KV4_ASYM_QMAX

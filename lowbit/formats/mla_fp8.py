@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.formats.common import FP8_E4M3, FP8_E4M3_MAX, round_to, safe_scale
+from lowbit.formats.common import FP8_E4M3, FP8_E4M3_MAX, inf_to_nan, round_to, safe_scale
 
 __all__ = ["quantize_latent", "dequantize_latent", "quantize_q", "dequantize_q", "bytes_per_token"]
 
@@ -59,7 +59,7 @@ def quantize_latent(kv: torch.Tensor, kv_lora_rank: int):
     # CUDA PyTorch divides by a Python scalar that way and CPU PyTorch divides exactly, so the
     # multiply is what every device (and the Triton kernels) rounds alike
     amax = c.abs().amax(dim=-1)
-    amax = torch.where(torch.isinf(amax), float("nan"), amax)  # an Inf or NaN in the content: NaN scale
+    amax = inf_to_nan(amax)  # an Inf or NaN in the content: NaN scale
     s = safe_scale(amax, 1.0) * (1.0 / FP8_E4M3_MAX)
     inv = 1.0 / s.unsqueeze(-1)
     return round_to(c * inv, FP8_E4M3), s, (r * inv).to(torch.bfloat16)

@@ -110,6 +110,27 @@ def _(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_granularity, p_
     return torch.empty_like(q)
 
 
+def _via_fp8_blocks(q, k, k_scale, v, v_scale, causal: bool, sm_scale: float) -> torch.Tensor:
+    """``fp8-kv4``'s default kernel path: one launch converts K / V to the ``fp8`` scheme's operands (one FP8 scale per
+    key block; V^T in the VPERM key order where the block allows it), then the ``fp8`` attention kernel; batch slices
+    past grid axis 1's limit. ``k_scale`` / ``v_scale`` None: ``k`` / ``v`` are float, quantized to KV4 inside the
+    conversion launch (``kv4_to_fp8_triton(from_float=True)``: the codes stay in registers); else KV4 codes."""
+    from lowbit.kernels.attention_prefill import VPERM_FP8, attention_prefill_triton
+    from lowbit.kernels.attention_quant import kv4_to_fp8_triton
+
+    bn = _ref_block_n("fp8", q.shape[-1])
+    vp = bool(VPERM_FP8) and bn % 32 == 0  # V^T in the VPERM key order (see the kernel's default_config)
+    from_float = k_scale is None
+
+    def run(q_, k_, v_, *scales):
+        ks_, vs_ = scales if scales else (None, None)
+        kc, ks, vt, vs = kv4_to_fp8_triton(k_, ks_, v_, vs_, block=bn, vperm=vp, from_float=from_float)
+        return attention_prefill_triton(q_, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
+                                        v_block=bn, k_block=bn, config={"vperm": vp})
+
+    return by_batch(run, q.shape[1], q, k, v, *(() if from_float else (k_scale, v_scale)))
+
+
 @torch.library.custom_op("lowbit::fp8_kv4_attention_prefill", mutates_args=())
 def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, v_codes: torch.Tensor,
                        v_scale: torch.Tensor, causal: bool, sm_scale: float, fused: bool) -> torch.Tensor:
@@ -121,18 +142,7 @@ def _fp8_kv4_attention(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Te
         if fused:
             return by_batch(lambda *t: attention_prefill_triton(*t, mode="fp8-kv4", causal=causal, sm_scale=sm_scale),
                             q.shape[1], q, k_codes, k_scale, v_codes, v_scale)
-        from lowbit.kernels.attention_quant import kv4_to_fp8_triton
-
-        from lowbit.kernels.attention_prefill import VPERM_FP8
-
-        vp = bool(VPERM_FP8) and bn % 32 == 0  # V^T in the VPERM key order (see the kernel's default_config)
-
-        def run(q_, kc_, ks_, vc_, vs_):
-            kc, ks, vt, vs = kv4_to_fp8_triton(kc_, ks_, vc_, vs_, block=bn, vperm=vp)
-            return attention_prefill_triton(q_, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
-                                            v_block=bn, k_block=bn, config={"vperm": vp})
-
-        return by_batch(run, q.shape[1], q, k_codes, k_scale, v_codes, v_scale)
+        return _via_fp8_blocks(q, k_codes, k_scale, v_codes, v_scale, causal, sm_scale)
     if use_triton(q):
         warn_once(f"fp8-kv4 attention: head_dim {D} has no kernel; using the PyTorch reference")
     from lowbit.formats.attention_quant import kv4_to_fp8_blocks, quantize_qk
@@ -159,19 +169,8 @@ def _fp8_kv4_attention_float(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     registers), then the ``fp8`` kernel; elsewhere ``kv4_quantize`` and the KV4 op's path."""
     D = q.shape[-1]
     if use_triton(q, k, v) and _kernel_dim(D) == D:
-        from lowbit.kernels.attention_prefill import VPERM_FP8, attention_prefill_triton
-        from lowbit.kernels.attention_quant import kv4_to_fp8_triton
-
-        bn = _ref_block_n("fp8", D)
-        vp = bool(VPERM_FP8) and bn % 32 == 0
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
-
-        def run(q_, k_, v_):
-            kc, ks, vt, vs = kv4_to_fp8_triton(k_, None, v_, None, block=bn, vperm=vp, from_float=True)
-            return attention_prefill_triton(q_, kc, ks, vt, vs, mode="fp8", causal=causal, sm_scale=sm_scale,
-                                            v_block=bn, k_block=bn, config={"vperm": vp})
-
-        return by_batch(run, q.shape[1], q, k, v)
+        return _via_fp8_blocks(q, k, None, v, None, causal, sm_scale)
     from lowbit.ops.kv4 import kv4_quantize
 
     return _fp8_kv4_attention(q, *kv4_quantize(k, v), causal, sm_scale, False)
