@@ -39,6 +39,30 @@ def tiny_llama(*, head_dim: int | None = None, layers: int = 2, hidden: int = 64
     return m
 
 
+def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
+                 kv_heads: int = 2, vocab: int = 128, seed: int = 0, init_std: float = 0.2, **config):
+    """A random Llama-family model of another ``model_type`` (``qwen3``: per-head q/k norms; ``qwen2``:
+    q/k/v biases; ``mistral``: a sliding window), built and initialised like ``tiny_llama``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               head_dim=head_dim, max_position_embeddings=512, attn_implementation="sdpa",
+                               bos_token_id=None, eos_token_id=None, pad_token_id=None, **config)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    m.generation_config.eos_token_id = m.generation_config.bos_token_id = None
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, init_std)
+            elif name.endswith("_proj.bias"):
+                p.normal_(0, 0.5)
+            elif name.endswith("k_norm.weight"):  # a key outlier pair, shared by all heads (q/k-norm models)
+                p[3] = p[3 + head_dim // 2] = 12.0
+    return m
+
+
 def tiny_tokenizer():
     """Word-level tokenizer over ``WORDS`` with ChatML-like specials and a chat template."""
     from tokenizers import Tokenizer
@@ -128,3 +152,24 @@ def greedy(model, prompt, n: int = 8):
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[:, prompt.shape[1]:]
+
+
+def runner_rope_ab(model, prompts, n: int, max_seq: int = 12):
+    """The runner's greedy tokens with the eager RoPE and with ``lowbit.kernels.rope`` (``rope_kernel``), and
+    the kernel's calls as ``(heads, qk_norm given, rotate_heads)``: (eager tokens, kernel tokens, calls)."""
+    import lowbit.kernels.rope as rope_mod
+    from lowbit.models.generate import Generator
+
+    ref = Generator(model, max_batch=len(prompts), max_seq=max_seq, rope_kernel=False).generate(prompts, n)
+    calls, orig = [], rope_mod.rope_triton
+
+    def spy(x, *a, **k):
+        calls.append((x.shape[2], k.get("qk_norm") is not None, k.get("rotate_heads")))
+        return orig(x, *a, **k)
+
+    rope_mod.rope_triton = spy
+    try:
+        got = Generator(model, max_batch=len(prompts), max_seq=max_seq, rope_kernel=True).generate(prompts, n)
+    finally:
+        rope_mod.rope_triton = orig
+    return ref, got, calls

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from lowbit._utils import use_triton
 from lowbit.models.generate import Generator, generate
-from tests._tiny_models import greedy, tiny_llama, toy_quantize
+from tests._tiny_models import greedy, runner_rope_ab, tiny_llama, toy_quantize
 from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
 
 
@@ -110,6 +110,73 @@ def test_rope_kernel_bit_equal_to_eager(dtype):
         rope_triton(x.float(), cos, sin)
 
 
+def _qk_norm_case(dtype, dev, B=2, S=3, hq=5, hk=2, D=16, seed=0):
+    """A fused-projection slice of hq + hk heads, Qwen3RMSNorm modules with random weights, cos / sin."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    y = (torch.randn(B, S, (hq + hk) * D + 8, generator=g, device=dev) * 4).to(dtype)
+    x = y[..., : (hq + hk) * D].view(B, S, hq + hk, D)
+    norms = [Qwen3RMSNorm(D, eps=1e-6).to(dev, dtype) for _ in range(2)]
+    for n in norms:
+        n.weight.data = (torch.rand(D, generator=g, device=dev) * 3).to(dtype)
+    ang = torch.rand(B, S, D // 2, generator=g, device=dev) * 50
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    return x, norms, cos, sin
+
+
+def _check_qk_norm_rope(dtype, dev, **shape):
+    """``rope_triton(qk_norm=...)`` against transformers' q_norm / k_norm modules, in two steps: the normalised
+    rows (``rotate_heads=0``) are at most one ulp of ``dtype`` from the modules' and almost all equal (the sum of
+    squares runs in another order); the rotated rows are bit for bit the eager RoPE of those normalised rows
+    (a one-ulp change of an input can move a rotated value by more than its own ulp where the two products
+    cancel, so the norm is checked before the rotation); heads past ``rotate_heads`` stay normalised."""
+    from lowbit.kernels.rope import rope_triton
+    from lowbit.models.generate import _rope
+
+    x, (nq, nk), cos, sin = _qk_norm_case(dtype, dev, **shape)
+    hq = shape.get("hq", 5)
+    w = (nq.weight, nk.weight, hq, nq.variance_epsilon)
+    ref = torch.cat((nq(x[:, :, :hq]), nk(x[:, :, hq:])), 2)
+    normed = rope_triton(x, cos, sin, qk_norm=w, rotate_heads=0)
+    rel = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10  # one ulp <= |value| x rel
+    diff = (normed.float() - ref.float()).abs()
+    floor = 2 ** -24 if dtype == torch.float16 else 0.0  # fp16 subnormals: one ulp is 2^-24
+    assert (diff <= ref.float().abs() * rel + floor).all(), diff.max()
+    assert (diff == 0).float().mean() > 0.97
+    rot = _rope(normed.transpose(1, 2), cos, sin, False).transpose(1, 2)
+    assert torch.equal(rope_triton(x, cos, sin, qk_norm=w).view(torch.int16), rot.view(torch.int16))
+    part = rope_triton(x, cos, sin, qk_norm=w, rotate_heads=hq)
+    assert torch.equal(part[:, :, :hq], rot[:, :, :hq]) and torch.equal(part[:, :, hq:], normed[:, :, hq:])
+    return x, cos, sin, w
+
+
+@pytest.mark.interpreter  # CPU tensors; on the GPU: test_qk_norm_rope_kernel_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qk_norm_rope_kernel_matches_hf_modules(dtype):
+    """Qwen3's per-head q / k RMSNorm fused into the RoPE launch (``NORM``), H not a power of two, k heads
+    rotated or only normalised; bad weights are refused by name."""
+    pytest.importorskip("triton")
+    from lowbit.kernels.rope import rope_triton
+
+    if not use_triton(torch.empty(1, dtype=dtype)):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    x, cos, sin, w = _check_qk_norm_rope(dtype, "cpu")
+    with pytest.raises(ValueError, match="w_k must be"):
+        rope_triton(x, cos, sin, qk_norm=(w[0], w[1].float(), 5, 1e-6))
+    with pytest.raises(ValueError, match="rotate_heads needs qk_norm"):
+        rope_triton(x, cos, sin, rotate_heads=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_qk_norm_rope_kernel_gpu():
+    """Compiled: Qwen3-8B heads (32 q + 8 k of 128), decode and prefill shapes, bf16 and fp16."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for B, S in ((1, 1), (4, 33)):
+            _check_qk_norm_rope(dtype, "cuda", B=B, S=S, hq=32, hk=8, D=128)
+
+
 @pytest.mark.interpreter  # a CPU model; on the GPU: test_rope_kernel_gpu_and_graph_runner
 def test_runner_rope_kernel_same_tokens():
     """bf16 model, dense cache: q and k rotated in ONE launch over the fused q/k/v output (kernel
@@ -120,21 +187,8 @@ def test_runner_rope_kernel_same_tokens():
     if not use_triton(next(model.parameters())):
         pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
     prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2])]
-    ref = Generator(model, max_batch=2, max_seq=12, rope_kernel=False).generate(prompts, 3)
-    import lowbit.kernels.rope as rope_mod
-
-    heads = []
-    orig = rope_mod.rope_triton
-
-    def spy(x, *a, **k):
-        heads.append(x.shape[2])
-        return orig(x, *a, **k)
-
-    rope_mod.rope_triton = spy
-    try:
-        got = Generator(model, max_batch=2, max_seq=12, rope_kernel=True).generate(prompts, 3)
-    finally:
-        rope_mod.rope_triton = orig
+    ref, got, calls = runner_rope_ab(model, prompts, 3)
+    heads = [c[0] for c in calls]
     assert heads and set(heads) == {4 + 2}  # every call: the 4 query + 2 key heads together
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
 

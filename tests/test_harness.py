@@ -151,7 +151,19 @@ def test_model_bench_layers_auto():
     assert auto_layers(**default, free_bytes=140 * 10 ** 9) == 32
     assert auto_layers(**default, free_bytes=79 * 10 ** 9) == 2
     assert auto_layers([1, 64], [1024], [1024], free_bytes=79 * 10 ** 9) == 32
+    assert auto_layers(**default, free_bytes=140 * 10 ** 9, arch="qwen3-8b") == 36
+    assert auto_layers(**default, free_bytes=79 * 10 ** 9, arch="qwen3-8b") == 2
     assert provider_spec("flute-nf4+attn3")[3] == [("lowbit.models.generate", "FUSED_FLOAT_DECODE", False)]
+
+
+def test_model_bench_archs_count_bytes():
+    """The two model shapes' bf16 weights and KV bytes per token, counted from their configs."""
+    from lowbit.bench.model import ARCHS
+
+    llama, qwen = ARCHS["llama3-8b"], ARCHS["qwen3-8b"]
+    assert abs(llama.bf16_bytes() - 16.06e9) < 0.01e9 and llama.kv_bytes_per_token() == 131072
+    assert abs(qwen.bf16_bytes() - 16.38e9) < 0.01e9 and qwen.kv_bytes_per_token() == 147456
+    assert qwen.model_type == "qwen3" and qwen.layers == 36
 
 
 def test_sass_summary_counts_the_longest_loop():

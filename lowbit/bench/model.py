@@ -1,13 +1,15 @@
 """``lowbit bench model``: whole-model throughput of a Llama-3-8B-shaped model (FireQ Table 1).
 
 The model is ``LlamaConfig`` with Llama-3-8B's shapes (hidden 4096, MLP 14336, 32 query / 8 KV
-heads of 128, vocab 128256, RoPE theta 500000) and random bf16 weights (no download). Where the bf16
-model and the run's largest KV cache fit the GPU (``auto_layers``: an H200 for the default shapes) all
-32 decoder layers are built and timed as they are (session 27). Otherwise it is built with ``layers``
-decoder layers (2) and every number is scaled to the real 32 layers with a second measurement of the
-same step with no decoder layer (embedding + final norm + ``lm_head``)::
+heads of 128, vocab 128256, RoPE theta 500000) and random bf16 weights (no download); ``arch='qwen3-8b'``
+(``--arch``, session 37) builds ``Qwen3Config`` with Qwen3-8B's shapes instead (36 layers, MLP 12288,
+vocab 151936, per-head q/k norms; ``ARCHS``). Where the bf16 model and the run's largest KV cache fit
+the GPU (``auto_layers``: an H200 for both) all decoder layers (32 / 36) are built and timed as they
+are (session 27). Otherwise it is built with ``layers`` decoder layers (2) and every number is scaled
+to the real N layers with a second measurement of the same step with no decoder layer (embedding +
+final norm + ``lm_head``)::
 
-    t_32 = t_head + (32 / layers) * (t_layers - t_head)
+    t_N = t_head + (N / layers) * (t_layers - t_head)
 
 (decoder layers are identical in cost, so this is exact up to timing noise, but the head-only step's
 noise is multiplied by 16: session 26's batch-1 estimates spread 2.46-2.55x from raw steps within 1 %;
@@ -34,7 +36,7 @@ Providers, side by side in one process and on one GPU:
 Prefill: batch 16 x seq {1024, 2048, 4096}, tokens/s = 16 * seq / t (only the last token of each
 request goes through ``lm_head``). Decode: one new token per request at batch {1, 16, 64} with the
 cache holding ``ctx`` tokens; tokens/s = batch / t. Memory: weights (every parameter and buffer,
-scaled to 32 layers) and KV cache bytes per token.
+scaled to the N layers) and KV cache bytes per token.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import gc
 import json
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +52,36 @@ import torch
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
-FULL_LAYERS = 32
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A model shape to benchmark: transformers ``model_type``, config values, its real decoder layers."""
+
+    title: str
+    model_type: str
+    config: dict
+    layers: int
+
+    def bf16_bytes(self) -> int:
+        """Weights of the whole bf16 model (embedding, N layers, norms, untied ``lm_head``)."""
+        c = self.config
+        h, hd = c["hidden_size"], c["head_dim"]
+        attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+        return 2 * (self.layers * (attn + 3 * h * c["intermediate_size"]) + 2 * c["vocab_size"] * h)
+
+    def kv_bytes_per_token(self) -> int:
+        """bf16 K and V of one token over the N layers."""
+        return self.layers * 2 * self.config["num_key_value_heads"] * self.config["head_dim"] * 2
+
+
+ARCHS = {"llama3-8b": Arch("Llama-3-8B", "llama", LLAMA3_8B, 32),
+         "qwen3-8b": Arch("Qwen3-8B", "qwen3", QWEN3_8B, 36)}
+DEFAULT_ARCH = "llama3-8b"
+FULL_LAYERS = ARCHS[DEFAULT_ARCH].layers
 RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3",
            "flute-nf4+head")
 # provider -> (recipe, options): "+head" = lm_head quantized too (recipe option lm_head=True)
@@ -122,16 +154,17 @@ class _Flags:
             setattr(m, a, v)
 
 
-def build_model(layers: int = 2, *, seed: int = 0, device="cuda", dtype=torch.bfloat16):
-    """Random Llama-3-8B-shaped model with ``layers`` decoder layers (weights ~ N(0, 0.02))."""
+def build_model(layers: int = 2, *, seed: int = 0, device="cuda", dtype=torch.bfloat16, arch: str = DEFAULT_ARCH):
+    """Random model of ``ARCHS[arch]``'s shapes with ``layers`` decoder layers (weights ~ N(0, 0.02))."""
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()
-    cfg = LlamaConfig(num_hidden_layers=layers, attn_implementation="sdpa", **LLAMA3_8B)
+    a = ARCHS[arch]
+    cfg = AutoConfig.for_model(a.model_type, num_hidden_layers=layers, attn_implementation="sdpa", **a.config)
     torch.manual_seed(seed)
     with torch.device(device):
-        m = LlamaForCausalLM(cfg).to(dtype)
+        m = AutoModelForCausalLM.from_config(cfg).to(dtype)
     return m.eval()
 
 
@@ -139,16 +172,17 @@ def _module_bytes(mod) -> int:
     return sum(t.numel() * t.element_size() for t in list(mod.parameters()) + list(mod.buffers()))
 
 
-def weight_bytes(model, layers: int) -> dict:
-    """Bytes of the decoder layers (scaled to 32) and of everything else."""
+def weight_bytes(model, layers: int, full: int = FULL_LAYERS) -> dict:
+    """Bytes of the decoder layers (scaled to the model's ``full`` layers) and of everything else."""
     inner = model.model
     per_layer = _module_bytes(inner.layers) / max(1, len(inner.layers))
     rest = _module_bytes(model) - _module_bytes(inner.layers)
-    return {"per_layer_bytes": per_layer, "other_bytes": rest, "total_bytes_32": rest + FULL_LAYERS * per_layer}
+    return {"per_layer_bytes": per_layer, "other_bytes": rest, "full_layers": full,
+            "total_bytes_full": rest + full * per_layer}
 
 
-def _scaled(t_layers: dict, t_head: dict, layers: int) -> dict:
-    f = FULL_LAYERS / layers
+def _scaled(t_layers: dict, t_head: dict, layers: int, full: int = FULL_LAYERS) -> dict:
+    f = full / layers
     out = {}
     for k in ("median_ms", "min_ms", "max_ms"):
         out[k] = t_head["median_ms"] + f * (t_layers[k] - t_head["median_ms"])
@@ -188,14 +222,15 @@ def _prefill_fn(gen, B, S, vocab, dev):
 
 def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode_batches, decode_ctx,
                      deadline: _Deadline, memory: dict, note: str | None = None, hf: bool = False,
-                     profile_dir=None, profiles: dict | None = None, gen_opts: dict | None = None) -> None:
+                     profile_dir=None, profiles: dict | None = None, gen_opts: dict | None = None,
+                     full: int = FULL_LAYERS) -> None:
     from lowbit.bench.harness import time_cuda
     from lowbit.models.generate import Generator
 
     dev = next(model.parameters()).device
     vocab = model.config.vocab_size
     gopts = dict(gen_opts or {})
-    wb = weight_bytes(model, layers)
+    wb = weight_bytes(model, layers, full)
     memory.setdefault(name, {}).update(weights=wb)
     if profile_dir is not None and profiles is not None and not deadline.out():
         try:  # first: the profile is what the next round's work is chosen from
@@ -203,8 +238,8 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
         except Exception as exc:
             traceback.print_exc()
             print(f"profile of {name} failed: {type(exc).__name__}: {exc}")
-    scale_note = (f"measured with all {layers} layers" if layers == FULL_LAYERS else
-                  f"measured with {layers} of 32 layers + head-only step, scaled to 32 layers")
+    scale_note = (f"measured with all {layers} layers" if layers == full else
+                  f"measured with {layers} of {full} layers + head-only step, scaled to {full} layers")
     full_note = scale_note + (f"; {note}" if note else "")
     B = 16
     for S in prefill_seqs:
@@ -221,14 +256,14 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
                 times[nl] = time_cuda(fn, [()], warmup=2, reps=reps, chunk=reps)
                 if nl == layers:
                     kv_bytes = gen.cache.bytes()
-                    memory[name]["kv_bytes_per_token_32"] = kv_bytes / (B * gen.cache.smax) * FULL_LAYERS / max(1, nl)
+                    memory[name]["kv_bytes_per_token_full"] = kv_bytes / (B * gen.cache.smax) * full / max(1, nl)
                     memory[name]["kv_format"] = gen.cache.name
                 del gen, fn
-            t = _scaled(times[layers], times[0], layers)
+            t = _scaled(times[layers], times[0], layers, full)
             row = rec.record(case, name, t, note=full_note)
             row["tokens_per_s"] = B * S / (t["median_ms"] * 1e-3)
             if hf and S == prefill_seqs[0]:
-                _hf_prefill_row(rec, model, B, S, layers, deadline)
+                _hf_prefill_row(rec, model, B, S, layers, deadline, full)
         except Exception as exc:  # one failure must not stop the rest
             rec.record(case, name, None, note=f"error: {type(exc).__name__}: {str(exc)[:300]}")
             traceback.print_exc()
@@ -255,7 +290,7 @@ def measure_provider(rec, name: str, model, *, layers: int, prefill_seqs, decode
                                         **gopts)
                     times[nl] = time_cuda(lambda: gen.decode(tok, pos), [()], warmup=3, reps=50)
                     del gen
-                t = _scaled(times[layers], times[0], layers)
+                t = _scaled(times[layers], times[0], layers, full)
                 nt = full_note + ("" if graphs else "; EAGER decode (CUDA graph capture failed)")
                 row = rec.record(case, name, t, note=nt)
                 row["tokens_per_s"] = Bd / (t["median_ms"] * 1e-3)
@@ -436,13 +471,13 @@ def profile_table(profiles: dict, layers: int) -> str:
     return "\n".join(lines)
 
 
-def _hf_prefill_row(rec, model, B, S, layers, deadline):
+def _hf_prefill_row(rec, model, B, S, layers, deadline, full: int = FULL_LAYERS):
     from lowbit.bench.harness import time_cuda
 
     ids = torch.randint(0, model.config.vocab_size, (B, S), device=next(model.parameters()).device)
     t = time_cuda(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), [()], warmup=2, reps=5, chunk=5)
     # no head-only variant for HF: scale the whole step linearly (upper bound on the true time)
-    f = FULL_LAYERS / layers
+    f = full / layers
     ts = {k: t[k] * f for k in ("median_ms", "min_ms", "max_ms")}
     ts.update(reps=t["reps"], input_sets=1, raw_ms=t["median_ms"], layers_measured=layers)
     row = rec.record({"phase": "prefill", "batch": B, "seq": S}, "bf16-hf", ts,
@@ -450,44 +485,53 @@ def _hf_prefill_row(rec, model, B, S, layers, deadline):
     row["tokens_per_s"] = B * S / (ts["median_ms"] * 1e-3)
 
 
-def auto_layers(decode_batches, decode_ctx, prefill_seqs, free_bytes: int | None = None) -> int:
-    """Decoder layers to build (session 27): all 32 where the bf16 model (16.1 GB) plus the largest bf16 KV cache of
-    the run (131072 bytes per token at 32 layers) and 20 % headroom fit the free GPU memory (an H200 for the
-    default shapes), else 2 (scaled to 32: an 80 GB H100 at batch 64 x 8k)."""
+def auto_layers(decode_batches, decode_ctx, prefill_seqs, free_bytes: int | None = None,
+                arch: str = DEFAULT_ARCH) -> int:
+    """Decoder layers to build (session 27): all N where the bf16 model (Llama-3-8B 16.1 GB, Qwen3-8B 16.4 GB) plus
+    the largest bf16 KV cache of the run (131072 / 147456 bytes per token) and 20 % headroom fit the free GPU memory
+    (an H200 for the default shapes), else 2 (scaled to N: an 80 GB H100 at batch 64 x 8k)."""
+    a = ARCHS[arch]
     if free_bytes is None:
         free_bytes = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
     tokens = max([b * (c + 1) for b in decode_batches for c in decode_ctx] + [16 * s for s in prefill_seqs])
-    need = 16.1e9 + 131072 * tokens
-    return FULL_LAYERS if free_bytes >= 1.2 * need else 2
+    need = a.bf16_bytes() + a.kv_bytes_per_token() * tokens
+    return a.layers if free_bytes >= 1.2 * need else 2
 
 
 def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECIPES, prefill_seqs=None,
         decode_batches=None, decode_ctx=None, time_budget_s: float | None = None, command: str | None = None,
-        profile=False) -> Path:
-    """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json``.
-    ``layers``: decoder layers built (None: ``auto_layers``; 32 = no scaling). ``profile``: False, True (bf16 and
-    fireq) or a tuple of provider names to profile first (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
+        profile=False, arch: str = DEFAULT_ARCH) -> Path:
+    """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json`` (``model_<arch>.*``
+    for an ``arch`` other than the default). ``layers``: decoder layers built (None: ``auto_layers``; the arch's N = no
+    scaling). ``profile``: False, True (bf16 and fireq) or a tuple of provider names to profile first
+    (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    a = ARCHS[arch]
+    full = a.layers
     from lowbit.bench.harness import Recorder, env_info
 
     prefill_seqs = prefill_seqs or ([1024, 4096] if quick else [1024, 2048, 4096])
     decode_batches = decode_batches or [1, 16, 64]
     decode_ctx = decode_ctx or ([1024, 8192] if quick else [1024, 2048, 4096, 8192])
     if layers is None:
-        layers = auto_layers(decode_batches, decode_ctx, prefill_seqs)
-    rec = Recorder("model")
+        layers = auto_layers(decode_batches, decode_ctx, prefill_seqs, arch=arch)
+    stem = "model" if arch == DEFAULT_ARCH else f"model_{arch.replace('-', '_')}"
+    rec = Recorder(stem)
     deadline = _Deadline(time_budget_s)
     memory: dict = {}
     profiles: dict = {}
     prof_set = set(("bf16", "fireq") if profile is True else (profile or ()))
-    depth = (f"all {FULL_LAYERS} decoder layers measured (no scaling)" if layers == FULL_LAYERS else
-             f"{layers} decoder layers measured and scaled to 32 (t_32 = t_head + 32/layers * (t_layers - t_head))")
-    rec.note(f"Llama-3-8B shapes, random bf16 weights, {depth}; prefill = 16 x seq tokens, lm_head on the last "
+    depth = (f"all {full} decoder layers measured (no scaling)" if layers == full else
+             f"{layers} decoder layers measured and scaled to {full} "
+             f"(t_{full} = t_head + {full}/layers * (t_layers - t_head))")
+    rec.note(f"{a.title} shapes, random bf16 weights, {depth}; prefill = 16 x seq tokens, lm_head on the last "
              "token only; decode = one token per request with ctx tokens cached, CUDA graphs")
-    model = build_model(layers)
+    model = build_model(layers, arch=arch)
     print("== bf16", flush=True)
     measure_provider(rec, "bf16", model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
                      decode_ctx=decode_ctx, deadline=deadline, memory=memory, hf=True,
-                     profile_dir=out_dir if "bf16" in prof_set else None, profiles=profiles)
+                     profile_dir=out_dir if "bf16" in prof_set else None, profiles=profiles, full=full)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -496,7 +540,7 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
             rec.note(f"{r}: skipped (time budget)")
             continue
         print(f"== {r}", flush=True)
-        model = build_model(layers)
+        model = build_model(layers, arch=arch)
         t0 = time.time()
         name, note = r, None
         base, _, gopts, flags = provider_spec(r)
@@ -507,7 +551,7 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
             try:
                 del model
                 gc.collect()
-                model = build_model(layers)
+                model = build_model(layers, arch=arch)
                 _quantize(model, r, linear_only=True)
                 name, note = f"{r}[linear]", f"linears only ({exc})"
             except Exception as exc2:
@@ -531,21 +575,21 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
             measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs,
                              decode_batches=decode_batches, decode_ctx=decode_ctx, deadline=deadline, memory=memory,
                              note=note, profile_dir=out_dir if name in prof_set else None, profiles=profiles,
-                             gen_opts=gopts)
+                             gen_opts=gopts, full=full)
         del model
         gc.collect()
         torch.cuda.empty_cache()
     path = rec.write(out_dir, baseline=BASELINE, command=command)
     out = Path(out_dir)
-    (out / "model_memory.json").write_text(json.dumps(memory, indent=1))
+    (out / f"{stem}_memory.json").write_text(json.dumps(memory, indent=1))
     if profiles:
         (out / "model_profile.json").write_text(json.dumps({"env": env_info(command), **profiles}, indent=1))
         (out / "model_profile.md").write_text(profile_table(profiles, layers))
         print(profile_table(profiles, layers), flush=True)
     summary = summarize(json.loads(path.read_text()), memory)
-    (out / "model_summary.md").write_text(summary)
+    (out / f"{stem}_summary.md").write_text(summary)
     try:
-        plot_throughput(json.loads(path.read_text()), memory, out / "model_throughput.png")
+        plot_throughput(json.loads(path.read_text()), memory, out / f"{stem}_throughput.png", a.title)
     except Exception as exc:
         print(f"plot failed: {exc}")
     print(summary, flush=True)
@@ -573,15 +617,16 @@ def summarize(doc: dict, memory: dict) -> str:
                 s += f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)"
             vals.append(s)
         lines.append("| " + " ".join(f"{k}={v}" for k, v in c) + " | " + " | ".join(vals) + " |")
-    lines += ["", "| provider | weights (GB, 32 layers) | KV bytes / token (32 layers) |", "|---|---|---|"]
+    n = next((m["weights"]["full_layers"] for m in memory.values()), FULL_LAYERS)
+    lines += ["", f"| provider | weights (GB, {n} layers) | KV bytes / token ({n} layers) |", "|---|---|---|"]
     for p, m in memory.items():
-        kv = m.get("kv_bytes_per_token_32")
-        lines.append(f"| {p} | {m['weights']['total_bytes_32'] / 1e9:.2f} | {kv:.0f} ({m.get('kv_format')}) |"
-                     if kv else f"| {p} | {m['weights']['total_bytes_32'] / 1e9:.2f} | - |")
+        kv = m.get("kv_bytes_per_token_full")
+        lines.append(f"| {p} | {m['weights']['total_bytes_full'] / 1e9:.2f} | {kv:.0f} ({m.get('kv_format')}) |"
+                     if kv else f"| {p} | {m['weights']['total_bytes_full'] / 1e9:.2f} | - |")
     return "tokens/s (ratio to bf16, same run)\n\n" + "\n".join(lines) + "\n"
 
 
-def plot_throughput(doc: dict, memory: dict, path) -> None:
+def plot_throughput(doc: dict, memory: dict, path, title: str = "Llama-3-8B") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -602,15 +647,15 @@ def plot_throughput(doc: dict, memory: dict, path) -> None:
         ax.set_xticks([i + 0.4 - w / 2 for i in range(len(cases))])
         ax.set_xticklabels([" ".join(f"{k}={v}" for k, v in c if k != "phase") for c in cases], rotation=60, fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("tokens/s (32-layer equivalent)")
-        ax.set_title(f"{phase}, Llama-3-8B shapes")
+        ax.set_ylabel("tokens/s (whole-model equivalent)")
+        ax.set_title(f"{phase}, {title} shapes")
         ax.legend(fontsize=6)
     ax = axes[2]
     names = list(memory)
-    ax.bar(range(len(names)), [memory[n]["weights"]["total_bytes_32"] / 1e9 for n in names])
+    ax.bar(range(len(names)), [memory[n]["weights"]["total_bytes_full"] / 1e9 for n in names])
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=60, fontsize=7)
-    ax.set_ylabel("weights GB (32 layers)")
+    ax.set_ylabel("weights GB (whole model)")
     ax.set_title("memory")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -628,5 +673,5 @@ def main(args) -> int:
         return 2
     out = getattr(args, "out", None) or f"benchmarks/results/{harness.gpu_slug()}"
     run(out, quick=bool(getattr(args, "quick", False)), layers=getattr(args, "layers", None) or None,
-        command=" ".join(sys.argv))
+        command=" ".join(sys.argv), arch=getattr(args, "arch", None) or DEFAULT_ARCH)
     return 0

@@ -27,6 +27,17 @@ launch at once (``act_quant.pdl_prologue``); same numerics.
 
 Rounding (``_round``): bf16 in integer arithmetic (round-half-even, as ``lowbit.kernels.kv4_append``;
 the interpreter's fp32 -> bf16 cast truncates), fp16 by an inline PTX round trip on the GPU.
+
+``NORM`` (session 37, Qwen3's per-head ``q_norm`` / ``k_norm`` before RoPE, ``qk_norm=``): each head row
+is first RMS-normalised with transformers' ``Qwen3RMSNorm`` arithmetic,
+
+    x[d] <- round(w[d] * round(x[d] * rsqrt(mean_d(x^2) + eps)))       (fp32 mean and rsqrt)
+
+with ``w`` = the q weight for heads ``< HQ`` and the k weight from there (q and k rotated in one launch),
+and only heads ``< H_ROT`` are then rotated (the rest, keys whose RoPE a KV4 append does, are stored
+normalised). The sum of squares runs in a different order from torch's reduction and ``rsqrt`` is the
+GPU's approximation in both, so an element can differ from the eager modules by one ulp of the input
+dtype (tested: at most one ulp, almost all equal). Eagerly these norms are eight launches per tensor.
 """
 from __future__ import annotations
 
@@ -97,16 +108,31 @@ def rope_tile(X, r_off, d, rmask, COS, SIN, c_off, D: tl.constexpr, BF16: tl.con
 
 
 @triton.jit
+def _rms_rows(x, r, d, w_q, is_q, WQ, WK, eps, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``NORM``: rows ``x [BLOCK_H, D]`` and their pair partners ``r`` (the same rows, element ``(d + D/2) % D``)
+    RMS-normalised with the q weight where ``is_q`` and the k weight elsewhere (module docstring)."""
+    HALF: tl.constexpr = D // 2
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    w_k = tl.load(WK + d).to(tl.float32)
+    w = tl.where(is_q, w_q[None, :], w_k[None, :])
+    wr = tl.where(is_q, tl.load(WQ + (d + HALF) % D).to(tl.float32)[None, :],
+                  tl.load(WK + (d + HALF) % D).to(tl.float32)[None, :])
+    xn = _round(w * _round(x * rstd, BF16, INTERPRET), BF16, INTERPRET)
+    rn = _round(wr * _round(r * rstd, BF16, INTERPRET), BF16, INTERPRET)
+    return xn, rn
+
+
+@triton.jit
 def _rope_kernel(
     # pointers
-    X, COS, SIN, OUT,
+    X, COS, SIN, OUT, WQ, WK,
     # sizes
-    S, H,
+    S, H, HQ, H_ROT, eps,
     # strides
     stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_ob, stride_os, stride_oh,
     # constexpr
     D: tl.constexpr, BLOCK_H: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr = False,
+    NORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # PDL launch: wait for the producer of x (the q/k/v GEMM) before any load
     pid = tl.program_id(0)
@@ -122,7 +148,12 @@ def _rope_kernel(
     c_off = b.to(tl.int64) * stride_cb + s.to(tl.int64) * stride_cs + d
     c = tl.load(COS + c_off).to(tl.float32)
     sn = tl.load(SIN + c_off).to(tl.float32)
+    if NORM:
+        x, r = _rms_rows(x, r, d, tl.load(WQ + d).to(tl.float32), (h < HQ)[:, None], WQ, WK, eps, D, BF16,
+                         INTERPRET)
     y = rope_values(x, r, c[None, :], sn[None, :], (d < HALF)[None, :], BF16, INTERPRET)
+    if NORM:
+        y = tl.where((h < H_ROT)[:, None], y, x)  # heads past H_ROT: normalised, not rotated
     o_row = OUT + b.to(tl.int64) * stride_ob + s.to(tl.int64) * stride_os + h[:, None] * stride_oh
     tl.store(o_row + d[None, :], y.to(OUT.dtype.element_ty), mask=hmask)
 
@@ -135,9 +166,11 @@ def rope_supported(x: torch.Tensor) -> bool:
 
 
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None, *,
-                pdl: bool | None = None) -> torch.Tensor:
+                pdl: bool | None = None, qk_norm: tuple | None = None, rotate_heads: int | None = None) -> torch.Tensor:
     """Half-split RoPE of ``x [B, S, H, D]`` (module docstring) -> dense ``out [B, S, H, D]``.
-    ``pdl``: programmatic dependent launch as ``lowbit.kernels.act_quant`` (None = its ``PDL_DEFAULT``)."""
+    ``pdl``: programmatic dependent launch as ``lowbit.kernels.act_quant`` (None = its ``PDL_DEFAULT``).
+    ``qk_norm = (w_q, w_k, hq, eps)``: ``NORM`` first, ``w_q`` / ``w_k [D]`` (x's dtype) for heads ``< hq`` / the
+    rest; ``rotate_heads``: rotate only heads ``< rotate_heads`` (with ``qk_norm``; default all)."""
     if not rope_supported(x):
         raise ValueError(f"rope_triton takes bf16/fp16 x [B, S, H, D] with a power-of-two D and unit stride on D, "
                          f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
@@ -146,6 +179,20 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
         raise ValueError(f"cos/sin must be [1 or {B}, {S}, {D}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
+    norm = qk_norm is not None
+    if norm:
+        w_q, w_k, hq, eps = qk_norm
+        for name, w in (("w_q", w_q), ("w_k", w_k)):
+            if w.shape != (D,) or w.dtype != x.dtype or w.device != x.device:
+                raise ValueError(f"qk_norm {name} must be [{D}] {x.dtype} on {x.device}, got {tuple(w.shape)} "
+                                 f"{w.dtype} on {w.device}")
+        w_q, w_k = w_q.contiguous(), w_k.contiguous()
+    elif rotate_heads is not None:
+        raise ValueError("rotate_heads needs qk_norm (without it every head is rotated)")
+    else:
+        w_q = w_k = cos
+        hq, eps = H, 0.0
+    h_rot = H if rotate_heads is None else int(rotate_heads)
     if out is None:
         out = torch.empty(B, S, H, D, device=x.device, dtype=x.dtype)
     if B * S * H == 0:
@@ -153,11 +200,11 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     block_h = min(triton.next_power_of_2(H), _BLOCK_H)
     grid = (B * S, triton.cdiv(H, block_h))
     _rope_kernel[grid](
-        x, cos, sin, out,
-        S, H,
+        x, cos, sin, out, w_q, w_k,
+        S, H, int(hq), h_rot, float(eps),
         x.stride(0), x.stride(1), x.stride(2), 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_H=block_h, BF16=x.dtype == torch.bfloat16, INTERPRET=interpret_mode(),
+        D=D, BLOCK_H=block_h, BF16=x.dtype == torch.bfloat16, INTERPRET=interpret_mode(), NORM=norm,
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(x, pdl) else {}),
         num_warps=4 if block_h * D >= 512 else 1,
     )

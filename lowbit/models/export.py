@@ -260,7 +260,8 @@ def export_compressed_tensors(model, path, *, kv_cache: str | None = None, calib
     if recipe.get("kv"):
         report["dropped"].append(f"KV cache {recipe['kv']!r}: no compressed-tensors form (INT4 per-token)")
     if recipe.get("rope_kv"):
-        report["dropped"].append("CRS: identity for float attention (keys x t, queries x 1/t after RoPE)")
+        report["dropped"].append("post-RoPE key multipliers (CRS; RPN and SmoothAttention on q/k-norm models): "
+                                 "identity for float attention (keys x t, queries x 1/t after RoPE)")
     if kv_cache == "fp8":
         kv_scheme = QArgs(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
         scales = _kv_scales(model, calibration) if calibration is not None else None

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit._utils import capture_cuda_graph, interpret_mode, triton_available, use_triton
+from lowbit.models.arch import check_window
 
 __all__ = ["Generator", "generate"]
 
@@ -641,6 +642,15 @@ def _attn_configs(layers):
     return [getattr(layer.self_attn, "_lowbit", None) for layer in layers]
 
 
+def _norms_fusable(norms, dtype) -> bool:
+    """Can ``lowbit.kernels.rope`` apply these (q_norm, k_norm) modules (None: nothing to fuse)? transformers'
+    ``Qwen3RMSNorm`` with a weight in the activations' dtype; other norm classes keep their own forward."""
+    if norms is None:
+        return True
+    return all(type(n).__name__ in _RMSNORMS and getattr(n, "weight", None) is not None and n.weight.dtype == dtype
+               and n.weight.ndim == 1 for n in norms) and norms[0].variance_epsilon == norms[1].variance_epsilon
+
+
 def _crs(cfgs, device):
     """Per-layer (crs_k, crs_q) fp32 ``[Hkv, D]`` from the installed attention, or None each."""
     out = []
@@ -713,6 +723,8 @@ class Generator:
         self.max_batch, self.max_seq = int(max_batch), int(max_seq)
         if self.max_batch < 1 or self.max_seq < 2:
             raise ValueError("max_batch must be >= 1 and max_seq >= 2")
+        for layer in self.a.layers:  # full causal attention equals a sliding window only up to its width
+            check_window(layer.self_attn, self.max_seq, "Generator(max_seq=...)")
         n = len(self.a.layers)
         if dense_decode not in ("auto", "sdpa", "kernel"):
             raise ValueError(f"dense_decode must be 'auto', 'sdpa' or 'kernel', got {dense_decode!r}")
@@ -809,13 +821,15 @@ class Generator:
         k = k.reshape(B, S, -1, self.a.d).transpose(1, 2)
         v = v.reshape(B, S, -1, self.a.d).transpose(1, 2)
         with self._sec("rope"):
-            if hasattr(attn, "q_norm"):
+            norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None  # Qwen3: per head, before RoPE
+            kernel = not q_in_append and self._rope_kernel_ok(q) and _norms_fusable(norms, q.dtype)
+            if norms is not None and not kernel:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             cos, sin, _ = rope
             if q_in_append:  # the cache's append kernel rotates q and k (decode, ``rope_q_append``)
                 pass
-            elif self._rope_kernel_ok(q):
-                q, k = self._rope_qk(q, k, rope, with_k=not self.cache.rope_in_append)
+            elif kernel:  # one launch: (q / k norms +) RoPE of q, and of k unless the cache's append rotates it
+                q, k = self._rope_qk(q, k, rope, with_k=not self.cache.rope_in_append, norms=norms)
             else:
                 q = self._apply_rope(q, *rope)
                 if not self.cache.rope_in_append:
@@ -840,15 +854,26 @@ class Generator:
 
         return rope_supported(x.transpose(1, 2))
 
-    def _rope_qk(self, q, k, rope, *, with_k: bool):
+    def _rope_qk(self, q, k, rope, *, with_k: bool, norms=None):
         """RoPE of q (and k when ``with_k``), ``[B, H, S, D]`` transposed views, by the fused kernel. When
         k directly follows q in memory (slices of the fused q/k/v output), both go in ONE launch over
-        the ``[B, S, Hq + Hkv, D]`` view; the results are views of one dense buffer."""
+        the ``[B, S, Hq + Hkv, D]`` view; the results are views of one dense buffer. ``norms`` = the
+        block's (q_norm, k_norm) (Qwen3): applied by the same launch first (``rope_triton(qk_norm=)``);
+        k is then normalised even where it is not rotated."""
         from lowbit.kernels.rope import rope_triton
 
         cos, sin = rope[0], rope[1]
         qs = q.transpose(1, 2)
-        if not with_k:
+        hq = qs.shape[2]
+        if norms is not None:
+            wq, wk = norms[0].weight, norms[1].weight
+            eps = norms[0].variance_epsilon
+            kw_q = dict(qk_norm=(wq, wq, hq, eps))
+            kw_both = dict(qk_norm=(wq, wk, hq, eps), rotate_heads=None if with_k else hq)
+            kw_k = dict(qk_norm=(wk, wk, 0, eps), rotate_heads=None if with_k else 0)
+        else:
+            kw_q = kw_both = kw_k = {}
+        if not with_k and norms is None:
             return rope_triton(qs, cos, sin).transpose(1, 2), k
         ks = k.transpose(1, 2)
         (B, S, hq, D), hk = qs.shape, ks.shape[2]
@@ -859,9 +884,10 @@ class Generator:
                 and ks.untyped_storage().data_ptr() == qs.untyped_storage().data_ptr()
                 and ks.data_ptr() == qs.data_ptr() + hq * D * qs.element_size()):
             both = qs.as_strided((B, S, hq + hk, D), (qs.stride(0), qs.stride(1), D, 1))
-            out = rope_triton(both, cos, sin)
+            out = rope_triton(both, cos, sin, **kw_both)
             return out[:, :, :hq].transpose(1, 2), out[:, :, hq:].transpose(1, 2)
-        return rope_triton(qs, cos, sin).transpose(1, 2), rope_triton(ks, cos, sin).transpose(1, 2)
+        return (rope_triton(qs, cos, sin, **kw_q).transpose(1, 2),
+                rope_triton(ks, cos, sin, **kw_k).transpose(1, 2))
 
     def _rope_k(self, k, rope):
         """RoPE of keys alone (prefill over a KV4 cache, whose append rotates its own copy)."""

@@ -24,7 +24,10 @@ run every attention layer on lowbit:
 weights here (``apply_rpn``) if not already, CRS is applied online.
 
 Supported: Llama-family models of transformers 5.x (``q_proj/k_proj/v_proj/o_proj``,
-``head_dim``, ``layer_idx``; RoPE from ``position_embeddings``). Padding masks are honoured
+``head_dim``, ``layer_idx``; RoPE from ``position_embeddings``), with Qwen3's per-head ``q_norm`` /
+``k_norm`` applied as the model does (before RoPE). A sliding-window layer (Mistral, Qwen2/3 with
+``use_sliding_window``) runs as full causal attention, which equals it up to the window: longer
+sequences raise ``ValueError``. Padding masks are honoured
 through the dequantized path. Beam search (cache reordering) is not supported.
 """
 from __future__ import annotations
@@ -53,6 +56,8 @@ class _AttnConfig:
     crs_q: torch.Tensor | None
     scale_dtype: torch.dtype
     decode_max_tokens: int
+    qk_norm: bool = False  # apply the block's q_norm / k_norm (Qwen3)
+    window: int | None = None  # sliding window of the block (checked, not implemented)
 
 
 def _rope_q(q, cos, sin, interleaved):
@@ -205,10 +210,20 @@ def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mas
     cfg: _AttnConfig = self._lowbit
     B, T, _ = hidden_states.shape
     D = self.head_dim
-    q = self.q_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)
-    k = self.k_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)
+    q = self.q_proj(hidden_states).view(B, T, -1, D)
+    k = self.k_proj(hidden_states).view(B, T, -1, D)
+    if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE, as the model's own forward
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = self.v_proj(hidden_states).view(B, T, -1, D).transpose(1, 2)
     cos, sin = position_embeddings
+    if cfg.window is not None:
+        from lowbit.models.arch import check_window
+
+        seen = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+        if isinstance(past_key_values, lowbit_cache_class()) and self.layer_idx != 0:
+            seen -= T  # layer 0 already opened this step (its lengths include the new tokens)
+        check_window(self, seen + T, "lowbit attention")
     if cfg.kv is None:
         q, k = self._lowbit_rope(q, k, cos, sin)
         if past_key_values is not None:
@@ -307,13 +322,15 @@ def install_quantized_attention(model, *, kv: str | None = "kv4", prefill: str =
         apply_rpn(model, rope_kv)
     for v in views:
         attn = v.layer.self_attn
-        if hasattr(attn, "k_norm") or hasattr(attn, "q_norm"):
-            raise ValueError(f"{type(attn).__name__} has q/k norms: not supported by install_quantized_attention")
+        if v.sliding_window is not None:
+            warn_once(f"lowbit attention: {type(attn).__name__} has a sliding window of {v.sliding_window} keys; "
+                      "lowbit attends to every key, so sequences longer than the window raise")
         p = rope_kv[v.index] if rope_kv is not None else None
         crs_k = p.crs_k.float().to(_device_of(attn)) if p is not None and p.crs_k is not None else None
         _swap_class(attn)
         attn._lowbit = _AttnConfig(kv, prefill, v.rope_pairing == "interleaved", crs_k,
-                                   None if crs_k is None else 1.0 / crs_k, scale_dtype, decode_max_tokens)
+                                   None if crs_k is None else 1.0 / crs_k, scale_dtype, decode_max_tokens,
+                                   v.qk_norm, v.sliding_window)
     model._lowbit_attention = {"kv": kv, "prefill": prefill, "page_size": page_size, "scale_dtype": scale_dtype,
                                "rope_kv": rope_kv is not None}
     _patch_generate_cache(model, kv, page_size, scale_dtype, views[0].rope_pairing == "interleaved")

@@ -449,17 +449,22 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
     batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
                                    seed=seed) if (sa or sq) else None)
     reports: dict = {}
+    key_scales = None  # SmoothAttention's λ on q/k-norm layers (Qwen3): applied by the cache after RoPE
     if sa is not None:
         reports["smooth_attention"] = _call(sa, model, batches, alpha=smooth_alpha)
+        if kv is not None:
+            from lowbit.ptq.smooth_attention import online_params
+
+            key_scales = online_params(model, reports["smooth_attention"])
     if sq is not None:
         reports["smoothquant"] = _call(sq, model, batches, alpha=smoothquant_alpha)
-    model = _install_attention("qserve", model, kv=kv, attention=attention)
+    model = _install_attention("qserve", model, kv=kv, attention=attention, rope_kv=key_scales)
     if linear is not None:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
                          **_linear_opts(group_size, linear_options))
         if lm_head:
             _quantize_lm_head(model, linear, _linear_opts(group_size, linear_options), "qserve", lm_head)
-    _record(model, "qserve", options, kv=kv, attention=attention, rope_kv=None, reports=_json_safe(reports))
+    _record(model, "qserve", options, kv=kv, attention=attention, rope_kv=key_scales, reports=_json_safe(reports))
     return model
 
 

@@ -32,6 +32,14 @@ Decisions where the paper contradicts itself or is silent (each has a test):
 4. RPN on CRS pairs is 1 (the released code resets those pre-RoPE scales), so CRS sees raw keys.
 5. Calibration statistic: max over the calibration tokens (paper); data = the batches given
    (the paper does not name its calibration set).
+6. **Models with q/k norms (Qwen3)** normalise each head's keys between ``k_proj`` and RoPE, so a
+   factor folded into ``k_proj`` would be divided out again, and ``k_norm``'s weight is one vector
+   shared by every head while RPN's factors are per KV head. There RPN is applied **online**:
+   ``apply_rpn`` multiplies it into the post-RoPE key multiplier (``crs_k <- crs_k * rpn``,
+   ``rpn_online``), exact because RPN is one factor per pair and so commutes with the rotation;
+   the keys are quantized exactly as with the folded form, and the query side gets ``1 / rpn``
+   through ``crs_q`` in the same multiply it already does. The statistics are read after
+   ``k_norm`` (the keys RoPE sees).
 
 The RoPE pairing (half-split (i, i + D/2) for Llama, or interleaved) is read from
 ``lowbit.models.arch``.
@@ -59,6 +67,7 @@ class RopeKVParams:
     crs_k: torch.Tensor | None = None  # post-RoPE key multiplier (1 outside the CRS pairs)
     pairs: torch.Tensor | None = None  # long [Hkv, top_k]: CRS pair indices
     rpn_applied: bool = False
+    rpn_online: bool = False  # RPN multiplied into crs_k instead of folded (q/k-norm models, decision 6)
 
     @property
     def crs_q(self) -> torch.Tensor | None:
@@ -106,8 +115,8 @@ def _key_stats(model, batches, views):
 
     def fn(name, mod, inp, out):
         v = views[name]
-        B, S, _ = out.shape
-        k = out.detach().float().view(B, S, v.num_kv_heads, v.head_dim)
+        B, S = out.shape[:2]  # k_proj: [B, S, Hkv * D]; k_norm: [B, S, Hkv, D]
+        k = out.detach().float().reshape(B, S, v.num_kv_heads, v.head_dim)
         a, b = pair_channels(v.head_dim, v.pairing)
         pn = (k[..., a] ** 2 + k[..., b] ** 2).sqrt().flatten(0, 1).amax(0)  # [Hkv, D/2]
         cos, sin = ctx["cos"], ctx["sin"]  # [B, S, D]
@@ -119,7 +128,7 @@ def _key_stats(model, batches, views):
             stats[name] = [pn, mx]
 
     device = next(model.parameters()).device
-    mods = {v.index: v.k_proj for v in views.values()}
+    mods = {v.index: v.layer.self_attn.k_norm if v.qk_norm else v.k_proj for v in views.values()}
     with hooks(mods, fn):
         for ids in batches:
             ids = ids.to(device)
@@ -143,8 +152,6 @@ def calibrate_rpn_crs(model, batches, *, alpha: float = 8.0, beta: float = 8.0, 
         raise ValueError(f"alpha and beta must be > 0, got {alpha}, {beta}")
     views = {}
     for v in decoder_layers(model):
-        if hasattr(v.layer.self_attn, "k_norm"):
-            raise ValueError("RPN folds into k_proj, which a k_norm after it would undo (Qwen3-style models)")
         v.pairing = v.rope_pairing
         views[v.index] = v
     stats = _key_stats(model, batches, views)
@@ -183,7 +190,8 @@ def calibrate_rpn_crs(model, batches, *, alpha: float = 8.0, beta: float = 8.0, 
 def apply_rpn(model, params: list[RopeKVParams]) -> list[RopeKVParams]:
     """Fold each layer's RPN into the weights: ``k_proj`` rows (and bias) times ``rpn``, ``q_proj``
     rows of every q head of the group times ``1 / rpn``. Exact for the float model. Idempotent
-    (``rpn_applied``); must run before the projections are quantized."""
+    (``rpn_applied``); must run before the projections are quantized. On layers with q/k norms
+    RPN joins the post-RoPE multiplier instead (decision 6): ``crs_k *= rpn``, weights untouched."""
     from lowbit.models.arch import decoder_layers
 
     views = decoder_layers(model)
@@ -191,6 +199,11 @@ def apply_rpn(model, params: list[RopeKVParams]) -> list[RopeKVParams]:
         if p.rpn is None or p.rpn_applied:
             continue
         v = views[p.layer]
+        if v.qk_norm:
+            r = p.rpn.float()
+            p.crs_k = r if p.crs_k is None else p.crs_k.float().to(r.device) * r
+            p.rpn_applied = p.rpn_online = True
+            continue
         for name, lin in (("k_proj", v.k_proj), ("q_proj", v.q_proj)):
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"layer {p.layer} {name} is {type(lin).__name__}: apply RPN before quantizing linears")

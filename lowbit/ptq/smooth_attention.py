@@ -15,14 +15,16 @@ it only if both channels of a pair share one λ; we use the larger statistic of 
 "interleaved" pairs (2i, 2i + 1). Statistics are taken before RoPE; a rotation mixes only the two
 channels of a pair, so the pair's max is the quantity that matters after RoPE too.
 
-Models with a norm on q/k after the projections (``q_norm``/``k_norm``, e.g. Qwen3) cannot absorb
-Λ into the projections; those layers are skipped with a warning.
+Models with a per-head norm on q/k after the projections (``q_norm``/``k_norm``, Qwen3) cannot absorb
+Λ into the projections (the norm divides it out again; its weight is shared by all heads while λ is
+per KV head). There λ is measured on ``k_norm``'s output and applied **online**, after RoPE, by the
+KV cache's per-channel key multiplier (``crs_k = 1 / λ``, queries times λ: ``online_params``). A
+pair-shared λ commutes with RoPE, so this is the folded form's arithmetic in another place.
 """
 from __future__ import annotations
 
 import torch
 
-from lowbit._utils import warn_once
 from lowbit.models.arch import select_layers
 from lowbit.ptq.calibration import reduce_stats
 
@@ -76,27 +78,44 @@ def apply_smooth_attention(model, batches, layers=None, alpha: float = 0.5) -> d
     """Calibrate on ``batches`` ([1, S] token ids) and fold Λ into q_proj/k_proj in place.
 
     ``layers``: indices to treat (default all). Returns ``{"alpha", "layers": {i: λ [Hkv, D]},
-    "skipped": [i, ...]}``. Must run before the q/k projections are quantized.
+    "online": [i, ...]}``: the layers in ``online`` have q/k norms and keep their
+    weights; their λ must reach the KV cache through ``online_params`` (the ``qserve`` recipe does).
+    Must run before the q/k projections are quantized.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     views, idx = select_layers(model, layers)
-    todo, skipped = [], []
     for i in idx:
-        attn = views[i].layer.self_attn
-        if getattr(attn, "k_norm", None) is not None or getattr(attn, "q_norm", None) is not None:
-            warn_once("SmoothAttention: q_norm/k_norm after the projections cannot absorb Λ; layer skipped")
-            skipped.append(i)
-            continue
-        if not hasattr(views[i].k_proj, "weight") or not views[i].k_proj.weight.is_floating_point():
+        if not views[i].qk_norm and (not hasattr(views[i].k_proj, "weight")
+                                     or not views[i].k_proj.weight.is_floating_point()):
             raise ValueError(f"layer {i}: k_proj must be a float nn.Linear (apply SmoothAttention before quantizing)")
-        todo.append(i)
-    stats = reduce_stats(model, batches, {str(i): views[i].k_proj for i in todo},
-                         lambda y: y.abs().flatten(0, -2).amax(0), on="output", reduce="max")
-    out = {"alpha": alpha, "layers": {}, "skipped": skipped}
-    for i in todo:
+    # the keys RoPE sees: k_proj's output, or k_norm's on q/k-norm models ([B, S, Hkv * D] or [B, S, Hkv, D])
+    mods = {str(i): views[i].layer.self_attn.k_norm if views[i].qk_norm else views[i].k_proj for i in idx}
+    stats = reduce_stats(model, batches, mods, lambda y: y.abs().reshape(y.shape[0] * y.shape[1], -1).amax(0),
+                         on="output", reduce="max")
+    out = {"alpha": alpha, "layers": {}, "online": []}
+    for i in idx:
         v = views[i]
         lam = smooth_attention_scales(stats[str(i)], v.num_kv_heads, v.head_dim, v.rope_pairing, alpha)
-        fold_smooth_attention(v, lam)
+        if v.qk_norm:
+            out["online"].append(i)
+        else:
+            fold_smooth_attention(v, lam)
         out["layers"][i] = lam.cpu()
     return out
+
+
+def online_params(model, report: dict):
+    """The λ of ``report["online"]`` layers as ``lowbit.ptq.rope_kv.RopeKVParams`` with
+    ``crs_k = 1 / λ`` (one entry per decoder layer, ``crs_k = None`` elsewhere), the form
+    ``install_quantized_attention(rope_kv=...)`` applies after RoPE; None when no layer needs it."""
+    from lowbit.models.arch import decoder_layers
+    from lowbit.ptq.rope_kv import RopeKVParams
+
+    if not report.get("online"):
+        return None
+    views = decoder_layers(model)
+    params = [RopeKVParams(v.index, v.num_heads, v.num_kv_heads, v.head_dim, v.rope_pairing) for v in views]
+    for i in report["online"]:
+        params[i].crs_k = 1.0 / report["layers"][i].float()
+    return params

@@ -1,0 +1,187 @@
+"""Llama-family variants beyond Llama: Qwen3 (per-head q/k norms), Qwen2 (q/k/v biases), Mistral
+(sliding window). ``lowbit.models.arch`` reads them; the key smoothing of q/k-norm models runs after
+RoPE (``lowbit.ptq.rope_kv`` decision 6, ``lowbit.ptq.smooth_attention``)."""
+import pytest
+import torch
+
+import lowbit
+from lowbit.models.arch import decoder_layers, sliding_window
+from lowbit.models.generate import Generator
+from lowbit.models.hf_attention import install_quantized_attention
+from lowbit.ptq.rope_kv import apply_rpn, calibrate_rpn_crs, pair_channels
+from lowbit.ptq.smooth_attention import apply_smooth_attention, online_params
+from tests._tiny_models import greedy, runner_rope_ab, tiny_variant
+from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_INTERPRET)
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """The cache's reference numerics on the CPU (its kernels are tested in test_kv4_kernels)."""
+    if not GPU:
+        import lowbit.ops.kv4 as ops
+
+        monkeypatch.setattr(ops, "use_triton", lambda *t: False)
+
+
+def _calib(n=2, S=24, vocab=128):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (1, S), generator=g) for _ in range(n)]
+
+
+def _logits(m, ids):
+    with torch.no_grad():
+        return m(ids).logits.double()
+
+
+def _close(a, b, tol=1e-4):
+    return ((a - b).norm() / b.norm()).item() < tol
+
+
+def test_views_read_qk_norm_and_window():
+    q3 = decoder_layers(tiny_variant("qwen3"))
+    assert all(v.qk_norm and v.sliding_window is None for v in q3)
+    mi = decoder_layers(tiny_variant("mistral", sliding_window=8))
+    assert all(not v.qk_norm and v.sliding_window == 8 for v in mi)
+    q2 = tiny_variant("qwen2", sliding_window=8)  # use_sliding_window is off: full attention
+    assert sliding_window(q2.model.layers[0].self_attn) is None
+
+
+def test_qwen3_attention_paths_keep_the_function(reference_ops):
+    m = tiny_variant("qwen3")
+    ids = torch.randint(0, 128, (2, 10))
+    ref, toks = _logits(m, ids), greedy(m, ids[:1], 5)
+    install_quantized_attention(m, kv=None, prefill="sdpa")
+    assert torch.equal(_logits(m, ids), ref)
+    install_quantized_attention(m, kv="bf16")  # unquantized paged cache, q/k norms applied before RoPE
+    assert torch.equal(greedy(m, ids[:1], 5), toks)
+
+
+def test_qwen3_rpn_runs_online_and_keeps_the_function(reference_ops):
+    m = tiny_variant("qwen3")
+    ids = torch.randint(0, 128, (2, 12))
+    ref = _logits(m, ids)
+    w = {n: p.clone() for n, p in m.named_parameters()}
+    params = calibrate_rpn_crs(m, _calib(), top_k=1)
+    # statistics of the keys RoPE sees (k_norm's output): RPN bounds each non-CRS pair's norm by alpha
+    att = m.model.layers[0].self_attn
+    seen = []
+    h = att.k_norm.register_forward_hook(lambda mod, i, o: seen.append(o.detach().reshape(-1, 2, 16)))
+    with torch.no_grad():
+        for b in _calib():
+            m(b)
+    h.remove()
+    k = torch.cat(seen)
+    a, b = pair_channels(16, "half")
+    norm = (k[..., a] ** 2 + k[..., b] ** 2).sqrt().amax(0)  # [Hkv, D/2]
+    p0 = params[0]
+    crs_pair = torch.zeros(2, 8, dtype=torch.bool).scatter_(1, p0.pairs, True)
+    assert torch.allclose(p0.rpn[:, a][~crs_pair], (8.0 / norm)[~crs_pair], rtol=1e-5)
+    assert (p0.pairs == 3).all()  # the planted outlier pair of k_norm's weight is each head's CRS pair
+    crs_only = p0.crs_k.clone()
+    apply_rpn(m, params)
+    assert all(torch.equal(p, w[n]) for n, p in m.named_parameters())  # nothing folded into the weights
+    assert p0.rpn_applied and p0.rpn_online
+    assert torch.allclose(p0.crs_k, crs_only * p0.rpn)  # RPN joined the post-RoPE multiplier
+    install_quantized_attention(m, kv="bf16", rope_kv=params)
+    assert _close(_logits(m, ids), ref)
+
+
+def test_qwen3_smooth_attention_runs_online(reference_ops):
+    m = tiny_variant("qwen3")
+    ids = torch.randint(0, 128, (2, 12))
+    ref = _logits(m, ids)
+    w = {n: p.clone() for n, p in m.named_parameters()}
+    rep = apply_smooth_attention(m, _calib())
+    assert rep["online"] == [0, 1]
+    assert all(torch.equal(p, w[n]) for n, p in m.named_parameters())
+    lam = rep["layers"][0]
+    assert lam[0, 3] > 3 * lam[0, 5] and torch.equal(lam[:, :8], lam[:, 8:])  # outlier pair, shared in pairs
+    params = online_params(m, rep)
+    assert torch.allclose(params[1].crs_k, 1.0 / rep["layers"][1]) and params[0].rpn is None
+    install_quantized_attention(m, kv="bf16", rope_kv=params)
+    assert _close(_logits(m, ids), ref)
+
+
+@pytest.mark.parametrize("arch,recipe", [("qwen3", "fireq"), ("qwen3", "qserve"), ("qwen3", "flute-nf4"),
+                                         ("qwen3", "int8-attention"), ("qwen2", "fireq"), ("qwen2", "qserve")])
+def test_recipes_generate_and_runner_agrees(arch, recipe, monkeypatch):
+    """Every recipe quantizes the variant; the fast runner's greedy tokens equal transformers' generate
+    on the quantized model (CPU, eager). Prompts are longer than 4 tokens: transformers' path runs a
+    prompt of <= 4 tokens through the decode kernel's numerics, the runner through the prefill scheme.
+    ``int8-attention`` decodes with INT8 attention on transformers' path and with the float cache's
+    decode kernel in the runner, so there only the first token (the prefill's) must agree."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = tiny_variant(arch)
+    lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False)
+    if recipe == "qserve" and arch == "qwen3":
+        assert m.model.layers[0].self_attn._lowbit.crs_k is not None  # SmoothAttention's λ reaches the cache
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 8, 8, 6, 1])]
+    got = Generator(m, max_batch=2, max_seq=16, prefill_from_cache=True).generate(prompts, 4)
+    n = 1 if recipe == "int8-attention" else 4
+    for p, t in zip(prompts, got):
+        assert torch.equal(t[:n], greedy(m, p.unsqueeze(0), 4)[0][:n])
+
+
+def test_qwen3_fireq_checkpoint_round_trip(tmp_path, reference_ops):
+    from lowbit.models.checkpoint import load_quantized, save_quantized
+
+    m = tiny_variant("qwen3")
+    lowbit.quantize_model(m, "fireq", calibration=_calib(), progress=False)
+    ids = torch.randint(0, 128, (1, 9))
+    ref = _logits(m, ids)
+    save_quantized(m, tmp_path / "q3")
+    m2 = load_quantized(tmp_path / "q3")
+    assert m2.model.layers[0].self_attn._lowbit.crs_k is not None
+    assert torch.equal(_logits(m2, ids), ref)
+
+
+def test_sliding_window_raises_past_the_window(reference_ops):
+    m = tiny_variant("mistral", sliding_window=8)
+    with pytest.warns(UserWarning, match="sliding window"):
+        install_quantized_attention(m, kv="kv4")
+    ids = torch.randint(0, 128, (1, 8))
+    _logits(m, ids)  # 8 tokens: full causal attention is the window
+    with pytest.raises(ValueError, match="sliding-window attention \\(window 8\\)"):
+        _logits(m, torch.randint(0, 128, (1, 9)))
+    with pytest.raises(ValueError, match="window 8"):  # the 9th token arrives as a decode step
+        greedy(m, ids, 2)
+    with pytest.raises(ValueError, match="max_seq"):
+        Generator(m, max_batch=1, max_seq=16)
+    Generator(m, max_batch=1, max_seq=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["fireq", "qserve"])
+def test_qwen3_runner_gpu_kernels(recipe):
+    """Qwen3 (head_dim 128, GQA 4) on the GPU kernels: the CUDA-graph runner's greedy tokens equal its
+    eager run, and its first token (prefill from the cache, as transformers' path) equals transformers'."""
+    m = tiny_variant("qwen3", head_dim=128, hidden=512, heads=8, kv_heads=2, init_std=0.05).to("cuda", torch.bfloat16)
+    lowbit.quantize_model(m, recipe, calibration=[c.cuda() for c in _calib(4, 64)], progress=False)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=g).cuda() for n in (7, 12)]
+    graph = Generator(m, max_batch=2, max_seq=32, prefill_from_cache=True).generate(prompts, 6)
+    eager = Generator(m, max_batch=2, max_seq=32, prefill_from_cache=True, cuda_graphs=False).generate(prompts, 6)
+    assert all(torch.equal(a, b) for a, b in zip(graph, eager))
+    for p, t in zip(prompts, graph):
+        assert t[0] == greedy(m, p.unsqueeze(0), 1)[0, 0]
+
+
+@pytest.mark.interpreter  # a CPU model through the Triton kernels; on the GPU: test_qwen3_runner_gpu_kernels
+@pytest.mark.parametrize("recipe", [None, "fireq"])
+def test_qwen3_runner_fuses_qk_norms_into_rope(recipe):
+    """The runner applies Qwen3's q / k norms inside the RoPE launch (``lowbit.kernels.rope`` ``NORM``): one
+    launch over the q and k heads per layer, the k heads only normalised where the KV4 append rotates them;
+    same greedy tokens as the eager modules."""
+    pytest.importorskip("triton")
+    m = tiny_variant("qwen3").to(torch.bfloat16)
+    if not lowbit._utils.use_triton(next(m.parameters())):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    if recipe is not None:
+        lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False)
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 8, 8, 6, 1])]
+    ref, got, calls = runner_rope_ab(m, prompts, 3)
+    qk = [c for c in calls if c[1]]
+    assert qk and all(c[0] == 4 + 2 for c in qk)  # q and k heads of a layer in one launch, norms included
+    assert all(c[2] == (4 if recipe else None) for c in qk)  # KV4: the append rotates k itself
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
