@@ -185,3 +185,38 @@ def test_qwen3_runner_fuses_qk_norms_into_rope(recipe):
     assert qk and all(c[0] == 4 + 2 for c in qk)  # q and k heads of a layer in one launch, norms included
     assert all(c[2] == (4 if recipe else None) for c in qk)  # KV4: the append rotates k itself
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("model_type,extra,match", [
+    ("gemma2", dict(attn_implementation="eager"), "soft-capping"),                      # also sandwich norms: CAS would fold into the wrong one
+    ("gemma", {}, "activation is 'gelu"),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "mixture-of-experts"),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "mixture-of-experts"),
+    ("olmo2", {}, "norms are"),                           # norms after attention / MLP
+    ("cohere", {}, "norms are"),                          # parallel attention + MLP, one norm
+    ("stablelm", {}, "does not compute"),                 # LayerNorm
+    ("helium", {}, "RoPE"),                               # interleaved pairs with its own cos / sin layout
+    ("granite", dict(residual_multiplier=0.5), "residual multiplier"),
+])
+def test_non_llama_decoders_are_refused_by_name(model_type, extra, match):
+    """Decoders that are not Llama-shaped raise a ValueError naming what differs, from quantize_model and from
+    the runner, instead of quantizing to wrong numbers (Gemma 2: CAS into the attention output's norm) or
+    failing on a missing attribute (MoE blocks)."""
+    m = tiny_variant(model_type, **extra)
+    with pytest.raises(ValueError, match=match):
+        lowbit.quantize_model(m, "flute-nf4", progress=False)
+    with pytest.raises(ValueError, match=match):
+        Generator(m, max_batch=1, max_seq=8)
+
+
+def test_untested_llama_like_type_warns_and_runs(reference_ops):
+    """A model type outside the tested ones that passes every check (Granite with unit multipliers: Llama with
+    its own softmax scale, ``attention_multiplier``) runs with a warning; the runner uses the model's scale."""
+    m = tiny_variant("granite", attention_multiplier=0.125)
+    with pytest.warns(UserWarning, match="'granite' is not among the tested"):
+        lowbit.quantize_model(m, "fireq", calibration=_calib(), progress=False)
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 8, 8, 6, 1])]
+    gen = Generator(m, max_batch=2, max_seq=16, prefill_from_cache=True)
+    assert gen.sm_scale == 0.125
+    for p, t in zip(prompts, gen.generate(prompts, 4)):
+        assert torch.equal(t, greedy(m, p.unsqueeze(0), 4)[0])

@@ -14,12 +14,28 @@ Two variations are read here, not assumed:
 - **sliding-window attention** (Mistral's ``sliding_window``, Qwen2/3 layers of type
   ``sliding_attention``): lowbit's attention is full causal, equal to a window of W keys only while a
   sequence holds at most W tokens; the attention paths raise past that (``sliding_window``).
+
+Everything else a Llama-family layer must be is **checked**, once per model, before any PTQ or runner
+touches it (``check_llama_family``; session 37): other transformers decoders loaded fine and then
+quantized to wrong numbers without a word (Gemma 2/3's sandwich norms took CAS into the norm of the
+attention output; Gemma's ``(1 + w)`` RMSNorm; Granite's multipliers; partial RoPE) or failed with an
+``AttributeError`` (MoE blocks, OLMo 2, Cohere). A model passes when each decoder layer has exactly the
+two RMSNorms ``input_layernorm`` (before q/k/v) and ``post_attention_layernorm`` (before gate/up), each
+computing ``weight * x / rms(x)`` (tried on a random input), q/k/v/o and gate/up/down projections, a
+SiLU-gated MLP, and the config has none of: logit soft-capping, partial rotary, NoPE layers, Granite's
+multipliers. Model types outside ``TESTED_TYPES`` that pass run with a one-time warning.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from lowbit._utils import warn_once
+
+# model types whose forward lowbit's tests run (tests/test_arch_variants.py, the embedded SmolLM2 = llama)
+TESTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -86,8 +102,120 @@ def check_window(attn: nn.Module, length: int, where: str) -> None:
                          f"tokens; got a sequence of {length}")
 
 
+def _rms_norm_like(norm: nn.Module) -> bool:
+    """Does ``norm`` compute ``weight * x * rsqrt(mean(x^2) + eps)`` (Llama's RMSNorm)? Tried on a random input:
+    Gemma's ``(1 + weight)``, a LayerNorm (mean subtracted, bias) or a missing weight fail."""
+    w = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if w is None or eps is None or w.ndim != 1 or getattr(norm, "bias", None) is not None:
+        return False
+    if w.device.type == "meta":
+        return True  # nothing to try; the projections' checks still hold
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(4, w.numel(), generator=g) + 0.5).to(w.device, w.dtype)
+    with torch.no_grad():
+        y = norm(x).float()
+        xf = x.float()
+        ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + float(eps)) * w.float()
+    return bool(((y - ref).norm() <= 1e-2 * ref.norm() + 1e-6).item())
+
+
+def _rope_matches(model, attn: nn.Module, pairing: str) -> bool:
+    """Does the attention module's ``apply_rotary_pos_emb`` (the function its forward calls) rotate channel pairs
+    as lowbit's kernels do for ``pairing``, with the model's own cos / sin tables? Tried on a random input: ERNIE
+    4.5 and Helium rotate interleaved pairs with cos / sin laid out for that, which lowbit would get wrong."""
+    import sys
+
+    from lowbit.ops.kv4 import rotate
+
+    apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    d = getattr(attn, "head_dim", None)
+    if apply is None or rotary is None or d is None:
+        return False
+    p = next(iter(model.parameters()), None)
+    if p is None or p.device.type == "meta":
+        return True
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, 2, 5, d, generator=g).to(p.device, torch.float32)
+    try:
+        with torch.no_grad():
+            cos, sin = rotary(x, torch.arange(3, 8, device=p.device)[None])
+            got, _ = apply(x, x, cos.float(), sin.float())
+    except Exception:  # another signature: not the Llama form
+        return False
+    c, sn = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    ref = x * c + rotate(x, pairing == "interleaved") * sn
+    return bool(((got - ref).norm() <= 1e-4 * ref.norm()).item())
+
+
+_UNSUPPORTED_CONFIG = (  # (config attribute, value that is fine, what it would change)
+    ("attn_logit_softcapping", None, "attention logit soft-capping"),
+    ("final_logit_softcapping", None, "final logit soft-capping"),
+    ("partial_rotary_factor", 1.0, "RoPE on part of each head"),
+    ("rotary_pct", 1.0, "RoPE on part of each head"),
+    ("embedding_multiplier", 1.0, "Granite's embedding multiplier"),
+    ("residual_multiplier", 1.0, "Granite's residual multiplier"),
+    ("logits_scaling", 1.0, "Granite's logit scaling"),
+)
+
+
+def check_llama_family(model) -> None:
+    """ValueError naming the first part of ``model`` that is not a Llama-family decoder (module docstring);
+    a one-time warning for a model type outside ``TESTED_TYPES`` that passes. Checked once per model."""
+    if getattr(model, "_lowbit_arch_checked", False):
+        return
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", type(model).__name__)
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    where = f"lowbit supports Llama-family decoders ({', '.join(TESTED_TYPES)} and alike); model_type {mt!r}"
+    if layers is None or len(layers) == 0:
+        raise ValueError(f"{where}: no .model.layers")
+    for name, fine, what in _UNSUPPORTED_CONFIG:
+        v = getattr(cfg, name, fine)
+        if v is not None and v != fine and not (name.endswith("softcapping") and v == 0):
+            raise ValueError(f"{where} uses {what} ({name}={v}), which lowbit's layers do not implement")
+    if any(not r for r in (getattr(cfg, "no_rope_layers", None) or [])):
+        raise ValueError(f"{where} has layers without RoPE (no_rope_layers), which lowbit's attention does not skip")
+    act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{where}: the MLP activation is {act!r}; lowbit's fused MLP kernels compute SiLU(gate) * up")
+    layer = layers[0]
+    mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
+    for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
+        missing = [n for n in names if part is None or not hasattr(part, n)]
+        if missing:
+            kind = type(part).__name__ if part is not None else "the layer"
+            moe = " (a mixture-of-experts block: not supported yet)" if "moe" in kind.lower() or "expert" in kind.lower() \
+                else ""
+            raise ValueError(f"{where}: {kind} has no {', '.join(missing)}{moe}")
+    norms = [n for n, m in layer.named_children() if "norm" in n.lower() or "norm" in type(m).__name__.lower()]
+    if sorted(norms) != ["input_layernorm", "post_attention_layernorm"]:
+        raise ValueError(f"{where}: its decoder layer's norms are {norms}; lowbit needs exactly input_layernorm (before "
+                         "q/k/v) and post_attention_layernorm (before gate/up), where CAS and the fused RMSNorm + "
+                         "quantization launches act")
+    for n in norms:
+        if not _rms_norm_like(getattr(layer, n)):
+            raise ValueError(f"{where}: {n} ({type(getattr(layer, n)).__name__}) does not compute "
+                             "weight * x / rms(x) (Llama's RMSNorm), which CAS folds into and the kernels compute")
+    pairing = rope_pairing(model)
+    if not _rope_matches(model, attn, pairing):
+        raise ValueError(f"{where}: its RoPE (apply_rotary_pos_emb of {type(attn).__module__}) does not rotate "
+                         f"{'(2i, 2i+1)' if pairing == 'interleaved' else '(i, i + head_dim/2)'} channel pairs with "
+                         "the model's cos / sin tables as lowbit's kernels do")
+    if mt not in TESTED_TYPES:
+        warn_once(f"lowbit: model_type {mt!r} is not among the tested Llama-family types {TESTED_TYPES}; its layers "
+                  "passed lowbit's structure checks (lowbit.models.arch.check_llama_family)")
+    try:
+        model._lowbit_arch_checked = True
+    except AttributeError:  # a module that refuses attributes: check again next time
+        pass
+
+
 def decoder_layers(model) -> list[LayerView]:
-    """LayerViews of a Llama-family ``*ForCausalLM``; ValueError for other architectures."""
+    """LayerViews of a Llama-family ``*ForCausalLM``; ValueError for other architectures (``check_llama_family``)."""
+    check_llama_family(model)
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:

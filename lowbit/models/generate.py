@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit._utils import capture_cuda_graph, interpret_mode, triton_available, use_triton
-from lowbit.models.arch import check_window
+from lowbit.models.arch import check_llama_family, check_window
 
 __all__ = ["Generator", "generate"]
 
@@ -79,6 +79,7 @@ def _arch(model) -> _Arch:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         raise ValueError(f"Generator supports Llama-family *ForCausalLM models, got {type(model).__name__}")
+    check_llama_family(model)
     cfg = model.config
     hq = cfg.num_attention_heads
     hkv = getattr(cfg, "num_key_value_heads", None) or hq
@@ -474,6 +475,8 @@ class DenseKV:
     name = "dense"
     rope_in_append = False
 
+    sm_scale: float | None = None  # softmax scale (None: D^-0.5); the Generator sets the model's own
+
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, kernel: bool = False):
         smax = -(-smax // 64) * 64  # aligned key length: SDPA's memory-efficient kernel takes the mask
         self.k = [torch.zeros(batch, hkv, smax, d, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -516,7 +519,7 @@ class DenseKV:
             from lowbit.kernels.decode_float import decode_float_append_triton
 
             return decode_float_append_triton(q, k, v, kc, vc, self.page_table[:B], mask, cos=cos, sin=sin,
-                                              sm_scale=D ** -0.5, max_len=self.smax)
+                                              sm_scale=self.sm_scale or D ** -0.5, max_len=self.smax)
         if q_rope:  # kernel mode only (rope_in_decode); the dense cache is one page per request
             from lowbit.kernels.kv4_append import float_append_triton
 
@@ -530,9 +533,10 @@ class DenseKV:
         if self.kernel:  # mask = lengths (int32 [B]) from step_state
             from lowbit.ops.kv4 import decode_float
 
-            return decode_float(q, kc, vc, self.page_table[:B], mask, sm_scale=D ** -0.5, max_len=self.smax)
+            return decode_float(q, kc, vc, self.page_table[:B], mask, sm_scale=self.sm_scale or D ** -0.5,
+                                max_len=self.smax)
         qg = q.view(B, hkv, Hq // hkv, D)
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=mask, scale=self.sm_scale)
         return o.reshape(B, Hq, 1, D)
 
 
@@ -541,6 +545,8 @@ class PagedKV4:
     ``[b * P, (b + 1) * P)``; ``lengths`` counts cached tokens including the new one."""
 
     name = "kv4"
+
+    sm_scale: float | None = None  # softmax scale (None: D^-0.5); the Generator sets the model's own
 
     def __init__(self, n_layers, batch, hkv, smax, d, dtype, device, *, zero_point=False, page=64, crs=None,
                  scale_dtype=torch.float8_e4m3fn, splits: int | None = None):
@@ -634,7 +640,7 @@ class PagedKV4:
                                 crs_k=None if crs is None else crs[0], **self._cache_kw(layer))
         return self.ops.decode_kv4(q, page_table=self.page_table[:B], lengths=lengths, max_len=self.smax,
                                    crs_q=None if crs is None else crs[1], num_splits=self.splits,
-                                   **self._cache_kw(layer))
+                                   sm_scale=self.sm_scale, **self._cache_kw(layer))
 
 
 def _attn_configs(layers):
@@ -772,7 +778,10 @@ class Generator:
             pos = torch.arange(self.max_seq, device=self.device).view(1, -1)
             c, s_, ss = self._rope_compute(torch.empty(0, device=self.device, dtype=self.dtype), pos)
             self._rope_table = (c[0], s_[0], None if ss is None else ss[0])
-        self.sm_scale = self.a.d ** -0.5
+        # the attention's own softmax scale (transformers' ``scaling``: d^-0.5 for Llama, attention_multiplier for Granite)
+        self.sm_scale = float(getattr(self.a.layers[0].self_attn, "scaling", self.a.d ** -0.5)) if self.a.layers \
+            else self.a.d ** -0.5
+        self.cache.sm_scale = self.sm_scale
         self.rope_kernel = ROPE_KERNEL if rope_kernel is None else bool(rope_kernel)
         self.rope_q_append = ROPE_Q_APPEND if rope_q_append is None else bool(rope_q_append)
 
