@@ -36,8 +36,9 @@ is first RMS-normalised with transformers' ``Qwen3RMSNorm`` arithmetic,
 with ``w`` = the q weight for heads ``< HQ`` and the k weight from there (q and k rotated in one launch),
 and only heads ``< H_ROT`` are then rotated (the rest, keys whose RoPE a KV4 append does, are stored
 normalised). The sum of squares runs in a different order from torch's reduction and ``rsqrt`` is the
-GPU's approximation in both, so an element can differ from the eager modules by one ulp of the input
-dtype (tested: at most one ulp, almost all equal). Eagerly these norms are eight launches per tensor.
+GPU's approximation in both (torch's and Triton's need not be the same one), so the inner rounding of an
+element can flip, and the weight scales that flip: at most two ulps of the input dtype from the eager modules
+(tested; almost all equal). Eagerly these norms are eight launches per tensor.
 """
 from __future__ import annotations
 
