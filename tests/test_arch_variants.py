@@ -220,3 +220,18 @@ def test_untested_llama_like_type_warns_and_runs(reference_ops):
     assert gen.sm_scale == 0.125
     for p, t in zip(prompts, gen.generate(prompts, 4)):
         assert torch.equal(t, greedy(m, p.unsqueeze(0), 4)[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_mlp_checkpoint_passes_the_check(arch, tmp_path, monkeypatch):
+    """A flute checkpoint holds lowbit's FusedMLP (gate and up as one linear) instead of gate_proj / up_proj: the
+    loaded model passes the architecture check and the runner gives the tokens it gave before saving."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = tiny_variant(arch)
+    lowbit.quantize_model(m, "flute-nf4", calibration=_calib(), progress=False)
+    assert type(m.model.layers[0].mlp).__name__ == "FusedMLP"
+    p = [torch.tensor([3, 1, 4, 1, 5])]
+    before = Generator(m, max_batch=1, max_seq=12).generate(p, 3)
+    lowbit.save_quantized(m, tmp_path / "f")
+    m2 = lowbit.load_quantized(tmp_path / "f")
+    assert torch.equal(Generator(m2, max_batch=1, max_seq=12).generate(p, 3)[0], before[0])

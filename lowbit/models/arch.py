@@ -183,7 +183,10 @@ def check_llama_family(model) -> None:
         raise ValueError(f"{where}: the MLP activation is {act!r}; lowbit's fused MLP kernels compute SiLU(gate) * up")
     layer = layers[0]
     mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
-    for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
+    # a quantized model's MLP may already be lowbit's FusedMLP (gate and up as one linear: the flute recipes'
+    # default), e.g. loaded from a checkpoint
+    mlp_names = ("gate_up", "down_proj") if type(mlp).__name__ == "FusedMLP" else ("gate_proj", "up_proj", "down_proj")
+    for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, mlp_names)):
         missing = [n for n in names if part is None or not hasattr(part, n)]
         if missing:
             kind = type(part).__name__ if part is not None else "the layer"
