@@ -152,7 +152,7 @@ def test_sliding_window_raises_past_the_window(reference_ops):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("recipe", ["fireq", "qserve"])
+@pytest.mark.parametrize("recipe", ["fireq", "qserve", "flute-nf4"])
 def test_qwen3_runner_gpu_kernels(recipe):
     """Qwen3 (head_dim 128, GQA 4) on the GPU kernels: the CUDA-graph runner's greedy tokens equal its
     eager run, and its first token (prefill from the cache, as transformers' path) equals transformers'."""
@@ -235,3 +235,85 @@ def test_fused_mlp_checkpoint_passes_the_check(arch, tmp_path, monkeypatch):
     lowbit.save_quantized(m, tmp_path / "f")
     m2 = lowbit.load_quantized(tmp_path / "f")
     assert torch.equal(Generator(m2, max_batch=1, max_seq=12).generate(p, 3)[0], before[0])
+
+
+@pytest.mark.interpreter  # the Triton append / decode kernels on a CPU model; on the GPU: test_qwen3_runner_gpu_kernels
+@pytest.mark.parametrize("recipe,dense", [("fireq", "auto"), ("flute-nf4", "kernel")])
+def test_qwen3_decode_norms_in_the_append_launch(recipe, dense):
+    """Decode steps of a q/k-norm model rotate (and now normalise) q and k inside the cache's append launch, as
+    on Llama: the INT4 append (``fireq``) and the float cache's one-launch decode (``flute-nf4``, dense cache with
+    lowbit's kernel). Same greedy tokens as with the norms and RoPE in their own launches (``rope_q_append=False``)."""
+    pytest.importorskip("triton")
+    import lowbit.kernels.kv4_append as ka
+    import lowbit.kernels.decode_float as dfl
+
+    m = tiny_variant("qwen3").to(torch.bfloat16)
+    if not lowbit._utils.use_triton(next(m.parameters())):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False)
+    prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 8, 8, 6, 1])]
+    kw = dict(max_batch=2, max_seq=12, dense_decode=dense)
+    ref = Generator(m, rope_q_append=False, **kw).generate(prompts, 3)
+    seen, orig = [], (ka.kv4_append_triton, dfl.decode_float_append_triton)
+
+    def spy(fn):
+        def f(*a, **k):
+            if k.get("q") is not None or fn is orig[1]:  # decode steps (the prefill appends normalised keys)
+                seen.append(k.get("qk_norm") is not None)
+            return fn(*a, **k)
+        return f
+
+    ka.kv4_append_triton, dfl.decode_float_append_triton = spy(orig[0]), spy(orig[1])
+    try:
+        gen = Generator(m, rope_q_append=True, **kw)
+        assert gen._q_in_append(m.model.layers[0])
+        got = gen.generate(prompts, 3)
+    finally:
+        ka.kv4_append_triton, dfl.decode_float_append_triton = orig
+    assert seen and all(seen)  # every decode step's append launch took the q / k norms
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
+@pytest.mark.interpreter  # CPU tensors through the interpreter
+def test_append_launch_norms_match_the_rope_launch():
+    """``kv4_append_triton(q=..., qk_norm=...)`` rotates q with the rope launch's normalised rows (within two ulps:
+    its sum of squares runs in another order) and stores the keys the unfused path stores (k normalised by the rope
+    launch, then appended): every dequantized key within one INT4 step of its scale."""
+    pytest.importorskip("triton")
+    from lowbit.formats.kv4 import dequantize_kv4
+    from lowbit.kernels.kv4_append import kv4_append_triton
+    from lowbit.kernels.rope import rope_triton
+
+    if not lowbit._utils.use_triton(torch.empty(1, dtype=torch.bfloat16)):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, G, D, P = 2, 2, 2, 32, 16
+    q = (torch.randn(B, Hkv * G, 1, D, generator=g) * 3).bfloat16()
+    k = (torch.randn(B, Hkv, 1, D, generator=g) * 3).bfloat16()
+    v = torch.randn(B, Hkv, 1, D, generator=g).bfloat16()
+    wq, wk = (torch.rand(D, generator=g) * 2).bfloat16(), (torch.rand(D, generator=g) * 2).bfloat16()
+    ang = torch.rand(B, 1, D // 2, generator=g) * 20
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).bfloat16(), torch.cat((ang.sin(), ang.sin()), -1).bfloat16()
+    pt = torch.arange(B, dtype=torch.int32).view(B, 1)
+    start = torch.tensor([3, 7], dtype=torch.int32)
+
+    def cache():
+        return (torch.zeros(B, Hkv, P, D // 2, dtype=torch.uint8), torch.zeros(B, Hkv, P, dtype=torch.float8_e4m3fn),
+                torch.zeros(B, Hkv, P, D // 2, dtype=torch.uint8), torch.zeros(B, Hkv, P, dtype=torch.float8_e4m3fn))
+
+    fused = cache()
+    qo = torch.empty(B, 1, Hkv * G, D, dtype=torch.bfloat16).transpose(1, 2)
+    kv4_append_triton(k, v, *fused, pt, start, cos=cos, sin=sin, q=q, q_out=qo, qk_norm=(wq, wk, 1e-6))
+    qr = rope_triton(q.transpose(1, 2), cos, sin, qk_norm=(wq, wq, Hkv * G, 1e-6)).transpose(1, 2)
+    diff = (qo.float() - qr.float()).abs()
+    assert (diff <= 2 * qr.float().abs() * 2 ** -7 + 1e-30).all()
+    kn = rope_triton(k.transpose(1, 2), cos, sin, qk_norm=(wk, wk, 0, 1e-6), rotate_heads=0).transpose(1, 2)
+    unfused = cache()
+    kv4_append_triton(kn, v, *unfused, pt, start, cos=cos, sin=sin)
+    def keys(c):  # the new token's dequantized keys [B, Hkv, D] and their scales [B, Hkv, 1]
+        codes = torch.stack([c[0][b, :, start[b]] for b in range(B)])
+        scale = torch.stack([c[1][b, :, start[b]] for b in range(B)])
+        return dequantize_kv4(codes, scale, None, dtype=torch.float32), scale.float()[..., None]
+
+    (kf, _), (ku, step) = keys(fused), keys(unfused)
+    assert ((kf - ku).abs() <= step * 1.001).all()

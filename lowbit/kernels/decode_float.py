@@ -105,18 +105,20 @@ def _decode_float_kernel(
     APPEND: tl.constexpr = False, TQ_P2: tl.constexpr = 16, ROW_BF16: tl.constexpr = True,
     INTERPRET: tl.constexpr = False, FUSE_COMBINE: tl.constexpr = False, SPLITS_P2: tl.constexpr = 1,
     ROWS_P2: tl.constexpr = 1,
+    # APPEND + NORM (session 37, q/k-norm models): q and the new keys RMS-normalised with QW / KW before RoPE
+    QW=None, KW=None, eps=0.0, NORM: tl.constexpr = False,
 ):
     pid_bh, sid, b, h, L, start, end, m_idx, g, t, row_ok = split_rows(LENS, SPLIT_LEN, Hkv, G, TQ, BLOCK_M)
     d = tl.arange(0, D)
     q_row = b * stride_qb + (h * G + g) * stride_qh + t * stride_qt
     if APPEND:  # q rotated here (the bits the append launch would have stored); this split's new keys written
         q = rope_tile(Q, q_row, d, row_ok, COS, SIN, b * stride_cb + t * stride_ct, D, ROW_BF16,
-                       INTERPRET).to(K.dtype.element_ty)
+                       INTERPRET, QW, eps, NORM).to(K.dtype.element_ty)
         j = tl.arange(0, TQ_P2)
         pos = L - TQ + j
         mine = (j < TQ) & (pos >= start) & (pos < end)
         kn = rope_tile(KN, b * stride_knb + h * stride_knh + j * stride_knt, d, mine, COS, SIN,
-                        b * stride_cb + j * stride_ct, D, ROW_BF16, INTERPRET).to(K.dtype.element_ty)
+                        b * stride_cb + j * stride_ct, D, ROW_BF16, INTERPRET, KW, eps, NORM).to(K.dtype.element_ty)
         vn = tl.load(VN + (b * stride_vnb + h * stride_vnh + j * stride_vnt)[:, None] + d[None, :],
                      mask=mine[:, None], other=0.0)
         # a position past the page table or a page outside the pool writes nothing (the append kernel's rule)
@@ -192,21 +194,29 @@ def decode_float_triton(q, k, v, page_table, lengths, *, sm_scale=None, max_len=
 
 def decode_float_append_triton(q, k, v, k_cache, v_cache, page_table, lengths, *, cos, sin, sm_scale=None,
                                max_len=None, num_splits=None, fuse_combine=True, block_n=None, num_warps=None,
-                               num_stages=None):
+                               num_stages=None, qk_norm=None):
     """``APPEND`` launcher (module docstring): one launch in place of ``float_append_triton(k, v, k_cache, v_cache,
     page_table, lengths - TQ, cos=cos, sin=sin, q=q, q_out=qo)`` + ``decode_float_triton(qo, k_cache, v_cache,
     ...)``. q ``[B, Hq, TQ, D]``, k / v ``[B, Hkv, TQ, D]`` pre-RoPE (bf16 / fp16, the caches' dtype, unit stride on
     D); cos / sin ``[B, TQ, D]`` half-split; ``lengths[b]`` counts the TQ new tokens too (their slots are
     ``lengths[b] - TQ + t``). Writes k (rotated) and v to the cache; returns O ``[B, Hq, TQ, D]``. Arguments are
-    checked by ``lowbit.ops.kv4.decode_float_append``."""
+    checked by ``lowbit.ops.kv4.decode_float_append``. ``qk_norm = (w_q, w_k, eps)`` (session 37, Qwen3): q and k
+    RMS-normalised first (``lowbit.kernels.rope``'s ``NORM``; weights ``[D]`` in q's dtype)."""
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
+    norm = None
+    if qk_norm is not None:
+        w_q, w_k, eps = qk_norm
+        D = q.shape[-1]
+        if any(w.shape != (D,) or w.dtype != q.dtype or w.device != q.device for w in (w_q, w_k)):
+            raise ValueError(f"qk_norm weights must be [{D}] {q.dtype} on {q.device}")
+        norm = dict(QW=w_q.contiguous(), KW=w_k.contiguous(), eps=float(eps), NORM=True)
     return _launch(q, k_cache, v_cache, page_table, lengths, (k, v, cos, sin), sm_scale, max_len, num_splits,
-                   block_n, num_warps, num_stages, fuse_combine)
+                   block_n, num_warps, num_stages, fuse_combine, norm)
 
 
 def _launch(q, k, v, page_table, lengths, append, sm_scale, max_len, num_splits, block_n, num_warps, num_stages,
-            fuse_combine):
+            fuse_combine, norm=None):
     B, Hq, TQ, D = q.shape
     _, Hkv, PAGE, _ = k.shape
     G = Hq // Hkv
@@ -241,7 +251,7 @@ def _launch(q, k, v, page_table, lengths, append, sm_scale, max_len, num_splits,
                   stride_knb=kn.stride(0), stride_knh=kn.stride(1), stride_knt=kn.stride(2), stride_vnb=vn.stride(0),
                   stride_vnh=vn.stride(1), stride_vnt=vn.stride(2), stride_cb=cos.stride(0), stride_ct=cos.stride(1),
                   APPEND=True, TQ_P2=max(16, triton.next_power_of_2(TQ)), ROW_BF16=q.dtype == torch.bfloat16,
-                  INTERPRET=interpret_mode())
+                  INTERPRET=interpret_mode(), **(norm or {}))
     if fused:
         kw.update(CNT=arrival_counters("decode_float", q.device, B * Hkv), FUSE_COMBINE=True, SPLITS_P2=sp2, ROWS_P2=rp2)
     _decode_float_kernel[(B * Hkv, num_splits)](

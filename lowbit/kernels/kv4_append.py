@@ -33,7 +33,7 @@ import triton.language as tl
 
 from lowbit._utils import check_page_writes
 from lowbit.kernels.act_quant import abs_or_inf, div_fast, round_to_fp8_e4m3
-from lowbit.kernels.rope import rope_row
+from lowbit.kernels.rope import rms_pair, rope_row
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
 # (fireq, ROPE_Q + PDL, tokens/s): B=1 1k 375 (1 warp) vs 383 (4 warps), 8k 366 vs 366, B=16 1k 4970 vs 4948.
@@ -132,13 +132,26 @@ def quantize_row(xe, xo, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, AXI
 def _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, page, off,
                 stride_cb, stride_ct, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
                 HALF: tl.constexpr, ROPE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CRS: tl.constexpr,
-                ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr):
-    """RoPE (fp32) + CRS + INT4 quantization of one K row and one V row, written to slot ``off`` of ``page``."""
+                ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr, KW=None, eps=0.0, NORM: tl.constexpr = False,
+                ROW_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False):
+    """(``NORM``: the k_norm of q/k-norm models, ``lowbit.kernels.rope.rms_pair`` with weight ``KW``, half-split
+    only) + RoPE (fp32) + CRS + INT4 quantization of one K row and one V row, written to slot ``off`` of ``page``."""
     j = tl.arange(0, HALF)
     de = 2 * j
     do = 2 * j + 1
     xe = tl.load(k_row + de).to(tl.float32)
     xo = tl.load(k_row + do).to(tl.float32)
+    if NORM:  # the normalised row's values (the k_norm output the transformers path would append), partners below
+        D_: tl.constexpr = 2 * HALF
+        ss = tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)
+        pe_ = (de + HALF) % D_
+        po_ = (do + HALF) % D_
+        ne, no = rms_pair(xe, xo, ss, tl.load(KW + de).to(tl.float32), tl.load(KW + do).to(tl.float32), eps, D_,
+                          ROW_BF16, INTERPRET)
+        npe, npo = rms_pair(tl.load(k_row + pe_).to(tl.float32), tl.load(k_row + po_).to(tl.float32), ss,
+                            tl.load(KW + pe_).to(tl.float32), tl.load(KW + po_).to(tl.float32), eps, D_, ROW_BF16,
+                            INTERPRET)
+        xe, xo = ne, no
     if ROPE:
         c_row = b * stride_cb + t * stride_ct
         ce = tl.load(COS + c_row + de).to(tl.float32)
@@ -148,6 +161,9 @@ def _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, p
         if INTERLEAVED:  # pairs (2i, 2i+1): rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i]
             re = -xo
             ro = xe
+        elif NORM:  # half-split pairs of the normalised row
+            re = npe * tl.where(de < HALF, -1.0, 1.0)
+            ro = npo * tl.where(do < HALF, -1.0, 1.0)
         else:  # pairs (i, i + D/2): rotate(x)[i] = -x[i + D/2], rotate(x)[i + D/2] = x[i]
             D: tl.constexpr = 2 * HALF
             pe = (de + HALF) % D
@@ -193,6 +209,8 @@ def _kv4_append_kernel(
     HAS_CRS: tl.constexpr, ZERO_POINT: tl.constexpr, SCALE_KIND: tl.constexpr,
     ROPE_Q: tl.constexpr = False, G: tl.constexpr = 1, ROW_BF16: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     FLOAT: tl.constexpr = False,
+    # NORM (models area, q/k-norm models such as Qwen3): q rows and k rows RMS-normalised with QW / KW before RoPE
+    QW=None, KW=None, eps=0.0, NORM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -214,31 +232,33 @@ def _kv4_append_kernel(
             d = tl.arange(0, D_)
             if ROPE:
                 rope_row(k_row, KC + dst, COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
-                         D_, ROW_BF16, INTERPRET)
+                         D_, ROW_BF16, INTERPRET, KW, eps, NORM)
             else:
                 tl.store(KC + dst + d, tl.load(k_row + d))
             tl.store(VC + dst + d, tl.load(v_row + d))
         else:
             _append_kv4(k_row, v_row, COS, SIN, CRSK, KC, KS, KZ, VC, VS, VZ, b, t, h, page, off,
                         stride_cb, stride_ct, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh,
-                        HALF, ROPE, INTERLEAVED, HAS_CRS, ZERO_POINT, SCALE_KIND)
+                        HALF, ROPE, INTERLEAVED, HAS_CRS, ZERO_POINT, SCALE_KIND, KW, eps, NORM, ROW_BF16, INTERPRET)
 
     if ROPE_Q:  # (models area) the G query heads of KV head h, half-precision RoPE as lowbit.kernels.rope
         for g in tl.static_range(G):
             rope_row(Q + b * stride_qb + (h * G + g) * stride_qh + t * stride_qt,
                      QO + b * stride_ob + (h * G + g) * stride_oh + t * stride_ot,
                      COS + b * stride_cb + t * stride_ct, SIN + b * stride_cb + t * stride_ct,
-                     2 * HALF, ROW_BF16, INTERPRET)
+                     2 * HALF, ROW_BF16, INTERPRET, QW, eps, NORM)
 
 
 def kv4_append_triton(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, cos=None, sin=None,
-                      crs_k=None, k_zero=None, v_zero=None, interleaved=False, q=None, q_out=None):
+                      crs_k=None, k_zero=None, v_zero=None, interleaved=False, q=None, q_out=None, qk_norm=None):
     """Launcher (arguments checked by ``lowbit.ops.kv4.kv4_append``); writes the cache in place.
     ``q`` / ``q_out`` (models area, optional; bf16/fp16 ``[B, Hq, T, D]``, unit stride on D, half-split
     RoPE given by cos/sin): also writes RoPE(q) to ``q_out`` in the same launch, with the rounding of
-    ``lowbit.kernels.rope`` (the eager half-precision ops), saving the runner a launch per layer."""
+    ``lowbit.kernels.rope`` (the eager half-precision ops), saving the runner a launch per layer.
+    ``qk_norm = (w_q, w_k, eps)`` (with ``q``; session 37, Qwen3): q and k rows RMS-normalised first, with
+    ``lowbit.kernels.rope``'s ``NORM`` arithmetic (k as the transformers path appends ``k_norm``'s output)."""
     _launch(k, v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, page_table, start, cos, sin, crs_k,
-            interleaved, q, q_out, float_pages=False)
+            interleaved, q, q_out, float_pages=False, qk_norm=qk_norm)
 
 
 @triton.jit
@@ -323,11 +343,12 @@ def kv4_quantize_triton(k, v, *, zero_point: bool = False, scale_dtype=torch.flo
     return kc, ks, vc, vs, kz, vz
 
 
-def float_append_triton(k, v, k_cache, v_cache, page_table, start, *, cos=None, sin=None, q=None, q_out=None):
+def float_append_triton(k, v, k_cache, v_cache, page_table, start, *, cos=None, sin=None, q=None, q_out=None,
+                        qk_norm=None):
     """``FLOAT`` launcher (module docstring): write k (half-split RoPE by cos/sin when given, the
     rounding of ``lowbit.kernels.rope``) and v, bf16/fp16 ``[B, Hkv, T, D]`` with unit stride on D, to
     slots ``start[b] + t`` of the float pages ``k_cache``, ``v_cache [num_pages, Hkv, PAGE, D]`` (same
-    strides, k's dtype); ``q`` / ``q_out`` as ``kv4_append_triton``. The runner's decode step calls it."""
+    strides, k's dtype); ``q`` / ``q_out`` / ``qk_norm`` as ``kv4_append_triton``. The runner's decode step calls it."""
     if (k.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != k.dtype or v.dtype != k.dtype
             or v_cache.dtype != k.dtype or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride()
             or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or k_cache.shape[1:2] != k.shape[1:2]
@@ -343,10 +364,11 @@ def float_append_triton(k, v, k_cache, v_cache, page_table, start, *, cos=None, 
     if cos is not None and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         cos, sin = cos.contiguous(), sin.contiguous()
     _launch(k, v, k_cache, None, None, v_cache, None, None, page_table, start, cos, sin, None, False, q, q_out,
-            float_pages=True)
+            float_pages=True, qk_norm=qk_norm)
 
 
-def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, interleaved, q, q_out, *, float_pages):
+def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, interleaved, q, q_out, *, float_pages,
+            qk_norm=None):
     from lowbit._utils import interpret_mode
 
     B, Hkv, T, D = k.shape
@@ -364,6 +386,15 @@ def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, in
                    or cos.stride(-1) != 1 or sin.stride() != cos.stride() or (float_pages and q.dtype != k.dtype)):
         raise ValueError("q rope in kv4_append needs half-split cos/sin, bf16/fp16 q and q_out with unit stride on D")
     q_, qo_ = (q, q_out) if rope_q else (k, k)
+    norm = {}
+    if qk_norm is not None:
+        w_q, w_k, eps = qk_norm
+        D_ = k.shape[3]
+        if (not rope_q or q.dtype != k.dtype or any(w.shape != (D_,) or w.dtype != k.dtype or w.device != k.device
+                                                    for w in (w_q, w_k))):
+            raise ValueError(f"qk_norm in the append needs q (the q rope) of k's dtype and weights [{D_}] of that dtype "
+                             f"on k's device")
+        norm = dict(QW=w_q.contiguous(), KW=w_k.contiguous(), eps=float(eps), NORM=True)
     ks_ = kc if float_pages else ks  # placeholders for pointers a constexpr branch never reads
     vs_ = vc if float_pages else vs
     _kv4_append_kernel[(B * T, Hkv)](
@@ -380,5 +411,5 @@ def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, in
         ZERO_POINT=zero_point, SCALE_KIND=scale_kind,
         ROPE_Q=rope_q, G=q.shape[1] // Hkv if rope_q else 1,
         ROW_BF16=(q if rope_q else k).dtype == torch.bfloat16,  # the rows rope_row rotates (q; float-page k) are bf16
-        INTERPRET=interpret_mode(), FLOAT=float_pages, num_warps=ROPE_Q_WARPS if rope_q else 1,
+        INTERPRET=interpret_mode(), FLOAT=float_pages, num_warps=ROPE_Q_WARPS if rope_q else 1, **norm,
     )

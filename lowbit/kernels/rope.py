@@ -83,44 +83,49 @@ def rope_values(x, r, c, sn, low, BF16: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def rope_row(X, O, COS, SIN, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+def rms_pair(x, r, ss, w, wr, eps, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``NORM`` (module docstring): values ``x`` and their pair partners ``r`` of rows whose sum of squares is ``ss``
+    (one per row, broadcast against x), weights ``w`` / ``wr`` at x's / r's channels -> (x, r) RMS-normalised with
+    transformers' two roundings. The one definition of this numerics (the rope kernel, ``rope_row``, ``rope_tile``,
+    ``lowbit.kernels.kv4_append``)."""
+    rstd = tl.math.rsqrt(ss / D + eps)
+    return (_round(w * _round(x * rstd, BF16, INTERPRET), BF16, INTERPRET),
+            _round(wr * _round(r * rstd, BF16, INTERPRET), BF16, INTERPRET))
+
+
+@triton.jit
+def rope_row(X, O, COS, SIN, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr,
+             W=None, eps=0.0, NORM: tl.constexpr = False):
     """One head row: ``O[d] = rope(X)[d]`` with the rounding of the module docstring (X, O, COS, SIN
-    point at the row's first element, unit stride). Used by ``lowbit.kernels.kv4_append``'s
-    ``ROPE_Q`` (the query heads rotated in the KV append launch)."""
+    point at the row's first element, unit stride); ``NORM``: RMS-normalised first with weight ``W [D]``. Used by
+    ``lowbit.kernels.kv4_append``'s ``ROPE_Q`` (the query heads rotated in the KV append launch) and float pages."""
     HALF: tl.constexpr = D // 2
     d = tl.arange(0, D)
     x = tl.load(X + d).to(tl.float32)
     r = tl.load(X + (d + HALF) % D).to(tl.float32)
     c = tl.load(COS + d).to(tl.float32)
     sn = tl.load(SIN + d).to(tl.float32)
+    if NORM:
+        x, r = rms_pair(x, r, tl.sum(x * x, axis=0), tl.load(W + d).to(tl.float32),
+                        tl.load(W + (d + HALF) % D).to(tl.float32), eps, D, BF16, INTERPRET)
     tl.store(O + d, rope_values(x, r, c, sn, d < HALF, BF16, INTERPRET).to(O.dtype.element_ty))
 
 
 @triton.jit
-def rope_tile(X, r_off, d, rmask, COS, SIN, c_off, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+def rope_tile(X, r_off, d, rmask, COS, SIN, c_off, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr,
+              W=None, eps=0.0, NORM: tl.constexpr = False):
     """Rows ``X + r_off[:, None] + d`` rotated (cos / sin rows at ``c_off``), returned as fp32 holding values of the
-    input dtype; masked rows 0. Used by ``lowbit.kernels.decode_float``'s ``APPEND`` (q and the new keys)."""
+    input dtype; masked rows 0; ``NORM``: each row RMS-normalised first with weight ``W [D]``. Used by
+    ``lowbit.kernels.decode_float``'s ``APPEND`` (q and the new keys)."""
     HALF: tl.constexpr = D // 2
     x = tl.load(X + r_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     r = tl.load(X + r_off[:, None] + ((d + HALF) % D)[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     c = tl.load(COS + c_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     sn = tl.load(SIN + c_off[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        x, r = rms_pair(x, r, tl.sum(x * x, axis=1)[:, None], tl.load(W + d).to(tl.float32)[None, :],
+                        tl.load(W + (d + HALF) % D).to(tl.float32)[None, :], eps, D, BF16, INTERPRET)
     return rope_values(x, r, c, sn, d[None, :] < HALF, BF16, INTERPRET)
-
-
-@triton.jit
-def _rms_rows(x, r, d, w_q, is_q, WQ, WK, eps, D: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """``NORM``: rows ``x [BLOCK_H, D]`` and their pair partners ``r`` (the same rows, element ``(d + D/2) % D``)
-    RMS-normalised with the q weight where ``is_q`` and the k weight elsewhere (module docstring)."""
-    HALF: tl.constexpr = D // 2
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-    w_k = tl.load(WK + d).to(tl.float32)
-    w = tl.where(is_q, w_q[None, :], w_k[None, :])
-    wr = tl.where(is_q, tl.load(WQ + (d + HALF) % D).to(tl.float32)[None, :],
-                  tl.load(WK + (d + HALF) % D).to(tl.float32)[None, :])
-    xn = _round(w * _round(x * rstd, BF16, INTERPRET), BF16, INTERPRET)
-    rn = _round(wr * _round(r * rstd, BF16, INTERPRET), BF16, INTERPRET)
-    return xn, rn
 
 
 @triton.jit
@@ -149,9 +154,12 @@ def _rope_kernel(
     c_off = b.to(tl.int64) * stride_cb + s.to(tl.int64) * stride_cs + d
     c = tl.load(COS + c_off).to(tl.float32)
     sn = tl.load(SIN + c_off).to(tl.float32)
-    if NORM:
-        x, r = _rms_rows(x, r, d, tl.load(WQ + d).to(tl.float32), (h < HQ)[:, None], WQ, WK, eps, D, BF16,
-                         INTERPRET)
+    if NORM:  # the q weight on heads < HQ, the k weight from there
+        is_q = (h < HQ)[:, None]
+        w = tl.where(is_q, tl.load(WQ + d).to(tl.float32)[None, :], tl.load(WK + d).to(tl.float32)[None, :])
+        wr = tl.where(is_q, tl.load(WQ + (d + HALF) % D).to(tl.float32)[None, :],
+                      tl.load(WK + (d + HALF) % D).to(tl.float32)[None, :])
+        x, r = rms_pair(x, r, tl.sum(x * x, axis=1)[:, None], w, wr, eps, D, BF16, INTERPRET)
     y = rope_values(x, r, c[None, :], sn[None, :], (d < HALF)[None, :], BF16, INTERPRET)
     if NORM:
         y = tl.where((h < H_ROT)[:, None], y, x)  # heads past H_ROT: normalised, not rotated

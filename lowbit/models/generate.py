@@ -509,9 +509,10 @@ class DenseKV:
             return pos, rows, start + 1, start
         return pos, rows, self.keys_pos.view(1, 1, 1, -1) <= pos.view(B, 1, 1, 1), None
 
-    def decode(self, layer, q, k, v, st, cos=None, sin=None, q_rope=False):
+    def decode(self, layer, q, k, v, st, cos=None, sin=None, q_rope=False, qk_norm=None):
         """q [B, Hq, 1, D], k/v [B, Hkv, 1, D] post-RoPE (pre-RoPE q and k with ``q_rope``: rotated by the
-        append launch, same bits); writes slot pos[b] then attends (``st`` from ``step_state``)."""
+        append launch, same bits; ``qk_norm`` = (w_q, w_k, eps): normalised there first, Qwen3); writes slot
+        pos[b] then attends (``st`` from ``step_state``)."""
         pos, rows, mask, start = st
         B, Hq, _, D = q.shape
         kc, vc = self.k[layer][:B], self.v[layer][:B]
@@ -519,12 +520,14 @@ class DenseKV:
             from lowbit.kernels.decode_float import decode_float_append_triton
 
             return decode_float_append_triton(q, k, v, kc, vc, self.page_table[:B], mask, cos=cos, sin=sin,
-                                              sm_scale=self.sm_scale or D ** -0.5, max_len=self.smax)
+                                              sm_scale=self.sm_scale or D ** -0.5, max_len=self.smax,
+                                              qk_norm=qk_norm)
         if q_rope:  # kernel mode only (rope_in_decode); the dense cache is one page per request
             from lowbit.kernels.kv4_append import float_append_triton
 
             qo = torch.empty(B, 1, Hq, D, device=q.device, dtype=q.dtype).transpose(1, 2)
-            float_append_triton(k, v, kc, vc, self.page_table[:B], start, cos=cos, sin=sin, q=q, q_out=qo)
+            float_append_triton(k, v, kc, vc, self.page_table[:B], start, cos=cos, sin=sin, q=q, q_out=qo,
+                                qk_norm=qk_norm)
             q = qo
         else:
             kc[rows, :, pos] = k[:, :, 0]
@@ -623,8 +626,9 @@ class PagedKV4:
         start = pos.to(torch.int32)
         return start, start + 1
 
-    def decode(self, layer, q, k, v, st, cos=None, sin=None, q_rope=False):
-        """``q_rope``: q arrives pre-RoPE and the append kernel rotates it too (``ROPE_Q``, one launch)."""
+    def decode(self, layer, q, k, v, st, cos=None, sin=None, q_rope=False, qk_norm=None):
+        """``q_rope``: q arrives pre-RoPE and the append kernel rotates it too (``ROPE_Q``, one launch); ``qk_norm``
+        = (w_q, w_k, eps): q and k normalised there first (Qwen3)."""
         start, lengths = st
         B = q.shape[0]
         crs = self.crs[layer]
@@ -633,7 +637,8 @@ class PagedKV4:
 
             qo = torch.empty(B, q.shape[2], q.shape[1], q.shape[3], device=q.device, dtype=q.dtype).transpose(1, 2)
             kv4_append_triton(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
-                              crs_k=None if crs is None else crs[0], q=q, q_out=qo, **self._cache_kw(layer))
+                              crs_k=None if crs is None else crs[0], q=q, q_out=qo, qk_norm=qk_norm,
+                              **self._cache_kw(layer))
             q = qo
         else:
             self.ops.kv4_append(k, v, page_table=self.page_table[:B], start=start, cos=cos, sin=sin,
@@ -655,6 +660,13 @@ def _norms_fusable(norms, dtype) -> bool:
         return True
     return all(type(n).__name__ in _RMSNORMS and getattr(n, "weight", None) is not None and n.weight.dtype == dtype
                and n.weight.ndim == 1 for n in norms) and norms[0].variance_epsilon == norms[1].variance_epsilon
+
+
+def _qk_weights(attn):
+    """(w_q, w_k, eps) of a q/k-norm attention block for the append launches' ``qk_norm``, or None."""
+    if not hasattr(attn, "q_norm"):
+        return None
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
 
 
 def _crs(cfgs, device):
@@ -832,7 +844,7 @@ class Generator:
         with self._sec("rope"):
             norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None  # Qwen3: per head, before RoPE
             kernel = not q_in_append and self._rope_kernel_ok(q) and _norms_fusable(norms, q.dtype)
-            if norms is not None and not kernel:
+            if norms is not None and not kernel and not q_in_append:  # (q_in_append: the append launch norms them)
                 q, k = attn.q_norm(q), attn.k_norm(k)
             cos, sin, _ = rope
             if q_in_append:  # the cache's append kernel rotates q and k (decode, ``rope_q_append``)
@@ -846,9 +858,11 @@ class Generator:
         return q, k, v, cos, sin, x
 
     def _q_in_append(self, layer) -> bool:
-        """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer?"""
+        """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer? (q/k norms too,
+        where ``_norms_fusable``: the append launch applies them first.)"""
+        attn = layer.self_attn
         return (self.rope_q_append and self.cache.rope_in_decode
-                and not hasattr(layer.self_attn, "q_norm")
+                and _norms_fusable((attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None, self.dtype)
                 and (self.device.type == "cuda" or interpret_mode()) and triton_available()
                 and self.dtype in (torch.bfloat16, torch.float16)
                 and not self.a.interleaved and self.a.d >= 16 and not self.a.d & (self.a.d - 1))
@@ -970,8 +984,8 @@ class Generator:
             qa = self._q_in_append(layer)
             q, k, v, cos, sin, x = self._qkv(i, layer, x, rope, pend, q_in_append=qa)
             with self._sec("kv write+attention"):
-                o = self.cache.decode(i, q, k, v, st, cos, sin, q_rope=True) if qa else \
-                    self.cache.decode(i, q, k, v, st, cos, sin)
+                o = self.cache.decode(i, q, k, v, st, cos, sin, q_rope=True, qk_norm=_qk_weights(layer.self_attn)) \
+                    if qa else self.cache.decode(i, q, k, v, st, cos, sin)
             x, pend = self._finish(i, layer, x, o)
         return self._logits(x[:, 0], None if pend is None else pend[:, 0])
 
