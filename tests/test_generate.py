@@ -145,7 +145,7 @@ def _check_qk_norm_rope(dtype, dev, **shape):
     diff = (normed.float() - ref.float()).abs()
     floor = 2 ** -24 if dtype == torch.float16 else 0.0  # fp16 subnormals: one ulp is 2^-24
     assert (diff <= 2 * ref.float().abs() * rel + floor).all(), diff.max()
-    assert (diff == 0).float().mean() > 0.97
+    assert (diff != 0).sum() <= max(2, 0.03 * diff.numel())  # almost all equal
     rot = _rope(normed.transpose(1, 2), cos, sin, False).transpose(1, 2)
     assert torch.equal(rope_triton(x, cos, sin, qk_norm=w).view(torch.int16), rot.view(torch.int16))
     part = rope_triton(x, cos, sin, qk_norm=w, rotate_heads=hq)
@@ -168,6 +168,18 @@ def test_qk_norm_rope_kernel_matches_hf_modules(dtype):
         rope_triton(x, cos, sin, qk_norm=(w[0], w[1].float(), 5, 1e-6))
     with pytest.raises(ValueError, match="rotate_heads needs qk_norm"):
         rope_triton(x, cos, sin, rotate_heads=2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(b=st.integers(1, 2), s=st.integers(1, 5), hq=st.integers(1, 9), hk=st.integers(1, 3),
+       d=st.sampled_from([16, 32, 64, 128]), bf16=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_qk_norm_rope_kernel_fuzz(b, s, hq, hk, d, bf16, seed):
+    """Fuzzed batches / tokens / q and k head counts / head dims of the ``NORM`` launch (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    if not use_triton(torch.empty(1, dtype=dtype)):
+        pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
+    _check_qk_norm_rope(dtype, "cpu", B=b, S=s, hq=hq, hk=hk, D=d, seed=seed)
 
 
 @pytest.mark.gpu
