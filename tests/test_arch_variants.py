@@ -194,7 +194,10 @@ def test_qwen3_runner_fuses_qk_norms_into_rope(recipe):
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "mixture-of-experts"),
     ("olmo2", {}, "norms are"),                           # norms after attention / MLP
     ("cohere", {}, "norms are"),                          # parallel attention + MLP, one norm
-    ("stablelm", {}, "does not compute"),                 # LayerNorm
+    ("stablelm", {}, "RoPE on part of each head"),        # partial_rotary_factor inside rope_parameters
+    ("olmo", {}, "does not compute"),                     # LayerNorm without weight
+    ("hunyuan_v1_dense", {}, "does not implement"),       # q / k norms under other names, after RoPE
+    ("diffllama", {}, "does not implement"),              # differential attention
     ("helium", {}, "RoPE"),                               # interleaved pairs with its own cos / sin layout
     ("granite", dict(residual_multiplier=0.5), "residual multiplier"),
 ])
@@ -222,14 +225,18 @@ def test_untested_llama_like_type_warns_and_runs(reference_ops):
         assert torch.equal(t, greedy(m, p.unsqueeze(0), 4)[0])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fused_mlp_checkpoint_passes_the_check(arch, tmp_path, monkeypatch):
-    """A flute checkpoint holds lowbit's FusedMLP (gate and up as one linear) instead of gate_proj / up_proj: the
-    loaded model passes the architecture check and the runner gives the tokens it gave before saving."""
+@pytest.mark.parametrize("arch,recipe,opts", [("llama", "flute-nf4", {}), ("qwen3", "flute-nf4", {}),
+                                              ("llama", "fireq", dict(fuse_mlp=True, kv=None, attention=None))])
+def test_fused_mlp_checkpoint_passes_the_check(arch, recipe, opts, tmp_path, monkeypatch):
+    """A flute checkpoint (or fireq with ``fuse_mlp=True``: ``W4A8FP8MLP``, a FusedMLP subclass) holds lowbit's
+    FusedMLP (gate and up as one linear) instead of gate_proj / up_proj: the loaded model passes the architecture
+    check and the runner gives the tokens it gave before saving."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     m = tiny_variant(arch)
-    lowbit.quantize_model(m, "flute-nf4", calibration=_calib(), progress=False)
-    assert type(m.model.layers[0].mlp).__name__ == "FusedMLP"
+    lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False, **opts)
+    from lowbit.nn.base import FusedMLP
+
+    assert isinstance(m.model.layers[0].mlp, FusedMLP)
     p = [torch.tensor([3, 1, 4, 1, 5])]
     before = Generator(m, max_batch=1, max_seq=12).generate(p, 3)
     lowbit.save_quantized(m, tmp_path / "f")

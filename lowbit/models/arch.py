@@ -128,7 +128,8 @@ def _rope_matches(model, attn: nn.Module, pairing: str) -> bool:
 
     from lowbit.ops.kv4 import rotate
 
-    apply = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    cls = getattr(type(attn), "_lowbit_base", type(attn))  # the model's own class after install_quantized_attention
+    apply = getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     d = getattr(attn, "head_dim", None)
     if apply is None or rotary is None or d is None:
@@ -142,11 +143,11 @@ def _rope_matches(model, attn: nn.Module, pairing: str) -> bool:
         with torch.no_grad():
             cos, sin = rotary(x, torch.arange(3, 8, device=p.device)[None])
             got, _ = apply(x, x, cos.float(), sin.float())
-    except Exception:  # another signature: not the Llama form
+            c, sn = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+            ref = x * c + rotate(x, pairing == "interleaved") * sn
+            return bool(((got - ref).norm() <= 1e-4 * ref.norm()).item())
+    except Exception:  # another signature or table shape (e.g. partial RoPE): not the Llama form
         return False
-    c, sn = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
-    ref = x * c + rotate(x, pairing == "interleaved") * sn
-    return bool(((got - ref).norm() <= 1e-4 * ref.norm()).item())
 
 
 _UNSUPPORTED_CONFIG = (  # (config attribute, value that is fine, what it would change)
@@ -158,6 +159,40 @@ _UNSUPPORTED_CONFIG = (  # (config attribute, value that is fine, what it would 
     ("residual_multiplier", 1.0, "Granite's residual multiplier"),
     ("logits_scaling", 1.0, "Granite's logit scaling"),
 )
+
+
+# the parts of a Llama-family attention block (anything else, e.g. differential attention's lambdas or
+# differently named q/k norms applied after RoPE, changes what its forward computes)
+_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
+
+
+def _check_layer(layer: nn.Module, where: str, fused_mlp: type, *, try_norms: bool) -> None:
+    """The structural checks of ``check_llama_family`` on one decoder layer (``try_norms``: also run its norms)."""
+    mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
+    # a quantized model's MLP may already be lowbit's FusedMLP (gate and up as one linear: the flute recipes'
+    # default, or fireq with fuse_mlp=True), e.g. loaded from a checkpoint
+    mlp_names = ("gate_up", "down_proj") if isinstance(mlp, fused_mlp) else ("gate_proj", "up_proj", "down_proj")
+    for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, mlp_names)):
+        missing = [n for n in names if part is None or not hasattr(part, n)]
+        if missing:
+            kind = type(part).__name__ if part is not None else "the layer"
+            moe = " (a mixture-of-experts block: not supported yet)" if "moe" in kind.lower() or "expert" in kind.lower() \
+                else ""
+            raise ValueError(f"{where}: {kind} has no {', '.join(missing)}{moe}")
+    extra = sorted({n for n, _ in attn.named_children()} - _ATTN_PARTS) + sorted(n for n, _ in
+                                                                                 attn.named_parameters(recurse=False))
+    if extra:
+        raise ValueError(f"{where}: its attention block {type(attn).__name__} has parts lowbit's attention does not "
+                         f"implement: {extra}")
+    norms = [n for n, m in layer.named_children() if "norm" in n.lower() or "norm" in type(m).__name__.lower()]
+    if sorted(norms) != ["input_layernorm", "post_attention_layernorm"]:
+        raise ValueError(f"{where}: its decoder layer's norms are {norms}; lowbit needs exactly input_layernorm (before "
+                         "q/k/v) and post_attention_layernorm (before gate/up), where CAS and the fused RMSNorm + "
+                         "quantization launches act")
+    for n in norms if try_norms else ():
+        if not _rms_norm_like(getattr(layer, n)):
+            raise ValueError(f"{where}: {n} ({type(getattr(layer, n)).__name__}) does not compute "
+                             "weight * x / rms(x) (Llama's RMSNorm), which CAS folds into and the kernels compute")
 
 
 def check_llama_family(model) -> None:
@@ -172,36 +207,21 @@ def check_llama_family(model) -> None:
     where = f"lowbit supports Llama-family decoders ({', '.join(TESTED_TYPES)} and alike); model_type {mt!r}"
     if layers is None or len(layers) == 0:
         raise ValueError(f"{where}: no .model.layers")
+    rope_params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     for name, fine, what in _UNSUPPORTED_CONFIG:
-        v = getattr(cfg, name, fine)
-        if v is not None and v != fine and not (name.endswith("softcapping") and v == 0):
-            raise ValueError(f"{where} uses {what} ({name}={v}), which lowbit's layers do not implement")
+        for v in (getattr(cfg, name, fine), rope_params.get(name, fine) if isinstance(rope_params, dict) else fine):
+            if v is not None and v != fine and not (name.endswith("softcapping") and v == 0):
+                raise ValueError(f"{where} uses {what} ({name}={v}), which lowbit's layers do not implement")
     if any(not r for r in (getattr(cfg, "no_rope_layers", None) or [])):
         raise ValueError(f"{where} has layers without RoPE (no_rope_layers), which lowbit's attention does not skip")
     act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None)
     if act not in ("silu", "swish"):
         raise ValueError(f"{where}: the MLP activation is {act!r}; lowbit's fused MLP kernels compute SiLU(gate) * up")
-    layer = layers[0]
-    mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
-    # a quantized model's MLP may already be lowbit's FusedMLP (gate and up as one linear: the flute recipes'
-    # default), e.g. loaded from a checkpoint
-    mlp_names = ("gate_up", "down_proj") if type(mlp).__name__ == "FusedMLP" else ("gate_proj", "up_proj", "down_proj")
-    for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, mlp_names)):
-        missing = [n for n in names if part is None or not hasattr(part, n)]
-        if missing:
-            kind = type(part).__name__ if part is not None else "the layer"
-            moe = " (a mixture-of-experts block: not supported yet)" if "moe" in kind.lower() or "expert" in kind.lower() \
-                else ""
-            raise ValueError(f"{where}: {kind} has no {', '.join(missing)}{moe}")
-    norms = [n for n, m in layer.named_children() if "norm" in n.lower() or "norm" in type(m).__name__.lower()]
-    if sorted(norms) != ["input_layernorm", "post_attention_layernorm"]:
-        raise ValueError(f"{where}: its decoder layer's norms are {norms}; lowbit needs exactly input_layernorm (before "
-                         "q/k/v) and post_attention_layernorm (before gate/up), where CAS and the fused RMSNorm + "
-                         "quantization launches act")
-    for n in norms:
-        if not _rms_norm_like(getattr(layer, n)):
-            raise ValueError(f"{where}: {n} ({type(getattr(layer, n)).__name__}) does not compute "
-                             "weight * x / rms(x) (Llama's RMSNorm), which CAS folds into and the kernels compute")
+    from lowbit.nn.base import FusedMLP
+
+    for i, layer in enumerate(layers):  # every layer: some models change block types part-way (dense, then MoE)
+        _check_layer(layer, f"{where}, layer {i}", FusedMLP, try_norms=i == 0)
+    attn = layers[0].self_attn
     pairing = rope_pairing(model)
     if not _rope_matches(model, attn, pairing):
         raise ValueError(f"{where}: its RoPE (apply_rotary_pos_emb of {type(attn).__module__}) does not rotate "
