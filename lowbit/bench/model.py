@@ -504,7 +504,8 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
     """Measure every provider and write ``model.json`` / ``.md`` / ``.png`` + ``model_memory.json`` (``model_<arch>.*``
     for an ``arch`` other than the default). ``layers``: decoder layers built (None: ``auto_layers``; the arch's N = no
     scaling). ``profile``: False, True (bf16 and fireq) or a tuple of provider names to profile first
-    (``profile_<name>.txt`` + ``model_profile.{md,json}``)."""
+    (``profile_<name>.txt`` + ``model_profile.{md,json}``; for another arch ``<arch>/profile_<name>.txt`` and
+    ``model_<arch>_profile.{md,json}``)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
     a = ARCHS[arch]
@@ -517,6 +518,9 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
     if layers is None:
         layers = auto_layers(decode_batches, decode_ctx, prefill_seqs, arch=arch)
     stem = "model" if arch == DEFAULT_ARCH else f"model_{arch.replace('-', '_')}"
+    prof_dir = Path(out_dir) if arch == DEFAULT_ARCH else Path(out_dir) / arch  # per-provider profile texts
+    if profile:
+        prof_dir.mkdir(parents=True, exist_ok=True)
     rec = Recorder(stem)
     deadline = _Deadline(time_budget_s)
     memory: dict = {}
@@ -531,7 +535,7 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
     print("== bf16", flush=True)
     measure_provider(rec, "bf16", model, layers=layers, prefill_seqs=prefill_seqs, decode_batches=decode_batches,
                      decode_ctx=decode_ctx, deadline=deadline, memory=memory, hf=True,
-                     profile_dir=out_dir if "bf16" in prof_set else None, profiles=profiles, full=full)
+                     profile_dir=prof_dir if "bf16" in prof_set else None, profiles=profiles, full=full)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -574,7 +578,7 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
         with _Flags(flags):
             measure_provider(rec, name, model, layers=layers, prefill_seqs=prefill_seqs,
                              decode_batches=decode_batches, decode_ctx=decode_ctx, deadline=deadline, memory=memory,
-                             note=note, profile_dir=out_dir if name in prof_set else None, profiles=profiles,
+                             note=note, profile_dir=prof_dir if name in prof_set else None, profiles=profiles,
                              gen_opts=gopts, full=full)
         del model
         gc.collect()
@@ -583,8 +587,8 @@ def run(out_dir, *, quick: bool = False, layers: int | None = None, recipes=RECI
     out = Path(out_dir)
     (out / f"{stem}_memory.json").write_text(json.dumps(memory, indent=1))
     if profiles:
-        (out / "model_profile.json").write_text(json.dumps({"env": env_info(command), **profiles}, indent=1))
-        (out / "model_profile.md").write_text(profile_table(profiles, layers))
+        (out / f"{stem}_profile.json").write_text(json.dumps({"env": env_info(command), **profiles}, indent=1))
+        (out / f"{stem}_profile.md").write_text(profile_table(profiles, layers))
         print(profile_table(profiles, layers), flush=True)
     summary = summarize(json.loads(path.read_text()), memory)
     (out / f"{stem}_summary.md").write_text(summary)
