@@ -587,7 +587,8 @@ def _attn_fwd(
         else:
             q = tl.load(Q + qrow * HEAD_DIM + offs_m[:, None].to(tl.int64) * stride_qm
                         + offs_d[None, :], mask=mmask[:, None], other=0.0)
-            q_scale = tl.load(QS + qrow + offs_m, mask=mmask, other=0.0)
+            # rows past Sq (never stored): scale 1, so their masked scores stay -inf instead of -inf * 0 = NaN
+            q_scale = tl.load(QS + qrow + offs_m, mask=mmask, other=1.0)
     else:  # ---- Q tile: read once, quantized per token in registers
         x = tl.load(Q + b64 * stride_qb + hq64 * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
                     + offs_d[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
