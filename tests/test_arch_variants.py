@@ -311,10 +311,10 @@ def test_append_launch_norms_match_the_rope_launch():
     fused = cache()
     qo = torch.empty(B, 1, Hkv * G, D, dtype=torch.bfloat16).transpose(1, 2)
     kv4_append_triton(k, v, *fused, pt, start, cos=cos, sin=sin, q=q, q_out=qo, qk_norm=(wq, wk, 1e-6))
-    qr = rope_triton(q.transpose(1, 2), cos, sin, qk_norm=(wq, wq, Hkv * G, 1e-6)).transpose(1, 2)
+    qr = rope_triton(q.transpose(1, 2), cos, sin, qk_norm=(wq, wq, 1e-6)).transpose(1, 2)
     diff = (qo.float() - qr.float()).abs()
     assert (diff <= 2 * qr.float().abs() * 2 ** -7 + 1e-30).all()
-    kn = rope_triton(k.transpose(1, 2), cos, sin, qk_norm=(wk, wk, 0, 1e-6), rotate_heads=0).transpose(1, 2)
+    kn = rope_triton(k.transpose(1, 2), cos, sin, qk_norm=(wk, wk, 1e-6), rotate_heads=0).transpose(1, 2)
     unfused = cache()
     kv4_append_triton(kn, v, *unfused, pt, start, cos=cos, sin=sin)
     def keys(c):  # the new token's dequantized keys [B, Hkv, D] and their scales [B, Hkv, 1]

@@ -137,9 +137,9 @@ def _check_qk_norm_rope(dtype, dev, **shape):
 
     x, (nq, nk), cos, sin = _qk_norm_case(dtype, dev, **shape)
     hq = shape.get("hq", 5)
-    w = (nq.weight, nk.weight, hq, nq.variance_epsilon)
+    w = (nq.weight, nk.weight, nq.variance_epsilon)
     ref = torch.cat((nq(x[:, :, :hq]), nk(x[:, :, hq:])), 2)
-    normed = rope_triton(x, cos, sin, qk_norm=w, rotate_heads=0)
+    normed = rope_triton(x, cos, sin, qk_norm=w, q_heads=hq, rotate_heads=0)
     # one ulp <= |value| x rel; a flipped inner rounding (x * rstd) comes out scaled by the weight: <= two ulps
     rel = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
     diff = (normed.float() - ref.float()).abs()
@@ -147,8 +147,8 @@ def _check_qk_norm_rope(dtype, dev, **shape):
     assert (diff <= 2 * ref.float().abs() * rel + floor).all(), diff.max()
     assert (diff != 0).sum() <= max(2, 0.03 * diff.numel())  # almost all equal
     rot = _rope(normed.transpose(1, 2), cos, sin, False).transpose(1, 2)
-    assert torch.equal(rope_triton(x, cos, sin, qk_norm=w).view(torch.int16), rot.view(torch.int16))
-    part = rope_triton(x, cos, sin, qk_norm=w, rotate_heads=hq)
+    assert torch.equal(rope_triton(x, cos, sin, qk_norm=w, q_heads=hq).view(torch.int16), rot.view(torch.int16))
+    part = rope_triton(x, cos, sin, qk_norm=w, q_heads=hq, rotate_heads=hq)
     assert torch.equal(part[:, :, :hq], rot[:, :, :hq]) and torch.equal(part[:, :, hq:], normed[:, :, hq:])
     return x, cos, sin, w
 
@@ -165,7 +165,7 @@ def test_qk_norm_rope_kernel_matches_hf_modules(dtype):
         pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
     x, cos, sin, w = _check_qk_norm_rope(dtype, "cpu")
     with pytest.raises(ValueError, match="w_k must be"):
-        rope_triton(x, cos, sin, qk_norm=(w[0], w[1].float(), 5, 1e-6))
+        rope_triton(x, cos, sin, qk_norm=(w[0], w[1].float(), 1e-6), q_heads=5)
     with pytest.raises(ValueError, match="rotate_heads needs qk_norm"):
         rope_triton(x, cos, sin, rotate_heads=2)
 

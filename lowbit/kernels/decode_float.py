@@ -62,7 +62,7 @@ import triton.language as tl
 
 from lowbit._utils import arrival_counters, interpret_mode
 from lowbit.kernels.decode_kv4 import LOG2E, _combine, _num_sms, split_rows, split_workspace
-from lowbit.kernels.rope import rope_tile
+from lowbit.kernels.rope import norm_args, rope_tile
 
 DEFAULT_BLOCK_N = 64
 DEFAULT_WARPS = 4
@@ -204,19 +204,12 @@ def decode_float_append_triton(q, k, v, k_cache, v_cache, page_table, lengths, *
     RMS-normalised first (``lowbit.kernels.rope``'s ``NORM``; weights ``[D]`` in q's dtype)."""
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    norm = None
-    if qk_norm is not None:
-        w_q, w_k, eps = qk_norm
-        D = q.shape[-1]
-        if any(w.shape != (D,) or w.dtype != q.dtype or w.device != q.device for w in (w_q, w_k)):
-            raise ValueError(f"qk_norm weights must be [{D}] {q.dtype} on {q.device}")
-        norm = dict(QW=w_q.contiguous(), KW=w_k.contiguous(), eps=float(eps), NORM=True)
     return _launch(q, k_cache, v_cache, page_table, lengths, (k, v, cos, sin), sm_scale, max_len, num_splits,
-                   block_n, num_warps, num_stages, fuse_combine, norm)
+                   block_n, num_warps, num_stages, fuse_combine, norm_args(qk_norm, q, "decode_float_append"))
 
 
 def _launch(q, k, v, page_table, lengths, append, sm_scale, max_len, num_splits, block_n, num_warps, num_stages,
-            fuse_combine, norm=None):
+            fuse_combine, norm=None):  # norm: ``rope.norm_args``
     B, Hq, TQ, D = q.shape
     _, Hkv, PAGE, _ = k.shape
     G = Hq // Hkv

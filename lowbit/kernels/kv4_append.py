@@ -33,7 +33,7 @@ import triton.language as tl
 
 from lowbit._utils import check_page_writes
 from lowbit.kernels.act_quant import abs_or_inf, div_fast, round_to_fp8_e4m3
-from lowbit.kernels.rope import rms_pair, rope_row
+from lowbit.kernels.rope import norm_args, rms_pair, rope_row
 
 # warps per program when the append also rotates q (``ROPE_Q``, models area); 1 otherwise. R13 model A/B
 # (fireq, ROPE_Q + PDL, tokens/s): B=1 1k 375 (1 warp) vs 383 (4 warps), 8k 366 vs 366, B=16 1k 4970 vs 4948.
@@ -386,15 +386,9 @@ def _launch(k, v, kc, ks, kz, vc, vs, vz, page_table, start, cos, sin, crs_k, in
                    or cos.stride(-1) != 1 or sin.stride() != cos.stride() or (float_pages and q.dtype != k.dtype)):
         raise ValueError("q rope in kv4_append needs half-split cos/sin, bf16/fp16 q and q_out with unit stride on D")
     q_, qo_ = (q, q_out) if rope_q else (k, k)
-    norm = {}
-    if qk_norm is not None:
-        w_q, w_k, eps = qk_norm
-        D_ = k.shape[3]
-        if (not rope_q or q.dtype != k.dtype or any(w.shape != (D_,) or w.dtype != k.dtype or w.device != k.device
-                                                    for w in (w_q, w_k))):
-            raise ValueError(f"qk_norm in the append needs q (the q rope) of k's dtype and weights [{D_}] of that dtype "
-                             f"on k's device")
-        norm = dict(QW=w_q.contiguous(), KW=w_k.contiguous(), eps=float(eps), NORM=True)
+    if qk_norm is not None and (not rope_q or q.dtype != k.dtype):
+        raise ValueError("qk_norm in the append needs q (the q rope) in k's dtype")
+    norm = norm_args(qk_norm, k, "kv4_append")
     ks_ = kc if float_pages else ks  # placeholders for pointers a constexpr branch never reads
     vs_ = vc if float_pages else vs
     _kv4_append_kernel[(B * T, Hkv)](

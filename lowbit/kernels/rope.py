@@ -33,8 +33,8 @@ is first RMS-normalised with transformers' ``Qwen3RMSNorm`` arithmetic,
 
     x[d] <- round(w[d] * round(x[d] * rsqrt(mean_d(x^2) + eps)))       (fp32 mean and rsqrt)
 
-with ``w`` = the q weight for heads ``< HQ`` and the k weight from there (q and k rotated in one launch),
-and only heads ``< H_ROT`` are then rotated (the rest, keys whose RoPE a KV4 append does, are stored
+with ``w`` = the q weight for heads ``< HQ`` and the k weight from there (q and k rotated in one launch;
+``norm_args`` builds the arguments for every kernel that takes ``qk_norm``), and only heads ``< H_ROT`` are then rotated (the rest, keys whose RoPE a KV4 append does, are stored
 normalised). The sum of squares runs in a different order from torch's reduction and ``rsqrt`` is the
 GPU's approximation in both (torch's and Triton's need not be the same one), so the inner rounding of an
 element can flip, and the weight scales that flip: at most two ulps of the input dtype from the eager modules
@@ -131,14 +131,16 @@ def rope_tile(X, r_off, d, rmask, COS, SIN, c_off, D: tl.constexpr, BF16: tl.con
 @triton.jit
 def _rope_kernel(
     # pointers
-    X, COS, SIN, OUT, WQ, WK,
+    X, COS, SIN, OUT,
     # sizes
-    S, H, HQ, H_ROT, eps,
+    S, H,
     # strides
     stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_ob, stride_os, stride_oh,
     # constexpr
     D: tl.constexpr, BLOCK_H: tl.constexpr, BF16: tl.constexpr, INTERPRET: tl.constexpr,
-    NORM: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
+    # NORM (``norm_args``): q weight QW on heads < HQ, k weight KW from there; heads >= H_ROT not rotated
+    QW=None, KW=None, eps=0.0, HQ=0, H_ROT=0, NORM: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # PDL launch: wait for the producer of x (the q/k/v GEMM) before any load
     pid = tl.program_id(0)
@@ -156,9 +158,9 @@ def _rope_kernel(
     sn = tl.load(SIN + c_off).to(tl.float32)
     if NORM:  # the q weight on heads < HQ, the k weight from there
         is_q = (h < HQ)[:, None]
-        w = tl.where(is_q, tl.load(WQ + d).to(tl.float32)[None, :], tl.load(WK + d).to(tl.float32)[None, :])
-        wr = tl.where(is_q, tl.load(WQ + (d + HALF) % D).to(tl.float32)[None, :],
-                      tl.load(WK + (d + HALF) % D).to(tl.float32)[None, :])
+        w = tl.where(is_q, tl.load(QW + d).to(tl.float32)[None, :], tl.load(KW + d).to(tl.float32)[None, :])
+        wr = tl.where(is_q, tl.load(QW + (d + HALF) % D).to(tl.float32)[None, :],
+                      tl.load(KW + (d + HALF) % D).to(tl.float32)[None, :])
         x, r = rms_pair(x, r, tl.sum(x * x, axis=1)[:, None], w, wr, eps, D, BF16, INTERPRET)
     y = rope_values(x, r, c[None, :], sn[None, :], (d < HALF)[None, :], BF16, INTERPRET)
     if NORM:
@@ -174,12 +176,28 @@ def rope_supported(x: torch.Tensor) -> bool:
             and x.stride(-1) == 1)
 
 
+def norm_args(qk_norm, x: torch.Tensor, where: str) -> dict:
+    """The ``NORM`` kernel arguments of ``qk_norm = (w_q, w_k, eps)`` (weights ``[D]`` in x's dtype and device,
+    D = x's last dim; ValueError naming ``where`` otherwise), or {} for None. Shared by this module's launcher,
+    ``lowbit.kernels.kv4_append`` and ``lowbit.kernels.decode_float``."""
+    if qk_norm is None:
+        return {}
+    w_q, w_k, eps = qk_norm
+    D = x.shape[-1]
+    for name, w in (("w_q", w_q), ("w_k", w_k)):
+        if w.shape != (D,) or w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{where}: qk_norm {name} must be [{D}] {x.dtype} on {x.device}, got {tuple(w.shape)} "
+                             f"{w.dtype} on {w.device}")
+    return dict(QW=w_q.contiguous(), KW=w_k.contiguous(), eps=float(eps), NORM=True)
+
+
 def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None, *,
-                pdl: bool | None = None, qk_norm: tuple | None = None, rotate_heads: int | None = None) -> torch.Tensor:
+                pdl: bool | None = None, qk_norm: tuple | None = None, q_heads: int | None = None,
+                rotate_heads: int | None = None) -> torch.Tensor:
     """Half-split RoPE of ``x [B, S, H, D]`` (module docstring) -> dense ``out [B, S, H, D]``.
     ``pdl``: programmatic dependent launch as ``lowbit.kernels.act_quant`` (None = its ``PDL_DEFAULT``).
-    ``qk_norm = (w_q, w_k, hq, eps)``: ``NORM`` first, ``w_q`` / ``w_k [D]`` (x's dtype) for heads ``< hq`` / the
-    rest; ``rotate_heads``: rotate only heads ``< rotate_heads`` (with ``qk_norm``; default all)."""
+    ``qk_norm = (w_q, w_k, eps)`` (``norm_args``): ``NORM`` first, ``w_q`` on heads ``< q_heads`` (default all),
+    ``w_k`` on the rest; ``rotate_heads``: rotate only heads ``< rotate_heads`` (with ``qk_norm``; default all)."""
     if not rope_supported(x):
         raise ValueError(f"rope_triton takes bf16/fp16 x [B, S, H, D] with a power-of-two D and unit stride on D, "
                          f"got {x.dtype} {tuple(x.shape)} strides {x.stride()}")
@@ -188,20 +206,11 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
         raise ValueError(f"cos/sin must be [1 or {B}, {S}, {D}], got {tuple(cos.shape)} / {tuple(sin.shape)}")
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
-    norm = qk_norm is not None
+    norm = norm_args(qk_norm, x, "rope_triton")
     if norm:
-        w_q, w_k, hq, eps = qk_norm
-        for name, w in (("w_q", w_q), ("w_k", w_k)):
-            if w.shape != (D,) or w.dtype != x.dtype or w.device != x.device:
-                raise ValueError(f"qk_norm {name} must be [{D}] {x.dtype} on {x.device}, got {tuple(w.shape)} "
-                                 f"{w.dtype} on {w.device}")
-        w_q, w_k = w_q.contiguous(), w_k.contiguous()
-    elif rotate_heads is not None:
-        raise ValueError("rotate_heads needs qk_norm (without it every head is rotated)")
-    else:
-        w_q = w_k = cos
-        hq, eps = H, 0.0
-    h_rot = H if rotate_heads is None else int(rotate_heads)
+        norm.update(HQ=H if q_heads is None else int(q_heads), H_ROT=H if rotate_heads is None else int(rotate_heads))
+    elif rotate_heads is not None or q_heads is not None:
+        raise ValueError("rope_triton: rotate_heads needs qk_norm, as does q_heads (without it every head is rotated)")
     if out is None:
         out = torch.empty(B, S, H, D, device=x.device, dtype=x.dtype)
     if B * S * H == 0:
@@ -209,11 +218,11 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
     block_h = min(triton.next_power_of_2(H), _BLOCK_H)
     grid = (B * S, triton.cdiv(H, block_h))
     _rope_kernel[grid](
-        x, cos, sin, out, w_q, w_k,
-        S, H, int(hq), h_rot, float(eps),
+        x, cos, sin, out,
+        S, H,
         x.stride(0), x.stride(1), x.stride(2), 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_H=block_h, BF16=x.dtype == torch.bfloat16, INTERPRET=interpret_mode(), NORM=norm,
+        D=D, BLOCK_H=block_h, BF16=x.dtype == torch.bfloat16, INTERPRET=interpret_mode(), **norm,
         **({"PDL": True, "launch_pdl": True} if pdl_enabled(x, pdl) else {}),
         num_warps=4 if block_h * D >= 512 else 1,
     )

@@ -120,16 +120,22 @@ def _rms_norm_like(norm: nn.Module) -> bool:
     return bool(((y - ref).norm() <= 1e-2 * ref.norm() + 1e-6).item())
 
 
+def rope_function(attn: nn.Module):
+    """The ``apply_rotary_pos_emb(q, k, cos, sin)`` an attention block's forward calls: the one of its class's
+    transformers module (the model's own class also after ``install_quantized_attention`` swapped it), or None."""
+    import sys
+
+    cls = getattr(type(attn), "_lowbit_base", type(attn))
+    return getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
+
+
 def _rope_matches(model, attn: nn.Module, pairing: str) -> bool:
     """Does the attention module's ``apply_rotary_pos_emb`` (the function its forward calls) rotate channel pairs
     as lowbit's kernels do for ``pairing``, with the model's own cos / sin tables? Tried on a random input: ERNIE
     4.5 and Helium rotate interleaved pairs with cos / sin laid out for that, which lowbit would get wrong."""
-    import sys
-
     from lowbit.ops.kv4 import rotate
 
-    cls = getattr(type(attn), "_lowbit_base", type(attn))  # the model's own class after install_quantized_attention
-    apply = getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
+    apply = rope_function(attn)
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     d = getattr(attn, "head_dim", None)
     if apply is None or rotary is None or d is None:

@@ -653,20 +653,15 @@ def _attn_configs(layers):
     return [getattr(layer.self_attn, "_lowbit", None) for layer in layers]
 
 
-def _norms_fusable(norms, dtype) -> bool:
-    """Can ``lowbit.kernels.rope`` apply these (q_norm, k_norm) modules (None: nothing to fuse)? transformers'
-    ``Qwen3RMSNorm`` with a weight in the activations' dtype; other norm classes keep their own forward."""
-    if norms is None:
-        return True
-    return all(type(n).__name__ in _RMSNORMS and getattr(n, "weight", None) is not None and n.weight.dtype == dtype
-               and n.weight.ndim == 1 for n in norms) and norms[0].variance_epsilon == norms[1].variance_epsilon
-
-
-def _qk_weights(attn):
-    """(w_q, w_k, eps) of a q/k-norm attention block for the append launches' ``qk_norm``, or None."""
-    if not hasattr(attn, "q_norm"):
+def _qk_norm_args(attn, dtype):
+    """The kernels' ``qk_norm = (w_q, w_k, eps)`` of an attention block with q / k norms (Qwen3) that
+    ``lowbit.kernels.rope.rms_pair`` computes exactly (transformers' RMSNorm classes, weights ``[D]`` in the
+    activations' dtype, one eps), or None (no such norms, or ones that keep their own forward)."""
+    norms = (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None))
+    if not all(type(n).__name__ in _RMSNORMS and getattr(n, "weight", None) is not None and n.weight.dtype == dtype
+               and n.weight.ndim == 1 for n in norms) or norms[0].variance_epsilon != norms[1].variance_epsilon:
         return None
-    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
+    return norms[0].weight, norms[1].weight, norms[0].variance_epsilon
 
 
 def _crs(cfgs, device):
@@ -842,15 +837,16 @@ class Generator:
         k = k.reshape(B, S, -1, self.a.d).transpose(1, 2)
         v = v.reshape(B, S, -1, self.a.d).transpose(1, 2)
         with self._sec("rope"):
-            norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None  # Qwen3: per head, before RoPE
-            kernel = not q_in_append and self._rope_kernel_ok(q) and _norms_fusable(norms, q.dtype)
-            if norms is not None and not kernel and not q_in_append:  # (q_in_append: the append launch norms them)
+            has_norms = hasattr(attn, "q_norm")  # Qwen3: per head, before RoPE
+            qk_norm = _qk_norm_args(attn, q.dtype) if has_norms else None
+            kernel = not q_in_append and self._rope_kernel_ok(q) and (qk_norm is not None or not has_norms)
+            if has_norms and not kernel and not q_in_append:  # (q_in_append: the append launch norms them)
                 q, k = attn.q_norm(q), attn.k_norm(k)
             cos, sin, _ = rope
             if q_in_append:  # the cache's append kernel rotates q and k (decode, ``rope_q_append``)
                 pass
             elif kernel:  # one launch: (q / k norms +) RoPE of q, and of k unless the cache's append rotates it
-                q, k = self._rope_qk(q, k, rope, with_k=not self.cache.rope_in_append, norms=norms)
+                q, k = self._rope_qk(q, k, rope, with_k=not self.cache.rope_in_append, qk_norm=qk_norm)
             else:
                 q = self._apply_rope(q, *rope)
                 if not self.cache.rope_in_append:
@@ -859,10 +855,10 @@ class Generator:
 
     def _q_in_append(self, layer) -> bool:
         """Decode: rotate q inside the cache's append launch (``rope_q_append``) for this layer? (q/k norms too,
-        where ``_norms_fusable``: the append launch applies them first.)"""
+        where ``_qk_norm_args`` takes them: the append launch applies them first.)"""
         attn = layer.self_attn
         return (self.rope_q_append and self.cache.rope_in_decode
-                and _norms_fusable((attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None, self.dtype)
+                and (not hasattr(attn, "q_norm") or _qk_norm_args(attn, self.dtype) is not None)
                 and (self.device.type == "cuda" or interpret_mode()) and triton_available()
                 and self.dtype in (torch.bfloat16, torch.float16)
                 and not self.a.interleaved and self.a.d >= 16 and not self.a.d & (self.a.d - 1))
@@ -877,26 +873,25 @@ class Generator:
 
         return rope_supported(x.transpose(1, 2))
 
-    def _rope_qk(self, q, k, rope, *, with_k: bool, norms=None):
+    def _rope_qk(self, q, k, rope, *, with_k: bool, qk_norm=None):
         """RoPE of q (and k when ``with_k``), ``[B, H, S, D]`` transposed views, by the fused kernel. When
         k directly follows q in memory (slices of the fused q/k/v output), both go in ONE launch over
-        the ``[B, S, Hq + Hkv, D]`` view; the results are views of one dense buffer. ``norms`` = the
-        block's (q_norm, k_norm) (Qwen3): applied by the same launch first (``rope_triton(qk_norm=)``);
-        k is then normalised even where it is not rotated."""
+        the ``[B, S, Hq + Hkv, D]`` view; the results are views of one dense buffer. ``qk_norm`` = the
+        block's ``_qk_norm_args`` (Qwen3): applied by the same launch first; k is then normalised even
+        where it is not rotated."""
         from lowbit.kernels.rope import rope_triton
 
         cos, sin = rope[0], rope[1]
         qs = q.transpose(1, 2)
         hq = qs.shape[2]
-        if norms is not None:
-            wq, wk = norms[0].weight, norms[1].weight
-            eps = norms[0].variance_epsilon
-            kw_q = dict(qk_norm=(wq, wq, hq, eps))
-            kw_both = dict(qk_norm=(wq, wk, hq, eps), rotate_heads=None if with_k else hq)
-            kw_k = dict(qk_norm=(wk, wk, 0, eps), rotate_heads=None if with_k else 0)
+        if qk_norm is not None:
+            wq, wk, eps = qk_norm
+            kw_q = dict(qk_norm=(wq, wq, eps))
+            kw_both = dict(qk_norm=qk_norm, q_heads=hq, rotate_heads=None if with_k else hq)
+            kw_k = dict(qk_norm=(wk, wk, eps), rotate_heads=None if with_k else 0)
         else:
             kw_q = kw_both = kw_k = {}
-        if not with_k and norms is None:
+        if not with_k and qk_norm is None:
             return rope_triton(qs, cos, sin).transpose(1, 2), k
         ks = k.transpose(1, 2)
         (B, S, hq, D), hk = qs.shape, ks.shape[2]
@@ -984,7 +979,8 @@ class Generator:
             qa = self._q_in_append(layer)
             q, k, v, cos, sin, x = self._qkv(i, layer, x, rope, pend, q_in_append=qa)
             with self._sec("kv write+attention"):
-                o = self.cache.decode(i, q, k, v, st, cos, sin, q_rope=True, qk_norm=_qk_weights(layer.self_attn)) \
+                o = self.cache.decode(i, q, k, v, st, cos, sin, q_rope=True,
+                                      qk_norm=_qk_norm_args(layer.self_attn, self.dtype)) \
                     if qa else self.cache.decode(i, q, k, v, st, cos, sin)
             x, pend = self._finish(i, layer, x, o)
         return self._logits(x[:, 0], None if pend is None else pend[:, 0])

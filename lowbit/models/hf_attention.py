@@ -268,10 +268,9 @@ def _swap_class(attn):
     if getattr(base, "_lowbit_swapped", False):
         return
     if base not in _SWAPPED:
-        import sys
+        from lowbit.models.arch import rope_function
 
-        mod = sys.modules[base.__module__]
-        apply_rope = getattr(mod, "apply_rotary_pos_emb", None)
+        apply_rope = rope_function(attn)
         if apply_rope is None:
             raise ValueError(f"{base.__name__}: no apply_rotary_pos_emb in {base.__module__}")
 
