@@ -90,11 +90,22 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return next(iter(devs.values()))
 
 
-@functools.lru_cache(maxsize=None)
+_CAPTURE_STREAMS: dict = {}  # device index -> the side stream every capture runs on
+
+
 def capture_cuda_graph(fn, warmup: int = 1):
     """Run ``fn`` ``warmup`` times on a side stream (Triton compiles and autotunes outside the capture),
-    then capture one call into a CUDA graph. Returns ``(graph, out)``: ``graph.replay()`` rewrites ``out``."""
-    s = torch.cuda.Stream()
+    then capture one call into a CUDA graph. Returns ``(graph, out)``: ``graph.replay()`` rewrites ``out``.
+    The warm-up calls of every capture on a device run on one side stream, so their per-stream scratch buffers
+    (``stream_scratch``, ``arrival_counters``) are one set, not one per stream of torch's pool (the captures
+    themselves all run on ``torch.cuda.graph``'s one capture stream). Nothing else is kept
+    here: the graph, its memory pool and whatever ``fn`` closes over live as long as the caller holds them (until
+    session 38 a stray ``lru_cache`` kept every captured graph, and with it each graphed ``Generator``'s model and
+    cache, for the life of the process)."""
+    dev = torch.cuda.current_device()
+    s = _CAPTURE_STREAMS.get(dev)
+    if s is None:
+        s = _CAPTURE_STREAMS[dev] = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(warmup):
@@ -141,17 +152,37 @@ def stream_key(device) -> int:
 
 
 STREAM_SCRATCH: dict = {}  # (owner, device, stream) -> the split reductions' partial-tile buffers
+CAPTURED_OUTGROWN: list = []  # buffers a CUDA graph captured, kept alive after a larger request replaced them
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _grown(table: dict, key, n: int, make: Callable[[int], torch.Tensor], minimum: int) -> torch.Tensor:
+    """``table[key]`` if it holds ``n`` elements, else a new buffer of ``max(n, minimum, 2 x the old size)`` (growth
+    is geometric, so the kept-alive history below stays within twice the last size). A buffer handed out while a
+    CUDA graph was being captured is referenced by that graph's kernels by address: when a later request outgrows
+    it, it moves to ``CAPTURED_OUTGROWN`` instead of being freed, so replaying the graph never writes freed memory
+    (session 38; before, it was freed: ``torch.cuda.graph`` captures every graph on one stream, so a capture that
+    needed a larger buffer than an earlier graph, e.g. the runner's batch-16 step after its batch-1 step, freed the
+    buffer the first graph still wrote on replay)."""
+    t = table.get(key)
+    if t is None or t.numel() < n:
+        if t is not None and getattr(t, "_lowbit_captured", False):
+            CAPTURED_OUTGROWN.append(t)
+        t = table[key] = make(max(n, minimum, 2 * t.numel() if t is not None else 0))
+    if _capturing(t.device):
+        t._lowbit_captured = True
+    return t
 
 
 def stream_scratch(owner: str, device, n: int, dtype: torch.dtype, *, minimum: int = 1 << 16) -> torch.Tensor:
     """At least ``n`` elements of ``dtype`` of ``owner``'s scratch (uninitialised) on ``device`` and the current
-    stream, grown on demand: the split-K partial tiles, which, like ``arrival_counters``, two streams running one
-    kernel family at once must not share."""
+    stream, grown on demand (``_grown``): the split-K partial tiles, which, like ``arrival_counters``, two streams
+    running one kernel family at once must not share."""
     key = (owner, device.type, device.index, stream_key(device))
-    t = STREAM_SCRATCH.get(key)
-    if t is None or t.numel() < n:
-        t = STREAM_SCRATCH[key] = torch.empty(max(n, minimum), device=device, dtype=dtype)
-    return t
+    return _grown(STREAM_SCRATCH, key, n, lambda m: torch.empty(m, device=device, dtype=dtype), minimum)
 
 
 def arrival_counters(owner: str, device, n: int) -> torch.Tensor:
@@ -161,14 +192,12 @@ def arrival_counters(owner: str, device, n: int) -> torch.Tensor:
     different families, or of one family on two streams at once, never share a counter (session 29; before, the
     buffer was per owner only, and two streams running the same kernel family concurrently could miscount). A CUDA
     graph captured on a stream that has no buffer yet allocates it (and its zeroing) inside the capture, as
-    ``w4a8_int8_gemm``'s workspace always did."""
+    ``w4a8_int8_gemm``'s workspace always did. Grown as ``_grown`` says."""
     key = (owner, device.type, device.index, stream_key(device))
-    c = ARRIVAL_COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = ARRIVAL_COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-    return c
+    return _grown(ARRIVAL_COUNTERS, key, n, lambda m: torch.zeros(m, device=device, dtype=torch.int32), 4096)
 
 
+@functools.lru_cache(maxsize=None)
 def _warned(msg: str) -> bool:
     warnings.warn(msg, stacklevel=3)
     return True

@@ -42,7 +42,9 @@ def tiny_llama(*, head_dim: int | None = None, layers: int = 2, hidden: int = 64
 def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
                  kv_heads: int = 2, vocab: int = 128, seed: int = 0, init_std: float = 0.2, **config):
     """A random Llama-family model of another ``model_type`` (``qwen3``: per-head q/k norms; ``qwen2``:
-    q/k/v biases; ``mistral``: a sliding window), built and initialised like ``tiny_llama``."""
+    q/k/v biases; ``mistral``: a sliding window; ``mixtral`` / ``qwen3_moe``: MoE MLPs with experts as 3-D
+    parameters, e.g. ``num_local_experts=4`` / ``num_experts=4, moe_intermediate_size=48``), built and initialised
+    like ``tiny_llama``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -55,7 +57,7 @@ def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden
     m.generation_config.eos_token_id = m.generation_config.bos_token_id = None
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if p.ndim == 2:
+            if p.ndim in (2, 3):  # 3-D: the experts of an MoE block (mixtral, qwen3_moe)
                 p.normal_(0, init_std)
             elif name.endswith("_proj.bias"):
                 p.normal_(0, 0.5)

@@ -85,3 +85,13 @@ def pytest_collection_modifyitems(config, items):
 def dev():
     """'cuda' with compiled kernels, else 'cpu' (kernels then run under the interpreter)."""
     return "cuda" if GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once():
+    """Each test sees ``warn_once`` messages anew (the process-wide once-only memory would otherwise hide a
+    warning from a test when an earlier test in the same worker emitted it)."""
+    from lowbit._utils import _warned
+
+    _warned.cache_clear()
+    yield

@@ -160,3 +160,49 @@ def test_tma_descriptor_only_where_tma_can_read(monkeypatch):
     assert U.tma_descriptor(torch.zeros(2, 8, 64, dtype=torch.uint8), [8, 64]) is None  # not 2-D
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not U.tma_capable(t) and U.tma_descriptor(t, [8, 64]) is None  # CPU without the interpreter
+
+
+def test_warn_once_warns_once():
+    import warnings
+
+    from lowbit._utils import warn_once
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            warn_once("lowbit test: said once")
+    assert [str(w.message) for w in seen] == ["lowbit test: said once"]
+
+
+def test_capture_cuda_graph_keeps_no_reference():
+    """The capture helper holds nothing itself (a cache there kept every runner's model and cache alive)."""
+    import inspect
+
+    from lowbit import _utils
+
+    assert not hasattr(_utils.capture_cuda_graph, "cache_info")
+    assert inspect.isfunction(_utils.capture_cuda_graph)
+
+
+def test_scratch_captured_by_a_graph_outlives_a_larger_request(monkeypatch):
+    """A buffer handed out during a CUDA-graph capture is kept alive when a later request outgrows it (the graph
+    writes it by address on every replay); buffers never captured are simply replaced; growth is geometric."""
+    import lowbit._utils as U
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(U, "STREAM_SCRATCH", {})
+    monkeypatch.setattr(U, "ARRIVAL_COUNTERS", {})
+    monkeypatch.setattr(U, "CAPTURED_OUTGROWN", [])
+    monkeypatch.setattr(U, "stream_key", lambda d: 7)
+    plain = U.stream_scratch("fam", dev, 10, torch.float32, minimum=16)
+    assert U.stream_scratch("fam", dev, 20, torch.float32, minimum=16).numel() == 32  # 2 x 16
+    assert U.CAPTURED_OUTGROWN == []  # never captured: freed normally
+    monkeypatch.setattr(U, "_capturing", lambda d: True)
+    cap = U.stream_scratch("fam", dev, 30, torch.float32)
+    cnt = U.arrival_counters("fam", dev, 10)
+    monkeypatch.setattr(U, "_capturing", lambda d: False)
+    bigger = U.stream_scratch("fam", dev, 1000, torch.float32)
+    big_cnt = U.arrival_counters("fam", dev, 100000)
+    assert bigger is not cap and big_cnt is not cnt and int(big_cnt.abs().sum()) == 0
+    assert any(t is cap for t in U.CAPTURED_OUTGROWN) and any(t is cnt for t in U.CAPTURED_OUTGROWN)
+    assert not any(t is plain for t in U.CAPTURED_OUTGROWN)

@@ -11,6 +11,10 @@ Two variations are read here, not assumed:
   norm divides them out again), and the norms' weights are shared by all heads; the key-smoothing
   PTQ (RPN, SmoothAttention) therefore applies its per-head factors after RoPE on those models
   (``lowbit.ptq.rope_kv``).
+- **mixture-of-experts MLPs** (Mixtral, Qwen3-MoE; session 38): a sparse block ``mlp`` = float router ``gate``
+  (weight ``[E, H]``) + ``experts`` (3-D ``gate_up_proj`` / ``down_proj``, or lowbit's ``QuantExperts``) and nothing
+  else (Qwen2-MoE's shared expert is refused). Its view has ``router`` / ``experts`` and no gate/up/down linears
+  (``moe_block``); ``lowbit.nn.moe`` quantizes the experts.
 - **sliding-window attention** (Mistral's ``sliding_window``, Qwen2/3 layers of type
   ``sliding_attention``): lowbit's attention is full causal, equal to a window of W keys only while a
   sequence holds at most W tokens; the attention paths raise past that (``sliding_window``).
@@ -19,10 +23,10 @@ Everything else a Llama-family layer must be is **checked**, once per model, bef
 touches it (``check_llama_family``; session 37): other transformers decoders loaded fine and then
 quantized to wrong numbers without a word (Gemma 2/3's sandwich norms took CAS into the norm of the
 attention output; Gemma's ``(1 + w)`` RMSNorm; Granite's multipliers; partial RoPE) or failed with an
-``AttributeError`` (MoE blocks, OLMo 2, Cohere). A model passes when each decoder layer has exactly the
+``AttributeError`` (OLMo 2, Cohere). A model passes when each decoder layer has exactly the
 two RMSNorms ``input_layernorm`` (before q/k/v) and ``post_attention_layernorm`` (before gate/up), each
-computing ``weight * x / rms(x)`` (tried on a random input), q/k/v/o and gate/up/down projections, a
-SiLU-gated MLP, and the config has none of: logit soft-capping, partial rotary, NoPE layers, Granite's
+computing ``weight * x / rms(x)`` (tried on a random input), q/k/v/o and gate/up/down projections (or a
+sparse MoE block of that form, above), a SiLU-gated MLP, and the config has none of: logit soft-capping, partial rotary, NoPE layers, Granite's
 multipliers. Model types outside ``TESTED_TYPES`` that pass run with a one-time warning.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import nn
 from lowbit._utils import warn_once
 
 # model types whose forward lowbit's tests run (tests/test_arch_variants.py, the embedded SmolLM2 = llama)
-TESTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TESTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 
 @dataclass
@@ -47,20 +51,28 @@ class LayerView:
     k_proj: nn.Module
     v_proj: nn.Module
     o_proj: nn.Module
-    post_norm: nn.Module  # RMSNorm before gate/up
-    gate_proj: nn.Module
-    up_proj: nn.Module
-    down_proj: nn.Module
+    post_norm: nn.Module  # RMSNorm before gate/up (or before the MoE router and experts)
+    gate_proj: nn.Module | None  # None on a mixture-of-experts layer (``experts``)
+    up_proj: nn.Module | None
+    down_proj: nn.Module | None
     num_heads: int
     num_kv_heads: int
     head_dim: int
     rope_pairing: str  # "half": (i, i + head_dim/2); "interleaved": (2i, 2i+1)
     qk_norm: bool = False  # q_norm / k_norm on each head between the projections and RoPE (Qwen3)
     sliding_window: int | None = None  # keys a query may see (None: all)
+    router: nn.Module | None = None  # MoE layers: the float router (weight [E, H]) ...
+    experts: nn.Module | None = None  # ... and the experts (transformers' 3-D module or lowbit's QuantExperts)
 
     def linears(self) -> dict[str, nn.Module]:
-        return {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj,
+        """The layer's projections by role (an MoE layer has no gate/up/down: see ``experts``)."""
+        lins = {"q_proj": self.q_proj, "k_proj": self.k_proj, "v_proj": self.v_proj, "o_proj": self.o_proj,
                 "gate_proj": self.gate_proj, "up_proj": self.up_proj, "down_proj": self.down_proj}
+        return {r: m for r, m in lins.items() if m is not None}
+
+    def set_experts(self, module: nn.Module) -> None:
+        self.layer.mlp.experts = module
+        self.experts = module
 
     def set_linear(self, role: str, module: nn.Module) -> None:
         parent = self.layer.self_attn if role in ("q_proj", "k_proj", "v_proj", "o_proj") else self.layer.mlp
@@ -172,19 +184,49 @@ _UNSUPPORTED_CONFIG = (  # (config attribute, value that is fine, what it would 
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
 
 
+def moe_block(mlp: nn.Module | None) -> tuple[nn.Module, nn.Module] | None:
+    """(router, experts) of a sparse MoE MLP of the supported form (module docstring), None for any other MLP.
+    ValueError for an MoE block lowbit cannot run (shared experts, another experts layout)."""
+    if mlp is None or not hasattr(mlp, "experts"):
+        return None
+    from lowbit.nn.moe import QuantExperts, experts_weights
+
+    where = type(mlp).__name__
+    children = sorted(n for n, _ in mlp.named_children())
+    if children != ["experts", "gate"] or any(True for _ in mlp.named_parameters(recurse=False)):
+        raise ValueError(f"{where}: a mixture-of-experts block with parts {children} (shared experts or others); "
+                         "lowbit runs blocks of exactly a router 'gate' and 'experts' (Mixtral, Qwen3-MoE)")
+    router, experts = mlp.gate, mlp.experts
+    w = getattr(router, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or getattr(router, "bias", None) is not None:
+        raise ValueError(f"{where}: its router {type(router).__name__} has no 2-D weight [experts, hidden] "
+                         "(or has a bias)")
+    if not isinstance(experts, QuantExperts):
+        gu, _ = experts_weights(experts)  # ValueError for another layout
+        if gu.shape[0] != w.shape[0] or gu.shape[2] != w.shape[1]:
+            raise ValueError(f"{where}: router weight {list(w.shape)} does not fit experts {list(gu.shape)}")
+    return router, experts
+
+
 def _check_layer(layer: nn.Module, where: str, fused_mlp: type, *, try_norms: bool) -> None:
     """The structural checks of ``check_llama_family`` on one decoder layer (``try_norms``: also run its norms)."""
     mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
     # a quantized model's MLP may already be lowbit's FusedMLP (gate and up as one linear: the flute recipes'
     # default, or fireq with fuse_mlp=True), e.g. loaded from a checkpoint
     mlp_names = ("gate_up", "down_proj") if isinstance(mlp, fused_mlp) else ("gate_proj", "up_proj", "down_proj")
+    try:
+        moe = moe_block(mlp)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if moe is not None:
+        mlp_names = ()
     for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, mlp_names)):
         missing = [n for n in names if part is None or not hasattr(part, n)]
         if missing:
             kind = type(part).__name__ if part is not None else "the layer"
-            moe = " (a mixture-of-experts block: not supported yet)" if "moe" in kind.lower() or "expert" in kind.lower() \
-                else ""
-            raise ValueError(f"{where}: {kind} has no {', '.join(missing)}{moe}")
+            hint = " (a mixture-of-experts block of a form lowbit does not run)" if "moe" in kind.lower() or \
+                "expert" in kind.lower() else ""
+            raise ValueError(f"{where}: {kind} has no {', '.join(missing)}{hint}")
     extra = sorted({n for n, _ in attn.named_children()} - _ATTN_PARTS) + sorted(n for n, _ in
                                                                                  attn.named_parameters(recurse=False))
     if extra:
@@ -260,6 +302,13 @@ def decoder_layers(model) -> list[LayerView]:
         for role in ("q_proj", "k_proj", "v_proj", "o_proj"):
             if not hasattr(attn, role):
                 raise ValueError(f"unsupported attention block {type(attn).__name__}: no {role}")
+        moe = moe_block(mlp)
+        if moe is not None:
+            views.append(LayerView(i, layer, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
+                                   attn.o_proj, layer.post_attention_layernorm, None, None, None, nh, nkv, hd,
+                                   pairing, has_qk_norm(attn), sliding_window(attn), router=moe[0],
+                                   experts=moe[1]))
+            continue
         views.append(LayerView(i, layer, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
                                attn.o_proj, layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj,
                                mlp.down_proj, nh, nkv, hd, pairing, has_qk_norm(attn), sliding_window(attn)))

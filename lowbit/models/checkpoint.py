@@ -16,8 +16,8 @@ the weights file's size (truncation) and SHA-256 (tampering or corruption), the 
 JSON in the safetensors header, then parses the safetensors header itself (offsets inside the
 file, no overlap) before reading data. It rebuilds the model from the saved config
 (``AutoConfig.for_model`` + ``AutoModelForCausalLM.from_config``: nothing is downloaded),
-replaces each quantized module with ``cls.empty(in_features, out_features, bias, dtype,
-**config)`` (classes only from ``lowbit.*`` or registered with ``register_module_class``, and only
+rebuilds lowbit's container modules (``FusedMLP``; ``QuantExperts`` from its ``container_config()``), replaces
+each quantized module with ``cls.empty(in_features, out_features, bias, dtype, **config)`` (classes only from ``lowbit.*`` or registered with ``register_module_class``, and only
 ``QuantLinear`` subclasses), re-installs the recipe's quantized attention / KV cache, then checks
 that the file holds exactly the rebuilt model's tensors with the same shapes and dtypes before
 loading them. Every failure raises ``CheckpointError`` (a ``ValueError``) naming the tensor or
@@ -237,7 +237,9 @@ def save_quantized(model, path, *, tokenizer=None) -> Path:
                          "bias": isinstance(bias, torch.Tensor), "dtype": _dtype_name(m.dtype),
                          "config": _jsonable(m.config(), f"{name}.config()")}
 
-    containers = {n: _class_path(type(m)) for n, m in model.named_modules()
+    containers = {n: ({"class": _class_path(type(m)), "config": _jsonable(m.container_config(), n)}
+                      if hasattr(m, "container_config") else _class_path(type(m)))
+                  for n, m in model.named_modules()
                   if n and type(m).__module__.startswith("lowbit.") and not hasattr(type(m), "config")
                   and not getattr(type(m), "_lowbit_swapped", False) and n not in modules}
     # non-persistent buffers (e.g. RoPE inv_freq, which a model cast with .to(bf16) holds in bf16)
@@ -411,12 +413,24 @@ def _build_model(meta: dict):
     return model.eval()
 
 
-def _build_container(path: str, where: str) -> nn.Module:
-    """A lowbit module that only holds quantized children (e.g. ``FusedMLP``): built with
-    ``nn.Identity`` placeholders for its constructor's module arguments, which the QuantLinear
-    replacement then fills."""
+def _build_container(entry, where: str) -> nn.Module:
+    """A lowbit module that only holds quantized children: ``entry`` a class path (e.g. ``FusedMLP``), built with
+    ``nn.Identity`` placeholders for its constructor's module arguments, or ``{"class", "config"}`` for a class
+    with ``container_config()`` (e.g. ``lowbit.nn.moe.QuantExperts``: its expert count), built as
+    ``cls(**config)``; the QuantLinear replacement then fills the placeholders by name."""
     import inspect
 
+    if isinstance(entry, dict):
+        if set(entry) != {"class", "config"} or not isinstance(entry["config"], dict):
+            raise CheckpointError(f"container {where!r}: bad entry {str(entry)[:200]}")
+        cls = _resolve_class(entry["class"], f"container {where!r}", quant=False, kind=nn.Module)
+        if not hasattr(cls, "container_config"):
+            raise CheckpointError(f"container {where!r}: {entry['class']} takes no config")
+        try:
+            return cls(**entry["config"])
+        except Exception as exc:
+            raise CheckpointError(f"container {where!r}: cannot rebuild {entry['class']} ({exc})") from None
+    path = entry
     cls = _resolve_class(path, f"container {where!r}", quant=False, kind=nn.Module)
     params = [p for p in inspect.signature(cls.__init__).parameters.values()
               if p.name != "self" and p.default is inspect.Parameter.empty

@@ -197,6 +197,12 @@ def export_compressed_tensors(model, path, *, kv_cache: str | None = None, calib
         raise ValueError(f"kv_cache must be None or 'fp8', got {kv_cache!r}")
     if fallback not in (None, "dense"):
         raise ValueError(f"fallback must be None or 'dense', got {fallback!r}")
+    from lowbit.nn.moe import QuantExperts
+
+    moe = [n for n, m in model.named_modules() if isinstance(m, QuantExperts)]
+    if moe:
+        raise NotImplementedError(f"export_compressed_tensors: quantized mixture-of-experts blocks ({moe[0]}, ...) "
+                                  "have no compressed-tensors mapping in lowbit yet; use save_quantized")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     fdtype = model.get_input_embeddings().weight.dtype

@@ -679,7 +679,8 @@ class Generator:
 
     ``kv``: 'auto' (from ``model.lowbit_recipe``), None, 'kv4' or 'kv4-zp'. ``prefill``: 'auto'
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
-    ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA.
+    ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA (False, and True
+    refused, for mixture-of-experts models: their MLP blocks run as modules, with a host read of the routing).
     ``fuse``: run q/k/v as one projection and gate/up as one where the modules stack exactly
     (``_fuse_rows``; the original modules then share the fused storage).
     ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
@@ -776,7 +777,12 @@ class Generator:
                     pr.pdl_max_m = self.pdl_max_m
         self.head.pdl_max_m = self.pdl_max_m
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        # an MoE block finds its experts' tokens on the host (lowbit.nn.moe), which a CUDA graph cannot capture
+        moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+        if moe and cuda_graphs:
+            raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs, whose expert routing "
+                             "reads the device (lowbit.nn.moe); run them with cuda_graphs=False (the default for them)")
+        self.cuda_graphs = (self.device.type == "cuda" and not moe) if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)
         self.profile_sections = False  # torch.profiler labels per section (eager profiling only)

@@ -3,7 +3,8 @@
 A recipe is ``fn(model, calibration=None, **options) -> model`` (registered in
 ``lowbit.registry``, called through ``lowbit.quantize_model``). It works on any Llama-family
 ``*ForCausalLM`` of transformers through ``lowbit.models.arch.decoder_layers`` and quantizes
-the seven linears of every decoder layer in place; ``embed_tokens`` and ``lm_head`` stay float
+the seven linears of every decoder layer in place (on a mixture-of-experts layer: q/k/v/o and every expert's
+gate_up and down, ``lowbit.nn.moe.QuantExperts``; the router stays float); ``embed_tokens`` and ``lm_head`` stay float
 (``lm_head=True`` in ``fireq`` / ``qserve`` / ``flute-nf4`` / ``flute-nf3`` quantizes the head too, with the
 recipe's linear scheme; ``lm_head="w8"`` with INT8 per-channel weights, near-lossless).
 
@@ -44,6 +45,7 @@ import torch
 from torch import nn
 
 __all__ = ["fireq", "qserve", "flute_nf4", "flute_nf3", "int8_attention", "fp8_mla", "quantize_linears",
+           "quantize_experts",
            "calibration_batches", "recipe_info", "is_quantized"]
 
 KV_CHOICES = ("kv4", "kv4-zp", None)
@@ -192,6 +194,31 @@ def quantize_linears(model, scheme: str, *, skip=(), progress: bool = True, reci
             if role in skip or not isinstance(lin, nn.Linear):
                 continue
             view.set_linear(role, quantize_linear(lin, scheme, **options))
+        _quantize_experts(view, scheme, skip, options)
+    return model
+
+
+MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _quantize_experts(view, scheme: str, skip, options: dict) -> None:
+    """A mixture-of-experts layer's float experts -> ``lowbit.nn.moe.QuantExperts`` (each expert's gate_up and down
+    through ``scheme`` with the linears' options). Experts stay float when ``skip`` names any MLP role (an
+    expert's gate and up are one matrix)."""
+    if view.experts is None or set(MLP_ROLES) & set(skip) or not hasattr(view.experts, "gate_up_proj"):
+        return
+    from lowbit.nn.moe import QuantExperts
+
+    view.set_experts(QuantExperts.from_experts(view.experts, scheme, **options))
+
+
+def quantize_experts(model, scheme: str, *, skip=(), **options) -> nn.Module:
+    """``_quantize_experts`` on every MoE layer of ``model`` whose experts are still float (after a pass that
+    quantized the other linears itself, e.g. learned NF scales). Returns ``model``."""
+    from lowbit.models.arch import decoder_layers
+
+    for view in decoder_layers(model):
+        _quantize_experts(view, scheme, skip, options)
     return model
 
 
@@ -269,6 +296,8 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
         raise ValueError(f"pts_scope must be 'fused' or 'tensor', got {pts_scope!r}")
     if fuse_mlp and (linear != "w4a8-fp8" or skip):
         raise ValueError("fuse_mlp=True needs linear='w4a8-fp8' and no skipped linears")
+    if fuse_mlp:
+        _no_moe(model, "fireq: fuse_mlp=True")
     needs_rope_kv = kv is not None and (rpn or crs)
     # resolve every piece first, so a missing one fails before the model is touched
     apply_cas = _need("fireq", "lowbit.ptq.cas", "apply_cas") if (cas and linear is not None) else None
@@ -339,6 +368,14 @@ def _rope_kv(calibrate, model, batches, *, rpn, crs, progress, **constants):
     return rope_kv
 
 
+def _no_moe(model, what: str) -> None:
+    from lowbit.models.arch import decoder_layers
+
+    moe = [v.index for v in decoder_layers(model) if v.experts is not None]
+    if moe:
+        raise ValueError(f"{what} fuses dense gate / up projections; layers {moe[:8]} are mixture-of-experts MLPs")
+
+
 def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -> None:
     """w4a8-fp8 linears with one PTS exponent per fused matrix (q/k/v; gate/up)."""
     from lowbit import quantize_linear
@@ -350,13 +387,14 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
     for v in _progress(views, "fireq: w4a8-fp8 linears", progress, len(views)):
         lins = v.linears()
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)):
-            roles = [r for r in group if r not in skip and isinstance(lins[r], nn.Linear)]
+            roles = [r for r in group if r not in skip and isinstance(lins.get(r), nn.Linear)]
             if not roles:
                 continue
             w = torch.cat([lins[r].weight.detach() for r in roles], 0)
             e = pts_exponent(w, g)
             for r in roles:
                 v.set_linear(r, quantize_linear(lins[r], "w4a8-fp8", pts_exp=e, **opts))
+        _quantize_experts(v, "w4a8-fp8", skip, opts)  # each expert matrix its own PTS exponent (gate_up is one)
 
 
 def _quantize_lm_head(model, scheme: str, opts: dict, recipe: str, lm_head=True) -> None:
@@ -480,6 +518,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
         options["fuse_mlp"] = bool(fuse_mlp)
     if fuse_mlp and (linear != "lut" or {"gate_proj", "up_proj"} & set(skip)):
         raise ValueError(f"{name}: fuse_mlp=True needs linear='lut' with gate_proj / up_proj quantized")
+    if fuse_mlp:
+        _no_moe(model, f"{name}: fuse_mlp=True")
     fuse = _need(name, "lowbit.nn.lut", "fuse_mlp") if (fuse_mlp is not False and linear == "lut") else None
     learn = _need(name, "lowbit.ptq.nfl", "learn_nf_scales") if learn_scales else None
     needs_rope_kv = kv is not None and (rpn or crs)  # (kv is an INT4 cache here: _check_common)
@@ -513,6 +553,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     if learn is not None:
         extra = dict(opts, skip=tuple(skip)) if ste else {}
         reports["nfl"] = _call(learn, model, batches, lr=lr, epochs=epochs, seed=seed, progress=progress, **extra)
+        if ste:  # learned NF covers the layers' linears; MoE experts get round-to-nearest NF scales
+            quantize_experts(model, linear, skip=skip, **opts)
     if lm_head and linear is not None:  # after learned NF: the head keeps its RTN NF scales
         _quantize_lm_head(model, linear, opts, name, lm_head)
     if fuse is not None:  # the quantized gate / up (learned scales included) restacked: same weights
@@ -520,6 +562,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
 
         fused = 0
         for v in decoder_layers(model):
+            if v.experts is not None:  # an MoE MLP has no gate / up pair to fuse
+                continue
             try:
                 _call(fuse, v)
                 fused += 1

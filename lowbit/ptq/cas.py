@@ -56,6 +56,11 @@ def cas_scales(weights: list[torch.Tensor], *, alpha: float = 1.0, max_scale: fl
     a = w.abs().mean(dim=0)
     if pool > 1:
         a = a.reshape(pool, -1).mean(0).repeat(pool)
+    return _scales_from_absmean(a, alpha=alpha, max_scale=max_scale)
+
+
+def _scales_from_absmean(a: torch.Tensor, *, alpha: float, max_scale: float) -> torch.Tensor:
+    """lambda from the per-input-channel absmeans ``a`` (the rule of ``cas_scales``)."""
     pos = a[a > 0]
     if pos.numel() == 0:
         return torch.ones_like(a)
@@ -85,6 +90,33 @@ def _is_float_linear(m) -> bool:
     return isinstance(m, torch.nn.Linear)
 
 
+def _cas_experts(v, projections, lambdas: dict, *, alpha: float, max_scale: float) -> None:
+    """CAS on a mixture-of-experts MLP (``v.experts``: 3-D ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+    ``down``: each expert its own Lambda (its down columns, its up rows), as a dense layer. ``gate_up``: the router
+    and every expert read the one ``post_norm`` output, so they share one Lambda, computed over all experts'
+    gate_up rows (the rule of ``cas_scales``) and folded into each expert's gate_up columns and, exactly, into the
+    float router's columns (the routing logits are unchanged up to rounding); Lambda^-1 goes into the norm."""
+    from lowbit.nn.moe import experts_weights
+
+    gu, dn = experts_weights(v.experts)
+    E, two_i, _ = gu.shape
+    inter = two_i // 2
+    if "down" in projections:
+        for e in range(E):
+            lam = cas_scales([dn[e]], alpha=alpha, max_scale=max_scale)
+            dn.data[e] = (dn.data[e].float() * lam.to(dn.device)[None, :]).to(dn.dtype)
+            gu.data[e, inter:] = (gu.data[e, inter:].float() * (1.0 / lam).to(gu.device)[:, None]).to(gu.dtype)
+            lambdas[(v.index, f"down.{e}")] = lam
+    if "gate_up" in projections:
+        sums = sum(gu.data[e].float().abs().sum(0) for e in range(E))
+        lam = _scales_from_absmean(sums / (E * two_i), alpha=alpha, max_scale=max_scale)
+        for e in range(E):
+            gu.data[e] = (gu.data[e].float() * lam.to(gu.device)[None, :]).to(gu.dtype)
+        _scale_cols(v.router, lam)
+        _scale_norm(v.post_norm, 1.0 / lam)
+        lambdas[(v.index, "gate_up")] = lam
+
+
 @torch.no_grad()
 def apply_cas(model, layers=None, *, projections=DEFAULT_PROJECTIONS, alpha: float = 1.0,
               max_scale: float = 64.0) -> dict:
@@ -103,7 +135,8 @@ def apply_cas(model, layers=None, *, projections=DEFAULT_PROJECTIONS, alpha: flo
     lambdas = {}
     for v in views:
         lin = v.linears()
-        if not all(_is_float_linear(m) for m in lin.values()):
+        if not all(_is_float_linear(m) for m in lin.values()) or (v.experts is not None
+                                                                    and not hasattr(v.experts, "gate_up_proj")):
             raise TypeError(f"layer {v.index}: apply_cas must run on float nn.Linear layers, before quantization")
         # o and down first: their Lambda^-1 rescales v / up rows, which the shared-input groups
         # (qkv, gate_up) then see, so every group ends equalized
@@ -119,7 +152,7 @@ def apply_cas(model, layers=None, *, projections=DEFAULT_PROJECTIONS, alpha: flo
             _scale_cols(v.o_proj, lam)
             _scale_rows(v.v_proj, 1.0 / lam_kv.reshape(-1))
             lambdas[(v.index, "o")] = lam
-        if "down" in projections:
+        if "down" in projections and v.experts is None:
             lam = cas_scales([v.down_proj.weight], alpha=alpha, max_scale=max_scale)
             _scale_cols(v.down_proj, lam)
             _scale_rows(v.up_proj, 1.0 / lam)
@@ -130,6 +163,9 @@ def apply_cas(model, layers=None, *, projections=DEFAULT_PROJECTIONS, alpha: flo
                 _scale_cols(m, lam)
             _scale_norm(v.input_norm, 1.0 / lam)
             lambdas[(v.index, "qkv")] = lam
+        if v.experts is not None:  # an MoE MLP: per-expert down groups; one gate_up Lambda for all experts
+            _cas_experts(v, projections, lambdas, alpha=alpha, max_scale=max_scale)
+            continue
         if "gate_up" in projections:
             lam = cas_scales([v.gate_proj.weight, v.up_proj.weight], alpha=alpha, max_scale=max_scale)
             for m in (v.gate_proj, v.up_proj):

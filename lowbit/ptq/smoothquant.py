@@ -11,7 +11,8 @@ so ``X' W'^T = X W^T`` exactly in float, and per-token INT8 activations see fewe
 channels while the 4-bit weights absorb them. ``max|X_j|`` is taken on the norm's output over
 the calibration batches. The digest (part 1.5) marks QServe's own use of activation smoothing as
 unconfirmed; lowbit offers it as an option, off in the ``qserve`` recipe unless asked for.
-Inputs of o_proj/down_proj have no norm to fold into and are left alone.
+Inputs of o_proj/down_proj have no norm to fold into and are left alone, as are mixture-of-experts MLPs
+(their router and experts keep their inputs; only their attention is smoothed).
 """
 from __future__ import annotations
 
@@ -47,21 +48,24 @@ def apply_smoothquant(model, batches, layers=None, alpha: float = 0.5) -> dict:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     views, idx = select_layers(model, layers)
     for i in idx:
-        for role in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        for role in ("q_proj", "k_proj", "v_proj") + (("gate_proj", "up_proj") if views[i].experts is None else ()):
             w = getattr(getattr(views[i], role), "weight", None)
             if not isinstance(w, torch.Tensor) or not w.is_floating_point():
                 raise ValueError(f"layer {i}: {role} must be a float nn.Linear (apply SmoothQuant before quantizing)")
     mods = {}
     for i in idx:
         mods[f"{i}.attn"] = views[i].input_norm
-        mods[f"{i}.mlp"] = views[i].post_norm
+        if views[i].experts is None:  # a mixture-of-experts MLP is not smoothed (its inputs stay as they are)
+            mods[f"{i}.mlp"] = views[i].post_norm
     stats = reduce_stats(model, batches, mods, lambda y: y.abs().flatten(0, -2).amax(0), on="output", reduce="max")
     out = {"alpha": alpha, "layers": {}}
     for i in idx:
         v = views[i]
         res = {}
-        for part, norm, lins in (("attn", v.input_norm, [v.q_proj, v.k_proj, v.v_proj]),
-                                 ("mlp", v.post_norm, [v.gate_proj, v.up_proj])):
+        parts = [("attn", v.input_norm, [v.q_proj, v.k_proj, v.v_proj])]
+        if v.experts is None:
+            parts.append(("mlp", v.post_norm, [v.gate_proj, v.up_proj]))
+        for part, norm, lins in parts:
             s = smoothquant_scales(stats[f"{i}.{part}"], [lin.weight for lin in lins], alpha)
             fold_smoothing(norm, lins, s)
             res[part] = s.cpu()

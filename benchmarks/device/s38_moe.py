@@ -1,0 +1,102 @@
+"""Device script (session 38): one Mixtral-8x7B-shaped MoE block's experts (H = 4096, I = 14336, E = 8, top-2;
+random N(0, 0.02) bf16 weights, routing from a random router on random tokens) -- transformers' bf16 experts (eager
+loop, and its graph-safe ``grouped_mm``) vs lowbit ``QuantExperts`` (w4a8-fp8, lut NF4 g128, w4a8-int8), per call,
+the router excluded (identical for all). Median of CUDA-event times over calls cycling 8 token sets. Writes
+<out>/s38_moe.json."""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+import lowbit  # noqa: E402,F401
+from lowbit.nn.moe import QuantExperts  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--tokens", default="1,4,16,64,1024")
+ap.add_argument("--reps", type=int, default=40)
+a = ap.parse_args()
+
+from transformers import MixtralConfig  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+
+torch.manual_seed(0)
+H, I, E, K = 4096, 14336, 8, 2
+cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+with torch.device("cuda"):
+    block = MixtralSparseMoeBlock(cfg).to(torch.bfloat16).eval()
+with torch.no_grad():
+    block.experts.gate_up_proj.normal_(0, 0.02)
+    block.experts.down_proj.normal_(0, 0.02)
+    block.gate.weight.normal_(0, 0.02)
+experts = block.experts
+
+variants = {}
+variants["bf16 eager"] = ("eager", experts)
+variants["bf16 grouped_mm"] = ("grouped_mm", experts)
+t0 = time.time()
+for name, scheme, opts in (("lowbit w4a8-fp8", "w4a8-fp8", {}), ("lowbit lut nf4", "lut", dict(bits=4)),
+                           ("lowbit w4a8-int8", "w4a8-int8", {})):
+    variants[name] = (None, QuantExperts.from_experts(experts, scheme, group_size=128, **opts).cuda())
+print(f"quantized in {time.time() - t0:.1f} s", flush=True)
+
+
+def call(kind, mod, x, idx, w):
+    if kind is not None:
+        experts.config._experts_implementation = kind
+    return mod(x, idx, w)
+
+
+rows = []
+for T in [int(t) for t in a.tokens.split(",")]:
+    sets = []
+    for s in range(8):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            _, w, idx = block.gate(x)
+        sets.append((x, idx, w, int(torch.unique(idx).numel())))
+    ref = None
+    for name, (kind, mod) in variants.items():
+        with torch.no_grad():
+            try:
+                y = call(kind, mod, *sets[0][:3])
+            except Exception as exc:  # a peer path that does not run here
+                rows.append(dict(tokens=T, variant=name, error=repr(exc)[:300]))
+                print(T, name, "error", repr(exc)[:200], flush=True)
+                continue
+            if ref is None:
+                ref = y.double()
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            for i in range(3):
+                call(kind, mod, *sets[i % 8][:3])
+            torch.cuda.synchronize()
+            ts = []
+            for i in range(a.reps):
+                x, idx, w, _ = sets[i % 8]
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                call(kind, mod, x, idx, w)
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3)
+        hit = statistics.mean(s[3] for s in sets)
+        gb = hit * 3 * H * I * (2 if name.startswith("bf16") else 0.5) / 1e9  # weight bytes of the hit experts
+        us = statistics.median(ts)
+        rows.append(dict(tokens=T, variant=name, median_us=round(us, 1), min_us=round(min(ts), 1),
+                         experts_hit=hit, weight_gb=round(gb, 3), weight_tb_s=round(gb / (us * 1e-6) / 1e3, 3),
+                         rel_l2_vs_bf16_eager=round(err, 4)))
+        print(rows[-1], flush=True)
+    base = {r["variant"]: r.get("median_us") for r in rows if r["tokens"] == T}
+    for r in rows:
+        if r["tokens"] == T and r.get("median_us"):
+            r["speedup_vs_bf16_eager"] = round(base["bf16 eager"] / r["median_us"], 2)
+            if base.get("bf16 grouped_mm"):
+                r["speedup_vs_bf16_grouped_mm"] = round(base["bf16 grouped_mm"] / r["median_us"], 2)
+meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command="python3 benchmarks/device/s38_moe.py",
+            shape=dict(hidden=H, intermediate=I, experts=E, top_k=K), reps=a.reps,
+            note="experts call only (router excluded); weight_tb_s = weight bytes of the experts hit / time")
+json.dump(dict(meta=meta, rows=rows), open(f"{a.out}/s38_moe.json", "w"), indent=1)

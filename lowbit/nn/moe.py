@@ -1,0 +1,121 @@
+"""Quantized experts of a mixture-of-experts MLP (Mixtral, Qwen3-MoE).
+
+transformers (5.x) keeps a sparse MoE block as a float router ``mlp.gate`` (weight ``[E, H]``, top-k routing) and an
+experts module ``mlp.experts`` holding two 3-D parameters: ``gate_up_proj [E, 2I, H]`` (each expert's gate rows, then
+its up rows) and ``down_proj [E, H, I]``. ``QuantExperts`` replaces the experts module: expert ``e``'s gate_up and
+down become one lowbit ``QuantLinear`` each (any linear scheme and its options, as the dense layers get them), held in
+two ``nn.ModuleList``s (``gate_up[e]``, ``down[e]``). The router stays float and is not replaced.
+
+``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` has transformers' signature and
+arithmetic: for each expert that received tokens, in increasing expert order, its tokens are gathered,
+``h = silu(gate) * up`` (each rounded to the activation dtype), ``y = down(h) * weight``, and ``y`` (cast to
+``hidden``'s dtype) is added into the output rows (so a token's experts are summed in expert order, as there).
+
+Decision (session 38): the experts run one after another over the tokens routed to each, as transformers' eager
+experts do; finding which experts received tokens reads the routing back to the host (one ``bincount``), so a decode
+step of an MoE model is not CUDA-graph capturable and ``lowbit.models.generate.Generator`` runs MoE models without
+graphs. A grouped GEMM over the routed tokens (expert offsets on the device, one launch per projection) is the
+missing piece for speed (docs/sections/model.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("silu",)
+
+
+class QuantExperts(nn.Module):
+    """``num_experts`` experts, each a quantized gate_up ``[2I, H]`` (gate rows first) and down ``[H, I]`` (module
+    docstring). Built by ``from_experts``; ``QuantExperts(num_experts)`` alone holds placeholders (checkpoint
+    loading replaces them by name: ``gate_up.<e>``, ``down.<e>``)."""
+
+    def __init__(self, num_experts: int, act: str = "silu"):
+        super().__init__()
+        if int(num_experts) < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+        self.num_experts = int(num_experts)
+        self.act = act
+        self.gate_up = nn.ModuleList([nn.Identity() for _ in range(self.num_experts)])
+        self.down = nn.ModuleList([nn.Identity() for _ in range(self.num_experts)])
+
+    def container_config(self) -> dict:
+        """What ``lowbit.models.checkpoint`` needs to rebuild the container before loading its experts."""
+        return {"num_experts": self.num_experts, "act": self.act}
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module, scheme: str, **options) -> "QuantExperts":
+        """Quantize transformers' experts module (3-D ``gate_up_proj`` / ``down_proj``) with linear ``scheme``."""
+        from lowbit import quantize_linear
+
+        gu, dn = experts_weights(experts)
+        out = cls(gu.shape[0])
+        for e in range(gu.shape[0]):
+            out.gate_up[e] = quantize_linear(_as_linear(gu[e]), scheme, **options)
+            out.down[e] = quantize_linear(_as_linear(dn[e]), scheme, **options)
+        return out
+
+    @property
+    def scheme(self) -> str:
+        return getattr(self.gate_up[0], "scheme", "")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() != 2:
+            raise ValueError(f"hidden_states must be [tokens, hidden], got {list(hidden_states.shape)}")
+        if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
+            raise ValueError(f"top_k_index {list(top_k_index.shape)} and top_k_weights {list(top_k_weights.shape)} "
+                             f"must both be [tokens, k] with tokens = {hidden_states.shape[0]}")
+        out = torch.zeros_like(hidden_states)
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        if flat.numel() == 0:
+            return out
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host read
+        if len(counts) > self.num_experts:
+            raise ValueError(f"top_k_index holds an expert id >= num_experts ({self.num_experts})")
+        w_flat = top_k_weights.reshape(-1)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start:start + c]
+            start += c
+            tok = sel // k
+            gate, up = self.gate_up[e](hidden_states[tok]).chunk(2, dim=-1)
+            y = self.down[e](F.silu(gate) * up) * w_flat[sel, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, act={self.act!r}, scheme={self.scheme!r}"
+
+
+def experts_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up ``[E, 2I, H]``, down ``[E, H, I]``) of transformers' experts module; ValueError for another layout
+    (transposed or interleaved storage, biases, a missing gate)."""
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor) or gu.dim() != 3 or dn.dim() != 3:
+        raise ValueError(f"{type(experts).__name__}: lowbit quantizes experts stored as 3-D gate_up_proj "
+                         "[E, 2I, H] and down_proj [E, H, I] (transformers 5.x)")
+    for flag, fine in (("is_transposed", False), ("is_concatenated", True), ("has_bias", False),
+                       ("has_gate", True), ("has_post_expert_norm", False)):
+        if getattr(experts, flag, fine) != fine:
+            raise ValueError(f"{type(experts).__name__}: {flag}={getattr(experts, flag)} is not the layout lowbit "
+                             "quantizes (gate and up rows concatenated, [out, in] per expert, no bias)")
+    E, two_i, H = gu.shape
+    if two_i % 2 or dn.shape != (E, H, two_i // 2):
+        raise ValueError(f"{type(experts).__name__}: gate_up_proj {list(gu.shape)} and down_proj "
+                         f"{list(dn.shape)} do not fit [E, 2I, H] and [E, H, I]")
+    return gu, dn
+
+
+def _as_linear(w: torch.Tensor) -> nn.Linear:
+    """An ``nn.Linear`` viewing ``w [out, in]`` (no copy), for ``quantize_linear``."""
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    lin.weight = nn.Parameter(w.detach(), requires_grad=False)
+    return lin
