@@ -249,6 +249,25 @@ def triton_available() -> bool:
     return True
 
 
+def run_op(op, *args):
+    """``op(*args)`` for a ``torch.library.custom_op`` ``op``; in plain eager execution its Python implementation
+    is called directly instead, the same code without the dispatcher (about 25 us of host time per call on the
+    H200 machine, ``benchmarks/results/h200/s38_host_before.json``). The registered op still runs while
+    ``torch.compile`` traces and whenever an argument is a tensor subclass (fake, functional, DTensor...) or needs
+    a gradient, so compilation, fake propagation and the autograd error of an op without a backward are as before."""
+    if not torch.compiler.is_compiling():
+        fn = getattr(op, "_init_fn", None)
+        if fn is not None and all(type(a) is torch.Tensor and not a.requires_grad
+                                  for a in args if isinstance(a, torch.Tensor)):
+            return fn(*args)
+    return op(*args)
+
+
+def cuda_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA ``device`` (cached per device index)."""
+    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Dispatch rule shared by every op: Triton kernel on CUDA, or on the CPU under the
     interpreter; otherwise the plain-PyTorch reference with the same numerics."""

@@ -116,6 +116,32 @@ def test_quant_experts_kernels_match_reference(scheme, monkeypatch):
     assert _rel(out["1"], out["0"]) < 2 * KERNEL_VS_REF[dtype]
 
 
+@pytest.mark.parametrize("scheme", ["w4a8-fp8", "lut"])
+def test_dense_and_sparse_schedules_agree_bit_for_bit(scheme, monkeypatch, reference_ops):
+    """Decode-sized calls (dense: every expert over every token, kept where routed; no host read) give the sparse
+    schedule's output: exactly with the W4A8 reference (float64, rows independent), to float rounding with the LUT
+    reference (a float32 matmul whose blocking follows the row count); an unrouted expert's Inf never leaks in."""
+    import lowbit.nn.moe as M
+
+    block = _moe("mixtral").model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, scheme, group_size=32)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
+    _, w, idx = block.gate(x)
+    with torch.no_grad():
+        with M.dense_schedule():
+            dense = qe(x, idx, w)
+        sparse = qe(x, idx, w)  # eager: sparse
+    same = torch.equal if scheme == "w4a8-fp8" else (lambda a, b: _rel(a.double(), b.double()) < 1e-6)
+    assert same(dense, sparse)
+    # expert 3 chosen by no token, its output made infinite: it must not leak into the dense sum
+    g = torch.Generator().manual_seed(6)
+    idx3 = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(9)])
+    with torch.no_grad(), M.dense_schedule():
+        ref = qe(x, idx3, w)
+        qe.down[3].forward = lambda h, *a, **k: torch.full((h.shape[0], 64), float("inf"))
+        assert torch.isfinite(ref).all() and torch.equal(qe(x, idx3, w), ref)
+
+
 def test_quant_experts_bad_input():
     qe = QuantExperts.from_experts(_moe("mixtral").model.layers[0].mlp.experts, "lut", bits=4, group_size=32)
     x = torch.randn(3, 64)
@@ -125,7 +151,13 @@ def test_quant_experts_bad_input():
     with pytest.raises(ValueError, match="top_k_index"):
         qe(x, torch.zeros(2, 2, dtype=torch.long), w)
     with pytest.raises(ValueError, match="num_experts"):
-        qe(x, torch.full((3, 2), 7, dtype=torch.long), w)
+        qe(x, torch.full((3, 2), 7, dtype=torch.long), w)  # sparse (eager)
+    from lowbit.nn.moe import dense_schedule
+
+    with pytest.raises(ValueError, match="num_experts"), dense_schedule():
+        qe(x, torch.full((3, 2), 7, dtype=torch.long), w)  # dense: range-checked on the CPU
+    with pytest.raises(ValueError, match="num_experts"):
+        qe(torch.randn(70, 64), torch.full((70, 2), -1, dtype=torch.long), torch.full((70, 2), 0.5))  # sparse
     assert torch.equal(qe(x[:0], torch.zeros(0, 2, dtype=torch.long), w[:0]), x[:0])
     with pytest.raises(ValueError, match="num_experts"):
         QuantExperts(0)
@@ -153,7 +185,7 @@ def test_recipes_quantize_experts_and_generate(arch, recipe, reference_ops):
     assert _rel(block(m.model.layers[0]), ref) < (0.45 if recipe == "flute-nf3" else 0.3)
     prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 8, 8, 6, 1])]
     gen = Generator(m, max_batch=2, max_seq=16, prefill_from_cache=True)
-    assert not gen.cuda_graphs
+    assert not gen.cuda_graphs  # on the CPU
     got = gen.generate(prompts, 4)
     for p, t in zip(prompts, got):
         assert torch.equal(t, greedy(m, p.unsqueeze(0), 4)[0])
@@ -185,9 +217,12 @@ def test_moe_refusals(tmp_path):
     m = _moe("mixtral")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         lowbit.quantize_model(copy.deepcopy(m), "fireq", fuse_mlp=True, progress=False, calibration=_calib())
-    with pytest.raises(ValueError, match="cuda_graphs=True"):
+    with pytest.raises(ValueError, match="cuda_graphs=True"):  # float experts: host routing
         Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
     lowbit.quantize_model(m, "flute-nf4", progress=False)
+    Generator(m, max_batch=64, max_seq=8, cuda_graphs=True)  # lowbit's experts, dense decode: capturable
+    with pytest.raises(ValueError, match="DENSE_MAX_TOKENS"):
+        Generator(m, max_batch=65, max_seq=8, cuda_graphs=True)
     from lowbit.models.export import export_compressed_tensors
 
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
@@ -220,6 +255,13 @@ def test_moe_recipes_on_gpu(arch, recipe):
     assert _rel(block(m.model.layers[0]), ref) < 0.3
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128, (n,), generator=g).cuda() for n in (7, 12)]
-    got = Generator(m, max_batch=2, max_seq=32, prefill_from_cache=True).generate(prompts, 4)
+    from lowbit.nn.moe import dense_schedule
+
+    graphed = Generator(m, max_batch=2, max_seq=32, prefill_from_cache=True)
+    assert graphed.cuda_graphs  # lowbit's experts decode in their dense schedule: captured
+    with dense_schedule():  # the prefill too (eager), so that the eager run below has the same schedule throughout
+        got = graphed.generate(prompts, 4)
+        eager = Generator(m, max_batch=2, max_seq=32, prefill_from_cache=True, cuda_graphs=False).generate(prompts, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
     for p, t in zip(prompts, got):
         assert t[0] == greedy(m, p.unsqueeze(0), 1)[0, 0]

@@ -206,3 +206,48 @@ def test_scratch_captured_by_a_graph_outlives_a_larger_request(monkeypatch):
     assert bigger is not cap and big_cnt is not cnt and int(big_cnt.abs().sum()) == 0
     assert any(t is cap for t in U.CAPTURED_OUTGROWN) and any(t is cnt for t in U.CAPTURED_OUTGROWN)
     assert not any(t is plain for t in U.CAPTURED_OUTGROWN)
+
+
+def test_run_op_calls_the_implementation_only_in_plain_eager(monkeypatch):
+    """``run_op`` skips the dispatcher for plain eager tensors only: gradients, tensor subclasses (fake tensors) and
+    torch.compile tracing keep the registered op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import lowbit._utils as U
+
+    class Op:
+        _init_fn = staticmethod(lambda *a: "direct")
+
+        def __call__(self, *a):
+            return "dispatched"
+
+    op = Op()
+    x = torch.ones(2)
+    assert U.run_op(op, x, None, 3) == "direct"
+    assert U.run_op(op, torch.ones(2, requires_grad=True)) == "dispatched"
+    with FakeTensorMode():
+        assert U.run_op(op, torch.empty(2)) == "dispatched"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert U.run_op(op, x) == "dispatched"
+
+
+def test_lowbit_ops_expose_their_implementation():
+    """The direct eager path needs torch's ``CustomOpDef._init_fn`` (present in the torch versions lowbit runs on:
+    2.11 on the H200 machine, the CPU CI's); without it ``run_op`` falls back to the op, correct but slower."""
+    from lowbit.ops import lut, w4a8_fp8, w4a8_int8
+
+    for op in (w4a8_fp8._w4a8_fp8_linear_pdl, w4a8_fp8._w4a8_fp8_linear_fused, w4a8_int8._w4a8_int8_linear,
+               lut._lut_gemm):
+        assert callable(getattr(op, "_init_fn", None))
+
+
+@pytest.mark.parametrize("scheme", ["w4a8-fp8", "w4a8-int8", "lut"])
+def test_modules_still_check_x(scheme):
+    """The modules skip the checks of their own buffers, not of the input."""
+    import lowbit
+
+    m = lowbit.quantize_linear(torch.nn.Linear(256, 64, bias=False), scheme, group_size=128)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        m(torch.ones(2, 256, dtype=torch.int32))
+    with pytest.raises(ValueError, match="features|x has"):
+        m(torch.ones(2, 255))

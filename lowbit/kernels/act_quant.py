@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from lowbit._utils import check_tensor, interpret_mode
+from lowbit._utils import check_tensor, cuda_major, interpret_mode
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
 
 PDL_DEFAULT = os.environ.get("LOWBIT_PDL", "0") == "1"
@@ -60,7 +60,7 @@ PDL_DEFAULT = os.environ.get("LOWBIT_PDL", "0") == "1"
 def pdl_enabled(t: torch.Tensor, pdl: bool | None = None) -> bool:
     """PDL launch for tensors on ``t``'s device: Hopper or newer, not under the interpreter."""
     want = PDL_DEFAULT if pdl is None else bool(pdl)
-    return want and t.is_cuda and not interpret_mode() and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return want and t.is_cuda and not interpret_mode() and cuda_major(t.device) >= 9
 
 
 @triton.jit

@@ -1013,7 +1013,7 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
                   residual: torch.Tensor | None = None, silu_mul: bool = False,
                   out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None,
                   return_compiled: bool = False, tiled: bool = False, pdl: bool = False,
-                  pdl_trigger: bool = True):
+                  pdl_trigger: bool = True, _checked: bool = False):
     """``xq [M, K]`` fp8, ``sx [M]`` fp32, ``codes [N, Kp/2]`` uint8 (tile-major
     ``lowbit.formats.w4a8_fp8.tile_codes`` with ``tiled=True``), ``scales [N, G]`` fp8 ->
     ``[M, N]`` (``[M, N/2]`` with ``silu_mul``) in ``out_dtype``. See the module docstring.
@@ -1022,13 +1022,18 @@ def w4a8_fp8_gemm(xq: torch.Tensor, sx: torch.Tensor, codes: torch.Tensor, scale
     ``"scaled_mm"`` (``dequantize_to_fp8`` + ``torch._scaled_mm`` row-wise). ``return_compiled``
     also returns the compiled GEMM kernel (for PTX inspection). ``pdl``: launched as a programmatic
     dependent launch (config ``PDL``; ``pdl_trigger`` = ``PDL_TRIGGER``: True when the caller's next
-    kernel is a PDL launch too, as in the generation runner's chain; the standalone op passes False)."""
-    check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
+    kernel is a PDL launch too, as in the generation runner's chain; the standalone op passes False).
+    ``_checked``: the caller (``lowbit.ops.w4a8_fp8``'s op bodies) has validated every operand: no second check."""
     M, K = xq.shape
-    if K != k:
-        raise ValueError(f"xq has K={K} columns but the weight has in_features={k}")
-    check_tensor(sx, "sx", dtype=torch.float32, shape=(M,))
-    N, n_out = _check_weight(k, codes, scales, group_size, silu_mul, bias, tiled)
+    if _checked:
+        N = scales.shape[0]
+        n_out = N // 2 if silu_mul else N
+    else:
+        check_tensor(xq, "xq", dtype=FP8_E4M3, ndim=2)
+        if K != k:
+            raise ValueError(f"xq has K={K} columns but the weight has in_features={k}")
+        check_tensor(sx, "sx", dtype=torch.float32, shape=(M,))
+        N, n_out = _check_weight(k, codes, scales, group_size, silu_mul, bias, tiled)
     if residual is not None:
         check_tensor(residual, "residual", dtype=out_dtype, shape=(M, n_out))
         if residual.stride(-1) != 1:

@@ -679,8 +679,10 @@ class Generator:
 
     ``kv``: 'auto' (from ``model.lowbit_recipe``), None, 'kv4' or 'kv4-zp'. ``prefill``: 'auto'
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
-    ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA (False, and True
-    refused, for mixture-of-experts models: their MLP blocks run as modules, with a host read of the routing).
+    ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA; a
+    mixture-of-experts model runs its MLP blocks as modules and gets graphs only when its experts are lowbit's
+    (``QuantExperts``, dense decode schedule) and ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS``, else False
+    (True is then refused: the routing is read on the host).
     ``fuse``: run q/k/v as one projection and gate/up as one where the modules stack exactly
     (``_fuse_rows``; the original modules then share the fused storage).
     ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
@@ -777,12 +779,19 @@ class Generator:
                     pr.pdl_max_m = self.pdl_max_m
         self.head.pdl_max_m = self.pdl_max_m
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
-        # an MoE block finds its experts' tokens on the host (lowbit.nn.moe), which a CUDA graph cannot capture
+        # MoE blocks: lowbit's quantized experts take their dense schedule (no host read) at decode sizes up to
+        # DENSE_MAX_TOKENS, which a CUDA graph captures; transformers' float experts read the routing on the host
+        from lowbit.nn.moe import DENSE_MAX_TOKENS, QuantExperts
+
         moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
-        if moe and cuda_graphs:
-            raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs, whose expert routing "
-                             "reads the device (lowbit.nn.moe); run them with cuda_graphs=False (the default for them)")
-        self.cuda_graphs = (self.device.type == "cuda" and not moe) if cuda_graphs is None else bool(cuda_graphs)
+        graphable = all(isinstance(self.a.layers[i].mlp.experts, QuantExperts) for i in moe) and \
+            self.max_batch <= DENSE_MAX_TOKENS
+        if moe and cuda_graphs and not graphable:
+            raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs whose experts read the "
+                             "routing on the host (float experts, or max_batch above lowbit.nn.moe.DENSE_MAX_TOKENS = "
+                             f"{DENSE_MAX_TOKENS}); run them with cuda_graphs=False (the default for them)")
+        self.cuda_graphs = (self.device.type == "cuda" and (not moe or graphable)) if cuda_graphs is None \
+            else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)
         self.profile_sections = False  # torch.profiler labels per section (eager profiling only)
@@ -1009,7 +1018,10 @@ class Generator:
         # warm-up steps really run: point them at the last cache slot, which holds no prompt token
         # yet (a later step at that position overwrites it before attending to it)
         p_buf = torch.full((B,), self.max_seq - 1, dtype=torch.long, device=self.device)
-        graph, out = capture_cuda_graph(lambda: self._step(t_buf, p_buf), warmup=2)
+        from lowbit.nn.moe import dense_schedule  # MoE experts: the graph-capturable schedule, warm-up included
+
+        with dense_schedule():
+            graph, out = capture_cuda_graph(lambda: self._step(t_buf, p_buf), warmup=2)
         self._graphs[B] = (graph, t_buf, p_buf, out)
         return self._graphs[B]
 

@@ -146,7 +146,7 @@ class LUTLinear(QuantLinear):
             x = x.to(self.dtype)
         y = lut_gemm(x, self.qweight, self.qweight_hi, self.scales, self.table, bits=self.bits,
                      group_size=self.group_size, lookup=self.lookup, pairs=self.pairs, layout=self.layout, pdl=pdl,
-                     silu_mul=self.activation == "silu_mul")
+                     silu_mul=self.activation == "silu_mul", weight_checked=True)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(xin.dtype)

@@ -11,19 +11,59 @@ arithmetic: for each expert that received tokens, in increasing expert order, it
 ``h = silu(gate) * up`` (each rounded to the activation dtype), ``y = down(h) * weight``, and ``y`` (cast to
 ``hidden``'s dtype) is added into the output rows (so a token's experts are summed in expert order, as there).
 
-Decision (session 38): the experts run one after another over the tokens routed to each, as transformers' eager
-experts do; finding which experts received tokens reads the routing back to the host (one ``bincount``), so a decode
-step of an MoE model is not CUDA-graph capturable and ``lowbit.models.generate.Generator`` runs MoE models without
-graphs. A grouped GEMM over the routed tokens (expert offsets on the device, one launch per projection) is the
-missing piece for speed (docs/sections/model.md).
+Two schedules (session 38):
+
+- **sparse** (eager calls, and any call of more than ``DENSE_MAX_TOKENS`` tokens): each expert runs over the tokens
+  routed to it, as transformers' eager experts do; finding them reads the routing back to the host (one
+  ``bincount``), so such a call cannot be captured in a CUDA graph.
+- **dense** (up to ``DENSE_MAX_TOKENS`` tokens while a CUDA graph is captured, ``torch.compile`` traces, or inside
+  ``dense_schedule()``, which ``lowbit.models.generate.Generator`` holds around its warm-up and capture so both
+  compile the same kernels): every expert runs over all tokens and a token's result is kept only where the router
+  chose that expert (``torch.where``: an unrouted expert's value, even Inf or NaN, never enters), added in the same
+  expert order. Rows are independent through the per-token activation quantization and adding an exact 0 changes
+  nothing, so each output is the sparse schedule's up to the GEMMs' accumulation order, which may depend on the row
+  count (GPU kernels pick tiles and split-K by it, CPU BLAS its blocking): bit for bit where GEMM rows are
+  independent (the W4A8 float64 references), else in the last bits. No host read (expert ids are range-checked as
+  other indices are, ``lowbit._utils.check_indices``), so the decode step is CUDA-graph capturable. It reads every
+  expert's weights, which a decode batch of a few tokens mostly does anyway (8 experts, top-2: 5.3 hit on average
+  at 4 tokens, 7.9 at 16). Eagerly it would launch 4x the GEMMs of the sparse schedule at one token, each paying
+  the host's launch time (``benchmarks/results/h200/s38_moe_graph.json``: 7.1 vs 1.4 ms per call), hence eager
+  calls stay sparse.
+
+A grouped GEMM over the routed tokens (expert offsets on the device, one launch per projection) would serve both
+(docs/sections/model.md).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit._utils import check_indices
+
 ACTIVATIONS = ("silu",)
+DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens take the dense schedule
+_FORCE_DENSE = [0]  # depth of dense_schedule() contexts
+
+
+@contextlib.contextmanager
+def dense_schedule():
+    """Calls of at most ``DENSE_MAX_TOKENS`` tokens take the dense schedule inside this context (module docstring):
+    a CUDA-graph capture's warm-up calls then compile the kernels the capture launches."""
+    _FORCE_DENSE[0] += 1
+    try:
+        yield
+    finally:
+        _FORCE_DENSE[0] -= 1
+
+
+def _dense_wanted(x: torch.Tensor) -> bool:
+    if x.shape[0] > DENSE_MAX_TOKENS:
+        return False
+    return bool(_FORCE_DENSE[0]) or torch.compiler.is_compiling() or (
+        x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 class QuantExperts(nn.Module):
@@ -74,10 +114,16 @@ class QuantExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         if flat.numel() == 0:
             return out
+        if _dense_wanted(hidden_states):
+            if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
+                raise ValueError(f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts})")
+            return self._dense(hidden_states, top_k_index, top_k_weights, out)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host read
+        if int(flat.min()) < 0:
+            raise ValueError(f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts})")
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host read
         if len(counts) > self.num_experts:
-            raise ValueError(f"top_k_index holds an expert id >= num_experts ({self.num_experts})")
+            raise ValueError(f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts})")
         w_flat = top_k_weights.reshape(-1)
         start = 0
         for e, c in enumerate(counts):
@@ -89,6 +135,17 @@ class QuantExperts(nn.Module):
             gate, up = self.gate_up[e](hidden_states[tok]).chunk(2, dim=-1)
             y = self.down[e](F.silu(gate) * up) * w_flat[sel, None]
             out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    def _dense(self, x, top_k_index, top_k_weights, out):
+        """Every expert over all tokens, kept where routed (module docstring)."""
+        for e in range(self.num_experts):
+            hit = top_k_index == e  # [T, k]: at most one slot per token
+            w = (top_k_weights * hit).sum(-1, keepdim=True).to(top_k_weights.dtype)  # the chosen weight (exact)
+            gate, up = self.gate_up[e](x).chunk(2, dim=-1)
+            y = self.down[e](F.silu(gate) * up) * w
+            out += torch.where(hit.any(-1, keepdim=True), y.to(out.dtype), torch.zeros((), dtype=out.dtype,
+                                                                                     device=out.device))
         return out
 
     def extra_repr(self) -> str:

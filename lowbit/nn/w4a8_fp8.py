@@ -99,7 +99,8 @@ class W4A8FP8Linear(QuantLinear):
         from lowbit.ops.w4a8_fp8 import w4a8_fp8_linear
 
         return w4a8_fp8_linear(x, self.codes, self.scales, self.inv_delta, self.in_features, self.group_size,
-                               self.bias, residual=residual, silu_mul=self.activation == "silu_mul")
+                               self.bias, residual=residual, silu_mul=self.activation == "silu_mul",
+                               weight_checked=True)
 
 
 class W4A8FP8MLP(FusedMLP):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import cached_dense, check_tensor, derived, use_triton, warn_once
+from lowbit._utils import cached_dense, check_tensor, derived, run_op, use_triton, warn_once
 from lowbit.formats.common import silu_mul_ref
 from lowbit.formats.lut import (BITS, GROUP_SIZES, SILU_BLOCK, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
                                 unpack_codes_mma)
@@ -137,7 +137,7 @@ def _(x, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, la
 def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | None, scales: torch.Tensor,
              table: torch.Tensor, *, bits: int, group_size: int, lookup: str = "auto",
              pairs: torch.Tensor | None = None, layout: str = "planar", pdl: bool = False,
-             silu_mul: bool = False) -> torch.Tensor:
+             silu_mul: bool = False, weight_checked: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W_hat^T. ``qweight``/``qweight_hi``/``scales`` [ceil(K/G), N]/
     ``table`` as packed by ``lowbit.formats.lut``; ``lookup`` 'auto' | 'load' | 'select' |
     'affine' | 'pair' ('affine' only for uniform tables; 'pair' needs ``pairs`` =
@@ -151,7 +151,12 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     N a multiple of 16), and the result is ``silu(gate) * up`` ``[..., N / 2]`` (``formats.common.silu_mul_ref``'s
     roundings): in the epilogue of the register-table kernel wherever it runs with two dots (preferred to the
     Gluon kernel then) and of the fragment kernel without ``pdl``, else one ``kernels.silu_mul`` pass after the
-    GEMM (measured choices: the kernels' docstrings)."""
+    GEMM (measured choices: the kernels' docstrings). ``weight_checked``: the caller vouches for the weight tensors,
+    ``bits``, ``group_size``, ``layout`` and x's width (``LUTLinear``): only x's dtype and device are checked (host
+    time, session 38)."""
+    if weight_checked:
+        return _lut_gemm_checked(x, qweight, qweight_hi, scales, table, bits, group_size, lookup, pairs, layout,
+                                 pdl, silu_mul)
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:
@@ -203,6 +208,33 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
         x2 = x2.contiguous()
     if x.dtype not in _ACT and x.is_cuda:
         warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    y = _lut_gemm(x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
-                  bool(silu_mul))
+    y = run_op(_lut_gemm, x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
+               bool(silu_mul))
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _lut_gemm_checked(x, qweight, qweight_hi, scales, table, bits, group_size, lookup, pairs, layout, pdl, silu_mul):
+    """``lut_gemm`` for weights its caller vouches for: x's dtype and device checked, the lookup and pair-table
+    rules of ``lut_gemm`` applied, no weight checks."""
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim")
+    if x.device != qweight.device:
+        raise ValueError(f"x, qweight, scales and table must be on one device, got {x.device} and {qweight.device}")
+    if lookup == "auto":
+        lookup = "load" if layout == "mma" else ("affine" if _uniform(table) else "load")
+    if layout == "mma":
+        if not (pairs is not None and tuple(pairs.shape) == (4 ** bits, 2) and pairs.dtype == x.dtype):
+            pairs = None
+    elif lookup != "pair":
+        pairs = None
+    if x.dtype not in _ACT and x.is_cuda:
+        warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
+        x2 = x2.contiguous()
+    y = run_op(_lut_gemm, x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
+               bool(silu_mul))
     return y.reshape(*lead, y.shape[-1])

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, use_triton
+from lowbit._utils import check_same_device, check_tensor, run_op, use_triton
 from lowbit.formats.common import quantize_per_token
 from lowbit.formats.w4a8_int8 import gemm_ref
 
@@ -88,7 +88,7 @@ def w4a8_int8_gemm(xq: torch.Tensor, xscale: torch.Tensor, qweight: torch.Tensor
     (``lowbit.formats.w4a8_int8.tile_codes``; what ``W4A8INT8Linear`` stores by default).
     """
     _check(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, tiled)
-    return _w4a8_int8_gemm(xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, bool(pdl), bool(tiled))
+    return run_op(_w4a8_int8_gemm, xq, xscale, qweight, wscale, gscale, gzs, bias, out_dtype, bool(pdl), bool(tiled))
 
 
 @torch.library.custom_op("lowbit::w4a8_int8_linear", mutates_args=())
@@ -122,23 +122,29 @@ def _(x, qweight, wscale, gscale, gzs, bias, tiled=False):
 
 
 def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tensor, gscale: torch.Tensor,
-                     gzs: torch.Tensor, bias: torch.Tensor | None = None, *, tiled: bool = False) -> torch.Tensor:
+                     gzs: torch.Tensor, bias: torch.Tensor | None = None, *, tiled: bool = False,
+                     weight_checked: bool = False) -> torch.Tensor:
     """``x`` [..., K] (fp16/bf16/fp32) -> [..., N] in x's dtype: per-token INT8 quantization of x
     (numerics of ``lowbit.formats.common.quantize_per_token``, its cost included) then the W4A8 GEMM:
     the act-quant kernel first (for M <= 16 launched with the GEMM as a programmatic dependent pair),
     or, where ``lowbit.kernels.w4a8_int8_gemm.use_fused_quant`` allows it (off by default since
     session 11: measured slower), inside the GEMM kernel. All give the same codes (bit-identical outputs).
-    ``tiled``: ``qweight`` in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``)."""
+    ``tiled``: ``qweight`` in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``). ``weight_checked``:
+    the caller vouches that the weight tensors fit each other (``W4A8INT8Linear``, which also checked x's width):
+    only x's dtype and device are checked (host time, session 38)."""
     check_tensor(x, "x", dtype=_OUT_DTYPES)
     if x.ndim < 1:
         raise ValueError("x must have at least 1 dim")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x", tiled=tiled)
-    check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
+    if not weight_checked:
+        _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x", tiled=tiled)
+        check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
+    elif x.device != qweight.device:
+        check_same_device(x=x, qweight=qweight)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = _w4a8_int8_linear(x2, qweight, wscale, gscale, gzs, bias, bool(tiled))
+    y = run_op(_w4a8_int8_linear, x2, qweight, wscale, gscale, gzs, bias, bool(tiled))
     return y.reshape(*lead, qweight.shape[0])
 
 
