@@ -252,15 +252,27 @@ def triton_available() -> bool:
 def run_op(op, *args):
     """``op(*args)`` for a ``torch.library.custom_op`` ``op``; in plain eager execution its Python implementation
     is called directly instead, the same code without the dispatcher (about 25 us of host time per call on the
-    H200 machine, ``benchmarks/results/h200/s38_host_before.json``). The registered op still runs while
-    ``torch.compile`` traces and whenever an argument is a tensor subclass (fake, functional, DTensor...) or needs
-    a gradient, so compilation, fake propagation and the autograd error of an op without a backward are as before."""
-    if not torch.compiler.is_compiling():
+    H200 machine, ``benchmarks/results/h200/s38_host_before.json``). The registered op still runs whenever anything
+    could observe or transform the call: ``torch.compile``, ``make_fx`` or ``torch.jit`` tracing, a
+    ``TorchDispatchMode`` (FlopCounter, fake / functional modes), functorch transforms (``vmap``: batched tensors look
+    like plain ones), the autograd profiler (its ``lowbit::`` events), a tensor subclass argument (fake, DTensor...)
+    or an input that needs a gradient (the autograd error of an op without a backward). A review of the change found
+    the first version of this test missing tracing, vmap, modes and the profiler (session 38)."""
+    if _plain_eager() and all(type(a) is torch.Tensor and not a.requires_grad
+                              for a in args if isinstance(a, torch.Tensor)):
         fn = getattr(op, "_init_fn", None)
-        if fn is not None and all(type(a) is torch.Tensor and not a.requires_grad
-                                  for a in args if isinstance(a, torch.Tensor)):
+        if fn is not None:
             return fn(*args)
     return op(*args)
+
+
+def _plain_eager() -> bool:
+    """No compiler, tracer, dispatch mode, functorch transform or profiler is watching (``run_op``)."""
+    C = torch._C
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
+                or getattr(C, "_len_torch_dispatch_stack", lambda: 1)()
+                or getattr(C, "_are_functorch_transforms_active", lambda: True)()
+                or getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
 
 
 def cuda_major(device: torch.device) -> int:

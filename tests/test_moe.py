@@ -142,6 +142,21 @@ def test_dense_and_sparse_schedules_agree_bit_for_bit(scheme, monkeypatch, refer
         assert torch.isfinite(ref).all() and torch.equal(qe(x, idx3, w), ref)
 
 
+def test_dense_schedule_is_per_thread():
+    import threading
+
+    import lowbit.nn.moe as M
+
+    x = torch.zeros(2, 4)
+    seen = []
+    with M.dense_schedule():
+        t = threading.Thread(target=lambda: seen.append(M._dense_wanted(x)))
+        t.start()
+        t.join()
+        assert M._dense_wanted(x)
+    assert seen == [False] and not M._dense_wanted(x)
+
+
 def test_quant_experts_bad_input():
     qe = QuantExperts.from_experts(_moe("mixtral").model.layers[0].mlp.experts, "lut", bits=4, group_size=32)
     x = torch.randn(3, 64)
@@ -221,6 +236,12 @@ def test_moe_refusals(tmp_path):
         Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
     lowbit.quantize_model(m, "flute-nf4", progress=False)
     Generator(m, max_batch=64, max_seq=8, cuda_graphs=True)  # lowbit's experts, dense decode: capturable
+    import lowbit.nn.moe as M
+
+    assert Generator(m, max_batch=4, max_seq=8).cuda_graphs is False  # (on the CPU: never by default)
+    with pytest.MonkeyPatch.context() as mp:  # more experts than the default-capture bound: only when asked
+        mp.setattr(M, "DENSE_GRAPH_MAX_EXPERTS", 2)
+        Generator(m, max_batch=4, max_seq=8, cuda_graphs=True)
     with pytest.raises(ValueError, match="DENSE_MAX_TOKENS"):
         Generator(m, max_batch=65, max_seq=8, cuda_graphs=True)
     from lowbit.models.export import export_compressed_tensors

@@ -251,3 +251,46 @@ def test_modules_still_check_x(scheme):
         m(torch.ones(2, 256, dtype=torch.int32))
     with pytest.raises(ValueError, match="features|x has"):
         m(torch.ones(2, 255))
+
+
+@pytest.mark.parametrize("scheme", ["w4a8-int8", "lut", "w4a8-fp8"])
+def test_run_op_keeps_the_op_for_tracers_modes_vmap_and_the_profiler(scheme):
+    """What the review of session 38 found: make_fx, torch.jit.trace, dispatch modes, vmap and the profiler saw no
+    ``lowbit::`` op (or failed) once eager calls skipped the dispatcher; they see it again."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import lowbit
+
+    q = lowbit.quantize_linear(torch.nn.Linear(64, 32, bias=False), scheme, group_size=32)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        g = make_fx(lambda x: q(x))(x)
+        assert any("lowbit" in str(n.target) for n in g.graph.nodes if n.op == "call_function")
+        assert torch.equal(g(x * 2), q(x * 2))
+        seen = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, f, types, args=(), kwargs=None):
+                seen.append(str(f))
+                return f(*args, **(kwargs or {}))
+
+        with Mode():
+            q(x)
+        assert any("lowbit" in s for s in seen)
+        assert torch.vmap(q)(torch.randn(2, 3, 64)).shape == (2, 3, 32)
+        with torch.autograd.profiler.profile() as prof:
+            q(x)
+        assert any("lowbit" in e.name for e in prof.function_events)
+
+
+@pytest.mark.parametrize("scheme,dtype", [("w4a8-int8", torch.bfloat16), ("lut", torch.float16),
+                                          ("w4a8-fp8", torch.bfloat16)])
+def test_modules_cast_by_to_dtype_still_raise(scheme, dtype):
+    """``module.to(dtype)`` converts its floating buffers (scales, tables); the modules' unchecked path notices and
+    the full checks name the buffer, as before session 38."""
+    import lowbit
+
+    q = lowbit.quantize_linear(torch.nn.Linear(64, 32, bias=False), scheme, group_size=32).to(dtype)
+    with pytest.raises(TypeError, match="must have dtype"):
+        q(torch.randn(3, 64, dtype=dtype))

@@ -680,9 +680,10 @@ class Generator:
     ``kv``: 'auto' (from ``model.lowbit_recipe``), None, 'kv4' or 'kv4-zp'. ``prefill``: 'auto'
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
     ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA; a
-    mixture-of-experts model runs its MLP blocks as modules and gets graphs only when its experts are lowbit's
-    (``QuantExperts``, dense decode schedule) and ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS``, else False
-    (True is then refused: the routing is read on the host).
+    mixture-of-experts model runs its MLP blocks as modules and can be captured only when its experts are lowbit's
+    (``QuantExperts``, dense decode schedule) and ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS`` (else True is
+    refused: the routing is read on the host); the default captures it when it also has at most
+    ``DENSE_GRAPH_MAX_EXPERTS`` experts per layer.
     ``fuse``: run q/k/v as one projection and gate/up as one where the modules stack exactly
     (``_fuse_rows``; the original modules then share the fused storage).
     ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
@@ -781,7 +782,7 @@ class Generator:
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
         # MoE blocks: lowbit's quantized experts take their dense schedule (no host read) at decode sizes up to
         # DENSE_MAX_TOKENS, which a CUDA graph captures; transformers' float experts read the routing on the host
-        from lowbit.nn.moe import DENSE_MAX_TOKENS, QuantExperts
+        from lowbit.nn.moe import DENSE_GRAPH_MAX_EXPERTS, DENSE_MAX_TOKENS, QuantExperts
 
         moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
         graphable = all(isinstance(self.a.layers[i].mlp.experts, QuantExperts) for i in moe) and \
@@ -790,7 +791,9 @@ class Generator:
             raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs whose experts read the "
                              "routing on the host (float experts, or max_batch above lowbit.nn.moe.DENSE_MAX_TOKENS = "
                              f"{DENSE_MAX_TOKENS}); run them with cuda_graphs=False (the default for them)")
-        self.cuda_graphs = (self.device.type == "cuda" and (not moe or graphable)) if cuda_graphs is None \
+        few = all(self.a.layers[i].mlp.experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS for i in moe) if graphable \
+            else False
+        self.cuda_graphs = (self.device.type == "cuda" and (not moe or few)) if cuda_graphs is None \
             else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)

@@ -36,6 +36,7 @@ A grouped GEMM over the routed tokens (expert offsets on the device, one launch 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -45,24 +46,28 @@ from lowbit._utils import check_indices
 
 ACTIVATIONS = ("silu",)
 DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens take the dense schedule
-_FORCE_DENSE = [0]  # depth of dense_schedule() contexts
+# the Generator captures MoE decode steps by default only up to this many experts per layer: the dense schedule reads
+# every expert, E / (top-k) times the chosen ones at one token (measured: 8 experts, top-2; a 128-expert top-8 model
+# would read 16x and launch 256 GEMMs per layer; cuda_graphs=True still captures it)
+DENSE_GRAPH_MAX_EXPERTS = 16
+_STATE = threading.local()  # .dense: depth of this thread's dense_schedule() contexts
 
 
 @contextlib.contextmanager
 def dense_schedule():
-    """Calls of at most ``DENSE_MAX_TOKENS`` tokens take the dense schedule inside this context (module docstring):
-    a CUDA-graph capture's warm-up calls then compile the kernels the capture launches."""
-    _FORCE_DENSE[0] += 1
+    """Calls of at most ``DENSE_MAX_TOKENS`` tokens take the dense schedule inside this context, in this thread
+    (module docstring): a CUDA-graph capture's warm-up calls then compile the kernels the capture launches."""
+    _STATE.dense = getattr(_STATE, "dense", 0) + 1
     try:
         yield
     finally:
-        _FORCE_DENSE[0] -= 1
+        _STATE.dense -= 1
 
 
 def _dense_wanted(x: torch.Tensor) -> bool:
     if x.shape[0] > DENSE_MAX_TOKENS:
         return False
-    return bool(_FORCE_DENSE[0]) or torch.compiler.is_compiling() or (
+    return bool(getattr(_STATE, "dense", 0)) or torch.compiler.is_compiling() or (
         x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 

@@ -151,10 +151,11 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     N a multiple of 16), and the result is ``silu(gate) * up`` ``[..., N / 2]`` (``formats.common.silu_mul_ref``'s
     roundings): in the epilogue of the register-table kernel wherever it runs with two dots (preferred to the
     Gluon kernel then) and of the fragment kernel without ``pdl``, else one ``kernels.silu_mul`` pass after the
-    GEMM (measured choices: the kernels' docstrings). ``weight_checked``: the caller vouches for the weight tensors,
-    ``bits``, ``group_size``, ``layout`` and x's width (``LUTLinear``): only x's dtype and device are checked (host
-    time, session 38)."""
-    if weight_checked:
+    GEMM (measured choices: the kernels' docstrings). ``weight_checked``: the caller vouches for the weight tensors'
+    shapes, ``bits``, ``group_size``, ``layout`` and x's width (``LUTLinear``): only x's dtype and device and the
+    floating buffers' dtypes are checked (host time, session 38)."""
+    if weight_checked and table.dtype == torch.float32 and scales.dtype in _ACT and (
+            pairs is None or pairs.dtype in _ACT):  # a module cast by .to(dtype) fails here: the full checks below
         return _lut_gemm_checked(x, qweight, qweight_hi, scales, table, bits, group_size, lookup, pairs, layout,
                                  pdl, silu_mul)
     if bits not in BITS:

@@ -163,7 +163,8 @@ def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     res = None if residual is None else residual.reshape(x2.shape[0], -1)
     if x2.shape[0] > 0 and (x2.shape[0] <= _fused_quant_max_m() or _use_pdl(x2.shape[0], codes.shape[0], k)):
         # decode: the quantization of x runs inside the GEMM (one launch), or both launches PDL
-        if weight_checked and res is None:
+        if weight_checked and res is None and codes.dtype == torch.uint8 and scales.dtype == FP8_E4M3 and (
+                bias is None or bias.dtype in _OUT_DTYPES):  # (a module cast by .to(dtype) fails here: full checks)
             if x2.device != codes.device:
                 check_same_device(x=x2, codes=codes)
         else:

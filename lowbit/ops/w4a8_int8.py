@@ -137,7 +137,8 @@ def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
         raise ValueError("x must have at least 1 dim")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if not weight_checked:
+    if not (weight_checked and wscale.dtype == torch.float32 and qweight.dtype == gscale.dtype == gzs.dtype ==
+            torch.uint8 and (bias is None or bias.dtype in _OUT_DTYPES)):  # a module cast by .to(dtype): full checks
         _check_weight(x2.shape[1], qweight, wscale, gscale, gzs, bias, x.dtype, xname="x", tiled=tiled)
         check_same_device(x=x, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
     elif x.device != qweight.device:
