@@ -40,7 +40,8 @@ def tiny_llama(*, head_dim: int | None = None, layers: int = 2, hidden: int = 64
 
 
 def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden: int = 64, heads: int = 4,
-                 kv_heads: int = 2, vocab: int = 128, seed: int = 0, init_std: float = 0.2, **config):
+                 kv_heads: int = 2, vocab: int = 128, seed: int = 0, init_std: float = 0.2,
+                 intermediate: int | None = None, **config):
     """A random Llama-family model of another ``model_type`` (``qwen3``: per-head q/k norms; ``qwen2``:
     q/k/v biases; ``mistral``: a sliding window; ``mixtral`` / ``qwen3_moe``: MoE MLPs with experts as 3-D
     parameters, e.g. ``num_local_experts=4`` / ``num_experts=4, moe_intermediate_size=48``), built and initialised
@@ -49,12 +50,13 @@ def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden
 
     torch.manual_seed(seed)
     attn = config.pop("attn_implementation", "sdpa")
-    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                               head_dim=head_dim, max_position_embeddings=512, attn_implementation=attn,
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden,
+                               intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
+                               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512, attn_implementation=attn,
                                bos_token_id=None, eos_token_id=None, pad_token_id=None, **config)
     m = AutoModelForCausalLM.from_config(cfg).eval()
     m.generation_config.eos_token_id = m.generation_config.bos_token_id = None
+    eager_experts(m)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.ndim in (2, 3):  # 3-D: the experts of an MoE block (mixtral, qwen3_moe)
@@ -63,6 +65,15 @@ def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden
                 p.normal_(0, 0.5)
             elif name.endswith("k_norm.weight"):  # a key outlier pair, shared by all heads (q/k-norm models)
                 p[3] = p[3 + head_dim // 2] = 12.0
+    return m
+
+
+def eager_experts(m):
+    """Float MoE experts through transformers' eager loop (its default ``grouped_mm`` needs 16-byte-aligned expert
+    widths, which the fuzzed tiny shapes are not; real models' are). Returns ``m``."""
+    for mod in m.modules():
+        if getattr(getattr(mod, "config", None), "_experts_implementation", None) not in (None, "eager"):
+            mod.config._experts_implementation = "eager"
     return m
 
 

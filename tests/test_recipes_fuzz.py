@@ -70,6 +70,47 @@ def test_recipe_on_random_tiny_llama(recipe, head_dim, heads, kv_div, inter, lay
             assert torch.equal(loaded(prompt).logits.float(), out)
 
 
+@settings(max_examples=4, deadline=None)
+@given(recipe=st.sampled_from(ALL), arch=st.sampled_from(("mixtral", "qwen3_moe")), experts=st.integers(2, 6),
+       top_k=st.integers(1, 3), inter=st.integers(24, 100), hidden=st.sampled_from((32, 64)), dense_first=st.booleans(),
+       tokens=st.integers(1, 12), seed=st.integers(0, 9))
+def test_recipe_on_random_tiny_moe(recipe, arch, experts, top_k, inter, hidden, dense_first, tokens, seed):
+    """Mixture-of-experts variants (session 38): random expert counts, top-k, expert widths that are no multiple of
+    any group, a dense first layer (Qwen3-MoE's ``mlp_only_layers``); the quantized model stays finite and near the
+    float one, generates, its checkpoint loads to the same logits, and the experts' two schedules agree."""
+    import lowbit.nn.moe as M
+    from tests._tiny_models import eager_experts, tiny_variant
+
+    top_k = min(top_k, experts)
+    kw = (dict(num_local_experts=experts, num_experts_per_tok=top_k) if arch == "mixtral" else
+          dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, norm_topk_prob=True,
+               mlp_only_layers=[0] if dense_first else []))
+    # (Mixtral's expert width is the config's intermediate size; Qwen3-MoE's is moe_intermediate_size, its
+    # intermediate size the dense layers')
+    m = tiny_variant(arch, hidden=hidden, head_dim=16, heads=hidden // 16, kv_heads=1, seed=seed, intermediate=inter,
+                     **kw)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 128, (1, tokens), generator=g)
+    with torch.no_grad():
+        ref = m(prompt).logits.float()
+    calib = [torch.randint(0, 128, (1, 24), generator=g) for _ in range(2)]
+    q = lowbit.quantize_model(m, recipe, calibration=calib, progress=False)
+    event(f"{arch} {recipe}: quantized")
+    with torch.no_grad():
+        out = q(prompt).logits.float()
+        with M.dense_schedule():
+            dense = q(prompt).logits.float()
+    assert torch.isfinite(out).all()
+    assert (dense - out).norm() <= 1e-4 * out.norm()  # the schedules agree (to the LUT matmul's float rounding)
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.3, float(cos)
+    assert [t.numel() for t in generate(q, [prompt[0]], 2)] == [2]
+    with tempfile.TemporaryDirectory() as d:
+        lowbit.save_quantized(q, os.path.join(d, "ck"))
+        with torch.no_grad():
+            assert torch.equal(eager_experts(lowbit.load_quantized(os.path.join(d, "ck")))(prompt).logits.float(), out)
+
+
 @settings(max_examples=3, deadline=None)
 @given(heads=st.sampled_from((1, 2, 4)), rank=st.sampled_from((16, 32, 48, 64)), rope=st.sampled_from((8, 16, 32)),
        nope=st.sampled_from((8, 16, 32)), vdim=st.sampled_from((8, 16, 24)), q_lora=st.sampled_from((None, 24)),
