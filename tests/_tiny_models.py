@@ -52,7 +52,8 @@ def tiny_variant(model_type: str, *, head_dim: int = 16, layers: int = 2, hidden
     attn = config.pop("attn_implementation", "sdpa")
     cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden,
                                intermediate_size=intermediate or 2 * hidden, num_hidden_layers=layers,
-                               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512, attn_implementation=attn,
+                               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                               max_position_embeddings=512, attn_implementation=attn,
                                bos_token_id=None, eos_token_id=None, pad_token_id=None, **config)
     m = AutoModelForCausalLM.from_config(cfg).eval()
     m.generation_config.eos_token_id = m.generation_config.bos_token_id = None
