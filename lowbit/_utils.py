@@ -249,7 +249,7 @@ def triton_available() -> bool:
     return True
 
 
-def run_op(op, *args):
+def run_op(op, *args, **kwargs):
     """``op(*args)`` for a ``torch.library.custom_op`` ``op``; in plain eager execution its Python implementation
     is called directly instead, the same code without the dispatcher (about 25 us of host time per call on the
     H200 machine, ``benchmarks/results/h200/s38_host_before.json``). The registered op still runs whenever anything
@@ -259,11 +259,11 @@ def run_op(op, *args):
     or an input that needs a gradient (the autograd error of an op without a backward). A review of the change found
     the first version of this test missing tracing, vmap, modes and the profiler (session 38)."""
     if _plain_eager() and all(type(a) is torch.Tensor and not a.requires_grad
-                              for a in args if isinstance(a, torch.Tensor)):
+                              for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
         fn = getattr(op, "_init_fn", None)
         if fn is not None:
-            return fn(*args)
-    return op(*args)
+            return fn(*args, **kwargs)
+    return op(*args, **kwargs)
 
 
 def _plain_eager() -> bool:

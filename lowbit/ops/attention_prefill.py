@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import by_batch, check_tensor, interpret_mode, triton_available, use_triton, warn_once
+from lowbit._utils import by_batch, check_tensor, interpret_mode, run_op, triton_available, use_triton, warn_once
 from lowbit.formats.attention_quant import MODES, V_BLOCK, V_GRANULARITIES, attention_quant_ref, quantize_qkv
 from lowbit.formats.common import FP8_E4M3
 
@@ -173,7 +173,7 @@ def _fp8_kv4_attention_float(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return _via_fp8_blocks(q, k, None, v, None, causal, sm_scale)
     from lowbit.ops.kv4 import kv4_quantize
 
-    return _fp8_kv4_attention(q, *kv4_quantize(k, v), causal, sm_scale, False)
+    return run_op(_fp8_kv4_attention, q, *kv4_quantize(k, v), causal, sm_scale, False)
 
 
 @_fp8_kv4_attention_float.register_fake
@@ -248,7 +248,7 @@ def quant_attention(q, k, v, *, mode: str, causal: bool = False, sm_scale: float
     if mode == "fp8-kv4":
         return fp8_kv4_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     _check_qkv(q, k, v, causal)
-    return _quant_attention(q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block,
+    return run_op(_quant_attention, q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block,
                             k_granularity, p_scale == "block")
 
 
@@ -303,7 +303,7 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
         if q.shape[-1] % 2:
             raise ValueError(f"kv4 needs an even head_dim, got {q.shape[-1]}")
         if not fused:  # one launch: float -> KV4 -> the fp8 operands
-            return _fp8_kv4_attention_float(q, k, v, bool(causal), _scale(sm_scale, q.shape[-1]))
+            return run_op(_fp8_kv4_attention_float, q, k, v, bool(causal), _scale(sm_scale, q.shape[-1]))
         from lowbit.ops.kv4 import kv4_quantize
 
         kc, ksc, vc, vsc = kv4_quantize(k, v)  # one Triton launch (D a power of two) or quantize_kv4
@@ -328,4 +328,4 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
     for name, t in (("k_codes", kc), ("v_codes", vc)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
-    return _fp8_kv4_attention(q, kc, ksc, vc, vsc, bool(causal), _scale(sm_scale, q.shape[-1]), bool(fused))
+    return run_op(_fp8_kv4_attention, q, kc, ksc, vc, vsc, bool(causal), _scale(sm_scale, q.shape[-1]), bool(fused))

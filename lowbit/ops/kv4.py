@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import by_batch, check_indices, check_page_reads, check_page_writes, check_tensor, use_triton
+from lowbit._utils import (by_batch, check_indices, check_page_reads, check_page_writes, check_tensor, run_op,
+                           use_triton)
 from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
@@ -193,7 +194,7 @@ def kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
         raise ValueError(f"kv4 needs an even head_dim, got {k.shape[-1]}")
     if v.device != k.device:
         raise ValueError(f"v must be on {k.device}, got {v.device}")
-    return _kv4_quantize(k, v)
+    return run_op(_kv4_quantize, k, v)
 
 
 @torch.library.custom_op("lowbit::decode_kv4", mutates_args=())
@@ -303,7 +304,7 @@ def decode_float_append(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin,
     if check_indices(lengths, page_table):  # (on CUDA only under LOWBIT_CHECK_INDEX: no extra launch in a graph)
         check_page_writes(lengths - TQ, page_table, TQ, PAGE, k.shape[0])  # "start" = lengths - TQ
         check_page_reads(lengths, page_table, PAGE, k.shape[0])
-    return _decode_float_append(q, k_new, v_new, k, v, page_table, lengths, cos.to(q.dtype), sin.to(q.dtype),
+    return run_op(_decode_float_append, q, k_new, v_new, k, v, page_table, lengths, cos.to(q.dtype), sin.to(q.dtype),
                                 sm_scale, int(max_len), int(num_splits))
 
 
@@ -358,7 +359,7 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    _kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs_k,
+    run_op(_kv4_append, k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, cos, sin, crs_k,
                 k_zero, v_zero, bool(interleaved))
 
 
@@ -401,7 +402,7 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
         q_int8 = Q_INT8_DEFAULT
     if int(q_int8) not in (0, 1, 2):
         raise ValueError(f"q_int8 must be False/0 (fp16 Q), True/1 (INT8 Q) or 2 (two INT8 planes), got {q_int8!r}")
-    return _decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
+    return run_op(_decode_kv4, q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
                        sm_scale, int(max_len), int(num_splits), int(q_int8))
 
 
@@ -416,4 +417,4 @@ def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 
     Hkv, PAGE = _check_float_cache(k, v, q.shape[3], (torch.float16, torch.bfloat16, torch.float32))
     q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float")
     check_page_reads(lengths, page_table, PAGE, k.shape[0])
-    return _decode_float(q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))
+    return run_op(_decode_float, q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from lowbit._utils import (by_batch, check_indices, check_page_reads, check_same_device, check_tensor, use_triton,
-                           warn_once)
+from lowbit._utils import (by_batch, check_indices, check_page_reads, check_same_device, check_tensor, run_op,
+                           use_triton, warn_once)
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
 __all__ = ["mla_decode", "mla_append", "mla_quantize_q", "mla_gather", "mla_prefill", "mla_decode_ref",
@@ -350,8 +350,8 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
     sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     if not sm_scale > 0 or not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
-    return _mla_decode_op(q.contiguous(), content, rope, scale, page_table, seq_lens, sm_scale, int(max_seq_len),
-                          int(num_splits or 0), bool(pv_fp8), bool(pv16))
+    return run_op(_mla_decode_op, q.contiguous(), content, rope, scale, page_table, seq_lens, sm_scale,
+                  int(max_seq_len), int(num_splits or 0), bool(pv_fp8), bool(pv16))
 
 
 def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:
@@ -368,7 +368,7 @@ def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:
     if slots.numel() and check_indices(slots) and (int(slots.min()) < 0 or int(slots.max()) >= P * page):
         raise ValueError(f"slots must lie in [0, {P * page}) (the cache's pages x page size), "
                          f"got [{int(slots.min())}, {int(slots.max())}]")
-    _mla_append_op(kv.contiguous(), slots, content, rope, scale)
+    run_op(_mla_append_op, kv.contiguous(), slots, content, rope, scale)
 
 
 def mla_quantize_q(q: torch.Tensor, kv_lora_rank: int):
@@ -376,7 +376,7 @@ def mla_quantize_q(q: torch.Tensor, kv_lora_rank: int):
     check_tensor(q, "q", dtype=_FLOATS)
     if not 0 < kv_lora_rank < q.shape[-1]:
         raise ValueError(f"kv_lora_rank ({kv_lora_rank}) must be in (0, {q.shape[-1]})")
-    return _mla_quantize_q_op(q.contiguous(), int(kv_lora_rank))
+    return run_op(_mla_quantize_q_op, q.contiguous(), int(kv_lora_rank))
 
 
 def mla_gather(cache, page_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int | None = None, *,
@@ -389,7 +389,7 @@ def mla_gather(cache, page_table: torch.Tensor, seq_lens: torch.Tensor, max_len:
     _check_tables(page_table, seq_lens, page_table.shape[0], P, page)
     if max_len is None:
         max_len = int(seq_lens.max()) if page_table.shape[0] else 0
-    return _mla_gather_op(content, rope, scale, page_table, seq_lens, int(max_len), dtype)
+    return run_op(_mla_gather_op, content, rope, scale, page_table, seq_lens, int(max_len), dtype)
 
 
 def mla_prefill(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch.Tensor, *,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import check_tensor, use_triton
+from lowbit._utils import check_tensor, run_op, use_triton
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 
 _OUT = {"fp8": FP8_E4M3, "int8": torch.int8}
@@ -39,4 +39,4 @@ def per_token_quant(x: torch.Tensor, out_format: str = "fp8") -> tuple[torch.Ten
     check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
     if x.ndim == 0:
         raise ValueError("x must have at least 1 dim")
-    return _per_token_quant(x.contiguous(), out_format)
+    return run_op(_per_token_quant, x.contiguous(), out_format)

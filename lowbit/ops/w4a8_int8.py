@@ -196,5 +196,5 @@ def w4a8_int8_silu_mul_linear(gate_up: torch.Tensor, qweight: torch.Tensor, wsca
     _check_weight(h.shape[1] // 2, qweight, wscale, gscale, gzs, bias, gate_up.dtype, xname="gate_up's halves",
                   tiled=tiled)
     check_same_device(gate_up=gate_up, qweight=qweight, wscale=wscale, gscale=gscale, gzs=gzs, bias=bias)
-    y = _w4a8_int8_silu_mul_linear(h, qweight, wscale, gscale, gzs, bias, bool(tiled))
+    y = run_op(_w4a8_int8_silu_mul_linear, h, qweight, wscale, gscale, gzs, bias, bool(tiled))
     return y.reshape(*lead, qweight.shape[0])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, use_triton
+from lowbit._utils import check_same_device, check_tensor, run_op, use_triton
 from lowbit.formats.w8 import gemm_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,4 +48,4 @@ def w8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: t
     x2 = x.reshape(lead.numel(), K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return _w8_linear(x2, codes, scale, bias).reshape(*lead, N)
+    return run_op(_w8_linear, x2, codes, scale, bias).reshape(*lead, N)
