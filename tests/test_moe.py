@@ -167,6 +167,14 @@ def test_quant_experts_bad_input():
         qe(x, torch.zeros(2, 2, dtype=torch.long), w)
     with pytest.raises(ValueError, match="num_experts"):
         qe(x, torch.full((3, 2), 7, dtype=torch.long), w)  # sparse (eager)
+    sentinel = torch.tensor([[0, 4], [4, 4], [1, 2]])  # 4 = num_experts: transformers' "no expert", skipped
+    kept = torch.tensor([[0, 0], [0, 0], [1, 2]])
+    w2 = torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.5, 0.5]])
+    with torch.no_grad():
+        ref = qe(x, kept, w2 * torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]]))
+        assert _rel(qe(x, sentinel, w2).double(), ref.double()) < 1e-6  # (the LUT reference's matmul blocking)
+        with __import__("lowbit.nn.moe").nn.moe.dense_schedule():
+            assert _rel(qe(x, sentinel, w2).double(), ref.double()) < 1e-6
     from lowbit.nn.moe import dense_schedule
 
     with pytest.raises(ValueError, match="num_experts"), dense_schedule():

@@ -7,7 +7,7 @@ down become one lowbit ``QuantLinear`` each (any linear scheme and its options, 
 two ``nn.ModuleList``s (``gate_up[e]``, ``down[e]``). The router stays float and is not replaced.
 
 ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` has transformers' signature and
-arithmetic: for each expert that received tokens, in increasing expert order, its tokens are gathered,
+arithmetic (an id equal to ``num_experts`` means "no expert", as transformers' sentinel of expert parallelism): for each expert that received tokens, in increasing expert order, its tokens are gathered,
 ``h = silu(gate) * up`` (each rounded to the activation dtype), ``y = down(h) * weight``, and ``y`` (cast to
 ``hidden``'s dtype) is added into the output rows (so a token's experts are summed in expert order, as there).
 
@@ -119,16 +119,18 @@ class QuantExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         if flat.numel() == 0:
             return out
+        bad = f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts}] (num_experts: no expert)"
         if _dense_wanted(hidden_states):
-            if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) >= self.num_experts):
-                raise ValueError(f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts})")
+            if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
+                raise ValueError(bad)
             return self._dense(hidden_states, top_k_index, top_k_weights, out)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         if int(flat.min()) < 0:
-            raise ValueError(f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts})")
+            raise ValueError(bad)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host read
-        if len(counts) > self.num_experts:
-            raise ValueError(f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts})")
+        if len(counts) > self.num_experts + 1:
+            raise ValueError(bad)
+        counts = counts[:self.num_experts]  # id num_experts: transformers' "no expert" (expert parallelism): skipped
         w_flat = top_k_weights.reshape(-1)
         start = 0
         for e, c in enumerate(counts):
