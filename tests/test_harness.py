@@ -163,6 +163,8 @@ def test_model_bench_archs_count_bytes():
     llama, qwen = ARCHS["llama3-8b"], ARCHS["qwen3-8b"]
     assert abs(llama.bf16_bytes() - 16.06e9) < 0.01e9 and llama.kv_bytes_per_token() == 131072
     assert abs(qwen.bf16_bytes() - 16.38e9) < 0.01e9 and qwen.kv_bytes_per_token() == 147456
+    mixtral = ARCHS["mixtral-8x7b"]  # 46.7 B parameters
+    assert abs(mixtral.bf16_bytes() - 93.4e9) < 0.1e9 and mixtral.kv_bytes_per_token() == 131072
     assert qwen.model_type == "qwen3" and qwen.layers == 36
 
 

@@ -240,8 +240,13 @@ def test_moe_refusals(tmp_path):
     m = _moe("mixtral")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         lowbit.quantize_model(copy.deepcopy(m), "fireq", fuse_mlp=True, progress=False, calibration=_calib())
-    with pytest.raises(ValueError, match="cuda_graphs=True"):  # float experts: host routing
+    with pytest.raises(ValueError, match="cuda_graphs=True"):  # float experts, transformers' eager loop: host routing
         Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
+    for layer in m.model.layers:  # transformers' grouped_mm experts read no routing on the host: capturable
+        layer.mlp.experts.config._experts_implementation = "grouped_mm"
+    Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
+    for layer in m.model.layers:
+        layer.mlp.experts.config._experts_implementation = "eager"
     lowbit.quantize_model(m, "flute-nf4", progress=False)
     Generator(m, max_batch=64, max_seq=8, cuda_graphs=True)  # lowbit's experts, dense decode: capturable
     import lowbit.nn.moe as M

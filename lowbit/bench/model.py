@@ -52,6 +52,10 @@ import torch
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768,
+                    rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=None)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -71,7 +75,9 @@ class Arch:
         c = self.config
         h, hd = c["hidden_size"], c["head_dim"]
         attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
-        return 2 * (self.layers * (attn + 3 * h * c["intermediate_size"]) + 2 * c["vocab_size"] * h)
+        e = c.get("num_local_experts", 0)  # MoE: every expert's MLP and the router
+        mlp = 3 * h * c["intermediate_size"] * max(e, 1) + h * e
+        return 2 * (self.layers * (attn + mlp) + 2 * c["vocab_size"] * h)
 
     def kv_bytes_per_token(self) -> int:
         """bf16 K and V of one token over the N layers."""
@@ -79,7 +85,8 @@ class Arch:
 
 
 ARCHS = {"llama3-8b": Arch("Llama-3-8B", "llama", LLAMA3_8B, 32),
-         "qwen3-8b": Arch("Qwen3-8B", "qwen3", QWEN3_8B, 36)}
+         "qwen3-8b": Arch("Qwen3-8B", "qwen3", QWEN3_8B, 36),
+         "mixtral-8x7b": Arch("Mixtral-8x7B", "mixtral", MIXTRAL_8X7B, 32)}  # session 38, not run on the device yet
 DEFAULT_ARCH = "llama3-8b"
 FULL_LAYERS = ARCHS[DEFAULT_ARCH].layers
 RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3",
@@ -165,6 +172,9 @@ def build_model(layers: int = 2, *, seed: int = 0, device="cuda", dtype=torch.bf
     torch.manual_seed(seed)
     with torch.device(device):
         m = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    for mod in m.modules():  # float MoE experts (the bf16 baseline): transformers' graph-capturable grouped_mm
+        if getattr(getattr(mod, "config", None), "_experts_implementation", None) is not None:
+            mod.config._experts_implementation = "grouped_mm"
     return m.eval()
 
 

@@ -325,6 +325,15 @@ class _Proj:
         return y.reshape(*lead, y.shape[-1])
 
 
+def _graphable_experts(experts, max_batch: int, quant_cls: type, dense_max: int) -> bool:
+    """Can a CUDA graph capture this MoE experts module's decode? lowbit's (dense schedule, up to ``dense_max``
+    tokens), or transformers' float experts with their ``grouped_mm`` implementation (no host read; timed inside a
+    CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``); not transformers' eager loop (``nonzero``)."""
+    if isinstance(experts, quant_cls):
+        return max_batch <= dense_max
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm"
+
+
 class _FusedLayer:
     """Per-layer plan of the runner.
 
@@ -681,9 +690,9 @@ class Generator:
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
     ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA; a
     mixture-of-experts model runs its MLP blocks as modules and can be captured only when its experts are lowbit's
-    (``QuantExperts``, dense decode schedule) and ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS`` (else True is
-    refused: the routing is read on the host); the default captures it when it also has at most
-    ``DENSE_GRAPH_MAX_EXPERTS`` experts per layer.
+    (``QuantExperts``, dense decode schedule) with ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS``, or transformers'
+    float experts with ``config._experts_implementation = "grouped_mm"`` (else True is refused: the routing is read
+    on the host); the default captures lowbit's experts only up to ``DENSE_GRAPH_MAX_EXPERTS`` per layer.
     ``fuse``: run q/k/v as one projection and gate/up as one where the modules stack exactly
     (``_fuse_rows``; the original modules then share the fused storage).
     ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
@@ -785,14 +794,14 @@ class Generator:
         from lowbit.nn.moe import DENSE_GRAPH_MAX_EXPERTS, DENSE_MAX_TOKENS, QuantExperts
 
         moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
-        graphable = all(isinstance(self.a.layers[i].mlp.experts, QuantExperts) for i in moe) and \
-            self.max_batch <= DENSE_MAX_TOKENS
+        graphable = all(_graphable_experts(self.a.layers[i].mlp.experts, self.max_batch, QuantExperts,
+                                           DENSE_MAX_TOKENS) for i in moe)
         if moe and cuda_graphs and not graphable:
             raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs whose experts read the "
                              "routing on the host (float experts, or max_batch above lowbit.nn.moe.DENSE_MAX_TOKENS = "
                              f"{DENSE_MAX_TOKENS}); run them with cuda_graphs=False (the default for them)")
-        few = all(self.a.layers[i].mlp.experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS for i in moe) if graphable \
-            else False
+        few = graphable and all(self.a.layers[i].mlp.experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS for i in moe
+                                if isinstance(self.a.layers[i].mlp.experts, QuantExperts))
         self.cuda_graphs = (self.device.type == "cuda" and (not moe or few)) if cuda_graphs is None \
             else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
