@@ -19,7 +19,8 @@ run every attention layer on lowbit:
   step's K/V through the same append (fake quantization) and stores the result in that cache.
 
 ``kv=None`` keeps transformers' cache and RoPE and only routes attention through
-``lowbit.api.attention(scheme=prefill)``: with ``prefill='sdpa'`` the model is unchanged.
+``lowbit.api.attention(scheme=prefill)``: with ``prefill='sdpa'`` the model is unchanged. Decode steps (at most
+``decode_max_tokens`` new tokens after cached ones) then attend in float SDPA, as the fast runner's float cache does.
 ``rope_kv`` = the list from ``lowbit.ptq.rope_kv.calibrate_rpn_crs``: RPN is folded into the
 weights here (``apply_rpn``) if not already, CRS is applied online.
 
@@ -228,7 +229,11 @@ def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mas
         q, k = self._lowbit_rope(q, k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        out = _attend(q, k, v, attention_mask, cfg.prefill, self.scaling)
+        # a decode step (a few new tokens after cached ones) attends in float, as the runner's float cache does: the
+        # quantized schemes are prefill kernels (session 38; before, int8-attention decoded through INT8 attention
+        # here and in float in the runner)
+        step = T <= cfg.decode_max_tokens and k.shape[2] > T
+        out = _attend(q, k, v, attention_mask, "sdpa" if step else cfg.prefill, self.scaling)
     else:
         q = _rope_q(q, cos, sin, cfg.interleaved)
         crs_q = cfg.crs_q

@@ -620,7 +620,8 @@ def int8_attention(model, calibration=None, *, linear: str | None = None, kv: st
                    attention: str | None = "int8", group_size: int = 128, linear_options: dict | None = None,
                    skip=(), seed: int = 0, progress: bool = True, **unused_calibration_options):
     """INT-FlashAttention (seed 002): INT8 prefill attention (per-token Q/K, per-block V scales),
-    weights float unless ``linear=`` names a scheme. Calibration-free."""
+    weights float unless ``linear=`` names a scheme. Calibration-free. Decode steps attend in float over the float
+    cache, on transformers' path and in the fast runner alike (INT-FlashAttention is a prefill kernel)."""
     _check_common("int8-attention", model, linear, kv, attention)
     _seeded(seed)
     bad = set(unused_calibration_options) - {"n_samples", "seq_len", "tokenizer"}
