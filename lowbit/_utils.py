@@ -255,11 +255,12 @@ def run_op(op, *args, **kwargs):
     H200 machine, ``benchmarks/results/h200/s38_host_before.json``). The registered op still runs whenever anything
     could observe or transform the call: ``torch.compile``, ``make_fx`` or ``torch.jit`` tracing, a
     ``TorchDispatchMode`` (FlopCounter, fake / functional modes), functorch transforms (``vmap``: batched tensors look
-    like plain ones), the autograd profiler (its ``lowbit::`` events), a tensor subclass argument (fake, DTensor...)
-    or an input that needs a gradient (the autograd error of an op without a backward). A review of the change found
+    like plain ones), a ``TorchFunctionMode`` (e.g. ``with torch.device(...)``), the autograd profiler (its ``lowbit::``
+    events), a tensor subclass argument (fake, DTensor...), an input that needs a gradient (the autograd error of an
+    op without a backward), and ops that write their arguments (``_mutates``). A review of the change found
     the first version of this test missing tracing, vmap, modes and the profiler (session 38)."""
-    if _plain_eager() and all(type(a) is torch.Tensor and not a.requires_grad
-                              for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
+    if _plain_eager() and not _mutates(op) and all(type(a) is torch.Tensor and not a.requires_grad
+                                                   for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)):
         fn = getattr(op, "_init_fn", None)
         if fn is not None:
             return fn(*args, **kwargs)
@@ -267,12 +268,23 @@ def run_op(op, *args, **kwargs):
 
 
 def _plain_eager() -> bool:
-    """No compiler, tracer, dispatch mode, functorch transform or profiler is watching (``run_op``)."""
+    """No compiler, tracer, dispatch or function mode, functorch transform or profiler is watching (``run_op``)."""
     C = torch._C
     return not (torch.compiler.is_compiling() or torch.jit.is_tracing()
                 or getattr(C, "_len_torch_dispatch_stack", lambda: 1)()
+                or getattr(C, "_is_torch_function_mode_enabled", lambda: True)()
                 or getattr(C, "_are_functorch_transforms_active", lambda: True)()
                 or getattr(torch.autograd.profiler, "_is_profiler_enabled", True))
+
+
+@functools.lru_cache(maxsize=None)
+def _mutates(op) -> bool:
+    """Does the custom op write any argument (``mutates_args``)? Those keep the registered op in ``run_op``: the
+    dispatcher bumps the written tensors' version counters, which a direct call would not (a review finding)."""
+    schema = getattr(getattr(op, "_opoverload", None), "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def cuda_major(device: torch.device) -> int:

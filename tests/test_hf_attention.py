@@ -108,3 +108,21 @@ def test_generate_with_kernels_interpreter():
     ids = torch.randint(0, 96, (1, 5))
     out = _gen(m, ids, n=2)
     assert out.shape == (1, 7)
+
+
+@pytest.mark.parametrize("prompt_len", [3, 8])
+def test_static_cache_keeps_the_float_function(prompt_len):
+    """``kv=None`` with ``prefill='sdpa'`` leaves the model unchanged also over transformers' StaticCache, whose
+    ``update`` returns every preallocated slot: lowbit attends the filled ones only (before session 38 the empty
+    slots were attended, and generate(cache_implementation="static") gave other tokens)."""
+    from lowbit.models.hf_attention import install_quantized_attention
+    from tests._tiny_models import tiny_llama
+
+    m = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = m.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+        install_quantized_attention(m, kv=None, prefill="sdpa")
+        got = m.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, ref)
+

@@ -242,9 +242,11 @@ def test_moe_refusals(tmp_path):
         lowbit.quantize_model(copy.deepcopy(m), "fireq", fuse_mlp=True, progress=False, calibration=_calib())
     with pytest.raises(ValueError, match="cuda_graphs=True"):  # float experts, transformers' eager loop: host routing
         Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
-    for layer in m.model.layers:  # transformers' grouped_mm experts read no routing on the host: capturable
+    for layer in m.model.layers:  # transformers' grouped_mm experts (bf16) read no routing on the host: capturable
         layer.mlp.experts.config._experts_implementation = "grouped_mm"
-    Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs=True"):  # float32: PyTorch's fallback reads offsets on the host
+        Generator(m, max_batch=1, max_seq=8, cuda_graphs=True)
+    Generator(copy.deepcopy(m).to(torch.bfloat16), max_batch=1, max_seq=8, cuda_graphs=True)
     for layer in m.model.layers:
         layer.mlp.experts.config._experts_implementation = "eager"
     lowbit.quantize_model(m, "flute-nf4", progress=False)

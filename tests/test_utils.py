@@ -294,3 +294,22 @@ def test_modules_cast_by_to_dtype_still_raise(scheme, dtype):
     q = lowbit.quantize_linear(torch.nn.Linear(64, 32, bias=False), scheme, group_size=32).to(dtype)
     with pytest.raises(TypeError, match="must have dtype"):
         q(torch.randn(3, 64, dtype=dtype))
+
+
+def test_run_op_keeps_mutating_ops_and_function_modes():
+    """Ops that write their arguments keep the dispatcher (it bumps the written tensors' versions), as do calls under
+    a TorchFunctionMode such as ``with torch.device(...)`` (review findings, session 38)."""
+    from lowbit.ops import kv4, w4a8_fp8
+    import lowbit._utils as U
+
+    assert U._mutates(kv4._kv4_append) and not U._mutates(w4a8_fp8._w4a8_fp8_linear_pdl)
+
+    class Op:
+        _init_fn = staticmethod(lambda *a: "direct")
+
+        def __call__(self, *a):
+            return "dispatched"
+
+    with torch.device("cpu"):
+        assert U.run_op(Op(), torch.ones(2)) == "dispatched"
+

@@ -327,11 +327,21 @@ class _Proj:
 
 def _graphable_experts(experts, max_batch: int, quant_cls: type, dense_max: int) -> bool:
     """Can a CUDA graph capture this MoE experts module's decode? lowbit's (dense schedule, up to ``dense_max``
-    tokens), or transformers' float experts with their ``grouped_mm`` implementation (no host read; timed inside a
-    CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``); not transformers' eager loop (``nonzero``)."""
+    tokens), or transformers' bf16 experts with their ``grouped_mm`` implementation on Hopper / Blackwell (no host
+    read; timed inside a CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``); not transformers' eager loop
+    (``nonzero``)."""
     if isinstance(experts, quant_cls):
         return max_batch <= dense_max
-    return getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm"
+    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return False
+    # PyTorch's _grouped_mm stays on the device for bf16 on sm90 / sm100 only (elsewhere it reads offsets on the
+    # host, as transformers' own fallback does): a review finding
+    w = getattr(experts, "gate_up_proj", None)
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+        return False
+    from lowbit._utils import cuda_major
+
+    return w.device.type != "cuda" or cuda_major(w.device) in (9, 10)
 
 
 class _FusedLayer:

@@ -227,12 +227,16 @@ def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mas
         check_window(self, seen + T, "lowbit attention")
     if cfg.kv is None:
         q, k = self._lowbit_rope(q, k, cos, sin)
+        past = 0
         if past_key_values is not None:
+            past = int(past_key_values.get_seq_length(self.layer_idx))
             k, v = past_key_values.update(k, v, self.layer_idx)
+            if k.shape[2] > past + T:  # a static (preallocated) cache returns every slot: attend the filled ones
+                k, v = k[:, :, : past + T], v[:, :, : past + T]  # (before session 38 the empty slots were attended)
         # a decode step (a few new tokens after cached ones) attends in float, as the runner's float cache does: the
         # quantized schemes are prefill kernels (session 38; before, int8-attention decoded through INT8 attention
         # here and in float in the runner)
-        step = T <= cfg.decode_max_tokens and k.shape[2] > T
+        step = T <= cfg.decode_max_tokens and past > 0
         out = _attend(q, k, v, attention_mask, "sdpa" if step else cfg.prefill, self.scaling)
     else:
         q = _rope_q(q, cos, sin, cfg.interleaved)
