@@ -111,6 +111,24 @@ def test_generate_with_kernels_interpreter():
 
 
 @pytest.mark.parametrize("prompt_len", [3, 8])
+def test_static_cache_with_kv4_matches_the_default_cache(prompt_len, monkeypatch):
+    """With ``kv='kv4'`` and a StaticCache passed in (not lowbit's cache), each step's K/V are quantized through the
+    append (fake quantization) and stored there: the tokens equal lowbit's own cache's, whose attention reads the
+    same quantized values (the static cache's empty slots are not attended)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from lowbit.models.hf_attention import install_quantized_attention
+    from tests._tiny_models import tiny_llama
+
+    m = tiny_llama(layers=2)
+    install_quantized_attention(m, kv="kv4")
+    ids = torch.randint(0, 128, (1, prompt_len), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        own = m.generate(ids, max_new_tokens=4, do_sample=False)
+        static = m.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static")
+    assert torch.equal(own[:, : prompt_len + 1], static[:, : prompt_len + 1])
+
+
+@pytest.mark.parametrize("prompt_len", [3, 8])
 def test_static_cache_keeps_the_float_function(prompt_len):
     """``kv=None`` with ``prefill='sdpa'`` leaves the model unchanged also over transformers' StaticCache, whose
     ``update`` returns every preallocated slot: lowbit attends the filled ones only (before session 38 the empty

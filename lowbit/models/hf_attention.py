@@ -227,12 +227,7 @@ def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mas
         check_window(self, seen + T, "lowbit attention")
     if cfg.kv is None:
         q, k = self._lowbit_rope(q, k, cos, sin)
-        past = 0
-        if past_key_values is not None:
-            past = int(past_key_values.get_seq_length(self.layer_idx))
-            k, v = past_key_values.update(k, v, self.layer_idx)
-            if k.shape[2] > past + T:  # a static (preallocated) cache returns every slot: attend the filled ones
-                k, v = k[:, :, : past + T], v[:, :, : past + T]  # (before session 38 the empty slots were attended)
+        k, v, past = _update_filled(past_key_values, k, v, self.layer_idx)
         # a decode step (a few new tokens after cached ones) attends in float, as the runner's float cache does: the
         # quantized schemes are prefill kernels (session 38; before, int8-attention decoded through INT8 attention
         # here and in float in the runner)
@@ -255,11 +250,23 @@ def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mas
                 out = _attend(_scale_q(q, crs_q), kd, vd, attention_mask, cfg.prefill, self.scaling)
         else:
             kq, vq = _fake_quant(cfg, k, v, cos, sin)
-            if past_key_values is not None:
-                kq, vq = past_key_values.update(kq, vq, self.layer_idx)
+            kq, vq, _ = _update_filled(past_key_values, kq, vq, self.layer_idx)
             out = _attend(_scale_q(q, crs_q), kq, vq, attention_mask, cfg.prefill, self.scaling)
     out = out.transpose(1, 2).reshape(B, T, -1).contiguous()
     return self.o_proj(out), None
+
+
+def _update_filled(cache, k, v, layer_idx):
+    """``cache.update(k, v, layer_idx)`` (a transformers ``Cache``, or None: k, v as they are) cut to the filled
+    positions, and the number of positions cached before: a static (preallocated) cache returns every slot, and
+    attending its empty ones was wrong (before session 38, with ``kv=None`` and with another cache than lowbit's)."""
+    if cache is None:
+        return k, v, 0
+    past, new = int(cache.get_seq_length(layer_idx)), k.shape[2]
+    k, v = cache.update(k, v, layer_idx)
+    if k.shape[2] > past + new:
+        k, v = k[:, :, : past + new], v[:, :, : past + new]
+    return k, v, past
 
 
 def _scale_q(q, crs_q):
