@@ -70,6 +70,12 @@ class LayerView:
                 "gate_proj": self.gate_proj, "up_proj": self.up_proj, "down_proj": self.down_proj}
         return {r: m for r, m in lins.items() if m is not None}
 
+    @property
+    def key_module(self) -> nn.Module:
+        """The module whose output is the keys RoPE rotates: ``k_proj``, or ``k_norm`` after it on q/k-norm models
+        (where RPN / SmoothAttention statistics are read)."""
+        return self.layer.self_attn.k_norm if self.qk_norm else self.k_proj
+
     def set_experts(self, module: nn.Module) -> None:
         self.layer.mlp.experts = module
         self.experts = module

@@ -325,23 +325,26 @@ class _Proj:
         return y.reshape(*lead, y.shape[-1])
 
 
-def _graphable_experts(experts, max_batch: int, quant_cls: type, dense_max: int) -> bool:
-    """Can a CUDA graph capture this MoE experts module's decode? lowbit's (dense schedule, up to ``dense_max``
-    tokens), or transformers' bf16 experts with their ``grouped_mm`` implementation on Hopper / Blackwell (no host
-    read; timed inside a CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``); not transformers' eager loop
-    (``nonzero``)."""
-    if isinstance(experts, quant_cls):
-        return max_batch <= dense_max
-    if getattr(getattr(experts, "config", None), "_experts_implementation", None) != "grouped_mm":
-        return False
-    # PyTorch's _grouped_mm stays on the device for bf16 on sm90 / sm100 only (elsewhere it reads offsets on the
-    # host, as transformers' own fallback does): a review finding
-    w = getattr(experts, "gate_up_proj", None)
-    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
-        return False
-    from lowbit._utils import cuda_major
+def _moe_graphs(experts, max_batch: int) -> tuple[bool, bool]:
+    """(can a CUDA graph capture this MoE experts module's decode, does the ``Generator`` capture it by default).
+    lowbit's experts: their dense schedule, up to ``DENSE_MAX_TOKENS`` tokens; by default only up to
+    ``DENSE_GRAPH_MAX_EXPERTS`` experts (``lowbit.nn.moe``). transformers' experts: only bf16 ones with the
+    ``grouped_mm`` implementation on Hopper / Blackwell, where PyTorch's ``_grouped_mm`` stays on the device (timed
+    inside a CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``; elsewhere it reads the offsets on the
+    host, a review finding); never transformers' eager loop (``nonzero``)."""
+    from lowbit.nn.moe import DENSE_GRAPH_MAX_EXPERTS, DENSE_MAX_TOKENS, QuantExperts
 
-    return w.device.type != "cuda" or cuda_major(w.device) in (9, 10)
+    if isinstance(experts, QuantExperts):
+        ok = max_batch <= DENSE_MAX_TOKENS
+        return ok, ok and experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS
+    w = getattr(experts, "gate_up_proj", None)
+    ok = (getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm"
+          and isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16)
+    if ok and w.device.type == "cuda":
+        from lowbit._utils import cuda_major
+
+        ok = cuda_major(w.device) in (9, 10)
+    return ok, ok
 
 
 class _FusedLayer:
@@ -799,21 +802,17 @@ class Generator:
                     pr.pdl_max_m = self.pdl_max_m
         self.head.pdl_max_m = self.pdl_max_m
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
-        # MoE blocks: lowbit's quantized experts take their dense schedule (no host read) at decode sizes up to
-        # DENSE_MAX_TOKENS, which a CUDA graph captures; transformers' float experts read the routing on the host
-        from lowbit.nn.moe import DENSE_GRAPH_MAX_EXPERTS, DENSE_MAX_TOKENS, QuantExperts
-
+        # MoE blocks: lowbit's quantized experts take their dense schedule (no host read) at decode sizes, which a CUDA
+        # graph captures; transformers' float experts mostly read the routing on the host (_moe_graphs)
         moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
-        graphable = all(_graphable_experts(self.a.layers[i].mlp.experts, self.max_batch, QuantExperts,
-                                           DENSE_MAX_TOKENS) for i in moe)
-        if moe and cuda_graphs and not graphable:
+        plans = [_moe_graphs(self.a.layers[i].mlp.experts, self.max_batch) for i in moe]
+        if cuda_graphs and not all(ok for ok, _ in plans):
             raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs whose experts read the "
-                             "routing on the host (float experts, or max_batch above lowbit.nn.moe.DENSE_MAX_TOKENS = "
-                             f"{DENSE_MAX_TOKENS}); run them with cuda_graphs=False (the default for them)")
-        few = graphable and all(self.a.layers[i].mlp.experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS for i in moe
-                                if isinstance(self.a.layers[i].mlp.experts, QuantExperts))
-        self.cuda_graphs = (self.device.type == "cuda" and (not moe or few)) if cuda_graphs is None \
-            else bool(cuda_graphs)
+                             "routing on the host (float experts other than bf16 grouped_mm on sm90 / sm100, or "
+                             "max_batch above lowbit.nn.moe.DENSE_MAX_TOKENS); run them with cuda_graphs=False (the "
+                             "default for them)")
+        default = all(d for _, d in plans)
+        self.cuda_graphs = (self.device.type == "cuda" and default) if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[int, tuple] = {}
         self.rows = torch.arange(self.max_batch, device=self.device)
         self.profile_sections = False  # torch.profiler labels per section (eager profiling only)

@@ -7,7 +7,8 @@ down become one lowbit ``QuantLinear`` each (any linear scheme and its options, 
 two ``nn.ModuleList``s (``gate_up[e]``, ``down[e]``). The router stays float and is not replaced.
 
 ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` has transformers' signature and
-arithmetic (an id equal to ``num_experts`` means "no expert", as transformers' sentinel of expert parallelism): for each expert that received tokens, in increasing expert order, its tokens are gathered,
+arithmetic (an id equal to ``num_experts`` means "no expert", as transformers' sentinel of expert parallelism):
+for each expert that received tokens, in increasing expert order, its tokens are gathered,
 ``h = silu(gate) * up`` (each rounded to the activation dtype), ``y = down(h) * weight``, and ``y`` (cast to
 ``hidden``'s dtype) is added into the output rows (so a token's experts are summed in expert order, as there).
 
@@ -27,8 +28,8 @@ Two schedules (session 38):
   other indices are, ``lowbit._utils.check_indices``), so the decode step is CUDA-graph capturable. It reads every
   expert's weights, which a decode batch of a few tokens mostly does anyway (8 experts, top-2: 5.3 hit on average
   at 4 tokens, 7.9 at 16). Eagerly it would launch 4x the GEMMs of the sparse schedule at one token, each paying
-  the host's launch time (``benchmarks/results/h200/s38_moe_graph.json``: 7.1 vs 1.4 ms per call), hence eager
-  calls stay sparse.
+  the host's launch time (w4a8-fp8, one token: 7.1 ms per call eagerly dense, ``s38_moe_graph.json``, vs 1.4 ms
+  sparse, ``s38_moe_after.json``, in ``benchmarks/results/h200/``), hence eager calls stay sparse.
 
 A grouped GEMM over the routed tokens (expert offsets on the device, one launch per projection) would serve both
 (docs/sections/model.md).
@@ -125,12 +126,12 @@ class QuantExperts(nn.Module):
                 raise ValueError(bad)
             return self._dense(hidden_states, top_k_index, top_k_weights, out)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        if int(flat.min()) < 0:
+        # the one host read: counts of [negative ids, expert 0, ..., expert E-1, id E (transformers' "no expert" of
+        # expert parallelism: skipped), larger ids]
+        counts = torch.bincount(flat.clamp(-1, self.num_experts + 1) + 1, minlength=self.num_experts + 3).tolist()
+        if counts[0] or counts[-1]:
             raise ValueError(bad)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the host read
-        if len(counts) > self.num_experts + 1:
-            raise ValueError(bad)
-        counts = counts[:self.num_experts]  # id num_experts: transformers' "no expert" (expert parallelism): skipped
+        counts = counts[1:self.num_experts + 1]
         w_flat = top_k_weights.reshape(-1)
         start = 0
         for e, c in enumerate(counts):

@@ -154,17 +154,51 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     GEMM (measured choices: the kernels' docstrings). ``weight_checked``: the caller vouches for the weight tensors'
     shapes, ``bits``, ``group_size``, ``layout`` and x's width (``LUTLinear``): only x's dtype and device and the
     floating buffers' dtypes are checked (host time, session 38)."""
-    if weight_checked and table.dtype == torch.float32 and scales.dtype in _ACT and (
-            pairs is None or pairs.dtype in _ACT):  # a module cast by .to(dtype) fails here: the full checks below
-        return _lut_gemm_checked(x, qweight, qweight_hi, scales, table, bits, group_size, lookup, pairs, layout,
-                                 pdl, silu_mul)
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
+    if x.ndim == 0:
+        raise ValueError("x must have at least 1 dim")
+    # the weight checks; a LUTLinear (weight_checked) skips them unless its floating buffers changed dtype (a module
+    # cast by .to(dtype) still gets the full checks and their errors)
+    full = not (weight_checked and table.dtype == torch.float32 and scales.dtype in _ACT
+                and (pairs is None or pairs.dtype in _ACT))
+    if full:
+        _check_lut_weight(x, qweight, qweight_hi, scales, table, bits, group_size, layout, silu_mul)
+    if lookup == "auto":  # layout 'mma' ignores lookup; else decided once per table (host check, cached)
+        lookup = "load" if layout == "mma" else ("affine" if _uniform(table) else "load")
+    if lookup not in ("load", "global", "smem", "select", "affine", "pair"):
+        raise ValueError(f"lookup must be 'auto', 'load', 'global', 'smem', 'select', 'affine' or 'pair', "
+                         f"got {lookup!r}")
+    if layout == "mma":  # the fragment kernel always reads the pair table (given, or built once and cached)
+        ok = pairs is not None and tuple(pairs.shape) == (4 ** bits, 2) and pairs.dtype == x.dtype
+        pairs = pairs if ok else None
+    elif lookup == "pair":
+        check_tensor(pairs, "pairs", shape=(4 ** bits, 2))
+        if x.dtype in _ACT and pairs.dtype != x.dtype:
+            raise TypeError(f"pairs must have x's dtype {x.dtype} (build with pair_table(table, bits, x.dtype)), "
+                            f"got {pairs.dtype}")
+    else:
+        pairs = None
+    devs = {t.device for t in ((x, qweight, scales, table) if full else (x, qweight))}
+    if len(devs) > 1:
+        raise ValueError(f"x, qweight, scales and table must be on one device, got {sorted(map(str, devs))}")
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
+        x2 = x2.contiguous()
+    if x.dtype not in _ACT and x.is_cuda:
+        warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
+    y = run_op(_lut_gemm, x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
+               bool(silu_mul))
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _check_lut_weight(x, qweight, qweight_hi, scales, table, bits, group_size, layout, silu_mul) -> None:
+    """``lut_gemm``'s checks of the weight tensors and options against ``x``'s width."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
     check_tensor(scales, "scales", dtype=_ACT, ndim=2)
     check_tensor(table, "table", dtype=torch.float32, shape=(2 ** bits,))
     ng, N = scales.shape
@@ -185,57 +219,3 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     if silu_mul and N % (2 * SILU_BLOCK):
         raise ValueError(f"silu_mul needs N (gate/up rows interleaved in blocks of {SILU_BLOCK}) a multiple of "
                          f"{2 * SILU_BLOCK}, got N={N}")
-    if lookup == "auto":  # layout 'mma' ignores lookup; else decided once per table (host check, cached)
-        lookup = "load" if layout == "mma" else ("affine" if _uniform(table) else "load")
-    if lookup not in ("load", "global", "smem", "select", "affine", "pair"):
-        raise ValueError(f"lookup must be 'auto', 'load', 'global', 'smem', 'select', 'affine' or 'pair', "
-                         f"got {lookup!r}")
-    if layout == "mma":  # the fragment kernel always reads the pair table (given, or built once and cached)
-        ok = pairs is not None and tuple(pairs.shape) == (4 ** bits, 2) and pairs.dtype == x.dtype
-        pairs = pairs if ok else None
-    elif lookup == "pair":
-        check_tensor(pairs, "pairs", shape=(4 ** bits, 2))
-        if x.dtype in _ACT and pairs.dtype != x.dtype:
-            raise TypeError(f"pairs must have x's dtype {x.dtype} (build with pair_table(table, bits, x.dtype)), "
-                            f"got {pairs.dtype}")
-    else:
-        pairs = None
-    devs = {t.device for t in (x, qweight, scales, table) if t is not None}
-    if len(devs) > 1:
-        raise ValueError(f"x, qweight, scales and table must be on one device, got {sorted(map(str, devs))}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
-        x2 = x2.contiguous()
-    if x.dtype not in _ACT and x.is_cuda:
-        warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    y = run_op(_lut_gemm, x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
-               bool(silu_mul))
-    return y.reshape(*lead, y.shape[-1])
-
-
-def _lut_gemm_checked(x, qweight, qweight_hi, scales, table, bits, group_size, lookup, pairs, layout, pdl, silu_mul):
-    """``lut_gemm`` for weights its caller vouches for: x's dtype and device checked, the lookup and pair-table
-    rules of ``lut_gemm`` applied, no weight checks."""
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
-    if x.device != qweight.device:
-        raise ValueError(f"x, qweight, scales and table must be on one device, got {x.device} and {qweight.device}")
-    if lookup == "auto":
-        lookup = "load" if layout == "mma" else ("affine" if _uniform(table) else "load")
-    if layout == "mma":
-        if not (pairs is not None and tuple(pairs.shape) == (4 ** bits, 2) and pairs.dtype == x.dtype):
-            pairs = None
-    elif lookup != "pair":
-        pairs = None
-    if x.dtype not in _ACT and x.is_cuda:
-        warn_once("lut_gemm: float32 activations run the PyTorch reference; pass bf16/fp16 for the kernel")
-    K = x.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != K):
-        x2 = x2.contiguous()
-    y = run_op(_lut_gemm, x2, qweight, qweight_hi, scales, table, pairs, bits, group_size, lookup, layout, bool(pdl),
-               bool(silu_mul))
-    return y.reshape(*lead, y.shape[-1])

@@ -69,21 +69,23 @@ def _scales_from_absmean(a: torch.Tensor, *, alpha: float, max_scale: float) -> 
     return lam.clamp(1.0 / max_scale, max_scale)
 
 
+def _mul(w: torch.Tensor, s: torch.Tensor) -> None:
+    """``w *= s`` in place, computed in float32 and rounded once to ``w``'s dtype (``s`` broadcast against ``w``)."""
+    w.copy_((w.float() * s.to(w.device)).to(w.dtype))
+
+
 def _scale_cols(lin, lam):
-    w = lin.weight
-    lin.weight.data = (w.data.float() * lam.to(w.device)[None, :]).to(w.dtype)
+    _mul(lin.weight.data, lam[None, :])
 
 
 def _scale_rows(lin, inv):
-    w = lin.weight
-    lin.weight.data = (w.data.float() * inv.to(w.device)[:, None]).to(w.dtype)
+    _mul(lin.weight.data, inv[:, None])
     if getattr(lin, "bias", None) is not None:
-        lin.bias.data = (lin.bias.data.float() * inv.to(lin.bias.device)).to(lin.bias.dtype)
+        _mul(lin.bias.data, inv)
 
 
 def _scale_norm(norm, inv):
-    w = norm.weight
-    w.data = (w.data.float() * inv.to(w.device)).to(w.dtype)
+    _mul(norm.weight.data, inv)
 
 
 def _is_float_linear(m) -> bool:
@@ -104,14 +106,14 @@ def _cas_experts(v, projections, lambdas: dict, *, alpha: float, max_scale: floa
     if "down" in projections:
         for e in range(E):
             lam = cas_scales([dn[e]], alpha=alpha, max_scale=max_scale)
-            dn.data[e] = (dn.data[e].float() * lam.to(dn.device)[None, :]).to(dn.dtype)
-            gu.data[e, inter:] = (gu.data[e, inter:].float() * (1.0 / lam).to(gu.device)[:, None]).to(gu.dtype)
+            _mul(dn.data[e], lam[None, :])
+            _mul(gu.data[e, inter:], (1.0 / lam)[:, None])
             lambdas[(v.index, f"down.{e}")] = lam
     if "gate_up" in projections:
-        sums = sum(gu.data[e].float().abs().sum(0) for e in range(E))
+        sums = sum(gu.data[e].float().abs().sum(0) for e in range(E))  # one expert at a time in float32
         lam = _scales_from_absmean(sums / (E * two_i), alpha=alpha, max_scale=max_scale)
         for e in range(E):
-            gu.data[e] = (gu.data[e].float() * lam.to(gu.device)[None, :]).to(gu.dtype)
+            _mul(gu.data[e], lam[None, :])
         _scale_cols(v.router, lam)
         _scale_norm(v.post_norm, 1.0 / lam)
         lambdas[(v.index, "gate_up")] = lam
@@ -144,10 +146,7 @@ def apply_cas(model, layers=None, *, projections=DEFAULT_PROJECTIONS, alpha: flo
             groups = v.num_heads // v.num_kv_heads
             # o's columns [num_heads * head_dim] -> [kv, group, d]; pool over the group's heads
             a = v.o_proj.weight.detach().float().abs().mean(0).reshape(v.num_kv_heads, groups, v.head_dim).mean(1)
-            pos = a[a > 0]
-            target = pos.log().mean().exp() if pos.numel() else torch.tensor(1.0)
-            lam_kv = (target / a.clamp_min(target / max_scale)) ** alpha
-            lam_kv = lam_kv.clamp(1.0 / max_scale, max_scale)  # [kv, d]
+            lam_kv = _scales_from_absmean(a.flatten(), alpha=alpha, max_scale=max_scale).reshape(a.shape)  # [kv, d]
             lam = lam_kv[:, None, :].expand(v.num_kv_heads, groups, v.head_dim).reshape(-1)
             _scale_cols(v.o_proj, lam)
             _scale_rows(v.v_proj, 1.0 / lam_kv.reshape(-1))

@@ -131,7 +131,7 @@ def _key_stats(model, batches, views):
             stats[name] = [pn, mx]
 
     device = next(model.parameters()).device
-    mods = {v.index: v.layer.self_attn.k_norm if v.qk_norm else v.k_proj for v in views.values()}
+    mods = {v.index: v.key_module for v in views.values()}
     with hooks(mods, fn):
         for ids in batches:
             ids = ids.to(device)

@@ -90,7 +90,7 @@ def apply_smooth_attention(model, batches, layers=None, alpha: float = 0.5) -> d
                                      or not views[i].k_proj.weight.is_floating_point()):
             raise ValueError(f"layer {i}: k_proj must be a float nn.Linear (apply SmoothAttention before quantizing)")
     # the keys RoPE sees: k_proj's output, or k_norm's on q/k-norm models ([B, S, Hkv * D] or [B, S, Hkv, D])
-    mods = {str(i): views[i].layer.self_attn.k_norm if views[i].qk_norm else views[i].k_proj for i in idx}
+    mods = {str(i): views[i].key_module for i in idx}
     stats = reduce_stats(model, batches, mods, lambda y: y.abs().reshape(y.shape[0] * y.shape[1], -1).amax(0),
                          on="output", reduce="max")
     out = {"alpha": alpha, "layers": {}, "online": []}
