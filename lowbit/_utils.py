@@ -334,6 +334,29 @@ def derived(build: Callable[[], object], anchor: torch.Tensor, *deps: torch.Tens
     return value
 
 
+def device_table(values: Callable[[], list], dtype: torch.dtype, anchors: list[torch.Tensor], tag: tuple) -> torch.Tensor:
+    """A small 1-D tensor on ``anchors[0]``'s device holding ``values()`` (host numbers computed from the anchors:
+    their addresses, their scales), kept (``derived``) while the anchors live unchanged. On CUDA it is built by
+    one fill per element (a launch taking the number as its argument, no host-to-device copy), so a first call
+    inside a CUDA-graph capture can build it too. A table used while a graph is captured is kept alive for the
+    process (``CAPTURED_OUTGROWN``): the graph reads it by address even after the anchors change."""
+    def build():
+        vals = values()
+        dev = anchors[0].device
+        if dev.type != "cuda":
+            return torch.tensor(vals, dtype=dtype, device=dev)
+        t = torch.empty(len(vals), dtype=dtype, device=dev)
+        for i, v in enumerate(vals):
+            t[i] = v
+        return t
+
+    t = derived(build, anchors[0], *anchors[1:], tag=("table", *tag))
+    if _capturing(t.device) and not getattr(t, "_lowbit_captured", False):
+        t._lowbit_captured = True
+        CAPTURED_OUTGROWN.append(t)
+    return t
+
+
 def clear_derived_cache() -> None:
     """Drop every ``derived`` entry (needed only after writing tensors in place through ``.data``, which
     PyTorch does not count in ``_version``)."""

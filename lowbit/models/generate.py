@@ -327,8 +327,8 @@ class _Proj:
 
 def _moe_graphs(experts, max_batch: int) -> tuple[bool, bool]:
     """(can a CUDA graph capture this MoE experts module's decode, does the ``Generator`` capture it by default).
-    lowbit's experts: their dense schedule, up to ``DENSE_MAX_TOKENS`` tokens; by default only up to
-    ``DENSE_GRAPH_MAX_EXPERTS`` experts (``lowbit.nn.moe``). transformers' experts: only bf16 ones with the
+    lowbit's experts: their grouped (``w4a8-fp8``) or dense schedule, up to ``DENSE_MAX_TOKENS`` tokens; by default
+    the dense one only up to ``DENSE_GRAPH_MAX_EXPERTS`` experts (``lowbit.nn.moe``). transformers' experts: only bf16 ones with the
     ``grouped_mm`` implementation on Hopper / Blackwell, where PyTorch's ``_grouped_mm`` stays on the device (timed
     inside a CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``; elsewhere it reads the offsets on the
     host, a review finding); never transformers' eager loop (``nonzero``)."""
@@ -336,7 +336,7 @@ def _moe_graphs(experts, max_batch: int) -> tuple[bool, bool]:
 
     if isinstance(experts, QuantExperts):
         ok = max_batch <= DENSE_MAX_TOKENS
-        return ok, ok and experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS
+        return ok, ok and (experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS or experts.grouped_weights() is not None)
     w = getattr(experts, "gate_up_proj", None)
     ok = (getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm"
           and isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16)

@@ -31,8 +31,11 @@ Two schedules (session 38):
   the host's launch time (w4a8-fp8, one token: 7.1 ms per call eagerly dense, ``s38_moe_graph.json``, vs 1.4 ms
   sparse, ``s38_moe_after.json``, in ``benchmarks/results/h200/``), hence eager calls stay sparse.
 
-A grouped GEMM over the routed tokens (expert offsets on the device, one launch per projection) would serve both
-(docs/sections/model.md).
+- **grouped** (session 39; ``w4a8-fp8`` experts, up to ``GROUPED_MAX_TOKENS`` tokens, eager, captured or
+  compiled alike): op ``lowbit::moe_w4a8_fp8``, one grouped GEMM launch per projection over the rows sorted by
+  expert on the device (``lowbit.kernels.moe_w4a8_fp8``): no host read, and only the routed experts' weights are
+  read. The same arithmetic as the sparse schedule (the silu / weight / sum roundings and order), up to the GEMMs'
+  accumulation order. It replaces both schedules above for such experts at these sizes.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens t
 # every expert, E / (top-k) times the chosen ones at one token (measured: 8 experts, top-2; a 128-expert top-8 model
 # would read 16x and launch 256 GEMMs per layer; cuda_graphs=True still captures it)
 DENSE_GRAPH_MAX_EXPERTS = 16
+GROUPED_MAX_TOKENS = 64  # calls of at most this many tokens over w4a8-fp8 experts take the grouped schedule
 _STATE = threading.local()  # .dense: depth of this thread's dense_schedule() contexts
 
 
@@ -85,6 +89,7 @@ class QuantExperts(nn.Module):
             raise ValueError(f"act must be one of {ACTIVATIONS}, got {act!r}")
         self.num_experts = int(num_experts)
         self.act = act
+        self.grouped = True  # take the grouped schedule where it applies (False: the per-expert modules; A/B runs)
         self.gate_up = nn.ModuleList([nn.Identity() for _ in range(self.num_experts)])
         self.down = nn.ModuleList([nn.Identity() for _ in range(self.num_experts)])
 
@@ -121,6 +126,14 @@ class QuantExperts(nn.Module):
         if flat.numel() == 0:
             return out
         bad = f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts}] (num_experts: no expert)"
+        grouped = self.grouped_weights() if hidden_states.shape[0] <= GROUPED_MAX_TOKENS else None
+        if grouped is not None:
+            if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
+                raise ValueError(bad)
+            from lowbit.ops.moe import moe_w4a8_fp8
+
+            return moe_w4a8_fp8(hidden_states, top_k_index, top_k_weights, grouped[0], grouped[1], grouped[2],
+                                weights_checked=True)
         if _dense_wanted(hidden_states):
             if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
                 raise ValueError(bad)
@@ -144,6 +157,22 @@ class QuantExperts(nn.Module):
             y = self.down[e](F.silu(gate) * up) * w_flat[sel, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def grouped_weights(self):
+        """(gate_up, down, group_size) for ``lowbit.ops.moe.moe_w4a8_fp8`` (per expert ``(codes, scales, pts_exp)``
+        lists) when every expert is a plain ``w4a8-fp8`` linear pair of one group size (no bias, no fused
+        activation), else None: the grouped schedule (module docstring)."""
+        from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
+
+        if not self.grouped:
+            return None
+        mods = (*self.gate_up, *self.down)
+        g = getattr(mods[0], "group_size", None)
+        if not all(type(m) is W4A8FP8Linear and m.bias is None and m.activation is None and m.group_size == g
+                   for m in mods):
+            return None
+        return tuple(([m.codes for m in ms], [m.scales for m in ms], [m.pts_exp for m in ms])
+                     for ms in (self.gate_up, self.down)) + (g,)
 
     def _dense(self, x, top_k_index, top_k_weights, out):
         """Every expert over all tokens, kept where routed (module docstring)."""

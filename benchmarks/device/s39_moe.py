@@ -1,0 +1,108 @@
+"""Device script (session 39): one Mixtral-8x7B-shaped MoE block's experts (H = 4096, I = 14336, E = 8, top-2;
+random N(0, 0.02) bf16 weights, routing from a random router on random tokens), the grouped ``w4a8-fp8`` schedule
+(``lowbit::moe_w4a8_fp8``) against the per-expert schedules of session 38 (sparse eager, dense in graphs) and
+transformers' bf16 ``grouped_mm`` experts, eager and inside CUDA graphs (``lowbit.bench.harness.graph_us``, 16 calls
+per graph cycling 8 token sets). Router excluded (identical for all). Writes <out>/s39_moe.json."""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+import lowbit  # noqa: E402,F401
+from lowbit.bench.harness import graph_us  # noqa: E402
+from lowbit.nn.moe import QuantExperts, dense_schedule  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+ap.add_argument("--reps", type=int, default=40)
+ap.add_argument("--experts", type=int, default=8)
+ap.add_argument("--top-k", type=int, default=2)
+a = ap.parse_args()
+
+from transformers import MixtralConfig  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+
+torch.manual_seed(0)
+H, I, E, K = 4096, 14336, a.experts, a.top_k
+cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+with torch.device("cuda"):
+    block = MixtralSparseMoeBlock(cfg).to(torch.bfloat16).eval()
+with torch.no_grad():
+    block.experts.gate_up_proj.normal_(0, 0.02)
+    block.experts.down_proj.normal_(0, 0.02)
+    block.gate.weight.normal_(0, 0.02)
+experts = block.experts
+experts.config._experts_implementation = "grouped_mm"
+t0 = time.time()
+qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=128).cuda()
+print(f"quantized in {time.time() - t0:.1f} s", flush=True)
+
+
+def lowbit_call(grouped):
+    def f(x, idx, w):
+        qe.grouped = grouped
+        return qe(x, idx, w)
+    return f
+
+
+variants = {"bf16 grouped_mm": lambda x, idx, w: experts(x, idx, w),
+            "lowbit w4a8-fp8 grouped": lowbit_call(True),
+            "lowbit w4a8-fp8 per-expert": lowbit_call(False)}
+rows = []
+for T in [int(t) for t in a.tokens.split(",")]:
+    sets = []
+    for s in range(8):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            _, w, idx = block.gate(x)
+        sets.append((x, idx, w, int(torch.unique(idx).numel())))
+    hit = statistics.mean(s[3] for s in sets)
+    with torch.no_grad():
+        ref = variants["lowbit w4a8-fp8 per-expert"](*sets[0][:3]).double()
+        bf = variants["bf16 grouped_mm"](*sets[0][:3]).double()
+    for name, fn in variants.items():
+        with torch.no_grad():
+            y = fn(*sets[0][:3]).double()
+            err = ((y - ref).norm() / ref.norm()).item()
+            err_bf = ((y - bf).norm() / bf.norm()).item()
+            for i in range(3):
+                fn(*sets[i % 8][:3])
+            torch.cuda.synchronize()
+            ts = []
+            for i in range(a.reps):
+                x, idx, w, _ = sets[i % 8]
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn(x, idx, w)
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3)
+            with dense_schedule():
+                gus = graph_us([(lambda s=s_, f=fn: f(*s[:3])) for s_ in sets], n=16, reps=10)
+        dense_reads_all = name.endswith("per-expert")  # in a graph the per-expert modules take the dense schedule
+        gb = hit * 3 * H * I * (2 if name.startswith("bf16") else 0.5) / 1e9
+        gb_graph = (E if dense_reads_all else hit) * 3 * H * I * (2 if name.startswith("bf16") else 0.5) / 1e9
+        us = statistics.median(ts)
+        rows.append(dict(tokens=T, variant=name, eager_median_us=round(us, 1), eager_min_us=round(min(ts), 1),
+                         graph_us=round(gus, 1), experts_hit=hit, weight_gb=round(gb, 3),
+                         graph_weight_tb_s=round(gb_graph / (gus * 1e-6) / 1e3, 3),
+                         rel_l2_vs_per_expert=round(err, 5), rel_l2_vs_bf16=round(err_bf, 4)))
+        print(rows[-1], flush=True)
+    base = {r["variant"]: r for r in rows if r["tokens"] == T}
+    for r in rows:
+        if r["tokens"] == T:
+            b = base["bf16 grouped_mm"]
+            r["eager_speedup_vs_bf16_grouped_mm"] = round(b["eager_median_us"] / r["eager_median_us"], 2)
+            r["graph_speedup_vs_bf16_grouped_mm"] = round(b["graph_us"] / r["graph_us"], 2)
+meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+            triton=__import__("triton").__version__, transformers=__import__("transformers").__version__,
+            command="python3 benchmarks/device/s39_moe.py --out $OUT " + " ".join(sys.argv[3:]),
+            shape=dict(hidden=H, intermediate=I, experts=E, top_k=K), reps=a.reps,
+            note="experts call only (router excluded); graph_us: per call inside a CUDA graph of 16 calls over 8 "
+                 "token sets; graph_weight_tb_s = weight bytes read (dense per-expert schedule: all experts) / time")
+json.dump(dict(meta=meta, rows=rows), open(f"{a.out}/s39_moe.json", "w"), indent=1)

@@ -1,0 +1,237 @@
+"""The grouped schedule of ``w4a8-fp8`` experts: the grouped GEMM kernel (``lowbit.kernels.moe_w4a8_fp8``) against
+its reference, op ``lowbit::moe_w4a8_fp8`` against the per-expert modules (the sparse schedule), routing edge cases,
+bad input, the op's registration, and the GPU (kernels, CUDA graph)."""
+import pytest
+import torch
+
+from lowbit.formats.common import FP8_E4M3, quantize_per_token
+from lowbit.formats.w4a8_fp8 import quantize_weight
+from lowbit.nn.moe import QuantExperts
+from lowbit.ops.moe import _grouped_ref, _moe_w4a8_fp8, combine, moe_w4a8_fp8, route
+from tests.conftest import GPU
+from tests.test_moe import _moe
+from tests.tolerances import KERNEL_VS_REF, rel_l2
+
+
+def _experts(E, N, K, group, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    codes, scales = [], []
+    for _ in range(E):
+        c, s, _ = quantize_weight(torch.randn(N, K, generator=g) * 0.1, group, 0)
+        codes.append(c.to(device))
+        scales.append(s.to(device))
+    return codes, scales
+
+
+def _routing(T, k, E, seed=0, sentinel=False):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if sentinel:  # some slots route to no expert (id E)
+        idx[::3, -1] = E
+    w = torch.rand(T, k, generator=g)
+    return idx, w
+
+
+def _schedules(qe, x, idx, w):
+    with torch.no_grad():
+        qe.grouped = True
+        grouped = qe(x, idx, w)
+        qe.grouped = False
+        sparse = qe(x, idx, w)
+        qe.grouped = True
+    return grouped, sparse
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_equals_sparse_bit_for_bit_on_references(arch, dtype, reference_ops):
+    """With the float64 references (rows independent) the grouped op is the sparse schedule bit for bit: the same
+    quantizations, silu / weight roundings and per-token sum order; slots of no expert (id E) are skipped."""
+    block = _moe(arch).to(dtype).model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=32)
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    _, w, idx = block.gate(x)
+    assert qe.grouped_weights() is not None
+    got, want = _schedules(qe, x, idx, w)
+    assert torch.equal(got, want)
+    idx = idx.clone()
+    idx[::2, 0] = qe.num_experts  # transformers' "no expert"
+    got, want = _schedules(qe, x, idx, w)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_grouped_more_slots_and_fp16(k, reference_ops):
+    """top-1 and top-3 (a three-term sum in expert order), fp16 activations, 5 experts."""
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant("mixtral", num_local_experts=5, num_experts_per_tok=k).half()
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=64)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).half()
+    idx, w = _routing(7, k, 5, seed=2)
+    got, want = _schedules(qe, x, idx, w.half())
+    assert torch.equal(got, want)
+
+
+def test_schedule_selection():
+    """The grouped schedule needs every expert a plain w4a8-fp8 pair of one group size and at most
+    GROUPED_MAX_TOKENS tokens; other schemes keep the per-expert modules."""
+    import lowbit.nn.moe as M
+
+    experts = _moe("mixtral").model.layers[0].mlp.experts
+    assert QuantExperts.from_experts(experts, "lut", bits=4, group_size=32).grouped_weights() is None
+    assert QuantExperts.from_experts(experts, "w4a8-int8", group_size=32).grouped_weights() is None
+    qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32)
+    gu, dn, g = qe.grouped_weights()
+    assert g == 32 and len(gu[0]) == len(dn[1]) == qe.num_experts
+    qe.grouped = False
+    assert qe.grouped_weights() is None
+    assert M.GROUPED_MAX_TOKENS == M.DENSE_MAX_TOKENS
+
+
+def test_route_and_combine():
+    """route: rows sorted by expert, offsets per expert (ids < 0 count with expert 0, ids >= E after the last);
+    combine: each token's slots summed in expert order, out-of-range slots skipped."""
+    idx = torch.tensor([[2, 0], [1, 2], [3, -1], [0, 5]])
+    order, off = route(idx, 3)
+    flat = idx.reshape(-1)
+    assert off.tolist() == [0, 3, 4, 6]  # expert 0: ids -1, 0, 0; expert 1; expert 2 twice; ids 3, 5 after
+    assert flat[order].tolist() == [-1, 0, 0, 1, 2, 2, 3, 5]
+    y = torch.arange(8.0)[:, None].repeat(1, 2)  # sorted row r holds r
+    w = torch.ones(4, 2)
+    out = combine(y, order, idx, w, 3, torch.float32)
+    # token 0: ids 2 (row 4 or 5), 0 (row 1 or 2); token 2: only -1 and 3 -> 0; token 3: only expert 0
+    pos = {int(order[r]): r for r in range(8)}
+    want = [pos[0] + pos[1], pos[2] + pos[3], 0, pos[6]]
+    assert out[:, 0].tolist() == want
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("N,K,group,split", [(96, 48, 32, 1), (200, 300, 64, 2), (130, 640, 128, 4),
+                                             (64, 576, 32, 3)])
+def test_grouped_gemm_kernel_matches_reference(N, K, group, split, monkeypatch):
+    """The grouped GEMM under the interpreter == ``_grouped_ref`` (reference_gemm per expert): N and K not
+    multiples of the blocks, every group size, split-K, gathered rows (gate_up) and direct rows (down), an expert
+    with no rows, and more rows per expert than one row step (the inner loop)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lowbit.kernels.moe_w4a8_fp8 import moe_w4a8_fp8_gemm_triton
+
+    E, T, k = 4, 21, 2
+    codes, scales = _experts(E, N, K, group)
+    inv = torch.tensor([1.0, 0.5, 0.25, 1.0])
+    idx, _ = _routing(T, k, 3, seed=N)  # expert 3 gets no rows
+    idx[::4, 1] = E  # and some slots no expert
+    order, off = route(idx, E)
+    row_tok = (order // k).to(torch.int32)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(K))
+    xq, sx = quantize_per_token(x, FP8_E4M3)
+    valid = int(off[-1])
+    for rmap, a, s in ((row_tok, xq, sx), (None, xq[row_tok.long()], sx[row_tok.long()])):
+        for dtype in (torch.float32, torch.bfloat16):
+            got = moe_w4a8_fp8_gemm_triton(a, s, rmap, off, codes, scales, inv, K, group, dtype, T * k, 1,
+                                           split_k=split)
+            want = _grouped_ref(a, s, rmap, off, codes, scales, inv, K, group, dtype, T * k)
+            assert rel_l2(got[:valid], want[:valid]) < KERNEL_VS_REF[dtype]
+
+
+@pytest.mark.interpreter
+def test_grouped_module_under_interpreter(monkeypatch):
+    """The whole grouped op with the kernels (interpreter) against the references, float32 (so the FP8
+    re-quantization of the down input sees the same values)."""
+    pytest.importorskip("triton")
+    block = _moe("qwen3_moe").model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=32)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    _, w, idx = block.gate(x)
+    out = {}
+    for interp in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        with torch.no_grad():
+            out[interp] = qe(x, idx, w)
+    assert rel_l2(out["1"], out["0"]) < 2 * KERNEL_VS_REF[torch.float32]
+
+
+def test_bad_input(reference_ops):
+    codes, scales = _experts(2, 8, 16, 32)
+    dn_codes, dn_scales = _experts(2, 16, 4, 32)
+    gu, dn = (codes, scales, [0, 0]), (dn_codes, dn_scales, [0, 0])
+    x = torch.randn(3, 16)
+    idx = torch.zeros(3, 1, dtype=torch.long)
+    w = torch.ones(3, 1)
+    assert moe_w4a8_fp8(x, idx, w, gu, dn, 32).shape == (3, 16)
+    with pytest.raises(ValueError, match="top_k_index"):
+        moe_w4a8_fp8(x, idx[:2], w, gu, dn, 32)
+    with pytest.raises(TypeError, match="top_k_index"):
+        moe_w4a8_fp8(x, idx.float(), w, gu, dn, 32)
+    with pytest.raises(ValueError, match="same number"):
+        moe_w4a8_fp8(x, idx, w, gu, (dn_codes[:1], dn_scales, [0, 0]), 32)
+    wide = _experts(2, 16, 200, 32)  # down weights of in_features 200, not I = 4
+    with pytest.raises(ValueError, match="down codes"):
+        moe_w4a8_fp8(x, idx, w, gu, (*wide, [0, 0]), 32)
+    with pytest.raises(ValueError, match="x has 8 features"):
+        moe_w4a8_fp8(x[:, :8], idx, w, gu, dn, 32)
+    with pytest.raises(ValueError, match="group_size"):
+        moe_w4a8_fp8(x, idx, w, gu, dn, 16)
+    assert torch.equal(moe_w4a8_fp8(x[:0], idx[:0], w[:0], gu, dn, 32), x[:0])
+
+
+def test_opcheck_and_compile(reference_ops):
+    """Schema and fake implementation (opcheck), and the experts module under torch.compile(fullgraph=True)."""
+    codes, scales = _experts(2, 8, 16, 32)
+    dn_codes, dn_scales = _experts(2, 16, 4, 32)
+    x = torch.randn(3, 16)
+    idx = torch.tensor([[0, 1], [1, 0], [1, 2]])
+    w = torch.rand(3, 2)
+    inv = torch.ones(2)
+    # (test_schema's SchemaCheckMode multiplies every input on the CPU: not implemented for float8_e4m3fn)
+    torch.library.opcheck(_moe_w4a8_fp8, (x, idx, w, codes, scales, inv, dn_codes, dn_scales, inv, 32),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    block = _moe("mixtral").model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=32)
+    x = torch.randn(4, 64)
+    _, w, idx = block.gate(x)
+    with torch.no_grad():
+        want = qe(x, idx, w)
+        got = torch.compile(qe, fullgraph=True, backend="eager")(x, idx, w)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_grouped_on_gpu(T):
+    """GPU kernels: the grouped op against the per-expert modules (sparse schedule) at bf16 rounding, and the same
+    call replayed from a CUDA graph with new routing gives the eager result bit for bit."""
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant("mixtral", num_local_experts=8, num_experts_per_tok=2, hidden=256, heads=4, kv_heads=2,
+                     head_dim=64, intermediate=512).to("cuda", torch.bfloat16)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=128)
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, 2, 8, seed=T)
+    idx, w = idx.cuda(), w.cuda().bfloat16()
+    got, want = _schedules(qe, x, idx, w)
+    assert rel_l2(got, want) < 2e-2
+    xs, ids, ws = x.clone(), idx.clone(), w.clone()
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            qe(xs, ids, ws)  # warm-up: compiles and builds the address tables outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = qe(xs, ids, ws)
+        idx2, w2 = _routing(T, 2, 8, seed=T + 100)
+        ids.copy_(idx2)
+        ws.copy_(w2.bfloat16())
+        xs.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, qe(xs, ids, ws))
