@@ -125,6 +125,7 @@ def test_dense_and_sparse_schedules_agree_bit_for_bit(scheme, monkeypatch, refer
 
     block = _moe("mixtral").model.layers[0].mlp
     qe = QuantExperts.from_experts(block.experts, scheme, group_size=32)
+    qe.grouped = False  # the per-expert schedules (the grouped one: tests/test_moe_grouped.py)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5))
     _, w, idx = block.gate(x)
     with torch.no_grad():

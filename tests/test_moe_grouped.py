@@ -95,20 +95,50 @@ def test_schedule_selection():
 
 
 def test_route_and_combine():
-    """route: rows sorted by expert, offsets per expert (ids < 0 count with expert 0, ids >= E after the last);
-    combine: each token's slots summed in expert order, out-of-range slots skipped."""
+    """route: rows stably sorted by clamp(id, 0, E) (ids < 0 with expert 0, ids >= E after the last), offsets per
+    expert; combine: each token's slots summed in expert order, out-of-range slots skipped."""
     idx = torch.tensor([[2, 0], [1, 2], [3, -1], [0, 5]])
-    order, off = route(idx, 3)
-    flat = idx.reshape(-1)
-    assert off.tolist() == [0, 3, 4, 6]  # expert 0: ids -1, 0, 0; expert 1; expert 2 twice; ids 3, 5 after
-    assert flat[order].tolist() == [-1, 0, 0, 1, 2, 2, 3, 5]
+    pos, row_tok, off = route(idx, 3)
+    assert off.tolist() == [0, 3, 4, 6]  # expert 0: ids 0, -1, 0 (slot order); expert 1; expert 2 twice; 3, 5 after
+    assert pos.tolist() == [4, 0, 3, 5, 6, 1, 2, 7]
+    assert row_tok.tolist() == [0, 2, 3, 1, 0, 1, 2, 3]
     y = torch.arange(8.0)[:, None].repeat(1, 2)  # sorted row r holds r
-    w = torch.ones(4, 2)
-    out = combine(y, order, idx, w, 3, torch.float32)
-    # token 0: ids 2 (row 4 or 5), 0 (row 1 or 2); token 2: only -1 and 3 -> 0; token 3: only expert 0
-    pos = {int(order[r]): r for r in range(8)}
-    want = [pos[0] + pos[1], pos[2] + pos[3], 0, pos[6]]
-    assert out[:, 0].tolist() == want
+    out = combine(y, pos, idx, torch.ones(4, 2), 3, torch.float32)
+    assert out[:, 0].tolist() == [4 + 0, 3 + 5, 0, 2]  # token 2: ids 3 and -1, both skipped
+    parts = torch.stack([y, 2 * y, -y]).float()  # split-K partials: summed in split order
+    assert torch.equal(combine(parts, pos, idx, torch.ones(4, 2), 3, torch.float32), 2 * out)
+
+
+def _route_case(T, k, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-2, E + 3, (T, k), generator=g)  # out-of-range ids too
+    for t in range(T // 2):  # the first half routed as top-k routers do: distinct valid ids
+        idx[t] = torch.randperm(E, generator=g)[:k]
+    return idx
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (5, 3, 4), (64, 8, 128), (9, 1, 2), (40, 2, 3)])
+def test_route_and_combine_kernels_equal_references(T, k, E, monkeypatch):
+    """The one-launch routing kernels equal the PyTorch references bit for bit: positions, token map and offsets;
+    the combine for bf16 / fp16 / fp32 outputs, with weights in another dtype, and from split-K partials (the
+    chunked pairwise counts run over more than one chunk at 64 x 8)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lowbit.kernels.moe_route import combine_triton, route_triton
+
+    idx = _route_case(T, k, E, seed=T * k + E)
+    for a, b in zip(route_triton(idx, E), route(idx, E)):
+        assert torch.equal(a, b)
+    pos = route(idx, E)[0]
+    g = torch.Generator().manual_seed(E)
+    for dtype, wdtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                          (torch.float32, torch.float32)):
+        y = torch.randn(T * k, 70, generator=g).to(dtype)
+        w = torch.rand(T, k, generator=g).to(wdtype)
+        assert torch.equal(combine_triton(y, pos, idx, w, E, dtype), combine(y, pos, idx, w, E, dtype))
+        parts = torch.randn(3, T * k, 70, generator=g)
+        assert torch.equal(combine_triton(parts, pos, idx, w, E, dtype), combine(parts, pos, idx, w, E, dtype))
 
 
 @pytest.mark.interpreter
@@ -127,8 +157,7 @@ def test_grouped_gemm_kernel_matches_reference(N, K, group, split, monkeypatch):
     inv = torch.tensor([1.0, 0.5, 0.25, 1.0])
     idx, _ = _routing(T, k, 3, seed=N)  # expert 3 gets no rows
     idx[::4, 1] = E  # and some slots no expert
-    order, off = route(idx, E)
-    row_tok = (order // k).to(torch.int32)
+    _, row_tok, off = route(idx, E)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(K))
     xq, sx = quantize_per_token(x, FP8_E4M3)
     valid = int(off[-1])

@@ -22,6 +22,8 @@ ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
 ap.add_argument("--reps", type=int, default=40)
 ap.add_argument("--experts", type=int, default=8)
 ap.add_argument("--top-k", type=int, default=2)
+ap.add_argument("--variants", default="bf16 grouped_mm,lowbit w4a8-fp8 grouped,lowbit w4a8-fp8 per-expert")
+ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of one grouped call per token count")
 a = ap.parse_args()
 
 from transformers import MixtralConfig  # noqa: E402
@@ -53,7 +55,9 @@ def lowbit_call(grouped):
 variants = {"bf16 grouped_mm": lambda x, idx, w: experts(x, idx, w),
             "lowbit w4a8-fp8 grouped": lowbit_call(True),
             "lowbit w4a8-fp8 per-expert": lowbit_call(False)}
+variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
 rows = []
+profiles = {}
 for T in [int(t) for t in a.tokens.split(",")]:
     sets = []
     for s in range(8):
@@ -63,8 +67,8 @@ for T in [int(t) for t in a.tokens.split(",")]:
         sets.append((x, idx, w, int(torch.unique(idx).numel())))
     hit = statistics.mean(s[3] for s in sets)
     with torch.no_grad():
-        ref = variants["lowbit w4a8-fp8 per-expert"](*sets[0][:3]).double()
-        bf = variants["bf16 grouped_mm"](*sets[0][:3]).double()
+        ref = lowbit_call(False)(*sets[0][:3]).double()
+        bf = experts(*sets[0][:3]).double()
     for name, fn in variants.items():
         with torch.no_grad():
             y = fn(*sets[0][:3]).double()
@@ -93,16 +97,26 @@ for T in [int(t) for t in a.tokens.split(",")]:
                          graph_weight_tb_s=round(gb_graph / (gus * 1e-6) / 1e3, 3),
                          rel_l2_vs_per_expert=round(err, 5), rel_l2_vs_bf16=round(err_bf, 4)))
         print(rows[-1], flush=True)
+    if a.profile:  # GPU time per kernel of one eager grouped call (torch.profiler)
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            lowbit_call(True)(*sets[1][:3])
+            torch.cuda.synchronize()
+        ks = [(e.key[:60], round(e.device_time_total, 1)) for e in prof.key_averages() if e.device_time_total > 0]
+        profiles[T] = dict(kernels=sorted(ks, key=lambda r: -r[1]), total_us=round(sum(t for _, t in ks), 1))
+        print(T, profiles[T], flush=True)
     base = {r["variant"]: r for r in rows if r["tokens"] == T}
     for r in rows:
         if r["tokens"] == T:
-            b = base["bf16 grouped_mm"]
-            r["eager_speedup_vs_bf16_grouped_mm"] = round(b["eager_median_us"] / r["eager_median_us"], 2)
-            r["graph_speedup_vs_bf16_grouped_mm"] = round(b["graph_us"] / r["graph_us"], 2)
+            b = base.get("bf16 grouped_mm")
+            if b:
+                r["eager_speedup_vs_bf16_grouped_mm"] = round(b["eager_median_us"] / r["eager_median_us"], 2)
+                r["graph_speedup_vs_bf16_grouped_mm"] = round(b["graph_us"] / r["graph_us"], 2)
 meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
             triton=__import__("triton").__version__, transformers=__import__("transformers").__version__,
             command="python3 benchmarks/device/s39_moe.py --out $OUT " + " ".join(sys.argv[3:]),
             shape=dict(hidden=H, intermediate=I, experts=E, top_k=K), reps=a.reps,
             note="experts call only (router excluded); graph_us: per call inside a CUDA graph of 16 calls over 8 "
                  "token sets; graph_weight_tb_s = weight bytes read (dense per-expert schedule: all experts) / time")
-json.dump(dict(meta=meta, rows=rows), open(f"{a.out}/s39_moe.json", "w"), indent=1)
+json.dump(dict(meta=meta, rows=rows, profiles=profiles), open(f"{a.out}/s39_moe.json", "w"), indent=1)

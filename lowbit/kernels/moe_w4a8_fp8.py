@@ -38,6 +38,7 @@ BLOCK_N = 128  # weight rows per program (two 64-row wgmma M tiles)
 BLOCK_M_MAX = 64  # routed rows per inner step: a power of two from 16 up to this
 SPLIT_TARGET = 2.0  # split K until the programs of the experts that can be hit reach this many per SM
 MIN_K_TILES = 8  # ... keeping at least this many K tiles of 128 per split
+NUM_WARPS, NUM_STAGES = 4, 4
 
 
 @triton.jit
@@ -126,11 +127,14 @@ def pick_split(E: int, rows: int, N: int, K: int, n_sm: int) -> int:
 def moe_w4a8_fp8_gemm_triton(a: torch.Tensor, sx: torch.Tensor, row_map: torch.Tensor | None,
                              offsets: torch.Tensor, codes: list[torch.Tensor], scales: list[torch.Tensor],
                              inv_delta: torch.Tensor, k: int, group_size: int, out_dtype: torch.dtype,
-                             rows: int, max_rows_per_expert: int, split_k: int | None = None) -> torch.Tensor:
+                             rows: int, max_rows_per_expert: int, split_k: int | None = None,
+                             partials: bool = False) -> torch.Tensor:
     """Launcher (inputs checked by ``lowbit.ops.moe``): ``a`` FP8 ``[Ta, K]``, ``sx`` fp32 ``[Ta]``, ``row_map``
     int32 ``[rows]`` or None, ``offsets`` int32 ``[E + 1]``, per expert ``codes[e]`` uint8 ``[N, Kp/2]`` and
     ``scales[e]`` FP8 ``[N, Gp]``, ``inv_delta`` fp32 ``[E]`` -> ``[rows, N]`` ``out_dtype`` (rows no expert owns
-    are left unwritten). ``max_rows_per_expert`` sizes the inner row step (a bound, not a promise: more rows loop)."""
+    are left unwritten). ``max_rows_per_expert`` sizes the inner row step (a bound, not a promise: more rows loop).
+    ``partials``: with split-K, return the FP32 partials ``[SPLIT_K, rows, N]`` unsummed (the MoE combine kernel
+    sums them in split order)."""
     E, N = len(codes), codes[0].shape[0]
     out = torch.empty((rows, N), dtype=out_dtype, device=a.device)
     if rows == 0 or N == 0:
@@ -147,7 +151,9 @@ def moe_w4a8_fp8_gemm_triton(a: torch.Tensor, sx: torch.Tensor, row_map: torch.T
         N, k, rows,
         a.stride(0), codes[0].stride(0), scales[0].stride(0), out.stride(0),
         GROUP=group_size, BLOCK_M=bm, BLOCK_N=BLOCK_N, SPLIT_K=split_k, GATHER=row_map is not None,
-        LUT=_use_lut({}), SWORD=True, num_warps=4, num_stages=4)
+        LUT=_use_lut({}), SWORD=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if split_k > 1 and partials:
+        return ws
     if split_k > 1:
         out.copy_(ws.sum(0))  # a fixed order (deterministic); rows no expert owns stay unspecified
     return out

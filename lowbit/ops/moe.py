@@ -1,17 +1,19 @@
 """Mixture-of-experts op over ``w4a8-fp8`` experts: ``lowbit::moe_w4a8_fp8``, the whole expert MLP of a decode
-step in five launches and no host read (``lowbit.nn.moe`` calls it; its module docstring has the arithmetic).
+step in six launches and no host read (``lowbit.nn.moe`` calls it; its module docstring has the arithmetic).
 
 ``moe_w4a8_fp8(x [T, H], top_k_index [T, k], top_k_weights [T, k], gate_up (codes, scales, inv_delta) per expert,
 down (...) per expert) -> [T, H]`` in x's dtype:
 
 1. route: the ``T k`` (token, slot) pairs sorted by expert id (stable), ``offsets [E + 1]`` of each expert's rows
-   (ids < 0 count with expert 0 and ids >= E after the last expert: both are computed or skipped, never added);
+   (ids < 0 count with expert 0 and ids >= E after the last expert: both are computed or skipped, never added;
+   one launch, ``lowbit.kernels.moe_route``);
 2. per-token FP8 quantization of x (``lowbit.kernels.act_quant``);
 3. gate_up: the grouped GEMM (``lowbit.kernels.moe_w4a8_fp8``), each sorted row reading its token's x;
 4. ``silu(gate) * up`` quantized per row to FP8 in one pass (the eager roundings, ``formats.common.silu_mul_ref``);
 5. down: the grouped GEMM over those rows;
 6. combine: ``y * weight`` rounded to x's dtype, added per token in increasing expert order into zeros (the order
-   and roundings of the sparse schedule's ``index_add_``), slots without an expert skipped.
+   and roundings of the sparse schedule's ``index_add_``), slots without an expert skipped; one launch, which also
+   sums down's split-K partials.
 
 So every output equals the per-expert modules' (the sparse schedule) up to the GEMMs' accumulation order (split-K).
 Without the GPU or the interpreter the same steps run with the float64 references of ``lowbit.formats.w4a8_fp8``
@@ -27,32 +29,41 @@ from lowbit._utils import check_same_device, check_tensor, device_table, run_op,
 from lowbit.formats.common import FP8_E4M3, quantize_per_token, silu_mul_ref
 from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, scale_cols
 
-
-def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``order`` int64 ``[T k]``: the flat (token, slot) pairs sorted by expert id, stable; ``offsets`` int32
-    ``[E + 1]``: expert ``e`` owns sorted rows ``[offsets[e], offsets[e + 1])``), without a host read."""
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat.clamp(0, num_experts).long(), torch.ones_like(flat, dtype=torch.int32))
-    offsets = F.pad(torch.cumsum(counts[:num_experts], 0, dtype=torch.int32), (1, 0))
-    return order, offsets
+ROUTE_MAX_ROWS = 1024  # (token, slot) pairs up to which the one-program routing kernel runs (else ``route``)
 
 
-def combine(y: torch.Tensor, order: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            num_experts: int, dtype: torch.dtype) -> torch.Tensor:
-    """Sorted expert outputs ``y [T k, H]`` -> ``[T, H]`` in ``dtype``: per token, ``(y * weight).to(dtype)`` of its
-    slots added into zeros in increasing expert order; slots whose id is outside ``[0, E)`` are skipped."""
+def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``pos``, ``row_tok``, ``offsets``) of the (token, slot) pairs stably sorted by ``key = clamp(id, 0, E)``
+    (``lowbit.kernels.moe_route`` states the contract; this is its plain-PyTorch reference, with no host read)."""
     T, k = top_k_index.shape
+    key = top_k_index.reshape(-1).clamp(0, num_experts)
+    order = torch.argsort(key, stable=True)
     pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=order.device)  # flat (token, slot) -> its sorted row
-    ids, perm = top_k_index.sort(dim=1, stable=True)
-    rows = pos.view(T, k).gather(1, perm)  # [T, k]: each token's rows in expert order
-    yw = (y * top_k_weights.reshape(-1)[order][:, None]).to(dtype)
+    pos[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=key.device)
+    counts.scatter_add_(0, key.long(), torch.ones_like(key, dtype=torch.int32))
+    offsets = F.pad(torch.cumsum(counts[:num_experts], 0, dtype=torch.int32), (1, 0))
+    return pos.to(torch.int32), (order // max(k, 1)).to(torch.int32), offsets
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """The sorted rows' outputs ``y [R, H]`` (or FP32 split-K partials ``[S, R, H]``, summed in split order) ->
+    ``[T, H]`` in ``dtype``: per token, ``(y * weight).to(dtype)`` of its slots added into zeros in increasing row
+    (= expert) order, slots whose id lies outside ``[0, E)`` skipped (reference of ``kernels.moe_route``)."""
+    if y.dim() == 3:
+        acc = y[0].clone()
+        for p in range(1, y.shape[0]):
+            acc += y[p]
+        y = acc.to(dtype)
+    T, k = top_k_index.shape
+    rows, perm = pos.view(T, k).long().sort(dim=1)
+    ids = top_k_index.gather(1, perm)
+    w = top_k_weights.gather(1, perm)
     out = torch.zeros((T, y.shape[1]), dtype=dtype, device=y.device)
     for j in range(k):
         valid = ((ids[:, j] >= 0) & (ids[:, j] < num_experts))[:, None]
-        out = torch.where(valid, out + yw[rows[:, j]], out)
+        out = torch.where(valid, out + (y[rows[:, j]] * w[:, j, None]).to(dtype), out)
     return out
 
 
@@ -75,22 +86,24 @@ def _experts(x, top_k_index, top_k_weights, gu_codes, gu_scales, gu_inv, dn_code
     T, k = top_k_index.shape
     E, H, inter = len(gu_codes), x.shape[1], gu_codes[0].shape[0] // 2
     rows = T * k
-    order, offsets = route(top_k_index, E)
-    row_tok = (order // k).to(torch.int32)
     if use_triton(x, gu_codes[0]):
         from lowbit.kernels.act_quant import per_token_quant_triton
+        from lowbit.kernels.moe_route import combine_triton, route_triton
         from lowbit.kernels.moe_w4a8_fp8 import moe_w4a8_fp8_gemm_triton as gemm
 
+        pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
         xq, sx = per_token_quant_triton(x, FP8_E4M3)
         g = gemm(xq, sx, row_tok, offsets, gu_codes, gu_scales, gu_inv, H, group_size, x.dtype, rows, T)
         hq, sh = per_token_quant_triton(g[:, :inter], FP8_E4M3, fuse="silu_mul", up=g[:, inter:])
-        y = gemm(hq, sh, None, offsets, dn_codes, dn_scales, dn_inv, inter, group_size, x.dtype, rows, T)
-    else:
-        xq, sx = quantize_per_token(x, FP8_E4M3)
-        g = _grouped_ref(xq, sx, row_tok, offsets, gu_codes, gu_scales, gu_inv, H, group_size, x.dtype, rows)
-        hq, sh = quantize_per_token(silu_mul_ref(g, inter), FP8_E4M3)
-        y = _grouped_ref(hq, sh, None, offsets, dn_codes, dn_scales, dn_inv, inter, group_size, x.dtype, rows)
-    return combine(y, order, top_k_index, top_k_weights, E, x.dtype)
+        y = gemm(hq, sh, None, offsets, dn_codes, dn_scales, dn_inv, inter, group_size, x.dtype, rows, T,
+                 partials=True)
+        return combine_triton(y, pos, top_k_index, top_k_weights, E, x.dtype)
+    pos, row_tok, offsets = route(top_k_index, E)
+    xq, sx = quantize_per_token(x, FP8_E4M3)
+    g = _grouped_ref(xq, sx, row_tok, offsets, gu_codes, gu_scales, gu_inv, H, group_size, x.dtype, rows)
+    hq, sh = quantize_per_token(silu_mul_ref(g, inter), FP8_E4M3)
+    y = _grouped_ref(hq, sh, None, offsets, dn_codes, dn_scales, dn_inv, inter, group_size, x.dtype, rows)
+    return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
 
 
 @torch.library.custom_op("lowbit::moe_w4a8_fp8", mutates_args=())
