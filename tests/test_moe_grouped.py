@@ -1,13 +1,14 @@
-"""The grouped schedule of ``w4a8-fp8`` experts: the grouped GEMM kernel (``lowbit.kernels.moe_w4a8_fp8``) against
-its reference, op ``lowbit::moe_w4a8_fp8`` against the per-expert modules (the sparse schedule), routing edge cases,
-bad input, the op's registration, and the GPU (kernels, CUDA graph)."""
+"""The grouped schedule of ``w4a8-fp8`` and ``w4a8-int8`` experts: the grouped GEMM kernels
+(``lowbit.kernels.moe_grouped``) against their references, ops ``lowbit::moe_w4a8_fp8`` / ``moe_w4a8_int8`` against
+the per-expert modules (the sparse schedule), the routing kernels, bad input, the ops' registration, and the GPU
+(kernels, CUDA graph)."""
 import pytest
 import torch
 
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.formats.w4a8_fp8 import quantize_weight
 from lowbit.nn.moe import QuantExperts
-from lowbit.ops.moe import _grouped_ref, _moe_w4a8_fp8, combine, moe_w4a8_fp8, route
+from lowbit.ops.moe import _grouped_ref, _moe_w4a8_fp8, _moe_w4a8_int8, combine, moe_w4a8_fp8, route
 from tests.conftest import GPU
 from tests.test_moe import _moe
 from tests.tolerances import KERNEL_VS_REF, rel_l2
@@ -47,13 +48,17 @@ def reference_ops(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
+SCHEMES = [("w4a8-fp8", 32), ("w4a8-int8", 128), ("w4a8-int8", -1)]
+
+
+@pytest.mark.parametrize("scheme,group", SCHEMES)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_equals_sparse_bit_for_bit_on_references(arch, dtype, reference_ops):
+def test_grouped_equals_sparse_bit_for_bit_on_references(scheme, group, arch, dtype, reference_ops):
     """With the float64 references (rows independent) the grouped op is the sparse schedule bit for bit: the same
     quantizations, silu / weight roundings and per-token sum order; slots of no expert (id E) are skipped."""
     block = _moe(arch).to(dtype).model.layers[0].mlp
-    qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=32)
+    qe = QuantExperts.from_experts(block.experts, scheme, group_size=group)
     x = torch.randn(11, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     _, w, idx = block.gate(x)
     assert qe.grouped_weights() is not None
@@ -65,13 +70,14 @@ def test_grouped_equals_sparse_bit_for_bit_on_references(arch, dtype, reference_
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("scheme,group", [("w4a8-fp8", 64), ("w4a8-int8", 128)])
 @pytest.mark.parametrize("k", [1, 3])
-def test_grouped_more_slots_and_fp16(k, reference_ops):
+def test_grouped_more_slots_and_fp16(scheme, group, k, reference_ops):
     """top-1 and top-3 (a three-term sum in expert order), fp16 activations, 5 experts."""
     from tests._tiny_models import tiny_variant
 
     m = tiny_variant("mixtral", num_local_experts=5, num_experts_per_tok=k).half()
-    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=64)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, group_size=group)
     x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).half()
     idx, w = _routing(7, k, 5, seed=2)
     got, want = _schedules(qe, x, idx, w.half())
@@ -79,16 +85,19 @@ def test_grouped_more_slots_and_fp16(k, reference_ops):
 
 
 def test_schedule_selection():
-    """The grouped schedule needs every expert a plain w4a8-fp8 pair of one group size and at most
-    GROUPED_MAX_TOKENS tokens; other schemes keep the per-expert modules."""
+    """The grouped schedule needs every expert a plain w4a8-fp8 pair of one group size, or w4a8-int8 with groups a
+    multiple of 128 or per-channel, and at most GROUPED_MAX_TOKENS tokens; other experts keep their modules."""
     import lowbit.nn.moe as M
 
     experts = _moe("mixtral").model.layers[0].mlp.experts
     assert QuantExperts.from_experts(experts, "lut", bits=4, group_size=32).grouped_weights() is None
     assert QuantExperts.from_experts(experts, "w4a8-int8", group_size=32).grouped_weights() is None
+    spec = QuantExperts.from_experts(experts, "w4a8-int8", group_size=-1).grouped_weights()
+    assert spec["scheme"] == "w4a8-int8" and spec["group_size"] == -1 and len(spec["down"]) == 4
     qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32)
-    gu, dn, g = qe.grouped_weights()
-    assert g == 32 and len(gu[0]) == len(dn[1]) == qe.num_experts
+    spec = qe.grouped_weights()
+    assert spec["scheme"] == "w4a8-fp8" and spec["group_size"] == 32
+    assert len(spec["gate_up"][0]) == len(spec["down"][1]) == qe.num_experts
     qe.grouped = False
     assert qe.grouped_weights() is None
     assert M.GROUPED_MAX_TOKENS == M.DENSE_MAX_TOKENS
@@ -141,41 +150,64 @@ def test_route_and_combine_kernels_equal_references(T, k, E, monkeypatch):
         assert torch.equal(combine_triton(parts, pos, idx, w, E, dtype), combine(parts, pos, idx, w, E, dtype))
 
 
+def _int8_experts(E, N, K, group, seed=0, tiled=True):
+    from lowbit.formats.w4a8_int8 import quantize, tile_codes
+
+    g = torch.Generator().manual_seed(seed)
+    fields = [[], [], [], []]
+    for _ in range(E):
+        qw = quantize(torch.randn(N, K, generator=g) * 0.1, group)
+        for f, t in zip(fields, (tile_codes(qw.qweight) if tiled else qw.qweight, qw.wscale, qw.gscale, qw.gzs)):
+            f.append(t)
+    return fields
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("N,K,group,split", [(96, 48, 32, 1), (200, 300, 64, 2), (130, 640, 128, 4),
-                                             (64, 576, 32, 3)])
-def test_grouped_gemm_kernel_matches_reference(N, K, group, split, monkeypatch):
-    """The grouped GEMM under the interpreter == ``_grouped_ref`` (reference_gemm per expert): N and K not
-    multiples of the blocks, every group size, split-K, gathered rows (gate_up) and direct rows (down), an expert
-    with no rows, and more rows per expert than one row step (the inner loop)."""
+@pytest.mark.parametrize("scheme,N,K,group,split", [("w4a8-fp8", 96, 48, 32, 1), ("w4a8-fp8", 200, 300, 64, 2),
+                                                    ("w4a8-fp8", 130, 640, 128, 4), ("w4a8-fp8", 64, 576, 32, 3),
+                                                    ("w4a8-int8", 96, 48, 128, 1), ("w4a8-int8", 200, 300, -1, 2),
+                                                    ("w4a8-int8", 130, 640, 256, 4), ("w4a8-int8", 64, 576, 128, 3)])
+def test_grouped_gemm_kernel_matches_reference(scheme, N, K, group, split, monkeypatch):
+    """The grouped GEMMs under the interpreter == ``_grouped_ref`` (each format's reference GEMM per expert): N and K
+    not multiples of the blocks, group sizes, per-channel INT8, row-tiled and row-major INT8 codes, split-K,
+    gathered rows (gate_up) and direct rows (down), an expert with no rows, and more rows per expert than one row
+    step (the inner loop). INT8's dots are exact: bit-equal there in float32."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from lowbit.kernels.moe_w4a8_fp8 import moe_w4a8_fp8_gemm_triton
+    from lowbit.kernels.moe_grouped import moe_gemm_triton
 
     E, T, k = 4, 21, 2
-    codes, scales = _experts(E, N, K, group)
-    inv = torch.tensor([1.0, 0.5, 0.25, 1.0])
+    qd = FP8_E4M3 if scheme == "w4a8-fp8" else torch.int8
     idx, _ = _routing(T, k, 3, seed=N)  # expert 3 gets no rows
     idx[::4, 1] = E  # and some slots no expert
     _, row_tok, off = route(idx, E)
     x = torch.randn(T, K, generator=torch.Generator().manual_seed(K))
-    xq, sx = quantize_per_token(x, FP8_E4M3)
+    xq, sx = quantize_per_token(x, qd)
     valid = int(off[-1])
-    for rmap, a, s in ((row_tok, xq, sx), (None, xq[row_tok.long()], sx[row_tok.long()])):
-        for dtype in (torch.float32, torch.bfloat16):
-            got = moe_w4a8_fp8_gemm_triton(a, s, rmap, off, codes, scales, inv, K, group, dtype, T * k, 1,
-                                           split_k=split)
-            want = _grouped_ref(a, s, rmap, off, codes, scales, inv, K, group, dtype, T * k)
-            assert rel_l2(got[:valid], want[:valid]) < KERNEL_VS_REF[dtype]
+    for tiled in ((False,) if scheme == "w4a8-fp8" else (True, False)):
+        if scheme == "w4a8-fp8":
+            weights, params = list(_experts(E, N, K, group)), torch.tensor([1.0, 0.5, 0.25, 1.0])
+        else:
+            weights, params = _int8_experts(E, N, K, group, tiled=tiled), None
+        for rmap, a, s in ((row_tok, xq, sx), (None, xq[row_tok.long()], sx[row_tok.long()])):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = moe_gemm_triton(scheme, a, s, rmap, off, weights, params, K, group, dtype, T * k, 1,
+                                      tiled=tiled, split_k=split)
+                want = _grouped_ref(scheme, a, s, rmap, off, weights, params, K, group, dtype, T * k, tiled)
+                if scheme == "w4a8-int8" and split == 1 and dtype == torch.float32:  # (the interpreter truncates
+                    assert torch.equal(got[:valid], want[:valid])                     # fp32 -> bf16 casts)
+                else:
+                    assert rel_l2(got[:valid], want[:valid]) < KERNEL_VS_REF[dtype]
 
 
 @pytest.mark.interpreter
-def test_grouped_module_under_interpreter(monkeypatch):
-    """The whole grouped op with the kernels (interpreter) against the references, float32 (so the FP8
+@pytest.mark.parametrize("scheme,group", SCHEMES)
+def test_grouped_module_under_interpreter(scheme, group, monkeypatch):
+    """The whole grouped op with the kernels (interpreter) against the references, float32 (so the
     re-quantization of the down input sees the same values)."""
     pytest.importorskip("triton")
     block = _moe("qwen3_moe").model.layers[0].mlp
-    qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=32)
+    qe = QuantExperts.from_experts(block.experts, scheme, group_size=group)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
     _, w, idx = block.gate(x)
     out = {}
@@ -217,31 +249,70 @@ def test_opcheck_and_compile(reference_ops):
     x = torch.randn(3, 16)
     idx = torch.tensor([[0, 1], [1, 0], [1, 2]])
     w = torch.rand(3, 2)
-    inv = torch.ones(2)
     # (test_schema's SchemaCheckMode multiplies every input on the CPU: not implemented for float8_e4m3fn)
-    torch.library.opcheck(_moe_w4a8_fp8, (x, idx, w, codes, scales, inv, dn_codes, dn_scales, inv, 32),
+    torch.library.opcheck(_moe_w4a8_fp8, (x, idx, w, codes, scales, [0, 1], dn_codes, dn_scales, [2, 0], 32),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    q8 = _int8_experts(2, 8, 16, 128)
+    d8 = _int8_experts(2, 16, 4, 128)
+    torch.library.opcheck(_moe_w4a8_int8, (x, idx, w, *q8, *d8, 128, True, True),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     block = _moe("mixtral").model.layers[0].mlp
-    qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=32)
     x = torch.randn(4, 64)
     _, w, idx = block.gate(x)
-    with torch.no_grad():
-        want = qe(x, idx, w)
-        got = torch.compile(qe, fullgraph=True, backend="eager")(x, idx, w)
-    assert torch.equal(got, want)
+    for scheme, group in (("w4a8-fp8", 32), ("w4a8-int8", 128)):
+        qe = QuantExperts.from_experts(block.experts, scheme, group_size=group)
+        with torch.no_grad():
+            want = qe(x, idx, w)
+            got = torch.compile(qe, fullgraph=True, backend="eager")(x, idx, w)
+        assert torch.equal(got, want)
+
+
+def test_cast_modules_and_other_dtypes_leave_the_grouped_schedule(reference_ops):
+    """A module cast by ``.to(dtype)`` (its FP8 / fp32 scales converted too) is not read by the grouped kernels: the
+    per-expert modules raise naming the buffer; float64 routing weights take the per-expert schedule (a review
+    finding: the first version read cast scales as FP8 and returned finite garbage)."""
+    block = _moe("mixtral").model.layers[0].mlp
+    for scheme, group in (("w4a8-fp8", 32), ("w4a8-int8", 128)):
+        qe = QuantExperts.from_experts(block.experts, scheme, group_size=group)
+        x = torch.randn(3, 64)
+        _, w, idx = block.gate(x)
+        with torch.no_grad():
+            want = qe(x, idx, w)
+            qe.grouped = False
+            want64 = qe(x, idx, w.double())
+            qe.grouped = True
+            assert torch.equal(qe(x, idx, w.double()), want64)
+        qe.to(torch.bfloat16)
+        assert qe.grouped_weights() is None
+        with pytest.raises(TypeError):
+            qe(x.bfloat16(), idx, w.bfloat16())
+        assert want.shape == x.shape
+
+
+def test_fake_matches_real_strides(reference_ops):
+    """The fake's output is contiguous like the real one's, also for a non-contiguous x passed to the op itself."""
+    codes, scales = _experts(2, 8, 16, 32)
+    dn_codes, dn_scales = _experts(2, 16, 4, 32)
+    x = torch.randn(16, 3).t()  # [3, 16], not contiguous
+    idx = torch.tensor([[0, 1], [1, 0], [1, 1]])
+    w = torch.rand(3, 2)
+    torch.library.opcheck(_moe_w4a8_fp8, (x, idx, w, codes, scales, [0, 0], dn_codes, dn_scales, [0, 0], 32),
+                          test_utils=("test_faketensor",))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,group", [("w4a8-fp8", 128), ("w4a8-int8", 128), ("w4a8-int8", -1)])
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_grouped_on_gpu(T):
+def test_grouped_on_gpu(T, scheme, group):
     """GPU kernels: the grouped op against the per-expert modules (sparse schedule) at bf16 rounding, and the same
     call replayed from a CUDA graph with new routing gives the eager result bit for bit."""
     from tests._tiny_models import tiny_variant
 
     m = tiny_variant("mixtral", num_local_experts=8, num_experts_per_tok=2, hidden=256, heads=4, kv_heads=2,
                      head_dim=64, intermediate=512).to("cuda", torch.bfloat16)
-    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=128)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, group_size=group)
+    assert qe.grouped_weights()["scheme"] == scheme
     x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
     idx, w = _routing(T, 2, 8, seed=T)
     idx, w = idx.cuda(), w.cuda().bfloat16()
@@ -264,3 +335,34 @@ def test_grouped_on_gpu(T):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, qe(xs, ids, ws))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,group", [("w4a8-fp8", 128), ("w4a8-int8", 128)])
+def test_grouped_first_call_inside_capture_and_compile_on_gpu(scheme, group):
+    """A module whose address / PTS tables are first built inside a CUDA-graph capture (kernels compiled by another
+    module beforehand): the captured tables are filled at replay and never handed to eager calls, so the replay
+    and a later eager call both give the right output. And ``torch.compile(fullgraph=True)`` on CUDA (a review
+    found the PTS table built outside the op, where Dynamo cannot trace the capture query)."""
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant("mixtral", num_local_experts=8, num_experts_per_tok=2, hidden=256, heads=4, kv_heads=2,
+                     head_dim=64, intermediate=512).to("cuda", torch.bfloat16)
+    warm = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, group_size=group)
+    fresh = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, group_size=group)
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(3, 2, 8, seed=7)
+    idx, w = idx.cuda(), w.cuda().bfloat16()
+    with torch.no_grad():
+        want = warm(x, idx, w)  # compiles the kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fresh(x, idx, w)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert torch.equal(fresh(x, idx, w), want)
+        got = torch.compile(fresh, fullgraph=True, backend="eager")(x, idx, w)
+    assert torch.equal(got, want)

@@ -1,4 +1,4 @@
-"""Device script (session 39): launch configs of the grouped w4a8-fp8 MoE GEMM (``lowbit.kernels.moe_w4a8_fp8``
+"""Device script (session 39): launch configs of the grouped w4a8-fp8 MoE GEMM (``lowbit.kernels.moe_grouped``
 module constants) on the Mixtral-8x7B-shaped experts of ``s39_moe.py``, the whole ``lowbit::moe_w4a8_fp8`` op timed
 inside CUDA graphs (``graph_us``, 16 calls over 8 token sets), outputs compared with the default config's.
 Writes <out>/s39_moe_sweep.json."""
@@ -10,7 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-import lowbit.kernels.moe_w4a8_fp8 as MK  # noqa: E402
+import lowbit.kernels.moe_grouped as MK  # noqa: E402
 from lowbit.bench.harness import graph_us  # noqa: E402
 from lowbit.nn.moe import QuantExperts  # noqa: E402
 

@@ -85,7 +85,7 @@ def _combine_kernel(
                     y += tl.load(Y + (p * R + row) * H + cols, mask=mh, other=0.0)
                 y = round16(y, DT, EMU)
             acc = round16(acc + round16(y * wj, DT, EMU), DT, EMU)
-    tl.store(Out + t * stride_om + cols, acc.to(DT), mask=mh)
+    tl.store(Out + t.to(tl.int64) * stride_om + cols, acc.to(DT), mask=mh)
 
 
 def route_triton(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

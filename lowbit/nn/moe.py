@@ -31,11 +31,12 @@ Two schedules (session 38):
   the host's launch time (w4a8-fp8, one token: 7.1 ms per call eagerly dense, ``s38_moe_graph.json``, vs 1.4 ms
   sparse, ``s38_moe_after.json``, in ``benchmarks/results/h200/``), hence eager calls stay sparse.
 
-- **grouped** (session 39; ``w4a8-fp8`` experts, up to ``GROUPED_MAX_TOKENS`` tokens, eager, captured or
-  compiled alike): op ``lowbit::moe_w4a8_fp8``, one grouped GEMM launch per projection over the rows sorted by
-  expert on the device (``lowbit.kernels.moe_w4a8_fp8``): no host read, and only the routed experts' weights are
-  read. The same arithmetic as the sparse schedule (the silu / weight / sum roundings and order), up to the GEMMs'
-  accumulation order. It replaces both schedules above for such experts at these sizes.
+- **grouped** (session 39; ``w4a8-fp8`` and ``w4a8-int8`` experts, up to ``GROUPED_MAX_TOKENS`` tokens, eager,
+  captured or compiled alike): ops ``lowbit::moe_w4a8_fp8`` / ``lowbit::moe_w4a8_int8``, one grouped GEMM launch
+  per projection over the rows sorted by expert on the device (``lowbit.kernels.moe_grouped``): no host read, and
+  only the routed experts' weights are read. The same arithmetic as the sparse schedule (the silu / weight / sum roundings and order), up to the GEMMs'
+  accumulation order. Expert ids are range-checked as the dense schedule checks them (``check_indices``: on the
+  CPU, or with ``LOWBIT_CHECK_INDEX=1``); unchecked, an id outside ``[0, num_experts)`` adds nothing. It replaces both schedules above for such experts at these sizes.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit._utils import check_indices
+from lowbit.formats.common import FP8_E4M3
 
 ACTIVATIONS = ("silu",)
 DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens take the dense schedule
@@ -54,7 +56,9 @@ DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens t
 # every expert, E / (top-k) times the chosen ones at one token (measured: 8 experts, top-2; a 128-expert top-8 model
 # would read 16x and launch 256 GEMMs per layer; cuda_graphs=True still captures it)
 DENSE_GRAPH_MAX_EXPERTS = 16
-GROUPED_MAX_TOKENS = 64  # calls of at most this many tokens over w4a8-fp8 experts take the grouped schedule
+GROUPED_MAX_TOKENS = 64  # calls of at most this many tokens take the grouped schedule where it applies
+_GROUPED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # of the activations and routing weights
+_INT8_DTYPES = (torch.uint8, torch.float32, torch.uint8, torch.uint8)
 _STATE = threading.local()  # .dense: depth of this thread's dense_schedule() contexts
 
 
@@ -126,14 +130,18 @@ class QuantExperts(nn.Module):
         if flat.numel() == 0:
             return out
         bad = f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts}] (num_experts: no expert)"
-        grouped = self.grouped_weights() if hidden_states.shape[0] <= GROUPED_MAX_TOKENS else None
+        grouped = (self.grouped_weights() if hidden_states.shape[0] <= GROUPED_MAX_TOKENS
+                   and top_k_weights.dtype in _GROUPED_DTYPES and hidden_states.dtype in _GROUPED_DTYPES else None)
         if grouped is not None:
             if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
                 raise ValueError(bad)
-            from lowbit.ops.moe import moe_w4a8_fp8
+            from lowbit.ops import moe as ops
 
-            return moe_w4a8_fp8(hidden_states, top_k_index, top_k_weights, grouped[0], grouped[1], grouped[2],
-                                weights_checked=True)
+            if grouped["scheme"] == "w4a8-fp8":
+                return ops.moe_w4a8_fp8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"],
+                                        grouped["down"], grouped["group_size"], weights_checked=True)
+            return ops.moe_w4a8_int8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
+                                     grouped["group_size"], tiled=grouped["tiled"], weights_checked=True)
         if _dense_wanted(hidden_states):
             if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
                 raise ValueError(bad)
@@ -158,21 +166,46 @@ class QuantExperts(nn.Module):
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    def grouped_weights(self):
-        """(gate_up, down, group_size) for ``lowbit.ops.moe.moe_w4a8_fp8`` (per expert ``(codes, scales, pts_exp)``
-        lists) when every expert is a plain ``w4a8-fp8`` linear pair of one group size (no bias, no fused
-        activation), else None: the grouped schedule (module docstring)."""
+    def grouped_weights(self) -> dict | None:
+        """The grouped schedule's weights (module docstring), or None where it does not apply: every expert a plain
+        linear pair of one scheme -- ``w4a8-fp8`` (per expert ``(codes, scales, pts_exp)``) or ``w4a8-int8`` with
+        groups a multiple of 128 or per-channel (``(qweight, wscale, gscale, gzs)``; one code layout per
+        projection) -- with one group size, no bias, no fused activation, the format's buffer dtypes (a module
+        cast by ``.to(dtype)`` converts its FP8 / fp32 scales too: the per-expert modules then raise, naming the
+        buffer) and one device (a review finding: the kernels read the buffers by address, unchecked). ``{"scheme", "gate_up", "down", "group_size", "tiled"}``."""
         from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
+        from lowbit.nn.w4a8_int8 import W4A8INT8Linear
 
-        if not self.grouped:
+        if not getattr(self, "grouped", True):  # (modules pickled before session 39 lack the attribute)
             return None
         mods = (*self.gate_up, *self.down)
-        g = getattr(mods[0], "group_size", None)
-        if not all(type(m) is W4A8FP8Linear and m.bias is None and m.activation is None and m.group_size == g
-                   for m in mods):
+        m0 = mods[0]
+        if type(m0) is W4A8FP8Linear:
+            if not all(type(m) is W4A8FP8Linear and m.bias is None and m.activation is None
+                       and m.group_size == m0.group_size and m.codes.dtype == torch.uint8
+                       and m.scales.dtype == FP8_E4M3 and m.codes.device == m0.codes.device
+                       and m.scales.device == m0.codes.device for m in mods):
+                return None
+            fields = [lambda m: m.codes, lambda m: m.scales, lambda m: m.pts_exp]
+            scheme = "w4a8-fp8"
+        elif type(m0) is W4A8INT8Linear:
+            g = m0.group_size
+            if (g != -1 and g % 128) or not all(
+                    type(m) is W4A8INT8Linear and m.bias is None and m.group_size == g
+                    and (m.qweight.dtype, m.wscale.dtype, m.gscale.dtype, m.gzs.dtype) == _INT8_DTYPES
+                    and all(t.device == m0.qweight.device for t in (m.qweight, m.wscale, m.gscale, m.gzs))
+                    for m in mods):
+                return None
+            if any(m.tiled != ms[0].tiled for ms in (self.gate_up, self.down) for m in ms):
+                return None
+            fields = [lambda m: m.qweight, lambda m: m.wscale, lambda m: m.gscale, lambda m: m.gzs]
+            scheme = "w4a8-int8"
+        else:
             return None
-        return tuple(([m.codes for m in ms], [m.scales for m in ms], [m.pts_exp for m in ms])
-                     for ms in (self.gate_up, self.down)) + (g,)
+        return {"scheme": scheme, "group_size": m0.group_size,
+                "tiled": tuple(bool(getattr(ms[0], "tiled", False)) for ms in (self.gate_up, self.down)),
+                "gate_up": tuple([f(m) for m in self.gate_up] for f in fields),
+                "down": tuple([f(m) for m in self.down] for f in fields)}
 
     def _dense(self, x, top_k_index, top_k_weights, out):
         """Every expert over all tokens, kept where routed (module docstring)."""

@@ -1,5 +1,7 @@
-"""Mixture-of-experts op over ``w4a8-fp8`` experts: ``lowbit::moe_w4a8_fp8``, the whole expert MLP of a decode
-step in six launches and no host read (``lowbit.nn.moe`` calls it; its module docstring has the arithmetic).
+"""Mixture-of-experts ops over ``w4a8-fp8`` and ``w4a8-int8`` experts: ``lowbit::moe_w4a8_fp8`` and
+``lowbit::moe_w4a8_int8``, the whole expert MLP of a decode step in six launches (seven when gate_up splits K: its
+partials summed by PyTorch) and no host read (``lowbit.nn.moe``
+calls them; its module docstring has the arithmetic).
 
 ``moe_w4a8_fp8(x [T, H], top_k_index [T, k], top_k_weights [T, k], gate_up (codes, scales, inv_delta) per expert,
 down (...) per expert) -> [T, H]`` in x's dtype:
@@ -7,18 +9,18 @@ down (...) per expert) -> [T, H]`` in x's dtype:
 1. route: the ``T k`` (token, slot) pairs sorted by expert id (stable), ``offsets [E + 1]`` of each expert's rows
    (ids < 0 count with expert 0 and ids >= E after the last expert: both are computed or skipped, never added;
    one launch, ``lowbit.kernels.moe_route``);
-2. per-token FP8 quantization of x (``lowbit.kernels.act_quant``);
-3. gate_up: the grouped GEMM (``lowbit.kernels.moe_w4a8_fp8``), each sorted row reading its token's x;
-4. ``silu(gate) * up`` quantized per row to FP8 in one pass (the eager roundings, ``formats.common.silu_mul_ref``);
+2. per-token quantization of x (FP8 or INT8, ``lowbit.kernels.act_quant``);
+3. gate_up: the grouped GEMM (``lowbit.kernels.moe_grouped``), each sorted row reading its token's x;
+4. ``silu(gate) * up`` quantized per row in one pass (the eager roundings, ``formats.common.silu_mul_ref``);
 5. down: the grouped GEMM over those rows;
 6. combine: ``y * weight`` rounded to x's dtype, added per token in increasing expert order into zeros (the order
    and roundings of the sparse schedule's ``index_add_``), slots without an expert skipped; one launch, which also
    sums down's split-K partials.
 
 So every output equals the per-expert modules' (the sparse schedule) up to the GEMMs' accumulation order (split-K).
-Without the GPU or the interpreter the same steps run with the float64 references of ``lowbit.formats.w4a8_fp8``
-(``reference_gemm`` per expert). Weights: one ``W4A8FP8Linear``'s ``codes`` / ``scales`` per expert, all of one
-shape; gate_up's rows are the expert's gate rows then its up rows (transformers' ``gate_up_proj``), no bias.
+Without the GPU or the interpreter the same steps run with the formats' float64 references
+(``w4a8_fp8.reference_gemm`` / ``w4a8_int8.gemm_ref`` per expert). Weights: one module's buffers per expert, all of
+one shape; gate_up's rows are the expert's gate rows then its up rows (transformers' ``gate_up_proj``), no bias.
 """
 from __future__ import annotations
 
@@ -67,58 +69,91 @@ def combine(y: torch.Tensor, pos: torch.Tensor, top_k_index: torch.Tensor, top_k
     return out
 
 
-def _grouped_ref(a, sx, row_map, offsets, codes, scales, inv_delta, k, group_size, out_dtype, rows):
-    """The float64 reference of the grouped GEMM: ``reference_gemm`` per expert over its rows (others zero)."""
-    out = torch.zeros((rows, codes[0].shape[0]), dtype=out_dtype, device=a.device)
+def _grouped_ref(scheme, a, sx, row_map, offsets, weights, params, k, group_size, out_dtype, rows, tiled):
+    """The float64 reference of the grouped GEMM (``lowbit.kernels.moe_grouped``): each format's reference GEMM per
+    expert over its rows (``w4a8_fp8.reference_gemm``, ``w4a8_int8.gemm_ref``); rows of no expert are zero."""
+    from lowbit.formats.w4a8_int8 import gemm_ref as int8_gemm_ref
+
+    out = torch.zeros((rows, weights[0][0].shape[0]), dtype=out_dtype, device=a.device)
     off = offsets.tolist()
-    inv = inv_delta.tolist()
-    for e in range(len(codes)):
+    inv = params.tolist() if params is not None else None
+    for e in range(len(weights[0])):
         s, t = off[e], min(off[e + 1], rows)
         if t > s:
             idx = row_map[s:t].long() if row_map is not None else torch.arange(s, t, device=a.device)
-            out[s:t] = reference_gemm(a[idx], sx[idx], codes[e], scales[e], inv[e], k, group_size, None,
-                                      out_dtype=out_dtype)
+            f = [w[e] for w in weights]
+            if scheme == "w4a8-fp8":
+                out[s:t] = reference_gemm(a[idx], sx[idx], f[0], f[1], inv[e], k, group_size, None,
+                                          out_dtype=out_dtype)
+            else:
+                out[s:t] = int8_gemm_ref(a[idx], sx[idx], *f, None, out_dtype, tiled=tiled)
     return out
 
 
-def _experts(x, top_k_index, top_k_weights, gu_codes, gu_scales, gu_inv, dn_codes, dn_scales, dn_inv, group_size):
-    """Steps 1-6 of the module docstring, with the kernels or (CPU) the references."""
+_QDTYPE = {"w4a8-fp8": FP8_E4M3, "w4a8-int8": torch.int8}
+
+
+def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params, group_size, tiled=(False, False)):
+    """Steps 1-6 of the module docstring, with the kernels or (CPU) the references. ``gu`` / ``dn``: the weight
+    fields, each a list over the experts (``lowbit.kernels.moe_grouped.moe_gemm_triton``); ``tiled``: (gate_up's,
+    down's) INT8 code layout."""
     T, k = top_k_index.shape
-    E, H, inter = len(gu_codes), x.shape[1], gu_codes[0].shape[0] // 2
+    E, H, inter = len(gu[0]), x.shape[1], gu[0][0].shape[0] // 2
     rows = T * k
-    if use_triton(x, gu_codes[0]):
+    qd = _QDTYPE[scheme]
+    if use_triton(x, gu[0][0]):
         from lowbit.kernels.act_quant import per_token_quant_triton
+        from lowbit.kernels.moe_grouped import moe_gemm_triton
         from lowbit.kernels.moe_route import combine_triton, route_triton
-        from lowbit.kernels.moe_w4a8_fp8 import moe_w4a8_fp8_gemm_triton as gemm
+
+        def gemm(a, sa, rmap, w, p, kk, tl_, **kw):
+            return moe_gemm_triton(scheme, a, sa, rmap, offsets, w, p, kk, group_size, x.dtype, rows, T,
+                                   tiled=tl_, **kw)
 
         pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
-        xq, sx = per_token_quant_triton(x, FP8_E4M3)
-        g = gemm(xq, sx, row_tok, offsets, gu_codes, gu_scales, gu_inv, H, group_size, x.dtype, rows, T)
-        hq, sh = per_token_quant_triton(g[:, :inter], FP8_E4M3, fuse="silu_mul", up=g[:, inter:])
-        y = gemm(hq, sh, None, offsets, dn_codes, dn_scales, dn_inv, inter, group_size, x.dtype, rows, T,
-                 partials=True)
+        xq, sx = per_token_quant_triton(x, qd)
+        g = gemm(xq, sx, row_tok, gu, gu_params, H, tiled[0])
+        hq, sh = per_token_quant_triton(g[:, :inter], qd, fuse="silu_mul", up=g[:, inter:])
+        y = gemm(hq, sh, None, dn, dn_params, inter, tiled[1], partials=True)
         return combine_triton(y, pos, top_k_index, top_k_weights, E, x.dtype)
     pos, row_tok, offsets = route(top_k_index, E)
-    xq, sx = quantize_per_token(x, FP8_E4M3)
-    g = _grouped_ref(xq, sx, row_tok, offsets, gu_codes, gu_scales, gu_inv, H, group_size, x.dtype, rows)
-    hq, sh = quantize_per_token(silu_mul_ref(g, inter), FP8_E4M3)
-    y = _grouped_ref(hq, sh, None, offsets, dn_codes, dn_scales, dn_inv, inter, group_size, x.dtype, rows)
+    xq, sx = quantize_per_token(x, qd)
+    g = _grouped_ref(scheme, xq, sx, row_tok, offsets, gu, gu_params, H, group_size, x.dtype, rows, tiled[0])
+    hq, sh = quantize_per_token(silu_mul_ref(g, inter), qd)
+    y = _grouped_ref(scheme, hq, sh, None, offsets, dn, dn_params, inter, group_size, x.dtype, rows, tiled[1])
     return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
 
 
 @torch.library.custom_op("lowbit::moe_w4a8_fp8", mutates_args=())
 def _moe_w4a8_fp8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gu_codes: list[torch.Tensor], gu_scales: list[torch.Tensor], gu_inv_delta: torch.Tensor,
-                  dn_codes: list[torch.Tensor], dn_scales: list[torch.Tensor], dn_inv_delta: torch.Tensor,
+                  gu_codes: list[torch.Tensor], gu_scales: list[torch.Tensor], gu_pts: list[int],
+                  dn_codes: list[torch.Tensor], dn_scales: list[torch.Tensor], dn_pts: list[int],
                   group_size: int) -> torch.Tensor:
-    return _experts(x, top_k_index, top_k_weights, gu_codes, gu_scales, gu_inv_delta, dn_codes, dn_scales,
-                    dn_inv_delta, group_size)
+    # the PTS factors as a device table built here, inside the op (torch.compile traces none of it)
+    return _experts("w4a8-fp8", x, top_k_index, top_k_weights, [gu_codes, gu_scales],
+                    inv_delta_table(gu_pts, gu_codes), [dn_codes, dn_scales], inv_delta_table(dn_pts, dn_codes),
+                    group_size)
 
 
 @_moe_w4a8_fp8.register_fake
-def _(x, top_k_index, top_k_weights, gu_codes, gu_scales, gu_inv_delta, dn_codes, dn_scales, dn_inv_delta,
-      group_size):
-    return torch.empty_like(x)
+def _(x, top_k_index, top_k_weights, gu_codes, gu_scales, gu_pts, dn_codes, dn_scales, dn_pts, group_size):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("lowbit::moe_w4a8_int8", mutates_args=())
+def _moe_w4a8_int8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gu_qweight: list[torch.Tensor], gu_s1: list[torch.Tensor], gu_s2: list[torch.Tensor],
+                   gu_zs: list[torch.Tensor], dn_qweight: list[torch.Tensor], dn_s1: list[torch.Tensor],
+                   dn_s2: list[torch.Tensor], dn_zs: list[torch.Tensor], group_size: int, gu_tiled: bool,
+                   dn_tiled: bool) -> torch.Tensor:
+    return _experts("w4a8-int8", x, top_k_index, top_k_weights, [gu_qweight, gu_s1, gu_s2, gu_zs], None,
+                    [dn_qweight, dn_s1, dn_s2, dn_zs], None, group_size, (gu_tiled, dn_tiled))
+
+
+@_moe_w4a8_int8.register_fake
+def _(x, top_k_index, top_k_weights, gu_qweight, gu_s1, gu_s2, gu_zs, dn_qweight, dn_s1, dn_s2, dn_zs, group_size,
+      gu_tiled, dn_tiled):
+    return x.new_empty(x.shape)
 
 
 def inv_delta_table(pts_exps: list[int], codes: list[torch.Tensor]) -> torch.Tensor:
@@ -126,46 +161,92 @@ def inv_delta_table(pts_exps: list[int], codes: list[torch.Tensor]) -> torch.Ten
     return device_table(lambda: [2.0 ** -n for n in pts_exps], torch.float32, codes, ("inv_delta", *pts_exps))
 
 
+def _check_routing(x, top_k_index, top_k_weights):
+    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=2)
+    check_tensor(top_k_index, "top_k_index", dtype=(torch.int32, torch.int64), ndim=2)
+    check_tensor(top_k_weights, "top_k_weights", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=2)
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"top_k_index {list(top_k_index.shape)} and top_k_weights {list(top_k_weights.shape)} "
+                         f"must both be [tokens, k] with tokens = {x.shape[0]}")
+
+
+def _check_fields(name, names, fields, shapes, dtypes):
+    """Every expert's fields: the given shapes and dtypes, one device, contiguous rows, one stride per field."""
+    for f, fs, shape, dt in zip(names, fields, shapes, dtypes):
+        for e, t in enumerate(fs):
+            check_tensor(t, f"{name} {f}[{e}]", dtype=dt, shape=shape)
+            if t.device != fields[0][0].device:
+                raise ValueError(f"{name} {f}[{e}] is on {t.device}, expert 0 on {fields[0][0].device}")
+            if t.stride(-1) != 1 or t.stride(0) != fs[0].stride(0):
+                raise ValueError(f"{name} {f}[{e}]: rows must be contiguous with one stride for all experts")
+
+
+def _common(x, top_k_index, gu, dn):
+    """Checks shared by the grouped ops: expert counts, x against down's rows, the first expert's device (every
+    expert's: ``_check_fields``, or the caller with ``weights_checked``)."""
+    E = len(gu[0])
+    if E == 0 or any(len(f) != E for f in (*gu, *dn)):
+        raise ValueError("gate_up and down need the same number (>= 1) of experts' weight tensors in every field")
+    if dn[0][0].dim() < 1 or dn[0][0].shape[0] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but the experts' down projections give "
+                         f"{list(dn[0][0].shape)[:1]}")
+    if gu[0][0].shape[0] % 2:
+        raise ValueError(f"gate_up has {gu[0][0].shape[0]} rows: not gate rows then as many up rows")
+    check_same_device(x=x, top_k_index=top_k_index, gate_up=gu[0][0], down=dn[0][0])
+
+
 def moe_w4a8_fp8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  gate_up: tuple[list[torch.Tensor], list[torch.Tensor], list[int]],
                  down: tuple[list[torch.Tensor], list[torch.Tensor], list[int]], group_size: int = 128, *,
                  weights_checked: bool = False) -> torch.Tensor:
-    """The expert MLP of a MoE layer (module docstring). ``gate_up`` / ``down``: per expert ``(codes, scales,
-    pts_exp)`` lists of ``W4A8FP8Linear`` buffers (gate_up ``[2I, H]``, down ``[H, I]``). ``weights_checked``: the
-    caller built them consistent (``lowbit.nn.moe.QuantExperts``): only their count and x are checked."""
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=2)
-    T, H = x.shape
-    check_tensor(top_k_index, "top_k_index", dtype=(torch.int32, torch.int64), ndim=2)
-    check_tensor(top_k_weights, "top_k_weights", ndim=2)
-    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != T:
-        raise ValueError(f"top_k_index {list(top_k_index.shape)} and top_k_weights {list(top_k_weights.shape)} "
-                         f"must both be [tokens, k] with tokens = {T}")
-    gu_codes, gu_scales, gu_exp = gate_up
-    dn_codes, dn_scales, dn_exp = down
-    E = len(gu_codes)
-    if E == 0 or not (len(gu_scales) == len(gu_exp) == len(dn_codes) == len(dn_scales) == len(dn_exp) == E):
-        raise ValueError("gate_up and down need the same number (>= 1) of experts' codes, scales and pts_exp")
+    """The expert MLP of a MoE layer (module docstring) over ``w4a8-fp8`` experts. ``gate_up`` / ``down``: per expert
+    ``(codes, scales, pts_exp)`` lists of ``W4A8FP8Linear`` buffers (gate_up ``[2I, H]``, down ``[H, I]``).
+    ``weights_checked``: the caller built them consistent (``lowbit.nn.moe.QuantExperts``): only their count, x and
+    the routing are checked."""
+    _check_routing(x, top_k_index, top_k_weights)
+    gu, dn = list(gate_up[:2]), list(down[:2])
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
-    two_i = gu_codes[0].shape[0]
-    if dn_codes[0].dim() != 2 or dn_codes[0].shape[0] != H:
-        raise ValueError(f"x has {H} features but the experts' down projections give {list(dn_codes[0].shape)[:1]}")
+    _common(x, top_k_index, gu, dn)
+    if len(gate_up[2]) != len(gu[0]) or len(down[2]) != len(dn[0]):
+        raise ValueError("gate_up and down need one pts_exp per expert")
     if not weights_checked:
-        if two_i % 2:
-            raise ValueError(f"gate_up has {two_i} rows: not gate rows then as many up rows")
-        for name, cs, ss, n, kk in (("gate_up", gu_codes, gu_scales, two_i, H), ("down", dn_codes, dn_scales, H,
-                                                                                  two_i // 2)):
-            for e in range(E):
-                check_tensor(cs[e], f"{name} codes[{e}]", dtype=torch.uint8, shape=[n, padded_k(kk) // 2])
-                check_tensor(ss[e], f"{name} scales[{e}]", dtype=FP8_E4M3, shape=[n, scale_cols(kk, group_size)])
-                if cs[e].stride(1) != 1 or ss[e].stride(1) != 1 or cs[e].stride(0) != cs[0].stride(0) or \
-                        ss[e].stride(0) != ss[0].stride(0):
-                    raise ValueError(f"{name} codes / scales of expert {e}: rows must be contiguous with one stride")
-        check_same_device(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights, gate_up=gu_codes[0],
-                          down=dn_codes[0])
-    if T == 0 or top_k_index.shape[1] == 0:
+        H, two_i = x.shape[1], gu[0][0].shape[0]
+        for name, f, n, kk in (("gate_up", gu, two_i, H), ("down", dn, H, two_i // 2)):
+            _check_fields(name, ("codes", "scales"), f, ([n, padded_k(kk) // 2], [n, scale_cols(kk, group_size)]),
+                          (torch.uint8, FP8_E4M3))
+    if x.shape[0] == 0 or top_k_index.shape[1] == 0:
         return torch.zeros_like(x)
-    x = x.contiguous()
-    return run_op(_moe_w4a8_fp8, x, top_k_index.contiguous(), top_k_weights.contiguous(), list(gu_codes),
-                  list(gu_scales), inv_delta_table(list(gu_exp), list(gu_codes)), list(dn_codes), list(dn_scales),
-                  inv_delta_table(list(dn_exp), list(dn_codes)), int(group_size))
+    return run_op(_moe_w4a8_fp8, x.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), gu[0], gu[1],
+                  [int(n) for n in gate_up[2]], dn[0], dn[1], [int(n) for n in down[2]], int(group_size))
+
+
+def moe_w4a8_int8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  gate_up: tuple[list[torch.Tensor], ...], down: tuple[list[torch.Tensor], ...],
+                  group_size: int = 128, *, tiled: tuple[bool, bool] = (True, True),
+                  weights_checked: bool = False) -> torch.Tensor:
+    """The expert MLP of a MoE layer over ``w4a8-int8`` experts (QServe's W4A8): ``gate_up`` / ``down`` per expert
+    ``(qweight, wscale, gscale, gzs)`` lists of ``W4A8INT8Linear`` buffers; ``group_size`` a multiple of 128 or -1
+    (per-channel); ``tiled``: (gate_up's, down's) codes row-tiled (the modules' default where N % 64 == 0). INT8 per-token activations, exact INT32
+    dots, ``float32(acc) * sx * s1`` (``lowbit.formats.w4a8_int8.gemm_ref``)."""
+    from lowbit.formats.w4a8_int8 import padded_k as int8_padded_k
+
+    _check_routing(x, top_k_index, top_k_weights)
+    gu, dn = list(gate_up), list(down)
+    if len(gu) != 4 or len(dn) != 4:
+        raise ValueError("gate_up and down need the four fields (qweight, wscale, gscale, gzs) per expert")
+    if group_size != -1 and (group_size < 128 or group_size % 128):
+        raise ValueError(f"group_size must be a multiple of 128 or -1 (per-channel) for the grouped MoE GEMM, got "
+                         f"{group_size}")
+    _common(x, top_k_index, gu, dn)
+    if not weights_checked:
+        H, two_i = x.shape[1], gu[0][0].shape[0]
+        for name, f, n, kk in (("gate_up", gu, two_i, H), ("down", dn, H, two_i // 2)):
+            kp = int8_padded_k(kk, group_size)
+            G = 1 if group_size == -1 else kp // group_size
+            _check_fields(name, ("qweight", "wscale", "gscale", "gzs"), f, ([n, kp // 2], [n], [n, G], [n, G]),
+                          (torch.uint8, torch.float32, torch.uint8, torch.uint8))
+    if x.shape[0] == 0 or top_k_index.shape[1] == 0:
+        return torch.zeros_like(x)
+    return run_op(_moe_w4a8_int8, x.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), *gu, *dn,
+                  int(group_size), bool(tiled[0]), bool(tiled[1]))

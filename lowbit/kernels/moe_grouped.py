@@ -1,0 +1,244 @@
+"""Grouped low-bit GEMMs over the experts of a mixture-of-experts layer, one launch for all experts:
+``y[r] = sx[a(r)] * xq[a(r)] @ W_e^T`` (times the format's scales) for each row ``r`` routed to expert ``e``.
+Formats ``w4a8-fp8`` (``_moe_w4a8_fp8_kernel``) and ``w4a8-int8`` (``_moe_w4a8_int8_kernel``).
+
+The per-expert arithmetic is each format's dense decode kernel's, through the same helpers:
+- ``w4a8-fp8`` (FireQ §3.1; ``lowbit.kernels.w4a8_fp8_gemm``): packed INT4 codes and FP8 group scales dequantized in
+  registers by ``_dequant_tile`` (FP8 lookup table on the GPU, its arithmetic twin under the interpreter), FP8 x FP8
+  ``tl.dot`` per K tile of 128 with the tile's product added into an FP32 accumulator (``ACC_TILE``: Hopper's FP8
+  accumulator holds 4 k32 steps before each FP32 add); epilogue ``* sx * inv_delta[e]``.
+- ``w4a8-int8`` (QServe §4; ``lowbit.kernels.w4a8_int8_gemm``): UINT4 codes -> INT8 ``q * s2 - zs``
+  (``_dequant_halves``), INT8 x INT8 ``tl.dot`` into INT32 (exact), epilogue ``float32(acc) * sx * s1[e][n]``. Group
+  sizes that are multiples of 128 and per-channel weights (one ``(s2, zs)`` per row and K tile); codes row-major or
+  row-tiled (``_code_rows``).
+Both put the weight tile in the 64-row wgmma operand (``SWAP_AB``: the few routed rows are the wgmma N).
+
+The routing (``lowbit.kernels.moe_route`` builds it):
+- Rows are sorted by expert: expert ``e`` owns rows ``[offsets[e], offsets[e + 1])`` (int32 ``[E + 1]``, on the
+  device: computing them needs no host read, so a decode step stays CUDA-graph capturable). ``row_map`` (int32
+  ``[R]``, optional) names the row of ``xq`` / ``sx`` each sorted row reads (gate_up: the token); without it row
+  ``r`` reads row ``r`` (down, whose input is already in sorted order).
+- Weights stay one module per expert (checkpoints unchanged): the kernels read expert ``e``'s tensors through tables
+  of their addresses (int64 ``[E]`` per field, ``address_table``), all experts with the same shapes and strides.
+  Addresses read from memory carry no alignment facts, so the kernels assert 16 bytes (``tl.multiple_of``; the
+  launcher checks it): without it the codes load byte by byte and the 4-byte inline-asm lookups mix bytes of
+  different words (session 39's first GPU run: wrong results, right under the interpreter).
+- Grid ``(E, N / BLOCK_N, SPLIT_K)``: a program whose expert got no rows does nothing, so only the routed experts'
+  weights are read. Rows beyond ``BLOCK_M`` per expert loop inside the program (the weight tile is re-read, from L2).
+- ``SPLIT_K > 1`` (few experts hit, long K: down): each program writes its scaled FP32 partial to
+  ``ws [SPLIT_K, R, N]``; the launcher sums the splits in order or returns them (``partials``) for the combine.
+
+Rows ``>= offsets[E]`` (ids of no expert) are not written.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit._utils import cdiv, device_table, interpret_mode
+from lowbit.kernels.w4a8_fp8_gemm import HALF_K, _dequant_tile, _use_lut
+from lowbit.kernels.w4a8_int8_gemm import _code_rows, _dequant_halves, _group_params
+
+BLOCK_N = 128  # weight rows per program (two 64-row wgmma M tiles)
+BLOCK_M_MAX = 64  # routed rows per inner step: a power of two from 16 up to this
+SPLIT_TARGET = 2.0  # split K until the programs of the experts that can be hit reach this many per SM
+MIN_K_TILES = 8  # ... keeping at least this many K tiles of 128 per split
+NUM_WARPS, NUM_STAGES = 4, 4
+
+
+@triton.jit
+def _moe_w4a8_fp8_kernel(
+    # pointers
+    A, Sx, RowMap, Offsets, CodePtrs, ScalePtrs, InvDelta, C, Ws,
+    # sizes
+    N, K, R,
+    # strides
+    stride_am, stride_bn, stride_sn, stride_cm,
+    # flags
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATHER: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
+):
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    start = tl.load(Offsets + e)
+    end = tl.load(Offsets + e + 1)
+    # addresses read from memory carry no alignment facts: without these hints Triton would load the codes byte by
+    # byte, and the 4-byte lookup (``pack=4`` inline asm) needs each thread to hold whole words (16-byte loads)
+    Bq = tl.multiple_of(tl.load(CodePtrs + e).to(tl.pointer_type(tl.uint8)), 16)
+    Bs = tl.multiple_of(tl.load(ScalePtrs + e).to(tl.pointer_type(tl.float8e4nv)), 16)
+    inv_delta = tl.load(InvDelta + e)
+    k_tiles = tl.cdiv(K, 2 * HALF_K)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    kt1 = tl.minimum(kt0 + per, k_tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF_K)
+    offs_k = tl.arange(0, 2 * HALF_K)
+    mask_n = offs_n < N
+    b_rows = Bq + offs_n[:, None].to(tl.int64) * stride_bn
+    w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
+    s_rows = Bs + offs_n.to(tl.int64) * stride_sn
+    s_words = Bs.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
+    for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask_m = rows < end
+        if GATHER:
+            arow = tl.load(RowMap + rows, mask=mask_m, other=0)
+        else:
+            arow = rows
+        a_rows = A + arow[:, None].to(tl.int64) * stride_am
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for kt in range(kt0, kt1):
+            k_all = kt * 2 * HALF_K + offs_k
+            a_all = tl.load(a_rows + k_all[None, :], mask=mask_m[:, None] & (k_all < K)[None, :], other=0.0)
+            w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, Bq, pid_n * BLOCK_N,
+                                       Bq, k_tiles, GROUP, BLOCK_N, LUT, SWORD, False, False, LUT)
+            w_all = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, 2 * HALF_K])
+            acc += tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
+        sx = tl.load(Sx + arow, mask=mask_m, other=0.0)
+        y = tl.trans(acc) * (sx * inv_delta)[:, None]
+        mask = mask_m[:, None] & mask_n[None, :]
+        out = rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(C + out, y.to(C.dtype.element_ty), mask=mask)
+        else:
+            tl.store(Ws + pid_k.to(tl.int64) * R * N + out, y, mask=mask)
+
+
+@triton.jit
+def _moe_w4a8_int8_kernel(
+    # pointers
+    A, Sx, RowMap, Offsets, CodePtrs, S1Ptrs, S2Ptrs, ZsPtrs, C, Ws,
+    # sizes
+    N, K, R, KP,
+    # strides
+    stride_am, stride_wn, stride_gn, stride_cm,
+    # flags
+    GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATHER: tl.constexpr, TILED: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    PER_CHANNEL: tl.constexpr = GROUP_SIZE < 0
+    e = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    start = tl.load(Offsets + e)
+    end = tl.load(Offsets + e + 1)
+    W = tl.multiple_of(tl.load(CodePtrs + e).to(tl.pointer_type(tl.uint8)), 16)
+    S1 = tl.multiple_of(tl.load(S1Ptrs + e).to(tl.pointer_type(tl.float32)), 16)
+    GS = tl.multiple_of(tl.load(S2Ptrs + e).to(tl.pointer_type(tl.uint8)), 16)
+    GZS = tl.multiple_of(tl.load(ZsPtrs + e).to(tl.pointer_type(tl.uint8)), 16)
+    k_tiles = KP // (2 * HALF_K)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    kt1 = tl.minimum(kt0 + per, k_tiles)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # clamped: columns >= N are computed and not stored
+    offs_h = tl.arange(0, HALF_K)
+    w_base, w_inc = _code_rows(rn, N, stride_wn, TILED)
+    w_ptrs = W + w_base[:, None] + offs_h[None, :]
+    if PER_CHANNEL:
+        s2 = tl.load(GS + rn * stride_gn).to(tl.int32)
+        zs = tl.load(GZS + rn * stride_gn).to(tl.int32)
+    s1 = tl.load(S1 + rn)
+    for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
+        rows = m0 + tl.arange(0, BLOCK_M)
+        mask_m = rows < end
+        if GATHER:
+            arow = tl.load(RowMap + rows, mask=mask_m, other=0)
+        else:
+            arow = rows
+        a_rows = A + arow[:, None].to(tl.int64) * stride_am
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
+        for kt in range(kt0, kt1):
+            k0 = kt * 2 * HALF_K
+            a_lo = tl.load(a_rows + (k0 + offs_h)[None, :], mask=mask_m[:, None] & (k0 + offs_h < K)[None, :], other=0)
+            a_hi = tl.load(a_rows + (k0 + HALF_K + offs_h)[None, :],
+                           mask=mask_m[:, None] & (k0 + HALF_K + offs_h < K)[None, :], other=0)
+            b = tl.load(w_ptrs + kt * w_inc[:, None])
+            if not PER_CHANNEL:
+                s2, zs = _group_params(GS, GZS, rn, stride_gn, k0 // GROUP_SIZE, False)
+            w_lo, w_hi = _dequant_halves(b, tl.broadcast_to(s2[:, None], (BLOCK_N, HALF_K)),
+                                         tl.broadcast_to(zs[:, None], (BLOCK_N, HALF_K)), USE_ASM)
+            acc = tl.dot(w_lo, tl.trans(a_lo), acc, out_dtype=tl.int32)
+            acc = tl.dot(w_hi, tl.trans(a_hi), acc, out_dtype=tl.int32)
+        sx = tl.load(Sx + arow, mask=mask_m, other=0.0)
+        y = tl.trans(acc.to(tl.float32)) * sx[:, None] * s1[None, :]  # (acc * sx) * s1: the reference's order
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        out = rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(C + out, y.to(C.dtype.element_ty), mask=mask)
+        else:
+            tl.store(Ws + pid_k.to(tl.int64) * R * N + out, y, mask=mask)
+
+
+def address_table(ts: list[torch.Tensor]) -> torch.Tensor:
+    """int64 ``[E]`` table of the tensors' addresses on their device (``lowbit._utils.device_table``)."""
+    def addresses():
+        ptrs = [t.data_ptr() for t in ts]
+        if any(p % 16 for p in ptrs):
+            raise ValueError("grouped MoE GEMM: every expert's weight tensors must start 16-byte aligned (the "
+                             "kernels load them in 16-byte pieces); got a view at an odd offset: pass contiguous "
+                             "copies")
+        return ptrs
+
+    return device_table(addresses, torch.int64, ts, ("addresses", len(ts)))
+
+
+def pick_split(E: int, rows: int, N: int, K: int, n_sm: int) -> int:
+    """Split-K for ``rows`` routed rows over ``E`` experts: until the programs of the experts that can be hit
+    (at most ``min(E, rows)``) reach ``SPLIT_TARGET`` per SM, keeping ``MIN_K_TILES`` K tiles per split."""
+    k_tiles = cdiv(K, 2 * HALF_K.value)
+    live = min(E, max(rows, 1)) * cdiv(N, BLOCK_N)
+    split = 1
+    while live * split < SPLIT_TARGET * n_sm and k_tiles // (split * 2) >= MIN_K_TILES:
+        split *= 2
+    return split
+
+
+def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor, row_map: torch.Tensor | None,
+                    offsets: torch.Tensor, weights: list[list[torch.Tensor]], params: torch.Tensor | None, k: int,
+                    group_size: int, out_dtype: torch.dtype, rows: int, max_rows_per_expert: int, *,
+                    tiled: bool = False, split_k: int | None = None, partials: bool = False) -> torch.Tensor:
+    """Launcher (inputs checked by ``lowbit.ops.moe``). ``a`` ``[Ta, K]`` (FP8 for ``w4a8-fp8``, INT8 for
+    ``w4a8-int8``), ``sx`` fp32 ``[Ta]``, ``row_map`` int32 ``[rows]`` or None, ``offsets`` int32 ``[E + 1]``;
+    ``weights``: per field a list over the experts -- ``w4a8-fp8``: ``[codes [N, Kp/2] uint8, scales [N, Gp] FP8]``
+    with ``params`` = inv_delta fp32 ``[E]``; ``w4a8-int8``: ``[qweight [N, Kp/2] uint8 (``tiled``: row-tiled),
+    s1 [N] fp32, s2 [N, G] uint8, zs [N, G] uint8]``, ``params`` None, ``group_size`` -1 for per-channel ->
+    ``[rows, N]`` ``out_dtype`` (rows no expert owns left unwritten). ``max_rows_per_expert`` sizes the inner row
+    step (a bound, not a promise: more rows loop). ``partials``: with split-K, return the FP32 partials
+    ``[SPLIT_K, rows, N]`` unsummed (the combine kernel sums them in split order)."""
+    E, N = len(weights[0]), weights[0][0].shape[0]
+    kp = 2 * weights[0][0].shape[1]
+    out = torch.empty((rows, N), dtype=out_dtype, device=a.device)
+    if rows == 0 or N == 0:
+        return out
+    bm = min(BLOCK_M_MAX, max(16, triton.next_power_of_2(max(1, max_rows_per_expert))))
+    if split_k is None:
+        n_sm = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 132
+        split_k = pick_split(E, rows, N, k, n_sm)
+    split_k = max(1, min(int(split_k), kp // (2 * HALF_K.value)))
+    ws = torch.empty((split_k, rows, N), dtype=torch.float32, device=a.device) if split_k > 1 else out
+    tables = [address_table(f) for f in weights]
+    rmap = row_map if row_map is not None else offsets
+    grid = (E, cdiv(N, BLOCK_N), split_k)
+    common = dict(BLOCK_M=bm, BLOCK_N=BLOCK_N, SPLIT_K=split_k, GATHER=row_map is not None, num_warps=NUM_WARPS,
+                  num_stages=NUM_STAGES)
+    if scheme == "w4a8-fp8":
+        _moe_w4a8_fp8_kernel[grid](
+            a, sx, rmap, offsets, *tables, params, out, ws, N, k, rows,
+            a.stride(0), weights[0][0].stride(0), weights[1][0].stride(0), out.stride(0),
+            GROUP=group_size, LUT=_use_lut({}), SWORD=True, **common)
+    elif scheme == "w4a8-int8":
+        _moe_w4a8_int8_kernel[grid](
+            a, sx, rmap, offsets, *tables, out, ws, N, k, rows, kp,
+            a.stride(0), weights[0][0].stride(0), weights[2][0].stride(0), out.stride(0),
+            GROUP_SIZE=group_size, TILED=tiled, USE_ASM=a.is_cuda and not interpret_mode(), **common)
+    else:
+        raise ValueError(f"scheme must be 'w4a8-fp8' or 'w4a8-int8', got {scheme!r}")
+    if split_k > 1 and partials:
+        return ws
+    if split_k > 1:
+        out.copy_(ws.sum(0))  # a fixed order (deterministic); rows no expert owns stay unspecified
+    return out
