@@ -11,7 +11,7 @@ import time
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path[:0] = [".", "benchmarks/device"]
 import lowbit  # noqa: E402,F401
 from lowbit.bench.harness import graph_us  # noqa: E402
 from lowbit.nn.moe import QuantExperts, dense_schedule  # noqa: E402
@@ -26,20 +26,11 @@ ap.add_argument("--variants", default="bf16 grouped_mm,lowbit w4a8-fp8 grouped,l
 ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of one grouped call per token count")
 a = ap.parse_args()
 
-from transformers import MixtralConfig  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from _moe_block import H, I, mixtral_block, token_sets  # noqa: E402
 
-torch.manual_seed(0)
-H, I, E, K = 4096, 14336, a.experts, a.top_k
-cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
-with torch.device("cuda"):
-    block = MixtralSparseMoeBlock(cfg).to(torch.bfloat16).eval()
-with torch.no_grad():
-    block.experts.gate_up_proj.normal_(0, 0.02)
-    block.experts.down_proj.normal_(0, 0.02)
-    block.gate.weight.normal_(0, 0.02)
+E, K = a.experts, a.top_k
+block = mixtral_block(E, K)
 experts = block.experts
-experts.config._experts_implementation = "grouped_mm"
 t0 = time.time()
 qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=128).cuda()
 qe8 = QuantExperts.from_experts(experts, "w4a8-int8", group_size=128).cuda() if "int8" in a.variants else None
@@ -62,12 +53,7 @@ variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
 rows = []
 profiles = {}
 for T in [int(t) for t in a.tokens.split(",")]:
-    sets = []
-    for s in range(8):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            _, w, idx = block.gate(x)
-        sets.append((x, idx, w, int(torch.unique(idx).numel())))
+    sets = [(*s_, int(torch.unique(s_[1]).numel())) for s_ in token_sets(block, T)]
     hit = statistics.mean(s[3] for s in sets)
     with torch.no_grad():
         ref = lowbit_call(False)(*sets[0][:3]).double()

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path[:0] = [".", "benchmarks/device"]
 import lowbit.kernels.moe_grouped as MK  # noqa: E402
 from lowbit.bench.harness import graph_us  # noqa: E402
 from lowbit.nn.moe import QuantExperts  # noqa: E402
@@ -18,18 +18,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--tokens", default="1,16,64")
 a = ap.parse_args()
-from transformers import MixtralConfig  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from _moe_block import mixtral_block, token_sets  # noqa: E402
 
-torch.manual_seed(0)
-H, I, E, K = 4096, 14336, 8, 2
-cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
-with torch.device("cuda"):
-    block = MixtralSparseMoeBlock(cfg).to(torch.bfloat16).eval()
-with torch.no_grad():
-    block.experts.gate_up_proj.normal_(0, 0.02)
-    block.experts.down_proj.normal_(0, 0.02)
-    block.gate.weight.normal_(0, 0.02)
+block = mixtral_block()
 qe = QuantExperts.from_experts(block.experts, "w4a8-fp8", group_size=128).cuda()
 default = dict(BLOCK_N=MK.BLOCK_N, NUM_WARPS=MK.NUM_WARPS, NUM_STAGES=MK.NUM_STAGES, SPLIT_TARGET=MK.SPLIT_TARGET)
 configs = [default] + [dict(BLOCK_N=bn, NUM_WARPS=w, NUM_STAGES=st, SPLIT_TARGET=sp)
@@ -37,12 +28,7 @@ configs = [default] + [dict(BLOCK_N=bn, NUM_WARPS=w, NUM_STAGES=st, SPLIT_TARGET
                        if not (bn == 64 and w == 8)]
 rows = []
 for T in [int(t) for t in a.tokens.split(",")]:
-    sets = []
-    for s in range(8):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            _, w, idx = block.gate(x)
-        sets.append((x, idx, w))
+    sets = token_sets(block, T)
     ref = None
     for c in configs:
         for k_, v in c.items():

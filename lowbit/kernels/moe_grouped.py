@@ -48,6 +48,38 @@ NUM_WARPS, NUM_STAGES = 4, 4
 
 
 @triton.jit
+def _expert_address(Table, e, DT: tl.constexpr):
+    """Expert ``e``'s tensor from an address table, as a pointer to ``DT``. Addresses read from memory carry no
+    alignment facts: without the 16-byte hint Triton would load the codes byte by byte, and the 4-byte inline-asm
+    lookups (``pack=4``) need each thread to hold whole words (module docstring)."""
+    return tl.multiple_of(tl.load(Table + e).to(tl.pointer_type(DT)), 16)
+
+
+@triton.jit
+def _row_step(A, RowMap, m0, end, stride_am, BLOCK_M: tl.constexpr, GATHER: tl.constexpr):
+    """Sorted rows ``[m0, m0 + BLOCK_M)`` of one expert (those >= ``end`` masked): (rows, mask, the activation row
+    each reads, pointers to those rows of ``A``)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    mask_m = rows < end
+    if GATHER:
+        arow = tl.load(RowMap + rows, mask=mask_m, other=0)
+    else:
+        arow = rows
+    return rows, mask_m, arow, A + arow[:, None].to(tl.int64) * stride_am
+
+
+@triton.jit
+def _store_rows(y, rows, mask_m, offs_n, N, R, C, Ws, pid_k, stride_cm, SPLIT_K: tl.constexpr):
+    """Scaled fp32 ``y [BLOCK_M, BLOCK_N]`` -> ``C`` (its dtype) or, split-K, this split's FP32 partial in ``Ws``."""
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    out = rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(C + out, y.to(C.dtype.element_ty), mask=mask)
+    else:
+        tl.store(Ws + pid_k.to(tl.int64) * R * N + out, y, mask=mask)
+
+
+@triton.jit
 def _moe_w4a8_fp8_kernel(
     # pointers
     A, Sx, RowMap, Offsets, CodePtrs, ScalePtrs, InvDelta, C, Ws,
@@ -64,10 +96,8 @@ def _moe_w4a8_fp8_kernel(
     pid_k = tl.program_id(2)
     start = tl.load(Offsets + e)
     end = tl.load(Offsets + e + 1)
-    # addresses read from memory carry no alignment facts: without these hints Triton would load the codes byte by
-    # byte, and the 4-byte lookup (``pack=4`` inline asm) needs each thread to hold whole words (16-byte loads)
-    Bq = tl.multiple_of(tl.load(CodePtrs + e).to(tl.pointer_type(tl.uint8)), 16)
-    Bs = tl.multiple_of(tl.load(ScalePtrs + e).to(tl.pointer_type(tl.float8e4nv)), 16)
+    Bq = _expert_address(CodePtrs, e, tl.uint8)
+    Bs = _expert_address(ScalePtrs, e, tl.float8e4nv)
     inv_delta = tl.load(InvDelta + e)
     k_tiles = tl.cdiv(K, 2 * HALF_K)
     per = tl.cdiv(k_tiles, SPLIT_K)
@@ -82,13 +112,7 @@ def _moe_w4a8_fp8_kernel(
     s_rows = Bs + offs_n.to(tl.int64) * stride_sn
     s_words = Bs.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
     for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < end
-        if GATHER:
-            arow = tl.load(RowMap + rows, mask=mask_m, other=0)
-        else:
-            arow = rows
-        a_rows = A + arow[:, None].to(tl.int64) * stride_am
+        rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for kt in range(kt0, kt1):
             k_all = kt * 2 * HALF_K + offs_k
@@ -99,12 +123,7 @@ def _moe_w4a8_fp8_kernel(
             acc += tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
         sx = tl.load(Sx + arow, mask=mask_m, other=0.0)
         y = tl.trans(acc) * (sx * inv_delta)[:, None]
-        mask = mask_m[:, None] & mask_n[None, :]
-        out = rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(C + out, y.to(C.dtype.element_ty), mask=mask)
-        else:
-            tl.store(Ws + pid_k.to(tl.int64) * R * N + out, y, mask=mask)
+        _store_rows(y, rows, mask_m, offs_n, N, R, C, Ws, pid_k, stride_cm, SPLIT_K)
 
 
 @triton.jit
@@ -125,10 +144,10 @@ def _moe_w4a8_int8_kernel(
     pid_k = tl.program_id(2)
     start = tl.load(Offsets + e)
     end = tl.load(Offsets + e + 1)
-    W = tl.multiple_of(tl.load(CodePtrs + e).to(tl.pointer_type(tl.uint8)), 16)
-    S1 = tl.multiple_of(tl.load(S1Ptrs + e).to(tl.pointer_type(tl.float32)), 16)
-    GS = tl.multiple_of(tl.load(S2Ptrs + e).to(tl.pointer_type(tl.uint8)), 16)
-    GZS = tl.multiple_of(tl.load(ZsPtrs + e).to(tl.pointer_type(tl.uint8)), 16)
+    W = _expert_address(CodePtrs, e, tl.uint8)
+    S1 = _expert_address(S1Ptrs, e, tl.float32)
+    GS = _expert_address(S2Ptrs, e, tl.uint8)
+    GZS = _expert_address(ZsPtrs, e, tl.uint8)
     k_tiles = KP // (2 * HALF_K)
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per
@@ -143,13 +162,7 @@ def _moe_w4a8_int8_kernel(
         zs = tl.load(GZS + rn * stride_gn).to(tl.int32)
     s1 = tl.load(S1 + rn)
     for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
-        rows = m0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < end
-        if GATHER:
-            arow = tl.load(RowMap + rows, mask=mask_m, other=0)
-        else:
-            arow = rows
-        a_rows = A + arow[:, None].to(tl.int64) * stride_am
+        rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         for kt in range(kt0, kt1):
             k0 = kt * 2 * HALF_K
@@ -165,12 +178,7 @@ def _moe_w4a8_int8_kernel(
             acc = tl.dot(w_hi, tl.trans(a_hi), acc, out_dtype=tl.int32)
         sx = tl.load(Sx + arow, mask=mask_m, other=0.0)
         y = tl.trans(acc.to(tl.float32)) * sx[:, None] * s1[None, :]  # (acc * sx) * s1: the reference's order
-        mask = mask_m[:, None] & (offs_n < N)[None, :]
-        out = rows[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(C + out, y.to(C.dtype.element_ty), mask=mask)
-        else:
-            tl.store(Ws + pid_k.to(tl.int64) * R * N + out, y, mask=mask)
+        _store_rows(y, rows, mask_m, offs_n, N, R, C, Ws, pid_k, stride_cm, SPLIT_K)
 
 
 def address_table(ts: list[torch.Tensor]) -> torch.Tensor:
