@@ -435,3 +435,17 @@ def _lin(w):
     lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight.data.copy_(w)
     return lin
+
+
+def test_generator_captures_grouped_experts_at_any_count():
+    """The runner's default graph rule: lowbit experts with the grouped schedule are captured whatever their count
+    (only routed experts are read); per-expert (dense-schedule) experts only up to DENSE_GRAPH_MAX_EXPERTS."""
+    from lowbit.models.generate import _moe_graphs
+    from tests._tiny_models import tiny_variant
+
+    experts = tiny_variant("mixtral", num_local_experts=20, num_experts_per_tok=2).model.layers[0].mlp.experts
+    fp8 = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32)
+    lut = QuantExperts.from_experts(experts, "lut", bits=4, group_size=32)
+    assert _moe_graphs(fp8, 16) == (True, True)
+    assert _moe_graphs(lut, 16) == (True, False)
+    assert _moe_graphs(fp8, 65) == (False, False)
