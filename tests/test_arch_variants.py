@@ -189,8 +189,6 @@ def test_qwen3_runner_fuses_qk_norms_into_rope(recipe):
 @pytest.mark.parametrize("model_type,extra,match", [
     ("gemma2", dict(attn_implementation="eager"), "soft-capping"),                      # also sandwich norms: CAS would fold into the wrong one
     ("gemma", {}, "activation is 'gelu"),
-    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,  # a shared expert
-                       shared_expert_intermediate_size=32), "mixture-of-experts block with parts"),
     ("olmo2", {}, "norms are"),                           # norms after attention / MLP
     ("cohere", {}, "norms are"),                          # parallel attention + MLP, one norm
     ("stablelm", {}, "RoPE on part of each head"),        # partial_rotary_factor inside rope_parameters
@@ -203,7 +201,7 @@ def test_qwen3_runner_fuses_qk_norms_into_rope(recipe):
 def test_non_llama_decoders_are_refused_by_name(model_type, extra, match):
     """Decoders that are not Llama-shaped raise a ValueError naming what differs, from quantize_model and from
     the runner, instead of quantizing to wrong numbers (Gemma 2: CAS into the attention output's norm) or
-    failing on a missing attribute (MoE blocks of another form; Mixtral and Qwen3-MoE run: tests/test_moe.py)."""
+    failing on a missing attribute (Mixtral, Qwen3-MoE and Qwen2-MoE run: tests/test_moe.py)."""
     m = tiny_variant(model_type, **extra)
     with pytest.raises(ValueError, match=match):
         lowbit.quantize_model(m, "flute-nf4", progress=False)

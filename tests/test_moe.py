@@ -15,6 +15,8 @@ from tests.conftest import GPU  # CUDA with compiled kernels (not under TRITON_I
 ARCHS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,  # + a shared expert
+                      shared_expert_intermediate_size=96),
 }
 
 
@@ -59,6 +61,7 @@ def test_cas_over_router_and_experts_keeps_the_function(arch):
 
     rep = apply_cas(m)
     assert (0, "gate_up") in rep["lambdas"] and (0, "down.3") in rep["lambdas"]
+    assert ((0, "down.shared") in rep["lambdas"]) == (arch == "qwen2_moe")
     assert rep["max_ratio"] > 1.01  # it did rescale
     assert _rel(_logits(m, ids), ref) < 1e-5
 
@@ -190,7 +193,8 @@ def test_quant_experts_bad_input():
 
 
 @pytest.mark.parametrize("arch,recipe", [("mixtral", "fireq"), ("mixtral", "qserve"), ("mixtral", "flute-nf4"),
-                                         ("qwen3_moe", "fireq"), ("qwen3_moe", "flute-nf3")])
+                                         ("qwen3_moe", "fireq"), ("qwen3_moe", "flute-nf3"), ("qwen2_moe", "fireq"),
+                                         ("qwen2_moe", "qserve"), ("qwen2_moe", "flute-nf4")])
 def test_recipes_quantize_experts_and_generate(arch, recipe, reference_ops):
     """Every recipe quantizes each expert (router float); transformers' generate runs, the runner (no CUDA graphs
     for MoE) gives its greedy tokens, and the quantized logits stay near the float model's."""
@@ -205,6 +209,10 @@ def test_recipes_quantize_experts_and_generate(arch, recipe, reference_ops):
     lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False)
     for layer in m.model.layers:
         assert isinstance(layer.mlp.experts, QuantExperts) and isinstance(layer.mlp.gate.weight, torch.nn.Parameter)
+        if arch == "qwen2_moe":  # the shared expert's linears quantized, its gate float
+            assert all(type(getattr(layer.mlp.shared_expert, r)).__name__ != "Linear"
+                       for r in ("gate_proj", "up_proj", "down_proj"))
+            assert type(layer.mlp.shared_expert_gate) is torch.nn.Linear
     # 4-bit formats on random N(0, 0.2) weights (a token whose top-2 flips adds more): measured 0.16-0.20 (NF3 0.36)
     assert _rel(block(m.model.layers[0]), ref) < (0.45 if recipe == "flute-nf3" else 0.3)
     prompts = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 8, 8, 6, 1])]
@@ -221,7 +229,7 @@ def test_learned_nf_leaves_no_float_expert(reference_ops):
     assert isinstance(m.model.layers[0].mlp.experts, QuantExperts)
 
 
-@pytest.mark.parametrize("arch,recipe", [("mixtral", "fireq"), ("qwen3_moe", "flute-nf4")])
+@pytest.mark.parametrize("arch,recipe", [("mixtral", "fireq"), ("qwen3_moe", "flute-nf4"), ("qwen2_moe", "qserve")])
 def test_moe_checkpoint_round_trip(arch, recipe, tmp_path, reference_ops):
     from lowbit.models.checkpoint import load_quantized, read_metadata, save_quantized
 

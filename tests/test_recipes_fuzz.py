@@ -71,12 +71,12 @@ def test_recipe_on_random_tiny_llama(recipe, head_dim, heads, kv_div, inter, lay
 
 
 @settings(max_examples=4, deadline=None)
-@given(recipe=st.sampled_from(ALL), arch=st.sampled_from(("mixtral", "qwen3_moe")), experts=st.integers(2, 6),
+@given(recipe=st.sampled_from(ALL), arch=st.sampled_from(("mixtral", "qwen3_moe", "qwen2_moe")), experts=st.integers(2, 6),
        top_k=st.integers(1, 3), inter=st.integers(24, 100), hidden=st.sampled_from((32, 64)), dense_first=st.booleans(),
        tokens=st.integers(1, 12), seed=st.integers(0, 9))
 def test_recipe_on_random_tiny_moe(recipe, arch, experts, top_k, inter, hidden, dense_first, tokens, seed):
-    """Mixture-of-experts variants (session 38): random expert counts, top-k, expert widths that are no multiple of
-    any group, a dense first layer (Qwen3-MoE's ``mlp_only_layers``); the quantized model stays finite and near the
+    """Mixture-of-experts variants (session 38; Qwen2-MoE's shared expert since session 39): random expert counts,
+    top-k, expert widths that are no multiple of any group, a dense first layer (``mlp_only_layers``); the quantized model stays finite and near the
     float one, generates, its checkpoint loads to the same logits, and the experts' two schedules agree."""
     import lowbit.nn.moe as M
     from tests._tiny_models import eager_experts, tiny_variant
@@ -85,6 +85,8 @@ def test_recipe_on_random_tiny_moe(recipe, arch, experts, top_k, inter, hidden, 
     kw = (dict(num_local_experts=experts, num_experts_per_tok=top_k) if arch == "mixtral" else
           dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, norm_topk_prob=True,
                mlp_only_layers=[0] if dense_first else []))
+    if arch == "qwen2_moe":  # + a shared expert of another width (session 39)
+        kw.update(shared_expert_intermediate_size=inter + 8, norm_topk_prob=False)
     # (Mixtral's expert width is the config's intermediate size; Qwen3-MoE's is moe_intermediate_size, its
     # intermediate size the dense layers')
     m = tiny_variant(arch, hidden=hidden, head_dim=16, heads=hidden // 16, kv_heads=1, seed=seed, intermediate=inter,

@@ -12,9 +12,11 @@ Two variations are read here, not assumed:
   PTQ (RPN, SmoothAttention) therefore applies its per-head factors after RoPE on those models
   (``lowbit.ptq.rope_kv``).
 - **mixture-of-experts MLPs** (Mixtral, Qwen3-MoE; session 38): a sparse block ``mlp`` = float router ``gate``
-  (weight ``[E, H]``) + ``experts`` (3-D ``gate_up_proj`` / ``down_proj``, or lowbit's ``QuantExperts``) and nothing
-  else (Qwen2-MoE's shared expert is refused). Its view has ``router`` / ``experts`` and no gate/up/down linears
-  (``moe_block``); ``lowbit.nn.moe`` quantizes the experts.
+  (weight ``[E, H]``) + ``experts`` (3-D ``gate_up_proj`` / ``down_proj``, or lowbit's ``QuantExperts``) and, since
+  session 39, optionally Qwen2-MoE's shared expert: a SiLU MLP ``shared_expert`` (gate/up/down projections) whose
+  output the block adds scaled by ``sigmoid(shared_expert_gate(x))`` (a ``[1, H]`` linear), nothing else. Its view
+  has ``router`` / ``experts`` (``shared_expert`` / ``shared_gate``) and no gate/up/down linears of its own
+  (``moe_block``); ``lowbit.nn.moe`` quantizes the experts, the recipes the shared expert's three linears.
 - **sliding-window attention** (Mistral's ``sliding_window``, Qwen2/3 layers of type
   ``sliding_attention``): lowbit's attention is full causal, equal to a window of W keys only while a
   sequence holds at most W tokens; the attention paths raise past that (``sliding_window``).
@@ -39,7 +41,7 @@ from torch import nn
 from lowbit._utils import warn_once
 
 # model types whose forward lowbit's tests run (tests/test_arch_variants.py, the embedded SmolLM2 = llama)
-TESTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+TESTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 @dataclass
@@ -63,6 +65,8 @@ class LayerView:
     sliding_window: int | None = None  # keys a query may see (None: all)
     router: nn.Module | None = None  # MoE layers: the float router (weight [E, H]) ...
     experts: nn.Module | None = None  # ... and the experts (transformers' 3-D module or lowbit's QuantExperts)
+    shared_expert: nn.Module | None = None  # Qwen2-MoE: the shared expert (a gate/up/down SiLU MLP) ...
+    shared_gate: nn.Module | None = None  # ... and its gate ([1, H] linear; the block adds sigmoid(gate) * expert)
 
     def linears(self) -> dict[str, nn.Module]:
         """The layer's projections by role (an MoE layer has no gate/up/down: see ``experts``)."""
@@ -103,12 +107,20 @@ def has_qk_norm(attn: nn.Module) -> bool:
 def sliding_window(attn: nn.Module) -> int | None:
     """The attention block's window in keys, or None for full attention. Qwen2/3 set
     ``self.sliding_window`` per layer (None on full-attention layers); Mistral's attention reads
-    ``config.sliding_window`` (4096 by default); Llama has neither."""
+    ``config.sliding_window`` (4096 by default); Llama has neither; Qwen2-MoE sets it only on sliding layers and
+    keeps ``config.sliding_window = 0`` with ``use_sliding_window=False`` (session 39: read as a window of 0 keys
+    before, which refused every sequence)."""
     if hasattr(attn, "sliding_window"):
         w = attn.sliding_window
-    else:
-        w = getattr(getattr(attn, "config", None), "sliding_window", None)
-    return None if w is None else int(w)
+    else:  # from the config: unless it turns windows off (Qwen2-MoE: use_sliding_window=False, window 0) or names
+        # this layer a full-attention one (``layer_types``)
+        cfg = getattr(attn, "config", None)
+        types, idx = getattr(cfg, "layer_types", None), getattr(attn, "layer_idx", None)
+        if getattr(cfg, "use_sliding_window", True) is False or (
+                types is not None and idx is not None and idx < len(types) and types[idx] != "sliding_attention"):
+            return None
+        w = getattr(cfg, "sliding_window", None)
+    return None if not w else int(w)  # (a window of 0 keys means none)
 
 
 def check_window(attn: nn.Module, length: int, where: str) -> None:
@@ -190,18 +202,25 @@ _UNSUPPORTED_CONFIG = (  # (config attribute, value that is fine, what it would 
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "rotary_emb"}
 
 
-def moe_block(mlp: nn.Module | None) -> tuple[nn.Module, nn.Module] | None:
-    """(router, experts) of a sparse MoE MLP of the supported form (module docstring), None for any other MLP.
-    ValueError for an MoE block lowbit cannot run (shared experts, another experts layout)."""
+def moe_block(mlp: nn.Module | None) -> tuple[nn.Module, nn.Module, tuple[nn.Module, nn.Module] | None] | None:
+    """(router, experts, shared) of a sparse MoE MLP of the supported form (module docstring; ``shared`` =
+    (shared_expert, shared_expert_gate) or None), None for any other MLP. ValueError for an MoE block lowbit cannot
+    run (another experts layout, other parts)."""
     if mlp is None or not hasattr(mlp, "experts"):
         return None
     from lowbit.nn.moe import QuantExperts, experts_weights
 
     where = type(mlp).__name__
     children = sorted(n for n, _ in mlp.named_children())
-    if children != ["experts", "gate"] or any(True for _ in mlp.named_parameters(recurse=False)):
-        raise ValueError(f"{where}: a mixture-of-experts block with parts {children} (shared experts or others); "
-                         "lowbit runs blocks of exactly a router 'gate' and 'experts' (Mixtral, Qwen3-MoE)")
+    if children not in (["experts", "gate"], ["experts", "gate", "shared_expert", "shared_expert_gate"]) or any(
+            True for _ in mlp.named_parameters(recurse=False)):
+        raise ValueError(f"{where}: a mixture-of-experts block with parts {children}; lowbit runs blocks of a router "
+                         "'gate' and 'experts' (Mixtral, Qwen3-MoE), with or without Qwen2-MoE's 'shared_expert' "
+                         "and 'shared_expert_gate'")
+    shared = None
+    if "shared_expert" in children:
+        shared = (mlp.shared_expert, mlp.shared_expert_gate)
+        _check_shared_expert(where, *shared)
     router, experts = mlp.gate, mlp.experts
     w = getattr(router, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or getattr(router, "bias", None) is not None:
@@ -211,8 +230,21 @@ def moe_block(mlp: nn.Module | None) -> tuple[nn.Module, nn.Module] | None:
         gu, _ = experts_weights(experts)  # ValueError for another layout
         if gu.shape[0] != w.shape[0] or gu.shape[2] != w.shape[1]:
             raise ValueError(f"{where}: router weight {list(w.shape)} does not fit experts {list(gu.shape)}")
-    return router, experts
+    return router, experts, shared
 
+
+def _check_shared_expert(where: str, mlp: nn.Module, gate: nn.Module) -> None:
+    """Qwen2-MoE's shared expert: exactly a SiLU MLP of gate/up/down projections, and a bias-free ``[1, H]`` gate
+    linear (the block adds ``sigmoid(gate(x)) * mlp(x)``); ValueError naming what differs."""
+    parts = sorted(n for n, _ in mlp.named_children())
+    act = getattr(mlp, "act_fn", None)
+    if parts != ["act_fn", "down_proj", "gate_proj", "up_proj"] or (
+            not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLU", "SiLUActivation")):
+        raise ValueError(f"{where}: its shared expert {type(mlp).__name__} has parts {parts} and activation "
+                         f"{type(act).__name__}; lowbit runs a SiLU MLP of gate_proj, up_proj, down_proj")
+    w = getattr(gate, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] != 1 or getattr(gate, "bias", None) is not None:
+        raise ValueError(f"{where}: its shared_expert_gate is not a bias-free linear with one output")
 
 def _check_layer(layer: nn.Module, where: str, fused_mlp: type, *, try_norms: bool) -> None:
     """The structural checks of ``check_llama_family`` on one decoder layer (``try_norms``: also run its norms)."""
@@ -313,7 +345,8 @@ def decoder_layers(model) -> list[LayerView]:
             views.append(LayerView(i, layer, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
                                    attn.o_proj, layer.post_attention_layernorm, None, None, None, nh, nkv, hd,
                                    pairing, has_qk_norm(attn), sliding_window(attn), router=moe[0],
-                                   experts=moe[1]))
+                                   experts=moe[1], shared_expert=moe[2][0] if moe[2] else None,
+                                   shared_gate=moe[2][1] if moe[2] else None))
             continue
         views.append(LayerView(i, layer, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
                                attn.o_proj, layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj,

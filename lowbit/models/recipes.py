@@ -204,8 +204,18 @@ MLP_ROLES = ("gate_proj", "up_proj", "down_proj")
 def _quantize_experts(view, scheme: str, skip, options: dict) -> None:
     """A mixture-of-experts layer's float experts -> ``lowbit.nn.moe.QuantExperts`` (each expert's gate_up and down
     through ``scheme`` with the linears' options). Experts stay float when ``skip`` names any MLP role (an
-    expert's gate and up are one matrix)."""
-    if view.experts is None or set(MLP_ROLES) & set(skip) or not hasattr(view.experts, "gate_up_proj"):
+    expert's gate and up are one matrix). A shared expert's gate / up / down (Qwen2-MoE) are quantized as a dense
+    MLP's, role by role; its ``[1, H]`` gate stays float, as the router."""
+    if view.experts is None:
+        return
+    from lowbit import quantize_linear
+
+    if view.shared_expert is not None:
+        for role in MLP_ROLES:
+            lin = getattr(view.shared_expert, role)
+            if role not in skip and isinstance(lin, nn.Linear):
+                setattr(view.shared_expert, role, quantize_linear(lin, scheme, **options))
+    if set(MLP_ROLES) & set(skip) or not hasattr(view.experts, "gate_up_proj"):
         return
     from lowbit.nn.moe import QuantExperts
 

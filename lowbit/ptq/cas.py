@@ -93,7 +93,9 @@ def _is_float_linear(m) -> bool:
 
 
 def _cas_experts(v, projections, lambdas: dict, *, alpha: float, max_scale: float) -> None:
-    """CAS on a mixture-of-experts MLP (``v.experts``: 3-D ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``).
+    """CAS on a mixture-of-experts MLP (``v.experts``: 3-D ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``;
+    a shared expert's gate / up join the gate_up group and its gate linear is scaled exactly, as the router; its
+    down gets its own Lambda).
     ``down``: each expert its own Lambda (its down columns, its up rows), as a dense layer. ``gate_up``: the router
     and every expert read the one ``post_norm`` output, so they share one Lambda, computed over all experts'
     gate_up rows (the rule of ``cas_scales``) and folded into each expert's gate_up columns and, exactly, into the
@@ -103,18 +105,32 @@ def _cas_experts(v, projections, lambdas: dict, *, alpha: float, max_scale: floa
     gu, dn = experts_weights(v.experts)
     E, two_i, _ = gu.shape
     inter = two_i // 2
+    sh = v.shared_expert
     if "down" in projections:
         for e in range(E):
             lam = cas_scales([dn[e]], alpha=alpha, max_scale=max_scale)
             _mul(dn.data[e], lam[None, :])
             _mul(gu.data[e, inter:], (1.0 / lam)[:, None])
             lambdas[(v.index, f"down.{e}")] = lam
+        if sh is not None:  # the shared expert's down: its own Lambda, as a dense layer's
+            lam = cas_scales([sh.down_proj.weight], alpha=alpha, max_scale=max_scale)
+            _scale_cols(sh.down_proj, lam)
+            _scale_rows(sh.up_proj, 1.0 / lam)
+            lambdas[(v.index, "down.shared")] = lam
     if "gate_up" in projections:
         sums = sum(gu.data[e].float().abs().sum(0) for e in range(E))  # one expert at a time in float32
-        lam = _scales_from_absmean(sums / (E * two_i), alpha=alpha, max_scale=max_scale)
+        rows = E * two_i
+        if sh is not None:  # the shared expert's gate / up rows read the same input: the same Lambda
+            sums = sums + sh.gate_proj.weight.detach().float().abs().sum(0) + sh.up_proj.weight.detach().float(
+            ).abs().sum(0)
+            rows += sh.gate_proj.weight.shape[0] + sh.up_proj.weight.shape[0]
+        lam = _scales_from_absmean(sums / rows, alpha=alpha, max_scale=max_scale)
         for e in range(E):
             _mul(gu.data[e], lam[None, :])
         _scale_cols(v.router, lam)
+        if sh is not None:
+            for m in (sh.gate_proj, sh.up_proj, v.shared_gate):  # the float gate exactly, as the router
+                _scale_cols(m, lam)
         _scale_norm(v.post_norm, 1.0 / lam)
         lambdas[(v.index, "gate_up")] = lam
 
@@ -137,8 +153,10 @@ def apply_cas(model, layers=None, *, projections=DEFAULT_PROJECTIONS, alpha: flo
     lambdas = {}
     for v in views:
         lin = v.linears()
-        if not all(_is_float_linear(m) for m in lin.values()) or (v.experts is not None
-                                                                    and not hasattr(v.experts, "gate_up_proj")):
+        shared = [getattr(v.shared_expert, r) for r in ("gate_proj", "up_proj", "down_proj")] if v.shared_expert \
+            is not None else []
+        if not all(_is_float_linear(m) for m in (*lin.values(), *shared)) or (
+                v.experts is not None and not hasattr(v.experts, "gate_up_proj")):
             raise TypeError(f"layer {v.index}: apply_cas must run on float nn.Linear layers, before quantization")
         # o and down first: their Lambda^-1 rescales v / up rows, which the shared-input groups
         # (qkv, gate_up) then see, so every group ends equalized
