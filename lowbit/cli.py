@@ -295,9 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layers", type=int, default=None,
                    help="bench model: decoder layers of the Llama-3-8B-shaped model (default: all 32 where the bf16 "
                         "weights and the largest KV cache fit the GPU, else 2 scaled to 32 with a head-only step)")
-    b.add_argument("--arch", default="llama3-8b", choices=["llama3-8b", "qwen3-8b", "mixtral-8x7b"],
+    b.add_argument("--arch", default="llama3-8b", choices=["llama3-8b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b"],
                    help="bench model: the shapes of the random model (default llama3-8b; qwen3-8b: 36 layers, "
-                        "per-head q/k norms)")
+                        "per-head q/k norms; mixtral-8x7b: 8 experts top-2; qwen3-30b-a3b: 128 experts top-8)")
     b.set_defaults(func=_cmd_bench)
     return p
 

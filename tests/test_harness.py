@@ -165,6 +165,8 @@ def test_model_bench_archs_count_bytes():
     assert abs(qwen.bf16_bytes() - 16.38e9) < 0.01e9 and qwen.kv_bytes_per_token() == 147456
     mixtral = ARCHS["mixtral-8x7b"]  # 46.7 B parameters
     assert abs(mixtral.bf16_bytes() - 93.4e9) < 0.1e9 and mixtral.kv_bytes_per_token() == 131072
+    q30 = ARCHS["qwen3-30b-a3b"]  # 30.5 B parameters: 128 experts of 3 x 2048 x 768 in 48 layers
+    assert abs(q30.bf16_bytes() - 61.0e9) < 0.3e9 and q30.kv_bytes_per_token() == 48 * 2 * 4 * 128 * 2
     assert qwen.model_type == "qwen3" and qwen.layers == 36
 
 

@@ -56,6 +56,10 @@ MIXTRAL_8X7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                     num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768,
                     rms_norm_eps=1e-5, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
                     sliding_window=None)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -75,8 +79,9 @@ class Arch:
         c = self.config
         h, hd = c["hidden_size"], c["head_dim"]
         attn = h * hd * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
-        e = c.get("num_local_experts", 0)  # MoE: every expert's MLP and the router
-        mlp = 3 * h * c["intermediate_size"] * max(e, 1) + h * e
+        e = c.get("num_local_experts", c.get("num_experts", 0))  # MoE: every expert's MLP and the router
+        inter = c.get("moe_intermediate_size", c["intermediate_size"]) if e else c["intermediate_size"]
+        mlp = 3 * h * inter * max(e, 1) + h * e
         return 2 * (self.layers * (attn + mlp) + 2 * c["vocab_size"] * h)
 
     def kv_bytes_per_token(self) -> int:
@@ -86,7 +91,8 @@ class Arch:
 
 ARCHS = {"llama3-8b": Arch("Llama-3-8B", "llama", LLAMA3_8B, 32),
          "qwen3-8b": Arch("Qwen3-8B", "qwen3", QWEN3_8B, 36),
-         "mixtral-8x7b": Arch("Mixtral-8x7B", "mixtral", MIXTRAL_8X7B, 32)}  # session 38; first run on the H200 in session 39
+         "mixtral-8x7b": Arch("Mixtral-8x7B", "mixtral", MIXTRAL_8X7B, 32),  # session 38; first run on the H200 in session 39
+         "qwen3-30b-a3b": Arch("Qwen3-30B-A3B", "qwen3_moe", QWEN3_30B_A3B, 48)}  # session 39, not run on the device yet
 DEFAULT_ARCH = "llama3-8b"
 FULL_LAYERS = ARCHS[DEFAULT_ARCH].layers
 RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3",
