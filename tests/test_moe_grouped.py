@@ -449,3 +449,22 @@ def test_generator_captures_grouped_experts_at_any_count():
     assert _moe_graphs(fp8, 16) == (True, True)
     assert _moe_graphs(lut, 16) == (True, False)
     assert _moe_graphs(fp8, 65) == (False, False)
+
+
+def test_grouped_spec_cache_follows_the_modules():
+    """The grouped schedule's weights are kept while the expert modules are the same objects: a replaced expert
+    and ``.to()`` are seen (a cast module leaves the schedule)."""
+    experts = _moe("mixtral").model.layers[0].mlp.experts
+    qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32)
+    s1 = qe.grouped_weights()
+    assert qe.grouped_weights() is s1
+    qe.to("cpu")
+    s2 = qe.grouped_weights()
+    assert s2 is not s1
+    qe.gate_up[2] = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32).gate_up[2]
+    assert qe.grouped_weights()["gate_up"][0][2] is qe.gate_up[2].codes
+    qe.down[1].codes = qe.down[1].codes.clone()
+    qe.clear_grouped_cache()
+    assert qe.grouped_weights()["down"][0][1] is qe.down[1].codes
+    qe.to(torch.bfloat16)
+    assert qe.grouped_weights() is None

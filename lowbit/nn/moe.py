@@ -167,6 +167,31 @@ class QuantExperts(nn.Module):
         return out
 
     def grouped_weights(self) -> dict | None:
+        """``_grouped_spec()``, kept while the expert modules are the same objects (checking them all costs ~2 ms of
+        host time per call at 128 experts, on every eager call). The cache holds the modules themselves, so a
+        replaced expert (a checkpoint's placeholders, ``qe.gate_up[e] = ...``) is seen; ``.to()`` / ``.half()``
+        clear it (``_apply``). After assigning an expert's buffers directly (``m.codes = t``), call
+        ``clear_grouped_cache()``."""
+        if not getattr(self, "grouped", True):  # (modules pickled before session 39 lack the attribute)
+            return None
+        if torch.compiler.is_compiling():
+            return self._grouped_spec()
+        mods = (*self.gate_up, *self.down)
+        hit = self.__dict__.get("_grouped_cache")
+        if hit is not None and hit[0] == mods:  # element-wise identity (modules compare by identity)
+            return hit[1]
+        spec = self._grouped_spec()
+        self.__dict__["_grouped_cache"] = (mods, spec)
+        return spec
+
+    def clear_grouped_cache(self) -> None:
+        self.__dict__.pop("_grouped_cache", None)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.clear_grouped_cache()  # .to() / .cuda() / .half() replace the experts' buffers
+        return super()._apply(fn, *args, **kwargs)
+
+    def _grouped_spec(self) -> dict | None:
         """The grouped schedule's weights (module docstring), or None where it does not apply: every expert a plain
         linear pair of one scheme -- ``w4a8-fp8`` (per expert ``(codes, scales, pts_exp)``) or ``w4a8-int8`` with
         groups a multiple of 128 or per-channel (``(qweight, wscale, gscale, gzs)``; one code layout per
@@ -176,8 +201,6 @@ class QuantExperts(nn.Module):
         from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
         from lowbit.nn.w4a8_int8 import W4A8INT8Linear
 
-        if not getattr(self, "grouped", True):  # (modules pickled before session 39 lack the attribute)
-            return None
         mods = (*self.gate_up, *self.down)
         m0 = mods[0]
         if type(m0) is W4A8FP8Linear:
