@@ -50,6 +50,59 @@ def test_views_name_router_and_experts(arch):
     for v in views:
         assert v.experts is not None and v.router is not None and v.gate_proj is None
         assert list(v.linears()) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+        assert (v.shared_expert is not None) == (v.shared_gate is not None) == (arch == "qwen2_moe")
+        assert list(v.shared_linears()) == (["shared.gate_proj", "shared.up_proj", "shared.down_proj"]
+                                            if arch == "qwen2_moe" else [])
+        assert v.sliding_window is None  # (Qwen2-MoE's disabled window of 0 keys is no window)
+
+
+def test_other_moe_forms_are_refused_by_name():
+    """A block with other parts than router, experts and Qwen2-MoE's shared expert + gate, or a shared expert of
+    another form, raises naming it (quantize_model and the runner)."""
+    m = _moe("qwen2_moe")
+    m.model.layers[0].mlp.extra = torch.nn.Linear(64, 64)
+    with pytest.raises(ValueError, match="mixture-of-experts block with parts"):
+        lowbit.quantize_model(m, "flute-nf4", progress=False)
+    m = _moe("qwen2_moe")
+    m.model.layers[1].mlp.shared_expert.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match="shared expert"):
+        Generator(m, max_batch=1, max_seq=8)
+    m = _moe("qwen2_moe")
+    m.model.layers[0].mlp.shared_expert_gate = torch.nn.Linear(64, 2, bias=False)
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        lowbit.quantize_model(m, "fireq", progress=False, calibration=_calib())
+
+
+def test_sliding_window_reads_each_model_its_way():
+    """Mistral / Mixtral window every layer from the config, whatever ``layer_types`` or ``use_sliding_window``
+    say (a review found a first version missing them); Qwen2-MoE's layers without the attribute are full."""
+    from lowbit.models.arch import sliding_window
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant("mistral", sliding_window=4, layer_types=["full_attention", "full_attention"])
+    assert [sliding_window(layer.self_attn) for layer in m.model.layers] == [4, 4]
+    m = _moe("mixtral", sliding_window=8)
+    assert [sliding_window(layer.self_attn) for layer in m.model.layers] == [8, 8]
+    assert [sliding_window(layer.self_attn) for layer in _moe("qwen2_moe").model.layers] == [None, None]
+
+
+def test_shared_expert_pts_and_learned_scales(reference_ops):
+    """fireq: the shared expert's gate and up share one PTS exponent (one fused matrix's rule); learned NF scales
+    train the shared expert's linears too (its scales move)."""
+    from lowbit.ptq.pts import pts_exponent
+
+    m = _moe("qwen2_moe")
+    sh = m.model.layers[0].mlp.shared_expert
+    want = pts_exponent(torch.cat([sh.gate_proj.weight, sh.up_proj.weight], 0).detach(), 128)
+    lowbit.quantize_model(m, "fireq", calibration=_calib(), progress=False, cas=False)
+    sh = m.model.layers[0].mlp.shared_expert
+    assert sh.gate_proj.pts_exp == sh.up_proj.pts_exp == want
+    m = _moe("qwen2_moe", layers=1)
+    from lowbit.ptq.nfl import learn_nf_scales
+
+    rep = learn_nf_scales(m, _calib(1, 16), group_size=32, progress=False, lr=1e-2)
+    assert rep["linears"] == 4 + 3  # q/k/v/o and the shared expert's three
+    assert type(m.model.layers[0].mlp.shared_expert.down_proj).__name__ == "LUTLinear"
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -184,3 +184,18 @@ def test_fp8_mla_deepseek_roundtrip(tmp_path):
     ref = greedy(m, prompt, 4)
     lowbit.save_quantized(m, tmp_path / "mla")
     assert torch.equal(greedy(lowbit.load_quantized(tmp_path / "mla"), prompt, 4), ref)
+
+
+def test_w8_linears_in_grouped_recipes_and_views_of_fused_mlps():
+    """``linear="w8"`` (no weight groups) with a recipe's default group size quantizes instead of raising a
+    TypeError; ``decoder_layers`` reads a model whose MLPs flute fused (no gate / up of their own), so removing the
+    quantized attention after ``flute-nf4`` with an INT4 cache works (two review findings of session 39)."""
+    from lowbit.models.arch import decoder_layers
+    from lowbit.models.hf_attention import uninstall_quantized_attention
+
+    m = _quantize("int8-attention", linear="w8")
+    assert type(m.model.layers[0].self_attn.q_proj).__name__ == "W8Linear"
+    m = _quantize("flute-nf4", kv="kv4")
+    views = decoder_layers(m)
+    assert views[0].gate_proj is None and views[0].up_proj is None and views[0].down_proj is not None
+    uninstall_quantized_attention(m)

@@ -84,7 +84,17 @@ class LayerView:
         self.layer.mlp.experts = module
         self.experts = module
 
+    def shared_linears(self) -> dict[str, nn.Module]:
+        """The shared expert's projections (Qwen2-MoE) by role ``shared.gate_proj`` / ``.up_proj`` / ``.down_proj``
+        (``set_linear`` takes these roles too); empty without one."""
+        if self.shared_expert is None:
+            return {}
+        return {f"shared.{r}": getattr(self.shared_expert, r) for r in ("gate_proj", "up_proj", "down_proj")}
+
     def set_linear(self, role: str, module: nn.Module) -> None:
+        if role.startswith("shared."):
+            setattr(self.shared_expert, role[len("shared."):], module)
+            return
         parent = self.layer.self_attn if role in ("q_proj", "k_proj", "v_proj", "o_proj") else self.layer.mlp
         setattr(parent, role, module)
         setattr(self, role, module)
@@ -107,19 +117,17 @@ def has_qk_norm(attn: nn.Module) -> bool:
 def sliding_window(attn: nn.Module) -> int | None:
     """The attention block's window in keys, or None for full attention. Qwen2/3 set
     ``self.sliding_window`` per layer (None on full-attention layers); Mistral's attention reads
-    ``config.sliding_window`` (4096 by default); Llama has neither; Qwen2-MoE sets it only on sliding layers and
-    keeps ``config.sliding_window = 0`` with ``use_sliding_window=False`` (session 39: read as a window of 0 keys
-    before, which refused every sequence)."""
+    ``config.sliding_window`` (4096 by default); Llama has neither; Qwen2-MoE sets it only on its sliding layers (the
+    others are full) and keeps ``config.sliding_window = 0`` (session 39: read as a window of 0 keys before, which
+    refused every sequence; a first fix that read ``use_sliding_window`` / ``layer_types`` for every model missed
+    Mistral's windows, which ignore both: a review finding)."""
     if hasattr(attn, "sliding_window"):
         w = attn.sliding_window
-    else:  # from the config: unless it turns windows off (Qwen2-MoE: use_sliding_window=False, window 0) or names
-        # this layer a full-attention one (``layer_types``)
+    else:
         cfg = getattr(attn, "config", None)
-        types, idx = getattr(cfg, "layer_types", None), getattr(attn, "layer_idx", None)
-        if getattr(cfg, "use_sliding_window", True) is False or (
-                types is not None and idx is not None and idx < len(types) and types[idx] != "sliding_attention"):
+        if getattr(cfg, "model_type", None) == "qwen2_moe":  # sets the attribute on its sliding layers only
             return None
-        w = getattr(cfg, "sliding_window", None)
+        w = getattr(cfg, "sliding_window", None)  # Mistral / Mixtral: every layer, whatever else the config says
     return None if not w else int(w)  # (a window of 0 keys means none)
 
 
@@ -348,9 +356,11 @@ def decoder_layers(model) -> list[LayerView]:
                                    experts=moe[1], shared_expert=moe[2][0] if moe[2] else None,
                                    shared_gate=moe[2][1] if moe[2] else None))
             continue
+        # a FusedMLP (gate and up as one quantized linear: the flute recipes' default) has no gate / up of its own
         views.append(LayerView(i, layer, layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj,
-                               attn.o_proj, layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj,
-                               mlp.down_proj, nh, nkv, hd, pairing, has_qk_norm(attn), sliding_window(attn)))
+                               attn.o_proj, layer.post_attention_layernorm, getattr(mlp, "gate_proj", None),
+                               getattr(mlp, "up_proj", None), mlp.down_proj, nh, nkv, hd, pairing, has_qk_norm(attn),
+                               sliding_window(attn)))
     return views
 
 

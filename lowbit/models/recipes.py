@@ -4,7 +4,9 @@ A recipe is ``fn(model, calibration=None, **options) -> model`` (registered in
 ``lowbit.registry``, called through ``lowbit.quantize_model``). It works on any Llama-family
 ``*ForCausalLM`` of transformers through ``lowbit.models.arch.decoder_layers`` and quantizes
 the seven linears of every decoder layer in place (on a mixture-of-experts layer: q/k/v/o and every expert's
-gate_up and down, ``lowbit.nn.moe.QuantExperts``; the router stays float); ``embed_tokens`` and ``lm_head`` stay float
+gate_up and down, ``lowbit.nn.moe.QuantExperts``, and a Qwen2-MoE shared expert's gate/up/down; the router and the
+shared expert's gate stay float; ``skip=`` of any MLP role keeps all routed experts float, an expert's gate and up
+being one matrix, and skips that role of the shared expert); ``embed_tokens`` and ``lm_head`` stay float
 (``lm_head=True`` in ``fireq`` / ``qserve`` / ``flute-nf4`` / ``flute-nf3`` quantizes the head too, with the
 recipe's linear scheme; ``lm_head="w8"`` with INT8 per-channel weights, near-lossless).
 
@@ -178,7 +180,8 @@ def _progress(it, desc: str, enabled: bool, total: int | None = None):
 def quantize_linears(model, scheme: str, *, skip=(), progress: bool = True, recipe: str = "custom",
                      **options) -> nn.Module:
     """Replace the seven linears of every decoder layer by ``lowbit.quantize_linear(lin, scheme,
-    **options)``; embeddings and ``lm_head`` stay float. Returns ``model``."""
+    **options)`` (MoE layers: the experts, ``_quantize_experts``); embeddings and ``lm_head`` stay float. Returns
+    ``model``."""
     from lowbit import quantize_linear, registry
     from lowbit.models.arch import decoder_layers
 
@@ -210,11 +213,9 @@ def _quantize_experts(view, scheme: str, skip, options: dict) -> None:
         return
     from lowbit import quantize_linear
 
-    if view.shared_expert is not None:
-        for role in MLP_ROLES:
-            lin = getattr(view.shared_expert, role)
-            if role not in skip and isinstance(lin, nn.Linear):
-                setattr(view.shared_expert, role, quantize_linear(lin, scheme, **options))
+    for role, lin in view.shared_linears().items():
+        if role.removeprefix("shared.") not in skip and isinstance(lin, nn.Linear):
+            view.set_linear(role, quantize_linear(lin, scheme, **options))
     if set(MLP_ROLES) & set(skip) or not hasattr(view.experts, "gate_up_proj"):
         return
     from lowbit.nn.moe import QuantExperts
@@ -264,9 +265,15 @@ def _seeded(seed: int):
     torch.manual_seed(seed)
 
 
-def _linear_opts(group_size, linear_options, **more):
+UNGROUPED_SCHEMES = ("w8",)  # linear schemes without weight groups: the recipes' group_size does not apply
+
+
+def _linear_opts(group_size, linear_options, scheme=None, **more):
+    """The linear scheme's options: ``linear_options``, then the recipe's ``group_size`` (for schemes with groups:
+    ``linear="w8"`` with the recipes' default group size raised a TypeError before session 39, a review finding)
+    and ``more``."""
     opts = dict(linear_options or {})
-    if group_size is not None:
+    if group_size is not None and scheme not in UNGROUPED_SCHEMES:
         opts.setdefault("group_size", group_size)
     for k, v in more.items():
         if v is not None:
@@ -329,7 +336,7 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     # attention first: install_quantized_attention folds / reads the float q/k projections
     model = _install_attention("fireq", model, kv=kv, attention=attention, rope_kv=rope_kv)
     if linear is not None:
-        opts = _linear_opts(group_size, linear_options)
+        opts = _linear_opts(group_size, linear_options, linear)
         if linear == "w4a8-fp8":
             opts.setdefault("pts", pts)
         if fuse_mlp:
@@ -387,7 +394,8 @@ def _no_moe(model, what: str) -> None:
 
 
 def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -> None:
-    """w4a8-fp8 linears with one PTS exponent per fused matrix (q/k/v; gate/up)."""
+    """w4a8-fp8 linears with one PTS exponent per fused matrix (q/k/v; gate/up; a Qwen2-MoE shared expert's
+    gate/up)."""
     from lowbit import quantize_linear
     from lowbit.models.arch import decoder_layers
     from lowbit.ptq.pts import pts_exponent
@@ -395,9 +403,10 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
     views = decoder_layers(model)
     g = opts.get("group_size", 128)
     for v in _progress(views, "fireq: w4a8-fp8 linears", progress, len(views)):
-        lins = v.linears()
-        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)):
-            roles = [r for r in group if r not in skip and isinstance(lins.get(r), nn.Linear)]
+        lins = {**v.linears(), **v.shared_linears()}
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",),
+                      ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",)):
+            roles = [r for r in group if r.removeprefix("shared.") not in skip and isinstance(lins.get(r), nn.Linear)]
             if not roles:
                 continue
             w = torch.cat([lins[r].weight.detach() for r in roles], 0)
@@ -509,9 +518,9 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
     model = _install_attention("qserve", model, kv=kv, attention=attention, rope_kv=key_scales)
     if linear is not None:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
-                         **_linear_opts(group_size, linear_options))
+                         **_linear_opts(group_size, linear_options, linear))
         if lm_head:
-            _quantize_lm_head(model, linear, _linear_opts(group_size, linear_options), "qserve", lm_head)
+            _quantize_lm_head(model, linear, _linear_opts(group_size, linear_options, linear), "qserve", lm_head)
     _record(model, "qserve", options, kv=kv, attention=attention, rope_kv=key_scales, reports=_json_safe(reports))
     return model
 
@@ -550,7 +559,7 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     # an INT4 cache gets FireQ's RPN + CRS (calibrated on the float model, as in the fireq recipe)
     rope_kv = _rope_kv(calibrate, model, batches, rpn=rpn, crs=crs, progress=progress)
     model = _install_attention(name, model, kv=kv, attention=attention, rope_kv=rope_kv)
-    opts = _linear_opts(group_size, linear_options)
+    opts = _linear_opts(group_size, linear_options, linear)
     if linear == "lut":
         opts.setdefault("bits", bits)
         opts.setdefault("table", table)
@@ -649,7 +658,7 @@ def int8_attention(model, calibration=None, *, linear: str | None = None, kv: st
     model = _install_attention("int8-attention", model, kv=kv, attention=attention)
     if linear is not None:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="int8-attention",
-                         **_linear_opts(group_size, linear_options))
+                         **_linear_opts(group_size, linear_options, linear))
     _record(model, "int8-attention", options, kv=kv, attention=attention, rope_kv=None)
     return model
 

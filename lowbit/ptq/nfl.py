@@ -16,7 +16,8 @@ Paper ambiguities (notes §1.4, §5.8), resolved here:
   SmolLM2-135M we scale it down to ``calibration_batches(tok, n_samples=64, seq_len=512)``
   (32k tokens of the corpus tail, disjoint from the perplexity window); the scales train in
   float32 whatever the model dtype.
-- which layers: every linear of the decoder layers (q/k/v/o/gate/up/down); embeddings and
+- which layers: every linear of the decoder layers (q/k/v/o/gate/up/down, and a Qwen2-MoE shared expert's
+  gate/up/down; routed MoE experts are not trained: the recipes give them round-to-nearest scales); embeddings and
   lm_head stay in float.
 
 Two entry modes:
@@ -116,8 +117,8 @@ def learn_nf_scales(model, batches, *, lr: float = 1e-4, epochs: int = 1, seed: 
         p.requires_grad_(False)
     stand_ins = []
     for v in views:
-        for role, lin in v.linears().items():
-            if role in skip:
+        for role, lin in (*v.linears().items(), *v.shared_linears().items()):  # (+ Qwen2-MoE's shared expert)
+            if role.removeprefix("shared.") in skip:
                 continue
             if not isinstance(lin, (nn.Linear, LUTLinear)):
                 raise TypeError(f"layer {v.index} {role}: expected nn.Linear or LUTLinear, got {type(lin).__name__}")
