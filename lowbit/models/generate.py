@@ -703,9 +703,10 @@ class Generator:
     (the recipe's attention scheme, else 'sdpa') or a scheme name. ``layers``: run only the first
     ``layers`` decoder layers (benchmarks of trimmed models). ``cuda_graphs``: default True on CUDA; a
     mixture-of-experts model runs its MLP blocks as modules and can be captured only when its experts are lowbit's
-    (``QuantExperts``, dense decode schedule) with ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS``, or transformers'
-    float experts with ``config._experts_implementation = "grouped_mm"`` (else True is refused: the routing is read
-    on the host); the default captures lowbit's experts only up to ``DENSE_GRAPH_MAX_EXPERTS`` per layer.
+    (``QuantExperts``: grouped schedule for ``w4a8-fp8`` / ``w4a8-int8`` experts, else the dense one) with
+    ``max_batch <= lowbit.nn.moe.DENSE_MAX_TOKENS``, or transformers' float experts with
+    ``config._experts_implementation = "grouped_mm"`` (else True is refused: the routing is read on the host); the
+    default captures dense-schedule experts only up to ``DENSE_GRAPH_MAX_EXPERTS`` per layer.
     ``fuse``: run q/k/v as one projection and gate/up as one where the modules stack exactly
     (``_fuse_rows``; the original modules then share the fused storage).
     ``prefill_from_cache``: with an INT4 cache, prefill attends the K/V dequantized from the cache
@@ -802,8 +803,8 @@ class Generator:
                     pr.pdl_max_m = self.pdl_max_m
         self.head.pdl_max_m = self.pdl_max_m
         self.head_q = self.head.aq if fuse and self.head.aq and _fusable_norm(self.a.norm, self.dtype) else None
-        # MoE blocks: lowbit's quantized experts take their dense schedule (no host read) at decode sizes, which a CUDA
-        # graph captures; transformers' float experts mostly read the routing on the host (_moe_graphs)
+        # MoE blocks: lowbit's quantized experts take their grouped or dense schedule (no host read) at decode sizes,
+        # which a CUDA graph captures; transformers' float experts mostly read the routing on the host (_moe_graphs)
         moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
         plans = [_moe_graphs(self.a.layers[i].mlp.experts, self.max_batch) for i in moe]
         if cuda_graphs and not all(ok for ok, _ in plans):
