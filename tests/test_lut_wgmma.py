@@ -135,7 +135,12 @@ def test_wgmma_kernel_fuzz_shapes(m, n, k, g, table, bits, scale_w, one_dot, spl
     y = LW.lut_wgmma_triton(x, qm, s, pairs, group_size=g, out_features=n, rt=1, block_m=16, bits=bits,
                             qweight_hi=case[5] if bits == 3 else None, scale_w=scale_w, one_dot=one_dot, split_k=split)
     assert y.shape == (m, n) and torch.isfinite(y).all()
-    assert rel_l2(y, _ref(q, x)) < KERNEL_VS_REF[torch.bfloat16]
+    # judged against the scale of the products, |x| @ |W|^T, not of the result: a lone output of a short row can
+    # cancel down to a fraction of its terms, and the kernel's bf16 weights carry 2^-9 relative error each (the deep
+    # fuzz of session 39 drew m = n = 1, k = 14: rel-L2 0.026 of the result, 0.005 of the products)
+    ref = _ref(q, x)
+    scale = (x.double().abs() @ dequantize_lut(q).double().abs().t().to(x.device)).norm()
+    assert (y.double() - ref).norm() <= KERNEL_VS_REF[torch.bfloat16] * max(scale, ref.norm())
 
 
 @pytest.mark.parametrize("m,n,k,g,dtype,bits,cfg", [
