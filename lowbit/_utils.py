@@ -310,16 +310,14 @@ def _drop_derived(i: int, ref) -> None:
         del _DERIVED[key]
 
 
-def derived(build: Callable[[], object], anchor: torch.Tensor, *deps: torch.Tensor, tag: tuple = (),
-            store: bool = True):
+def derived(build: Callable[[], object], anchor: torch.Tensor, *deps: torch.Tensor, tag: tuple = ()):
     """``build()``, a value computed from ``anchor`` and ``deps`` (a pair table, a dense weight, a flag read
     back from the device), kept per ``(anchor, tag)`` while the tensor ``anchor`` lives and neither it nor
     any of ``deps`` was replaced or changed in place (``_version``, ``data_ptr``). The entries are tied to
     the tensors themselves (weak references), not to their addresses, so memory reused by a later tensor
     never returns a stale value. Inference-mode tensors have no version counter: for them only their
     address is compared. Rebuilt every time for tensors that need gradients, fake tensors and while
-    ``torch.compile`` traces. Writes through ``.data`` do not bump ``_version``: ``clear_derived_cache``.
-    ``store=False``: a kept value is returned, but a newly built one is not kept."""
+    ``torch.compile`` traces. Writes through ``.data`` do not bump ``_version``: ``clear_derived_cache``."""
     ts = (anchor, *deps)
     if (any(t.requires_grad for t in ts) or torch.compiler.is_compiling()
             or any(isinstance(t, torch._subclasses.FakeTensor) for t in ts)):
@@ -331,34 +329,40 @@ def derived(build: Callable[[], object], anchor: torch.Tensor, *deps: torch.Tens
             and all(r() is t for r, t in zip(hit[2], deps))):
         return hit[3]
     value = build()
-    if store:
-        ref = weakref.ref(anchor, lambda r, i=i: _drop_derived(i, r))
-        _DERIVED[(i, tag)] = (ref, versions, tuple(weakref.ref(t) for t in deps), value)
+    ref = weakref.ref(anchor, lambda r, i=i: _drop_derived(i, r))
+    _DERIVED[(i, tag)] = (ref, versions, tuple(weakref.ref(t) for t in deps), value)
     return value
 
 
-def device_table(values: Callable[[], list], dtype: torch.dtype, anchors: list[torch.Tensor], tag: tuple) -> torch.Tensor:
-    """A small 1-D tensor on ``anchors[0]``'s device holding ``values()`` (host numbers computed from the anchors:
-    their addresses, their scales), kept (``derived``) while the anchors live unchanged. On CUDA it is built by
-    one ``fill_`` per element (a launch taking the number as its argument, no host-to-device copy), so a call
-    inside a CUDA-graph capture can build one too: that table is filled only when the graph replays (before the
-    kernels that read it, in stream order), so it is kept for the graph alone (``CAPTURED_OUTGROWN``), never handed
-    to later calls. A kept table a capture reads is kept alive for the process as well: the graph reads it by
-    address even after the anchors change (a review of session 39 found the first version copying each element
-    from the host, which a capture refuses, and caching a capture's unfilled table)."""
-    dev = anchors[0].device
-    capturing = _capturing(dev)
+_TABLES: dict = {}  # (values, dtype, device) -> device_table's tensor
+TABLES_MAX = 256
 
-    def build():
-        vals = values()
-        if dev.type != "cuda":
-            return torch.tensor(vals, dtype=dtype, device=dev)
-        t = torch.empty(len(vals), dtype=dtype, device=dev)
-        for i, v in enumerate(vals):
-            t[i:i + 1].fill_(v)
-        return t
 
-    t = derived(build, anchors[0], *anchors[1:], tag=("table", *tag), store=not capturing)
+def device_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small 1-D tensor on ``device`` holding ``values`` (host numbers: tensors' addresses, per-expert scales),
+    one per distinct content: cached by value (at most ``TABLES_MAX``), so a table of addresses is right for
+    whatever tensors live at them, and a lookup costs a tuple hash, not a check of every tensor (session 39: the
+    first version kept tables per tensor through ``derived``, ~70 us of host time per table at 128 experts). On
+    CUDA a new table is built by one ``fill_`` per element (a launch taking the number as its argument, no
+    host-to-device copy), so a call inside a CUDA-graph capture can build one too: that table is filled only when
+    the graph replays (before the kernels that read it, in stream order), so it is kept for that graph alone, never
+    cached (a review of session 39 found a first version copying each element from the host, which a capture
+    refuses, and caching a capture's unfilled table). Every table a capture reads is kept alive for the process
+    (``CAPTURED_OUTGROWN``): leaving the bounded cache must not free what a graph reads."""
+    key = (values, dtype, device)
+    capturing = _capturing(device)
+    t = _TABLES.get(key)
+    if t is None:
+        if device.type != "cuda":
+            t = torch.tensor(values, dtype=dtype, device=device)
+        else:
+            t = torch.empty(len(values), dtype=dtype, device=device)
+            for i, v in enumerate(values):
+                t[i:i + 1].fill_(v)
+        if not capturing:
+            while _TABLES and len(_TABLES) >= TABLES_MAX:  # oldest first
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = t
     if capturing and not getattr(t, "_lowbit_captured", False):
         t._lowbit_captured = True
         CAPTURED_OUTGROWN.append(t)

@@ -468,3 +468,26 @@ def test_grouped_spec_cache_follows_the_modules():
     assert qe.grouped_weights()["down"][0][1] is qe.down[1].codes
     qe.to(torch.bfloat16)
     assert qe.grouped_weights() is None
+
+
+def test_device_tables_are_content_addressed():
+    """``device_table`` keeps one tensor per distinct content (a table of addresses is right for whatever tensors
+    live at them), bounded by ``TABLES_MAX``; the address table refuses views at odd offsets by name."""
+    import lowbit._utils as U
+    from lowbit.kernels.moe_grouped import address_table
+
+    a = U.device_table((1, 2, 3), torch.int64, torch.device("cpu"))
+    assert U.device_table((1, 2, 3), torch.int64, torch.device("cpu")) is a and a.tolist() == [1, 2, 3]
+    assert U.device_table((1.0, 2.0, 3.0), torch.float32, torch.device("cpu")) is not a
+    t = torch.zeros(64, dtype=torch.uint8)
+    assert address_table([t, t])[0].item() == t.data_ptr()
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        address_table([t[1:]])
+    old = U.TABLES_MAX
+    try:
+        U.TABLES_MAX = 2
+        for v in range(5):
+            U.device_table((v,), torch.int64, torch.device("cpu"))
+        assert len(U._TABLES) <= 2
+    finally:
+        U.TABLES_MAX = old

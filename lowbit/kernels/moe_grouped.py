@@ -183,15 +183,12 @@ def _moe_w4a8_int8_kernel(
 
 def address_table(ts: list[torch.Tensor]) -> torch.Tensor:
     """int64 ``[E]`` table of the tensors' addresses on their device (``lowbit._utils.device_table``)."""
-    def addresses():
-        ptrs = [t.data_ptr() for t in ts]
-        if any(p % 16 for p in ptrs):
-            raise ValueError("grouped MoE GEMM: every expert's weight tensors must start 16-byte aligned (the "
-                             "kernels load them in 16-byte pieces); got a view at an odd offset: pass contiguous "
-                             "copies")
-        return ptrs
-
-    return device_table(addresses, torch.int64, ts, ("addresses", len(ts)))
+    ptrs = tuple(t.data_ptr() for t in ts)
+    if any(p % 16 for p in ptrs):
+        raise ValueError("grouped MoE GEMM: every expert's weight tensors must start 16-byte aligned (the "
+                         "kernels load them in 16-byte pieces); got a view at an odd offset: pass contiguous "
+                         "copies")
+    return device_table(ptrs, torch.int64, ts[0].device)
 
 
 def pick_split(E: int, rows: int, N: int, K: int, n_sm: int) -> int:

@@ -157,8 +157,8 @@ def _(x, top_k_index, top_k_weights, gu_qweight, gu_s1, gu_s2, gu_zs, dn_qweight
 
 
 def inv_delta_table(pts_exps: list[int], codes: list[torch.Tensor]) -> torch.Tensor:
-    """fp32 ``[E]`` of the experts' PTS ``2^-n`` on the codes' device, kept while the codes live unchanged."""
-    return device_table(lambda: [2.0 ** -n for n in pts_exps], torch.float32, codes, ("inv_delta", *pts_exps))
+    """fp32 ``[E]`` of the experts' PTS ``2^-n`` on the codes' device (``lowbit._utils.device_table``)."""
+    return device_table(tuple(2.0 ** -int(n) for n in pts_exps), torch.float32, codes[0].device)
 
 
 def _check_routing(x, top_k_index, top_k_weights):
