@@ -218,6 +218,19 @@ def _cuda_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, cpu: int) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached per device index), ``cpu`` elsewhere: the stand-in
+    each launcher sizes its grid with under the interpreter (so its tests keep the splits they exercise)."""
+    if device.type != "cuda":
+        return cpu
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def tma_capable(t: torch.Tensor) -> bool:
     """Whether a kernel may read ``t`` through a tensor-memory-accelerator descriptor: on a CUDA device of compute
     capability >= 9 (Hopper; Ada and Ampere have no TMA), or on the CPU under the interpreter (which emulates

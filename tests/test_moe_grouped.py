@@ -7,7 +7,7 @@ import torch
 
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 from lowbit.formats.w4a8_fp8 import quantize_weight
-from lowbit.nn.moe import QuantExperts
+from lowbit.nn.moe import QuantExperts, _as_linear
 from lowbit.ops.moe import _grouped_ref, _moe_w4a8_fp8, _moe_w4a8_int8, combine, moe_w4a8_fp8, route
 from tests.conftest import GPU
 from tests.test_moe import _moe
@@ -388,8 +388,8 @@ def test_fuzz_grouped_op(scheme, E, k, T, H, inter, dtype, bad, seed):
 
     g = torch.Generator().manual_seed(seed)
     opts = dict(group_size=32) if scheme == "w4a8-fp8" else dict(group_size=128)
-    gu = [quantize_linear(_lin(torch.randn(2 * inter, H, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
-    dn = [quantize_linear(_lin(torch.randn(H, inter, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
+    gu = [quantize_linear(_as_linear(torch.randn(2 * inter, H, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
+    dn = [quantize_linear(_as_linear(torch.randn(H, inter, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
     qe = QuantExperts(E)
     for e in range(E):
         qe.gate_up[e], qe.down[e] = gu[e], dn[e]
@@ -429,12 +429,6 @@ def test_fuzz_grouped_op(scheme, E, k, T, H, inter, dtype, bad, seed):
             got = call(x, idx, w, spec["gate_up"], spec["down"], spec["group_size"], **kw)
             tol = 2 * KERNEL_VS_REF[torch.float32] if dtype == torch.float32 else 0.08
             assert rel_l2(got, want) < tol
-
-
-def _lin(w):
-    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-    lin.weight.data.copy_(w)
-    return lin
 
 
 def test_generator_captures_grouped_experts_at_any_count():

@@ -313,3 +313,10 @@ def test_run_op_keeps_mutating_ops_and_function_modes():
     with torch.device("cpu"):
         assert U.run_op(Op(), torch.ones(2)) == "dispatched"
 
+
+
+def test_sm_count_stand_in_off_cuda():
+    """``sm_count``: the launcher's stand-in off CUDA (the interpreter sizes grids with it)."""
+    from lowbit._utils import sm_count
+
+    assert sm_count(torch.device("cpu"), 4) == 4 and sm_count(torch.device("cpu"), 132) == 132

@@ -12,8 +12,9 @@ import time
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path[:0] = [".", "benchmarks/device"]
 import lowbit  # noqa: E402,F401
+from lowbit.bench.harness import time_cuda  # noqa: E402
 from lowbit.nn.moe import QuantExperts  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -23,18 +24,10 @@ ap.add_argument("--reps", type=int, default=40)
 ap.add_argument("--graphs", action="store_true", help="also time the graph-capturable paths inside CUDA graphs")
 a = ap.parse_args()
 
-from transformers import MixtralConfig  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from _moe_block import H, I, mixtral_block, token_sets  # noqa: E402  (session 39: one block builder)
 
-torch.manual_seed(0)
-H, I, E, K = 4096, 14336, 8, 2
-cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
-with torch.device("cuda"):
-    block = MixtralSparseMoeBlock(cfg).to(torch.bfloat16).eval()
-with torch.no_grad():
-    block.experts.gate_up_proj.normal_(0, 0.02)
-    block.experts.down_proj.normal_(0, 0.02)
-    block.gate.weight.normal_(0, 0.02)
+E, K = 8, 2
+block = mixtral_block(E, K)
 experts = block.experts
 
 variants = {}
@@ -55,12 +48,7 @@ def call(kind, mod, x, idx, w):
 
 rows = []
 for T in [int(t) for t in a.tokens.split(",")]:
-    sets = []
-    for s in range(8):
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            _, w, idx = block.gate(x)
-        sets.append((x, idx, w, int(torch.unique(idx).numel())))
+    sets = [(*s_, int(torch.unique(s_[1]).numel())) for s_ in token_sets(block, T)]
     ref = None
     for name, (kind, mod) in variants.items():
         with torch.no_grad():
@@ -73,22 +61,13 @@ for T in [int(t) for t in a.tokens.split(",")]:
             if ref is None:
                 ref = y.double()
             err = ((y.double() - ref).norm() / ref.norm()).item()
-            for i in range(3):
-                call(kind, mod, *sets[i % 8][:3])
-            torch.cuda.synchronize()
-            ts = []
-            for i in range(a.reps):
-                x, idx, w, _ = sets[i % 8]
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                call(kind, mod, x, idx, w)
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1e3)
+            # eager calls, each timed alone (host time included; session 39: the harness's "sync" mode)
+            t = time_cuda(lambda *xs, k_=kind, m_=mod: call(k_, m_, *xs), [s_[:3] for s_ in sets], warmup=3,
+                          reps=a.reps, mode="sync")
         hit = statistics.mean(s[3] for s in sets)
         gb = hit * 3 * H * I * (2 if name.startswith("bf16") else 0.5) / 1e9  # weight bytes of the hit experts
-        us = statistics.median(ts)
-        rows.append(dict(tokens=T, variant=name, median_us=round(us, 1), min_us=round(min(ts), 1),
+        us = t["median_ms"] * 1e3
+        rows.append(dict(tokens=T, variant=name, median_us=round(us, 1), min_us=round(t["min_ms"] * 1e3, 1),
                          experts_hit=hit, weight_gb=round(gb, 3), weight_tb_s=round(gb / (us * 1e-6) / 1e3, 3),
                          rel_l2_vs_bf16_eager=round(err, 4)))
         print(rows[-1], flush=True)

@@ -13,7 +13,7 @@ import torch
 
 sys.path[:0] = [".", "benchmarks/device"]
 import lowbit  # noqa: E402,F401
-from lowbit.bench.harness import graph_us  # noqa: E402
+from lowbit.bench.harness import graph_us, time_cuda  # noqa: E402
 from lowbit.nn.moe import QuantExperts, dense_schedule  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -67,25 +67,15 @@ for T in [int(t) for t in a.tokens.split(",")]:
             else:
                 err = ((y - ref).norm() / ref.norm()).item()
             err_bf = ((y - bf).norm() / bf.norm()).item()
-            for i in range(3):
-                fn(*sets[i % 8][:3])
-            torch.cuda.synchronize()
-            ts = []
-            for i in range(a.reps):
-                x, idx, w, _ = sets[i % 8]
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fn(x, idx, w)
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1) * 1e3)
+            # eager calls, each timed alone (host time included: mode "sync")
+            t = time_cuda(fn, [s_[:3] for s_ in sets], warmup=3, reps=a.reps, mode="sync")
             with dense_schedule():
                 gus = graph_us([(lambda s=s_, f=fn: f(*s[:3])) for s_ in sets], n=16, reps=10)
         dense_reads_all = name.endswith("per-expert")  # in a graph the per-expert modules take the dense schedule
         gb = hit * 3 * H * I * (2 if name.startswith("bf16") else 0.5) / 1e9
         gb_graph = (E if dense_reads_all else hit) * 3 * H * I * (2 if name.startswith("bf16") else 0.5) / 1e9
-        us = statistics.median(ts)
-        rows.append(dict(tokens=T, variant=name, eager_median_us=round(us, 1), eager_min_us=round(min(ts), 1),
+        us = t["median_ms"] * 1e3
+        rows.append(dict(tokens=T, variant=name, eager_median_us=round(us, 1), eager_min_us=round(t["min_ms"] * 1e3, 1),
                          graph_us=round(gus, 1), experts_hit=hit, weight_gb=round(gb, 3),
                          graph_weight_tb_s=round(gb_graph / (gus * 1e-6) / 1e3, 3),
                          rel_l2_vs_per_expert=round(err, 5), rel_l2_vs_bf16=round(err_bf, 4)))

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arg_specialization, resident_ctas
+from lowbit._utils import arg_specialization, resident_ctas, sm_count
 from lowbit.kernels.act_quant import abs_or_inf, amax_floor
 
 LOG2E = 1.4426950408889634
@@ -614,9 +614,7 @@ def _combine_kernel(
 
 
 def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, 8)
 
 
 def _splits_used(max_len: int, splits: int, block_n: int) -> int:

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_scratch, warn_once
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, sm_count, stream_scratch, warn_once
 from lowbit.formats.lut import SILU_BLOCK, pack_block, packed_k
 from lowbit.kernels.act_quant import pdl_enabled, pdl_prologue
 from lowbit.kernels.silu_mul import silu_mul_f32
@@ -1259,9 +1259,7 @@ def split_plan(split: int | None, units: int, tiles: int, ctas_per_sm: int, y: t
 
 
 def _sm_count(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return sm_count(device, 4)
 
 
 def default_config(M: int, N: int, K: int, bits: int, group_size: int, device) -> dict:

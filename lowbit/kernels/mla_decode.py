@@ -142,7 +142,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, interpret_mode
+from lowbit._utils import cdiv, interpret_mode, sm_count
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM
 from lowbit.kernels.mla_quant import _cast
 
@@ -724,9 +724,7 @@ def combine_splits(ow, lse, out, splits: int) -> None:
 
 
 def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return sm_count(device, 4)
 
 
 def plan_splits(batch: int, row_blocks: int, max_len: int, block_n: int, device, num_splits: int | None = None,

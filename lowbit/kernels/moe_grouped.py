@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import cdiv, device_table, interpret_mode
-from lowbit.kernels.w4a8_fp8_gemm import HALF_K, _dequant_tile, _use_lut
+from lowbit._utils import cdiv, device_table, interpret_mode, sm_count
+from lowbit.kernels.w4a8_fp8_gemm import HALF_K, _dequant_tile, _split_k, _use_lut
 from lowbit.kernels.w4a8_int8_gemm import _code_rows, _dequant_halves, _group_params
 
 BLOCK_N = 128  # weight rows per program (two 64-row wgmma M tiles)
@@ -45,6 +45,18 @@ BLOCK_M_MAX = 64  # routed rows per inner step: a power of two from 16 up to thi
 SPLIT_TARGET = 2.0  # split K until the programs of the experts that can be hit reach this many per SM
 MIN_K_TILES = 8  # ... keeping at least this many K tiles of 128 per split
 NUM_WARPS, NUM_STAGES = 4, 4
+
+
+@triton.jit
+def _program(Offsets, k_tiles, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's expert ``e``, its sorted rows ``[start, end)``, its weight rows ``offs_n`` and its K tiles
+    ``[kt0, kt1)`` (grid ``(E, N / BLOCK_N, SPLIT_K)``)."""
+    e = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, pid_k, tl.load(Offsets + e), tl.load(Offsets + e + 1), offs_n, kt0, tl.minimum(kt0 + per, k_tiles)
 
 
 @triton.jit
@@ -91,19 +103,11 @@ def _moe_w4a8_fp8_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
     GATHER: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    start = tl.load(Offsets + e)
-    end = tl.load(Offsets + e + 1)
+    k_tiles = tl.cdiv(K, 2 * HALF_K)
+    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, k_tiles, BLOCK_N, SPLIT_K)
     Bq = _expert_address(CodePtrs, e, tl.uint8)
     Bs = _expert_address(ScalePtrs, e, tl.float8e4nv)
     inv_delta = tl.load(InvDelta + e)
-    k_tiles = tl.cdiv(K, 2 * HALF_K)
-    per = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per
-    kt1 = tl.minimum(kt0 + per, k_tiles)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF_K)
     offs_k = tl.arange(0, 2 * HALF_K)
     mask_n = offs_n < N
@@ -117,7 +121,7 @@ def _moe_w4a8_fp8_kernel(
         for kt in range(kt0, kt1):
             k_all = kt * 2 * HALF_K + offs_k
             a_all = tl.load(a_rows + k_all[None, :], mask=mask_m[:, None] & (k_all < K)[None, :], other=0.0)
-            w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, Bq, pid_n * BLOCK_N,
+            w_lo, w_hi = _dequant_tile(b_rows, w_rows, s_rows, s_words, kt, mask_n, offs_h, Bq, tl.program_id(1) * BLOCK_N,
                                        Bq, k_tiles, GROUP, BLOCK_N, LUT, SWORD, False, False, LUT)
             w_all = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (0, 2, 1)), [BLOCK_N, 2 * HALF_K])
             acc += tl.dot(w_all, tl.trans(a_all), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32))
@@ -139,20 +143,11 @@ def _moe_w4a8_int8_kernel(
     GATHER: tl.constexpr, TILED: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     PER_CHANNEL: tl.constexpr = GROUP_SIZE < 0
-    e = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    start = tl.load(Offsets + e)
-    end = tl.load(Offsets + e + 1)
+    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, KP // (2 * HALF_K), BLOCK_N, SPLIT_K)
     W = _expert_address(CodePtrs, e, tl.uint8)
     S1 = _expert_address(S1Ptrs, e, tl.float32)
     GS = _expert_address(S2Ptrs, e, tl.uint8)
     GZS = _expert_address(ZsPtrs, e, tl.uint8)
-    k_tiles = KP // (2 * HALF_K)
-    per = tl.cdiv(k_tiles, SPLIT_K)
-    kt0 = pid_k * per
-    kt1 = tl.minimum(kt0 + per, k_tiles)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn = tl.where(offs_n < N, offs_n, 0).to(tl.int64)  # clamped: columns >= N are computed and not stored
     offs_h = tl.arange(0, HALF_K)
     w_base, w_inc = _code_rows(rn, N, stride_wn, TILED)
@@ -192,14 +187,11 @@ def address_table(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def pick_split(E: int, rows: int, N: int, K: int, n_sm: int) -> int:
-    """Split-K for ``rows`` routed rows over ``E`` experts: until the programs of the experts that can be hit
-    (at most ``min(E, rows)``) reach ``SPLIT_TARGET`` per SM, keeping ``MIN_K_TILES`` K tiles per split."""
-    k_tiles = cdiv(K, 2 * HALF_K.value)
+    """Split-K for ``rows`` routed rows over ``E`` experts: the dense decode rule (``w4a8_fp8_gemm._split_k``) over
+    the programs of the experts that can be hit (at most ``min(E, rows)``), to ``SPLIT_TARGET`` per SM, keeping
+    ``MIN_K_TILES`` K tiles per split."""
     live = min(E, max(rows, 1)) * cdiv(N, BLOCK_N)
-    split = 1
-    while live * split < SPLIT_TARGET * n_sm and k_tiles // (split * 2) >= MIN_K_TILES:
-        split *= 2
-    return split
+    return _split_k(live, cdiv(K, 2 * HALF_K.value), SPLIT_TARGET * n_sm, MIN_K_TILES)
 
 
 def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor, row_map: torch.Tensor | None,
@@ -221,8 +213,7 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor, row_map: tor
         return out
     bm = min(BLOCK_M_MAX, max(16, triton.next_power_of_2(max(1, max_rows_per_expert))))
     if split_k is None:
-        n_sm = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 132
-        split_k = pick_split(E, rows, N, k, n_sm)
+        split_k = pick_split(E, rows, N, k, sm_count(a.device, 132))
     split_k = max(1, min(int(split_k), kp // (2 * HALF_K.value)))
     ws = torch.empty((split_k, rows, N), dtype=torch.float32, device=a.device) if split_k > 1 else out
     tables = [address_table(f) for f in weights]

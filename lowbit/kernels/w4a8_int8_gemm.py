@@ -69,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit._utils import arrival_counters, cdiv, interpret_mode, stream_scratch, tma_descriptor
+from lowbit._utils import arrival_counters, cdiv, interpret_mode, sm_count, stream_scratch, tma_descriptor
 from lowbit.formats.common import AMAX_EPS as _AMAX_EPS
 from lowbit.kernels.act_quant import pdl_enabled, silu_mul_rounded
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -712,10 +712,7 @@ def launch(xq: torch.Tensor, xscale: torch.Tensor | None, qweight: torch.Tensor,
         raise ValueError("up_offset (silu(gate) * up) needs the fused-quantization path (xscale=None)")
     if G == 1 and group_size == KP:
         group_size = PER_CHANNEL_GROUP
-    if torch.cuda.is_available() and xq.is_cuda:
-        num_sms = torch.cuda.get_device_properties(xq.device).multi_processor_count
-    else:
-        num_sms = 4
+    num_sms = sm_count(xq.device, 4)
     cfg = dict(config) if config else pick_config(M, N, KP, group_size, num_sms=num_sms, w8=w8 is not None,
                                                   fused=fuse_quant, tiled=bool(tiled))
     bm, bn, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K")

@@ -124,17 +124,17 @@ class QuantExperts(nn.Module):
         if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
             raise ValueError(f"top_k_index {list(top_k_index.shape)} and top_k_weights {list(top_k_weights.shape)} "
                              f"must both be [tokens, k] with tokens = {hidden_states.shape[0]}")
-        out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         if flat.numel() == 0:
-            return out
-        bad = f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts}] (num_experts: no expert)"
+            return torch.zeros_like(hidden_states)
         grouped = (self.grouped_weights() if hidden_states.shape[0] <= GROUPED_MAX_TOKENS
                    and top_k_weights.dtype in _GROUPED_DTYPES and hidden_states.dtype in _GROUPED_DTYPES else None)
-        if grouped is not None:
+        if grouped is not None or _dense_wanted(hidden_states):  # the schedules without a host read
             if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
-                raise ValueError(bad)
+                raise ValueError(self._bad_ids())
+            if grouped is None:
+                return self._dense(hidden_states, top_k_index, top_k_weights, torch.zeros_like(hidden_states))
             from lowbit.ops import moe as ops
 
             if grouped["scheme"] == "w4a8-fp8":
@@ -142,16 +142,13 @@ class QuantExperts(nn.Module):
                                         grouped["down"], grouped["group_size"], weights_checked=True)
             return ops.moe_w4a8_int8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
                                      grouped["group_size"], tiled=grouped["tiled"], weights_checked=True)
-        if _dense_wanted(hidden_states):
-            if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
-                raise ValueError(bad)
-            return self._dense(hidden_states, top_k_index, top_k_weights, out)
+        out = torch.zeros_like(hidden_states)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         # the one host read: counts of [negative ids, expert 0, ..., expert E-1, id E (transformers' "no expert" of
         # expert parallelism: skipped), larger ids]
         counts = torch.bincount(flat.clamp(-1, self.num_experts + 1) + 1, minlength=self.num_experts + 3).tolist()
         if counts[0] or counts[-1]:
-            raise ValueError(bad)
+            raise ValueError(self._bad_ids())
         counts = counts[1:self.num_experts + 1]
         w_flat = top_k_weights.reshape(-1)
         start = 0
@@ -165,6 +162,10 @@ class QuantExperts(nn.Module):
             y = self.down[e](F.silu(gate) * up) * w_flat[sel, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def _bad_ids(self) -> str:
+        return (f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts}] (num_experts: no "
+                "expert)")
 
     def grouped_weights(self) -> dict | None:
         """``_grouped_spec()``, kept while the expert modules are the same objects (checking them all costs ~2 ms of
