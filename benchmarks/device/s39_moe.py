@@ -23,6 +23,8 @@ ap.add_argument("--reps", type=int, default=40)
 ap.add_argument("--experts", type=int, default=8)
 ap.add_argument("--top-k", type=int, default=2)
 ap.add_argument("--variants", default="bf16 grouped_mm,lowbit w4a8-fp8 grouped,lowbit w4a8-fp8 per-expert")
+ap.add_argument("--lut-sweep", default="", help="session 40: also time the lut grouped kernel with these overrides of "
+                "lowbit.kernels.moe_grouped's LUT_* knobs, e.g. 'STAGES=2;PREFETCH=0,SPLIT_TARGET=4'")
 ap.add_argument("--profile", action="store_true", help="also list the GPU kernels of one grouped call per token count")
 a = ap.parse_args()
 
@@ -34,6 +36,8 @@ experts = block.experts
 t0 = time.time()
 qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=128).cuda()
 qe8 = QuantExperts.from_experts(experts, "w4a8-int8", group_size=128).cuda() if "int8" in a.variants else None
+# session 40: flute-nf4 experts (lut, 4-bit NF, g128, the fragment layout)
+qlut = QuantExperts.from_experts(experts, "lut", bits=4, group_size=128).cuda() if "lut" in a.variants else None
 print(f"quantized in {time.time() - t0:.1f} s", flush=True)
 
 
@@ -48,8 +52,24 @@ def lowbit_call(grouped, mod=None):
 variants = {"bf16 grouped_mm": lambda x, idx, w: experts(x, idx, w),
             "lowbit w4a8-fp8 grouped": lowbit_call(True),
             "lowbit w4a8-fp8 per-expert": lowbit_call(False),
-            "lowbit w4a8-int8 grouped": lowbit_call(True, qe8), "lowbit w4a8-int8 per-expert": lowbit_call(False, qe8)}
+            "lowbit w4a8-int8 grouped": lowbit_call(True, qe8), "lowbit w4a8-int8 per-expert": lowbit_call(False, qe8),
+            "lowbit lut grouped": lowbit_call(True, qlut), "lowbit lut per-expert": lowbit_call(False, qlut)}
 variants = {k: v for k, v in variants.items() if k in a.variants.split(",")}
+for spec in [v for v in a.lut_sweep.split(";") if v]:
+    knobs = {f"LUT_{kv.split('=')[0]}": float(kv.split("=")[1]) for kv in spec.split(",")}
+
+    def swept(x, idx, w, knobs=knobs):
+        import lowbit.kernels.moe_grouped as mg
+        old = {k: getattr(mg, k) for k in knobs}
+        for k, v in knobs.items():
+            setattr(mg, k, int(v) if v == int(v) and k != "LUT_SPLIT_TARGET" else v)
+        try:
+            return lowbit_call(True, qlut)(x, idx, w)
+        finally:
+            for k, v in old.items():
+                setattr(mg, k, v)
+    variants[f"lowbit lut grouped {spec}"] = swept
+own = {"int8": qe8, "lut": qlut}
 rows = []
 profiles = {}
 for T in [int(t) for t in a.tokens.split(",")]:
@@ -61,8 +81,9 @@ for T in [int(t) for t in a.tokens.split(",")]:
     for name, fn in variants.items():
         with torch.no_grad():
             y = fn(*sets[0][:3]).double()
-            if "int8" in name:  # against its own per-expert schedule
-                r8 = lowbit_call(False, qe8)(*sets[0][:3]).double()
+            fam = next((f for f in own if f in name), None)
+            if fam:  # against its own per-expert schedule
+                r8 = lowbit_call(False, own[fam])(*sets[0][:3]).double()
                 err = ((y - r8).norm() / r8.norm()).item()
             else:
                 err = ((y - ref).norm() / ref.norm()).item()

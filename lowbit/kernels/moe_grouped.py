@@ -1,6 +1,7 @@
 """Grouped low-bit GEMMs over the experts of a mixture-of-experts layer, one launch for all experts:
 ``y[r] = sx[a(r)] * xq[a(r)] @ W_e^T`` (times the format's scales) for each row ``r`` routed to expert ``e``.
-Formats ``w4a8-fp8`` (``_moe_w4a8_fp8_kernel``) and ``w4a8-int8`` (``_moe_w4a8_int8_kernel``).
+Formats ``w4a8-fp8`` (``_moe_w4a8_fp8_kernel``), ``w4a8-int8`` (``_moe_w4a8_int8_kernel``) and ``lut``
+(``_moe_lut_kernel``; weight-only: ``y[r] = x[a(r)] @ W_hat_e^T``, no activation scale).
 
 The per-expert arithmetic is each format's dense decode kernel's, through the same helpers:
 - ``w4a8-fp8`` (FireQ §3.1; ``lowbit.kernels.w4a8_fp8_gemm``): packed INT4 codes and FP8 group scales dequantized in
@@ -11,7 +12,12 @@ The per-expert arithmetic is each format's dense decode kernel's, through the sa
   (``_dequant_halves``), INT8 x INT8 ``tl.dot`` into INT32 (exact), epilogue ``float32(acc) * sx * s1[e][n]``. Group
   sizes that are multiples of 128 and per-channel weights (one ``(s2, zs)`` per row and K tile); codes row-major or
   row-tiled (``_code_rows``).
-Both put the weight tile in the 64-row wgmma operand (``SWAP_AB``: the few routed rows are the wgmma N).
+- ``lut`` (FLUTE §3; ``lowbit.kernels.lut_wgmma``, the register-table kernel of 9..128 tokens): 3/4-bit codes in the
+  fragment layout (``formats.lut.pack_codes_mma``, the ``LUTLinear`` default), looked up in registers by ``prmt``
+  (``_decode``, the table in the activation dtype), relabelled into the wgmma A fragment (``_reg_a``), one dot per
+  half tile (rows g / g + 8 of each 16-row tile) against the bf16 / fp16 rows; per scale group the products are
+  summed in FP32 and scaled once (``acc += part * s``), as the dense LUT kernels do.
+All put the weight tile in the 64-row wgmma operand (``SWAP_AB``: the few routed rows are the wgmma N).
 
 The routing (``lowbit.kernels.moe_route`` builds it):
 - Rows are sorted by expert: expert ``e`` owns rows ``[offsets[e], offsets[e + 1])`` (int32 ``[E + 1]``, on the
@@ -38,6 +44,9 @@ import triton.language as tl
 
 from lowbit._utils import cdiv, device_table, interpret_mode, sm_count
 from lowbit.kernels.w4a8_fp8_gemm import HALF_K, _dequant_tile, _split_k, _use_lut
+from lowbit.kernels.lut_prmt import _byte_tables
+from lowbit.kernels.lut_gemm import _pick4
+from lowbit.kernels.lut_wgmma import _chunk_words, _decode, _group_words, _reg_a_k, _reg_a_row, _tile_dots
 from lowbit.kernels.w4a8_int8_gemm import _code_rows, _dequant_halves, _group_params
 
 BLOCK_N = 128  # weight rows per program (two 64-row wgmma M tiles)
@@ -45,6 +54,14 @@ BLOCK_M_MAX = 64  # routed rows per inner step: a power of two from 16 up to thi
 SPLIT_TARGET = 2.0  # split K until the programs of the experts that can be hit reach this many per SM
 MIN_K_TILES = 8  # ... keeping at least this many K tiles of 128 per split
 NUM_WARPS, NUM_STAGES = 4, 4
+LUT_STAGES = 3  # (the register-table kernel's launches: ``lut_wgmma.wgmma_config``)
+# the next group's code words in registers (``_moe_lut_kernel``): 143 vs 156 us at 1 token, 784 vs 880 at 64
+LUT_PREFETCH = True
+LUT_SPLIT_TARGET = SPLIT_TARGET  # programs per SM the lut kernel's split-K aims at (4 / 8: within 3 % either way)
+# routed rows per inner step of the lut kernel; None: the power of two >= twice the mean rows per hit expert (16..64).
+# Session 40 (H200, Mixtral-8x7B block, CUDA graph, us; s40_moe_lut_sweep.json): 64 tokens 607 at 32 vs 784 at 64
+# and 758 at 16; 4 / 16 tokens 402 / 541 at 32 vs 328 / 446 at 16
+LUT_BLOCK_M = None
 
 
 @triton.jit
@@ -176,6 +193,72 @@ def _moe_w4a8_int8_kernel(
         _store_rows(y, rows, mask_m, offs_n, N, R, C, Ws, pid_k, stride_cm, SPLIT_K)
 
 
+@triton.jit
+def _moe_lut_kernel(
+    # pointers
+    A, RowMap, Offsets, QPtrs, QHPtrs, SPtrs, PPtrs, C, Ws,
+    # sizes
+    N, K, R, NRT, NC, NG,
+    # strides
+    stride_am, stride_sg, stride_cm,
+    # flags
+    GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATHER: tl.constexpr, EMU: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Program = 8 row tiles of 16 weight rows (two 64-row halves: rows g and g + 8 of each tile) x one expert x one
+    split-K range of scale groups (``lut_wgmma._lut_wgmma_kernel``'s two-dot ``REG_A`` tile). ``PREFETCH``: the
+    next group's code words are loaded into registers while this group is decoded (its register double buffer)."""
+    RT: tl.constexpr = 8
+    BR: tl.constexpr = 8 * RT
+    CK: tl.constexpr = 64 if BITS == 4 else 128  # K per chunk of the fragment layout
+    CPG: tl.constexpr = GROUP // CK
+    ODT: tl.constexpr = C.dtype.element_ty
+    e, pid_k, start, end, _, g0, g1 = _program(Offsets, NG, BR, SPLIT_K)
+    Q = _expert_address(QPtrs, e, tl.int32)
+    QH = _expert_address(QHPtrs, e, tl.int32)  # (4-bit: the codes again, unused)
+    S = _expert_address(SPtrs, e, ODT)
+    P = _expert_address(PPtrs, e, ODT)
+    i = tl.arange(0, BR)
+    rt = tl.program_id(1) * RT + i // 8
+    rt_ok = rt < NRT
+    it = _reg_a_row(i)  # the relabelled tile's row -> its words' row
+    n0 = (tl.program_id(1) * RT + it // 8) * 16 + it % 8  # weight rows of half 0; half 1: + 8
+    n1 = n0 + 8
+    q_rows = Q + (rt.to(tl.int64) * (NC * 128) + (i % 8) * 16)[:, None] + tl.arange(0, 16)[None, :]
+    h_rows = QH + (rt.to(tl.int64) * (NC * 64) + (i % 8) * 8)[:, None] + tl.arange(0, 8)[None, :]
+    kx = _reg_a_k(tl.arange(0, CK), CK)  # the activation columns in the relabelled tile's K order
+    tabs = _byte_tables(P, BITS)
+    for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
+        rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
+        acc0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+        acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+        if PREFETCH:
+            nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
+        for gi in range(g0, g1):
+            p0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+            p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+            if PREFETCH:
+                cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
+                nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1),
+                                                  CPG, BITS)
+            for cc in tl.static_range(CPG):
+                c = gi * CPG + cc
+                if PREFETCH:
+                    words = _pick4(cc, cw0, cw1, cw2, cw3)
+                else:
+                    words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
+                kk = c * CK + kx
+                xt = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
+                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0)
+                p0, p1 = _tile_dots(w0, w1, xt, p0, p1, False, True)
+            s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
+            s1 = tl.load(S + gi * stride_sg + n1, mask=n1 < N, other=0.0).to(tl.float32)
+            acc0 += p0 * s0[:, None]
+            acc1 += p1 * s1[:, None]
+        _store_rows(tl.trans(acc0), rows, mask_m, n0, N, R, C, Ws, pid_k, stride_cm, SPLIT_K)
+        _store_rows(tl.trans(acc1), rows, mask_m, n1, N, R, C, Ws, pid_k, stride_cm, SPLIT_K)
+
+
 def address_table(ts: list[torch.Tensor]) -> torch.Tensor:
     """int64 ``[E]`` table of the tensors' addresses on their device (``lowbit._utils.device_table``)."""
     ptrs = tuple(t.data_ptr() for t in ts)
@@ -194,45 +277,71 @@ def pick_split(E: int, rows: int, N: int, K: int, n_sm: int) -> int:
     return _split_k(live, cdiv(K, 2 * HALF_K.value), SPLIT_TARGET * n_sm, MIN_K_TILES)
 
 
-def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor, row_map: torch.Tensor | None,
+def lut_pick_split(E: int, rows: int, nrt: int, ng: int, group_size: int, n_sm: int) -> int:
+    """``pick_split`` for the ``lut`` kernel: programs of 8 row tiles, K split by whole scale groups (at least
+    ``MIN_K_TILES`` x 128 K per split)."""
+    live = min(E, max(rows, 1)) * cdiv(nrt, 8)
+    return _split_k(live, ng, LUT_SPLIT_TARGET * n_sm, max(1, MIN_K_TILES * 2 * HALF_K.value // group_size))
+
+
+def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_map: torch.Tensor | None,
                     offsets: torch.Tensor, weights: list[list[torch.Tensor]], params: torch.Tensor | None, k: int,
                     group_size: int, out_dtype: torch.dtype, rows: int, max_rows_per_expert: int, *,
-                    tiled: bool = False, split_k: int | None = None, partials: bool = False) -> torch.Tensor:
+                    tiled: bool = False, split_k: int | None = None, partials: bool = False,
+                    bits: int = 4) -> torch.Tensor:
     """Launcher (inputs checked by ``lowbit.ops.moe``). ``a`` ``[Ta, K]`` (FP8 for ``w4a8-fp8``, INT8 for
-    ``w4a8-int8``), ``sx`` fp32 ``[Ta]``, ``row_map`` int32 ``[rows]`` or None, ``offsets`` int32 ``[E + 1]``;
+    ``w4a8-int8``, bf16 / fp16 for ``lut``), ``sx`` fp32 ``[Ta]`` (None for ``lut``), ``row_map`` int32 ``[rows]`` or
+    None, ``offsets`` int32 ``[E + 1]``;
     ``weights``: per field a list over the experts -- ``w4a8-fp8``: ``[codes [N, Kp/2] uint8, scales [N, Gp] FP8]``
     with ``params`` = inv_delta fp32 ``[E]``; ``w4a8-int8``: ``[qweight [N, Kp/2] uint8 (``tiled``: row-tiled),
-    s1 [N] fp32, s2 [N, G] uint8, zs [N, G] uint8]``, ``params`` None, ``group_size`` -1 for per-channel ->
-    ``[rows, N]`` ``out_dtype`` (rows no expert owns left unwritten). ``max_rows_per_expert`` sizes the inner row
+    s1 [N] fp32, s2 [N, G] uint8, zs [N, G] uint8]``, ``params`` None, ``group_size`` -1 for per-channel;
+    ``lut`` (``bits`` 3 or 4): ``[qweight, qweight_hi (4-bit: qweight again), scales [G, N], pairs]`` of
+    ``LUTLinear``'s fragment layout, in ``a``'s dtype -> ``[rows, N]`` ``out_dtype`` (rows no expert owns left
+    unwritten). ``max_rows_per_expert`` sizes the inner row
     step (a bound, not a promise: more rows loop). ``partials``: with split-K, return the FP32 partials
     ``[SPLIT_K, rows, N]`` unsummed (the combine kernel sums them in split order)."""
-    E, N = len(weights[0]), weights[0][0].shape[0]
-    kp = 2 * weights[0][0].shape[1]
+    E = len(weights[0])
+    if scheme == "lut":
+        N, ng = weights[2][0].shape[1], weights[2][0].shape[0]
+        nrt, nc = weights[0][0].shape[0], weights[0][0].shape[1] // 128
+        units = ng
+    else:
+        N = weights[0][0].shape[0]
+        units = weights[0][0].shape[1] // HALF_K.value  # K tiles of 128 (kp / 128)
     out = torch.empty((rows, N), dtype=out_dtype, device=a.device)
     if rows == 0 or N == 0:
         return out
     bm = min(BLOCK_M_MAX, max(16, triton.next_power_of_2(max(1, max_rows_per_expert))))
     if split_k is None:
-        split_k = pick_split(E, rows, N, k, sm_count(a.device, 132))
-    split_k = max(1, min(int(split_k), kp // (2 * HALF_K.value)))
+        n_sm = sm_count(a.device, 132)
+        split_k = (lut_pick_split(E, rows, nrt, ng, group_size, n_sm) if scheme == "lut"
+                   else pick_split(E, rows, N, k, n_sm))
+    split_k = max(1, min(int(split_k), units))
     ws = torch.empty((split_k, rows, N), dtype=torch.float32, device=a.device) if split_k > 1 else out
     tables = [address_table(f) for f in weights]
     rmap = row_map if row_map is not None else offsets
-    grid = (E, cdiv(N, BLOCK_N), split_k)
-    common = dict(BLOCK_M=bm, BLOCK_N=BLOCK_N, SPLIT_K=split_k, GATHER=row_map is not None, num_warps=NUM_WARPS,
+    common = dict(BLOCK_M=bm, SPLIT_K=split_k, GATHER=row_map is not None, num_warps=NUM_WARPS,
                   num_stages=NUM_STAGES)
-    if scheme == "w4a8-fp8":
-        _moe_w4a8_fp8_kernel[grid](
+    if scheme == "lut":  # each row step decodes the weight tile again: one step for most experts (twice the mean)
+        common["BLOCK_M"] = int(LUT_BLOCK_M or min(BLOCK_M_MAX, max(16, triton.next_power_of_2(
+            cdiv(2 * rows, max(1, min(E, rows)))))))
+        _moe_lut_kernel[(E, cdiv(nrt, 8), split_k)](
+            a, rmap, offsets, *tables, out, ws, N, k, rows, nrt, nc, ng, a.stride(0), weights[2][0].stride(0),
+            out.stride(0), GROUP=group_size, BITS=bits, EMU=interpret_mode(),
+            PREFETCH=LUT_PREFETCH, **dict(common, num_stages=LUT_STAGES))
+    elif scheme == "w4a8-fp8":
+        _moe_w4a8_fp8_kernel[(E, cdiv(N, BLOCK_N), split_k)](
             a, sx, rmap, offsets, *tables, params, out, ws, N, k, rows,
             a.stride(0), weights[0][0].stride(0), weights[1][0].stride(0), out.stride(0),
-            GROUP=group_size, LUT=_use_lut({}), SWORD=True, **common)
+            GROUP=group_size, LUT=_use_lut({}), SWORD=True, BLOCK_N=BLOCK_N, **common)
     elif scheme == "w4a8-int8":
-        _moe_w4a8_int8_kernel[grid](
-            a, sx, rmap, offsets, *tables, out, ws, N, k, rows, kp,
+        _moe_w4a8_int8_kernel[(E, cdiv(N, BLOCK_N), split_k)](
+            a, sx, rmap, offsets, *tables, out, ws, N, k, rows, 2 * weights[0][0].shape[1],
             a.stride(0), weights[0][0].stride(0), weights[2][0].stride(0), out.stride(0),
-            GROUP_SIZE=group_size, TILED=tiled, USE_ASM=a.is_cuda and not interpret_mode(), **common)
+            GROUP_SIZE=group_size, TILED=tiled, USE_ASM=a.is_cuda and not interpret_mode(), BLOCK_N=BLOCK_N,
+            **common)
     else:
-        raise ValueError(f"scheme must be 'w4a8-fp8' or 'w4a8-int8', got {scheme!r}")
+        raise ValueError(f"scheme must be 'w4a8-fp8', 'w4a8-int8' or 'lut', got {scheme!r}")
     if split_k > 1 and partials:
         return ws
     if split_k > 1:

@@ -130,6 +130,8 @@ class QuantExperts(nn.Module):
             return torch.zeros_like(hidden_states)
         grouped = (self.grouped_weights() if hidden_states.shape[0] <= GROUPED_MAX_TOKENS
                    and top_k_weights.dtype in _GROUPED_DTYPES and hidden_states.dtype in _GROUPED_DTYPES else None)
+        if grouped is not None and grouped["scheme"] == "lut" and hidden_states.dtype != grouped["dtype"]:
+            grouped = None  # (the LUT kernels run in the experts' activation dtype; the modules cast per call)
         if grouped is not None or _dense_wanted(hidden_states):  # the schedules without a host read
             if check_indices(top_k_index) and (int(flat.min()) < 0 or int(flat.max()) > self.num_experts):
                 raise ValueError(self._bad_ids())
@@ -137,6 +139,9 @@ class QuantExperts(nn.Module):
                 return self._dense(hidden_states, top_k_index, top_k_weights, torch.zeros_like(hidden_states))
             from lowbit.ops import moe as ops
 
+            if grouped["scheme"] == "lut":
+                return ops.moe_lut(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
+                                   grouped["bits"], grouped["group_size"], weights_checked=True)
             if grouped["scheme"] == "w4a8-fp8":
                 return ops.moe_w4a8_fp8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"],
                                         grouped["down"], grouped["group_size"], weights_checked=True)
@@ -199,11 +204,14 @@ class QuantExperts(nn.Module):
         projection) -- with one group size, no bias, no fused activation, the format's buffer dtypes (a module
         cast by ``.to(dtype)`` converts its FP8 / fp32 scales too: the per-expert modules then raise, naming the
         buffer) and one device (a review finding: the kernels read the buffers by address, unchecked). ``{"scheme", "gate_up", "down", "group_size", "tiled"}``."""
+        from lowbit.nn.lut import LUTLinear
         from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
         from lowbit.nn.w4a8_int8 import W4A8INT8Linear
 
         mods = (*self.gate_up, *self.down)
         m0 = mods[0]
+        if type(m0) is LUTLinear:
+            return self._lut_spec(mods, m0, LUTLinear)
         if type(m0) is W4A8FP8Linear:
             if not all(type(m) is W4A8FP8Linear and m.bias is None and m.activation is None
                        and m.group_size == m0.group_size and m.codes.dtype == torch.uint8
@@ -228,6 +236,25 @@ class QuantExperts(nn.Module):
             return None
         return {"scheme": scheme, "group_size": m0.group_size,
                 "tiled": tuple(bool(getattr(ms[0], "tiled", False)) for ms in (self.gate_up, self.down)),
+                "gate_up": tuple([f(m) for m in self.gate_up] for f in fields),
+                "down": tuple([f(m) for m in self.down] for f in fields)}
+
+    def _lut_spec(self, mods, m0, LUTLinear) -> dict | None:
+        """``_grouped_spec`` of ``lut`` experts: every module a plain ``LUTLinear`` in the fragment layout
+        (``layout='mma'``: 3/4-bit; ``lowbit.ops.moe.moe_lut``) of one bits / group size / dtype, no bias, no fused
+        activation, buffers in the module's dtype on one device; ``{"scheme", "gate_up", "down", "bits",
+        "group_size", "dtype"}`` with ``(qweight, qweight_hi or qweight, scales, pairs, table)`` per projection."""
+        dt = m0.dtype
+        dev = m0.qweight.device
+        if m0.layout != "mma" or m0.bits not in (3, 4) or not all(
+                type(m) is LUTLinear and m.layout == "mma" and m.bits == m0.bits and m.group_size == m0.group_size
+                and m.dtype == dt and m.bias is None and m.activation is None and m.qweight.dtype == torch.int32
+                and m.scales.dtype == dt and m.pairs.dtype == dt and m.table.dtype == torch.float32
+                and all(t.device == dev for t in (m.qweight, m.scales, m.pairs, m.table)) for m in mods):
+            return None
+        fields = [lambda m: m.qweight, lambda m: m.qweight_hi if m.bits == 3 else m.qweight, lambda m: m.scales,
+                  lambda m: m.pairs, lambda m: m.table]
+        return {"scheme": "lut", "bits": m0.bits, "group_size": m0.group_size, "dtype": dt,
                 "gate_up": tuple([f(m) for m in self.gate_up] for f in fields),
                 "down": tuple([f(m) for m in self.down] for f in fields)}
 

@@ -1,7 +1,7 @@
-"""Mixture-of-experts ops over ``w4a8-fp8`` and ``w4a8-int8`` experts: ``lowbit::moe_w4a8_fp8`` and
-``lowbit::moe_w4a8_int8``, the whole expert MLP of a decode step in six launches (seven when gate_up splits K: its
-partials summed by PyTorch) and no host read (``lowbit.nn.moe``
-calls them; its module docstring has the arithmetic).
+"""Mixture-of-experts ops over ``w4a8-fp8``, ``w4a8-int8`` and ``lut`` experts: ``lowbit::moe_w4a8_fp8``,
+``lowbit::moe_w4a8_int8`` and ``lowbit::moe_lut``, the whole expert MLP of a decode step in six launches (seven when
+gate_up splits K: its partials summed by PyTorch; ``lut`` has no activation quantization: five) and no host read
+(``lowbit.nn.moe`` calls them; its module docstring has the arithmetic).
 
 ``moe_w4a8_fp8(x [T, H], top_k_index [T, k], top_k_weights [T, k], gate_up (codes, scales, inv_delta) per expert,
 down (...) per expert) -> [T, H]`` in x's dtype:
@@ -18,6 +18,10 @@ down (...) per expert) -> [T, H]`` in x's dtype:
    sums down's split-K partials.
 
 So every output equals the per-expert modules' (the sparse schedule) up to the GEMMs' accumulation order (split-K).
+``lut`` (weight-only, bf16 / fp16 activations in the modules' dtype): steps 2 and 4 become a plain
+``silu(gate) * up`` in that dtype (``kernels.silu_mul``, the eager roundings); its GEMM rounds the table values to the
+activation dtype as the dense LUT kernels do (``lowbit.kernels.lut_wgmma``), so against the per-expert modules it
+differs by their accumulation order and, on the CPU, by the reference's unrounded float32 table.
 Without the GPU or the interpreter the same steps run with the formats' float64 references
 (``w4a8_fp8.reference_gemm`` / ``w4a8_int8.gemm_ref`` per expert). Weights: one module's buffers per expert, all of
 one shape; gate_up's rows are the expert's gate rows then its up rows (transformers' ``gate_up_proj``), no bias.
@@ -69,12 +73,15 @@ def combine(y: torch.Tensor, pos: torch.Tensor, top_k_index: torch.Tensor, top_k
     return out
 
 
-def _grouped_ref(scheme, a, sx, row_map, offsets, weights, params, k, group_size, out_dtype, rows, tiled):
-    """The float64 reference of the grouped GEMM (``lowbit.kernels.moe_grouped``): each format's reference GEMM per
-    expert over its rows (``w4a8_fp8.reference_gemm``, ``w4a8_int8.gemm_ref``); rows of no expert are zero."""
+def _grouped_ref(scheme, a, sx, row_map, offsets, weights, params, k, group_size, out_dtype, rows, tiled, bits=4):
+    """The reference of the grouped GEMM (``lowbit.kernels.moe_grouped``): each format's reference GEMM per expert over
+    its rows (float64 ``w4a8_fp8.reference_gemm``, ``w4a8_int8.gemm_ref``; ``lut``: ``ops.lut.lut_gemm_ref``, the
+    per-expert modules' CPU path, with the ``[qweight, qweight_hi, scales, pairs, table]`` fields); rows of no expert
+    are zero."""
     from lowbit.formats.w4a8_int8 import gemm_ref as int8_gemm_ref
 
-    out = torch.zeros((rows, weights[0][0].shape[0]), dtype=out_dtype, device=a.device)
+    n = weights[2][0].shape[1] if scheme == "lut" else weights[0][0].shape[0]
+    out = torch.zeros((rows, n), dtype=out_dtype, device=a.device)
     off = offsets.tolist()
     inv = params.tolist() if params is not None else None
     for e in range(len(weights[0])):
@@ -82,7 +89,13 @@ def _grouped_ref(scheme, a, sx, row_map, offsets, weights, params, k, group_size
         if t > s:
             idx = row_map[s:t].long() if row_map is not None else torch.arange(s, t, device=a.device)
             f = [w[e] for w in weights]
-            if scheme == "w4a8-fp8":
+            if scheme == "lut":
+                from lowbit.ops.lut import lut_gemm_ref
+
+                q, qh, sc, _, table = f
+                out[s:t] = lut_gemm_ref(a[idx], q, qh if bits == 3 else None, sc, table, bits, group_size, k,
+                                        layout="mma").to(out_dtype)
+            elif scheme == "w4a8-fp8":
                 out[s:t] = reference_gemm(a[idx], sx[idx], f[0], f[1], inv[e], k, group_size, None,
                                           out_dtype=out_dtype)
             else:
@@ -124,6 +137,32 @@ def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params
     return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
 
 
+def _lut_experts(x, top_k_index, top_k_weights, gu, dn, bits, group_size):
+    """The ``lut`` steps (module docstring): route, gate_up, ``silu(gate) * up`` in x's dtype, down, combine. ``gu`` /
+    ``dn``: ``[qweight, qweight_hi, scales, pairs, table]`` lists over the experts (``qweight_hi`` = ``qweight`` at
+    4 bits)."""
+    T, k = top_k_index.shape
+    E, H, inter = len(gu[0]), x.shape[1], gu[2][0].shape[1] // 2
+    rows = T * k
+    if use_triton(x, gu[0][0]):
+        from lowbit.kernels.moe_grouped import moe_gemm_triton
+        from lowbit.kernels.moe_route import combine_triton, route_triton
+        from lowbit.kernels.silu_mul import silu_mul_triton
+
+        pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
+        g = moe_gemm_triton("lut", x, None, row_tok, offsets, gu[:4], None, H, group_size, x.dtype, rows, T,
+                            bits=bits)
+        h = silu_mul_triton(g, block=inter)  # gate columns [0, I), up [I, 2I): one block of I
+        y = moe_gemm_triton("lut", h, None, None, offsets, dn[:4], None, inter, group_size, x.dtype, rows, T,
+                            bits=bits, partials=True)
+        return combine_triton(y, pos, top_k_index, top_k_weights, E, x.dtype)
+    pos, row_tok, offsets = route(top_k_index, E)
+    g = _grouped_ref("lut", x, None, row_tok, offsets, gu, None, H, group_size, x.dtype, rows, False, bits)
+    y = _grouped_ref("lut", silu_mul_ref(g, inter), None, None, offsets, dn, None, inter, group_size, x.dtype, rows,
+                     False, bits)
+    return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
+
+
 @torch.library.custom_op("lowbit::moe_w4a8_fp8", mutates_args=())
 def _moe_w4a8_fp8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   gu_codes: list[torch.Tensor], gu_scales: list[torch.Tensor], gu_pts: list[int],
@@ -153,6 +192,22 @@ def _moe_w4a8_int8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
 @_moe_w4a8_int8.register_fake
 def _(x, top_k_index, top_k_weights, gu_qweight, gu_s1, gu_s2, gu_zs, dn_qweight, dn_s1, dn_s2, dn_zs, group_size,
       gu_tiled, dn_tiled):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("lowbit::moe_lut", mutates_args=())
+def _moe_lut(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             gu_qweight: list[torch.Tensor], gu_qweight_hi: list[torch.Tensor], gu_scales: list[torch.Tensor],
+             gu_pairs: list[torch.Tensor], gu_table: list[torch.Tensor], dn_qweight: list[torch.Tensor],
+             dn_qweight_hi: list[torch.Tensor], dn_scales: list[torch.Tensor], dn_pairs: list[torch.Tensor],
+             dn_table: list[torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
+    return _lut_experts(x, top_k_index, top_k_weights, [gu_qweight, gu_qweight_hi, gu_scales, gu_pairs, gu_table],
+                        [dn_qweight, dn_qweight_hi, dn_scales, dn_pairs, dn_table], bits, group_size)
+
+
+@_moe_lut.register_fake
+def _(x, top_k_index, top_k_weights, gu_qweight, gu_qweight_hi, gu_scales, gu_pairs, gu_table, dn_qweight,
+      dn_qweight_hi, dn_scales, dn_pairs, dn_table, bits, group_size):
     return x.new_empty(x.shape)
 
 
@@ -250,3 +305,48 @@ def moe_w4a8_int8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
         return torch.zeros_like(x)
     return run_op(_moe_w4a8_int8, x.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), *gu, *dn,
                   int(group_size), bool(tiled[0]), bool(tiled[1]))
+
+
+def moe_lut(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up: tuple[list[torch.Tensor], ...], down: tuple[list[torch.Tensor], ...], bits: int = 4,
+            group_size: int = 128, *, weights_checked: bool = False) -> torch.Tensor:
+    """The expert MLP of a MoE layer over ``lut`` experts (FLUTE's weight-only lookup-table format): ``gate_up`` /
+    ``down`` per expert ``(qweight, qweight_hi, scales, pairs, table)`` lists of ``LUTLinear`` buffers in the fragment
+    layout (``layout='mma'``: 4-bit with group 64 / 128 / 256, 3-bit with 128 / 256; ``qweight_hi`` None or the codes
+    again at 4 bits); ``x`` bf16 or fp16, the dtype of the scales and pairs (the modules' dtype)."""
+    from lowbit.formats.lut import mma_layout_ok, mma_packed_shapes
+
+    _check_routing(x, top_k_index, top_k_weights)
+    if bits not in (3, 4) or group_size not in (64, 128, 256) or not mma_layout_ok(bits, group_size):
+        raise ValueError(f"bits and group_size must fit the fragment layout (4-bit: group 64 / 128 / 256; 3-bit: 128 / "
+                         f"256), got bits={bits}, group_size={group_size}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be bf16 or fp16 (the experts' activation dtype) for lut experts, got {x.dtype}")
+    gu, dn = list(gate_up), list(down)
+    if len(gu) != 5 or len(dn) != 5:
+        raise ValueError("gate_up and down need the five fields (qweight, qweight_hi, scales, pairs, table) per expert")
+    for f in (gu, dn):
+        if f[1] is None or any(t is None for t in f[1]):
+            f[1] = f[0]
+    E = len(gu[0])
+    if E == 0 or any(len(f) != E for f in (*gu, *dn)):
+        raise ValueError("gate_up and down need the same number (>= 1) of experts' weight tensors in every field")
+    two_i = gu[2][0].shape[1] if gu[2][0].dim() == 2 else -1
+    if two_i < 0 or two_i % 2:
+        raise ValueError(f"gate_up scales {list(gu[2][0].shape)}: not [groups, 2I] (gate rows then as many up rows)")
+    if dn[2][0].dim() != 2 or dn[2][0].shape[1] != x.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but the experts' down projections give "
+                         f"{list(dn[2][0].shape)[1:]}")
+    check_same_device(x=x, top_k_index=top_k_index, gate_up=gu[0][0], down=dn[0][0])
+    if not weights_checked:
+        H = x.shape[1]
+        for name, f, n, kk in (("gate_up", gu, two_i, H), ("down", dn, H, two_i // 2)):
+            qs, _, hs = mma_packed_shapes(n, kk, bits, group_size)
+            ng = -(-kk // group_size)
+            shapes = (list(qs), list(hs) if bits == 3 else list(qs), [ng, n], [4 ** bits, 2], [2 ** bits])
+            _check_fields(name, ("qweight", "qweight_hi", "scales", "pairs", "table"), f, shapes,
+                          (torch.int32, torch.int32, x.dtype, x.dtype, torch.float32))
+    if x.shape[0] == 0 or top_k_index.shape[1] == 0:
+        return torch.zeros_like(x)
+    return run_op(_moe_lut, x.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), *gu, *dn, int(bits),
+                  int(group_size))

@@ -1,0 +1,220 @@
+"""The grouped schedule of ``lut`` experts (FLUTE's lookup-table format in the fragment layout): the grouped GEMM
+kernel (``lowbit.kernels.moe_grouped._moe_lut_kernel``) against a float64 reference of its numerics, op
+``lowbit::moe_lut`` against the per-expert modules (the sparse schedule), the schedule's selection, bad input, the
+op's registration, and the GPU (kernels, CUDA graph)."""
+import pytest
+import torch
+
+from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut, unpack_codes_mma
+from lowbit.nn.moe import QuantExperts
+from lowbit.ops.moe import _moe_lut, moe_lut, route
+from tests.conftest import GPU
+from tests.test_moe import _moe
+from tests.test_moe_grouped import _routing, _schedules, reference_ops  # noqa: F401 (fixture)
+from tests.tolerances import rel_l2
+
+
+def _lut_experts(E, N, K, bits, group, dtype, seed=0, device="cpu"):
+    """``[qweight, qweight_hi (4-bit: qweight), scales, pairs, table]`` lists of E random NF experts."""
+    g = torch.Generator().manual_seed(seed)
+    fields = [[], [], [], [], []]
+    for _ in range(E):
+        q = quantize_lut(torch.randn(N, K, generator=g) * 0.1, bits=bits, group_size=group, table="nf",
+                         scale_dtype=dtype)
+        qw, qh = pack_codes_mma(q.codes, bits, group, K)
+        for f, t in zip(fields, (qw, qh if bits == 3 else qw, q.scales.t().contiguous(),
+                                 pair_table(q.table, bits, dtype), q.table.float())):
+            f.append(t.to(device))
+    return fields
+
+
+def _kernel_numerics(a, row_map, offsets, fields, K, bits, group, rows):
+    """float64 reference of the kernel: per scale group the products of ``x`` and the table values rounded to the
+    activation dtype summed, then times the group's scale; rows of no expert zero."""
+    N = fields[2][0].shape[1]
+    out = torch.zeros(rows, N, dtype=torch.float64)
+    off = offsets.tolist()
+    for e in range(len(fields[0])):
+        s, t = off[e], min(off[e + 1], rows)
+        if t <= s:
+            continue
+        idx = row_map[s:t].long() if row_map is not None else torch.arange(s, t)
+        codes = unpack_codes_mma(fields[0][e], fields[1][e] if bits == 3 else None, N, K, bits, group).long()
+        w = fields[4][e].to(a.dtype).double()[codes]  # [N, K]
+        x = a[idx].double()
+        sc = fields[2][e].double()  # [G, N]
+        for gi in range(sc.shape[0]):
+            ks = slice(gi * group, min((gi + 1) * group, K))
+            out[s:t] += (x[:, ks] @ w[:, ks].t()) * sc[gi]
+    return out
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits,N,K,group,split,dtype", [
+    (4, 200, 300, 64, 1, torch.bfloat16), (4, 96, 576, 128, 3, torch.bfloat16), (3, 130, 640, 128, 2, torch.bfloat16),
+    (4, 64, 512, 256, 2, torch.float16), (3, 40, 200, 256, 1, torch.float16)])
+def test_lut_grouped_kernel_matches_reference(bits, N, K, group, split, dtype, monkeypatch):
+    """The grouped LUT GEMM under the interpreter against the float64 reference of its numerics: N not a multiple of
+    the 128-row program nor of the 16-row tile, K not a multiple of the group (padded codes meet masked x), 3 and 4
+    bits, groups 64 / 128 / 256, split-K (summed, and returned as partials), gathered rows (gate_up) and direct rows
+    (down), an expert with no rows, slots of no expert, and more rows per expert than one row step."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lowbit.kernels.moe_grouped import moe_gemm_triton
+
+    E, T, k = 4, 30, 2
+    idx, _ = _routing(T, k, 3, seed=N)  # expert 3 gets no rows
+    idx[::4, 1] = E  # some slots no expert
+    _, row_tok, off = route(idx, E)
+    valid = int(off[-1])
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(K)).to(dtype)
+    fields = _lut_experts(E, N, K, bits, group, dtype, seed=bits)
+    for rmap, a in ((row_tok, x), (None, x[row_tok.long()])):
+        want = _kernel_numerics(a, rmap, off, fields, K, bits, group, T * k)
+        got = moe_gemm_triton("lut", a, None, rmap, off, fields[:4], None, K, group, dtype, T * k, 1, bits=bits,
+                              split_k=split)
+        assert rel_l2(got[:valid], want[:valid]) < 4e-3  # the output's rounding to 16 bits
+        if split > 1:
+            parts = moe_gemm_triton("lut", a, None, rmap, off, fields[:4], None, K, group, dtype, T * k, 1,
+                                    bits=bits, split_k=split, partials=True)
+            assert parts.shape == (split, T * k, N) and parts.dtype == torch.float32
+            assert rel_l2(parts.sum(0)[:valid], want[:valid]) < 1e-5
+
+
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 64), (3, 128)])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lut_grouped_equals_sparse_on_references(bits, group, arch, dtype, reference_ops):
+    """With the references (the per-expert modules' CPU path, rows independent) the grouped op is the sparse schedule
+    bit for bit: the same GEMMs, silu / weight roundings and per-token sum order; slots of no expert skipped."""
+    block = _moe(arch).to(dtype).model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "lut", bits=bits, group_size=group)
+    spec = qe.grouped_weights()
+    assert spec["scheme"] == "lut" and spec["bits"] == bits and spec["dtype"] == dtype
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    _, w, idx = block.gate(x)
+    got, want = _schedules(qe, x, idx, w)
+    assert torch.equal(got, want)
+    idx = idx.clone()
+    idx[::2, 0] = qe.num_experts  # transformers' "no expert"
+    got, want = _schedules(qe, x, idx, w)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits,group", [(4, 128), (3, 128)])
+def test_lut_grouped_module_under_interpreter(bits, group, monkeypatch):
+    """The whole grouped op with the kernels (interpreter) against the references (the reference's float32 table
+    is not rounded to bf16: a bf16-sized difference)."""
+    pytest.importorskip("triton")
+    block = _moe("qwen3_moe").to(torch.bfloat16).model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "lut", bits=bits, group_size=group)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    _, w, idx = block.gate(x)
+    out = {}
+    for interp in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        with torch.no_grad():
+            out[interp] = qe(x, idx, w)
+    assert rel_l2(out["1"], out["0"]) < 2e-2
+
+
+def test_lut_schedule_selection(reference_ops):
+    """Grouped: LUT experts in the fragment layout (4-bit g >= 64, 3-bit g >= 128) called in their dtype. Not: the
+    planar layout (2-bit, 4-bit g32), other activation dtypes (the modules cast per call), mixed configs."""
+    experts = _moe("mixtral").to(torch.bfloat16).model.layers[0].mlp.experts
+    for bits, group in ((2, 64), (4, 32)):
+        assert QuantExperts.from_experts(experts, "lut", bits=bits, group_size=group).grouped_weights() is None
+    qe = QuantExperts.from_experts(experts, "lut", bits=4, group_size=128)
+    assert qe.grouped_weights()["scheme"] == "lut"
+    x = torch.randn(3, 64)
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    w = torch.rand(3, 2)
+    with torch.no_grad():
+        want = qe(x, idx, w)  # float32 activations: the modules (each casts to bf16 and back)
+        qe.grouped = False
+        assert torch.equal(qe(x, idx, w), want)
+        qe.grouped = True
+    qe.down[1] = QuantExperts.from_experts(experts, "lut", bits=4, group_size=64).down[1]
+    assert qe.grouped_weights() is None
+
+
+def test_lut_bad_input(reference_ops):
+    qe = QuantExperts.from_experts(_moe("mixtral").to(torch.bfloat16).model.layers[0].mlp.experts, "lut", bits=4,
+                                   group_size=128)
+    spec = qe.grouped_weights()
+    gu, dn = spec["gate_up"], spec["down"]
+    x = torch.randn(3, 64).bfloat16()
+    idx = torch.zeros(3, 1, dtype=torch.long)
+    w = torch.ones(3, 1)
+    assert moe_lut(x, idx, w, gu, dn, 4, 128).shape == (3, 64)
+    with pytest.raises(ValueError, match="bits and group_size"):
+        moe_lut(x, idx, w, gu, dn, 4, 32)
+    with pytest.raises(ValueError, match="bits and group_size"):
+        moe_lut(x, idx, w, gu, dn, 2, 128)
+    with pytest.raises(TypeError, match="x must be bf16 or fp16"):
+        moe_lut(x.float(), idx, w, gu, dn, 4, 128)
+    with pytest.raises(TypeError, match="scales"):
+        moe_lut(x.half(), idx, w, gu, dn, 4, 128)  # fp16 x against bf16 scales
+    with pytest.raises(ValueError, match="five fields"):
+        moe_lut(x, idx, w, gu[:4], dn, 4, 128)
+    with pytest.raises(ValueError, match="x has 32 features"):
+        moe_lut(x[:, :32], idx, w, gu, dn, 4, 128)
+    with pytest.raises(ValueError, match="qweight"):
+        moe_lut(x, idx, w, gu, dn, 3, 128)  # 4-bit buffers called as 3-bit
+    with pytest.raises(ValueError, match="top_k_index"):
+        moe_lut(x, idx[:2], w, gu, dn, 4, 128)
+    assert torch.equal(moe_lut(x[:0], idx[:0], w[:0], gu, dn, 4, 128), x[:0])
+
+
+def test_lut_opcheck_and_compile(reference_ops):
+    """Schema and fake implementation (opcheck; AOT dispatch is not run on bf16 inputs, which it differentiates, as
+    for ``lowbit::lut_gemm``), and the experts module under torch.compile(fullgraph=True)."""
+    block = _moe("mixtral").to(torch.bfloat16).model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "lut", bits=4, group_size=64)
+    spec = qe.grouped_weights()
+    x = torch.randn(4, 64).bfloat16()
+    _, w, idx = block.gate(x)
+    torch.library.opcheck(_moe_lut, (x, idx, w, *spec["gate_up"], *spec["down"], 4, 64),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    with torch.no_grad():
+        want = qe(x, idx, w)
+        got = torch.compile(qe, fullgraph=True, backend="eager")(x, idx, w)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 64), (3, 128)])
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_lut_grouped_on_gpu(T, bits, group):
+    """GPU kernels: the grouped op against the per-expert modules (sparse schedule) at bf16 rounding, and the same
+    call replayed from a CUDA graph with new routing gives the eager result bit for bit."""
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant("mixtral", num_local_experts=8, num_experts_per_tok=2, hidden=256, heads=4, kv_heads=2,
+                     head_dim=64, intermediate=704).to("cuda", torch.bfloat16)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "lut", bits=bits, group_size=group)
+    assert qe.grouped_weights()["scheme"] == "lut"
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, 2, 8, seed=T)
+    idx, w = idx.cuda(), w.cuda().bfloat16()
+    got, want = _schedules(qe, x, idx, w)
+    assert rel_l2(got, want) < 2e-2
+    xs, ids, ws = x.clone(), idx.clone(), w.clone()
+    with torch.no_grad():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            qe(xs, ids, ws)  # warm-up: compiles and builds the address tables outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = qe(xs, ids, ws)
+        idx2, w2 = _routing(T, 2, 8, seed=T + 100)
+        ids.copy_(idx2)
+        ws.copy_(w2.bfloat16())
+        xs.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, qe(xs, ids, ws))
