@@ -59,9 +59,15 @@ def test_grouped_equals_sparse_bit_for_bit_on_references(scheme, group, arch, dt
     quantizations, silu / weight roundings and per-token sum order; slots of no expert (id E) are skipped."""
     block = _moe(arch).to(dtype).model.layers[0].mlp
     qe = QuantExperts.from_experts(block.experts, scheme, group_size=group)
-    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(5)).to(dtype)
-    _, w, idx = block.gate(x)
     assert qe.grouped_weights() is not None
+    _grouped_is_sparse(qe, block, dtype)
+
+
+def _grouped_is_sparse(qe, block, dtype, seed=5):
+    """The grouped and sparse schedules bit-equal on 11 tokens routed by ``block``'s router, also with every other
+    token's first slot sent to no expert."""
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    _, w, idx = block.gate(x)
     got, want = _schedules(qe, x, idx, w)
     assert torch.equal(got, want)
     idx = idx.clone()
@@ -201,21 +207,26 @@ def test_grouped_gemm_kernel_matches_reference(scheme, N, K, group, split, monke
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("scheme,group", SCHEMES)
-def test_grouped_module_under_interpreter(scheme, group, monkeypatch):
-    """The whole grouped op with the kernels (interpreter) against the references, float32 (so the
-    re-quantization of the down input sees the same values)."""
+@pytest.mark.parametrize("scheme,opts,dtype,tol", [
+    *[(s, dict(group_size=g), torch.float32, 2 * KERNEL_VS_REF[torch.float32]) for s, g in SCHEMES],
+    ("lut", dict(bits=4, group_size=128), torch.bfloat16, 2e-2), ("lut", dict(bits=3, group_size=128), torch.bfloat16,
+                                                                   2e-2)])
+def test_grouped_module_under_interpreter(scheme, opts, dtype, tol, monkeypatch):
+    """The whole grouped op with the kernels (interpreter) against the references: float32 for the W4A8 formats (so
+    the re-quantization of the down input sees the same values); bf16 for ``lut`` (its experts' dtype; the
+    reference's float32 table is not rounded to bf16: a bf16-sized difference)."""
     pytest.importorskip("triton")
-    block = _moe("qwen3_moe").model.layers[0].mlp
-    qe = QuantExperts.from_experts(block.experts, scheme, group_size=group)
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    block = _moe("qwen3_moe").to(dtype).model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, scheme, **opts)
+    assert qe.grouped_weights()["scheme"] == scheme
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     _, w, idx = block.gate(x)
     out = {}
     for interp in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interp)
         with torch.no_grad():
             out[interp] = qe(x, idx, w)
-    assert rel_l2(out["1"], out["0"]) < 2 * KERNEL_VS_REF[torch.float32]
+    assert rel_l2(out["1"], out["0"]) < tol
 
 
 def test_bad_input(reference_ops):
@@ -302,22 +313,32 @@ def test_fake_matches_real_strides(reference_ops):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("scheme,group", [("w4a8-fp8", 128), ("w4a8-int8", 128), ("w4a8-int8", -1)])
+@pytest.mark.parametrize("scheme,opts,inter", [
+    ("w4a8-fp8", dict(group_size=128), 512), ("w4a8-int8", dict(group_size=128), 512),
+    ("w4a8-int8", dict(group_size=-1), 512), ("lut", dict(bits=4, group_size=128), 704),
+    ("lut", dict(bits=4, group_size=64), 704), ("lut", dict(bits=3, group_size=128), 704)])
 @pytest.mark.parametrize("T", [1, 5, 64])
-def test_grouped_on_gpu(T, scheme, group):
+def test_grouped_on_gpu(T, scheme, opts, inter):
     """GPU kernels: the grouped op against the per-expert modules (sparse schedule) at bf16 rounding, and the same
-    call replayed from a CUDA graph with new routing gives the eager result bit for bit."""
+    call replayed from a CUDA graph with new routing gives the eager result bit for bit (``lut``: an intermediate
+    size not a multiple of 128)."""
     from tests._tiny_models import tiny_variant
 
     m = tiny_variant("mixtral", num_local_experts=8, num_experts_per_tok=2, hidden=256, heads=4, kv_heads=2,
-                     head_dim=64, intermediate=512).to("cuda", torch.bfloat16)
-    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, group_size=group)
+                     head_dim=64, intermediate=inter).to("cuda", torch.bfloat16)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, **opts)
     assert qe.grouped_weights()["scheme"] == scheme
     x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
     idx, w = _routing(T, 2, 8, seed=T)
     idx, w = idx.cuda(), w.cuda().bfloat16()
     got, want = _schedules(qe, x, idx, w)
     assert rel_l2(got, want) < 2e-2
+    _replay_equals_eager(qe, x, idx, w, T)
+
+
+def _replay_equals_eager(qe, x, idx, w, T):
+    """``qe`` captured in a CUDA graph (warm-up outside it), replayed with new tokens and routing: the eager result
+    bit for bit."""
     xs, ids, ws = x.clone(), idx.clone(), w.clone()
     with torch.no_grad():
         s = torch.cuda.Stream()
@@ -372,6 +393,37 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
+def _module_sum(gu, dn, x, idx, w):
+    """The per-token sum of the expert modules ``gu[e]`` / ``dn[e]``, one token at a time, its slots in expert order,
+    with the sparse schedule's roundings; slots of no expert (id >= E) skipped."""
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in torch.argsort(idx[t], stable=True).tolist():
+            e = int(idx[t, s])
+            if e >= len(gu):
+                continue
+            gate, up = gu[e](x[t:t + 1]).chunk(2, dim=-1)
+            y = dn[e](torch.nn.functional.silu(gate) * up) * w[t, s]
+            want[t] += y[0].to(x.dtype)
+    return want
+
+
+def _on_references(fn):
+    """``fn()`` without gradients and with ``TRITON_INTERPRET=0`` (the plain-PyTorch references), restored after."""
+    import os
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        with torch.no_grad():
+            return fn()
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
 @settings(max_examples=6, deadline=None)
 @given(scheme=st.sampled_from(("w4a8-fp8", "w4a8-int8")), E=st.integers(1, 9), k=st.integers(1, 4),
        T=st.integers(1, 40), H=st.sampled_from((16, 48, 130, 256)), inter=st.sampled_from((8, 40, 64, 200)),
@@ -404,26 +456,9 @@ def test_fuzz_grouped_op(scheme, E, k, T, H, inter, dtype, bad, seed):
 
     call = ops.moe_w4a8_fp8 if scheme == "w4a8-fp8" else ops.moe_w4a8_int8
     kw = {} if scheme == "w4a8-fp8" else {"tiled": spec["tiled"]}
-    # the per-token sum of the modules, in expert order, with the sparse schedule's roundings
-    want = torch.zeros_like(x)
+    want, ref = _on_references(lambda: (_module_sum(gu, dn, x, idx, w),
+                                        call(x, idx, w, spec["gate_up"], spec["down"], spec["group_size"], **kw)))
     with torch.no_grad():
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "0"
-        try:
-            for t in range(T):
-                for s in torch.argsort(idx[t], stable=True).tolist():
-                    e = int(idx[t, s])
-                    if e >= E:
-                        continue
-                    gate, up = gu[e](x[t:t + 1]).chunk(2, dim=-1)
-                    y = dn[e](torch.nn.functional.silu(gate) * up) * w[t, s]
-                    want[t] += y[0].to(dtype)
-            ref = call(x, idx, w, spec["gate_up"], spec["down"], spec["group_size"], **kw)
-        finally:
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET")
-            else:
-                os.environ["TRITON_INTERPRET"] = old
         assert torch.equal(ref, want)
         if os.environ.get("TRITON_INTERPRET") == "1":
             got = call(x, idx, w, spec["gate_up"], spec["down"], spec["group_size"], **kw)

@@ -2,7 +2,9 @@
 random N(0, 0.02) bf16 weights, routing from a random router on random tokens), the grouped ``w4a8-fp8`` schedule
 (``lowbit::moe_w4a8_fp8``) against the per-expert schedules of session 38 (sparse eager, dense in graphs) and
 transformers' bf16 ``grouped_mm`` experts, eager and inside CUDA graphs (``lowbit.bench.harness.graph_us``, 16 calls
-per graph cycling 8 token sets). Router excluded (identical for all). Writes <out>/s39_moe.json."""
+per graph cycling 8 token sets). Router excluded (identical for all). Writes <out>/s39_moe.json.
+Session 40: variants ``lowbit lut grouped`` / ``lowbit lut per-expert`` (4-bit NF g128 experts, the fragment layout)
+and ``--lut-sweep`` (the lut grouped kernel's ``LUT_*`` knobs); its runs were saved as ``s40_moe_lut*.json``."""
 import argparse
 import json
 import statistics
@@ -37,13 +39,14 @@ t0 = time.time()
 qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=128).cuda()
 qe8 = QuantExperts.from_experts(experts, "w4a8-int8", group_size=128).cuda() if "int8" in a.variants else None
 # session 40: flute-nf4 experts (lut, 4-bit NF, g128, the fragment layout)
-qlut = QuantExperts.from_experts(experts, "lut", bits=4, group_size=128).cuda() if "lut" in a.variants else None
+qlut = (QuantExperts.from_experts(experts, "lut", bits=4, group_size=128).cuda()
+        if "lut" in a.variants or a.lut_sweep else None)
 print(f"quantized in {time.time() - t0:.1f} s", flush=True)
 
 
 def lowbit_call(grouped, mod=None):
     def f(x, idx, w):
-        m = mod or qe
+        m = qe if mod is None else mod
         m.grouped = grouped
         return m(x, idx, w)
     return f

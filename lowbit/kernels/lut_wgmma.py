@@ -242,6 +242,13 @@ def _group_words(q_rows, h_rows, c0, ok, CPG: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG: tl.constexpr, BITS: tl.constexpr):
+    """The register double buffer (``PREFETCH``): the code words of group ``gi + 1``, none past the split's last
+    group ``g1 - 1`` (called with ``gi = g0 - 1`` for the first group)."""
+    return _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG, BITS)
+
+
+@triton.jit
 def _reg_a(w):
     """``[64, CK]`` decoded tile (row ``32 i + 8 v + g``, K ``(CK / 4) t + 4 s + 2 a + b`` natural, s < CK / 16)
     -> the same values relabelled (row ``16 v + 8 i + g``, column ``16 s + 8 a + 2 t + b``): the indices each
@@ -389,14 +396,13 @@ def _lut_wgmma_kernel(
             acc0, acc1 = _tile_dots(w0, w1, xt, acc0, acc1, ONE_DOT, REG_A)
     else:
         if PREFETCH:  # the first group's words (register double buffer across groups)
-            nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
+            nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, g0 - 1, g1, rt_ok, CPG, BITS)
         for gi in range(g0, g1):
             p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
             p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
             if PREFETCH:
                 cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-                nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1), CPG,
-                                                  BITS)
+                nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG, BITS)
             for cc in tl.static_range(CPG):
                 c = gi * CPG + cc
                 if PREFETCH:

@@ -45,8 +45,9 @@ import triton.language as tl
 from lowbit._utils import cdiv, device_table, interpret_mode, sm_count
 from lowbit.kernels.w4a8_fp8_gemm import HALF_K, _dequant_tile, _split_k, _use_lut
 from lowbit.kernels.lut_prmt import _byte_tables
-from lowbit.kernels.lut_gemm import _pick4
-from lowbit.kernels.lut_wgmma import _chunk_words, _decode, _group_words, _reg_a_k, _reg_a_row, _tile_dots
+from lowbit.kernels.lut_gemm import _pick4, _store_pair_table
+from lowbit.kernels.lut_wgmma import (_chunk_words, _decode, _next_group_words, _reg_a_k, _reg_a_row, _tile_dots,
+                                      table_offset)
 from lowbit.kernels.w4a8_int8_gemm import _code_rows, _dequant_halves, _group_params
 
 BLOCK_N = 128  # weight rows per program (two 64-row wgmma M tiles)
@@ -54,9 +55,15 @@ BLOCK_M_MAX = 64  # routed rows per inner step: a power of two from 16 up to thi
 SPLIT_TARGET = 2.0  # split K until the programs of the experts that can be hit reach this many per SM
 MIN_K_TILES = 8  # ... keeping at least this many K tiles of 128 per split
 NUM_WARPS, NUM_STAGES = 4, 4
-LUT_STAGES = 3  # (the register-table kernel's launches: ``lut_wgmma.wgmma_config``)
+# pipeline stages of the lut kernel; None: 2 at 16-row steps, else 3. Session 40 (H200, Mixtral-8x7B block, CUDA
+# graph, with the shared table, us; s40_moe_lut_smem.json): 1 / 16 tokens 95.4 / 305 at 2 vs 128 / 340 at 3; 4 tokens
+# 241 vs 231; 64 tokens (32-row steps) 576 vs 521
+LUT_STAGES = None
 # the next group's code words in registers (``_moe_lut_kernel``): 143 vs 156 us at 1 token, 784 vs 880 at 64
 LUT_PREFETCH = True
+# the shared-memory pair-table decode (``lut_wgmma``'s ``SMEM_TAB``): session 40 (same file), us, 1 / 4 / 16 / 64 tokens:
+# 128 / 231 / 340 / 521 vs the byte-table ``prmt`` decode's 145 / 331 / 450 / 612 (3 stages both)
+LUT_SMEM_TAB = True
 LUT_SPLIT_TARGET = SPLIT_TARGET  # programs per SM the lut kernel's split-K aims at (4 / 8: within 3 % either way)
 # routed rows per inner step of the lut kernel; None: the power of two >= twice the mean rows per hit expert (16..64).
 # Session 40 (H200, Mixtral-8x7B block, CUDA graph, us; s40_moe_lut_sweep.json): 64 tokens 607 at 32 vs 784 at 64
@@ -193,7 +200,7 @@ def _moe_w4a8_int8_kernel(
         _store_rows(y, rows, mask_m, offs_n, N, R, C, Ws, pid_k, stride_cm, SPLIT_K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["TAB_OFF"])
 def _moe_lut_kernel(
     # pointers
     A, RowMap, Offsets, QPtrs, QHPtrs, SPtrs, PPtrs, C, Ws,
@@ -201,13 +208,17 @@ def _moe_lut_kernel(
     N, K, R, NRT, NC, NG,
     # strides
     stride_am, stride_sg, stride_cm,
+    # shared offset of the pair table (SMEM_TAB only: Triton's own shared size, set by the launcher)
+    TAB_OFF,
     # flags
     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATHER: tl.constexpr, EMU: tl.constexpr, PREFETCH: tl.constexpr,
+    GATHER: tl.constexpr, EMU: tl.constexpr, PREFETCH: tl.constexpr, SMEM_TAB: tl.constexpr = 0,
 ):
     """Program = 8 row tiles of 16 weight rows (two 64-row halves: rows g and g + 8 of each tile) x one expert x one
     split-K range of scale groups (``lut_wgmma._lut_wgmma_kernel``'s two-dot ``REG_A`` tile). ``PREFETCH``: the
-    next group's code words are loaded into registers while this group is decoded (its register double buffer)."""
+    next group's code words are loaded into registers while this group is decoded (its register double buffer).
+    ``SMEM_TAB``: the codes are looked up in the expert's lane-duplicated pair table, written to shared memory at
+    ``TAB_OFF`` (``lut_wgmma``'s ``SMEM_TAB``), instead of the byte-table ``prmt`` decode."""
     RT: tl.constexpr = 8
     BR: tl.constexpr = 8 * RT
     CK: tl.constexpr = 64 if BITS == 4 else 128  # K per chunk of the fragment layout
@@ -227,20 +238,24 @@ def _moe_lut_kernel(
     q_rows = Q + (rt.to(tl.int64) * (NC * 128) + (i % 8) * 16)[:, None] + tl.arange(0, 16)[None, :]
     h_rows = QH + (rt.to(tl.int64) * (NC * 64) + (i % 8) * 8)[:, None] + tl.arange(0, 8)[None, :]
     kx = _reg_a_k(tl.arange(0, CK), CK)  # the activation columns in the relabelled tile's K order
-    tabs = _byte_tables(P, BITS)
+    if SMEM_TAB > 0:
+        tabs = (0, 0, 0, 0, 0, 0, 0, 0)
+        if not EMU and end > start:  # (uniform per program: the table's barrier is reached by all or none)
+            _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, BITS == 3)
+    else:
+        tabs = _byte_tables(P, BITS)
     for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
         rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
         acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
         if PREFETCH:
-            nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, g0 * CPG, rt_ok[:, None] & (g0 < g1), CPG, BITS)
+            nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, g0 - 1, g1, rt_ok, CPG, BITS)
         for gi in range(g0, g1):
             p0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
             p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
             if PREFETCH:
                 cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-                nw0, nw1, nw2, nw3 = _group_words(q_rows, h_rows, (gi + 1) * CPG, rt_ok[:, None] & (gi + 1 < g1),
-                                                  CPG, BITS)
+                nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG, BITS)
             for cc in tl.static_range(CPG):
                 c = gi * CPG + cc
                 if PREFETCH:
@@ -249,7 +264,7 @@ def _moe_lut_kernel(
                     words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
                 kk = c * CK + kx
                 xt = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
-                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0)
+                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0, SMEM_TAB, TAB_OFF)
                 p0, p1 = _tile_dots(w0, w1, xt, p0, p1, False, True)
             s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
             s1 = tl.load(S + gi * stride_sg + n1, mask=n1 < N, other=0.0).to(tl.float32)
@@ -296,8 +311,8 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     with ``params`` = inv_delta fp32 ``[E]``; ``w4a8-int8``: ``[qweight [N, Kp/2] uint8 (``tiled``: row-tiled),
     s1 [N] fp32, s2 [N, G] uint8, zs [N, G] uint8]``, ``params`` None, ``group_size`` -1 for per-channel;
     ``lut`` (``bits`` 3 or 4): ``[qweight, qweight_hi (4-bit: qweight again), scales [G, N], pairs]`` of
-    ``LUTLinear``'s fragment layout, in ``a``'s dtype -> ``[rows, N]`` ``out_dtype`` (rows no expert owns left
-    unwritten). ``max_rows_per_expert`` sizes the inner row
+    ``LUTLinear``'s fragment layout (contiguous), scales and pairs in ``a``'s dtype, which ``out_dtype`` must be ->
+    ``[rows, N]`` ``out_dtype`` (rows no expert owns left unwritten). ``max_rows_per_expert`` sizes the inner row
     step (a bound, not a promise: more rows loop). ``partials``: with split-K, return the FP32 partials
     ``[SPLIT_K, rows, N]`` unsummed (the combine kernel sums them in split order)."""
     E = len(weights[0])
@@ -322,13 +337,23 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     rmap = row_map if row_map is not None else offsets
     common = dict(BLOCK_M=bm, SPLIT_K=split_k, GATHER=row_map is not None, num_warps=NUM_WARPS,
                   num_stages=NUM_STAGES)
-    if scheme == "lut":  # each row step decodes the weight tile again: one step for most experts (twice the mean)
+    if scheme == "lut":  # each row step decodes the weight tile again: one step for most experts (twice the mean;
+        # max_rows_per_expert is not used)
+        if out_dtype != a.dtype:
+            raise ValueError(f"lut: the output dtype is the activations' ({a.dtype}), got {out_dtype}")
         common["BLOCK_M"] = int(LUT_BLOCK_M or min(BLOCK_M_MAX, max(16, triton.next_power_of_2(
             cdiv(2 * rows, max(1, min(E, rows)))))))
-        _moe_lut_kernel[(E, cdiv(nrt, 8), split_k)](
-            a, rmap, offsets, *tables, out, ws, N, k, rows, nrt, nc, ng, a.stride(0), weights[2][0].stride(0),
-            out.stride(0), GROUP=group_size, BITS=bits, EMU=interpret_mode(),
-            PREFETCH=LUT_PREFETCH, **dict(common, num_stages=LUT_STAGES))
+        args = (a, rmap, offsets, *tables, out, ws, N, k, rows, nrt, nc, ng, a.stride(0), weights[2][0].stride(0),
+                out.stride(0))
+        kw = dict(common, GROUP=group_size, BITS=bits, EMU=interpret_mode(), PREFETCH=LUT_PREFETCH,
+                  num_stages=int(LUT_STAGES or (2 if common["BLOCK_M"] == 16 else 3)))
+        grid = (E, cdiv(nrt, 8), split_k)
+        tab_off = 0
+        if LUT_SMEM_TAB:  # passed only when set; the table's place: past Triton's own shared memory
+            kw["SMEM_TAB"] = 1
+            if not interpret_mode():
+                tab_off = table_offset(_moe_lut_kernel, args, grid, kw)
+        _moe_lut_kernel[grid](*args, tab_off, **kw)
     elif scheme == "w4a8-fp8":
         _moe_w4a8_fp8_kernel[(E, cdiv(N, BLOCK_N), split_k)](
             a, sx, rmap, offsets, *tables, params, out, ws, N, k, rows,

@@ -31,8 +31,9 @@ Two schedules (session 38):
   the host's launch time (w4a8-fp8, one token: 7.1 ms per call eagerly dense, ``s38_moe_graph.json``, vs 1.4 ms
   sparse, ``s38_moe_after.json``, in ``benchmarks/results/h200/``), hence eager calls stay sparse.
 
-- **grouped** (session 39; ``w4a8-fp8`` and ``w4a8-int8`` experts, up to ``GROUPED_MAX_TOKENS`` tokens, eager,
-  captured or compiled alike): ops ``lowbit::moe_w4a8_fp8`` / ``lowbit::moe_w4a8_int8``, one grouped GEMM launch
+- **grouped** (session 39; ``w4a8-fp8`` and ``w4a8-int8`` experts, and since session 40 ``lut`` experts in the
+  fragment layout called in their dtype; up to ``GROUPED_MAX_TOKENS`` tokens, eager, captured or compiled alike):
+  ops ``lowbit::moe_w4a8_fp8`` / ``lowbit::moe_w4a8_int8`` / ``lowbit::moe_lut``, one grouped GEMM launch
   per projection over the rows sorted by expert on the device (``lowbit.kernels.moe_grouped``): no host read, and
   only the routed experts' weights are read. The same arithmetic as the sparse schedule (the silu / weight / sum roundings and order), up to the GEMMs'
   accumulation order. Expert ids are range-checked as the dense schedule checks them (``check_indices``: on the
@@ -199,15 +200,22 @@ class QuantExperts(nn.Module):
 
     def _grouped_spec(self) -> dict | None:
         """The grouped schedule's weights (module docstring), or None where it does not apply: every expert a plain
-        linear pair of one scheme -- ``w4a8-fp8`` (per expert ``(codes, scales, pts_exp)``) or ``w4a8-int8`` with
+        linear pair of one scheme -- ``w4a8-fp8`` (per expert ``(codes, scales, pts_exp)``), ``w4a8-int8`` with
         groups a multiple of 128 or per-channel (``(qweight, wscale, gscale, gzs)``; one code layout per
-        projection) -- with one group size, no bias, no fused activation, the format's buffer dtypes (a module
-        cast by ``.to(dtype)`` converts its FP8 / fp32 scales too: the per-expert modules then raise, naming the
-        buffer) and one device (a review finding: the kernels read the buffers by address, unchecked). ``{"scheme", "gate_up", "down", "group_size", "tiled"}``."""
+        projection) or ``lut`` in the fragment layout (``_lut_spec``) -- with one group size, no bias, no fused
+        activation, the format's buffer dtypes (a module cast by ``.to(dtype)`` converts its FP8 / fp32 scales too:
+        the per-expert modules then raise, naming the buffer), one device (a review finding: the kernels read the
+        buffers by address, unchecked), and one shape per field, contiguous and 16-byte aligned (``_uniform``).
+        ``{"scheme", "gate_up", "down", "group_size", "tiled"}`` (``lut``: ``"bits"``, ``"dtype"``)."""
         from lowbit.nn.lut import LUTLinear
         from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
         from lowbit.nn.w4a8_int8 import W4A8INT8Linear
 
+        spec = self._scheme_spec(LUTLinear, W4A8FP8Linear, W4A8INT8Linear)
+        return spec if spec is not None and _uniform(spec) else None
+
+    def _scheme_spec(self, LUTLinear, W4A8FP8Linear, W4A8INT8Linear) -> dict | None:
+        """``_grouped_spec`` before the shape / alignment check."""
         mods = (*self.gate_up, *self.down)
         m0 = mods[0]
         if type(m0) is LUTLinear:
@@ -240,7 +248,7 @@ class QuantExperts(nn.Module):
                 "down": tuple([f(m) for m in self.down] for f in fields)}
 
     def _lut_spec(self, mods, m0, LUTLinear) -> dict | None:
-        """``_grouped_spec`` of ``lut`` experts: every module a plain ``LUTLinear`` in the fragment layout
+        """``_scheme_spec`` of ``lut`` experts: every module a plain ``LUTLinear`` in the fragment layout
         (``layout='mma'``: 3/4-bit; ``lowbit.ops.moe.moe_lut``) of one bits / group size / dtype, no bias, no fused
         activation, buffers in the module's dtype on one device; ``{"scheme", "gate_up", "down", "bits",
         "group_size", "dtype"}`` with ``(qweight, qweight_hi or qweight, scales, pairs, table)`` per projection."""
@@ -250,7 +258,8 @@ class QuantExperts(nn.Module):
                 type(m) is LUTLinear and m.layout == "mma" and m.bits == m0.bits and m.group_size == m0.group_size
                 and m.dtype == dt and m.bias is None and m.activation is None and m.qweight.dtype == torch.int32
                 and m.scales.dtype == dt and m.pairs.dtype == dt and m.table.dtype == torch.float32
-                and all(t.device == dev for t in (m.qweight, m.scales, m.pairs, m.table)) for m in mods):
+                and all(t.device == dev for t in (m.qweight, m.scales, m.pairs, m.table))
+                and (m.bits == 4 or m.qweight_hi.device == dev) for m in mods):
             return None
         fields = [lambda m: m.qweight, lambda m: m.qweight_hi if m.bits == 3 else m.qweight, lambda m: m.scales,
                   lambda m: m.pairs, lambda m: m.table]
@@ -271,6 +280,19 @@ class QuantExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, act={self.act!r}, scheme={self.scheme!r}"
+
+
+def _uniform(spec: dict) -> bool:
+    """Every field of each projection one shape and stride across the experts, contiguous and 16-byte aligned (the
+    grouped kernels read expert ``e``'s tensors by address with expert 0's strides; a review of session 40: a module
+    swapped in with other shapes would be read out of bounds, an unaligned view made ``address_table`` raise)."""
+    addresses = not torch.compiler.is_compiling()  # (traced: the op's launcher checks them, ``address_table``)
+    for proj in (spec["gate_up"], spec["down"]):
+        for field in proj:
+            ts = [t for t in field if isinstance(t, torch.Tensor)]
+            if any(t.shape != ts[0].shape or not t.is_contiguous() or (addresses and t.data_ptr() % 16) for t in ts):
+                return False
+    return True
 
 
 def experts_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,10 @@ down (...) per expert) -> [T, H]`` in x's dtype:
 So every output equals the per-expert modules' (the sparse schedule) up to the GEMMs' accumulation order (split-K).
 ``lut`` (weight-only, bf16 / fp16 activations in the modules' dtype): steps 2 and 4 become a plain
 ``silu(gate) * up`` in that dtype (``kernels.silu_mul``, the eager roundings); its GEMM rounds the table values to the
-activation dtype as the dense LUT kernels do (``lowbit.kernels.lut_wgmma``), so against the per-expert modules it
-differs by their accumulation order and, on the CPU, by the reference's unrounded float32 table.
+activation dtype and scales each group's FP32 sum exactly, as the dense LUT kernels do at 4 bits
+(``lowbit.kernels.lut_wgmma``), so against the per-expert modules it differs by their accumulation order; also by
+the weight's rounding where those round ``T[c] * s`` once to 16 bits (3-bit experts given >= 9 tokens:
+``lut_wgmma``'s ``scale_w``; ~2e-4 relative) and, on the CPU, by the reference's unrounded float32 table.
 Without the GPU or the interpreter the same steps run with the formats' float64 references
 (``w4a8_fp8.reference_gemm`` / ``w4a8_int8.gemm_ref`` per expert). Weights: one module's buffers per expert, all of
 one shape; gate_up's rows are the expert's gate rows then its up rows (transformers' ``gate_up_proj``), no bias.
@@ -325,8 +327,10 @@ def moe_lut(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
     gu, dn = list(gate_up), list(down)
     if len(gu) != 5 or len(dn) != 5:
         raise ValueError("gate_up and down need the five fields (qweight, qweight_hi, scales, pairs, table) per expert")
-    for f in (gu, dn):
+    for name, f in (("gate_up", gu), ("down", dn)):
         if f[1] is None or any(t is None for t in f[1]):
+            if bits == 3:
+                raise ValueError(f"{name} qweight_hi: 3-bit experts need their high-bit planes, got None")
             f[1] = f[0]
     E = len(gu[0])
     if E == 0 or any(len(f) != E for f in (*gu, *dn)):
@@ -346,6 +350,10 @@ def moe_lut(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Ten
             shapes = (list(qs), list(hs) if bits == 3 else list(qs), [ng, n], [4 ** bits, 2], [2 ** bits])
             _check_fields(name, ("qweight", "qweight_hi", "scales", "pairs", "table"), f, shapes,
                           (torch.int32, torch.int32, x.dtype, x.dtype, torch.float32))
+            for fname, fs in (("qweight", f[0]), ("qweight_hi", f[1]), ("pairs", f[3])):
+                for e, t in enumerate(fs):
+                    if not t.is_contiguous():  # the kernel reads them at their packed strides
+                        raise ValueError(f"{name} {fname}[{e}] must be contiguous")
     if x.shape[0] == 0 or top_k_index.shape[1] == 0:
         return torch.zeros_like(x)
     return run_op(_moe_lut, x.contiguous(), top_k_index.contiguous(), top_k_weights.contiguous(), *gu, *dn, int(bits),
