@@ -360,7 +360,7 @@ def _replay_equals_eager(qe, x, idx, w, T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("scheme,group", [("w4a8-fp8", 128), ("w4a8-int8", 128)])
+@pytest.mark.parametrize("scheme,group", [("w4a8-fp8", 128), ("w4a8-int8", 128), ("lut", 128)])
 def test_grouped_first_call_inside_capture_and_compile_on_gpu(scheme, group):
     """A module whose address / PTS tables are first built inside a CUDA-graph capture (kernels compiled by another
     module beforehand): the captured tables are filled at replay and never handed to eager calls, so the replay

@@ -175,7 +175,7 @@ def test_lut_bad_input(reference_ops):
     with pytest.raises(ValueError, match="top_k_index"):
         moe_lut(x, idx[:2], w, gu, dn, 4, 128)
     wide = [torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype)[:, :t.shape[1]] for t in gu[0]]  # padded rows
-    with pytest.raises(ValueError, match="qweight"):
+    with pytest.raises(ValueError, match=r"gate_up qweight\[0\] must be contiguous"):
         moe_lut(x, idx, w, (wide, wide, *gu[2:]), dn, 4, 128)
     qe3 = QuantExperts.from_experts(_moe("mixtral").to(torch.bfloat16).model.layers[0].mlp.experts, "lut", bits=3,
                                     group_size=128)

@@ -316,6 +316,8 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     step (a bound, not a promise: more rows loop). ``partials``: with split-K, return the FP32 partials
     ``[SPLIT_K, rows, N]`` unsummed (the combine kernel sums them in split order)."""
     E = len(weights[0])
+    if scheme == "lut" and out_dtype != a.dtype:
+        raise ValueError(f"lut: the output dtype is the activations' ({a.dtype}), got {out_dtype}")
     if scheme == "lut":
         N, ng = weights[2][0].shape[1], weights[2][0].shape[0]
         nrt, nc = weights[0][0].shape[0], weights[0][0].shape[1] // 128
@@ -339,8 +341,6 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
                   num_stages=NUM_STAGES)
     if scheme == "lut":  # each row step decodes the weight tile again: one step for most experts (twice the mean;
         # max_rows_per_expert is not used)
-        if out_dtype != a.dtype:
-            raise ValueError(f"lut: the output dtype is the activations' ({a.dtype}), got {out_dtype}")
         common["BLOCK_M"] = int(LUT_BLOCK_M or min(BLOCK_M_MAX, max(16, triton.next_power_of_2(
             cdiv(2 * rows, max(1, min(E, rows)))))))
         args = (a, rmap, offsets, *tables, out, ws, N, k, rows, nrt, nc, ng, a.stride(0), weights[2][0].stride(0),
