@@ -476,8 +476,11 @@ def test_generator_captures_grouped_experts_at_any_count():
     fp8 = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32)
     lut = QuantExperts.from_experts(experts, "lut", bits=4, group_size=32)
     assert _moe_graphs(fp8, 16) == (True, True)
-    assert _moe_graphs(lut, 16) == (True, False)
+    assert _moe_graphs(lut, 16) == (True, False)  # group 32: the planar layout, per-expert GEMMs
     assert _moe_graphs(fp8, 65) == (False, False)
+    nf4 = QuantExperts.from_experts(experts, "lut", bits=4, group_size=128)  # bf16 modules, the fragment layout
+    assert _moe_graphs(nf4, 16, torch.bfloat16) == (True, True)
+    assert _moe_graphs(nf4, 16, torch.float32) == (True, False)  # called in float32: the dense schedule
 
 
 def test_grouped_spec_cache_follows_the_modules():

@@ -325,9 +325,10 @@ class _Proj:
         return y.reshape(*lead, y.shape[-1])
 
 
-def _moe_graphs(experts, max_batch: int) -> tuple[bool, bool]:
+def _moe_graphs(experts, max_batch: int, dtype: torch.dtype | None = None) -> tuple[bool, bool]:
     """(can a CUDA graph capture this MoE experts module's decode, does the ``Generator`` capture it by default).
-    lowbit's experts: their grouped (``w4a8-fp8``) or dense schedule, up to ``DENSE_MAX_TOKENS`` tokens; by default
+    lowbit's experts: their grouped (``w4a8-fp8``, ``w4a8-int8``, ``lut`` called in its experts' dtype: the runner's
+    ``dtype``) or dense schedule, up to ``DENSE_MAX_TOKENS`` tokens; by default
     the dense one only up to ``DENSE_GRAPH_MAX_EXPERTS`` experts (``lowbit.nn.moe``). transformers' experts: only bf16 ones with the
     ``grouped_mm`` implementation on Hopper / Blackwell, where PyTorch's ``_grouped_mm`` stays on the device (timed
     inside a CUDA graph in ``benchmarks/results/h200/s38_moe_graph.json``; elsewhere it reads the offsets on the
@@ -336,7 +337,9 @@ def _moe_graphs(experts, max_batch: int) -> tuple[bool, bool]:
 
     if isinstance(experts, QuantExperts):
         ok = max_batch <= DENSE_MAX_TOKENS
-        return ok, ok and (experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS or experts.grouped_weights() is not None)
+        spec = experts.grouped_weights()
+        grouped = spec is not None and (spec["scheme"] != "lut" or dtype is None or spec["dtype"] == dtype)
+        return ok, ok and (experts.num_experts <= DENSE_GRAPH_MAX_EXPERTS or grouped)
     w = getattr(experts, "gate_up_proj", None)
     ok = (getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm"
           and isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16)
@@ -806,7 +809,7 @@ class Generator:
         # MoE blocks: lowbit's quantized experts take their grouped or dense schedule (no host read) at decode sizes,
         # which a CUDA graph captures; transformers' float experts mostly read the routing on the host (_moe_graphs)
         moe = [i for i, layer in enumerate(self.a.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
-        plans = [_moe_graphs(self.a.layers[i].mlp.experts, self.max_batch) for i in moe]
+        plans = [_moe_graphs(self.a.layers[i].mlp.experts, self.max_batch, self.dtype) for i in moe]
         if cuda_graphs and not all(ok for ok, _ in plans):
             raise ValueError(f"cuda_graphs=True: layers {moe[:8]} are mixture-of-experts MLPs whose experts read the "
                              "routing on the host (float experts other than bf16 grouped_mm on sm90 / sm100, or "
