@@ -16,12 +16,17 @@ env = dict(os.environ, PYTHONUNBUFFERED="1")
 env.pop("TRITON_INTERPRET", None)
 cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "60",
        f"--junitxml={a.out}/gpu_tests.xml", "tests"]
+# GPU_TESTS_WORKERS=N: N pytest-xdist workers sharing the GPU (the device machine has xdist 3.8; the suite is mostly
+# Triton compiles on the host: 474 s in one process in session 40). Not used in a run yet.
+_workers = int(os.environ.get("GPU_TESTS_WORKERS", "1"))
+_xdist = ["-n", str(_workers)] if _workers > 1 else []  # (the main run only; compute-sanitizer runs one process)
 # pytest writes straight into the log file (line by line with -rA), so a run cut by the time limit
 # still says which tests passed and which one hung.
 log = f"{a.out}/gpu_tests.txt"
 with open(log, "w") as f:
     try:
-        rc = subprocess.run(cmd[:4] + ["-rA", "--durations=15"] + cmd[4:], env=env, stdout=f, stderr=subprocess.STDOUT,
+        rc = subprocess.run(cmd[:4] + ["-rA", "--durations=15"] + _xdist + cmd[4:], env=env, stdout=f,
+                            stderr=subprocess.STDOUT,
                             timeout=float(os.environ.get("GPU_TESTS_LIMIT", 70))).returncode
     except subprocess.TimeoutExpired:
         rc = 124
