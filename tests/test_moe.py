@@ -164,12 +164,18 @@ def test_quant_experts_kernels_match_reference(scheme, monkeypatch):
     qe = QuantExperts.from_experts(block.experts, scheme, group_size=32)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     _, w, idx = block.gate(x)
+    kernels, references = _kernels_and_references(qe, x, idx, w, monkeypatch)
+    assert _rel(kernels.double(), references.double()) < 2 * KERNEL_VS_REF[dtype]
+
+
+def _kernels_and_references(qe, x, idx, w, monkeypatch):
+    """``qe(x, idx, w)`` with the kernels under the interpreter, then with the plain-PyTorch references."""
     out = {}
     for interp in ("1", "0"):
         monkeypatch.setenv("TRITON_INTERPRET", interp)
         with torch.no_grad():
-            out[interp] = qe(x, idx, w).double()
-    assert _rel(out["1"], out["0"]) < 2 * KERNEL_VS_REF[dtype]
+            out[interp] = qe(x, idx, w)
+    return out["1"], out["0"]
 
 
 @pytest.mark.parametrize("scheme", ["w4a8-fp8", "lut"])

@@ -10,7 +10,7 @@ from lowbit.formats.w4a8_fp8 import quantize_weight
 from lowbit.nn.moe import QuantExperts, _as_linear
 from lowbit.ops.moe import _grouped_ref, _moe_w4a8_fp8, _moe_w4a8_int8, combine, moe_w4a8_fp8, route
 from tests.conftest import GPU
-from tests.test_moe import _moe
+from tests.test_moe import _kernels_and_references, _moe
 from tests.tolerances import KERNEL_VS_REF, rel_l2
 
 
@@ -221,12 +221,8 @@ def test_grouped_module_under_interpreter(scheme, opts, dtype, tol, monkeypatch)
     assert qe.grouped_weights()["scheme"] == scheme
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
     _, w, idx = block.gate(x)
-    out = {}
-    for interp in ("1", "0"):
-        monkeypatch.setenv("TRITON_INTERPRET", interp)
-        with torch.no_grad():
-            out[interp] = qe(x, idx, w)
-    assert rel_l2(out["1"], out["0"]) < tol
+    kernels, references = _kernels_and_references(qe, x, idx, w, monkeypatch)
+    assert rel_l2(kernels, references) < tol
 
 
 def test_bad_input(reference_ops):
@@ -393,6 +389,26 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
+def _fuzz_case(scheme, opts, E, k, T, H, inter, dtype, bad, seed):
+    """(gate_up modules, down modules, their ``QuantExperts``, x, top_k_index, top_k_weights) of the grouped fuzz
+    tests: E random experts of ``scheme`` / ``opts``, T random tokens, random routing with duplicate ids and, with
+    ``bad``, ~30 % of the slots sent to no expert (id E; eager range checks reject other ids on the CPU)."""
+    from lowbit import quantize_linear
+
+    g = torch.Generator().manual_seed(seed)
+    gu = [quantize_linear(_as_linear(torch.randn(2 * inter, H, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
+    dn = [quantize_linear(_as_linear(torch.randn(H, inter, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
+    qe = QuantExperts(E)
+    for e in range(E):
+        qe.gate_up[e], qe.down[e] = gu[e], dn[e]
+    x = torch.randn(T, H, generator=g).to(dtype)
+    idx = torch.randint(0, E, (T, k), generator=g)
+    if bad:
+        idx[torch.rand(T, k, generator=g) < 0.3] = E
+    w = torch.rand(T, k, generator=g).to(dtype)
+    return gu, dn, qe, x, idx, w
+
+
 def _module_sum(gu, dn, x, idx, w):
     """The per-token sum of the expert modules ``gu[e]`` / ``dn[e]``, one token at a time, its slots in expert order,
     with the sparse schedule's roundings; slots of no expert (id >= E) skipped."""
@@ -436,20 +452,8 @@ def test_fuzz_grouped_op(scheme, E, k, T, H, inter, dtype, bad, seed):
     interpreter: within the kernel tolerance of two chained GEMMs), and out-of-range slots add nothing."""
     import os
 
-    from lowbit import quantize_linear
-
-    g = torch.Generator().manual_seed(seed)
     opts = dict(group_size=32) if scheme == "w4a8-fp8" else dict(group_size=128)
-    gu = [quantize_linear(_as_linear(torch.randn(2 * inter, H, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
-    dn = [quantize_linear(_as_linear(torch.randn(H, inter, generator=g) * 0.2), scheme, **opts) for _ in range(E)]
-    qe = QuantExperts(E)
-    for e in range(E):
-        qe.gate_up[e], qe.down[e] = gu[e], dn[e]
-    x = torch.randn(T, H, generator=g).to(dtype)
-    idx = torch.randint(0, E, (T, k), generator=g)
-    if bad:
-        idx[torch.rand(T, k, generator=g) < 0.3] = E  # "no expert" (eager range checks reject other ids on the CPU)
-    w = torch.rand(T, k, generator=g).to(dtype)
+    gu, dn, qe, x, idx, w = _fuzz_case(scheme, opts, E, k, T, H, inter, dtype, bad, seed)
     spec = qe.grouped_weights()
     assert spec is not None and spec["scheme"] == scheme
     from lowbit.ops import moe as ops

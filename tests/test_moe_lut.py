@@ -9,7 +9,7 @@ from lowbit.formats.lut import pack_codes_mma, pair_table, quantize_lut, unpack_
 from lowbit.nn.moe import QuantExperts
 from lowbit.ops.moe import _moe_lut, moe_lut, route
 from tests.test_moe import _moe
-from tests.test_moe_grouped import (_grouped_is_sparse, _module_sum, _on_references, _routing)
+from tests.test_moe_grouped import (_fuzz_case, _grouped_is_sparse, _module_sum, _on_references, _routing)
 from tests.tolerances import rel_l2
 
 
@@ -218,22 +218,9 @@ def test_fuzz_lut_grouped_op(bits_group, E, k, T, H, inter, dtype, bad, seed):
     a time; ``test_lut_grouped_equals_sparse_on_references`` has the bit-for-bit check against the sparse schedule)."""
     import os
 
-    from lowbit import quantize_linear
-    from lowbit.nn.moe import _as_linear
-
     bits, group = bits_group
-    g = torch.Generator().manual_seed(seed)
-    opts = dict(bits=bits, group_size=group, dtype=dtype)
-    gu = [quantize_linear(_as_linear(torch.randn(2 * inter, H, generator=g) * 0.2), "lut", **opts) for _ in range(E)]
-    dn = [quantize_linear(_as_linear(torch.randn(H, inter, generator=g) * 0.2), "lut", **opts) for _ in range(E)]
-    qe = QuantExperts(E)
-    for e in range(E):
-        qe.gate_up[e], qe.down[e] = gu[e], dn[e]
-    x = torch.randn(T, H, generator=g).to(dtype)
-    idx = torch.randint(0, E, (T, k), generator=g)
-    if bad:
-        idx[torch.rand(T, k, generator=g) < 0.3] = E
-    w = torch.rand(T, k, generator=g).to(dtype)
+    gu, dn, qe, x, idx, w = _fuzz_case("lut", dict(bits=bits, group_size=group, dtype=dtype), E, k, T, H, inter, dtype,
+                                       bad, seed)
     spec = qe.grouped_weights()
     assert spec is not None and spec["scheme"] == "lut"
     want, ref = _on_references(lambda: (_module_sum(gu, dn, x, idx, w),

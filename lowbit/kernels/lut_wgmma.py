@@ -249,6 +249,38 @@ def _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def _group_dots(q_rows, h_rows, x_rows, x_ok, kx, K, gi, g1, rt_ok, nw0, nw1, nw2, nw3, P, tabs, TAB_OFF,
+                RB: tl.constexpr, BR: tl.constexpr, BLOCK_M: tl.constexpr, CPG: tl.constexpr, CK: tl.constexpr,
+                BITS: tl.constexpr, EMU: tl.constexpr, ODT: tl.constexpr, ONE_DOT: tl.constexpr, REG_A: tl.constexpr,
+                PREFETCH: tl.constexpr, SMEM_TAB: tl.constexpr, MASK_K: tl.constexpr):
+    """One scale group ``gi``'s unscaled FP32 products (``[RB, BLOCK_M]`` rows g, or both halves stacked with
+    ``ONE_DOT``; ``[BR, BLOCK_M]`` rows g + 8) of the exact-scaling loop, shared by ``_lut_wgmma_kernel`` and the
+    grouped MoE kernel (``moe_grouped._moe_lut_kernel``). ``PREFETCH``: ``nw*`` are this group's words, loaded one
+    group ahead, and the next group's are returned in their place (else they pass through). The activation tile:
+    ``x_rows + c CK`` under ``x_ok`` (``x_rows`` with the columns ``kx`` built in), or with ``MASK_K`` the row
+    pointers ``x_rows`` + ``c CK + kx`` with the columns from ``K`` on masked (x not padded to the group)."""
+    p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
+    p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+    if PREFETCH:
+        cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
+        nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG, BITS)
+    for cc in tl.static_range(CPG):
+        c = gi * CPG + cc
+        if PREFETCH:
+            words = _pick4(cc, cw0, cw1, cw2, cw3)
+        else:
+            words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
+        if MASK_K:
+            kk = c * CK + kx
+            xt = tl.load(x_rows + kk[None, :], mask=x_ok & (kk < K)[None, :], other=0.0)
+        else:
+            xt = tl.load(x_rows + c * CK, mask=x_ok, other=0.0)
+        w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0, SMEM_TAB, TAB_OFF)
+        p0, p1 = _tile_dots(w0, w1, xt, p0, p1, ONE_DOT, REG_A)
+    return p0, p1, nw0, nw1, nw2, nw3
+
+
+@triton.jit
 def _reg_a(w):
     """``[64, CK]`` decoded tile (row ``32 i + 8 v + g``, K ``(CK / 4) t + 4 s + 2 a + b`` natural, s < CK / 16)
     -> the same values relabelled (row ``16 v + 8 i + g``, column ``16 s + 8 a + 2 t + b``): the indices each
@@ -395,23 +427,13 @@ def _lut_wgmma_kernel(
             w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, sh0, sh1, SCALE_W, SMEM_TAB, TAB_OFF)
             acc0, acc1 = _tile_dots(w0, w1, xt, acc0, acc1, ONE_DOT, REG_A)
     else:
+        nw1, nw2, nw3 = nw0, nw0, nw0  # (pass-through values without PREFETCH)
         if PREFETCH:  # the first group's words (register double buffer across groups)
             nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, g0 - 1, g1, rt_ok, CPG, BITS)
         for gi in range(g0, g1):
-            p0 = tl.zeros([RB, BLOCK_M], dtype=tl.float32)
-            p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
-            if PREFETCH:
-                cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-                nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG, BITS)
-            for cc in tl.static_range(CPG):
-                c = gi * CPG + cc
-                if PREFETCH:
-                    words = _pick4(cc, cw0, cw1, cw2, cw3)
-                else:
-                    words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
-                xt = tl.load(x_rows + c * CK, mask=m_ok[:, None], other=0.0)
-                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0, SMEM_TAB, TAB_OFF)
-                p0, p1 = _tile_dots(w0, w1, xt, p0, p1, ONE_DOT, REG_A)
+            p0, p1, nw0, nw1, nw2, nw3 = _group_dots(
+                q_rows, h_rows, x_rows, m_ok[:, None], kx, 0, gi, g1, rt_ok, nw0, nw1, nw2, nw3, P, tabs, TAB_OFF,
+                RB, BR, BLOCK_M, CPG, CK, BITS, EMU, ODT, ONE_DOT, REG_A, PREFETCH, SMEM_TAB, False)
             s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
             acc0 += p0 * s0[:, None]
             if not ONE_DOT:

@@ -45,9 +45,8 @@ import triton.language as tl
 from lowbit._utils import cdiv, device_table, interpret_mode, sm_count
 from lowbit.kernels.w4a8_fp8_gemm import HALF_K, _dequant_tile, _split_k, _use_lut
 from lowbit.kernels.lut_prmt import _byte_tables
-from lowbit.kernels.lut_gemm import _pick4, _store_pair_table
-from lowbit.kernels.lut_wgmma import (_chunk_words, _decode, _next_group_words, _reg_a_k, _reg_a_row, _tile_dots,
-                                      table_offset)
+from lowbit.kernels.lut_gemm import _store_pair_table
+from lowbit.kernels.lut_wgmma import _group_dots, _next_group_words, _reg_a_k, _reg_a_row, table_offset
 from lowbit.kernels.w4a8_int8_gemm import _code_rows, _dequant_halves, _group_params
 
 BLOCK_N = 128  # weight rows per program (two 64-row wgmma M tiles)
@@ -248,24 +247,13 @@ def _moe_lut_kernel(
         rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
         acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+        nw0, nw1, nw2, nw3 = 0, 0, 0, 0  # (pass-through values without PREFETCH)
         if PREFETCH:
             nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, g0 - 1, g1, rt_ok, CPG, BITS)
         for gi in range(g0, g1):
-            p0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
-            p1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
-            if PREFETCH:
-                cw0, cw1, cw2, cw3 = nw0, nw1, nw2, nw3
-                nw0, nw1, nw2, nw3 = _next_group_words(q_rows, h_rows, gi, g1, rt_ok, CPG, BITS)
-            for cc in tl.static_range(CPG):
-                c = gi * CPG + cc
-                if PREFETCH:
-                    words = _pick4(cc, cw0, cw1, cw2, cw3)
-                else:
-                    words = _chunk_words(q_rows, h_rows, c, rt_ok[:, None], BITS)
-                kk = c * CK + kx
-                xt = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & (kk < K)[None, :], other=0.0)
-                w0, w1 = _decode(words, P, tabs, EMU, ODT, BITS, 0, 0, 0, SMEM_TAB, TAB_OFF)
-                p0, p1 = _tile_dots(w0, w1, xt, p0, p1, False, True)
+            p0, p1, nw0, nw1, nw2, nw3 = _group_dots(
+                q_rows, h_rows, a_rows, mask_m[:, None], kx, K, gi, g1, rt_ok, nw0, nw1, nw2, nw3, P, tabs, TAB_OFF,
+                BR, BR, BLOCK_M, CPG, CK, BITS, EMU, ODT, False, True, PREFETCH, SMEM_TAB, True)
             s0 = tl.load(S + gi * stride_sg + n0, mask=n0 < N, other=0.0).to(tl.float32)
             s1 = tl.load(S + gi * stride_sg + n1, mask=n1 < N, other=0.0).to(tl.float32)
             acc0 += p0 * s0[:, None]
@@ -310,7 +298,7 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     ``weights``: per field a list over the experts -- ``w4a8-fp8``: ``[codes [N, Kp/2] uint8, scales [N, Gp] FP8]``
     with ``params`` = inv_delta fp32 ``[E]``; ``w4a8-int8``: ``[qweight [N, Kp/2] uint8 (``tiled``: row-tiled),
     s1 [N] fp32, s2 [N, G] uint8, zs [N, G] uint8]``, ``params`` None, ``group_size`` -1 for per-channel;
-    ``lut`` (``bits`` 3 or 4): ``[qweight, qweight_hi (4-bit: qweight again), scales [G, N], pairs]`` of
+    ``lut`` (``bits`` 3 or 4): ``[qweight, qweight_hi (4-bit: qweight again), scales [G, N], pairs, ...]`` of
     ``LUTLinear``'s fragment layout (contiguous), scales and pairs in ``a``'s dtype, which ``out_dtype`` must be ->
     ``[rows, N]`` ``out_dtype`` (rows no expert owns left unwritten). ``max_rows_per_expert`` sizes the inner row
     step (a bound, not a promise: more rows loop). ``partials``: with split-K, return the FP32 partials
@@ -319,6 +307,7 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     if scheme == "lut" and out_dtype != a.dtype:
         raise ValueError(f"lut: the output dtype is the activations' ({a.dtype}), got {out_dtype}")
     if scheme == "lut":
+        weights = weights[:4]  # (the kernel's fields; a caller's float32 tables after them are for the reference)
         N, ng = weights[2][0].shape[1], weights[2][0].shape[0]
         nrt, nc = weights[0][0].shape[0], weights[0][0].shape[1] // 128
         units = ng
@@ -328,7 +317,11 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     out = torch.empty((rows, N), dtype=out_dtype, device=a.device)
     if rows == 0 or N == 0:
         return out
-    bm = min(BLOCK_M_MAX, max(16, triton.next_power_of_2(max(1, max_rows_per_expert))))
+    if scheme == "lut":  # each row step decodes the weight tile again: one step for most experts (twice the mean
+        # rows per hit expert; max_rows_per_expert is not used)
+        bm = int(LUT_BLOCK_M or min(BLOCK_M_MAX, max(16, triton.next_power_of_2(cdiv(2 * rows, max(1, min(E, rows)))))))
+    else:
+        bm = min(BLOCK_M_MAX, max(16, triton.next_power_of_2(max(1, max_rows_per_expert))))
     if split_k is None:
         n_sm = sm_count(a.device, 132)
         split_k = (lut_pick_split(E, rows, nrt, ng, group_size, n_sm) if scheme == "lut"
@@ -339,14 +332,11 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     rmap = row_map if row_map is not None else offsets
     common = dict(BLOCK_M=bm, SPLIT_K=split_k, GATHER=row_map is not None, num_warps=NUM_WARPS,
                   num_stages=NUM_STAGES)
-    if scheme == "lut":  # each row step decodes the weight tile again: one step for most experts (twice the mean;
-        # max_rows_per_expert is not used)
-        common["BLOCK_M"] = int(LUT_BLOCK_M or min(BLOCK_M_MAX, max(16, triton.next_power_of_2(
-            cdiv(2 * rows, max(1, min(E, rows)))))))
+    if scheme == "lut":
         args = (a, rmap, offsets, *tables, out, ws, N, k, rows, nrt, nc, ng, a.stride(0), weights[2][0].stride(0),
                 out.stride(0))
         kw = dict(common, GROUP=group_size, BITS=bits, EMU=interpret_mode(), PREFETCH=LUT_PREFETCH,
-                  num_stages=int(LUT_STAGES or (2 if common["BLOCK_M"] == 16 else 3)))
+                  num_stages=int(LUT_STAGES or (2 if bm == 16 else 3)))
         grid = (E, cdiv(nrt, 8), split_k)
         tab_off = 0
         if LUT_SMEM_TAB:  # passed only when set; the table's place: past Triton's own shared memory

@@ -207,19 +207,19 @@ class QuantExperts(nn.Module):
         the per-expert modules then raise, naming the buffer), one device (a review finding: the kernels read the
         buffers by address, unchecked), and one shape per field, contiguous and 16-byte aligned (``_uniform``).
         ``{"scheme", "gate_up", "down", "group_size", "tiled"}`` (``lut``: ``"bits"``, ``"dtype"``)."""
+        spec = self._scheme_spec()
+        return spec if spec is not None and _uniform(spec) else None
+
+    def _scheme_spec(self) -> dict | None:
+        """``_grouped_spec`` before the shape / alignment check."""
         from lowbit.nn.lut import LUTLinear
         from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
         from lowbit.nn.w4a8_int8 import W4A8INT8Linear
 
-        spec = self._scheme_spec(LUTLinear, W4A8FP8Linear, W4A8INT8Linear)
-        return spec if spec is not None and _uniform(spec) else None
-
-    def _scheme_spec(self, LUTLinear, W4A8FP8Linear, W4A8INT8Linear) -> dict | None:
-        """``_grouped_spec`` before the shape / alignment check."""
         mods = (*self.gate_up, *self.down)
         m0 = mods[0]
         if type(m0) is LUTLinear:
-            return self._lut_spec(mods, m0, LUTLinear)
+            return self._lut_spec(mods, m0)
         if type(m0) is W4A8FP8Linear:
             if not all(type(m) is W4A8FP8Linear and m.bias is None and m.activation is None
                        and m.group_size == m0.group_size and m.codes.dtype == torch.uint8
@@ -247,11 +247,13 @@ class QuantExperts(nn.Module):
                 "gate_up": tuple([f(m) for m in self.gate_up] for f in fields),
                 "down": tuple([f(m) for m in self.down] for f in fields)}
 
-    def _lut_spec(self, mods, m0, LUTLinear) -> dict | None:
+    def _lut_spec(self, mods, m0) -> dict | None:
         """``_scheme_spec`` of ``lut`` experts: every module a plain ``LUTLinear`` in the fragment layout
         (``layout='mma'``: 3/4-bit; ``lowbit.ops.moe.moe_lut``) of one bits / group size / dtype, no bias, no fused
         activation, buffers in the module's dtype on one device; ``{"scheme", "gate_up", "down", "bits",
         "group_size", "dtype"}`` with ``(qweight, qweight_hi or qweight, scales, pairs, table)`` per projection."""
+        from lowbit.nn.lut import LUTLinear
+
         dt = m0.dtype
         dev = m0.qweight.device
         if m0.layout != "mma" or m0.bits not in (3, 4) or not all(

@@ -108,60 +108,43 @@ def _grouped_ref(scheme, a, sx, row_map, offsets, weights, params, k, group_size
 _QDTYPE = {"w4a8-fp8": FP8_E4M3, "w4a8-int8": torch.int8}
 
 
-def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params, group_size, tiled=(False, False)):
+def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params, group_size, tiled=(False, False),
+             bits=4):
     """Steps 1-6 of the module docstring, with the kernels or (CPU) the references. ``gu`` / ``dn``: the weight
-    fields, each a list over the experts (``lowbit.kernels.moe_grouped.moe_gemm_triton``); ``tiled``: (gate_up's,
-    down's) INT8 code layout."""
+    fields, each a list over the experts (``lowbit.kernels.moe_grouped.moe_gemm_triton``; ``lut``: with the float32
+    tables last, for the reference); ``tiled``: (gate_up's, down's) INT8 code layout. ``lut`` (weight-only) skips the
+    two quantizations: x goes in as it is, and ``silu(gate) * up`` is rounded to x's dtype."""
     T, k = top_k_index.shape
-    E, H, inter = len(gu[0]), x.shape[1], gu[0][0].shape[0] // 2
+    lut = scheme == "lut"
+    E, H = len(gu[0]), x.shape[1]
+    inter = (gu[2][0].shape[1] if lut else gu[0][0].shape[0]) // 2
     rows = T * k
-    qd = _QDTYPE[scheme]
+    qd = _QDTYPE.get(scheme)
     if use_triton(x, gu[0][0]):
         from lowbit.kernels.act_quant import per_token_quant_triton
         from lowbit.kernels.moe_grouped import moe_gemm_triton
         from lowbit.kernels.moe_route import combine_triton, route_triton
+        from lowbit.kernels.silu_mul import silu_mul_triton
 
         def gemm(a, sa, rmap, w, p, kk, tl_, **kw):
             return moe_gemm_triton(scheme, a, sa, rmap, offsets, w, p, kk, group_size, x.dtype, rows, T,
-                                   tiled=tl_, **kw)
+                                   tiled=tl_, bits=bits, **kw)
 
         pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
-        xq, sx = per_token_quant_triton(x, qd)
+        xq, sx = (x, None) if lut else per_token_quant_triton(x, qd)
         g = gemm(xq, sx, row_tok, gu, gu_params, H, tiled[0])
-        hq, sh = per_token_quant_triton(g[:, :inter], qd, fuse="silu_mul", up=g[:, inter:])
+        if lut:  # gate columns [0, I), up [I, 2I): one block of I
+            hq, sh = silu_mul_triton(g, block=inter), None
+        else:
+            hq, sh = per_token_quant_triton(g[:, :inter], qd, fuse="silu_mul", up=g[:, inter:])
         y = gemm(hq, sh, None, dn, dn_params, inter, tiled[1], partials=True)
         return combine_triton(y, pos, top_k_index, top_k_weights, E, x.dtype)
     pos, row_tok, offsets = route(top_k_index, E)
-    xq, sx = quantize_per_token(x, qd)
-    g = _grouped_ref(scheme, xq, sx, row_tok, offsets, gu, gu_params, H, group_size, x.dtype, rows, tiled[0])
-    hq, sh = quantize_per_token(silu_mul_ref(g, inter), qd)
-    y = _grouped_ref(scheme, hq, sh, None, offsets, dn, dn_params, inter, group_size, x.dtype, rows, tiled[1])
-    return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
-
-
-def _lut_experts(x, top_k_index, top_k_weights, gu, dn, bits, group_size):
-    """The ``lut`` steps (module docstring): route, gate_up, ``silu(gate) * up`` in x's dtype, down, combine. ``gu`` /
-    ``dn``: ``[qweight, qweight_hi, scales, pairs, table]`` lists over the experts (``qweight_hi`` = ``qweight`` at
-    4 bits)."""
-    T, k = top_k_index.shape
-    E, H, inter = len(gu[0]), x.shape[1], gu[2][0].shape[1] // 2
-    rows = T * k
-    if use_triton(x, gu[0][0]):
-        from lowbit.kernels.moe_grouped import moe_gemm_triton
-        from lowbit.kernels.moe_route import combine_triton, route_triton
-        from lowbit.kernels.silu_mul import silu_mul_triton
-
-        pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
-        g = moe_gemm_triton("lut", x, None, row_tok, offsets, gu[:4], None, H, group_size, x.dtype, rows, T,
-                            bits=bits)
-        h = silu_mul_triton(g, block=inter)  # gate columns [0, I), up [I, 2I): one block of I
-        y = moe_gemm_triton("lut", h, None, None, offsets, dn[:4], None, inter, group_size, x.dtype, rows, T,
-                            bits=bits, partials=True)
-        return combine_triton(y, pos, top_k_index, top_k_weights, E, x.dtype)
-    pos, row_tok, offsets = route(top_k_index, E)
-    g = _grouped_ref("lut", x, None, row_tok, offsets, gu, None, H, group_size, x.dtype, rows, False, bits)
-    y = _grouped_ref("lut", silu_mul_ref(g, inter), None, None, offsets, dn, None, inter, group_size, x.dtype, rows,
-                     False, bits)
+    xq, sx = (x, None) if lut else quantize_per_token(x, qd)
+    g = _grouped_ref(scheme, xq, sx, row_tok, offsets, gu, gu_params, H, group_size, x.dtype, rows, tiled[0], bits)
+    h = silu_mul_ref(g, inter)
+    hq, sh = (h, None) if lut else quantize_per_token(h, qd)
+    y = _grouped_ref(scheme, hq, sh, None, offsets, dn, dn_params, inter, group_size, x.dtype, rows, tiled[1], bits)
     return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
 
 
@@ -203,8 +186,8 @@ def _moe_lut(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Te
              gu_pairs: list[torch.Tensor], gu_table: list[torch.Tensor], dn_qweight: list[torch.Tensor],
              dn_qweight_hi: list[torch.Tensor], dn_scales: list[torch.Tensor], dn_pairs: list[torch.Tensor],
              dn_table: list[torch.Tensor], bits: int, group_size: int) -> torch.Tensor:
-    return _lut_experts(x, top_k_index, top_k_weights, [gu_qweight, gu_qweight_hi, gu_scales, gu_pairs, gu_table],
-                        [dn_qweight, dn_qweight_hi, dn_scales, dn_pairs, dn_table], bits, group_size)
+    return _experts("lut", x, top_k_index, top_k_weights, [gu_qweight, gu_qweight_hi, gu_scales, gu_pairs, gu_table],
+                    None, [dn_qweight, dn_qweight_hi, dn_scales, dn_pairs, dn_table], None, group_size, bits=bits)
 
 
 @_moe_lut.register_fake
