@@ -4,7 +4,8 @@ random N(0, 0.02) bf16 weights, routing from a random router on random tokens), 
 transformers' bf16 ``grouped_mm`` experts, eager and inside CUDA graphs (``lowbit.bench.harness.graph_us``, 16 calls
 per graph cycling 8 token sets). Router excluded (identical for all). Writes <out>/s39_moe.json.
 Session 40: variants ``lowbit lut grouped`` / ``lowbit lut per-expert`` (4-bit NF g128 experts, the fragment layout)
-and ``--lut-sweep`` (the lut grouped kernel's ``LUT_*`` knobs); its runs were saved as ``s40_moe_lut*.json``."""
+and ``--lut-sweep`` (the lut grouped kernel's ``LUT_*`` knobs); its runs were saved as ``s40_moe_lut*.json``
+(``s40_moe_lut_first.json`` ran the option's first form, ``--lut-stages 2,4``, now ``--lut-sweep 'STAGES=2;STAGES=4'``)."""
 import argparse
 import json
 import statistics
