@@ -332,6 +332,45 @@ def test_grouped_on_gpu(T, scheme, opts, inter):
     _replay_equals_eager(qe, x, idx, w, T)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,opts", [("w4a8-fp8", dict(group_size=128)), ("w4a8-int8", dict(group_size=128)),
+                                         ("lut", dict(bits=4, group_size=128)), ("lut", dict(bits=3, group_size=128))])
+@pytest.mark.parametrize("T", [300, 1100])
+def test_grouped_at_prefill_sizes_on_gpu(T, scheme, opts):
+    """Session 41: 16 experts (top-4) take the grouped schedule at prefill sizes (``grouped_at``); the row steps split
+    over programs (``pick_split_m``) and, for ``lut`` at >= ``LUT_DEQUANT_ROWS`` rows per expert (1100 tokens), the
+    dequantize + ``torch._grouped_mm`` form; against the per-expert modules (sparse schedule) at bf16 rounding, and
+    the same call split-free equal bit for bit where the rows were split."""
+    import lowbit.kernels.moe_grouped as mg
+    import lowbit.nn.moe as M
+    import lowbit.ops.moe as om
+    from tests._tiny_models import tiny_variant
+
+    E, k = 16, 4
+    m = tiny_variant("mixtral", num_local_experts=E, num_experts_per_tok=k, hidden=256, heads=4, kv_heads=2,
+                     head_dim=64, intermediate=384).to("cuda", torch.bfloat16)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, **opts)
+    assert M.grouped_at(T, k, E, scheme) and T > M.GROUPED_MAX_TOKENS
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, k, E, seed=T, sentinel=True)
+    idx, w = idx.cuda(), w.cuda().bfloat16()
+    got, want = _schedules(qe, x, idx, w)
+    assert rel_l2(got, want) < 2e-2
+    dequant = scheme == "lut" and T * k >= om.LUT_DEQUANT_ROWS * E
+    assert dequant == (T == 1100 and scheme == "lut")
+    if not dequant:  # split rows (the launcher's default here) == one program per (expert, tile)
+        assert mg.pick_split_m(E, T * k, 64, 6, 132) > 1  # (gate_up: 6 weight tiles per expert)
+        old = mg.SPLIT_M_MIN_STEPS
+        mg.SPLIT_M_MIN_STEPS = 10**9
+        try:
+            with torch.no_grad():
+                one = qe(x, idx, w)
+        finally:
+            mg.SPLIT_M_MIN_STEPS = old
+        assert torch.equal(got, one)
+
+
 def _replay_equals_eager(qe, x, idx, w, T):
     """``qe`` captured in a CUDA graph (warm-up outside it), replayed with new tokens and routing: the eager result
     bit for bit."""
@@ -527,3 +566,134 @@ def test_device_tables_are_content_addressed():
         assert len(U._TABLES) <= 2
     finally:
         U.TABLES_MAX = old
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("scheme", ["w4a8-fp8", "w4a8-int8", "lut"])
+def test_split_rows_equal_one_program(scheme, monkeypatch):
+    """Session 41: ``split_m`` programs sharing an (expert, weight tile)'s row steps (prefill sizes) give the same
+    bits as one program taking them all (each row's sum is one program's), for 2 and 3 programs and for steps that
+    do not divide evenly (20-30 rows per expert at 16-row steps), gathered and direct rows."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import lowbit.kernels.moe_grouped as mg
+    from tests.test_moe_lut import _lut_experts
+
+    monkeypatch.setattr(mg, "LUT_BLOCK_M", 16)
+    E, T, k, N, K, group = 3, 40, 2, 72, 256, 128
+    idx, _ = _routing(T, k, E, seed=5)
+    idx[::7, 1] = E  # some slots no expert
+    _, row_tok, off = route(idx, E)
+    valid = int(off[-1])
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(1))
+    if scheme == "lut":
+        fields, params = _lut_experts(E, N, K, 4, group, torch.bfloat16)[:4], None
+        a, s = x.bfloat16(), None
+    else:
+        a, s = quantize_per_token(x, FP8_E4M3 if scheme == "w4a8-fp8" else torch.int8)
+        fields = list(_experts(E, N, K, group)) if scheme == "w4a8-fp8" else _int8_experts(E, N, K, group)
+        params = torch.tensor([1.0, 0.5, 0.25]) if scheme == "w4a8-fp8" else None
+    dt = torch.bfloat16
+    for rmap, aa, ss in ((row_tok, a, s), (None, a[row_tok.long()], None if s is None else s[row_tok.long()])):
+        one = mg.moe_gemm_triton(scheme, aa, ss, rmap, off, fields, params, K, group, dt, T * k, 16, split_m=1,
+                                 split_k=1)
+        for sm in (2, 3):
+            got = mg.moe_gemm_triton(scheme, aa, ss, rmap, off, fields, params, K, group, dt, T * k, 16,
+                                     split_m=sm, split_k=1)
+            assert torch.equal(got[:valid], one[:valid])
+
+
+def test_split_rule_and_schedule_rule():
+    """``pick_split_m``: rows are split where each hit expert has >= 2 row steps and the programs fall short of the
+    split target (Mixtral-8x7B down at 4096 tokens: 8 experts x 32 tiles, 16 steps -> 2), never beyond the mean
+    steps, and not at decode sizes; ``grouped_at``: the grouped schedule up to 64 tokens, at any size from 16
+    experts, else within the mean-rows bound of the scheme."""
+    import lowbit.nn.moe as M
+    from lowbit.kernels.moe_grouped import SPLIT_TARGET, pick_split_m
+
+    assert pick_split_m(8, 8192, 64, 32, 132) == 2
+    assert pick_split_m(8, 8192, 64, 224, 132) == 1  # gate_up: 1792 programs already
+    assert pick_split_m(8, 96, 64, 4, 132) == 1  # 12 rows per expert: one step
+    assert pick_split_m(2, 512, 64, 1, 132) == 4  # capped by the 4 mean steps
+    assert pick_split_m(1, 10**6, 64, 1, 132) >= SPLIT_TARGET * 132
+    assert M.grouped_at(M.GROUPED_MAX_TOKENS, 2, 8, "lut")
+    assert M.grouped_at(16384, 8, M.GROUPED_ALL_EXPERTS, "lut")
+    assert M.grouped_at(10**6, 2, 8, "lut-dequant")  # (no bound)
+    for scheme, rows in M.GROUPED_MAX_ROWS.items():  # 8 experts, top-2: tokens * 2 <= rows * 8
+        if rows is None:
+            continue
+        t_max = max(rows * 4, M.GROUPED_MAX_TOKENS)
+        assert M.grouped_at(t_max, 2, 8, scheme) and not M.grouped_at(t_max + 1, 2, 8, scheme)
+    assert not M.grouped_at(100, 2, 8, "other")
+
+
+@pytest.mark.interpreter
+def test_fp8_dequant_experts_kernel_equals_per_expert(monkeypatch):
+    """Session 41: ``dequantize_experts_to_fp8`` (the FP8 prefill form's first step, one launch) == each expert's
+    ``dequantize_to_fp8`` (the dense large-M path) bit for bit, K not a multiple of 128 (padded columns 0); an expert
+    without routed rows is skipped."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lowbit.kernels.w4a8_fp8_gemm import dequantize_experts_to_fp8, dequantize_to_fp8
+
+    E, N, K = 3, 72, 200
+    codes, scales = _experts(E, N, K, 64, seed=2)
+    off = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    w = dequantize_experts_to_fp8(codes, scales, off, K, 64)
+    for e in (0, 2):
+        assert torch.equal(w[e].view(torch.uint8), dequantize_to_fp8(codes[e], scales[e], K, 64).view(torch.uint8))
+
+
+@pytest.mark.interpreter
+def test_fp8_prefill_form_matches_modules(monkeypatch):
+    """Session 41: with ``FP8_DEQUANT_ROWS`` lowered to 1, ``w4a8-fp8`` experts (fewer than 16, sizes multiples of
+    128) take the FP8 prefill form (experts dequantized once, ``torch._scaled_grouped_mm``; on the CPU its float32
+    stand-in) and match the per-expert modules (sparse schedule) at bf16 rounding; 16 experts or sizes off 128 keep
+    the grouped kernel."""
+    pytest.importorskip("triton")
+    import lowbit.ops.moe as om
+    from tests._tiny_models import tiny_variant
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(om, "FP8_DEQUANT_ROWS", 1)
+    m = tiny_variant("mixtral", num_local_experts=4, num_experts_per_tok=2, hidden=128, heads=2, kv_heads=1,
+                     head_dim=64, intermediate=128).bfloat16()
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=64)
+    x = torch.randn(10, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    idx, w = _routing(10, 2, 4, seed=3, sentinel=True)
+    calls = []
+    real = om._fp8_dequant_gemm
+    monkeypatch.setattr(om, "_fp8_dequant_gemm", lambda *a: calls.append(1) or real(*a))
+    got, want = _schedules(qe, x, idx, w.bfloat16())
+    assert len(calls) == 2 and rel_l2(got, want) < 2e-2
+    assert not om.fp8_prefill_form(x, 16, 128) and not om.fp8_prefill_form(x[:, :64], 4, 128)
+    assert not om.fp8_prefill_form(x, 4, 192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1100, 2500])
+def test_fp8_prefill_form_on_gpu(T):
+    """Session 41: 8 ``w4a8-fp8`` experts at prefill sizes take the grouped schedule at any size; from
+    ``FP8_DEQUANT_ROWS`` mean rows (2500 tokens, top-2: 625) its GEMMs are ``torch._scaled_grouped_mm`` on the
+    dequantized FP8 weights. Against the per-expert modules (sparse schedule) at bf16 rounding."""
+    import lowbit.nn.moe as M
+    import lowbit.ops.moe as om
+    from tests._tiny_models import tiny_variant
+
+    E, k = 8, 2
+    m = tiny_variant("mixtral", num_local_experts=E, num_experts_per_tok=k, hidden=256, heads=4, kv_heads=2,
+                     head_dim=64, intermediate=384).to("cuda", torch.bfloat16)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=128)
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    assert om.fp8_prefill_form(x, E, 384) and M.grouped_at(T, k, E, "w4a8-fp8-dequant")
+    idx, w = _routing(T, k, E, seed=T, sentinel=True)
+    calls = []
+    real = om._fp8_dequant_gemm
+    om._fp8_dequant_gemm = lambda *a: calls.append(1) or real(*a)
+    try:
+        got, want = _schedules(qe, x, idx.cuda(), w.cuda().bfloat16())
+    finally:
+        om._fp8_dequant_gemm = real
+    assert len(calls) == (2 if T * k >= om.FP8_DEQUANT_ROWS * E else 0)
+    assert rel_l2(got, want) < 2e-2

@@ -230,3 +230,54 @@ def test_fuzz_lut_grouped_op(bits_group, E, k, T, H, inter, dtype, bad, seed):
         if os.environ.get("TRITON_INTERPRET") == "1":
             got = moe_lut(x, idx, w, spec["gate_up"], spec["down"], bits, group)
             assert rel_l2(got, want) < 0.08
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("bits,group", [(4, 64), (3, 128)])
+def test_lut_dequant_experts_kernel_equals_per_expert(bits, group, monkeypatch):
+    """Session 41: the experts' dequantization in one launch (``lut_dequant_mma_experts_triton``, the prefill form's
+    first step) == the per-expert modules' large-M dequantization (``lut_dequant_mma_triton``) bit for bit, N and K
+    not multiples of its 16 x 256 tiles; an expert without routed rows is skipped (left unwritten)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lowbit.kernels.lut_gemm import lut_dequant_mma_experts_triton, lut_dequant_mma_triton
+    from lowbit.kernels.moe_grouped import address_table
+
+    E, N, K = 3, 40, 320
+    f = _lut_experts(E, N, K, bits, group, torch.bfloat16, seed=bits)
+    off = torch.tensor([0, 5, 5, 9], dtype=torch.int32)  # expert 1: no rows
+    w = lut_dequant_mma_experts_triton([address_table(t) for t in (f[0], f[1], f[2], f[4])], off, bits=bits,
+                                       group_size=group, out_features=N, in_features=K, nc=f[0][0].shape[1] // 128,
+                                       stride_sg=f[2][0].stride(0), dtype=torch.bfloat16)
+    for e in (0, 2):
+        want = lut_dequant_mma_triton(f[0][e], f[1][e] if bits == 3 else None, f[2][e], f[4][e], bits=bits,
+                                      group_size=group, out_features=N, in_features=K, dtype=torch.bfloat16)
+        assert torch.equal(w[e], want)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_lut_prefill_form_matches_modules(arch, monkeypatch):
+    """Session 41: with ``LUT_DEQUANT_ROWS`` lowered to 1, the ``lut`` op takes its prefill form (the experts
+    dequantized once to bf16, ``torch._grouped_mm``) and matches the per-expert modules' references summed token by
+    token; only bf16 with sizes that are multiples of 8 take it."""
+    pytest.importorskip("triton")
+    import lowbit.ops.moe as om
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(om, "LUT_DEQUANT_ROWS", 1)
+    block = _moe(arch).bfloat16().model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, "lut", bits=4, group_size=64)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    _, w, idx = block.gate(x)
+    idx = idx.clone()
+    idx[::3, 0] = qe.num_experts  # some slots no expert
+    calls = []
+    real = om._lut_dequant_gemm
+    monkeypatch.setattr(om, "_lut_dequant_gemm", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = qe(x, idx, w)
+    assert len(calls) == 2  # gate_up and down took the prefill form
+    want = _on_references(lambda: _module_sum(list(qe.gate_up), list(qe.down), x, idx, w))
+    assert rel_l2(got, want) < 2e-2  # (the references' float32 weights: as test_grouped_module_under_interpreter)
+    assert not om._lut_dequant_wanted(100, 4, x.half(), 64) and not om._lut_dequant_wanted(100, 4, x, 60)

@@ -25,6 +25,8 @@ ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
 ap.add_argument("--reps", type=int, default=40)
 ap.add_argument("--experts", type=int, default=8)
 ap.add_argument("--top-k", type=int, default=2)
+ap.add_argument("--hidden", type=int, default=None, help="session 41: block shape other than Mixtral-8x7B's")
+ap.add_argument("--intermediate", type=int, default=None)
 ap.add_argument("--variants", default="bf16 grouped_mm,lowbit w4a8-fp8 grouped,lowbit w4a8-fp8 per-expert")
 ap.add_argument("--lut-sweep", default="", help="session 40: also time the lut grouped kernel with these overrides of "
                 "lowbit.kernels.moe_grouped's LUT_* knobs, e.g. 'STAGES=2;PREFETCH=0,SPLIT_TARGET=4'")
@@ -34,7 +36,8 @@ a = ap.parse_args()
 from _moe_block import H, I, mixtral_block, token_sets  # noqa: E402
 
 E, K = a.experts, a.top_k
-block = mixtral_block(E, K)
+H, I = a.hidden or H, a.intermediate or I
+block = mixtral_block(E, K, H, I)
 experts = block.experts
 t0 = time.time()
 qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=128).cuda()

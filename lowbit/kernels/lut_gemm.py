@@ -1171,19 +1171,31 @@ def _lut_mma_kernel(
 
 @triton.jit
 def _lut_dequant_mma_kernel(
-    Q, QH, S, T, W,
+    Q, QH, S, T, W, Offsets,
     N, K, NC, stride_sg, stride_wn,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERTS: tl.constexpr = False,
 ):
     """W[n, k] = T[c] * s from the fragment layout (the M > MAX_KERNEL_M path): each output
     element finds its code word (``formats.lut.pack_codes_mma``) by index arithmetic; stores are
-    coalesced along K, the word reads hit L1 (8 or 16 elements share a word)."""
+    coalesced along K, the word reads hit L1 (8 or 16 elements share a word). ``EXPERTS`` (session 41, the MoE
+    prefill path): grid axis 2 = expert ``e``; ``Q`` / ``QH`` / ``S`` / ``T`` are int64 tables of the experts'
+    tensors' addresses (``moe_grouped.address_table``), ``W`` is ``[E, N, K]``, and an expert that owns no rows
+    (``Offsets[e + 1] == Offsets[e]``) writes nothing."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     CK: tl.constexpr = 64 if BITS == 4 else 128
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
     k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
     ok = (n < N) & (k < K)
+    if EXPERTS:
+        e = tl.program_id(2)
+        ok = ok & (tl.load(Offsets + e + 1) > tl.load(Offsets + e))
+        Q = tl.multiple_of(tl.load(Q + e).to(tl.pointer_type(tl.int32)), 16)
+        QH = tl.multiple_of(tl.load(QH + e).to(tl.pointer_type(tl.int32)), 16)
+        S = tl.multiple_of(tl.load(S + e).to(tl.pointer_type(W.dtype.element_ty)), 16)
+        T = tl.multiple_of(tl.load(T + e).to(tl.pointer_type(tl.float32)), 16)
+        W += e.to(tl.int64) * N * K
     rt = n // 16
     c = k // CK
     r = k % CK
@@ -1574,6 +1586,23 @@ def lut_dequant_mma_triton(qweight, qweight_hi, scales, table, *, bits: int, gro
     bn, bk = 16, 256
     qh = qweight_hi if qweight_hi is not None else qweight
     _lut_dequant_mma_kernel[(cdiv(N, bn), cdiv(K, bk))](
-        qweight, qh, scales, table, w, N, K, nc, scales.stride(0), w.stride(0),
+        qweight, qh, scales, table, w, None, N, K, nc, scales.stride(0), w.stride(0),
         BITS=bits, GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return w
+
+
+def lut_dequant_mma_experts_triton(tables: list[torch.Tensor], offsets: torch.Tensor, *, bits: int, group_size: int,
+                                   out_features: int, in_features: int, nc: int, stride_sg: int,
+                                   dtype: torch.dtype) -> torch.Tensor:
+    """``lut_dequant_mma_triton`` for ``E`` experts in one launch (session 41, MoE prefill): ``tables`` = int64
+    address tables ``[E]`` of the experts' qweight, qweight_hi (4-bit: qweight), scales (in ``dtype``) and float32
+    table; ``offsets`` int32 ``[E + 1]`` of their routed rows -> ``[E, N, K]`` in ``dtype`` (experts without rows
+    left unwritten)."""
+    E, N, K = tables[0].numel(), out_features, in_features
+    w = torch.empty((E, N, K), device=offsets.device, dtype=dtype)
+    if E and N and K:
+        bn, bk = 16, 256
+        _lut_dequant_mma_kernel[(cdiv(N, bn), cdiv(K, bk), E)](
+            *tables, w, offsets, N, K, nc, stride_sg, K,
+            BITS=bits, GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, EXPERTS=True, num_warps=4)
     return w

@@ -68,18 +68,23 @@ LUT_SPLIT_TARGET = SPLIT_TARGET  # programs per SM the lut kernel's split-K aims
 # Session 40 (H200, Mixtral-8x7B block, CUDA graph, us; s40_moe_lut_sweep.json): 64 tokens 607 at 32 vs 784 at 64
 # and 758 at 16; 4 / 16 tokens 402 / 541 at 32 vs 328 / 446 at 16
 LUT_BLOCK_M = None
+SPLIT_M_MIN_STEPS = 2  # mean row steps per hit expert from which the row steps, not K, are split (``pick_split_m``)
 
 
 @triton.jit
-def _program(Offsets, k_tiles, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """This program's expert ``e``, its sorted rows ``[start, end)``, its weight rows ``offs_n`` and its K tiles
-    ``[kt0, kt1)`` (grid ``(E, N / BLOCK_N, SPLIT_K)``)."""
+def _program(Offsets, k_tiles, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+             SPLIT_M: tl.constexpr):
+    """This program's expert ``e``, the first of its row steps ``start`` (its steps: ``range(start, end, BLOCK_M *
+    SPLIT_M)``), the expert's row end ``end``, its weight rows ``offs_n`` and its K tiles ``[kt0, kt1)`` (grid
+    ``(E, N / BLOCK_N, SPLIT_K * SPLIT_M)``: split ``pid_k`` of K, every ``SPLIT_M``-th row step from ``pid_m``)."""
     e = tl.program_id(0)
-    pid_k = tl.program_id(2)
+    pid_k = tl.program_id(2) % SPLIT_K
+    pid_m = tl.program_id(2) // SPLIT_K
     per = tl.cdiv(k_tiles, SPLIT_K)
     kt0 = pid_k * per
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return e, pid_k, tl.load(Offsets + e), tl.load(Offsets + e + 1), offs_n, kt0, tl.minimum(kt0 + per, k_tiles)
+    start = tl.load(Offsets + e) + pid_m * BLOCK_M
+    return e, pid_k, start, tl.load(Offsets + e + 1), offs_n, kt0, tl.minimum(kt0 + per, k_tiles)
 
 
 @triton.jit
@@ -124,10 +129,10 @@ def _moe_w4a8_fp8_kernel(
     stride_am, stride_bn, stride_sn, stride_cm,
     # flags
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATHER: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr,
+    GATHER: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr, SPLIT_M: tl.constexpr = 1,
 ):
     k_tiles = tl.cdiv(K, 2 * HALF_K)
-    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, k_tiles, BLOCK_N, SPLIT_K)
+    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, k_tiles, BLOCK_N, SPLIT_K, BLOCK_M, SPLIT_M)
     Bq = _expert_address(CodePtrs, e, tl.uint8)
     Bs = _expert_address(ScalePtrs, e, tl.float8e4nv)
     inv_delta = tl.load(InvDelta + e)
@@ -138,7 +143,7 @@ def _moe_w4a8_fp8_kernel(
     w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = Bs + offs_n.to(tl.int64) * stride_sn
     s_words = Bs.to(tl.pointer_type(tl.int32)) + offs_n.to(tl.int64) * (stride_sn // 4)
-    for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
+    for m0 in range(start, end, BLOCK_M * SPLIT_M):  # no iteration for an expert without rows
         rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for kt in range(kt0, kt1):
@@ -163,10 +168,11 @@ def _moe_w4a8_int8_kernel(
     stride_am, stride_wn, stride_gn, stride_cm,
     # flags
     GROUP_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATHER: tl.constexpr, TILED: tl.constexpr, USE_ASM: tl.constexpr,
+    GATHER: tl.constexpr, TILED: tl.constexpr, USE_ASM: tl.constexpr, SPLIT_M: tl.constexpr = 1,
 ):
     PER_CHANNEL: tl.constexpr = GROUP_SIZE < 0
-    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, KP // (2 * HALF_K), BLOCK_N, SPLIT_K)
+    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, KP // (2 * HALF_K), BLOCK_N, SPLIT_K, BLOCK_M,
+                                                      SPLIT_M)
     W = _expert_address(CodePtrs, e, tl.uint8)
     S1 = _expert_address(S1Ptrs, e, tl.float32)
     GS = _expert_address(S2Ptrs, e, tl.uint8)
@@ -179,7 +185,7 @@ def _moe_w4a8_int8_kernel(
         s2 = tl.load(GS + rn * stride_gn).to(tl.int32)
         zs = tl.load(GZS + rn * stride_gn).to(tl.int32)
     s1 = tl.load(S1 + rn)
-    for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
+    for m0 in range(start, end, BLOCK_M * SPLIT_M):  # no iteration for an expert without rows
         rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.int32)
         for kt in range(kt0, kt1):
@@ -212,6 +218,7 @@ def _moe_lut_kernel(
     # flags
     GROUP: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
     GATHER: tl.constexpr, EMU: tl.constexpr, PREFETCH: tl.constexpr, SMEM_TAB: tl.constexpr = 0,
+    SPLIT_M: tl.constexpr = 1,
 ):
     """Program = 8 row tiles of 16 weight rows (two 64-row halves: rows g and g + 8 of each tile) x one expert x one
     split-K range of scale groups (``lut_wgmma._lut_wgmma_kernel``'s two-dot ``REG_A`` tile). ``PREFETCH``: the
@@ -223,7 +230,7 @@ def _moe_lut_kernel(
     CK: tl.constexpr = 64 if BITS == 4 else 128  # K per chunk of the fragment layout
     CPG: tl.constexpr = GROUP // CK
     ODT: tl.constexpr = C.dtype.element_ty
-    e, pid_k, start, end, _, g0, g1 = _program(Offsets, NG, BR, SPLIT_K)
+    e, pid_k, start, end, _, g0, g1 = _program(Offsets, NG, BR, SPLIT_K, BLOCK_M, SPLIT_M)
     Q = _expert_address(QPtrs, e, tl.int32)
     QH = _expert_address(QHPtrs, e, tl.int32)  # (4-bit: the codes again, unused)
     S = _expert_address(SPtrs, e, ODT)
@@ -243,7 +250,7 @@ def _moe_lut_kernel(
             _store_pair_table(P.to(tl.pointer_type(tl.int32)), BITS, TAB_OFF, BITS == 3)
     else:
         tabs = _byte_tables(P, BITS)
-    for m0 in range(start, end, BLOCK_M):  # no iteration for an expert without rows
+    for m0 in range(start, end, BLOCK_M * SPLIT_M):  # no iteration for an expert without rows
         rows, mask_m, arow, a_rows = _row_step(A, RowMap, m0, end, stride_am, BLOCK_M, GATHER)
         acc0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
         acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
@@ -280,6 +287,23 @@ def pick_split(E: int, rows: int, N: int, K: int, n_sm: int) -> int:
     return _split_k(live, cdiv(K, 2 * HALF_K.value), SPLIT_TARGET * n_sm, MIN_K_TILES)
 
 
+def pick_split_m(E: int, rows: int, bm: int, per_expert: int, n_sm: int) -> int:
+    """Programs per (expert, weight tile) that share its row steps (prefill sizes, session 41): where each hit expert
+    has at least ``SPLIT_M_MIN_STEPS`` row steps on average and the ``min(E, rows) * per_expert`` programs fall short
+    of ``SPLIT_TARGET`` per SM, the power of two that reaches it (at most the mean steps). Rows are split instead of
+    K there: no FP32 partials (split-K's workspace is ``split x rows x N`` floats, 1 GB on Mixtral-8x7B's down at 16k
+    tokens) and the same arithmetic as one program (each row's sum is one program's)."""
+    hit = min(E, max(rows, 1))
+    steps = cdiv(cdiv(rows, hit), bm)
+    if steps < SPLIT_M_MIN_STEPS:
+        return 1
+    want = cdiv(int(SPLIT_TARGET * n_sm), hit * per_expert)
+    s = 1
+    while s < want and 2 * s <= steps:
+        s *= 2
+    return s
+
+
 def lut_pick_split(E: int, rows: int, nrt: int, ng: int, group_size: int, n_sm: int) -> int:
     """``pick_split`` for the ``lut`` kernel: programs of 8 row tiles, K split by whole scale groups (at least
     ``MIN_K_TILES`` x 128 K per split)."""
@@ -291,7 +315,7 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
                     offsets: torch.Tensor, weights: list[list[torch.Tensor]], params: torch.Tensor | None, k: int,
                     group_size: int, out_dtype: torch.dtype, rows: int, max_rows_per_expert: int, *,
                     tiled: bool = False, split_k: int | None = None, partials: bool = False,
-                    bits: int = 4) -> torch.Tensor:
+                    bits: int = 4, split_m: int | None = None) -> torch.Tensor:
     """Launcher (inputs checked by ``lowbit.ops.moe``). ``a`` ``[Ta, K]`` (FP8 for ``w4a8-fp8``, INT8 for
     ``w4a8-int8``, bf16 / fp16 for ``lut``), ``sx`` fp32 ``[Ta]`` (None for ``lut``), ``row_map`` int32 ``[rows]`` or
     None, ``offsets`` int32 ``[E + 1]``;
@@ -302,7 +326,9 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
     ``LUTLinear``'s fragment layout (contiguous), scales and pairs in ``a``'s dtype, which ``out_dtype`` must be ->
     ``[rows, N]`` ``out_dtype`` (rows no expert owns left unwritten). ``max_rows_per_expert`` sizes the inner row
     step (a bound, not a promise: more rows loop). ``partials``: with split-K, return the FP32 partials
-    ``[SPLIT_K, rows, N]`` unsummed (the combine kernel sums them in split order)."""
+    ``[SPLIT_K, rows, N]`` unsummed (the combine kernel sums them in split order). ``split_m``: programs per (expert,
+    weight tile) sharing its row steps (None: ``pick_split_m``, then split-K only where rows are not split; given
+    ``split_k`` alone: 1)."""
     E = len(weights[0])
     if scheme == "lut" and out_dtype != a.dtype:
         raise ValueError(f"lut: the output dtype is the activations' ({a.dtype}), got {out_dtype}")
@@ -322,22 +348,28 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
         bm = int(LUT_BLOCK_M or min(BLOCK_M_MAX, max(16, triton.next_power_of_2(cdiv(2 * rows, max(1, min(E, rows)))))))
     else:
         bm = min(BLOCK_M_MAX, max(16, triton.next_power_of_2(max(1, max_rows_per_expert))))
+    n_sm = sm_count(a.device, 132)
+    per_expert = cdiv(nrt, 8) if scheme == "lut" else cdiv(N, BLOCK_N)
+    if split_m is None:
+        split_m = pick_split_m(E, rows, bm, per_expert, n_sm) if split_k is None else 1
+    split_m = max(1, int(split_m))
     if split_k is None:
-        n_sm = sm_count(a.device, 132)
-        split_k = (lut_pick_split(E, rows, nrt, ng, group_size, n_sm) if scheme == "lut"
-                   else pick_split(E, rows, N, k, n_sm))
+        split_k = 1 if split_m > 1 else (lut_pick_split(E, rows, nrt, ng, group_size, n_sm) if scheme == "lut"
+                                         else pick_split(E, rows, N, k, n_sm))
     split_k = max(1, min(int(split_k), units))
     ws = torch.empty((split_k, rows, N), dtype=torch.float32, device=a.device) if split_k > 1 else out
     tables = [address_table(f) for f in weights]
     rmap = row_map if row_map is not None else offsets
     common = dict(BLOCK_M=bm, SPLIT_K=split_k, GATHER=row_map is not None, num_warps=NUM_WARPS,
                   num_stages=NUM_STAGES)
+    if split_m > 1:  # (passed only when set: the kernels' default is 1)
+        common["SPLIT_M"] = split_m
     if scheme == "lut":
         args = (a, rmap, offsets, *tables, out, ws, N, k, rows, nrt, nc, ng, a.stride(0), weights[2][0].stride(0),
                 out.stride(0))
         kw = dict(common, GROUP=group_size, BITS=bits, EMU=interpret_mode(), PREFETCH=LUT_PREFETCH,
                   num_stages=int(LUT_STAGES or (2 if bm == 16 else 3)))
-        grid = (E, cdiv(nrt, 8), split_k)
+        grid = (E, cdiv(nrt, 8), split_k * split_m)
         tab_off = 0
         if LUT_SMEM_TAB:  # passed only when set; the table's place: past Triton's own shared memory
             kw["SMEM_TAB"] = 1
@@ -345,12 +377,12 @@ def moe_gemm_triton(scheme: str, a: torch.Tensor, sx: torch.Tensor | None, row_m
                 tab_off = table_offset(_moe_lut_kernel, args, grid, kw)
         _moe_lut_kernel[grid](*args, tab_off, **kw)
     elif scheme == "w4a8-fp8":
-        _moe_w4a8_fp8_kernel[(E, cdiv(N, BLOCK_N), split_k)](
+        _moe_w4a8_fp8_kernel[(E, cdiv(N, BLOCK_N), split_k * split_m)](
             a, sx, rmap, offsets, *tables, params, out, ws, N, k, rows,
             a.stride(0), weights[0][0].stride(0), weights[1][0].stride(0), out.stride(0),
             GROUP=group_size, LUT=_use_lut({}), SWORD=True, BLOCK_N=BLOCK_N, **common)
     elif scheme == "w4a8-int8":
-        _moe_w4a8_int8_kernel[(E, cdiv(N, BLOCK_N), split_k)](
+        _moe_w4a8_int8_kernel[(E, cdiv(N, BLOCK_N), split_k * split_m)](
             a, sx, rmap, offsets, *tables, out, ws, N, k, rows, 2 * weights[0][0].shape[1],
             a.stride(0), weights[0][0].stride(0), weights[2][0].stride(0), out.stride(0),
             GROUP_SIZE=group_size, TILED=tiled, USE_ASM=a.is_cuda and not interpret_mode(), BLOCK_N=BLOCK_N,

@@ -847,15 +847,25 @@ def _splitk_reduce_kernel(
 
 @triton.jit
 def _dequant_fp8_kernel(
-    Bq, B_scale, Out,  # pointers: codes, FP8 group scales, FP8 [N, Kp] output
+    Bq, B_scale, Out, Offsets,  # pointers: codes, FP8 group scales, FP8 [N, Kp] output (, routed rows' offsets)
     N, stride_bn, stride_sn, stride_on,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr, TILED: tl.constexpr,
+    EXPERTS: tl.constexpr = False,
 ):
-    """One 128-column block of BLOCK_N rows: INT4 codes -> FP8(q * sigma), the GEMM's own values."""
+    """One 128-column block of BLOCK_N rows: INT4 codes -> FP8(q * sigma), the GEMM's own values. ``EXPERTS``
+    (session 41, the MoE prefill form): grid axis 2 = expert ``e``, ``Bq`` / ``B_scale`` int64 tables of the experts'
+    codes / scales addresses (``moe_grouped.address_table``), ``Out`` ``[E, N, Kp]``; an expert that owns no rows
+    (``Offsets[e + 1] == Offsets[e]``) writes nothing."""
     kt = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF_K)
     mask_n = offs_n < N
+    if EXPERTS:
+        e = tl.program_id(2)
+        mask_n = mask_n & (tl.load(Offsets + e + 1) > tl.load(Offsets + e))
+        Bq = tl.multiple_of(tl.load(Bq + e).to(tl.pointer_type(tl.uint8)), 16)
+        B_scale = tl.multiple_of(tl.load(B_scale + e).to(tl.pointer_type(tl.float8e4nv)), 16)
+        Out += e.to(tl.int64) * N * stride_on
     b_rows = Bq + offs_n[:, None].to(tl.int64) * stride_bn
     w_rows = Bq.to(tl.pointer_type(tl.int32)) + offs_n[:, None].to(tl.int64) * (stride_bn // 4)
     s_rows = B_scale + offs_n.to(tl.int64) * stride_sn
@@ -892,8 +902,26 @@ def dequantize_to_fp8(codes: torch.Tensor, scales: torch.Tensor, k: int, group_s
             raise ValueError(f"out needs unit column stride, got strides {tuple(out.stride())}")
     if N:
         _dequant_fp8_kernel[(cdiv(N, block_n), kp // BLOCK_K)](
-            codes, scales, out, N, codes.stride(0), scales.stride(0), out.stride(0),
+            codes, scales, out, None, N, codes.stride(0), scales.stride(0), out.stride(0),
             GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, TILED=tiled, num_warps=num_warps)
+    return out
+
+
+def dequantize_experts_to_fp8(codes: list[torch.Tensor], scales: list[torch.Tensor], offsets: torch.Tensor, k: int,
+                              group_size: int, *, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """``dequantize_to_fp8`` of ``E`` experts' row-major codes in one launch (session 41, the MoE prefill form):
+    FP8 ``[E, N, Kp]``; experts that own no routed rows (``offsets`` int32 ``[E + 1]``) are left unwritten. The
+    experts' codes / scales share one shape and stride (``lowbit.nn.moe._uniform``)."""
+    from lowbit.kernels.moe_grouped import address_table
+
+    E, N = len(codes), codes[0].shape[0]
+    kp = padded_k(k)
+    out = torch.empty((E, N, kp), dtype=FP8_E4M3, device=codes[0].device)
+    if E and N:
+        _dequant_fp8_kernel[(cdiv(N, block_n), kp // BLOCK_K, E)](
+            address_table(codes), address_table(scales), out, offsets, N, codes[0].stride(0), scales[0].stride(0),
+            kp, GROUP=group_size, BLOCK_N=block_n, LUT=_use_lut({}), SWORD=True, TILED=False, EXPERTS=True,
+            num_warps=num_warps)
     return out
 
 

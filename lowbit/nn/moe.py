@@ -14,7 +14,8 @@ for each expert that received tokens, in increasing expert order, its tokens are
 
 Two schedules (session 38):
 
-- **sparse** (eager calls, and any call of more than ``DENSE_MAX_TOKENS`` tokens): each expert runs over the tokens
+- **sparse** (eager calls, and calls of more than ``DENSE_MAX_TOKENS`` tokens, where the grouped schedule is not
+  taken): each expert runs over the tokens
   routed to it, as transformers' eager experts do; finding them reads the routing back to the host (one
   ``bincount``), so such a call cannot be captured in a CUDA graph.
 - **dense** (up to ``DENSE_MAX_TOKENS`` tokens while a CUDA graph is captured, ``torch.compile`` traces, or inside
@@ -32,7 +33,9 @@ Two schedules (session 38):
   sparse, ``s38_moe_after.json``, in ``benchmarks/results/h200/``), hence eager calls stay sparse.
 
 - **grouped** (session 39; ``w4a8-fp8`` and ``w4a8-int8`` experts, and since session 40 ``lut`` experts in the
-  fragment layout called in their dtype; up to ``GROUPED_MAX_TOKENS`` tokens, eager, captured or compiled alike):
+  fragment layout called in their dtype; up to ``GROUPED_MAX_TOKENS`` tokens, eager, captured or compiled alike;
+  since session 41 also larger calls (prefill) where ``grouped_at`` finds it faster than the sparse schedule: every
+  size from ``GROUPED_ALL_EXPERTS`` experts, else up to ``GROUPED_MAX_ROWS`` mean rows per expert):
   ops ``lowbit::moe_w4a8_fp8`` / ``lowbit::moe_w4a8_int8`` / ``lowbit::moe_lut``, one grouped GEMM launch
   per projection over the rows sorted by expert on the device (``lowbit.kernels.moe_grouped``): no host read, and
   only the routed experts' weights are read. The same arithmetic as the sparse schedule (the silu / weight / sum roundings and order), up to the GEMMs'
@@ -57,7 +60,22 @@ DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens t
 # every expert, E / (top-k) times the chosen ones at one token (measured: 8 experts, top-2; a 128-expert top-8 model
 # would read 16x and launch 256 GEMMs per layer; cuda_graphs=True still captures it)
 DENSE_GRAPH_MAX_EXPERTS = 16
-GROUPED_MAX_TOKENS = 64  # calls of at most this many tokens take the grouped schedule where it applies
+GROUPED_MAX_TOKENS = 64  # calls of at most this many tokens take the grouped schedule where it applies; larger ones
+# (prefill) take it where ``grouped_at`` says it beats the sparse schedule (session 41)
+# from this many experts the grouped schedule is taken at every size: the sparse one pays ~0.5 ms of host time per
+# routed expert (two eager module calls); session 41, H200, Qwen3-30B-A3B-shaped block (128 experts, top-8), eager,
+# us, grouped / sparse (``s41_moe_prefill_r1.json``): w4a8-fp8 276 / 130274 at 128 tokens, 3127 / 72151 at 16384;
+# lut 10495 / 39790 at 16384
+GROUPED_ALL_EXPERTS = 16
+# below it, the mean routed rows per expert (tokens x k / experts) up to which the grouped schedule is taken; session
+# 41, Mixtral-8x7B-shaped block (8 experts, top-2), eager, us, grouped / sparse (``s41_moe_prefill_r2.json``): w4a8-fp8
+# 1580 / 10839 at 256 rows, 5724 / 12488 at 1024, 24811 / 15655 at 4096; w4a8-int8 6362 / 9447 at 1024, 25704 /
+# 16661 at 4096; lut (the kernel at every size) 7030 / 8270 at 512, 13767 / 6947 at 1024; "lut-dequant": lut
+# experts that can take the prefill form (``lowbit.ops.moe.lut_prefill_form``: bf16), no bound
+# (``s41_moe_prefill_r3_mixtral.json``: 3145 / 5205 at 256 rows, 5915 / 6824 at 1024, 20079 / 22302 at 4096)
+# "w4a8-fp8-dequant": w4a8-fp8 experts that can take the FP8 prefill form (``lowbit.ops.moe.fp8_prefill_form``), no
+# bound (``s41_scaled_grouped.json``)
+GROUPED_MAX_ROWS = {"w4a8-fp8": 1024, "w4a8-int8": 1024, "lut": 512, "lut-dequant": None, "w4a8-fp8-dequant": None}
 _GROUPED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # of the activations and routing weights
 _INT8_DTYPES = (torch.uint8, torch.float32, torch.uint8, torch.uint8)
 _STATE = threading.local()  # .dense: depth of this thread's dense_schedule() contexts
@@ -72,6 +90,16 @@ def dense_schedule():
         yield
     finally:
         _STATE.dense -= 1
+
+
+def grouped_at(tokens: int, k: int, num_experts: int, scheme: str) -> bool:
+    """Does a call of ``tokens`` tokens (top-``k`` of ``num_experts``) take the grouped schedule, for experts that
+    have one (``scheme``): up to ``GROUPED_MAX_TOKENS`` tokens always; above, with at least ``GROUPED_ALL_EXPERTS``
+    experts, or while the mean routed rows per expert stay within ``GROUPED_MAX_ROWS[scheme]`` (measured rule)."""
+    if tokens <= GROUPED_MAX_TOKENS or num_experts >= GROUPED_ALL_EXPERTS:
+        return True
+    rows = GROUPED_MAX_ROWS.get(scheme, 0)
+    return rows is None or tokens * k <= rows * num_experts
 
 
 def _dense_wanted(x: torch.Tensor) -> bool:
@@ -129,8 +157,21 @@ class QuantExperts(nn.Module):
         flat = top_k_index.reshape(-1)
         if flat.numel() == 0:
             return torch.zeros_like(hidden_states)
-        grouped = (self.grouped_weights() if hidden_states.shape[0] <= GROUPED_MAX_TOKENS
-                   and top_k_weights.dtype in _GROUPED_DTYPES and hidden_states.dtype in _GROUPED_DTYPES else None)
+        grouped = (self.grouped_weights() if top_k_weights.dtype in _GROUPED_DTYPES
+                   and hidden_states.dtype in _GROUPED_DTYPES else None)
+        if grouped is not None:
+            key = grouped["scheme"]
+            if key == "lut":
+                from lowbit.ops.moe import lut_prefill_form
+
+                key = "lut-dequant" if lut_prefill_form(hidden_states, grouped["gate_up"][2][0].shape[1] // 2) else key
+            elif key == "w4a8-fp8":
+                from lowbit.ops.moe import fp8_prefill_form
+
+                inter = grouped["gate_up"][0][0].shape[0] // 2
+                key = "w4a8-fp8-dequant" if fp8_prefill_form(hidden_states, self.num_experts, inter) else key
+            if not grouped_at(hidden_states.shape[0], k, self.num_experts, key):
+                grouped = None
         if grouped is not None and grouped["scheme"] == "lut" and hidden_states.dtype != grouped["dtype"]:
             grouped = None  # (the LUT kernels run in the experts' activation dtype; the modules cast per call)
         if grouped is not None or _dense_wanted(hidden_states):  # the schedules without a host read

@@ -38,6 +38,19 @@ from lowbit.formats.common import FP8_E4M3, quantize_per_token, silu_mul_ref
 from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, scale_cols
 
 ROUTE_MAX_ROWS = 1024  # (token, slot) pairs up to which the one-program routing kernel runs (else ``route``)
+# ``lut``: from this many mean routed rows per hit expert (prefill), the GEMMs dequantize every routed expert's weight
+# once (one launch, ``lut_gemm.lut_dequant_mma_experts_triton``: the per-expert modules' large-M numerics) and run
+# PyTorch's grouped bf16 / fp16 GEMM (``torch._grouped_mm``, FP32 accumulation) instead of the LUT kernel, whose
+# weight tile is decoded again for every 64-row step (session 41, ``_lut_dequant_gemm``)
+LUT_DEQUANT_ROWS = 256
+# ``w4a8-fp8`` with fewer than ``FP8_DEQUANT_MAX_EXPERTS`` experts, from this many mean routed rows per hit expert: every
+# routed expert's weight dequantized to FP8 once (``w4a8_fp8_gemm.dequantize_experts_to_fp8``: the values the kernels
+# build in registers) and ``torch._scaled_grouped_mm`` row-wise (scale_a = the rows' x scales, scale_b = each expert's
+# PTS delta^-1), as the dense large-M path runs ``torch._scaled_mm``. Session 41 (H200, ``s41_scaled_grouped.json``,
+# GEMM alone): Mixtral-8x7B's experts 1027-1079 TFLOP/s against 497-522 for the grouped kernel; Qwen3-30B-A3B's 128
+# small experts 229-332 against 423-525, hence the expert bound
+FP8_DEQUANT_ROWS = 512
+FP8_DEQUANT_MAX_EXPERTS = 16
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,6 +144,12 @@ def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params
                                    tiled=tl_, bits=bits, **kw)
 
         pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
+        if lut and _lut_dequant_wanted(rows, E, x, inter):
+            def gemm(a, sa, rmap, w, p, kk, tl_, **kw):  # noqa: F811 (the prefill form of the same GEMM)
+                return _lut_dequant_gemm(a, rmap, offsets, w, kk, group_size, bits)
+        elif scheme == "w4a8-fp8" and _fp8_dequant_wanted(rows, E, x, inter):
+            def gemm(a, sa, rmap, w, p, kk, tl_, **kw):  # noqa: F811 (the prefill form of the same GEMM)
+                return _fp8_dequant_gemm(a, sa, rmap, offsets, w, p, kk, group_size, x.dtype)
         xq, sx = (x, None) if lut else per_token_quant_triton(x, qd)
         g = gemm(xq, sx, row_tok, gu, gu_params, H, tiled[0])
         if lut:  # gate columns [0, I), up [I, 2I): one block of I
@@ -146,6 +165,90 @@ def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params
     hq, sh = (h, None) if lut else quantize_per_token(h, qd)
     y = _grouped_ref(scheme, hq, sh, None, offsets, dn, dn_params, inter, group_size, x.dtype, rows, tiled[1], bits)
     return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
+
+
+def lut_prefill_form(x: torch.Tensor, inter: int) -> bool:
+    """Can the ``lut`` experts of intermediate size ``inter`` take the prefill form (``_lut_dequant_gemm``) for
+    ``x [T, H]``: PyTorch's grouped GEMM exists for it (bf16; H and ``inter`` multiples of 8, its 16-byte rows;
+    Hopper / Blackwell CUDA devices, or the CPU: the interpreter's runs)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or x.shape[1] % 8 or inter % 8:
+        return False
+    if x.is_cuda:
+        from lowbit._utils import cuda_major
+
+        return cuda_major(x.device) in (9, 10)
+    return True
+
+
+def _lut_dequant_wanted(rows: int, E: int, x: torch.Tensor, inter: int) -> bool:
+    """The ``lut`` prefill form from ``LUT_DEQUANT_ROWS`` mean rows per hit expert, where it exists."""
+    return rows >= LUT_DEQUANT_ROWS * min(E, rows) and lut_prefill_form(x, inter)
+
+
+def _lut_dequant_gemm(a, row_map, offsets, weights, k, group_size, bits):
+    """The grouped ``lut`` GEMM at prefill sizes: every routed expert's ``W_hat = T[c] * s`` dequantized into one
+    ``[E, N, K]`` buffer in ``a``'s dtype (the per-expert modules' large-M numerics: float32 product rounded once),
+    then ``torch._grouped_mm`` over the sorted rows (``a[row_map]`` where given) -> ``[rows, N]``; rows no expert
+    owns (after ``offsets[E]``) are unspecified, as ``moe_gemm_triton`` leaves them."""
+    from lowbit.kernels.lut_gemm import lut_dequant_mma_experts_triton
+    from lowbit.kernels.moe_grouped import address_table
+
+    q, qh, sc, _, table = weights
+    n = sc[0].shape[1]
+    w = lut_dequant_mma_experts_triton([address_table(f) for f in (q, qh, sc, table)], offsets, bits=bits,
+                                       group_size=group_size, out_features=n, in_features=k,
+                                       nc=q[0].shape[1] // 128, stride_sg=sc[0].stride(0), dtype=a.dtype)
+    rows_in = a[row_map.long()] if row_map is not None else a
+    return torch._grouped_mm(rows_in, w.transpose(1, 2), offs=offsets[1:])
+
+
+def fp8_prefill_form(x: torch.Tensor, num_experts: int, inter: int) -> bool:
+    """Can ``w4a8-fp8`` experts take the prefill form (``_fp8_dequant_gemm``): fewer than ``FP8_DEQUANT_MAX_EXPERTS``
+    experts, hidden and intermediate sizes multiples of 128 (no padded K; cuBLASLt's FP8 alignment), PyTorch's
+    ``_scaled_grouped_mm`` on a Hopper CUDA device (or the CPU: the interpreter's runs, ``_scaled_grouped_ref``)."""
+    if (num_experts >= FP8_DEQUANT_MAX_EXPERTS or not hasattr(torch, "_scaled_grouped_mm") or x.shape[1] % 128
+            or inter % 128):
+        return False
+    if x.is_cuda:
+        from lowbit._utils import cuda_major
+
+        return cuda_major(x.device) == 9
+    return True
+
+
+def _fp8_dequant_wanted(rows: int, E: int, x: torch.Tensor, inter: int) -> bool:
+    return rows >= FP8_DEQUANT_ROWS * min(E, rows) and fp8_prefill_form(x, E, inter)
+
+
+def _fp8_dequant_gemm(a, sa, row_map, offsets, weights, inv_delta, k, group_size, out_dtype):
+    """The grouped ``w4a8-fp8`` GEMM at prefill sizes (``FP8_DEQUANT_ROWS``): the routed experts' FP8(q * sigma)
+    ``[E, N, K]`` in one launch, then ``torch._scaled_grouped_mm(a[row_map], W^T, sa[row_map], inv_delta[e] per
+    column)`` in bf16 (cast to ``out_dtype``), the per-expert modules' large-M numerics (``_scaled_mm`` row-wise);
+    rows after ``offsets[E]`` are unspecified."""
+    from lowbit.kernels.w4a8_fp8_gemm import dequantize_experts_to_fp8
+
+    codes, scales = weights
+    w = dequantize_experts_to_fp8(codes, scales, offsets, k, group_size)
+    if row_map is not None:
+        a, sa = a[row_map.long()], sa[row_map.long()]
+    sb = inv_delta.float()[:, None].expand(w.shape[0], w.shape[1]).contiguous()
+    if a.is_cuda:
+        y = torch._scaled_grouped_mm(a, w.transpose(1, 2), sa.float(), sb, offs=offsets[1:], out_dtype=torch.bfloat16)
+    else:
+        y = _scaled_grouped_ref(a, w, sa.float(), sb, offsets)
+    return y.to(out_dtype)
+
+
+def _scaled_grouped_ref(a, w, sa, sb, offsets):
+    """CPU stand-in of ``torch._scaled_grouped_mm`` (PyTorch has no CPU kernel): per expert ``(a @ w_e^T) * sa *
+    sb_e`` in float32, rounded to bf16; rows after ``offsets[E]`` zero."""
+    y = torch.zeros((a.shape[0], w.shape[1]), dtype=torch.bfloat16)
+    off = offsets.tolist()
+    for e in range(w.shape[0]):
+        s0, s1 = off[e], off[e + 1]
+        if s1 > s0:
+            y[s0:s1] = ((a[s0:s1].float() @ w[e].float().t()) * sa[s0:s1, None] * sb[e][None, :]).to(torch.bfloat16)
+    return y
 
 
 @torch.library.custom_op("lowbit::moe_w4a8_fp8", mutates_args=())
