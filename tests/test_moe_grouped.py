@@ -631,7 +631,7 @@ def test_split_rule_and_schedule_rule():
 def test_fp8_dequant_experts_kernel_equals_per_expert(monkeypatch):
     """Session 41: ``dequantize_experts_to_fp8`` (the FP8 prefill form's first step, one launch) == each expert's
     ``dequantize_to_fp8`` (the dense large-M path) bit for bit, K not a multiple of 128 (padded columns 0); an expert
-    without routed rows is skipped."""
+    without routed rows is skipped (its part of the buffer is not written, so it is not compared)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from lowbit.kernels.w4a8_fp8_gemm import dequantize_experts_to_fp8, dequantize_to_fp8
@@ -648,8 +648,8 @@ def test_fp8_dequant_experts_kernel_equals_per_expert(monkeypatch):
 def test_fp8_prefill_form_matches_modules(monkeypatch):
     """Session 41: with ``FP8_DEQUANT_ROWS`` lowered to 1, ``w4a8-fp8`` experts (fewer than 16, sizes multiples of
     128) take the FP8 prefill form (experts dequantized once, ``torch._scaled_grouped_mm``; on the CPU its float32
-    stand-in) and match the per-expert modules (sparse schedule) at bf16 rounding; 16 experts or sizes off 128 keep
-    the grouped kernel."""
+    stand-in) and match the per-expert modules (sparse schedule) at bf16 rounding; the form's predicate refuses 16
+    experts and sizes off 128 (the GPU tests run ``torch._scaled_grouped_mm`` itself)."""
     pytest.importorskip("triton")
     import lowbit.ops.moe as om
     from tests._tiny_models import tiny_variant
@@ -696,4 +696,73 @@ def test_fp8_prefill_form_on_gpu(T):
     finally:
         om._fp8_dequant_gemm = real
     assert len(calls) == (2 if T * k >= om.FP8_DEQUANT_ROWS * E else 0)
+    assert rel_l2(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("scheme,opts", [("w4a8-fp8", dict(group_size=64)), ("lut", dict(bits=4, group_size=64))])
+def test_prefill_chunks_equal_one_call(scheme, opts, reference_ops, monkeypatch):
+    """Session 41: a prefill call past ``prefill_chunk``'s token count runs as chunks of tokens (bounded transients)
+    and gives the one call's result bit for bit on the references (tokens are independent); the chunk is the
+    largest power of two within the byte budget, at least ``PREFILL_CHUNK_MIN``."""
+    import lowbit.nn.moe as M
+
+    dt = torch.bfloat16 if scheme == "lut" else torch.float32  # (lut: the grouped schedule in its experts' dtype)
+    block = _moe("mixtral").to(dt).model.layers[0].mlp
+    qe = QuantExperts.from_experts(block.experts, scheme, **opts)
+    spec = qe.grouped_weights()
+    n2 = spec["gate_up"][2][0].shape[1] if scheme == "lut" else spec["gate_up"][0][0].shape[0]
+    x = torch.randn(45, 64, generator=torch.Generator().manual_seed(2)).to(dt)
+    _, w, idx = block.gate(x)
+    monkeypatch.setattr(M, "GROUPED_MAX_TOKENS", 8)
+    with torch.no_grad():
+        whole = qe(x, idx, w)
+        monkeypatch.setattr(M, "PREFILL_CHUNK_MIN", 4)
+        monkeypatch.setattr(M, "PREFILL_CHUNK_BYTES", 16 * idx.shape[1] * n2 * 2)
+        assert M.prefill_chunk(45, idx.shape[1], spec) == 16 and M.prefill_chunk(8, 2, spec) == 8
+        calls = []
+        real = QuantExperts._grouped
+        monkeypatch.setattr(QuantExperts, "_grouped", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
+        chunked = qe(x, idx, w)
+    assert calls == [16, 16, 13] and torch.equal(chunked, whole)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,opts", [("w4a8-fp8", dict(group_size=128)), ("lut", dict(bits=4, group_size=128))])
+def test_prefill_forms_unrouted_experts_and_stale_memory_on_gpu(scheme, opts):
+    """Session 41 (a review's check made a test): the prefill forms with experts that get no rows, ids of no expert
+    (E, and with the id checks off also -1 and E + 5) and the CUDA allocator's free blocks filled with NaN first (the
+    unwritten dequantized experts, the rows past offsets[E]): the output is finite and matches the per-expert modules
+    on the valid slots."""
+    import lowbit.ops.moe as om
+    from tests._tiny_models import tiny_variant
+
+    E, k, T = 8, 2, 2600
+    m = tiny_variant("mixtral", num_local_experts=E, num_experts_per_tok=k, hidden=256, heads=4, kv_heads=2,
+                     head_dim=64, intermediate=384).to("cuda", torch.bfloat16)
+    qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, scheme, **opts)
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
+    idx, w = _routing(T, k, E, seed=9)
+    idx[idx == 3] = 4  # experts 3 and 7 get no rows
+    idx[idx == 7] = 5
+    idx[::5, 1] = E
+    idx, w = idx.cuda(), w.cuda().bfloat16()
+    bad = idx.clone()
+    bad[1::7, 1] = -1
+    bad[2::7, 1] = E + 5
+    junk = torch.full((1 << 28,), float("nan"), device="cuda")  # 1 GiB of NaN, then back to the allocator
+    del junk
+    calls = []
+    name = "_lut_dequant_gemm" if scheme == "lut" else "_fp8_dequant_gemm"
+    real = getattr(om, name)
+    setattr(om, name, lambda *a: calls.append(1) or real(*a))
+    try:
+        with torch.no_grad():
+            got = qe(x, bad, w)
+            qe.grouped = False
+            want = qe(x, idx, w)  # (the sparse schedule raises on -1 / E + 5: the same slots as "no expert")
+            qe.grouped = True
+    finally:
+        setattr(om, name, real)
+    assert len(calls) == 2 and torch.isfinite(got).all()
     assert rel_l2(got, want) < 2e-2

@@ -237,7 +237,8 @@ def test_fuzz_lut_grouped_op(bits_group, E, k, T, H, inter, dtype, bad, seed):
 def test_lut_dequant_experts_kernel_equals_per_expert(bits, group, monkeypatch):
     """Session 41: the experts' dequantization in one launch (``lut_dequant_mma_experts_triton``, the prefill form's
     first step) == the per-expert modules' large-M dequantization (``lut_dequant_mma_triton``) bit for bit, N and K
-    not multiples of its 16 x 256 tiles; an expert without routed rows is skipped (left unwritten)."""
+    not multiples of its 16 x 256 tiles; an expert without routed rows is skipped (its part of the buffer is not
+    written, so it is not compared)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from lowbit.kernels.lut_gemm import lut_dequant_mma_experts_triton, lut_dequant_mma_triton

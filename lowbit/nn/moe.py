@@ -40,7 +40,9 @@ Two schedules (session 38):
   per projection over the rows sorted by expert on the device (``lowbit.kernels.moe_grouped``): no host read, and
   only the routed experts' weights are read. The same arithmetic as the sparse schedule (the silu / weight / sum roundings and order), up to the GEMMs'
   accumulation order. Expert ids are range-checked as the dense schedule checks them (``check_indices``: on the
-  CPU, or with ``LOWBIT_CHECK_INDEX=1``); unchecked, an id outside ``[0, num_experts)`` adds nothing. It replaces both schedules above for such experts at these sizes.
+  CPU, or with ``LOWBIT_CHECK_INDEX=1``); unchecked, an id outside ``[0, num_experts)`` adds nothing (since session
+  41 also in CUDA prefill calls, which the sparse schedule's host read used to check). Prefill calls run in chunks
+  of tokens (``prefill_chunk``). It replaces both schedules above for such experts at these sizes.
 """
 from __future__ import annotations
 
@@ -76,6 +78,12 @@ GROUPED_ALL_EXPERTS = 16
 # "w4a8-fp8-dequant": w4a8-fp8 experts that can take the FP8 prefill form (``lowbit.ops.moe.fp8_prefill_form``), no
 # bound (``s41_scaled_grouped.json``)
 GROUPED_MAX_ROWS = {"w4a8-fp8": 1024, "w4a8-int8": 1024, "lut": 512, "lut-dequant": None, "w4a8-fp8-dequant": None}
+# prefill calls of the grouped schedule run in chunks of tokens whose gate_up output stays within this many bytes
+# (``prefill_chunk``; Mixtral-8x7B: 8192 tokens, Qwen3-30B-A3B: 32768); the prefill forms' dequantized weights (one
+# projection of every routed expert: bf16 for ``lut``, FP8 for ``w4a8-fp8``; Mixtral-8x7B's gate_up 1.9 / 0.9 GB) come
+# on top, once per chunk
+PREFILL_CHUNK_BYTES = 1 << 30
+PREFILL_CHUNK_MIN = 1024
 _GROUPED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # of the activations and routing weights
 _INT8_DTYPES = (torch.uint8, torch.float32, torch.uint8, torch.uint8)
 _STATE = threading.local()  # .dense: depth of this thread's dense_schedule() contexts
@@ -90,6 +98,22 @@ def dense_schedule():
         yield
     finally:
         _STATE.dense -= 1
+
+
+def prefill_chunk(tokens: int, k: int, grouped: dict) -> int:
+    """Tokens per grouped call: all ``tokens`` up to ``GROUPED_MAX_TOKENS``; above, the largest power of two (at least
+    ``PREFILL_CHUNK_MIN``) whose gate_up output (``tokens x k x 2I`` values in 16 bits, the schedule's largest
+    transient with the prefill forms' dequantized weights) fits ``PREFILL_CHUNK_BYTES``. Tokens are independent in every schedule, so
+    the chunks' outputs are the whole call's up to the GEMMs' row-count-dependent accumulation order."""
+    if tokens <= GROUPED_MAX_TOKENS:
+        return tokens
+    f = grouped["gate_up"]
+    n2 = f[2][0].shape[1] if grouped["scheme"] == "lut" else f[0][0].shape[0]  # 2I
+    per = max(1, k * n2 * 2)
+    n = PREFILL_CHUNK_MIN
+    while n * 2 * per <= PREFILL_CHUNK_BYTES:
+        n *= 2
+    return min(tokens, n)
 
 
 def grouped_at(tokens: int, k: int, num_experts: int, scheme: str) -> bool:
@@ -179,16 +203,12 @@ class QuantExperts(nn.Module):
                 raise ValueError(self._bad_ids())
             if grouped is None:
                 return self._dense(hidden_states, top_k_index, top_k_weights, torch.zeros_like(hidden_states))
-            from lowbit.ops import moe as ops
-
-            if grouped["scheme"] == "lut":
-                return ops.moe_lut(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
-                                   grouped["bits"], grouped["group_size"], weights_checked=True)
-            if grouped["scheme"] == "w4a8-fp8":
-                return ops.moe_w4a8_fp8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"],
-                                        grouped["down"], grouped["group_size"], weights_checked=True)
-            return ops.moe_w4a8_int8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
-                                     grouped["group_size"], tiled=grouped["tiled"], weights_checked=True)
+            n = prefill_chunk(hidden_states.shape[0], k, grouped)
+            if n < hidden_states.shape[0]:  # prefill: bounded transients (the gate_up output of every routed row)
+                return torch.cat([self._grouped(hidden_states[t:t + n], top_k_index[t:t + n],
+                                                top_k_weights[t:t + n], grouped)
+                                  for t in range(0, hidden_states.shape[0], n)])
+            return self._grouped(hidden_states, top_k_index, top_k_weights, grouped)
         out = torch.zeros_like(hidden_states)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         # the one host read: counts of [negative ids, expert 0, ..., expert E-1, id E (transformers' "no expert" of
@@ -209,6 +229,19 @@ class QuantExperts(nn.Module):
             y = self.down[e](F.silu(gate) * up) * w_flat[sel, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def _grouped(self, hidden_states, top_k_index, top_k_weights, grouped):
+        """The grouped schedule's op for ``grouped = grouped_weights()`` (ids already checked where they can be)."""
+        from lowbit.ops import moe as ops
+
+        if grouped["scheme"] == "lut":
+            return ops.moe_lut(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
+                               grouped["bits"], grouped["group_size"], weights_checked=True)
+        if grouped["scheme"] == "w4a8-fp8":
+            return ops.moe_w4a8_fp8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"],
+                                    grouped["down"], grouped["group_size"], weights_checked=True)
+        return ops.moe_w4a8_int8(hidden_states, top_k_index, top_k_weights, grouped["gate_up"], grouped["down"],
+                                 grouped["group_size"], tiled=grouped["tiled"], weights_checked=True)
 
     def _bad_ids(self) -> str:
         return (f"top_k_index holds an expert id outside [0, num_experts = {self.num_experts}] (num_experts: no "

@@ -40,7 +40,7 @@ from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, scale
 ROUTE_MAX_ROWS = 1024  # (token, slot) pairs up to which the one-program routing kernel runs (else ``route``)
 # ``lut``: from this many mean routed rows per hit expert (prefill), the GEMMs dequantize every routed expert's weight
 # once (one launch, ``lut_gemm.lut_dequant_mma_experts_triton``: the per-expert modules' large-M numerics) and run
-# PyTorch's grouped bf16 / fp16 GEMM (``torch._grouped_mm``, FP32 accumulation) instead of the LUT kernel, whose
+# PyTorch's grouped bf16 GEMM (``torch._grouped_mm``, FP32 accumulation) instead of the LUT kernel, whose
 # weight tile is decoded again for every 64-row step (session 41, ``_lut_dequant_gemm``)
 LUT_DEQUANT_ROWS = 256
 # ``w4a8-fp8`` with fewer than ``FP8_DEQUANT_MAX_EXPERTS`` experts, from this many mean routed rows per hit expert: every
@@ -167,11 +167,22 @@ def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params
     return combine(y, pos, top_k_index, top_k_weights, E, x.dtype)
 
 
+def _torch_grouped_gemms() -> bool:
+    """PyTorch >= 2.9 with ``torch._grouped_mm`` / ``torch._scaled_grouped_mm``: earlier builds lack their CUTLASS
+    kernels on some devices and loop over the groups on the host (a device sync; no CUDA-graph capture). Measured on
+    2.11 (H200) and run on the CPU with 2.13."""
+    try:
+        major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (2, 9) and hasattr(torch, "_grouped_mm") and hasattr(torch, "_scaled_grouped_mm")
+
+
 def lut_prefill_form(x: torch.Tensor, inter: int) -> bool:
     """Can the ``lut`` experts of intermediate size ``inter`` take the prefill form (``_lut_dequant_gemm``) for
     ``x [T, H]``: PyTorch's grouped GEMM exists for it (bf16; H and ``inter`` multiples of 8, its 16-byte rows;
     Hopper / Blackwell CUDA devices, or the CPU: the interpreter's runs)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16 or x.shape[1] % 8 or inter % 8:
+    if not _torch_grouped_gemms() or x.dtype != torch.bfloat16 or x.shape[1] % 8 or inter % 8:
         return False
     if x.is_cuda:
         from lowbit._utils import cuda_major
@@ -206,8 +217,7 @@ def fp8_prefill_form(x: torch.Tensor, num_experts: int, inter: int) -> bool:
     """Can ``w4a8-fp8`` experts take the prefill form (``_fp8_dequant_gemm``): fewer than ``FP8_DEQUANT_MAX_EXPERTS``
     experts, hidden and intermediate sizes multiples of 128 (no padded K; cuBLASLt's FP8 alignment), PyTorch's
     ``_scaled_grouped_mm`` on a Hopper CUDA device (or the CPU: the interpreter's runs, ``_scaled_grouped_ref``)."""
-    if (num_experts >= FP8_DEQUANT_MAX_EXPERTS or not hasattr(torch, "_scaled_grouped_mm") or x.shape[1] % 128
-            or inter % 128):
+    if num_experts >= FP8_DEQUANT_MAX_EXPERTS or not _torch_grouped_gemms() or x.shape[1] % 128 or inter % 128:
         return False
     if x.is_cuda:
         from lowbit._utils import cuda_major
@@ -223,8 +233,8 @@ def _fp8_dequant_wanted(rows: int, E: int, x: torch.Tensor, inter: int) -> bool:
 def _fp8_dequant_gemm(a, sa, row_map, offsets, weights, inv_delta, k, group_size, out_dtype):
     """The grouped ``w4a8-fp8`` GEMM at prefill sizes (``FP8_DEQUANT_ROWS``): the routed experts' FP8(q * sigma)
     ``[E, N, K]`` in one launch, then ``torch._scaled_grouped_mm(a[row_map], W^T, sa[row_map], inv_delta[e] per
-    column)`` in bf16 (cast to ``out_dtype``), the per-expert modules' large-M numerics (``_scaled_mm`` row-wise);
-    rows after ``offsets[E]`` are unspecified."""
+    column)`` in bf16 (cast to ``out_dtype``: fp16 calls get bf16-rounded outputs), the per-expert modules' large-M
+    numerics (``_scaled_mm`` row-wise, also bf16 there); rows after ``offsets[E]`` are unspecified."""
     from lowbit.kernels.w4a8_fp8_gemm import dequantize_experts_to_fp8
 
     codes, scales = weights
