@@ -72,11 +72,25 @@ SPLIT_M_MIN_STEPS = 2  # mean row steps per hit expert from which the row steps,
 
 
 @triton.jit
-def _program(Offsets, k_tiles, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-             SPLIT_M: tl.constexpr):
-    """This program's expert ``e``, the first of its row steps ``start`` (its steps: ``range(start, end, BLOCK_M *
-    SPLIT_M)``), the expert's row end ``end``, its weight rows ``offs_n`` and its K tiles ``[kt0, kt1)`` (grid
-    ``(E, N / BLOCK_N, SPLIT_K * SPLIT_M)``: split ``pid_k`` of K, every ``SPLIT_M``-th row step from ``pid_m``)."""
+def _program(Offsets, k_tiles, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """This program's expert ``e``, its sorted rows ``[start, end)``, its weight rows ``offs_n`` and its K tiles
+    ``[kt0, kt1)`` (grid ``(E, N / BLOCK_N, SPLIT_K)``)."""
+    e = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    per = tl.cdiv(k_tiles, SPLIT_K)
+    kt0 = pid_k * per
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, pid_k, tl.load(Offsets + e), tl.load(Offsets + e + 1), offs_n, kt0, tl.minimum(kt0 + per, k_tiles)
+
+
+@triton.jit
+def _program_rows(Offsets, k_tiles, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  SPLIT_M: tl.constexpr):
+    """``_program`` with split rows (``SPLIT_M > 1``, session 41): grid ``(E, N / BLOCK_N, SPLIT_K * SPLIT_M)``, split
+    ``pid_k`` of K and every ``SPLIT_M``-th row step from ``pid_m``: ``start`` is the first of this program's steps
+    (its steps: ``range(start, end, BLOCK_M * SPLIT_M)``). A separate helper, not a branch inside ``_program``: with
+    the split folded into ``_program`` the decode launches (``SPLIT_M == 1``) compiled to other code and ran 15-30 %
+    slower on the H200 (``s41_ab_block_*.json``)."""
     e = tl.program_id(0)
     pid_k = tl.program_id(2) % SPLIT_K
     pid_m = tl.program_id(2) // SPLIT_K
@@ -132,7 +146,10 @@ def _moe_w4a8_fp8_kernel(
     GATHER: tl.constexpr, LUT: tl.constexpr, SWORD: tl.constexpr, SPLIT_M: tl.constexpr = 1,
 ):
     k_tiles = tl.cdiv(K, 2 * HALF_K)
-    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, k_tiles, BLOCK_N, SPLIT_K, BLOCK_M, SPLIT_M)
+    if SPLIT_M == 1:
+        e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, k_tiles, BLOCK_N, SPLIT_K)
+    else:
+        e, pid_k, start, end, offs_n, kt0, kt1 = _program_rows(Offsets, k_tiles, BLOCK_N, SPLIT_K, BLOCK_M, SPLIT_M)
     Bq = _expert_address(CodePtrs, e, tl.uint8)
     Bs = _expert_address(ScalePtrs, e, tl.float8e4nv)
     inv_delta = tl.load(InvDelta + e)
@@ -171,8 +188,11 @@ def _moe_w4a8_int8_kernel(
     GATHER: tl.constexpr, TILED: tl.constexpr, USE_ASM: tl.constexpr, SPLIT_M: tl.constexpr = 1,
 ):
     PER_CHANNEL: tl.constexpr = GROUP_SIZE < 0
-    e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, KP // (2 * HALF_K), BLOCK_N, SPLIT_K, BLOCK_M,
-                                                      SPLIT_M)
+    if SPLIT_M == 1:
+        e, pid_k, start, end, offs_n, kt0, kt1 = _program(Offsets, KP // (2 * HALF_K), BLOCK_N, SPLIT_K)
+    else:
+        e, pid_k, start, end, offs_n, kt0, kt1 = _program_rows(Offsets, KP // (2 * HALF_K), BLOCK_N, SPLIT_K, BLOCK_M,
+                                                               SPLIT_M)
     W = _expert_address(CodePtrs, e, tl.uint8)
     S1 = _expert_address(S1Ptrs, e, tl.float32)
     GS = _expert_address(S2Ptrs, e, tl.uint8)
@@ -230,7 +250,10 @@ def _moe_lut_kernel(
     CK: tl.constexpr = 64 if BITS == 4 else 128  # K per chunk of the fragment layout
     CPG: tl.constexpr = GROUP // CK
     ODT: tl.constexpr = C.dtype.element_ty
-    e, pid_k, start, end, _, g0, g1 = _program(Offsets, NG, BR, SPLIT_K, BLOCK_M, SPLIT_M)
+    if SPLIT_M == 1:
+        e, pid_k, start, end, _, g0, g1 = _program(Offsets, NG, BR, SPLIT_K)
+    else:
+        e, pid_k, start, end, _, g0, g1 = _program_rows(Offsets, NG, BR, SPLIT_K, BLOCK_M, SPLIT_M)
     Q = _expert_address(QPtrs, e, tl.int32)
     QH = _expert_address(QHPtrs, e, tl.int32)  # (4-bit: the codes again, unused)
     S = _expert_address(SPtrs, e, ODT)
