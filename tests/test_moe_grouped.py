@@ -594,12 +594,18 @@ def test_split_rows_equal_one_program(scheme, monkeypatch):
         fields = list(_experts(E, N, K, group)) if scheme == "w4a8-fp8" else _int8_experts(E, N, K, group)
         params = torch.tensor([1.0, 0.5, 0.25]) if scheme == "w4a8-fp8" else None
     dt = torch.bfloat16
+    keep = []  # every output stays alive: no later call gets an earlier one's memory back
     for rmap, aa, ss in ((row_tok, a, s), (None, a[row_tok.long()], None if s is None else s[row_tok.long()])):
         one = mg.moe_gemm_triton(scheme, aa, ss, rmap, off, fields, params, K, group, dt, T * k, 16, split_m=1,
                                  split_k=1)
+        if scheme != "lut":  # (the lut numerics' own reference: tests/test_moe_lut.py)
+            want = _grouped_ref(scheme, aa, ss, rmap, off, fields, params, K, group, dt, T * k, False)
+            assert rel_l2(one[:valid], want[:valid]) < KERNEL_VS_REF[dt]
+        keep.append(one)
         for sm in (2, 3):
             got = mg.moe_gemm_triton(scheme, aa, ss, rmap, off, fields, params, K, group, dt, T * k, 16,
                                      split_m=sm, split_k=1)
+            keep.append(got)
             assert torch.equal(got[:valid], one[:valid])
 
 
@@ -701,9 +707,10 @@ def test_fp8_prefill_form_on_gpu(T):
 
 @pytest.mark.parametrize("scheme,opts", [("w4a8-fp8", dict(group_size=64)), ("lut", dict(bits=4, group_size=64))])
 def test_prefill_chunks_equal_one_call(scheme, opts, reference_ops, monkeypatch):
-    """Session 41: a prefill call past ``prefill_chunk``'s token count runs as chunks of tokens (bounded transients)
-    and gives the one call's result bit for bit on the references (tokens are independent); the chunk is the
-    largest power of two within the byte budget, at least ``PREFILL_CHUNK_MIN``."""
+    """Session 41: a prefill call past ``prefill_chunk``'s token count runs as equal chunks of tokens (bounded
+    transients: gate_up output, its silu * up and the down output per routed row) and gives the one call's result:
+    bit for bit for ``w4a8-fp8`` (float64 references), to the float32 references' row-count-dependent rounding for
+    ``lut``; no chunks while ``torch.compile`` traces (a loop over the length would specialize it)."""
     import lowbit.nn.moe as M
 
     dt = torch.bfloat16 if scheme == "lut" else torch.float32  # (lut: the grouped schedule in its experts' dtype)
@@ -713,17 +720,26 @@ def test_prefill_chunks_equal_one_call(scheme, opts, reference_ops, monkeypatch)
     n2 = spec["gate_up"][2][0].shape[1] if scheme == "lut" else spec["gate_up"][0][0].shape[0]
     x = torch.randn(45, 64, generator=torch.Generator().manual_seed(2)).to(dt)
     _, w, idx = block.gate(x)
+    k = idx.shape[1]
     monkeypatch.setattr(M, "GROUPED_MAX_TOKENS", 8)
     with torch.no_grad():
         whole = qe(x, idx, w)
         monkeypatch.setattr(M, "PREFILL_CHUNK_MIN", 4)
-        monkeypatch.setattr(M, "PREFILL_CHUNK_BYTES", 16 * idx.shape[1] * n2 * 2)
-        assert M.prefill_chunk(45, idx.shape[1], spec) == 16 and M.prefill_chunk(8, 2, spec) == 8
+        monkeypatch.setattr(M, "PREFILL_CHUNK_BYTES", 16 * k * (n2 + n2 // 2 + 64) * x.element_size())
+        assert M.prefill_chunk(45, k, spec, 64, x.element_size()) == 15  # <= 16 per chunk, equal chunks
+        assert M.prefill_chunk(8, k, spec, 64, x.element_size()) == 8
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert M.prefill_chunk(45, k, spec, 64, x.element_size()) == 45
         calls = []
         real = QuantExperts._grouped
         monkeypatch.setattr(QuantExperts, "_grouped", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
         chunked = qe(x, idx, w)
-    assert calls == [16, 16, 13] and torch.equal(chunked, whole)
+    assert calls == [15, 15, 15]
+    if scheme == "lut":
+        assert rel_l2(chunked, whole) < 5e-3
+    else:
+        assert torch.equal(chunked, whole)
 
 
 @pytest.mark.gpu
@@ -734,9 +750,13 @@ def test_prefill_forms_unrouted_experts_and_stale_memory_on_gpu(scheme, opts):
     (E, and with the id checks off also -1 and E + 5) and the CUDA allocator's free blocks filled with NaN first (the
     unwritten dequantized experts, the rows past offsets[E]): the output is finite and matches the per-expert modules
     on the valid slots."""
+    import os
+
     import lowbit.ops.moe as om
     from tests._tiny_models import tiny_variant
 
+    if os.environ.get("LOWBIT_CHECK_INDEX") == "1":
+        pytest.skip("the call passes ids outside [0, E]: with the checks on it raises, as documented")
     E, k, T = 8, 2, 2600
     m = tiny_variant("mixtral", num_local_experts=E, num_experts_per_tok=k, hidden=256, heads=4, kv_heads=2,
                      head_dim=64, intermediate=384).to("cuda", torch.bfloat16)

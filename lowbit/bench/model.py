@@ -92,7 +92,7 @@ class Arch:
 ARCHS = {"llama3-8b": Arch("Llama-3-8B", "llama", LLAMA3_8B, 32),
          "qwen3-8b": Arch("Qwen3-8B", "qwen3", QWEN3_8B, 36),
          "mixtral-8x7b": Arch("Mixtral-8x7B", "mixtral", MIXTRAL_8X7B, 32),  # session 38; first run on the H200 in session 39
-         "qwen3-30b-a3b": Arch("Qwen3-30B-A3B", "qwen3_moe", QWEN3_30B_A3B, 48)}  # session 39, not run on the device yet
+         "qwen3-30b-a3b": Arch("Qwen3-30B-A3B", "qwen3_moe", QWEN3_30B_A3B, 48)}  # session 39; first run session 41
 DEFAULT_ARCH = "llama3-8b"
 FULL_LAYERS = ARCHS[DEFAULT_ARCH].layers
 RECIPES = ("fireq", "fireq+head", "qserve", "flute-nf4", "int8-attention", "fireq+fused", "qserve+head", "flute-nf3",

@@ -78,11 +78,11 @@ GROUPED_ALL_EXPERTS = 16
 # "w4a8-fp8-dequant": w4a8-fp8 experts that can take the FP8 prefill form (``lowbit.ops.moe.fp8_prefill_form``), no
 # bound (``s41_scaled_grouped.json``)
 GROUPED_MAX_ROWS = {"w4a8-fp8": 1024, "w4a8-int8": 1024, "lut": 512, "lut-dequant": None, "w4a8-fp8-dequant": None}
-# prefill calls of the grouped schedule run in chunks of tokens whose gate_up output stays within this many bytes
-# (``prefill_chunk``; Mixtral-8x7B: 8192 tokens, Qwen3-30B-A3B: 32768); the prefill forms' dequantized weights (one
-# projection of every routed expert: bf16 for ``lut``, FP8 for ``w4a8-fp8``; Mixtral-8x7B's gate_up 1.9 / 0.9 GB) come
-# on top, once per chunk
-PREFILL_CHUNK_BYTES = 1 << 30
+# prefill calls of the grouped schedule run in chunks of tokens whose activation transients stay within this many
+# bytes (``prefill_chunk``; bf16: Mixtral-8x7B 8192 tokens, Qwen3-30B-A3B 16384, the sizes measured in one call in
+# session 41); the prefill forms' dequantized weights (one projection of every routed expert: bf16 for ``lut``, FP8
+# for ``w4a8-fp8``; Mixtral-8x7B's gate_up 1.9 / 0.9 GB) come on top, once per chunk
+PREFILL_CHUNK_BYTES = 2 << 30
 PREFILL_CHUNK_MIN = 1024
 _GROUPED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # of the activations and routing weights
 _INT8_DTYPES = (torch.uint8, torch.float32, torch.uint8, torch.uint8)
@@ -100,20 +100,26 @@ def dense_schedule():
         _STATE.dense -= 1
 
 
-def prefill_chunk(tokens: int, k: int, grouped: dict) -> int:
-    """Tokens per grouped call: all ``tokens`` up to ``GROUPED_MAX_TOKENS``; above, the largest power of two (at least
-    ``PREFILL_CHUNK_MIN``) whose gate_up output (``tokens x k x 2I`` values in 16 bits, the schedule's largest
-    transient with the prefill forms' dequantized weights) fits ``PREFILL_CHUNK_BYTES``. Tokens are independent in every schedule, so
-    the chunks' outputs are the whole call's up to the GEMMs' row-count-dependent accumulation order."""
-    if tokens <= GROUPED_MAX_TOKENS:
+def prefill_chunk(tokens: int, k: int, grouped: dict, hidden: int, itemsize: int) -> int:
+    """Tokens per grouped call: all ``tokens`` up to ``GROUPED_MAX_TOKENS`` (and while ``torch.compile`` traces: a
+    Python loop over a symbolic length would specialize it, recompiling for every prompt length); above, equal
+    chunks of at most the largest power of two (at least ``PREFILL_CHUNK_MIN``) whose transients fit
+    ``PREFILL_CHUNK_BYTES``: per routed row the gate_up output, ``silu(gate) * up`` and the down output (``2I + I +
+    H`` values of ``itemsize`` bytes), alive together in ``lowbit.ops.moe._experts``. Tokens are independent in
+    every schedule, so the chunks' outputs are the whole call's up to the GEMMs' row-count-dependent accumulation
+    order (and the prefill forms' row thresholds, which a short chunk may not reach)."""
+    if tokens <= GROUPED_MAX_TOKENS or torch.compiler.is_compiling():
         return tokens
     f = grouped["gate_up"]
     n2 = f[2][0].shape[1] if grouped["scheme"] == "lut" else f[0][0].shape[0]  # 2I
-    per = max(1, k * n2 * 2)
+    per = max(1, k * (n2 + n2 // 2 + hidden) * itemsize)
     n = PREFILL_CHUNK_MIN
     while n * 2 * per <= PREFILL_CHUNK_BYTES:
         n *= 2
-    return min(tokens, n)
+    if tokens <= n:
+        return tokens
+    chunks = -(-tokens // n)
+    return -(-tokens // chunks)  # equal chunks (no short last one re-reading every expert's weights)
 
 
 def grouped_at(tokens: int, k: int, num_experts: int, scheme: str) -> bool:
@@ -203,7 +209,7 @@ class QuantExperts(nn.Module):
                 raise ValueError(self._bad_ids())
             if grouped is None:
                 return self._dense(hidden_states, top_k_index, top_k_weights, torch.zeros_like(hidden_states))
-            n = prefill_chunk(hidden_states.shape[0], k, grouped)
+            n = prefill_chunk(hidden_states.shape[0], k, grouped, hidden_states.shape[1], hidden_states.element_size())
             if n < hidden_states.shape[0]:  # prefill: bounded transients (the gate_up output of every routed row)
                 return torch.cat([self._grouped(hidden_states[t:t + n], top_k_index[t:t + n],
                                                 top_k_weights[t:t + n], grouped)
