@@ -786,3 +786,44 @@ def test_prefill_forms_unrouted_experts_and_stale_memory_on_gpu(scheme, opts):
         setattr(om, name, real)
     assert len(calls) == 2 and torch.isfinite(got).all()
     assert rel_l2(got, want) < 2e-2
+
+
+@settings(max_examples=4, deadline=None)
+@given(scheme=st.sampled_from(("w4a8-fp8", "w4a8-int8", "lut")), E=st.integers(2, 20), k=st.integers(1, 3),
+       T=st.integers(9, 120), forms=st.booleans(), chunk=st.booleans(), bad=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_fuzz_prefill_sizes(scheme, E, k, T, forms, chunk, bad, seed):
+    """Session 41: the prefill paths with their thresholds lowered to tiny sizes (grouped schedule past
+    ``GROUPED_MAX_TOKENS`` by ``grouped_at``, split rows, the prefill forms, token chunks): random experts, routing
+    (with slots of no expert) and sizes; the module's output against the per-token reference sum of its modules
+    (the kernels under the interpreter: the kernel tolerance of two chained GEMMs; the references: the forms' bf16
+    weights or FP8 stand-in, a bf16-sized difference)."""
+    import os
+
+    import lowbit.kernels.moe_grouped as mg
+    import lowbit.nn.moe as M
+    import lowbit.ops.moe as om
+
+    dtype = torch.bfloat16 if scheme == "lut" else torch.float32
+    H, inter = (128, 128) if forms else (48, 40)
+    opts = {"w4a8-fp8": dict(group_size=32), "w4a8-int8": dict(group_size=128),
+            "lut": dict(bits=4, group_size=64)}[scheme]
+    gu, dn, qe, x, idx, w = _fuzz_case(scheme, opts, E, k, T, H, inter, dtype, bad, seed)
+    patches = {(M, "GROUPED_MAX_TOKENS"): 8, (M, "GROUPED_ALL_EXPERTS"): 2, (mg, "SPLIT_M_MIN_STEPS"): 1,
+               (om, "LUT_DEQUANT_ROWS"): 1 if forms else 10 ** 9, (om, "FP8_DEQUANT_ROWS"): 1 if forms else 10 ** 9,
+               (M, "PREFILL_CHUNK_MIN"): 4, (M, "PREFILL_CHUNK_BYTES"): 40 * k * 3 * max(H, inter) * 4 if chunk
+               else 1 << 40}
+    old = {key: getattr(*key) for key in patches}
+    try:
+        for (mod, name), v in patches.items():
+            setattr(mod, name, v)
+        want = _on_references(lambda: _module_sum(gu, dn, x, idx, w))
+        with torch.no_grad():
+            got = qe(x, idx, w)  # grouped (kernels under the interpreter, else the references)
+    finally:
+        for (mod, name), v in old.items():
+            setattr(mod, name, v)
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    tol = 0.08 if dtype != torch.float32 else (2 * KERNEL_VS_REF[torch.float32] if interp else 1e-6)
+    if forms and scheme != "w4a8-int8":
+        tol = max(tol, 2e-2)
+    assert torch.isfinite(got).all() and rel_l2(got, want) < tol
