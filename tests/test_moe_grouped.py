@@ -672,8 +672,8 @@ def test_fp8_prefill_form_matches_modules(monkeypatch):
     monkeypatch.setattr(om, "_fp8_dequant_gemm", lambda *a: calls.append(1) or real(*a))
     got, want = _schedules(qe, x, idx, w.bfloat16())
     assert len(calls) == 2 and rel_l2(got, want) < 2e-2
-    assert not om.fp8_prefill_form(x, 16, 128) and not om.fp8_prefill_form(x[:, :64], 4, 128)
-    assert not om.fp8_prefill_form(x, 4, 192)
+    assert not om.prefill_form("w4a8-fp8", x, 16, 128) and not om.prefill_form("w4a8-fp8", x[:, :64], 4, 128)
+    assert not om.prefill_form("w4a8-fp8", x, 4, 192)
 
 
 @pytest.mark.gpu
@@ -692,7 +692,7 @@ def test_fp8_prefill_form_on_gpu(T):
                      head_dim=64, intermediate=384).to("cuda", torch.bfloat16)
     qe = QuantExperts.from_experts(m.model.layers[0].mlp.experts, "w4a8-fp8", group_size=128)
     x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16)
-    assert om.fp8_prefill_form(x, E, 384) and M.grouped_at(T, k, E, "w4a8-fp8-dequant")
+    assert om.prefill_form("w4a8-fp8", x, E, 384) and M.grouped_at(T, k, E, "w4a8-fp8-dequant")
     idx, w = _routing(T, k, E, seed=T, sentinel=True)
     calls = []
     real = om._fp8_dequant_gemm

@@ -242,14 +242,12 @@ def test_lut_dequant_experts_kernel_equals_per_expert(bits, group, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from lowbit.kernels.lut_gemm import lut_dequant_mma_experts_triton, lut_dequant_mma_triton
-    from lowbit.kernels.moe_grouped import address_table
 
     E, N, K = 3, 40, 320
     f = _lut_experts(E, N, K, bits, group, torch.bfloat16, seed=bits)
     off = torch.tensor([0, 5, 5, 9], dtype=torch.int32)  # expert 1: no rows
-    w = lut_dequant_mma_experts_triton([address_table(t) for t in (f[0], f[1], f[2], f[4])], off, bits=bits,
-                                       group_size=group, out_features=N, in_features=K, nc=f[0][0].shape[1] // 128,
-                                       stride_sg=f[2][0].stride(0), dtype=torch.bfloat16)
+    w = lut_dequant_mma_experts_triton(f[0], f[1] if bits == 3 else None, f[2], f[4], off, bits=bits,
+                                       group_size=group, out_features=N, in_features=K, dtype=torch.bfloat16)
     for e in (0, 2):
         want = lut_dequant_mma_triton(f[0][e], f[1][e] if bits == 3 else None, f[2][e], f[4][e], bits=bits,
                                       group_size=group, out_features=N, in_features=K, dtype=torch.bfloat16)
@@ -281,4 +279,4 @@ def test_lut_prefill_form_matches_modules(arch, monkeypatch):
     assert len(calls) == 2  # gate_up and down took the prefill form
     want = _on_references(lambda: _module_sum(list(qe.gate_up), list(qe.down), x, idx, w))
     assert rel_l2(got, want) < 2e-2  # (the references' float32 weights: as test_grouped_module_under_interpreter)
-    assert not om._lut_dequant_wanted(100, 4, x.half(), 64) and not om._lut_dequant_wanted(100, 4, x, 60)
+    assert not om._dequant_wanted("lut", 100, 4, x.half(), 64) and not om._dequant_wanted("lut", 100, 4, x, 60)

@@ -1591,18 +1591,23 @@ def lut_dequant_mma_triton(qweight, qweight_hi, scales, table, *, bits: int, gro
     return w
 
 
-def lut_dequant_mma_experts_triton(tables: list[torch.Tensor], offsets: torch.Tensor, *, bits: int, group_size: int,
-                                   out_features: int, in_features: int, nc: int, stride_sg: int,
+def lut_dequant_mma_experts_triton(qweight: list[torch.Tensor], qweight_hi: list[torch.Tensor] | None,
+                                   scales: list[torch.Tensor], table: list[torch.Tensor], offsets: torch.Tensor, *,
+                                   bits: int, group_size: int, out_features: int, in_features: int,
                                    dtype: torch.dtype) -> torch.Tensor:
-    """``lut_dequant_mma_triton`` for ``E`` experts in one launch (session 41, MoE prefill): ``tables`` = int64
-    address tables ``[E]`` of the experts' qweight, qweight_hi (4-bit: qweight), scales (in ``dtype``) and float32
-    table; ``offsets`` int32 ``[E + 1]`` of their routed rows -> ``[E, N, K]`` in ``dtype`` (experts without rows
-    left unwritten)."""
-    E, N, K = tables[0].numel(), out_features, in_features
+    """``lut_dequant_mma_triton`` for ``E`` experts in one launch (session 41, the MoE prefill form): per-expert lists
+    of the fragment-layout buffers (one shape and stride each: ``lowbit.nn.moe._uniform``; ``qweight_hi`` None at 4
+    bits), scales in ``dtype``, float32 tables; ``offsets`` int32 ``[E + 1]`` of their routed rows -> ``[E, N, K]``
+    in ``dtype`` (experts without rows left unwritten)."""
+    from lowbit.kernels.moe_grouped import address_table
+
+    E, N, K = len(qweight), out_features, in_features
     w = torch.empty((E, N, K), device=offsets.device, dtype=dtype)
     if E and N and K:
         bn, bk = 16, 256
+        nc = qweight[0].numel() // (128 * cdiv(N, 16))
+        tables = [address_table(f) for f in (qweight, qweight_hi or qweight, scales, table)]
         _lut_dequant_mma_kernel[(cdiv(N, bn), cdiv(K, bk), E)](
-            *tables, w, offsets, N, K, nc, stride_sg, K,
+            *tables, w, offsets, N, K, nc, scales[0].stride(0), K,
             BITS=bits, GROUP=group_size, BLOCK_N=bn, BLOCK_K=bk, EXPERTS=True, num_warps=4)
     return w

@@ -73,9 +73,9 @@ GROUPED_ALL_EXPERTS = 16
 # 41, Mixtral-8x7B-shaped block (8 experts, top-2), eager, us, grouped / sparse (``s41_moe_prefill_r2.json``): w4a8-fp8
 # 1580 / 10839 at 256 rows, 5724 / 12488 at 1024, 24811 / 15655 at 4096; w4a8-int8 6362 / 9447 at 1024, 25704 /
 # 16661 at 4096; lut (the kernel at every size) 7030 / 8270 at 512, 13767 / 6947 at 1024; "lut-dequant": lut
-# experts that can take the prefill form (``lowbit.ops.moe.lut_prefill_form``: bf16), no bound
+# experts that can take the prefill form (``lowbit.ops.moe.prefill_form``: bf16), no bound
 # (``s41_moe_prefill_r3_mixtral.json``: 3145 / 5205 at 256 rows, 5915 / 6824 at 1024, 20079 / 22302 at 4096)
-# "w4a8-fp8-dequant": w4a8-fp8 experts that can take the FP8 prefill form (``lowbit.ops.moe.fp8_prefill_form``), no
+# "w4a8-fp8-dequant": w4a8-fp8 experts that can take the FP8 prefill form (``lowbit.ops.moe.prefill_form``), no
 # bound (``s41_scaled_grouped.json``)
 GROUPED_MAX_ROWS = {"w4a8-fp8": 1024, "w4a8-int8": 1024, "lut": 512, "lut-dequant": None, "w4a8-fp8-dequant": None}
 # prefill calls of the grouped schedule run in chunks of tokens whose activation transients stay within this many
@@ -110,8 +110,9 @@ def prefill_chunk(tokens: int, k: int, grouped: dict, hidden: int, itemsize: int
     order (and the prefill forms' row thresholds, which a short chunk may not reach)."""
     if tokens <= GROUPED_MAX_TOKENS or torch.compiler.is_compiling():
         return tokens
-    f = grouped["gate_up"]
-    n2 = f[2][0].shape[1] if grouped["scheme"] == "lut" else f[0][0].shape[0]  # 2I
+    from lowbit.ops.moe import weight_rows
+
+    n2 = weight_rows(grouped["scheme"], grouped["gate_up"])  # 2I
     per = max(1, k * (n2 + n2 // 2 + hidden) * itemsize)
     n = PREFILL_CHUNK_MIN
     while n * 2 * per <= PREFILL_CHUNK_BYTES:
@@ -190,16 +191,11 @@ class QuantExperts(nn.Module):
         grouped = (self.grouped_weights() if top_k_weights.dtype in _GROUPED_DTYPES
                    and hidden_states.dtype in _GROUPED_DTYPES else None)
         if grouped is not None:
+            from lowbit.ops.moe import prefill_form, weight_rows
+
             key = grouped["scheme"]
-            if key == "lut":
-                from lowbit.ops.moe import lut_prefill_form
-
-                key = "lut-dequant" if lut_prefill_form(hidden_states, grouped["gate_up"][2][0].shape[1] // 2) else key
-            elif key == "w4a8-fp8":
-                from lowbit.ops.moe import fp8_prefill_form
-
-                inter = grouped["gate_up"][0][0].shape[0] // 2
-                key = "w4a8-fp8-dequant" if fp8_prefill_form(hidden_states, self.num_experts, inter) else key
+            if prefill_form(key, hidden_states, self.num_experts, weight_rows(key, grouped["gate_up"]) // 2):
+                key += "-dequant"  # (GROUPED_MAX_ROWS' keys)
             if not grouped_at(hidden_states.shape[0], k, self.num_experts, key):
                 grouped = None
         if grouped is not None and grouped["scheme"] == "lut" and hidden_states.dtype != grouped["dtype"]:

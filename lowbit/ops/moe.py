@@ -53,6 +53,13 @@ FP8_DEQUANT_ROWS = 512
 FP8_DEQUANT_MAX_EXPERTS = 16
 
 
+def weight_rows(scheme: str, fields) -> int:
+    """N, the output rows of an expert projection, from its per-expert fields (``moe_gemm_triton``'s layouts, as in
+    ``QuantExperts.grouped_weights``): ``lut`` from its scales ``[G, N]``, the W4A8 formats from their codes
+    ``[N, Kp / 2]``; gate_up's N is 2I."""
+    return fields[2][0].shape[1] if scheme == "lut" else fields[0][0].shape[0]
+
+
 def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(``pos``, ``row_tok``, ``offsets``) of the (token, slot) pairs stably sorted by ``key = clamp(id, 0, E)``
     (``lowbit.kernels.moe_route`` states the contract; this is its plain-PyTorch reference, with no host read)."""
@@ -130,7 +137,7 @@ def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params
     T, k = top_k_index.shape
     lut = scheme == "lut"
     E, H = len(gu[0]), x.shape[1]
-    inter = (gu[2][0].shape[1] if lut else gu[0][0].shape[0]) // 2
+    inter = weight_rows(scheme, gu) // 2
     rows = T * k
     qd = _QDTYPE.get(scheme)
     if use_triton(x, gu[0][0]):
@@ -139,17 +146,17 @@ def _experts(scheme, x, top_k_index, top_k_weights, gu, gu_params, dn, dn_params
         from lowbit.kernels.moe_route import combine_triton, route_triton
         from lowbit.kernels.silu_mul import silu_mul_triton
 
+        form = _dequant_wanted(scheme, rows, E, x, inter)  # the prefill form of both GEMMs, or the grouped kernel
+
         def gemm(a, sa, rmap, w, p, kk, tl_, **kw):
+            if form and lut:
+                return _lut_dequant_gemm(a, rmap, offsets, w, kk, group_size, bits)
+            if form:
+                return _fp8_dequant_gemm(a, sa, rmap, offsets, w, p, kk, group_size, x.dtype)
             return moe_gemm_triton(scheme, a, sa, rmap, offsets, w, p, kk, group_size, x.dtype, rows, T,
                                    tiled=tl_, bits=bits, **kw)
 
         pos, row_tok, offsets = (route_triton if rows <= ROUTE_MAX_ROWS else route)(top_k_index, E)
-        if lut and _lut_dequant_wanted(rows, E, x, inter):
-            def gemm(a, sa, rmap, w, p, kk, tl_, **kw):  # noqa: F811 (the prefill form of the same GEMM)
-                return _lut_dequant_gemm(a, rmap, offsets, w, kk, group_size, bits)
-        elif scheme == "w4a8-fp8" and _fp8_dequant_wanted(rows, E, x, inter):
-            def gemm(a, sa, rmap, w, p, kk, tl_, **kw):  # noqa: F811 (the prefill form of the same GEMM)
-                return _fp8_dequant_gemm(a, sa, rmap, offsets, w, p, kk, group_size, x.dtype)
         xq, sx = (x, None) if lut else per_token_quant_triton(x, qd)
         g = gemm(xq, sx, row_tok, gu, gu_params, H, tiled[0])
         if lut:  # gate columns [0, I), up [I, 2I): one block of I
@@ -178,22 +185,33 @@ def _torch_grouped_gemms() -> bool:
     return (major, minor) >= (2, 9) and hasattr(torch, "_grouped_mm") and hasattr(torch, "_scaled_grouped_mm")
 
 
-def lut_prefill_form(x: torch.Tensor, inter: int) -> bool:
-    """Can the ``lut`` experts of intermediate size ``inter`` take the prefill form (``_lut_dequant_gemm``) for
-    ``x [T, H]``: PyTorch's grouped GEMM exists for it (bf16; H and ``inter`` multiples of 8, its 16-byte rows;
-    Hopper / Blackwell CUDA devices, or the CPU: the interpreter's runs)."""
-    if not _torch_grouped_gemms() or x.dtype != torch.bfloat16 or x.shape[1] % 8 or inter % 8:
+def prefill_form(scheme: str, x: torch.Tensor, num_experts: int, inter: int) -> bool:
+    """Can experts of ``scheme`` (``num_experts`` of them, intermediate size ``inter``) take the prefill form for
+    ``x [T, H]``: PyTorch's grouped GEMM exists for it (``_torch_grouped_gemms``) on this device (Hopper; Blackwell
+    too for ``lut``; the CPU: the interpreter's runs, the FP8 one through ``_scaled_grouped_ref``), and
+    - ``lut`` (``_lut_dequant_gemm``): bf16, H and ``inter`` multiples of 8 (``torch._grouped_mm``'s 16-byte rows);
+    - ``w4a8-fp8`` (``_fp8_dequant_gemm``): fewer than ``FP8_DEQUANT_MAX_EXPERTS`` experts, H and ``inter`` multiples
+      of 128 (no padded K; cuBLASLt's FP8 alignment);
+    no other scheme has one."""
+    if scheme == "lut":
+        ok = x.dtype == torch.bfloat16 and x.shape[1] % 8 == 0 and inter % 8 == 0
+    elif scheme == "w4a8-fp8":
+        ok = num_experts < FP8_DEQUANT_MAX_EXPERTS and x.shape[1] % 128 == 0 and inter % 128 == 0
+    else:
+        return False
+    if not ok or not _torch_grouped_gemms():
         return False
     if x.is_cuda:
         from lowbit._utils import cuda_major
 
-        return cuda_major(x.device) in (9, 10)
+        return cuda_major(x.device) in ((9, 10) if scheme == "lut" else (9,))
     return True
 
 
-def _lut_dequant_wanted(rows: int, E: int, x: torch.Tensor, inter: int) -> bool:
-    """The ``lut`` prefill form from ``LUT_DEQUANT_ROWS`` mean rows per hit expert, where it exists."""
-    return rows >= LUT_DEQUANT_ROWS * min(E, rows) and lut_prefill_form(x, inter)
+def _dequant_wanted(scheme: str, rows: int, E: int, x: torch.Tensor, inter: int) -> bool:
+    """The prefill form from ``LUT_DEQUANT_ROWS`` / ``FP8_DEQUANT_ROWS`` mean rows per hit expert, where it exists."""
+    need = {"lut": LUT_DEQUANT_ROWS, "w4a8-fp8": FP8_DEQUANT_ROWS}.get(scheme)
+    return need is not None and rows >= need * min(E, rows) and prefill_form(scheme, x, E, inter)
 
 
 def _lut_dequant_gemm(a, row_map, offsets, weights, k, group_size, bits):
@@ -202,32 +220,12 @@ def _lut_dequant_gemm(a, row_map, offsets, weights, k, group_size, bits):
     then ``torch._grouped_mm`` over the sorted rows (``a[row_map]`` where given) -> ``[rows, N]``; rows no expert
     owns (after ``offsets[E]``) are unspecified, as ``moe_gemm_triton`` leaves them."""
     from lowbit.kernels.lut_gemm import lut_dequant_mma_experts_triton
-    from lowbit.kernels.moe_grouped import address_table
 
     q, qh, sc, _, table = weights
-    n = sc[0].shape[1]
-    w = lut_dequant_mma_experts_triton([address_table(f) for f in (q, qh, sc, table)], offsets, bits=bits,
-                                       group_size=group_size, out_features=n, in_features=k,
-                                       nc=q[0].shape[1] // 128, stride_sg=sc[0].stride(0), dtype=a.dtype)
+    w = lut_dequant_mma_experts_triton(q, qh, sc, table, offsets, bits=bits, group_size=group_size,
+                                       out_features=sc[0].shape[1], in_features=k, dtype=a.dtype)
     rows_in = a[row_map.long()] if row_map is not None else a
     return torch._grouped_mm(rows_in, w.transpose(1, 2), offs=offsets[1:])
-
-
-def fp8_prefill_form(x: torch.Tensor, num_experts: int, inter: int) -> bool:
-    """Can ``w4a8-fp8`` experts take the prefill form (``_fp8_dequant_gemm``): fewer than ``FP8_DEQUANT_MAX_EXPERTS``
-    experts, hidden and intermediate sizes multiples of 128 (no padded K; cuBLASLt's FP8 alignment), PyTorch's
-    ``_scaled_grouped_mm`` on a Hopper CUDA device (or the CPU: the interpreter's runs, ``_scaled_grouped_ref``)."""
-    if num_experts >= FP8_DEQUANT_MAX_EXPERTS or not _torch_grouped_gemms() or x.shape[1] % 128 or inter % 128:
-        return False
-    if x.is_cuda:
-        from lowbit._utils import cuda_major
-
-        return cuda_major(x.device) == 9
-    return True
-
-
-def _fp8_dequant_wanted(rows: int, E: int, x: torch.Tensor, inter: int) -> bool:
-    return rows >= FP8_DEQUANT_ROWS * min(E, rows) and fp8_prefill_form(x, E, inter)
 
 
 def _fp8_dequant_gemm(a, sa, row_map, offsets, weights, inv_delta, k, group_size, out_dtype):
