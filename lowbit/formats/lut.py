@@ -157,7 +157,8 @@ def nearest_codes(u: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return perm[idx].to(torch.uint8)
 
 
-def _scales_from_amax(amax: torch.Tensor, tmax: float, scale_dtype: torch.dtype) -> torch.Tensor:
+def group_scales(amax: torch.Tensor, tmax: float, scale_dtype: torch.dtype) -> torch.Tensor:
+    """Absmax group scale ``amax / max|T|`` (>= AMAX_EPS and the dtype's smallest normal) in ``scale_dtype``."""
     s = (amax.float() / tmax).clamp_min(AMAX_EPS)
     tiny = torch.finfo(scale_dtype).smallest_normal
     return s.clamp_min(tiny).to(scale_dtype)
@@ -184,7 +185,7 @@ def quantize_lut(w: torch.Tensor, *, bits: int = 4, group_size: int = 128, table
     Kp = ng * group_size
     wf = torch.nn.functional.pad(w.detach().float(), (0, Kp - K)).reshape(N, ng, group_size)
     if scales is None:
-        s = _scales_from_amax(wf.abs().amax(-1), float(t.abs().max()), scale_dtype)
+        s = group_scales(wf.abs().amax(-1), float(t.abs().max()), scale_dtype)
     else:
         if tuple(scales.shape) != (N, ng):
             raise ValueError(f"scales must have shape [{N}, {ng}], got {list(scales.shape)}")

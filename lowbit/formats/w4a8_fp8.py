@@ -128,11 +128,26 @@ def decode_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=2).reshape(n, 2 * kp2).to(torch.int8)
 
 
-def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
+def group_sigma(amax: torch.Tensor) -> torch.Tensor:
+    """sigma = FP8_E4M3(max(amax, AMAX_EPS) / 7) as float32 (0 where it underflows); ``amax`` of ``|W'|``."""
+    return fp8_round(div_ieee(amax.float().clamp_min(AMAX_EPS), INT4_MAX))  # IEEE quotient on any device
+
+
+def grid_codes(w_scaled: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """q = clamp(round_half_even(W' / sigma), -7, 7) as float32, 0 where sigma == 0 (a group whose sigma
+    underflowed); ``sigma`` broadcasts against ``w_scaled`` (= W * 2^n)."""
+    safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
+    q = torch.round(w_scaled.float() / safe).clamp(-7, 7)
+    return torch.where(sigma > 0, q, torch.zeros_like(q))
+
+
+def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0, sigma: torch.Tensor | None = None):
     """``w [N, K]`` float -> (codes uint8 [N, Kp/2], scales fp8 [N, Gp], inv_delta fp32 []).
 
     ``pts_exp`` is PTS's n (delta = 2^n), see ``lowbit.ptq.pts``. CAS, if any, is already folded
-    into ``w``. Returns tensors on w's device.
+    into ``w``. ``sigma`` [N, ceil(K / group_size)] (FP8 E4M3 values, >= 0) replaces the absmax scales,
+    e.g. chosen by GPTQ (``lowbit.ptq.gptq``); the codes are then ``grid_codes`` under it. Returns tensors on
+    w's device.
     """
     _check_group(group_size)
     if w.ndim != 2:
@@ -144,12 +159,15 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0):
     kg = g * group_size
     wf = w.float() * (2.0 ** pts_exp)
     wg = torch.nn.functional.pad(wf, (0, kg - k)).reshape(n, g, group_size)
-    amax = wg.abs().amax(-1)
-    sigma = fp8_round(div_ieee(amax.clamp_min(AMAX_EPS), INT4_MAX))  # [N, G], may be 0 (underflow); IEEE on any device
-    safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
-    q = torch.round(wg / safe.unsqueeze(-1)).clamp(-7, 7)
-    q = torch.where(sigma.unsqueeze(-1) > 0, q, torch.zeros_like(q))
-    q = q.reshape(n, kg)[:, :k]
+    if sigma is None:
+        sigma = group_sigma(wg.abs().amax(-1))  # [N, G], may be 0 (underflow)
+    else:
+        if tuple(sigma.shape) != (n, g):
+            raise ValueError(f"sigma must have shape [{n}, {g}], got {list(sigma.shape)}")
+        sigma = sigma.detach().to(w.device, torch.float32)
+        if not (sigma >= 0).all() or not torch.equal(fp8_round(sigma), sigma):
+            raise ValueError("sigma must hold non-negative FP8 E4M3 values")
+    q = grid_codes(wg, sigma.unsqueeze(-1)).reshape(n, kg)[:, :k]
     qp = torch.zeros((n, padded_k(k)), dtype=torch.int16, device=w.device)
     qp[:, :k] = q.to(torch.int16)
     codes = encode_codes(qp)

@@ -169,43 +169,75 @@ def check_group_size(group_size: int) -> int:
     return group_size
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Level 1: w [N, K] float -> (q8 int16 [N, K] in [-119, 119], s1 float32 [N])."""
+def quantize_int8_per_channel(w: torch.Tensor, s1: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level 1: w [N, K] float -> (q8 int16 [N, K] in [-119, 119], s1 float32 [N]); ``s1`` given: kept."""
     wf = w.float()
-    s1 = safe_scale(wf.abs().amax(dim=1), PROTECTIVE_RANGE)
+    if s1 is None:
+        s1 = safe_scale(wf.abs().amax(dim=1), PROTECTIVE_RANGE)
     q8 = torch.round(wf / s1[:, None]).clamp(-PROTECTIVE_RANGE, PROTECTIVE_RANGE).to(torch.int16)
     return q8, s1
 
 
-def quantize_uint4_groups(q8: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Level 2: q8 [N, Kp] integers (Kp a multiple of the group) -> (q4 uint8 [N, Kp],
-    s2 uint8 [N, G], zs uint8 [N, G]); integer arithmetic only."""
-    N, Kp = q8.shape
-    g = Kp if group_size == -1 else group_size
-    x = q8.to(torch.int32).reshape(N, Kp // g, g)
+def uint4_params(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Level-2 parameters of integer groups ``x`` [..., g]: (s2, z) int32 [...] (module docstring's rule)."""
+    x = x.to(torch.int32)
     lo = x.amin(-1).clamp(max=0)
     hi = x.amax(-1).clamp(min=0)
     s2 = ((hi - lo + UINT4_MAX - 1) // UINT4_MAX).clamp(min=1)  # ceil((hi - lo) / 15), >= 1
     # z = round(-lo / s2) with round-half-even, in integers: -lo / s2 is exact as a float64 ratio
     z = torch.round(-lo.double() / s2.double()).to(torch.int32)
-    q = torch.round(x.double() / s2[..., None].double()).to(torch.int32) + z[..., None]
-    q4 = q.clamp(0, UINT4_MAX).to(torch.uint8).reshape(N, Kp)
+    return s2, z
+
+
+def uint4_codes(x: torch.Tensor, s2: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """q4 = clamp(round(x / s2) + z, 0, 15) (int32) for integers ``x``; ``s2`` / ``z`` broadcast against it."""
+    q = torch.round(x.double() / s2.double()).to(torch.int32) + z.to(torch.int32)
+    return q.clamp(0, UINT4_MAX)
+
+
+def quantize_uint4_groups(q8: torch.Tensor, group_size: int, s2: torch.Tensor | None = None,
+                          z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Level 2: q8 [N, Kp] integers (Kp a multiple of the group) -> (q4 uint8 [N, Kp],
+    s2 uint8 [N, G], zs uint8 [N, G]); integer arithmetic only. ``s2`` / ``z`` [N, G] given: kept."""
+    N, Kp = q8.shape
+    g = Kp if group_size == -1 else group_size
+    x = q8.to(torch.int32).reshape(N, Kp // g, g)
+    if s2 is None or z is None:
+        s2, z = uint4_params(x)
+    else:
+        s2, z = s2.to(q8.device, torch.int32), z.to(q8.device, torch.int32)
+        if s2.ndim == 2 and s2.shape == z.shape and s2.shape[0] == N and s2.shape[1] < Kp // g:
+            # groups wholly in the zero padding (K up to the lcm with 128): s2 = 1, z = 0 as the rule gives them
+            pad = Kp // g - s2.shape[1]
+            s2 = torch.nn.functional.pad(s2, (0, pad), value=1)
+            z = torch.nn.functional.pad(z, (0, pad), value=0)
+        if tuple(s2.shape) != (N, Kp // g) or tuple(z.shape) != (N, Kp // g):
+            raise ValueError(f"s2 and z must have shape [{N}, {Kp // g}], got {list(s2.shape)} / {list(z.shape)}")
+        if not ((s2 >= 1) & (s2 <= 16) & (z >= 0) & (z <= UINT4_MAX) & (z * s2 <= 255)).all():
+            raise ValueError("s2 must lie in [1, 16] and z in [0, 15] (z * s2 <= 255)")
+    q4 = uint4_codes(x, s2[..., None], z[..., None]).to(torch.uint8).reshape(N, Kp)
     return q4, s2.to(torch.uint8), (z * s2).to(torch.uint8)
 
 
-def quantize(w: torch.Tensor, group_size: int = 128) -> QoQWeight:
-    """Progressive group quantization of a linear weight ``w`` [N, K] (float)."""
+def quantize(w: torch.Tensor, group_size: int = 128, *, s1: torch.Tensor | None = None,
+             s2: torch.Tensor | None = None, z: torch.Tensor | None = None) -> QoQWeight:
+    """Progressive group quantization of a linear weight ``w`` [N, K] (float). ``s1`` [N] and ``s2`` / ``z``
+    [N, Kp / group_size] replace the rule's scales (e.g. chosen by GPTQ, ``lowbit.ptq.gptq``)."""
     check_group_size(group_size)
     if w.ndim != 2:
         raise ValueError(f"w must be 2-D [out_features, in_features], got shape {list(w.shape)}")
     if not w.is_floating_point():
         raise TypeError(f"w must be a float tensor, got {w.dtype}")
     N, K = w.shape
-    q8, s1 = quantize_int8_per_channel(w)
+    if s1 is not None:
+        s1 = s1.detach().to(w.device, torch.float32)
+        if tuple(s1.shape) != (N,) or not (s1 > 0).all():
+            raise ValueError(f"s1 must be a positive [{N}] tensor, got shape {list(s1.shape)}")
+    q8, s1 = quantize_int8_per_channel(w, s1)
     Kp = padded_k(K, group_size)
     if Kp != K:
         q8 = torch.nn.functional.pad(q8, (0, Kp - K))
-    q4, s2, zs = quantize_uint4_groups(q8, group_size)
+    q4, s2, zs = quantize_uint4_groups(q8, group_size, s2, z)
     return QoQWeight(pack_codes(q4), s1, s2, zs, K, group_size)
 
 

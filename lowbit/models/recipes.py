@@ -46,6 +46,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lowbit.nn.base import GPTQ_ATTR
+
 __all__ = ["fireq", "qserve", "flute_nf4", "flute_nf3", "int8_attention", "fp8_mla", "quantize_linears",
            "quantize_experts",
            "calibration_batches", "recipe_info", "is_quantized"]
@@ -287,7 +289,7 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
           attention: str | None = "fp8", group_size: int = 128, cas: bool = True, pts: bool = True,
           rpn: bool = True, crs: bool = True, alpha: float = 8.0, beta: float = 8.0, top_k: int | None = None,
           cas_options: dict | None = None, linear_options: dict | None = None, skip=(), fuse_mlp: bool = False,
-          pts_scope: str = "fused", lm_head: bool | dict | str = False,
+          pts_scope: str = "fused", lm_head: bool | dict | str = False, gptq: bool | dict = False,
           seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True):
     """FireQ (seed 000): W4A8-FP linears (INT4 weights, FP8 E4M3 g128 scales, FP8 per-token
     activations) with CAS + PTS, a post-RoPE INT4 KV cache with RPN + CRS, FP8 prefill attention.
@@ -302,13 +304,15 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     exponent also lets ``lowbit.models.generate`` run q/k/v (and gate/up) as one GEMM.
     ``lm_head=True`` quantizes the output projection too (w4a8-fp8, its own PTS exponent; FireQ
     keeps it 16-bit, so the default is off; see docs/sections/model.md for its cost).
+    ``gptq=True`` (or a dict of ``damp`` / ``act_order``) picks the linears' codes by GPTQ instead of round to
+    nearest (``lowbit.ptq.gptq``; not in FireQ), under the same scale rule and PTS exponents.
     """
     _check_common("fireq", model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, cas=cas, pts=pts, rpn=rpn,
                    crs=crs, alpha=alpha, beta=beta, top_k=top_k, cas_options=cas_options,
                    linear_options=linear_options, skip=list(skip), fuse_mlp=fuse_mlp, pts_scope=pts_scope,
-                   lm_head=lm_head, seed=seed, n_samples=n_samples, seq_len=seq_len)
+                   lm_head=lm_head, gptq=gptq, seed=seed, n_samples=n_samples, seq_len=seq_len)
     if pts_scope not in ("fused", "tensor"):
         raise ValueError(f"pts_scope must be 'fused' or 'tensor', got {pts_scope!r}")
     if fuse_mlp and (linear != "w4a8-fp8" or skip):
@@ -326,8 +330,9 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     if kv is not None or attention is not None:
         _need("fireq", "lowbit.models.hf_attention", "install_quantized_attention")
 
+    gptq_on = bool(gptq) and linear is not None
     batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
-                                   seed=seed) if needs_rope_kv else None)
+                                   seed=seed) if (needs_rope_kv or gptq_on) else None)
     reports: dict = {}
     if apply_cas is not None:  # weight-only, folds Lambda^-1 into the preceding norms
         reports["cas"] = _call(apply_cas, model, **(cas_options or {}))
@@ -339,6 +344,11 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
         opts = _linear_opts(group_size, linear_options, linear)
         if linear == "w4a8-fp8":
             opts.setdefault("pts", pts)
+        if gptq_on:
+            plan = (_pts_plan(model, opts, pts=pts, pts_scope="fused" if fuse_mlp else pts_scope, skip=skip)
+                    if linear == "w4a8-fp8" else None)
+            reports["gptq"] = _gptq("fireq", model, linear, batches, gptq, opts=opts, skip=skip, progress=progress,
+                                    pts_exps=plan)
         if fuse_mlp:
             from lowbit.models.arch import decoder_layers
 
@@ -385,6 +395,53 @@ def _rope_kv(calibrate, model, batches, *, rpn, crs, progress, **constants):
     return rope_kv
 
 
+def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, progress: bool,
+          pts_exps: dict | None = None) -> dict | None:
+    """GPTQ (``lowbit.ptq.gptq``) of the float decoder linears before they are quantized: ``gptq`` True or a dict
+    of ``damp`` / ``act_order``; None when off. Returns its report."""
+    if not gptq:
+        return None
+    kw = dict(gptq) if isinstance(gptq, dict) else {}
+    bad = set(kw) - {"damp", "act_order"}
+    if bad or not isinstance(gptq, (bool, dict)):
+        raise ValueError(f"{name}: gptq must be a bool or a dict of 'damp' / 'act_order', got {gptq!r}")
+    if scheme not in ("w4a8-fp8", "w4a8-int8", "lut"):
+        raise ValueError(f"{name}: gptq=True needs linear 'w4a8-fp8', 'w4a8-int8' or 'lut', got {scheme!r}")
+    run = _need(name, "lowbit.ptq.gptq", "apply_gptq")
+    fmt = {k: opts[k] for k in ("bits", "table", "dtype") if k in opts and scheme == "lut"}
+    return _call(run, model, scheme, batches, group_size=opts.get("group_size", 128), options=fmt,
+                 pts_exps=pts_exps, skip=tuple(skip), progress=progress, **kw)
+
+
+def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, skip=()) -> dict:
+    """``{(layer index, role): n}``: the PTS exponent each w4a8-fp8 linear will be quantized with (the rules of
+    ``_quantize_shared_pts`` and ``W4A8FP8Linear.from_weight``), for GPTQ to quantize under it."""
+    from lowbit.models.arch import decoder_layers
+    from lowbit.ptq.pts import pts_exponent
+
+    g = opts.get("group_size", 128)
+    plan: dict = {}
+    for v in decoder_layers(model):
+        lins = {r: m for r, m in {**v.linears(), **v.shared_linears()}.items()
+                if isinstance(m, nn.Linear) and r.removeprefix("shared.") not in skip}
+        for group in _PTS_GROUPS:
+            roles = [r for r in group if r in lins]
+            if not roles:
+                continue
+            if "pts_exp" in opts or not pts:
+                es = [int(opts.get("pts_exp", 0))] * len(roles)
+            elif pts_scope == "fused":
+                es = [pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g)] * len(roles)
+            else:
+                es = [pts_exponent(lins[r].weight.detach(), g) for r in roles]
+            plan.update({(v.index, r): e for r, e in zip(roles, es)})
+    return plan
+
+
+_PTS_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",),
+               ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
+
+
 def _no_moe(model, what: str) -> None:
     from lowbit.models.arch import decoder_layers
 
@@ -404,13 +461,13 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
     g = opts.get("group_size", 128)
     for v in _progress(views, "fireq: w4a8-fp8 linears", progress, len(views)):
         lins = {**v.linears(), **v.shared_linears()}
-        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",),
-                      ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",)):
+        for group in _PTS_GROUPS:
             roles = [r for r in group if r.removeprefix("shared.") not in skip and isinstance(lins.get(r), nn.Linear)]
             if not roles:
                 continue
-            w = torch.cat([lins[r].weight.detach() for r in roles], 0)
-            e = pts_exponent(w, g)
+            rec = getattr(lins[roles[0]], GPTQ_ATTR, None)  # GPTQ fixed the exponent before moving the weights
+            e = (int(rec.options.get("pts_exp", 0)) if rec is not None
+                 else pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g))
             for r in roles:
                 v.set_linear(r, quantize_linear(lins[r], "w4a8-fp8", pts_exp=e, **opts))
         _quantize_experts(v, "w4a8-fp8", skip, opts)  # each expert matrix its own PTS exponent (gate_up is one)
@@ -483,18 +540,21 @@ def _drop_rpn(params):
 def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str | None = "kv4-zp",
            attention: str | None = "sdpa", group_size: int = 128, smooth: bool = True, smooth_alpha: float = 0.5,
            smoothquant: bool = False, smoothquant_alpha: float = 0.5, linear_options: dict | None = None, skip=(),
-           lm_head: bool | dict | str = False, seed: int = 0, n_samples: int = 16, seq_len: int = 512, tokenizer=None,
-           progress: bool = True):
+           lm_head: bool | dict | str = False, gptq: bool | dict = False, seed: int = 0, n_samples: int = 16,
+           seq_len: int = 512, tokenizer=None, progress: bool = True):
     """QServe / QoQ (W4A8KV4): progressive INT4->INT8 g128 weights with INT8 per-token activations,
     SmoothAttention on keys (``smooth``), optional SmoothQuant on linear inputs (``smoothquant``),
     INT4 KV cache with zero points. Prefill attention defaults to float SDPA (QServe's own).
-    ``lm_head=True`` quantizes the output projection too (QServe keeps it 16-bit: off by default)."""
+    ``lm_head=True`` quantizes the output projection too (QServe keeps it 16-bit: off by default).
+    ``gptq=True`` (or a dict of ``damp`` / ``act_order``): the codes by GPTQ (``lowbit.ptq.gptq``; QServe rounds to
+    nearest), under the same progressive scale rule."""
     _check_common("qserve", model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, smooth=smooth,
                    smooth_alpha=smooth_alpha, smoothquant=smoothquant, smoothquant_alpha=smoothquant_alpha,
-                   linear_options=linear_options, skip=list(skip), lm_head=lm_head, seed=seed, n_samples=n_samples,
-                   seq_len=seq_len)
+                   linear_options=linear_options, skip=list(skip), lm_head=lm_head, gptq=gptq, seed=seed,
+                   n_samples=n_samples, seq_len=seq_len)
+    gptq_on = bool(gptq) and linear is not None
     sa = _need("qserve", "lowbit.ptq.smooth_attention", "apply_smooth_attention") if smooth else None
     sq = _need("qserve", "lowbit.ptq.smoothquant", "apply_smoothquant") if smoothquant else None
     if linear is not None:
@@ -504,7 +564,7 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
     if kv is not None or attention is not None:
         _need("qserve", "lowbit.models.hf_attention", "install_quantized_attention")
     batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
-                                   seed=seed) if (sa or sq) else None)
+                                   seed=seed) if (sa or sq or gptq_on) else None)
     reports: dict = {}
     key_scales = None  # SmoothAttention's λ on q/k-norm layers (Qwen3): applied by the cache after RoPE
     if sa is not None:
@@ -517,6 +577,9 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
         reports["smoothquant"] = _call(sq, model, batches, alpha=smoothquant_alpha)
     model = _install_attention("qserve", model, kv=kv, attention=attention, rope_kv=key_scales)
     if linear is not None:
+        if gptq_on:
+            reports["gptq"] = _gptq("qserve", model, linear, batches, gptq, skip=skip, progress=progress,
+                                    opts=_linear_opts(group_size, linear_options, linear))
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
                          **_linear_opts(group_size, linear_options, linear))
         if lm_head:
@@ -527,7 +590,7 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
 
 def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, group_size, table, learn_scales,
            lr, epochs, linear_options, skip, seed, n_samples, seq_len, tokenizer, progress, lm_head=False,
-           rpn=True, crs=True, fuse_mlp=None):
+           rpn=True, crs=True, fuse_mlp=None, gptq=False):
     _check_common(name, model, linear, kv, attention)
     _seeded(seed)
     options = dict(linear=linear, kv=kv, attention=attention, group_size=group_size, bits=bits, table=table,
@@ -535,6 +598,11 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
                    seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head, rpn=rpn, crs=crs)
     if fuse_mlp is not None:  # (recorded only when given)
         options["fuse_mlp"] = bool(fuse_mlp)
+    gptq_on = bool(gptq) and linear is not None
+    if gptq:  # (recorded only when on)
+        options["gptq"] = gptq
+    if gptq_on and learn_scales:
+        raise ValueError(f"{name}: gptq and learn_scales are two ways to pick the weights; choose one")
     if fuse_mlp and (linear != "lut" or {"gate_proj", "up_proj"} & set(skip)):
         raise ValueError(f"{name}: fuse_mlp=True needs linear='lut' with gate_proj / up_proj quantized")
     if fuse_mlp:
@@ -553,7 +621,7 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
         options["table"] = table.tolist()
     reports: dict = {}
     batches = None
-    if needs_rope_kv or learn is not None:
+    if needs_rope_kv or learn is not None or gptq_on:
         batches = calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
                                       seed=seed)
     # an INT4 cache gets FireQ's RPN + CRS (calibrated on the float model, as in the fireq recipe)
@@ -567,6 +635,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     # scales through the straight-through estimator and quantizes the linears itself (codes re-chosen
     # under the learned scales). Quantizing first would leave it only the frozen-codes mode.
     ste = learn is not None and linear == "lut"
+    if gptq_on:
+        reports["gptq"] = _gptq(name, model, linear, batches, gptq, opts=opts, skip=skip, progress=progress)
     if linear is not None and not ste:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe=name, **opts)
     if learn is not None:
@@ -599,7 +669,8 @@ def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True, fuse_mlp: bool | None = None):
+              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True, fuse_mlp: bool | None = None,
+              gptq: bool | dict = False):
     """FLUTE (seed 001): 4-bit NormalFloat lookup-table weights, g128, activations in the model's
     float dtype; ``learn_scales=True`` runs Learned NormalFloat (needs calibration). ``lm_head=True`` (or
     a dict of head-only linear options) quantizes the output projection too (RTN NF scales; FLUTE
@@ -612,12 +683,15 @@ def flute_nf4(model, calibration=None, *, linear: str | None = "lut", kv: str | 
     layer or an error, False = never. Decision (session 26, H200, Llama-3-8B shapes, decode ctx 1k, CUDA graphs,
     two decoder layers without the head, fused vs unfused in three runs, ``model_s26_final_{a,b,c}.json``, ms):
     batch 64 0.4042 / 0.4066 / 0.4061 vs 0.4130 / 0.4124 / 0.4128, batch 16 0.2252 / 0.2250 vs 0.2267 / 0.2290,
-    batch 1 0.1470 / 0.1533 / 0.1468 vs 0.1489 / 0.1465 / 0.1474 (within the run-to-run spread)."""
+    batch 1 0.1470 / 0.1533 / 0.1468 vs 0.1489 / 0.1465 / 0.1474 (within the run-to-run spread).
+    ``gptq=True`` (or a dict of ``damp`` / ``act_order``): the codes by GPTQ under the absmax NF scales
+    (``lowbit.ptq.gptq``; not in FLUTE; exclusive with ``learn_scales``)."""
     with torch.enable_grad():
         return _flute("flute-nf4", 4, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs, fuse_mlp=fuse_mlp)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs, fuse_mlp=fuse_mlp,
+                      gptq=gptq)
 
 
 @torch.no_grad()
@@ -625,13 +699,15 @@ def flute_nf3(model, calibration=None, *, linear: str | None = "lut", kv: str | 
               attention: str | None = None, group_size: int = 128, table="nf", learn_scales: bool = False,
               lr: float = 1e-4, epochs: int = 1, linear_options: dict | None = None, skip=(), seed: int = 0,
               n_samples: int = 16, seq_len: int = 512, tokenizer=None, progress: bool = True,
-              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True, fuse_mlp: bool | None = None):
+              lm_head: bool | dict | str = False, rpn: bool = True, crs: bool = True, fuse_mlp: bool | None = None,
+              gptq: bool | dict = False):
     """FLUTE 3-bit NormalFloat lookup-table weights, g128 (see ``flute_nf4``)."""
     with torch.enable_grad():
         return _flute("flute-nf3", 3, model, calibration, linear=linear, kv=kv, attention=attention,
                       group_size=group_size, table=table, learn_scales=learn_scales, lr=lr, epochs=epochs,
                       linear_options=linear_options, skip=skip, seed=seed, n_samples=n_samples, seq_len=seq_len,
-                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs, fuse_mlp=fuse_mlp)
+                      tokenizer=tokenizer, progress=progress, lm_head=lm_head, rpn=rpn, crs=crs, fuse_mlp=fuse_mlp,
+                      gptq=gptq)
 
 
 @torch.no_grad()

@@ -6,10 +6,38 @@ it with ``cls.empty(in_features, out_features, bias, dtype, **config)`` and load
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import nn
+
+
+GPTQ_ATTR = "lowbit_gptq"  # attribute of a float nn.Linear holding its GPTQResult until it is quantized
+
+
+@dataclass
+class GPTQResult:
+    """Scales chosen by GPTQ (``lowbit.ptq.gptq.apply_gptq``) for a float ``nn.Linear`` whose weight GPTQ already
+    moved onto the format's grid; the modules' ``from_linear`` quantize under them (``gptq_record``)."""
+
+    scheme: str
+    group_size: int
+    scales: dict  # w4a8-fp8: sigma [N, G] float32; w4a8-int8: s1 [N], s2 / z [N, G] int32; lut: scales [N, G]
+    options: dict = field(default_factory=dict)  # pts_exp (w4a8-fp8); bits, table, scale_dtype (lut)
+    stats: dict = field(default_factory=dict)  # proxy losses ``rtn`` / ``gptq`` (mean over tokens of |x (W - Q)^T|^2)
+
+
+def gptq_record(linear, scheme: str, group_size: int) -> GPTQResult | None:
+    """The ``GPTQResult`` attached to ``linear`` (None without one); ValueError when it was made for another
+    scheme or group size than the module about to be built."""
+    rec = getattr(linear, GPTQ_ATTR, None)
+    if rec is None:
+        return None
+    if rec.scheme != scheme or rec.group_size != group_size:
+        raise ValueError(f"this linear was GPTQ-quantized for {rec.scheme!r} with group_size={rec.group_size}; "
+                         f"quantize it with the same (got {scheme!r}, group_size={group_size})")
+    return rec
 
 
 class QuantLinear(nn.Module):

@@ -33,7 +33,7 @@ from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, SILU_BLOCK, make_tabl
                                 pack_codes_mma, pack_lut, packed_shapes, pair_table, quantize_lut, table_is_uniform)
 
 DEFAULT_LAYOUT = "mma"  # 'mma' where it exists (mma_layout_ok), else 'planar'; see docs/sections/lut.md
-from lowbit.nn.base import FusedMLP, QuantLinear
+from lowbit.nn.base import FusedMLP, QuantLinear, gptq_record
 from lowbit.ops.lut import dequantize_packed, lut_gemm
 
 
@@ -94,6 +94,17 @@ class LUTLinear(QuantLinear):
         w = linear.weight.detach()
         if dtype is None:
             dtype = w.dtype if w.dtype in SCALE_DTYPES else torch.bfloat16
+        rec = gptq_record(linear, "lut", group_size)
+        if rec is not None:  # GPTQ's scales (lowbit.ptq.gptq): the same table, bits and scale dtype required
+            o = rec.options
+            same_table = (isinstance(table, str) and o.get("table", "nf") == table) or (
+                not isinstance(table, str) and not isinstance(o.get("table"), str)
+                and torch.equal(make_table(table, bits), make_table(o["table"], bits)))
+            if scales is not None or o.get("bits", 4) != bits or not same_table or o.get("scale_dtype") != dtype:
+                raise ValueError(f"this linear was GPTQ-quantized with bits={o.get('bits', 4)}, table="
+                                 f"{o.get('table', 'nf')!r}, dtype={o.get('scale_dtype')}; quantize it with the same "
+                                 "and without scales=")
+            scales = rec.scales["scales"]
         q = quantize_lut(w, bits=bits, group_size=group_size, table=table, scale_dtype=dtype, scales=scales)
         kind = table if isinstance(table, str) else ("int" if table_is_uniform(q.table) else "custom")
         m = cls(linear.in_features, linear.out_features, bits=bits, group_size=group_size,

@@ -18,7 +18,7 @@ from torch import nn
 
 from lowbit.formats.common import FP8_E4M3, interleave_rows
 from lowbit.formats.w4a8_fp8 import GROUP_SIZES, dequantize_weight, padded_k, quantize_weight, scale_cols
-from lowbit.nn.base import FusedMLP, QuantLinear
+from lowbit.nn.base import FusedMLP, QuantLinear, gptq_record
 
 _ACTIVATIONS = (None, "silu_mul")
 
@@ -55,14 +55,20 @@ class W4A8FP8Linear(QuantLinear):
         delta = 2^n by ``lowbit.ptq.pts.pts_exponent``; ``pts_exp`` forces n."""
         if options:
             raise TypeError(f"unexpected options for w4a8-fp8: {sorted(options)}")
+        sigma = None
+        rec = gptq_record(linear, "w4a8-fp8", group_size)
+        if rec is not None:  # GPTQ's scales and PTS exponent (lowbit.ptq.gptq)
+            pts_exp = _gptq_pts(rec, pts, pts_exp)
+            sigma = rec.scales["sigma"]
         return cls.from_weight(linear.weight.detach(), linear.bias, group_size=group_size, pts=pts, pts_exp=pts_exp,
-                               dtype=dtype or linear.weight.dtype)
+                               dtype=dtype or linear.weight.dtype, sigma=sigma)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group_size: int = 128,
                     pts: bool = True, pts_exp: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                    activation: str | None = None) -> "W4A8FP8Linear":
-        """From a float weight ``[rows, K]`` (rows already interleaved for ``activation='silu_mul'``)."""
+                    activation: str | None = None, sigma: torch.Tensor | None = None) -> "W4A8FP8Linear":
+        """From a float weight ``[rows, K]`` (rows already interleaved for ``activation='silu_mul'``);
+        ``sigma`` [rows, ceil(K / group_size)] replaces the absmax group scales (GPTQ's)."""
         from lowbit.ptq.pts import pts_exponent
 
         rows, k = weight.shape
@@ -71,7 +77,7 @@ class W4A8FP8Linear(QuantLinear):
         out = rows // 2 if activation == "silu_mul" else rows
         m = cls(k, out, bias is not None, dtype, group_size=group_size, pts_exp=pts_exp, activation=activation,
                 device=weight.device)
-        codes, scales, _ = quantize_weight(weight, group_size, pts_exp)
+        codes, scales, _ = quantize_weight(weight, group_size, pts_exp, sigma)
         m.codes.copy_(codes)
         m.scales.copy_(scales)
         if bias is not None:
@@ -107,6 +113,14 @@ class W4A8FP8MLP(FusedMLP):
     """Llama MLP with a fused gate_up ``W4A8FP8Linear`` (SiLU*mul in its epilogue) and ``down``."""
 
 
+def _gptq_pts(rec, pts: bool, pts_exp: int | None) -> int:
+    """The PTS exponent GPTQ quantized under; ValueError when the caller asks for another one."""
+    n = int(rec.options.get("pts_exp", 0))
+    if (pts_exp is not None and pts_exp != n) or (not pts and n != 0):
+        raise ValueError(f"this linear was GPTQ-quantized with PTS exponent {n}; got pts={pts}, pts_exp={pts_exp}")
+    return n
+
+
 def fuse_mlp(layer_view, *, group_size: int = 128, pts: bool = True, quantize_down: bool = True) -> W4A8FP8MLP:
     """Replace ``layer_view.layer.mlp`` (a float Llama MLP with SiLU) by ``W4A8FP8MLP``: gate and
     up rows interleaved into one w4a8-fp8 weight with one shared PTS exponent (the rule applied to
@@ -119,13 +133,22 @@ def fuse_mlp(layer_view, *, group_size: int = 128, pts: bool = True, quantize_do
     if not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
         raise TypeError("fuse_mlp needs float nn.Linear gate_proj/up_proj")
     w = interleave_rows(gate.weight.detach(), up.weight.detach())
+    rg, ru = gptq_record(gate, "w4a8-fp8", group_size), gptq_record(up, "w4a8-fp8", group_size)
+    sigma = pts_exp = None
+    if (rg is None) != (ru is None):
+        raise ValueError("fuse_mlp: only one of gate_proj / up_proj carries GPTQ scales")
+    if rg is not None:
+        pts_exp = _gptq_pts(rg, pts, None)
+        if _gptq_pts(ru, pts, None) != pts_exp:
+            raise ValueError("fuse_mlp: gate_proj and up_proj were GPTQ-quantized with different PTS exponents")
+        sigma = interleave_rows(rg.scales["sigma"], ru.scales["sigma"])
     b = None
     if gate.bias is not None or up.bias is not None:
         zg = gate.bias if gate.bias is not None else torch.zeros_like(up.bias)
         zu = up.bias if up.bias is not None else torch.zeros_like(gate.bias)
         b = interleave_rows(zg.detach(), zu.detach())
-    gu = W4A8FP8Linear.from_weight(w, b, group_size=group_size, pts=pts, dtype=gate.weight.dtype,
-                                   activation="silu_mul")
+    gu = W4A8FP8Linear.from_weight(w, b, group_size=group_size, pts=pts, pts_exp=pts_exp, dtype=gate.weight.dtype,
+                                   activation="silu_mul", sigma=sigma)
     down = layer_view.down_proj
     if quantize_down and isinstance(down, nn.Linear):
         down = W4A8FP8Linear.from_linear(down, group_size=group_size, pts=pts)

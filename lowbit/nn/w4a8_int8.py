@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lowbit.formats import w4a8_int8 as fmt
-from lowbit.nn.base import QuantLinear
+from lowbit.nn.base import QuantLinear, gptq_record
 from lowbit.ops.w4a8_int8 import w4a8_int8_linear
 
 
@@ -69,7 +69,8 @@ class W4A8INT8Linear(QuantLinear):
         dtype = dtype or w.dtype
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, group_size, tiled,
                   device=w.device)
-        qw = fmt.quantize(w, group_size)
+        rec = gptq_record(linear, "w4a8-int8", group_size)  # GPTQ's scales (lowbit.ptq.gptq), if any
+        qw = fmt.quantize(w, group_size, **(rec.scales if rec is not None else {}))
         mod.qweight.copy_(fmt.tile_codes(qw.qweight) if mod.tiled else qw.qweight)
         mod.wscale.copy_(qw.wscale)
         mod.gscale.copy_(qw.gscale)

@@ -1,0 +1,40 @@
+"""Session 42: GPTQ (``lowbit.ptq.gptq``) against round to nearest on the embedded model, on the H200, in the setting
+of the README's accuracy table (``lowbit.eval.ablation``: bf16 activations, first 8192 tokens, window 1024,
+calibration = the corpus, 16 x 512 tokens, seed 0). Needs the embedded model (``round.sh``'s two GGUF parts).
+
+    PYTHONPATH=. python3 benchmarks/device/s42_gptq.py --out $OUT/s42_gptq
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+from lowbit.eval import ablation, pipeline  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--out", required=True)
+ap.add_argument("--budget", type=float, default=400)
+a = ap.parse_args()
+os.makedirs(a.out, exist_ok=True)
+L0 = dict(kv=None, attention=None)
+ROWS = [("FP32", None, {}), ("BF16", None, {})]
+for label, recipe, opts in [("fireq linears (CAS+PTS)", "fireq", L0), ("fireq full", "fireq", {}),
+                            ("qserve linears", "qserve", L0), ("qserve full", "qserve", {}),
+                            ("flute-nf4", "flute-nf4", {}), ("flute-nf3", "flute-nf3", {}),
+                            ("lut RTN INT4", "flute-nf4", dict(table="int"))]:
+    ROWS.append((f"{label} RTN", recipe, dict(opts)))
+    ROWS.append((f"{label} GPTQ", recipe, dict(opts, gptq=True)))
+loaded = pipeline.load(None, device="cuda", dtype=torch.float32)
+t = time.time()
+rows = ablation.run_ablation(loaded.model, loaded.tokenizer, rows=ROWS, time_budget_s=a.budget)
+env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+       "seconds": round(time.time() - t, 1)}
+with open(os.path.join(a.out, "s42_gptq_ablation.json"), "w") as f:
+    json.dump({"env": env, "rows": rows}, f, indent=1, default=str)
+with open(os.path.join(a.out, "s42_gptq_ablation.md"), "w") as f:
+    f.write(ablation.to_markdown(rows) + "\n")
+print(ablation.to_markdown(rows))

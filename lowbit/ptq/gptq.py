@@ -1,0 +1,331 @@
+"""GPTQ (Frantar et al., 2023, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers"): error-compensating rounding of a linear weight onto a format's grid, for every weight format
+lowbit stores (``w4a8-fp8``, ``w4a8-int8``, ``lut``). None of the five seed papers uses it (FireQ, QServe
+and FLUTE round to nearest); it is here because it is the PTQ a user of 4-bit weights expects, and it
+composes with theirs: CAS / SmoothQuant / RPN are folded into the float weights first, then GPTQ picks the
+codes under the format's own scale rule.
+
+Per linear ``W [N, K]`` with inputs ``x`` (calibration tokens through the already-quantized earlier
+layers: layer by layer, "sequential" in the paper's sense)::
+
+    H     = 2/T * sum_t x_t x_t^T + lambda I        float64 on the CPU, float32 elsewhere;
+                                                    lambda = damp * mean(diag H) (damp 0.01)
+    U     = upper Cholesky factor of H^-1
+    for each column j (in blocks of 128, the paper's lazy batch updates):
+        q_j   = grid(w_j)                           the format's quantize-dequantize of the column
+        e_j   = (w_j - q_j) / U[j, j]
+        w_k  -= e_j * U[j, k]   for k > j           the columns not yet quantized absorb the error
+
+Decisions (each tested in ``tests/test_gptq.py``):
+- **Group scales.** Without ``act_order`` a group's scales come from the group's columns *as updated so
+  far*, when its first column is reached (the paper's ``groupsize`` variant); the group lies inside one
+  lazy block (blocks are a multiple of ``group_size``), so the updates of earlier columns of the block
+  count too (the reference implementation reads the not-yet-updated block there). With ``act_order``
+  (columns by decreasing ``diag H``) the scales are fixed from the original weight first ("static
+  groups"), so the stored layout keeps contiguous groups.
+- **What is stored.** The scales GPTQ chose and codes that dequantize to its ``q`` exactly: the result is
+  a float weight on the grid plus the scales, which the modules' ``from_linear`` take as they are (a
+  ``GPTQResult`` attached to the ``nn.Linear``, ``ATTR``); round to nearest under those scales gives the
+  same codes back (checked at attach time, ``_check_roundtrip``).
+- **Per format**, the grid is the format reference's own arithmetic (``lowbit.formats``):
+  ``w4a8-fp8``: sigma = FP8(amax(W * 2^n) / 7) per group, q = clamp(round(W 2^n / sigma)), dequantized as
+  FP8(q sigma) 2^-n, with PTS's n fixed from the original weight before GPTQ (the rule reads the smallest
+  non-zero weight, which rounding changes). ``w4a8-int8``: the per-channel s1 from the original row
+  (static), the UINT4 group (s2, z) from the group's INT8 values. ``lut``: absmax scale in the scale
+  dtype, nearest table entry.
+- Activation quantization (FP8 / INT8 per token) is not modelled in ``H`` (the inputs are the previous
+  layers' float-activation outputs): GPTQ compensates the weight error only, as in the paper.
+- Mixture-of-experts experts keep round to nearest (their inputs are routed subsets; not calibrated here).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.formats.lut import group_scales, make_table, nearest_codes
+from lowbit.formats.w4a8_fp8 import fp8_round, grid_codes, group_sigma
+from lowbit.formats.w4a8_int8 import quantize_int8_per_channel, uint4_codes, uint4_params
+from lowbit.models.arch import decoder_layers
+from lowbit.nn.base import GPTQ_ATTR as ATTR
+from lowbit.nn.base import GPTQResult
+
+SCHEMES = ("w4a8-fp8", "w4a8-int8", "lut")
+
+
+# ------------------------------------------------------------------------------------------------ grids
+class _Grid:
+    """A format's quantize-dequantize of one column under one group's parameters."""
+
+    def params(self, wg: torch.Tensor):  # wg [N, g] float -> per-row parameters of the group
+        raise NotImplementedError
+
+    def qdq(self, w: torch.Tensor, p) -> torch.Tensor:  # w [N, c], p per row -> dequantized [N, c]
+        raise NotImplementedError
+
+    def stack(self, ps: list) -> dict:  # per-group parameters -> the GPTQResult.scales fields
+        raise NotImplementedError
+
+
+class _FP8Grid(_Grid):
+    def __init__(self, pts_exp: int):
+        self.d = 2.0 ** pts_exp
+        self.inv_d = 2.0 ** -pts_exp
+
+    def params(self, wg):
+        return group_sigma((wg.float() * self.d).abs().amax(-1))
+
+    def qdq(self, w, sigma):
+        sigma = sigma[:, None]
+        return fp8_round(grid_codes(w.float() * self.d, sigma) * sigma) * self.inv_d
+
+    def stack(self, ps):
+        return {"sigma": torch.stack(ps, 1)}
+
+
+class _QoQGrid(_Grid):
+    def __init__(self, s1: torch.Tensor):
+        self.s1 = s1
+
+    def _q8(self, w):
+        return quantize_int8_per_channel(w, self.s1)[0]
+
+    def params(self, wg):
+        return uint4_params(self._q8(wg))
+
+    def qdq(self, w, p):
+        s2, z = p[0][:, None], p[1][:, None]
+        q4 = uint4_codes(self._q8(w), s2, z)
+        return ((q4 - z) * s2).float() * self.s1[:, None]
+
+    def stack(self, ps):
+        return {"s1": self.s1, "s2": torch.stack([p[0] for p in ps], 1), "z": torch.stack([p[1] for p in ps], 1)}
+
+
+class _LUTGrid(_Grid):
+    def __init__(self, table: torch.Tensor, scale_dtype: torch.dtype):
+        self.t = table.float()
+        self.tmax = float(table.abs().max())
+        self.dtype = scale_dtype
+
+    def params(self, wg):
+        return group_scales(wg.float().abs().amax(-1), self.tmax, self.dtype)
+
+    def qdq(self, w, s):
+        sf = s.float()[:, None]
+        return self.t.to(w.device)[nearest_codes(w.float() / sf, self.t).long()] * sf
+
+    def stack(self, ps):
+        return {"scales": torch.stack(ps, 1)}
+
+
+def make_grid(scheme: str, w: torch.Tensor, options: dict) -> _Grid:
+    """The grid of ``scheme`` for weight ``w`` (static per-tensor / per-channel parts taken from ``w``)."""
+    if scheme == "w4a8-fp8":
+        return _FP8Grid(int(options.get("pts_exp", 0)))
+    if scheme == "w4a8-int8":
+        return _QoQGrid(quantize_int8_per_channel(w)[1])
+    if scheme == "lut":
+        return _LUTGrid(make_table(options.get("table", "nf"), int(options.get("bits", 4))),
+                        options.get("scale_dtype", torch.bfloat16))
+    raise ValueError(f"GPTQ supports the schemes {SCHEMES}, got {scheme!r}")
+
+
+# ------------------------------------------------------------------------------------------------ core
+def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Running mean of ``2 x x^T`` over tokens: ``x`` [..., K] -> (H [K, K], tokens so far)."""
+    x = x.detach().reshape(-1, x.shape[-1])
+    dt = torch.float64 if x.device.type == "cpu" else torch.float32
+    x = x.float()  # one batch's products in float32, the running sum in ``dt``
+    t = x.shape[0]
+    if h is None:
+        h = torch.zeros(x.shape[1], x.shape[1], dtype=dt, device=x.device)
+    h.mul_(n / (n + t)).add_((x.T @ x).to(dt), alpha=2.0 / (n + t))
+    return h, n + t
+
+
+def gptq_weight(w: torch.Tensor, h: torch.Tensor, grid: _Grid, group_size: int, *, damp: float = 0.01,
+                act_order: bool = False, block: int = 128) -> tuple[torch.Tensor, dict]:
+    """GPTQ of ``w`` [N, K] with Hessian ``h`` [K, K] onto ``grid`` in groups of ``group_size`` columns.
+    Returns (the dequantized weight Q [N, K] float32, the grid's stacked group parameters)."""
+    if w.ndim != 2 or h.shape != (w.shape[1], w.shape[1]):
+        raise ValueError(f"w must be [N, K] and h [K, K], got {list(w.shape)} and {list(h.shape)}")
+    if not 0.0 <= damp < 1.0:
+        raise ValueError(f"damp must lie in [0, 1), got {damp}")
+    n, k = w.shape
+    dt = h.dtype
+    W = w.detach().to(dt).clone()
+    H = h.clone()
+    dead = torch.diagonal(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    ng = -(-k // group_size)
+    static = None
+    if act_order:  # static groups: parameters from the original weight, contiguous in the stored layout
+        wp = torch.nn.functional.pad(W, (0, ng * group_size - k))
+        static = [grid.params(wp[:, g * group_size:(g + 1) * group_size]) for g in range(ng)]
+        perm = torch.argsort(torch.diagonal(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    else:
+        perm = None
+    H.diagonal().add_(damp * torch.diagonal(H).mean())
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    params: list = [None] * ng
+    bs = max(block // group_size, 1) * group_size  # lazy blocks hold whole groups
+    p = None
+    for i1 in range(0, k, bs):
+        i2 = min(i1 + bs, k)
+        W1 = W[:, i1:i2].clone()
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            col = i1 + j
+            if static is not None:
+                p = static[int(perm[col]) // group_size]
+            elif col % group_size == 0:
+                p = grid.params(W1[:, j:j + group_size])
+                params[col // group_size] = p
+            wj = W1[:, j]
+            qj = grid.qdq(wj[:, None], p)[:, 0].to(dt)
+            Q[:, col] = qj
+            e = (wj - qj) / U1[j, j]
+            W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
+            E1[:, j] = e
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    if static is not None:
+        params = static
+        Q = Q[:, torch.argsort(perm)]
+    return Q.float(), grid.stack(params)
+
+
+def round_to_nearest(w: torch.Tensor, grid: _Grid, group_size: int) -> torch.Tensor:
+    """The format's own round to nearest of ``w`` [N, K] through ``grid`` (GPTQ's baseline), dequantized."""
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    for c in range(0, w.shape[1], group_size):
+        wg = w[:, c:c + group_size]
+        out[:, c:c + group_size] = grid.qdq(wg, grid.params(wg))
+    return out
+
+
+def proxy_loss(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
+    """``tr((W - Q) H (W - Q)^T) / 2``: the mean over calibration tokens of ``|x (W - Q)^T|^2``."""
+    d = (w.to(h.dtype) - q.to(h.dtype))
+    return float(((d @ h) * d).sum() / 2)
+
+
+# ------------------------------------------------------------------------------------------------ model
+class _Stop(Exception):
+    pass
+
+
+# linears that read one input: one Hessian each group (the first role present collects it)
+INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
+                ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
+
+
+def _layer_inputs(model, layer: torch.nn.Module, batches: list[torch.Tensor]) -> list[tuple]:
+    """(args, kwargs) of ``layer``'s call for each batch (the model run up to it, then stopped)."""
+    calls: list[tuple] = []
+
+    def grab(mod, args, kwargs):
+        calls.append((args, kwargs))
+        raise _Stop
+
+    device = next(model.parameters()).device
+    h = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for ids in batches:
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        h.remove()
+    return calls
+
+
+def _run_layer(layer, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = layer(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _next_call(layer, args: tuple, kwargs: dict) -> tuple:
+    """The next layer's call: this layer's output as ``hidden_states`` (positional or keyword, as the model
+    passed it), the other arguments (position embeddings, masks) unchanged."""
+    h = _run_layer(layer, args, kwargs)
+    if args:
+        return (h,) + tuple(args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": h}
+
+
+@torch.no_grad()
+def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: int = 128,
+               options: dict | None = None, pts_exps: dict | None = None, damp: float = 0.01,
+               act_order: bool = True, skip=(), progress: bool = True) -> dict:
+    """GPTQ on every decoder linear of ``model`` (float ``nn.Linear``s; roles in ``skip`` left alone), layer by
+    layer on ``batches`` ([1, S] token ids): each layer's Hessians come from its inputs through the layers
+    already done, its weights are replaced by GPTQ's (a float weight on the format's grid) and each linear gets
+    a ``GPTQResult`` (``ATTR``) that the module's ``from_linear`` then uses. ``options``: the format's
+    (``bits`` / ``table`` / ``dtype`` for ``lut``); ``pts_exps``: ``{(layer index, role): n}`` for
+    ``w4a8-fp8`` (default 0). Returns a report: per-linear proxy losses of RTN and GPTQ, summed."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"GPTQ supports the schemes {SCHEMES}, got {scheme!r}")
+    if not batches:
+        raise ValueError("GPTQ needs calibration batches")
+    options = dict(options or {})
+    lut_dtype = options.pop("dtype", None)
+    views = decoder_layers(model)
+    calls = _layer_inputs(model, views[0].layer, batches)
+    report = {"linears": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
+    it = views
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(views, desc=f"gptq: {scheme}", unit="layer")
+    for view in it:
+        lins = {r: m for r, m in {**view.linears(), **view.shared_linears()}.items()
+                if isinstance(m, nn.Linear) and r.removeprefix("shared.") not in skip}
+        collect = {grp[0] if grp[0] in lins else next((r for r in grp if r in lins), None): grp
+                   for grp in INPUT_GROUPS}
+        collect.pop(None, None)
+        hs: dict[str, tuple] = {}
+
+        def fn(mod, inp, out, _r=None):
+            hs[_r] = hessian_update(*hs.get(_r, (None, 0)), inp[0])
+
+        handles = [lins[r].register_forward_hook(lambda m, i, o, _r=r: fn(m, i, o, _r)) for r in collect]
+        try:
+            for args, kwargs in calls:
+                _run_layer(view.layer, args, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        for first, grp in collect.items():
+            if first not in hs:  # a linear the calibration never reached: round to nearest later
+                continue
+            h = hs[first][0]
+            for role in grp:
+                if role not in lins:
+                    continue
+                lin = lins[role]
+                w = lin.weight.detach()
+                opts = dict(options)
+                if scheme == "w4a8-fp8":
+                    opts["pts_exp"] = int((pts_exps or {}).get((view.index, role), 0))
+                if scheme == "lut":  # the scale dtype LUTLinear.from_linear picks
+                    opts["scale_dtype"] = lut_dtype or (w.dtype if w.dtype in (torch.bfloat16, torch.float16)
+                                                        else torch.bfloat16)
+                gs = w.shape[1] if group_size == -1 else group_size  # w4a8-int8 per-channel groups
+                grid = make_grid(scheme, w.float(), opts)
+                q, scales = gptq_weight(w.float(), h.to(w.device), grid, gs, damp=damp, act_order=act_order)
+                rtn = round_to_nearest(w.float(), grid, gs)
+                hd = h.to(w.device)
+                stats = {"rtn": proxy_loss(w, rtn, hd), "gptq": proxy_loss(w, q, hd)}
+                report["linears"] += 1
+                report["rtn_loss"] += stats["rtn"]
+                report["gptq_loss"] += stats["gptq"]
+                lin.weight.copy_(q.to(lin.weight.dtype))
+                setattr(lin, ATTR, GPTQResult(scheme, group_size, scales, opts, stats))
+        calls = [_next_call(view.layer, args, kwargs) for args, kwargs in calls]
+    return report
+

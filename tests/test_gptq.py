@@ -1,0 +1,208 @@
+"""GPTQ (``lowbit.ptq.gptq``): its grids equal each format's reference round to nearest, the error feedback
+lowers the calibration loss, the modules store exactly the weight GPTQ chose, and the recipes wire it."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lowbit
+from lowbit.formats import lut as lut_fmt
+from lowbit.formats import w4a8_fp8 as fp8_fmt
+from lowbit.formats import w4a8_int8 as int8_fmt
+from lowbit.nn.base import GPTQ_ATTR, GPTQResult
+from lowbit.ptq.gptq import gptq_weight, hessian_update, make_grid, proxy_loss, round_to_nearest
+from tests._tiny_models import greedy, tiny_llama
+
+SCHEMES = [("w4a8-fp8", {"pts_exp": 0}), ("w4a8-fp8", {"pts_exp": 3}), ("w4a8-int8", {}),
+           ("lut", {"bits": 4, "table": "nf"}), ("lut", {"bits": 3, "table": "nf"}), ("lut", {"bits": 2, "table": "int"})]
+
+
+@pytest.fixture(autouse=True)
+def _references(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _format_rtn(scheme, w, gs, opts):
+    """The format reference's own quantize -> dequantize (float32 [N, K])."""
+    k = w.shape[1]
+    if scheme == "w4a8-fp8":
+        c, s, inv = fp8_fmt.quantize_weight(w, gs, opts["pts_exp"])
+        return fp8_fmt.dequantize_weight(c, s, k, gs) * inv
+    if scheme == "w4a8-int8":
+        return int8_fmt.dequantize(int8_fmt.quantize(w, gs))
+    q = lut_fmt.quantize_lut(w, bits=opts["bits"], group_size=gs, table=opts["table"])
+    return lut_fmt.dequantize_lut(q)[:, :k]
+
+
+def _correlated(t, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(t, k // 4 + 1, generator=g)
+    mix = torch.randn(k // 4 + 1, k, generator=g)
+    return base @ mix + 0.1 * torch.randn(t, k, generator=g)
+
+
+@pytest.mark.parametrize("scheme,opts", SCHEMES)
+@pytest.mark.parametrize("k,gs", [(96, 32), (200, 64), (320, 128)])
+def test_round_to_nearest_is_the_format_reference(scheme, opts, k, gs):
+    w = torch.randn(24, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    w[3, :gs] = 0.0  # an all-zero group
+    grid = make_grid(scheme, w, opts)
+    got = round_to_nearest(w, grid, gs)
+    assert torch.equal(got, _format_rtn(scheme, w, gs, opts).float())
+    assert torch.isfinite(got).all() and (got[3, :gs] == 0).all()
+
+
+@pytest.mark.parametrize("scheme,opts", SCHEMES)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_lowers_the_calibration_loss(scheme, opts, act_order):
+    k, gs = 256, 64
+    x = _correlated(512, k)
+    w = torch.randn(32, k, generator=torch.Generator().manual_seed(1)) * 0.05
+    h, _ = hessian_update(None, 0, x)
+    grid = make_grid(scheme, w, opts)
+    q, _ = gptq_weight(w, h, grid, gs, act_order=act_order)
+    rtn = round_to_nearest(w, grid, gs)
+    assert proxy_loss(w, q, h) < 0.9 * proxy_loss(w, rtn, h)
+    # every column is on the grid of its group: round to nearest under GPTQ's scales gives q back
+    assert torch.isfinite(q).all()
+
+
+@pytest.mark.parametrize("scheme,opts", SCHEMES[:4])
+def test_identity_hessian_is_round_to_nearest(scheme, opts):
+    w = torch.randn(16, 192, generator=torch.Generator().manual_seed(2)) * 0.05
+    grid = make_grid(scheme, w, opts)
+    q, _ = gptq_weight(w, torch.eye(192, dtype=torch.float64), grid, 64, damp=0.0)
+    assert torch.equal(q, round_to_nearest(w, grid, 64))
+
+
+def test_dead_inputs_and_zero_weight():
+    k = 128
+    x = _correlated(256, k)
+    x[:, 5] = 0.0  # an input channel that never fires: its weights become 0 (GPTQ's rule)
+    h, _ = hessian_update(None, 0, x)
+    w = torch.randn(8, k) * 0.05
+    for scheme, opts in SCHEMES[:4]:
+        q, _ = gptq_weight(w, h, make_grid(scheme, w, opts), 64)
+        assert (q[:, 5] == 0).all()
+        z, _ = gptq_weight(torch.zeros(8, k), h, make_grid(scheme, torch.zeros(8, k), opts), 64)
+        assert torch.equal(z, torch.zeros(8, k))
+
+
+def test_hessian_is_a_running_mean():
+    x = torch.randn(3, 50, 16)
+    h, n = None, 0
+    for b in x:
+        h, n = hessian_update(h, n, b)
+    full = 2 * x.reshape(-1, 16).double().T @ x.reshape(-1, 16).double() / 150
+    assert n == 150 and torch.allclose(h, full, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme,opts,gs", [("w4a8-fp8", {"pts_exp": 2}, 64), ("w4a8-int8", {}, 64),
+                                            ("w4a8-int8", {}, -1), ("lut", {"bits": 4, "table": "nf"}, 128),
+                                            ("lut", {"bits": 3, "table": "nf"}, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=4, deadline=None)
+@given(k=st.integers(33, 300), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_modules_store_gptq_weight_exactly(scheme, opts, gs, dtype, k, n, seed):
+    """A linear GPTQ moved onto the grid, with its record, becomes a module whose dequantized weight is GPTQ's
+    (any K, incl. K not a multiple of the group or of the 128-column blocks; fp32 and bf16 weights)."""
+    if scheme == "w4a8-fp8" or scheme == "lut":
+        k = max(k, 8) // 8 * 8  # lut: K % 8 (kernel layout); w4a8-fp8: any K, kept aligned for speed of the test
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    w = lin.weight.detach().to(dtype).float()
+    x = _correlated(64, k, seed)
+    h, _ = hessian_update(None, 0, x)
+    o = dict(opts)
+    if scheme == "lut":
+        o["scale_dtype"] = dtype if dtype != torch.float32 else torch.bfloat16
+    grid = make_grid(scheme, w, o)
+    q, scales = gptq_weight(w, h, grid, k if gs == -1 else gs)
+    lin = lin.to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(q.to(dtype))
+    setattr(lin, GPTQ_ATTR, GPTQResult(scheme, gs, scales, o))
+    kw = {"group_size": gs}
+    if scheme == "w4a8-fp8":
+        kw["pts"] = True
+    if scheme == "lut":
+        kw.update(bits=o["bits"], table=o["table"])
+    mod = lowbit.quantize_linear(lin, scheme, **kw)
+    assert torch.equal(mod.dequantize(), q)  # exactly GPTQ's weight (float32), whatever the stored dtype
+
+
+def test_record_mismatch_is_a_clear_error():
+    lin = torch.nn.Linear(64, 8, bias=False)
+    setattr(lin, GPTQ_ATTR, GPTQResult("lut", 64, {"scales": torch.ones(8, 1, dtype=torch.bfloat16)},
+                                       {"bits": 4, "table": "nf", "scale_dtype": torch.bfloat16}))
+    with pytest.raises(ValueError, match="GPTQ-quantized for 'lut'"):
+        lowbit.quantize_linear(lin, "w4a8-int8", group_size=64)
+    with pytest.raises(ValueError, match="group_size=64"):
+        lowbit.quantize_linear(lin, "lut", group_size=128)
+    with pytest.raises(ValueError, match="bits=4"):
+        lowbit.quantize_linear(lin, "lut", group_size=64, bits=3)
+
+
+def _calib(n=3, s=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (1, s), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name,opts", [("fireq", {}), ("fireq", {"fuse_mlp": True}), ("fireq", {"pts_scope": "tensor"}),
+                                       ("qserve", {}), ("flute-nf4", {}), ("flute-nf3", {"gptq": {"act_order": False}})])
+def test_recipes_with_gptq(name, opts):
+    from lowbit.nn.base import QuantLinear
+
+    torch.manual_seed(0)
+    ref = tiny_llama(head_dim=16)
+    m = tiny_llama(head_dim=16)
+    m.load_state_dict(ref.state_dict())
+    opts = {"gptq": True, **opts}
+    m = lowbit.quantize_model(m, name, calibration=_calib(), progress=False, **opts)
+    rep = m.lowbit_recipe["reports"]["gptq"]
+    assert rep["linears"] == 14 and rep["gptq_loss"] < rep["rtn_loss"]
+    assert m.lowbit_recipe["options"]["gptq"] == opts["gptq"]
+    assert not any(hasattr(x, GPTQ_ATTR) and not isinstance(x, torch.nn.Linear) for x in m.modules())
+    assert sum(isinstance(x, QuantLinear) for x in m.modules()) >= 12
+    prompt = torch.tensor([[1, 5, 9, 17, 33, 2]])
+    assert greedy(m, prompt, 4).shape == (1, 4)
+
+
+@pytest.mark.parametrize("arch,per_layer", [("mixtral", 4), ("qwen2_moe", 7)])
+def test_gptq_on_moe_models_leaves_experts_to_round_to_nearest(arch, per_layer):
+    """q/k/v/o (and a shared expert's gate / up / down) by GPTQ; the routed experts keep round to nearest."""
+    from lowbit.nn.moe import QuantExperts
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant(arch)
+    m = lowbit.quantize_model(m, "fireq", calibration=_calib(), progress=False, gptq=True, kv=None, attention=None)
+    assert m.lowbit_recipe["reports"]["gptq"]["linears"] == 2 * per_layer
+    assert sum(isinstance(x, QuantExperts) for x in m.modules()) == 2
+    assert torch.isfinite(m(input_ids=torch.tensor([[1, 2, 3, 4]])).logits).all()
+
+
+def test_gptq_recipe_errors():
+    with pytest.raises(ValueError, match="learn_scales"):
+        lowbit.quantize_model(tiny_llama(), "flute-nf4", calibration=_calib(), progress=False, gptq=True,
+                              learn_scales=True)
+    with pytest.raises(ValueError, match="gptq must be"):
+        lowbit.quantize_model(tiny_llama(), "fireq", calibration=_calib(), progress=False, gptq={"blocks": 3})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["fireq", "qserve", "flute-nf4"])
+def test_recipes_with_gptq_on_gpu(name):
+    """GPTQ on CUDA (float32 Hessians) on a bf16 model; the compiled kernels then run the GPTQ weights."""
+    m = tiny_llama(head_dim=64, hidden=128, dtype=torch.bfloat16).cuda()
+    calib = [c.cuda() for c in _calib(4, 64)]
+    m = lowbit.quantize_model(m, name, calibration=calib, progress=False, gptq=True)
+    rep = m.lowbit_recipe["reports"]["gptq"]
+    assert rep["linears"] == 14 and rep["gptq_loss"] < rep["rtn_loss"]
+    ids = torch.tensor([[1, 5, 9, 17, 33, 2, 7, 11]], device="cuda")
+    with torch.no_grad():
+        out = m(input_ids=ids).logits.float()
+    assert torch.isfinite(out).all()
+    assert greedy(m, ids, 4).shape == (1, 4)
