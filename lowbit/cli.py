@@ -106,7 +106,8 @@ def _cmd_demo(args) -> int:
     rows = demo.run(model=args.model, recipes=recipes, device=device, dtype=dtype, max_tokens=args.max_tokens,
                     window=args.window, prompt=args.prompt, new_tokens=args.new_tokens,
                     calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, seed=args.seed,
-                    budget_s=args.budget, gen_time=args.gen_seconds, text_file=args.text_file, console=console)
+                    budget_s=args.budget, gen_time=args.gen_seconds, text_file=args.text_file, console=console,
+                    gptq=args.gptq)
     name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model
     demo.render(rows, max_tokens=args.max_tokens, window=args.window, prompt=args.prompt, model_name=name)
     if args.json:
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "stopped between perplexity windows (default 180)")
     d.add_argument("--gen-seconds", type=float, default=30.0,
                    help="stop each answer after this many seconds (slow CPU reference paths; default 30)")
+    d.add_argument("--gptq", action="store_true",
+                   help="GPTQ codes for fireq / qserve / flute-nf4 / flute-nf3 (slower: raise --budget, e.g. 900)")
     d.add_argument("--json", default=None, help="also write the rows to this JSON file")
     d.set_defaults(func=_cmd_demo)
 

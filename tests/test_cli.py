@@ -171,6 +171,17 @@ def test_demo_side_by_side(tiny_dir, text_file, tmp_path, capsys):
     assert "fp8-mla" in flat and "not available" in flat and "flute-nf4" in flat
 
 
+def test_demo_gptq(tiny_dir, text_file, tmp_path, capsys):
+    """``--gptq``: the recipes that take it quantize with GPTQ (the recorded options say so); others run as before."""
+    js = tmp_path / "demo.json"
+    rc, out, err = run(["demo", str(tiny_dir), "--device", "cpu", "--recipes", "flute-nf4,int8-attention", "--gptq",
+                        "--text-file", str(text_file), "--max-tokens", "64", "--new-tokens", "2", "--json", str(js)],
+                       capsys)
+    assert rc == 0, err
+    rows = {r["name"]: r for r in json.loads(js.read_text())["rows"]}
+    assert rows["flute-nf4"]["status"] == "ok" and rows["int8-attention"]["status"] == "ok"
+
+
 def test_import_lowbit_is_light():
     """``import lowbit`` (and building the CLI parser) must not import transformers."""
     code = ("import sys, lowbit, lowbit.cli; lowbit.cli.build_parser(); "

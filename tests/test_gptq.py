@@ -170,17 +170,110 @@ def test_recipes_with_gptq(name, opts):
     assert greedy(m, prompt, 4).shape == (1, 4)
 
 
-@pytest.mark.parametrize("arch,per_layer", [("mixtral", 4), ("qwen2_moe", 7)])
-def test_gptq_on_moe_models_leaves_experts_to_round_to_nearest(arch, per_layer):
-    """q/k/v/o (and a shared expert's gate / up / down) by GPTQ; the routed experts keep round to nearest."""
-    from lowbit.nn.moe import QuantExperts
+@pytest.mark.parametrize("arch,per_layer,name", [("mixtral", 4, "fireq"), ("qwen2_moe", 7, "qserve"),
+                                                   ("mixtral", 4, "flute-nf4")])
+def test_gptq_on_moe_models(arch, per_layer, name):
+    """q/k/v/o, a shared expert's gate / up / down and every routed expert a calibration token reached, by GPTQ;
+    the quantized experts store exactly the weights GPTQ wrote into the float experts."""
+    from lowbit.nn.moe import QuantExperts, experts_weights
+    from lowbit.ptq.gptq import apply_gptq
     from tests._tiny_models import tiny_variant
 
-    m = tiny_variant(arch)
-    m = lowbit.quantize_model(m, "fireq", calibration=_calib(), progress=False, gptq=True, kv=None, attention=None)
-    assert m.lowbit_recipe["reports"]["gptq"]["linears"] == 2 * per_layer
-    assert sum(isinstance(x, QuantExperts) for x in m.modules()) == 2
-    assert torch.isfinite(m(input_ids=torch.tensor([[1, 2, 3, 4]])).logits).all()
+    cfg = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+           "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                             shared_expert_intermediate_size=96)}[arch]
+    m = tiny_variant(arch, **cfg)
+    rep = apply_gptq(m, {"fireq": "w4a8-fp8", "qserve": "w4a8-int8", "flute-nf4": "lut"}[name], _calib(),
+                     progress=False, group_size=32)
+    assert rep["linears"] == 2 * per_layer and rep["experts"] > 0 and rep["gptq_loss"] < rep["rtn_loss"]
+    m2 = tiny_variant(arch, **cfg)
+    m2 = lowbit.quantize_model(m2, name, calibration=_calib(), progress=False, gptq=True, kv=None, attention=None,
+                               group_size=32)
+    assert m2.lowbit_recipe["reports"]["gptq"]["experts"] == rep["experts"]
+    qe = [x for x in m2.modules() if isinstance(x, QuantExperts)]
+    assert len(qe) == 2 and torch.isfinite(m2(input_ids=torch.tensor([[1, 2, 3, 4]])).logits).all()
+    # the quantized experts store exactly the weights GPTQ wrote into the float experts, matrix by matrix
+    from lowbit.models.arch import decoder_layers
+
+    scheme = {"fireq": "w4a8-fp8", "qserve": "w4a8-int8", "flute-nf4": "lut"}[name]
+    for v in decoder_layers(m):
+        q = QuantExperts.from_experts(v.experts, scheme, group_size=32)
+        gu, dn = experts_weights(v.experts)
+        recs = getattr(v.experts, "lowbit_gptq")
+        assert recs
+        for (key, e) in recs:
+            mods, w = (q.gate_up, gu[e]) if key == "gate_up" else (q.down, dn[e])
+            assert torch.equal(mods[e].dequantize(), w.float())
+
+
+def _moved(m, ref) -> int:
+    return sum(not torch.equal(a, b) for a, b in zip(m.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("kw,match", [({"gptq": {"blocks": 3}}, "gptq must be"), ({"gptq": "yes"}, "gptq must be"),
+                                      ({"gptq": True, "linear": "w8"}, "gptq needs linear"),
+                                      ({"gptq": {"damp": 1.5}}, "damp"), ({"gptq": True, "skip": ["q_porj"]}, "q_porj"),
+                                      ({"gptq": True, "group_size": 96}, "group_size")])
+def test_gptq_errors_come_before_the_model_is_touched(kw, match):
+    ref = tiny_llama()
+    m = tiny_llama()
+    with pytest.raises(ValueError, match=match):
+        lowbit.quantize_model(m, "fireq", calibration=_calib(), progress=False, **kw)
+    assert _moved(m, ref) == 0 and type(m.model.layers[0].self_attn) is type(ref.model.layers[0].self_attn)
+
+
+def _pts_exps(m):
+    from lowbit.nn.w4a8_fp8 import W4A8FP8Linear
+
+    return [int(x.pts_exp) for x in m.modules() if isinstance(x, W4A8FP8Linear)]
+
+
+@pytest.mark.parametrize("recipe,kw", [("qserve", dict(linear="w4a8-fp8", smooth=False)),
+                                       ("fireq", dict(pts_scope="tensor", fuse_mlp=True)),
+                                       ("fireq", dict(linear_options={"pts": False})),
+                                       ("fireq", dict(pts=False, linear_options={"pts_exp": 3})),
+                                       ("fireq", dict(pts=False)), ("fireq", {})])
+def test_gptq_keeps_the_recipes_pts_exponents(recipe, kw):
+    """GPTQ quantizes under the exponents round to nearest would use, whatever the PTS options."""
+    def run(gptq):
+        m = tiny_llama()
+        with torch.no_grad():  # a k_proj of small weights: its own exponent differs from q/v's
+            m.model.layers[0].self_attn.k_proj.weight.mul_(1 / 64)
+        return lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False, kv=None, attention=None,
+                                     cas=False, gptq=gptq, **kw) if recipe == "fireq" else lowbit.quantize_model(
+            m, recipe, calibration=_calib(), progress=False, kv=None, attention=None, gptq=gptq, **kw)
+
+    assert _pts_exps(run(True)) == _pts_exps(run(False))
+
+
+def test_empty_gptq_dict_is_on():
+    m = lowbit.quantize_model(tiny_llama(), "flute-nf4", calibration=_calib(), progress=False, gptq={})
+    assert m.lowbit_recipe["reports"]["gptq"]["linears"] == 14
+
+
+def test_sliding_window_layers_keep_their_own_masks():
+    """Each layer is replayed with its own call arguments: a model with a full and a sliding layer gets, from GPTQ's
+    layer-by-layer pass, the same layer inputs as the real forward (weights kept: damp=0 on an identity update is not
+    needed; compare the captured calls instead)."""
+    from lowbit.models.arch import decoder_layers
+    from lowbit.ptq.gptq import _call_layer, _layer_calls
+    from tests._tiny_models import tiny_variant
+
+    m = tiny_variant("qwen2", layer_types=["full_attention", "sliding_attention"], sliding_window=8,
+                     use_sliding_window=True, max_window_layers=1)
+    ids = [torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(3))]
+    layers = [v.layer for v in decoder_layers(m)]
+    calls = _layer_calls(m, layers, ids)
+    seen = []
+    hk = layers[1].register_forward_pre_hook(lambda mod, a, k: seen.append(a[0] if a else k["hidden_states"]),
+                                             with_kwargs=True)
+    with torch.no_grad():
+        ref_out = m.model(input_ids=ids[0]).last_hidden_state
+        hk.remove()
+        h0 = _call_layer(layers[0], calls[0][0][0], calls[0][0])
+        assert torch.allclose(h0, seen[0], atol=1e-5)
+        h1 = _call_layer(layers[1], h0, calls[1][0])
+    assert torch.allclose(m.model.norm(h1), ref_out, atol=1e-4)
 
 
 def test_gptq_recipe_errors():

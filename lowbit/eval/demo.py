@@ -56,11 +56,16 @@ def _measure(row: Row, model, tok, ids, *, max_tokens: int, window: int, prompt:
         row.answer += f" [stopped after {limit:.0f} s]"
 
 
+GPTQ_RECIPES = ("fireq", "qserve", "flute-nf4", "flute-nf3")  # the recipes with a ``gptq`` option
+
+
 def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dtype=torch.float32,
         max_tokens: int = DEMO_MAX_TOKENS, window: int = 1024, prompt: str = DEMO_PROMPT, new_tokens: int = 40,
         calib_samples: int = 8, calib_seq_len: int = 256, seed: int = 0, budget_s: float = 180.0,
-        gen_time: float = 30.0, text_file=None, console=None) -> list[Row]:
-    """Run the demo and return its rows (the first is the unquantized model)."""
+        gen_time: float = 30.0, text_file=None, console=None, gptq: bool = False) -> list[Row]:
+    """Run the demo and return its rows (the first is the unquantized model). ``gptq``: the recipes that take it
+    (``fireq``, ``qserve``, the flute recipes) pick their codes by GPTQ (``lowbit.ptq.gptq``; ~1-2 minutes per recipe
+    on a 2-core CPU: raise ``budget_s``)."""
     from lowbit import registry
     from lowbit.eval.corpus import load_text, tokenize
 
@@ -109,7 +114,8 @@ def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dt
             if calib is None:
                 calib = pipeline.calibration(tok, n_samples=calib_samples, seq_len=calib_seq_len, seed=seed,
                                              text_file=text_file)
-            qmodel = pipeline.quantize(copy.deepcopy(base), name, calibration=calib)
+            extra = {"gptq": True} if gptq and name in GPTQ_RECIPES else {}
+            qmodel = pipeline.quantize(copy.deepcopy(base), name, calibration=calib, **extra)
             _measure(row, qmodel, tok, ids, max_tokens=max_tokens, window=window, prompt=prompt,
                      new_tokens=new_tokens, gen_time=gen_time, deadline=deadline)
         except NotImplementedError as exc:

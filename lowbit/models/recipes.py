@@ -330,7 +330,8 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     if kv is not None or attention is not None:
         _need("fireq", "lowbit.models.hf_attention", "install_quantized_attention")
 
-    gptq_on = bool(gptq) and linear is not None
+    _check_gptq("fireq", gptq, linear, group_size=(linear_options or {}).get("group_size", group_size), skip=skip)
+    gptq_on = _gptq_on(gptq) and linear is not None
     batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
                                    seed=seed) if (needs_rope_kv or gptq_on) else None)
     reports: dict = {}
@@ -345,10 +346,12 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
         if linear == "w4a8-fp8":
             opts.setdefault("pts", pts)
         if gptq_on:
-            plan = (_pts_plan(model, opts, pts=pts, pts_scope="fused" if fuse_mlp else pts_scope, skip=skip)
-                    if linear == "w4a8-fp8" else None)
+            # the exponents the branches below will use: one per fused matrix (_quantize_shared_pts, whatever the
+            # linears' own ``pts`` option), else from_linear's rule under the linears' options
+            shared = pts and pts_scope == "fused" and "pts_exp" not in opts and linear == "w4a8-fp8"
             reports["gptq"] = _gptq("fireq", model, linear, batches, gptq, opts=opts, skip=skip, progress=progress,
-                                    pts_exps=plan)
+                                    pts=True if shared else opts.get("pts", pts),
+                                    pts_scope="fused" if shared else "tensor", fuse_gate_up=fuse_mlp and pts)
         if fuse_mlp:
             from lowbit.models.arch import decoder_layers
 
@@ -395,27 +398,67 @@ def _rope_kv(calibrate, model, batches, *, rpn, crs, progress, **constants):
     return rope_kv
 
 
+def _gptq_on(gptq) -> bool:
+    return gptq is True or isinstance(gptq, dict)
+
+
+def _check_gptq(name: str, gptq, linear: str | None, *, group_size, skip=()) -> None:
+    """Every ``gptq=`` error before the model is touched: the value, the scheme, the group size, ``skip``."""
+    if gptq is None or gptq is False:
+        return
+    if not (gptq is True or isinstance(gptq, dict)):
+        raise ValueError(f"{name}: gptq must be a bool or a dict of 'damp' / 'act_order', got {gptq!r}")
+    kw = gptq if isinstance(gptq, dict) else {}
+    bad = set(kw) - {"damp", "act_order"}
+    if bad:
+        raise ValueError(f"{name}: gptq must be a bool or a dict of 'damp' / 'act_order', got keys {sorted(bad)}")
+    damp = kw.get("damp", 0.01)
+    if not isinstance(damp, (int, float)) or isinstance(damp, bool) or not 0.0 <= damp < 1.0:
+        raise ValueError(f"{name}: gptq damp must be a number in [0, 1), got {damp!r}")
+    if not isinstance(kw.get("act_order", True), bool):
+        raise ValueError(f"{name}: gptq act_order must be a bool, got {kw['act_order']!r}")
+    if linear is None:
+        return
+    if linear not in ("w4a8-fp8", "w4a8-int8", "lut"):
+        raise ValueError(f"{name}: gptq needs linear 'w4a8-fp8', 'w4a8-int8' or 'lut', got {linear!r}")
+    roles = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    if set(skip) - roles:
+        raise ValueError(f"skip has unknown linear roles {sorted(set(skip) - roles)}")
+    if linear == "w4a8-fp8":
+        from lowbit.formats.w4a8_fp8 import GROUP_SIZES as ok
+    elif linear == "lut":
+        from lowbit.formats.lut import GROUP_SIZES as ok
+    else:
+        from lowbit.formats.w4a8_int8 import check_group_size
+
+        check_group_size(group_size)
+        return
+    if group_size not in ok:
+        raise ValueError(f"group_size must be one of {tuple(ok)} for {linear}, got {group_size!r}")
+
+
 def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, progress: bool,
-          pts_exps: dict | None = None) -> dict | None:
+          pts: bool | None = None, pts_scope: str = "tensor", fuse_gate_up: bool = False) -> dict | None:
     """GPTQ (``lowbit.ptq.gptq``) of the float decoder linears before they are quantized: ``gptq`` True or a dict
-    of ``damp`` / ``act_order``; None when off. Returns its report."""
-    if not gptq:
+    of ``damp`` / ``act_order`` (checked by ``_check_gptq``); None when off. ``w4a8-fp8``: the PTS exponents are
+    fixed first by the rule the linears will be quantized with (``_pts_plan``). Returns GPTQ's report."""
+    if not _gptq_on(gptq):
         return None
     kw = dict(gptq) if isinstance(gptq, dict) else {}
-    bad = set(kw) - {"damp", "act_order"}
-    if bad or not isinstance(gptq, (bool, dict)):
-        raise ValueError(f"{name}: gptq must be a bool or a dict of 'damp' / 'act_order', got {gptq!r}")
-    if scheme not in ("w4a8-fp8", "w4a8-int8", "lut"):
-        raise ValueError(f"{name}: gptq=True needs linear 'w4a8-fp8', 'w4a8-int8' or 'lut', got {scheme!r}")
     run = _need(name, "lowbit.ptq.gptq", "apply_gptq")
+    if pts is None:  # quantize_linears -> from_linear: PTS unless the linears' options turn it off (default on)
+        pts = opts.get("pts", True)
     fmt = {k: opts[k] for k in ("bits", "table", "dtype") if k in opts and scheme == "lut"}
+    plan = (_pts_plan(model, opts, pts=pts, pts_scope=pts_scope, fuse_gate_up=fuse_gate_up, skip=skip)
+            if scheme == "w4a8-fp8" else None)
     return _call(run, model, scheme, batches, group_size=opts.get("group_size", 128), options=fmt,
-                 pts_exps=pts_exps, skip=tuple(skip), progress=progress, **kw)
+                 pts_exps=plan, skip=tuple(skip), progress=progress, **kw)
 
 
-def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, skip=()) -> dict:
-    """``{(layer index, role): n}``: the PTS exponent each w4a8-fp8 linear will be quantized with (the rules of
-    ``_quantize_shared_pts`` and ``W4A8FP8Linear.from_weight``), for GPTQ to quantize under it."""
+def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, fuse_gate_up: bool = False, skip=()) -> dict:
+    """``{(layer index, role): n}`` (experts: ``(layer index, "experts.gate_up" | "experts.down", expert)``): the
+    PTS exponent each w4a8-fp8 matrix will be quantized with (the rules of ``_quantize_shared_pts``, ``fuse_mlp`` for
+    gate / up with ``fuse_gate_up``, and ``W4A8FP8Linear.from_weight``), for GPTQ to quantize under it."""
     from lowbit.models.arch import decoder_layers
     from lowbit.ptq.pts import pts_exponent
 
@@ -430,11 +473,19 @@ def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, skip=()) -> dict:
                 continue
             if "pts_exp" in opts or not pts:
                 es = [int(opts.get("pts_exp", 0))] * len(roles)
-            elif pts_scope == "fused":
+            elif pts_scope == "fused" or (fuse_gate_up and group == ("gate_proj", "up_proj")):
                 es = [pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g)] * len(roles)
             else:
                 es = [pts_exponent(lins[r].weight.detach(), g) for r in roles]
             plan.update({(v.index, r): e for r, e in zip(roles, es)})
+        if v.experts is not None and hasattr(v.experts, "gate_up_proj"):  # each expert matrix its own exponent
+            from lowbit.nn.moe import experts_weights
+
+            for key, mats in zip(("gate_up", "down"), experts_weights(v.experts)):
+                for e in range(mats.shape[0]):
+                    plan[(v.index, f"experts.{key}", e)] = (
+                        int(opts.get("pts_exp", 0)) if "pts_exp" in opts or not opts.get("pts", True)
+                        else pts_exponent(mats[e].detach(), g))  # (experts: from_linear under the linears' options)
     return plan
 
 
@@ -554,7 +605,8 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
                    smooth_alpha=smooth_alpha, smoothquant=smoothquant, smoothquant_alpha=smoothquant_alpha,
                    linear_options=linear_options, skip=list(skip), lm_head=lm_head, gptq=gptq, seed=seed,
                    n_samples=n_samples, seq_len=seq_len)
-    gptq_on = bool(gptq) and linear is not None
+    _check_gptq("qserve", gptq, linear, group_size=(linear_options or {}).get("group_size", group_size), skip=skip)
+    gptq_on = _gptq_on(gptq) and linear is not None
     sa = _need("qserve", "lowbit.ptq.smooth_attention", "apply_smooth_attention") if smooth else None
     sq = _need("qserve", "lowbit.ptq.smoothquant", "apply_smoothquant") if smoothquant else None
     if linear is not None:
@@ -598,8 +650,9 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
                    seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head, rpn=rpn, crs=crs)
     if fuse_mlp is not None:  # (recorded only when given)
         options["fuse_mlp"] = bool(fuse_mlp)
-    gptq_on = bool(gptq) and linear is not None
-    if gptq:  # (recorded only when on)
+    _check_gptq(name, gptq, linear, group_size=(linear_options or {}).get("group_size", group_size), skip=skip)
+    gptq_on = _gptq_on(gptq) and linear is not None
+    if _gptq_on(gptq):  # (recorded only when on)
         options["gptq"] = gptq
     if gptq_on and learn_scales:
         raise ValueError(f"{name}: gptq and learn_scales are two ways to pick the weights; choose one")

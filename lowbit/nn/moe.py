@@ -55,6 +55,7 @@ from torch import nn
 
 from lowbit._utils import check_indices
 from lowbit.formats.common import FP8_E4M3
+from lowbit.nn.base import GPTQ_ATTR
 
 ACTIVATIONS = ("silu",)
 DENSE_MAX_TOKENS = 64  # captured / compiled calls of at most this many tokens take the dense schedule
@@ -167,10 +168,14 @@ class QuantExperts(nn.Module):
         from lowbit import quantize_linear
 
         gu, dn = experts_weights(experts)
+        recs = getattr(experts, GPTQ_ATTR, None) or {}  # GPTQ's scales per (matrix, expert), lowbit.ptq.gptq
         out = cls(gu.shape[0])
         for e in range(gu.shape[0]):
-            out.gate_up[e] = quantize_linear(_as_linear(gu[e]), scheme, **options)
-            out.down[e] = quantize_linear(_as_linear(dn[e]), scheme, **options)
+            for key, w, mods in (("gate_up", gu[e], out.gate_up), ("down", dn[e], out.down)):
+                lin = _as_linear(w)
+                if (key, e) in recs:
+                    setattr(lin, GPTQ_ATTR, recs[(key, e)])
+                mods[e] = quantize_linear(lin, scheme, **options)
         return out
 
     @property

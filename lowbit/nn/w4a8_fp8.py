@@ -116,7 +116,7 @@ class W4A8FP8MLP(FusedMLP):
 def _gptq_pts(rec, pts: bool, pts_exp: int | None) -> int:
     """The PTS exponent GPTQ quantized under; ValueError when the caller asks for another one."""
     n = int(rec.options.get("pts_exp", 0))
-    if (pts_exp is not None and pts_exp != n) or (not pts and n != 0):
+    if (pts_exp is not None and pts_exp != n) or (pts_exp is None and not pts and n != 0):
         raise ValueError(f"this linear was GPTQ-quantized with PTS exponent {n}; got pts={pts}, pts_exp={pts_exp}")
     return n
 

@@ -26,7 +26,9 @@ Decisions (each tested in ``tests/test_gptq.py``):
 - **What is stored.** The scales GPTQ chose and codes that dequantize to its ``q`` exactly: the result is
   a float weight on the grid plus the scales, which the modules' ``from_linear`` take as they are (a
   ``GPTQResult`` attached to the ``nn.Linear``, ``ATTR``); round to nearest under those scales gives the
-  same codes back (checked at attach time, ``_check_roundtrip``).
+  same codes back (``tests/test_gptq.py``: the module's ``dequantize()`` equals GPTQ's weight, fp32 and bf16).
+- **Failure.** An error inside the pass (e.g. a Hessian Cholesky that fails) leaves the layers already done with
+  their weights on the grid; their records are removed and a RuntimeError says so (reload the model).
 - **Per format**, the grid is the format reference's own arithmetic (``lowbit.formats``):
   ``w4a8-fp8``: sigma = FP8(amax(W * 2^n) / 7) per group, q = clamp(round(W 2^n / sigma)), dequantized as
   FP8(q sigma) 2^-n, with PTS's n fixed from the original weight before GPTQ (the rule reads the smallest
@@ -35,7 +37,10 @@ Decisions (each tested in ``tests/test_gptq.py``):
   dtype, nearest table entry.
 - Activation quantization (FP8 / INT8 per token) is not modelled in ``H`` (the inputs are the previous
   layers' float-activation outputs): GPTQ compensates the weight error only, as in the paper.
-- Mixture-of-experts experts keep round to nearest (their inputs are routed subsets; not calibrated here).
+- Mixture-of-experts layers: each routed expert's gate_up and down by GPTQ with Hessians from the calibration
+  tokens routed to it (down's input ``silu(gate) * up`` from the float gate_up of those tokens); an expert no
+  calibration token reached keeps round to nearest. The records travel on the experts module (``ATTR``: a dict
+  ``{("gate_up" | "down", expert): GPTQResult}``) to ``QuantExperts.from_experts``.
 """
 from __future__ import annotations
 
@@ -214,48 +219,142 @@ def proxy_loss(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ model
-class _Stop(Exception):
-    pass
-
-
 # linears that read one input: one Hessian each group (the first role present collects it)
+EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")  # a skip naming any of them leaves the routed experts alone
 INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
                 ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
 
 
-def _layer_inputs(model, layer: torch.nn.Module, batches: list[torch.Tensor]) -> list[tuple]:
-    """(args, kwargs) of ``layer``'s call for each batch (the model run up to it, then stopped)."""
-    calls: list[tuple] = []
+def _layer_calls(model, layers: list, batches: list[torch.Tensor]) -> list[list[tuple]]:
+    """Per layer, per batch: (the layer's input hidden states for layer 0, else None; its other positional
+    arguments; its keyword arguments without ``hidden_states``), from one forward of the model. Each layer keeps its
+    own arguments (transformers builds one attention mask per layer type: full or sliding); the hidden states of
+    later layers are not kept (GPTQ recomputes them through the layers it quantized)."""
+    calls: list[list[tuple]] = [[] for _ in layers]
 
-    def grab(mod, args, kwargs):
-        calls.append((args, kwargs))
-        raise _Stop
+    def grab(i, mod, args, kwargs):
+        h = args[0] if args else kwargs.get("hidden_states")
+        kw = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        calls[i].append((h if i == 0 else None, tuple(args[1:]), kw, bool(args)))
 
     device = next(model.parameters()).device
-    h = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    handles = [layer.register_forward_pre_hook(lambda m, a, k, _i=i: grab(_i, m, a, k), with_kwargs=True)
+               for i, layer in enumerate(layers)]
     try:
         for ids in batches:
-            try:
-                model(input_ids=ids.to(device), use_cache=False)
-            except _Stop:
-                pass
+            model(input_ids=ids.to(device), use_cache=False)
     finally:
-        h.remove()
+        for h in handles:
+            h.remove()
     return calls
 
 
-def _run_layer(layer, args: tuple, kwargs: dict) -> torch.Tensor:
-    out = layer(*args, **kwargs)
+def _call_layer(layer, hidden: torch.Tensor, call: tuple) -> torch.Tensor:
+    """Run ``layer`` on ``hidden`` with the other arguments of ``call`` (``_layer_calls``)."""
+    _, rest, kw, positional = call
+    out = layer(hidden, *rest, **kw) if positional else layer(*rest, hidden_states=hidden, **kw)
     return out[0] if isinstance(out, tuple) else out
 
 
-def _next_call(layer, args: tuple, kwargs: dict) -> tuple:
-    """The next layer's call: this layer's output as ``hidden_states`` (positional or keyword, as the model
-    passed it), the other arguments (position embeddings, masks) unchanged."""
-    h = _run_layer(layer, args, kwargs)
-    if args:
-        return (h,) + tuple(args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": h}
+def _count(report: dict, rec: GPTQResult, kind: str) -> None:
+    report[kind] += 1
+    report["rtn_loss"] += rec.stats["rtn"]
+    report["gptq_loss"] += rec.stats["gptq"]
+
+
+def _quantize_matrix(w: torch.Tensor, h: torch.Tensor, scheme: str, opts: dict, group_size: int, *, damp: float,
+                     act_order: bool) -> tuple[torch.Tensor, GPTQResult]:
+    """GPTQ of one weight ``w`` [N, K] under ``opts`` (the grid's): (Q, its GPTQResult with RTN / GPTQ losses)."""
+    gs = w.shape[1] if group_size == -1 else group_size  # w4a8-int8 per-channel groups
+    wf = w.float()
+    grid = make_grid(scheme, wf, opts)
+    hd = h.to(w.device)
+    q, scales = gptq_weight(wf, hd, grid, gs, damp=damp, act_order=act_order)
+    stats = {"rtn": proxy_loss(wf, round_to_nearest(wf, grid, gs), hd), "gptq": proxy_loss(wf, q, hd)}
+    return q, GPTQResult(scheme, group_size, scales, opts, stats)
+
+
+def _scheme_opts(scheme: str, w: torch.Tensor, options: dict, lut_dtype, pts_exp: int) -> dict:
+    opts = dict(options)
+    if scheme == "w4a8-fp8":
+        opts["pts_exp"] = int(pts_exp)
+    if scheme == "lut":  # the scale dtype LUTLinear.from_linear picks
+        opts["scale_dtype"] = lut_dtype or (w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+    return opts
+
+
+class _ExpertStats:
+    """Hessians of a float experts module's routed inputs (``lowbit.nn.moe.experts_weights`` layout): per expert
+    the tokens routed to it (gate_up's input) and ``silu(gate) * up`` of them (down's input)."""
+
+    def __init__(self, experts):
+        from lowbit.nn.moe import experts_weights
+
+        self.gu, self.dn = experts_weights(experts)
+        self.h_gu: dict[int, tuple] = {}
+        self.h_dn: dict[int, tuple] = {}
+
+    def __call__(self, mod, args, kwargs, out):
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        vals = list(args) + [kwargs[n] for n in names[len(args):]]
+        x, idx = vals[0], vals[1]
+        x = x.reshape(-1, x.shape[-1])
+        for e in torch.unique(idx[(idx >= 0) & (idx < self.gu.shape[0])]).tolist():
+            xe = x[(idx.reshape(x.shape[0], -1) == e).any(-1)]
+            self.h_gu[e] = hessian_update(*self.h_gu.get(e, (None, 0)), xe)
+            gate, up = (xe.float() @ self.gu[e].float().T).chunk(2, dim=-1)
+            self.h_dn[e] = hessian_update(*self.h_dn.get(e, (None, 0)), torch.nn.functional.silu(gate) * up)
+
+
+def _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_size, damp, act_order, skip,
+                report) -> None:
+    """``apply_gptq`` on one decoder layer: Hessians from its inputs, then GPTQ of its linears and routed experts."""
+    lins = {r: m for r, m in {**view.linears(), **view.shared_linears()}.items()
+            if isinstance(m, nn.Linear) and r.removeprefix("shared.") not in skip}
+    collect = {grp[0] if grp[0] in lins else next((r for r in grp if r in lins), None): grp
+               for grp in INPUT_GROUPS}
+    collect.pop(None, None)
+    hs: dict[str, tuple] = {}
+
+    def fn(mod, inp, out, _r=None):
+        hs[_r] = hessian_update(*hs.get(_r, (None, 0)), inp[0])
+
+    handles = [lins[r].register_forward_hook(lambda m, i, o, _r=r: fn(m, i, o, _r)) for r in collect]
+    experts = None
+    if view.experts is not None and not set(EXPERT_ROLES) & set(skip) and hasattr(view.experts, "gate_up_proj"):
+        experts = _ExpertStats(view.experts)
+        handles.append(view.experts.register_forward_hook(experts, with_kwargs=True))
+    try:
+        for x, call in zip(*layer_calls):
+            _call_layer(view.layer, x, call)
+    finally:
+        for h in handles:
+            h.remove()
+    for first, grp in collect.items():
+        if first not in hs:  # a linear the calibration never reached: round to nearest later
+            continue
+        for role in grp:
+            if role not in lins:
+                continue
+            lin = lins[role]
+            w = lin.weight.detach()
+            opts = _scheme_opts(scheme, w, options, lut_dtype, (pts_exps or {}).get((view.index, role), 0))
+            q, rec = _quantize_matrix(w, hs[first][0], scheme, opts, group_size, damp=damp, act_order=act_order)
+            _count(report, rec, "linears")
+            lin.weight.copy_(q.to(lin.weight.dtype))
+            setattr(lin, ATTR, rec)
+    if experts is not None:  # routed experts: GPTQ per expert matrix, records on the experts module
+        recs = {}
+        for key, mats, hmap in (("gate_up", experts.gu, experts.h_gu), ("down", experts.dn, experts.h_dn)):
+            for e, (h, _) in sorted(hmap.items()):
+                w = mats[e].detach()
+                opts = _scheme_opts(scheme, w, options, lut_dtype,
+                                    (pts_exps or {}).get((view.index, f"experts.{key}", e), 0))
+                q, rec = _quantize_matrix(w, h, scheme, opts, group_size, damp=damp, act_order=act_order)
+                _count(report, rec, "experts")
+                mats[e].copy_(q.to(mats.dtype))
+                recs[(key, e)] = rec
+        setattr(view.experts, ATTR, recs)
 
 
 @torch.no_grad()
@@ -267,7 +366,9 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
     already done, its weights are replaced by GPTQ's (a float weight on the format's grid) and each linear gets
     a ``GPTQResult`` (``ATTR``) that the module's ``from_linear`` then uses. ``options``: the format's
     (``bits`` / ``table`` / ``dtype`` for ``lut``); ``pts_exps``: ``{(layer index, role): n}`` for
-    ``w4a8-fp8`` (default 0). Returns a report: per-linear proxy losses of RTN and GPTQ, summed."""
+    ``w4a8-fp8`` (default 0; routed experts: ``(layer index, "experts.gate_up" | "experts.down", expert)``).
+    Returns a report: the counts of linears and expert matrices done, their proxy losses under RTN and GPTQ,
+    summed."""
     if scheme not in SCHEMES:
         raise ValueError(f"GPTQ supports the schemes {SCHEMES}, got {scheme!r}")
     if not batches:
@@ -275,57 +376,27 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
     options = dict(options or {})
     lut_dtype = options.pop("dtype", None)
     views = decoder_layers(model)
-    calls = _layer_inputs(model, views[0].layer, batches)
-    report = {"linears": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
+    calls = _layer_calls(model, [v.layer for v in views], batches)
+    hidden = [c[0] for c in calls[0]]
+    report = {"linears": 0, "experts": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
     it = views
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(views, desc=f"gptq: {scheme}", unit="layer")
-    for view in it:
-        lins = {r: m for r, m in {**view.linears(), **view.shared_linears()}.items()
-                if isinstance(m, nn.Linear) and r.removeprefix("shared.") not in skip}
-        collect = {grp[0] if grp[0] in lins else next((r for r in grp if r in lins), None): grp
-                   for grp in INPUT_GROUPS}
-        collect.pop(None, None)
-        hs: dict[str, tuple] = {}
-
-        def fn(mod, inp, out, _r=None):
-            hs[_r] = hessian_update(*hs.get(_r, (None, 0)), inp[0])
-
-        handles = [lins[r].register_forward_hook(lambda m, i, o, _r=r: fn(m, i, o, _r)) for r in collect]
-        try:
-            for args, kwargs in calls:
-                _run_layer(view.layer, args, kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-        for first, grp in collect.items():
-            if first not in hs:  # a linear the calibration never reached: round to nearest later
-                continue
-            h = hs[first][0]
-            for role in grp:
-                if role not in lins:
-                    continue
-                lin = lins[role]
-                w = lin.weight.detach()
-                opts = dict(options)
-                if scheme == "w4a8-fp8":
-                    opts["pts_exp"] = int((pts_exps or {}).get((view.index, role), 0))
-                if scheme == "lut":  # the scale dtype LUTLinear.from_linear picks
-                    opts["scale_dtype"] = lut_dtype or (w.dtype if w.dtype in (torch.bfloat16, torch.float16)
-                                                        else torch.bfloat16)
-                gs = w.shape[1] if group_size == -1 else group_size  # w4a8-int8 per-channel groups
-                grid = make_grid(scheme, w.float(), opts)
-                q, scales = gptq_weight(w.float(), h.to(w.device), grid, gs, damp=damp, act_order=act_order)
-                rtn = round_to_nearest(w.float(), grid, gs)
-                hd = h.to(w.device)
-                stats = {"rtn": proxy_loss(w, rtn, hd), "gptq": proxy_loss(w, q, hd)}
-                report["linears"] += 1
-                report["rtn_loss"] += stats["rtn"]
-                report["gptq_loss"] += stats["gptq"]
-                lin.weight.copy_(q.to(lin.weight.dtype))
-                setattr(lin, ATTR, GPTQResult(scheme, group_size, scales, opts, stats))
-        calls = [_next_call(view.layer, args, kwargs) for args, kwargs in calls]
+    try:
+        for view in it:
+            layer_calls = (hidden, calls[view.index])
+            _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_size, damp, act_order, skip,
+                        report)
+            # the next layer's inputs through this layer with GPTQ's weights (the paper's sequential order)
+            hidden = [_call_layer(view.layer, x, call) for x, call in zip(*layer_calls)]
+    except Exception as exc:
+        for v in views:  # no stale scales for a later quantization of the half-moved model
+            for m in [*v.linears().values(), *v.shared_linears().values(), v.experts]:
+                if m is not None and hasattr(m, ATTR):
+                    delattr(m, ATTR)
+        raise RuntimeError(f"GPTQ failed ({type(exc).__name__}: {exc}); the decoder layers before the failing one "
+                           "have their float weights moved onto the grid: reload the model") from exc
     return report
 
