@@ -330,7 +330,8 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
     if kv is not None or attention is not None:
         _need("fireq", "lowbit.models.hf_attention", "install_quantized_attention")
 
-    _check_gptq("fireq", gptq, linear, group_size=(linear_options or {}).get("group_size", group_size), skip=skip)
+    _check_gptq("fireq", gptq, linear, group_size=_linear_opts(group_size, linear_options, linear).get("group_size", 128),
+                skip=skip)
     gptq_on = _gptq_on(gptq) and linear is not None
     batches = (calibration_batches(model, calibration, tokenizer=tokenizer, n_samples=n_samples, seq_len=seq_len,
                                    seed=seed) if (needs_rope_kv or gptq_on) else None)
@@ -351,7 +352,8 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
             shared = pts and pts_scope == "fused" and "pts_exp" not in opts and linear == "w4a8-fp8"
             reports["gptq"] = _gptq("fireq", model, linear, batches, gptq, opts=opts, skip=skip, progress=progress,
                                     pts=True if shared else opts.get("pts", pts),
-                                    pts_scope="fused" if shared else "tensor", fuse_gate_up=fuse_mlp and pts)
+                                    pts_scope="fused" if shared else "tensor",
+                                    fuse_mlp_pts=pts if fuse_mlp else None)
         if fuse_mlp:
             from lowbit.models.arch import decoder_layers
 
@@ -438,7 +440,7 @@ def _check_gptq(name: str, gptq, linear: str | None, *, group_size, skip=()) -> 
 
 
 def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, progress: bool,
-          pts: bool | None = None, pts_scope: str = "tensor", fuse_gate_up: bool = False) -> dict | None:
+          pts: bool | None = None, pts_scope: str = "tensor", fuse_mlp_pts: bool | None = None) -> dict | None:
     """GPTQ (``lowbit.ptq.gptq``) of the float decoder linears before they are quantized: ``gptq`` True or a dict
     of ``damp`` / ``act_order`` (checked by ``_check_gptq``); None when off. ``w4a8-fp8``: the PTS exponents are
     fixed first by the rule the linears will be quantized with (``_pts_plan``). Returns GPTQ's report."""
@@ -449,16 +451,18 @@ def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, pro
     if pts is None:  # quantize_linears -> from_linear: PTS unless the linears' options turn it off (default on)
         pts = opts.get("pts", True)
     fmt = {k: opts[k] for k in ("bits", "table", "dtype") if k in opts and scheme == "lut"}
-    plan = (_pts_plan(model, opts, pts=pts, pts_scope=pts_scope, fuse_gate_up=fuse_gate_up, skip=skip)
+    plan = (_pts_plan(model, opts, pts=pts, pts_scope=pts_scope, fuse_mlp_pts=fuse_mlp_pts, skip=skip)
             if scheme == "w4a8-fp8" else None)
     return _call(run, model, scheme, batches, group_size=opts.get("group_size", 128), options=fmt,
                  pts_exps=plan, skip=tuple(skip), progress=progress, **kw)
 
 
-def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, fuse_gate_up: bool = False, skip=()) -> dict:
+def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, fuse_mlp_pts: bool | None = None, skip=()) -> dict:
     """``{(layer index, role): n}`` (experts: ``(layer index, "experts.gate_up" | "experts.down", expert)``): the
-    PTS exponent each w4a8-fp8 matrix will be quantized with (the rules of ``_quantize_shared_pts``, ``fuse_mlp`` for
-    gate / up with ``fuse_gate_up``, and ``W4A8FP8Linear.from_weight``), for GPTQ to quantize under it."""
+    PTS exponent each w4a8-fp8 matrix will be quantized with (the rules of ``_quantize_shared_pts`` and
+    ``W4A8FP8Linear.from_weight``), for GPTQ to quantize under it. ``fuse_mlp_pts`` (not None under ``fuse_mlp``):
+    the MLP follows ``lowbit.nn.w4a8_fp8.fuse_mlp``, which reads only the recipe's ``pts`` (gate / up one exponent,
+    down its own; 0 without PTS), not the linears' options."""
     from lowbit.models.arch import decoder_layers
     from lowbit.ptq.pts import pts_exponent
 
@@ -471,9 +475,12 @@ def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, fuse_gate_up: boo
             roles = [r for r in group if r in lins]
             if not roles:
                 continue
-            if "pts_exp" in opts or not pts:
+            if fuse_mlp_pts is not None and group in (("gate_proj", "up_proj"), ("down_proj",)):
+                es = ([pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g)] * len(roles)
+                      if fuse_mlp_pts else [0] * len(roles))
+            elif "pts_exp" in opts or not pts:
                 es = [int(opts.get("pts_exp", 0))] * len(roles)
-            elif pts_scope == "fused" or (fuse_gate_up and group == ("gate_proj", "up_proj")):
+            elif pts_scope == "fused":
                 es = [pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g)] * len(roles)
             else:
                 es = [pts_exponent(lins[r].weight.detach(), g) for r in roles]
@@ -605,7 +612,8 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
                    smooth_alpha=smooth_alpha, smoothquant=smoothquant, smoothquant_alpha=smoothquant_alpha,
                    linear_options=linear_options, skip=list(skip), lm_head=lm_head, gptq=gptq, seed=seed,
                    n_samples=n_samples, seq_len=seq_len)
-    _check_gptq("qserve", gptq, linear, group_size=(linear_options or {}).get("group_size", group_size), skip=skip)
+    _check_gptq("qserve", gptq, linear, group_size=_linear_opts(group_size, linear_options, linear).get("group_size", 128),
+                skip=skip)
     gptq_on = _gptq_on(gptq) and linear is not None
     sa = _need("qserve", "lowbit.ptq.smooth_attention", "apply_smooth_attention") if smooth else None
     sq = _need("qserve", "lowbit.ptq.smoothquant", "apply_smoothquant") if smoothquant else None
@@ -650,7 +658,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
                    seed=seed, n_samples=n_samples, seq_len=seq_len, lm_head=lm_head, rpn=rpn, crs=crs)
     if fuse_mlp is not None:  # (recorded only when given)
         options["fuse_mlp"] = bool(fuse_mlp)
-    _check_gptq(name, gptq, linear, group_size=(linear_options or {}).get("group_size", group_size), skip=skip)
+    _check_gptq(name, gptq, linear, group_size=_linear_opts(group_size, linear_options, linear).get("group_size", 128),
+                skip=skip)
     gptq_on = _gptq_on(gptq) and linear is not None
     if _gptq_on(gptq):  # (recorded only when on)
         options["gptq"] = gptq

@@ -38,8 +38,9 @@ Decisions (each tested in ``tests/test_gptq.py``):
 - Activation quantization (FP8 / INT8 per token) is not modelled in ``H`` (the inputs are the previous
   layers' float-activation outputs): GPTQ compensates the weight error only, as in the paper.
 - Mixture-of-experts layers: each routed expert's gate_up and down by GPTQ with Hessians from the calibration
-  tokens routed to it (down's input ``silu(gate) * up`` from the float gate_up of those tokens); an expert no
-  calibration token reached keeps round to nearest. The records travel on the experts module (``ATTR``: a dict
+  tokens routed to it (down's input ``silu(gate) * up`` from the float gate_up of those tokens); an expert fewer
+  than ``EXPERT_MIN_TOKENS`` (128) calibration tokens reached keeps round to nearest (its Hessian would have a rank
+  below 128 and GPTQ would fit those few tokens). The records travel on the experts module (``ATTR``: a dict
   ``{("gate_up" | "down", expert): GPTQResult}``) to ``QuantExperts.from_experts``.
 """
 from __future__ import annotations
@@ -220,6 +221,7 @@ def proxy_loss(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------------ model
 # linears that read one input: one Hessian each group (the first role present collects it)
+EXPERT_MIN_TOKENS = 128  # an expert matrix GPTQ fits needs this many routed calibration tokens (else: RTN)
 EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")  # a skip naming any of them leaves the routed experts alone
 INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
                 ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
@@ -238,11 +240,12 @@ def _layer_calls(model, layers: list, batches: list[torch.Tensor]) -> list[list[
         calls[i].append((h if i == 0 else None, tuple(args[1:]), kw, bool(args)))
 
     device = next(model.parameters()).device
+    stack = getattr(model, "model", model)  # the decoder stack: no lm_head logits
     handles = [layer.register_forward_pre_hook(lambda m, a, k, _i=i: grab(_i, m, a, k), with_kwargs=True)
                for i, layer in enumerate(layers)]
     try:
         for ids in batches:
-            model(input_ids=ids.to(device), use_cache=False)
+            stack(input_ids=ids.to(device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -307,7 +310,7 @@ class _ExpertStats:
 
 
 def _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_size, damp, act_order, skip,
-                report) -> None:
+                report, expert_min_tokens) -> None:
     """``apply_gptq`` on one decoder layer: Hessians from its inputs, then GPTQ of its linears and routed experts."""
     lins = {r: m for r, m in {**view.linears(), **view.shared_linears()}.items()
             if isinstance(m, nn.Linear) and r.removeprefix("shared.") not in skip}
@@ -346,7 +349,10 @@ def _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_s
     if experts is not None:  # routed experts: GPTQ per expert matrix, records on the experts module
         recs = {}
         for key, mats, hmap in (("gate_up", experts.gu, experts.h_gu), ("down", experts.dn, experts.h_dn)):
-            for e, (h, _) in sorted(hmap.items()):
+            for e, (h, tokens) in sorted(hmap.items()):
+                if tokens < expert_min_tokens:  # too few routed tokens: GPTQ would fit them; round to nearest
+                    report["experts_rtn"] += 1
+                    continue
                 w = mats[e].detach()
                 opts = _scheme_opts(scheme, w, options, lut_dtype,
                                     (pts_exps or {}).get((view.index, f"experts.{key}", e), 0))
@@ -360,13 +366,15 @@ def _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_s
 @torch.no_grad()
 def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: int = 128,
                options: dict | None = None, pts_exps: dict | None = None, damp: float = 0.01,
-               act_order: bool = True, skip=(), progress: bool = True) -> dict:
+               act_order: bool = True, skip=(), progress: bool = True,
+               expert_min_tokens: int = EXPERT_MIN_TOKENS) -> dict:
     """GPTQ on every decoder linear of ``model`` (float ``nn.Linear``s; roles in ``skip`` left alone), layer by
     layer on ``batches`` ([1, S] token ids): each layer's Hessians come from its inputs through the layers
     already done, its weights are replaced by GPTQ's (a float weight on the format's grid) and each linear gets
     a ``GPTQResult`` (``ATTR``) that the module's ``from_linear`` then uses. ``options``: the format's
     (``bits`` / ``table`` / ``dtype`` for ``lut``); ``pts_exps``: ``{(layer index, role): n}`` for
-    ``w4a8-fp8`` (default 0; routed experts: ``(layer index, "experts.gate_up" | "experts.down", expert)``).
+    ``w4a8-fp8`` (default 0; routed experts: ``(layer index, "experts.gate_up" | "experts.down", expert)``);
+    ``expert_min_tokens``: routed tokens an expert needs for GPTQ (fewer: round to nearest, counted in the report).
     Returns a report: the counts of linears and expert matrices done, their proxy losses under RTN and GPTQ,
     summed."""
     if scheme not in SCHEMES:
@@ -378,7 +386,8 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
     views = decoder_layers(model)
     calls = _layer_calls(model, [v.layer for v in views], batches)
     hidden = [c[0] for c in calls[0]]
-    report = {"linears": 0, "experts": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
+    calls[0] = [(None,) + c[1:] for c in calls[0]]  # (one copy of the layer inputs: ``hidden``)
+    report = {"linears": 0, "experts": 0, "experts_rtn": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
     it = views
     if progress:
         from tqdm.auto import tqdm
@@ -388,15 +397,17 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
         for view in it:
             layer_calls = (hidden, calls[view.index])
             _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_size, damp, act_order, skip,
-                        report)
+                        report, expert_min_tokens)
             # the next layer's inputs through this layer with GPTQ's weights (the paper's sequential order)
             hidden = [_call_layer(view.layer, x, call) for x, call in zip(*layer_calls)]
-    except Exception as exc:
-        for v in views:  # no stale scales for a later quantization of the half-moved model
+    except BaseException as exc:  # (Ctrl-C too: no stale scales for a later quantization of the half-moved model)
+        for v in views:
             for m in [*v.linears().values(), *v.shared_linears().values(), v.experts]:
                 if m is not None and hasattr(m, ATTR):
                     delattr(m, ATTR)
-        raise RuntimeError(f"GPTQ failed ({type(exc).__name__}: {exc}); the decoder layers before the failing one "
-                           "have their float weights moved onto the grid: reload the model") from exc
+        if not isinstance(exc, Exception):
+            raise
+        raise RuntimeError(f"GPTQ failed ({type(exc).__name__}: {exc}); the decoder layers up to and including the "
+                           "failing one may have their float weights moved onto the grid: reload the model") from exc
     return report
 
