@@ -134,6 +134,26 @@ def test_modules_store_gptq_weight_exactly(scheme, opts, gs, dtype, k, n, seed):
     assert torch.equal(mod.dequantize(), q)  # exactly GPTQ's weight (float32), whatever the stored dtype
 
 
+def test_saturated_fp8_values_come_back_exactly():
+    """A forced PTS exponent can make sigma > 64, where FP8(q * sigma) saturates at 448 for |q| >= 2: the codes under
+    given scales are the nearest dequantized values, so GPTQ's saturated values are stored as they were chosen
+    (``grid_codes`` alone would give code round(448 / sigma) = 1 back; found by a 300-case fuzz of this session)."""
+    w = torch.zeros(2, 125)
+    w[0, 3], w[1, 7], w[1, 9] = -448 / 32, 448 / 32, 320 / 32  # FP8(-2 * 320) = -448 (saturated), 448, FP8(1 * 320)
+    sigma = torch.tensor([[320.0], [320.0]])
+    c, s, inv = fp8_fmt.quantize_weight(w, 128, 5, sigma)
+    assert torch.equal(fp8_fmt.dequantize_weight(c, s, 125, 128) * inv, w)
+    # and through GPTQ with that exponent forced on weights it saturates
+    w = torch.randn(7, 125, generator=torch.Generator().manual_seed(104)) * 3.0
+    w[:, 113] *= 50
+    h, _ = hessian_update(None, 0, _correlated(256, 125))
+    for act_order in (False, True):
+        q, sc = gptq_weight(w, h, make_grid("w4a8-fp8", w, {"pts_exp": 5}), 128, act_order=act_order)
+        assert (sc["sigma"] > 64).any() and (q.abs() == 448 / 32).any()
+        c, s, inv = fp8_fmt.quantize_weight(q, 128, 5, sc["sigma"])
+        assert torch.equal(fp8_fmt.dequantize_weight(c, s, 125, 128) * inv, q)
+
+
 def test_record_mismatch_is_a_clear_error():
     lin = torch.nn.Linear(64, 8, bias=False)
     setattr(lin, GPTQ_ATTR, GPTQResult("lut", 64, {"scales": torch.ones(8, 1, dtype=torch.bfloat16)},

@@ -141,13 +141,29 @@ def grid_codes(w_scaled: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return torch.where(sigma > 0, q, torch.zeros_like(q))
 
 
+def _nearest_on_grid(w_scaled: torch.Tensor, q: torch.Tensor, sigma: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """Codes whose dequantized value FP8(q * sigma) is nearest to ``w_scaled``, among ``q - 1, q, q + 1`` (ties: the
+    smaller |q|). For given scales (GPTQ's): a weight on the grid comes back exactly, also where FP8(q * sigma)
+    saturates at 448 (sigma > 64, e.g. a forced PTS exponent), which ``grid_codes`` alone would not give back."""
+    out = torch.empty_like(q)
+    for r in range(0, q.shape[0], rows):  # (row chunks: [rows, G, group, 3] candidates)
+        qq, ww, ss = q[r:r + rows], w_scaled[r:r + rows].float(), sigma[r:r + rows]
+        cand = (qq.unsqueeze(-1) + torch.tensor([0.0, -1.0, 1.0], device=q.device)).clamp(-7, 7)
+        dist = (fp8_round(cand * ss.unsqueeze(-1)) - ww.unsqueeze(-1)).abs()
+        # ties: the smaller |code| (stable argmin over candidates sorted by |code|)
+        order = torch.argsort(cand.abs(), dim=-1, stable=True)
+        best = torch.gather(order, -1, torch.argmin(torch.gather(dist, -1, order), dim=-1, keepdim=True))
+        out[r:r + rows] = torch.where(ss > 0, torch.gather(cand, -1, best).squeeze(-1), torch.zeros_like(qq))
+    return out
+
+
 def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0, sigma: torch.Tensor | None = None):
     """``w [N, K]`` float -> (codes uint8 [N, Kp/2], scales fp8 [N, Gp], inv_delta fp32 []).
 
     ``pts_exp`` is PTS's n (delta = 2^n), see ``lowbit.ptq.pts``. CAS, if any, is already folded
     into ``w``. ``sigma`` [N, ceil(K / group_size)] (FP8 E4M3 values, >= 0) replaces the absmax scales,
-    e.g. chosen by GPTQ (``lowbit.ptq.gptq``); the codes are then ``grid_codes`` under it. Returns tensors on
-    w's device.
+    e.g. chosen by GPTQ (``lowbit.ptq.gptq``); the codes are then the nearest dequantized values under it
+    (``_nearest_on_grid``), so a weight on the grid comes back exactly. Returns tensors on w's device.
     """
     _check_group(group_size)
     if w.ndim != 2:
@@ -159,6 +175,7 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0, si
     kg = g * group_size
     wf = w.float() * (2.0 ** pts_exp)
     wg = torch.nn.functional.pad(wf, (0, kg - k)).reshape(n, g, group_size)
+    given = sigma is not None
     if sigma is None:
         sigma = group_sigma(wg.abs().amax(-1))  # [N, G], may be 0 (underflow)
     else:
@@ -167,7 +184,10 @@ def quantize_weight(w: torch.Tensor, group_size: int = 128, pts_exp: int = 0, si
         sigma = sigma.detach().to(w.device, torch.float32)
         if not (sigma >= 0).all() or not torch.equal(fp8_round(sigma), sigma):
             raise ValueError("sigma must hold non-negative FP8 E4M3 values")
-    q = grid_codes(wg, sigma.unsqueeze(-1)).reshape(n, kg)[:, :k]
+    q = grid_codes(wg, sigma.unsqueeze(-1))
+    if given:
+        q = _nearest_on_grid(wg, q, sigma.unsqueeze(-1))
+    q = q.reshape(n, kg)[:, :k]
     qp = torch.zeros((n, padded_k(k)), dtype=torch.int16, device=w.device)
     qp[:, :k] = q.to(torch.int16)
     codes = encode_codes(qp)
