@@ -109,7 +109,7 @@ def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dt
             say(f"{name}: {row.status}")
             continue
         t0 = time.perf_counter()
-        say(f"{name}: quantizing")
+        say(f"{name}: quantizing" + (" (GPTQ codes)" if gptq and name in GPTQ_RECIPES else ""))
         try:
             if calib is None:
                 calib = pipeline.calibration(tok, n_samples=calib_samples, seq_len=calib_seq_len, seed=seed,
