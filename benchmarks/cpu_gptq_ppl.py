@@ -4,6 +4,8 @@ model, perplexity over the corpus's first ``--max-tokens`` tokens (windows of 10
 default (16 x 512 tokens, seed 0). Rows: fp32; per recipe RTN, GPTQ (act_order, the default) and GPTQ in column order.
 
     python3 benchmarks/cpu_gptq_ppl.py --out benchmarks/results/cpu/s42_gptq_ppl.json
+    python3 benchmarks/cpu_gptq_ppl.py --lm-head --recipes fireq,flute-nf4 --variants rtn,gptq \
+        --out benchmarks/results/cpu/s42_gptq_ppl_lm_head.json
 """
 import argparse
 import copy
@@ -25,6 +27,7 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--recipes", default="flute-nf4,fireq,qserve,flute-nf3")
 ap.add_argument("--max-tokens", type=int, default=8192)
 ap.add_argument("--variants", default="rtn,gptq,gptq-no-act-order")
+ap.add_argument("--lm-head", action="store_true", help="lm_head=True too (the head quantized with the linears' scheme)")
 a = ap.parse_args()
 
 torch.manual_seed(0)
@@ -52,10 +55,10 @@ for r in a.recipes.split(","):
     for v in a.variants.split(","):
         m = copy.deepcopy(model)
         t = time.time()
-        m = lowbit.quantize_model(m, r, gptq=VARIANTS[v], progress=False, **LINEARS_ONLY[r])
+        m = lowbit.quantize_model(m, r, gptq=VARIANTS[v], progress=False, lm_head=a.lm_head, **LINEARS_ONLY[r])
         qs = time.time() - t
         rep = m.lowbit_recipe["reports"].get("gptq")
-        rows.append({"recipe": r, "variant": v, "ppl": perplexity(m, ids, max_tokens=a.max_tokens).perplexity,
+        rows.append({"recipe": r, "variant": v, "lm_head": a.lm_head, "ppl": perplexity(m, ids, max_tokens=a.max_tokens).perplexity,
                      "quantize_s": round(qs, 1), "gptq_report": rep})
         print(rows[-1], flush=True)
         dump()

@@ -293,6 +293,23 @@ def test_group_size_none_means_the_default(recipe):
     assert m.lowbit_recipe["reports"]["gptq"]["linears"] == 14
 
 
+@pytest.mark.parametrize("recipe,lm_head,tie", [("fireq", True, True), ("qserve", True, False),
+                                                 ("flute-nf4", {"group_size": 64}, True), ("fireq", "w8", True)])
+def test_gptq_lm_head(recipe, lm_head, tie):
+    """``lm_head`` quantized by a GPTQ scheme: the head by GPTQ too, on the final norm's output (a tied head untied
+    first: the embedding keeps its float weight); ``"w8"`` keeps round to nearest."""
+    from lowbit.nn.base import QuantLinear
+
+    m = tiny_llama(tie=tie)
+    emb = m.model.embed_tokens.weight.detach().clone()
+    m = lowbit.quantize_model(m, recipe, calibration=_calib(), progress=False, gptq=True, lm_head=lm_head,
+                              kv=None, attention=None)
+    rep = m.lowbit_recipe["reports"]["gptq"]
+    assert rep["lm_head"] == (0 if lm_head == "w8" else 1)
+    assert isinstance(m.lm_head, QuantLinear) and torch.equal(m.model.embed_tokens.weight, emb)
+    assert torch.isfinite(m(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
 def test_empty_gptq_dict_is_on():
     m = lowbit.quantize_model(tiny_llama(), "flute-nf4", calibration=_calib(), progress=False, gptq={})
     assert m.lowbit_recipe["reports"]["gptq"]["linears"] == 14

@@ -353,7 +353,7 @@ def fireq(model, calibration=None, *, linear: str | None = "w4a8-fp8", kv: str |
             reports["gptq"] = _gptq("fireq", model, linear, batches, gptq, opts=opts, skip=skip, progress=progress,
                                     pts=True if shared else opts.get("pts", pts),
                                     pts_scope="fused" if shared else "tensor",
-                                    fuse_mlp_pts=pts if fuse_mlp else None)
+                                    fuse_mlp_pts=pts if fuse_mlp else None, lm_head=lm_head)
         if fuse_mlp:
             from lowbit.models.arch import decoder_layers
 
@@ -440,7 +440,8 @@ def _check_gptq(name: str, gptq, linear: str | None, *, group_size, skip=()) -> 
 
 
 def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, progress: bool,
-          pts: bool | None = None, pts_scope: str = "tensor", fuse_mlp_pts: bool | None = None) -> dict | None:
+          pts: bool | None = None, pts_scope: str = "tensor", fuse_mlp_pts: bool | None = None,
+          lm_head=False) -> dict | None:
     """GPTQ (``lowbit.ptq.gptq``) of the float decoder linears before they are quantized: ``gptq`` True or a dict
     of ``damp`` / ``act_order`` (checked by ``_check_gptq``); None when off. ``w4a8-fp8``: the PTS exponents are
     fixed first by the rule the linears will be quantized with (``_pts_plan``). Returns GPTQ's report."""
@@ -453,8 +454,20 @@ def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, pro
     fmt = {k: opts[k] for k in ("bits", "table", "dtype") if k in opts and scheme == "lut"}
     plan = (_pts_plan(model, opts, pts=pts, pts_scope=pts_scope, fuse_mlp_pts=fuse_mlp_pts, skip=skip)
             if scheme == "w4a8-fp8" else None)
+    head = None
+    if lm_head:  # the head by GPTQ too when its scheme is one GPTQ knows (not "w8")
+        hs, ho = _lm_head_spec(scheme, opts, lm_head)
+        w = model.get_output_embeddings().weight
+        if hs in ("w4a8-fp8", "w4a8-int8", "lut") and isinstance(model.get_output_embeddings(), nn.Linear):
+            from lowbit.ptq.pts import pts_exponent
+
+            head = {"scheme": hs, "group_size": ho.get("group_size", 128),
+                    "options": {k: ho[k] for k in ("bits", "table", "dtype") if k in ho and hs == "lut"}}
+            if hs == "w4a8-fp8":
+                head["pts_exp"] = (int(ho.get("pts_exp", 0)) if "pts_exp" in ho or not ho.get("pts", True)
+                                   else pts_exponent(w.detach(), head["group_size"]))
     return _call(run, model, scheme, batches, group_size=opts.get("group_size", 128), options=fmt,
-                 pts_exps=plan, skip=tuple(skip), progress=progress, **kw)
+                 pts_exps=plan, skip=tuple(skip), progress=progress, head=head, **kw)
 
 
 def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, fuse_mlp_pts: bool | None = None, skip=()) -> dict:
@@ -531,6 +544,24 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
         _quantize_experts(v, "w4a8-fp8", skip, opts)  # each expert matrix its own PTS exponent (gate_up is one)
 
 
+def _lm_head_spec(scheme: str, opts: dict, lm_head) -> tuple[str, dict]:
+    """The head's (scheme, options) for ``lm_head`` (see ``_quantize_lm_head``)."""
+    from lowbit import registry
+
+    if isinstance(lm_head, str):
+        linear_names = [e.name for e in registry.entries("linear")]
+        if lm_head not in linear_names:
+            raise ValueError(f"lm_head must be False, True, a dict of linear options or one of {linear_names}, "
+                             f"got {lm_head!r}")
+        return lm_head, {}
+    if isinstance(lm_head, dict):
+        return scheme, {**opts, **lm_head}
+    if lm_head is not True:
+        raise TypeError(f"lm_head must be False, True, a dict of linear options or a linear scheme name, "
+                        f"got {lm_head!r}")
+    return scheme, opts
+
+
 def _quantize_lm_head(model, scheme: str, opts: dict, recipe: str, lm_head=True) -> None:
     """``lm_head=True``: the output projection through ``scheme`` too (FireQ and QServe keep it
     16-bit: off by default); a dict (e.g. ``{"group_size": 32}``) overrides the linears' options
@@ -539,19 +570,8 @@ def _quantize_lm_head(model, scheme: str, opts: dict, recipe: str, lm_head=True)
     defaults instead. A head tied to ``embed_tokens`` is untied (the embedding stays float,
     ``config.tie_word_embeddings`` becomes False, so checkpoints rebuild it untied)."""
     from lowbit import quantize_linear
-    from lowbit import registry
 
-    if isinstance(lm_head, str):
-        linear_names = [e.name for e in registry.entries("linear")]
-        if lm_head not in linear_names:
-            raise ValueError(f"lm_head must be False, True, a dict of linear options or one of {linear_names}, "
-                             f"got {lm_head!r}")
-        scheme, opts = lm_head, {}
-    elif isinstance(lm_head, dict):
-        opts = {**opts, **lm_head}
-    elif lm_head is not True:
-        raise TypeError(f"lm_head must be False, True, a dict of linear options or a linear scheme name, "
-                        f"got {lm_head!r}")
+    scheme, opts = _lm_head_spec(scheme, opts, lm_head)
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"recipe {recipe}: lm_head=True needs an nn.Linear lm_head, got {type(head).__name__}")
@@ -639,7 +659,7 @@ def qserve(model, calibration=None, *, linear: str | None = "w4a8-int8", kv: str
     if linear is not None:
         if gptq_on:
             reports["gptq"] = _gptq("qserve", model, linear, batches, gptq, skip=skip, progress=progress,
-                                    opts=_linear_opts(group_size, linear_options, linear))
+                                    opts=_linear_opts(group_size, linear_options, linear), lm_head=lm_head)
         quantize_linears(model, linear, skip=skip, progress=progress, recipe="qserve",
                          **_linear_opts(group_size, linear_options, linear))
         if lm_head:
@@ -698,7 +718,8 @@ def _flute(name: str, bits: int, model, calibration, *, linear, kv, attention, g
     # under the learned scales). Quantizing first would leave it only the frozen-codes mode.
     ste = learn is not None and linear == "lut"
     if gptq_on:
-        reports["gptq"] = _gptq(name, model, linear, batches, gptq, opts=opts, skip=skip, progress=progress)
+        reports["gptq"] = _gptq(name, model, linear, batches, gptq, opts=opts, skip=skip, progress=progress,
+                                lm_head=lm_head)
     if linear is not None and not ste:
         quantize_linears(model, linear, skip=skip, progress=progress, recipe=name, **opts)
     if learn is not None:

@@ -27,6 +27,9 @@ Decisions (each tested in ``tests/test_gptq.py``):
   a float weight on the grid plus the scales, which the modules' ``from_linear`` take as they are (a
   ``GPTQResult`` attached to the ``nn.Linear``, ``ATTR``); round to nearest under those scales gives the
   same codes back (``tests/test_gptq.py``: the module's ``dequantize()`` equals GPTQ's weight, fp32 and bf16).
+- **The output projection** (``head``, the recipes' ``lm_head=True`` with a GPTQ scheme): its Hessian from the final
+  norm's output after all quantized layers; a head tied to the input embedding is untied first (the embedding keeps
+  the float weight, as ``lm_head=True`` always did).
 - **Failure.** An error inside the pass (e.g. a Hessian Cholesky that fails) leaves the layers already done with
   their weights on the grid; their records are removed and a RuntimeError says so (reload the model).
 - **Per format**, the grid is the format reference's own arithmetic (``lowbit.formats``):
@@ -363,11 +366,35 @@ def _gptq_layer(view, scheme, layer_calls, options, lut_dtype, pts_exps, group_s
         setattr(view.experts, ATTR, recs)
 
 
+def _gptq_head(model, hidden: list, head: dict, damp: float, act_order: bool, report: dict) -> None:
+    """GPTQ of the output projection on ``norm(hidden)`` (the last layer's outputs through the final norm)."""
+    out = model.get_output_embeddings()
+    if not isinstance(out, nn.Linear):
+        return
+    stack = getattr(model, "model", model)
+    norm = getattr(stack, "norm", None)
+    h, n = None, 0
+    for x in hidden:
+        h, n = hessian_update(h, n, norm(x) if norm is not None else x)
+    emb = model.get_input_embeddings()
+    if emb is not None and out.weight is emb.weight:  # tied: the embedding keeps the float weight
+        out.weight = nn.Parameter(out.weight.detach().clone(), requires_grad=False)
+    w = out.weight.detach()
+    opts = _scheme_opts(head["scheme"], w, dict(head.get("options", {})), head.get("options", {}).get("dtype"),
+                        head.get("pts_exp", 0))
+    opts.pop("dtype", None)
+    q, rec = _quantize_matrix(w, h, head["scheme"], opts, head.get("group_size", 128), damp=damp,
+                              act_order=act_order)
+    _count(report, rec, "lm_head")
+    out.weight.copy_(q.to(out.weight.dtype))
+    setattr(out, ATTR, rec)
+
+
 @torch.no_grad()
 def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: int = 128,
                options: dict | None = None, pts_exps: dict | None = None, damp: float = 0.01,
                act_order: bool = True, skip=(), progress: bool = True,
-               expert_min_tokens: int = EXPERT_MIN_TOKENS) -> dict:
+               expert_min_tokens: int = EXPERT_MIN_TOKENS, head: dict | None = None) -> dict:
     """GPTQ on every decoder linear of ``model`` (float ``nn.Linear``s; roles in ``skip`` left alone), layer by
     layer on ``batches`` ([1, S] token ids): each layer's Hessians come from its inputs through the layers
     already done, its weights are replaced by GPTQ's (a float weight on the format's grid) and each linear gets
@@ -375,6 +402,9 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
     (``bits`` / ``table`` / ``dtype`` for ``lut``); ``pts_exps``: ``{(layer index, role): n}`` for
     ``w4a8-fp8`` (default 0; routed experts: ``(layer index, "experts.gate_up" | "experts.down", expert)``);
     ``expert_min_tokens``: routed tokens an expert needs for GPTQ (fewer: round to nearest, counted in the report).
+    ``head``: also the output projection (``lm_head``), on the final norm's output after the quantized layers:
+    ``{"scheme", "group_size", "options", "pts_exp"}`` (a head tied to the input embedding is untied first: the
+    embedding keeps its float weight).
     Returns a report: the counts of linears and expert matrices done, their proxy losses under RTN and GPTQ,
     summed."""
     if scheme not in SCHEMES:
@@ -387,7 +417,7 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
     calls = _layer_calls(model, [v.layer for v in views], batches)
     hidden = [c[0] for c in calls[0]]
     calls[0] = [(None,) + c[1:] for c in calls[0]]  # (one copy of the layer inputs: ``hidden``)
-    report = {"linears": 0, "experts": 0, "experts_rtn": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
+    report = {"linears": 0, "experts": 0, "experts_rtn": 0, "lm_head": 0, "rtn_loss": 0.0, "gptq_loss": 0.0, "act_order": act_order, "damp": damp}
     it = views
     if progress:
         from tqdm.auto import tqdm
@@ -400,11 +430,16 @@ def apply_gptq(model, scheme: str, batches: list[torch.Tensor], *, group_size: i
                         report, expert_min_tokens)
             # the next layer's inputs through this layer with GPTQ's weights (the paper's sequential order)
             hidden = [_call_layer(view.layer, x, call) for x, call in zip(*layer_calls)]
+        if head is not None:
+            _gptq_head(model, hidden, head, damp, act_order, report)
     except BaseException as exc:  # (Ctrl-C too: no stale scales for a later quantization of the half-moved model)
         for v in views:
             for m in [*v.linears().values(), *v.shared_linears().values(), v.experts]:
                 if m is not None and hasattr(m, ATTR):
                     delattr(m, ATTR)
+        out = model.get_output_embeddings()
+        if out is not None and hasattr(out, ATTR):
+            delattr(out, ATTR)
         if not isinstance(exc, Exception):
             raise
         raise RuntimeError(f"GPTQ failed ({type(exc).__name__}: {exc}); the decoder layers up to and including the "
