@@ -56,7 +56,13 @@ def _measure(row: Row, model, tok, ids, *, max_tokens: int, window: int, prompt:
         row.answer += f" [stopped after {limit:.0f} s]"
 
 
-GPTQ_RECIPES = ("fireq", "qserve", "flute-nf4", "flute-nf3")  # the recipes with a ``gptq`` option
+def _takes_gptq(recipe: str) -> bool:
+    """Whether the recipe has a ``gptq`` option (``fireq``, ``qserve``, the flute recipes)."""
+    import inspect
+
+    from lowbit import registry
+
+    return "gptq" in inspect.signature(registry.get("recipe", recipe).load()).parameters
 
 
 def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dtype=torch.float32,
@@ -109,12 +115,12 @@ def run(*, model=None, recipes: list[str] | None = None, device: str = "cpu", dt
             say(f"{name}: {row.status}")
             continue
         t0 = time.perf_counter()
-        say(f"{name}: quantizing" + (" (GPTQ codes)" if gptq and name in GPTQ_RECIPES else ""))
+        say(f"{name}: quantizing" + (" (GPTQ codes)" if gptq and _takes_gptq(name) else ""))
         try:
             if calib is None:
                 calib = pipeline.calibration(tok, n_samples=calib_samples, seq_len=calib_seq_len, seed=seed,
                                              text_file=text_file)
-            extra = {"gptq": True} if gptq and name in GPTQ_RECIPES else {}
+            extra = {"gptq": True} if gptq and _takes_gptq(name) else {}
             qmodel = pipeline.quantize(copy.deepcopy(base), name, calibration=calib, **extra)
             _measure(row, qmodel, tok, ids, max_tokens=max_tokens, window=window, prompt=prompt,
                      new_tokens=new_tokens, gen_time=gen_time, deadline=deadline)

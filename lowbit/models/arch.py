@@ -42,6 +42,10 @@ from lowbit._utils import warn_once
 
 # model types whose forward lowbit's tests run (tests/test_arch_variants.py, the embedded SmolLM2 = llama)
 TESTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe")
+# a layer's linears by shared input (LayerView roles): q/k/v read one input, gate/up another (the fused matrices of
+# FireQ's PTS scope and one GPTQ Hessian each); a Qwen2-MoE shared expert's likewise
+INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
+                ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
 
 
 @dataclass

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lowbit.models.arch import INPUT_GROUPS
 from lowbit.nn.base import GPTQ_ATTR
 
 __all__ = ["fireq", "qserve", "flute_nf4", "flute_nf3", "int8_attention", "fp8_mla", "quantize_linears",
@@ -459,13 +460,13 @@ def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, pro
         hs, ho = _lm_head_spec(scheme, opts, lm_head)
         w = model.get_output_embeddings().weight
         if hs in ("w4a8-fp8", "w4a8-int8", "lut") and isinstance(model.get_output_embeddings(), nn.Linear):
-            from lowbit.ptq.pts import pts_exponent
+            from lowbit.ptq.pts import exponent_for
 
             head = {"scheme": hs, "group_size": ho.get("group_size", 128),
                     "options": {k: ho[k] for k in ("bits", "table", "dtype") if k in ho and hs == "lut"}}
             if hs == "w4a8-fp8":
-                head["pts_exp"] = (int(ho.get("pts_exp", 0)) if "pts_exp" in ho or not ho.get("pts", True)
-                                   else pts_exponent(w.detach(), head["group_size"]))
+                head["pts_exp"] = exponent_for(w.detach(), head["group_size"], pts=ho.get("pts", True),
+                                               pts_exp=ho.get("pts_exp"))
     return _call(run, model, scheme, batches, group_size=opts.get("group_size", 128), options=fmt,
                  pts_exps=plan, skip=tuple(skip), progress=progress, head=head, **kw)
 
@@ -477,40 +478,33 @@ def _pts_plan(model, opts: dict, *, pts: bool, pts_scope: str, fuse_mlp_pts: boo
     the MLP follows ``lowbit.nn.w4a8_fp8.fuse_mlp``, which reads only the recipe's ``pts`` (gate / up one exponent,
     down its own; 0 without PTS), not the linears' options."""
     from lowbit.models.arch import decoder_layers
-    from lowbit.ptq.pts import pts_exponent
+    from lowbit.ptq.pts import exponent_for, pts_exponent
 
     g = opts.get("group_size", 128)
     plan: dict = {}
     for v in decoder_layers(model):
         lins = {r: m for r, m in {**v.linears(), **v.shared_linears()}.items()
                 if isinstance(m, nn.Linear) and r.removeprefix("shared.") not in skip}
-        for group in _PTS_GROUPS:
+        for group in INPUT_GROUPS:
             roles = [r for r in group if r in lins]
             if not roles:
                 continue
             if fuse_mlp_pts is not None and group in (("gate_proj", "up_proj"), ("down_proj",)):
                 es = ([pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g)] * len(roles)
                       if fuse_mlp_pts else [0] * len(roles))
-            elif "pts_exp" in opts or not pts:
-                es = [int(opts.get("pts_exp", 0))] * len(roles)
-            elif pts_scope == "fused":
+            elif pts_scope == "fused" and pts and "pts_exp" not in opts:
                 es = [pts_exponent(torch.cat([lins[r].weight.detach() for r in roles], 0), g)] * len(roles)
             else:
-                es = [pts_exponent(lins[r].weight.detach(), g) for r in roles]
+                es = [exponent_for(lins[r].weight.detach(), g, pts=pts, pts_exp=opts.get("pts_exp")) for r in roles]
             plan.update({(v.index, r): e for r, e in zip(roles, es)})
         if v.experts is not None and hasattr(v.experts, "gate_up_proj"):  # each expert matrix its own exponent
             from lowbit.nn.moe import experts_weights
 
             for key, mats in zip(("gate_up", "down"), experts_weights(v.experts)):
                 for e in range(mats.shape[0]):
-                    plan[(v.index, f"experts.{key}", e)] = (
-                        int(opts.get("pts_exp", 0)) if "pts_exp" in opts or not opts.get("pts", True)
-                        else pts_exponent(mats[e].detach(), g))  # (experts: from_linear under the linears' options)
+                    plan[(v.index, f"experts.{key}", e)] = exponent_for(  # (from_linear under the linears' options)
+                        mats[e].detach(), g, pts=opts.get("pts", True), pts_exp=opts.get("pts_exp"))
     return plan
-
-
-_PTS_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",),
-               ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
 
 
 def _no_moe(model, what: str) -> None:
@@ -532,7 +526,7 @@ def _quantize_shared_pts(model, opts: dict, *, skip=(), progress: bool = True) -
     g = opts.get("group_size", 128)
     for v in _progress(views, "fireq: w4a8-fp8 linears", progress, len(views)):
         lins = {**v.linears(), **v.shared_linears()}
-        for group in _PTS_GROUPS:
+        for group in INPUT_GROUPS:
             roles = [r for r in group if r.removeprefix("shared.") not in skip and isinstance(lins.get(r), nn.Linear)]
             if not roles:
                 continue

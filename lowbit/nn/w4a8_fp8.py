@@ -69,11 +69,10 @@ class W4A8FP8Linear(QuantLinear):
                     activation: str | None = None, sigma: torch.Tensor | None = None) -> "W4A8FP8Linear":
         """From a float weight ``[rows, K]`` (rows already interleaved for ``activation='silu_mul'``);
         ``sigma`` [rows, ceil(K / group_size)] replaces the absmax group scales (GPTQ's)."""
-        from lowbit.ptq.pts import pts_exponent
+        from lowbit.ptq.pts import exponent_for
 
         rows, k = weight.shape
-        if pts_exp is None:
-            pts_exp = pts_exponent(weight, group_size) if pts else 0
+        pts_exp = exponent_for(weight, group_size, pts=pts, pts_exp=pts_exp)
         out = rows // 2 if activation == "silu_mul" else rows
         m = cls(k, out, bias is not None, dtype, group_size=group_size, pts_exp=pts_exp, activation=activation,
                 device=weight.device)

@@ -54,7 +54,7 @@ from torch import nn
 from lowbit.formats.lut import group_scales, make_table, nearest_codes
 from lowbit.formats.w4a8_fp8 import fp8_round, grid_codes, group_sigma
 from lowbit.formats.w4a8_int8 import quantize_int8_per_channel, uint4_codes, uint4_params
-from lowbit.models.arch import decoder_layers
+from lowbit.models.arch import INPUT_GROUPS, decoder_layers
 from lowbit.nn.base import GPTQ_ATTR as ATTR
 from lowbit.nn.base import GPTQResult
 
@@ -226,9 +226,6 @@ def proxy_loss(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
 # linears that read one input: one Hessian each group (the first role present collects it)
 EXPERT_MIN_TOKENS = 128  # an expert matrix GPTQ fits needs this many routed calibration tokens (else: RTN)
 EXPERT_ROLES = ("gate_proj", "up_proj", "down_proj")  # a skip naming any of them leaves the routed experts alone
-INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
-                ("shared.gate_proj", "shared.up_proj"), ("shared.down_proj",))
-
 
 def _layer_calls(model, layers: list, batches: list[torch.Tensor]) -> list[list[tuple]]:
     """Per layer, per batch: (the layer's input hidden states for layer 0, else None; its other positional

@@ -65,6 +65,14 @@ def subnormal_groups(w: torch.Tensor, group_size: int = 128) -> int:
     return int(((wg > 0) & (wg / 7 < 2.0 ** -6)).sum().item())
 
 
+def exponent_for(w: torch.Tensor, group_size: int = 128, *, pts: bool = True, pts_exp: int | None = None) -> int:
+    """The exponent a w4a8-fp8 weight is quantized with: ``pts_exp`` when given, else ``pts_exponent(w)`` with PTS
+    on and 0 without (``W4A8FP8Linear.from_weight``'s rule; GPTQ fixes it with this before moving the weights)."""
+    if pts_exp is not None:
+        return int(pts_exp)
+    return pts_exponent(w, group_size) if pts else 0
+
+
 def pts_exponent(w: torch.Tensor, group_size: int = 128) -> int:
     """PTS's ``n`` (delta = 2^n) for weight ``w`` by the rule in the module docstring.
 
