@@ -30,6 +30,12 @@ Decisions (each tested in ``tests/test_gptq.py``):
 - **The output projection** (``head``, the recipes' ``lm_head=True`` with a GPTQ scheme): its Hessian from the final
   norm's output after all quantized layers; a head tied to the input embedding is untied first (the embedding keeps
   the float weight, as ``lm_head=True`` always did).
+- **The column loop on the GPU.** ``gptq_weight`` runs it by the Triton kernel ``lowbit.kernels.gptq_block`` on
+  CUDA tensors (``kernel=None``; ``kernel=True`` on the CPU under TRITON_INTERPRET=1): one launch per lazy block (per
+  group of it without act-order, whose parameters the host computes between launches) instead of ~10 torch ops per
+  column, float32, bit for bit the PyTorch loop's float32 result (``tests/test_gptq_kernel.py``; H200, session 43:
+  a Llama-3-8B layer's matrices ~0.4 s instead of ~10 s, ``benchmarks/device/s43_gptq_kernel.py``). Groups wider
+  than a lazy block (``w4a8-int8`` per channel) are walked in blocks of 128 from each group's first column.
 - **Failure.** An error inside the pass (e.g. a Hessian Cholesky that fails) leaves the layers already done with
   their weights on the grid; their records are removed and a RuntimeError says so (reload the model).
 - **Per format**, the grid is the format reference's own arithmetic (``lowbit.formats``):
@@ -51,6 +57,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit._utils import interpret_mode
 from lowbit.formats.lut import group_scales, make_table, nearest_codes
 from lowbit.formats.w4a8_fp8 import fp8_round, grid_codes, group_sigma
 from lowbit.formats.w4a8_int8 import quantize_int8_per_channel, uint4_codes, uint4_params
@@ -74,9 +81,16 @@ class _Grid:
     def stack(self, ps: list) -> dict:  # per-group parameters -> the GPTQResult.scales fields
         raise NotImplementedError
 
+    def kernel_args(self, device) -> dict:  # the grid's ``gptq_block_triton`` keywords (format, static parts)
+        raise NotImplementedError
+
+    def kernel_params(self, ps: list) -> tuple:  # per-group parameters -> float32 [N, G] (p0, p1) of the kernel
+        raise NotImplementedError
+
 
 class _FP8Grid(_Grid):
     def __init__(self, pts_exp: int):
+        self.pts_exp = pts_exp
         self.d = 2.0 ** pts_exp
         self.inv_d = 2.0 ** -pts_exp
 
@@ -89,6 +103,12 @@ class _FP8Grid(_Grid):
 
     def stack(self, ps):
         return {"sigma": torch.stack(ps, 1)}
+
+    def kernel_args(self, device):
+        return {"fmt": "w4a8-fp8", "pts_exp": self.pts_exp}
+
+    def kernel_params(self, ps):
+        return torch.stack(ps, 1), None
 
 
 class _QoQGrid(_Grid):
@@ -109,6 +129,12 @@ class _QoQGrid(_Grid):
     def stack(self, ps):
         return {"s1": self.s1, "s2": torch.stack([p[0] for p in ps], 1), "z": torch.stack([p[1] for p in ps], 1)}
 
+    def kernel_args(self, device):
+        return {"fmt": "w4a8-int8", "s1": self.s1.to(device, torch.float32).contiguous()}
+
+    def kernel_params(self, ps):
+        return torch.stack([p[0] for p in ps], 1).float(), torch.stack([p[1] for p in ps], 1).float()
+
 
 class _LUTGrid(_Grid):
     def __init__(self, table: torch.Tensor, scale_dtype: torch.dtype):
@@ -125,6 +151,14 @@ class _LUTGrid(_Grid):
 
     def stack(self, ps):
         return {"scales": torch.stack(ps, 1)}
+
+    def kernel_args(self, device):
+        from lowbit.kernels.gptq_block import lut_tables
+
+        return {"fmt": "lut", "tables": lut_tables(self.t, device)}
+
+    def kernel_params(self, ps):
+        return torch.stack(ps, 1).float(), None
 
 
 def make_grid(scheme: str, w: torch.Tensor, options: dict) -> _Grid:
@@ -152,14 +186,35 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
     return h, n + t
 
 
+def _blocks(k: int, group_size: int, block: int) -> list[tuple[int, int]]:
+    """GPTQ's lazy blocks ``[i1, i2)`` of K columns: whole groups in blocks of about ``block`` columns, or, for
+    groups wider than ``block`` (``w4a8-int8`` per channel), each group in blocks of ``block`` (a group's first
+    column then starts a block, so its parameters see every earlier column's update)."""
+    if group_size <= block:
+        bs = block // group_size * group_size
+        return [(i, min(i + bs, k)) for i in range(0, k, bs)]
+    return [(i, min(i + block, g + group_size, k)) for g in range(0, k, group_size)
+            for i in range(g, min(g + group_size, k), block)]
+
+
 def gptq_weight(w: torch.Tensor, h: torch.Tensor, grid: _Grid, group_size: int, *, damp: float = 0.01,
-                act_order: bool = False, block: int = 128) -> tuple[torch.Tensor, dict]:
+                act_order: bool = False, block: int = 128, kernel: bool | None = None) -> tuple[torch.Tensor, dict]:
     """GPTQ of ``w`` [N, K] with Hessian ``h`` [K, K] onto ``grid`` in groups of ``group_size`` columns.
-    Returns (the dequantized weight Q [N, K] float32, the grid's stacked group parameters)."""
+    Returns (the dequantized weight Q [N, K] float32, the grid's stacked group parameters).
+
+    ``kernel``: the column loop by the Triton kernel ``lowbit.kernels.gptq_block`` (one launch per lazy block, or
+    per group of it without ``act_order``, instead of ~10 torch ops per column), in float32 (W and U are cast
+    to it); None (default): on CUDA tensors, else the PyTorch loop (in ``h``'s dtype). On CPU tensors it needs
+    TRITON_INTERPRET=1 (tests). In float32 the two give the same Q and scales bit for bit
+    (``tests/test_gptq_kernel.py``); the kernel's lazy blocks are at most 128 columns (``block`` above that:
+    the loop's blocks differ, the results only by rounding)."""
     if w.ndim != 2 or h.shape != (w.shape[1], w.shape[1]):
         raise ValueError(f"w must be [N, K] and h [K, K], got {list(w.shape)} and {list(h.shape)}")
     if not 0.0 <= damp < 1.0:
         raise ValueError(f"damp must lie in [0, 1), got {damp}")
+    use_kernel = w.is_cuda if kernel is None else bool(kernel)
+    if use_kernel and not w.is_cuda and not interpret_mode():
+        raise ValueError("gptq_weight(kernel=True) needs CUDA tensors, or TRITON_INTERPRET=1 on the CPU")
     n, k = w.shape
     dt = h.dtype
     W = w.detach().to(dt).clone()
@@ -177,34 +232,70 @@ def gptq_weight(w: torch.Tensor, h: torch.Tensor, grid: _Grid, group_size: int, 
     else:
         perm = None
     H.diagonal().add_(damp * torch.diagonal(H).mean())
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).contiguous()
+    if use_kernel:
+        from lowbit.kernels.gptq_block import MAX_BLOCK
+
+        W, U = W.float(), U.float()
+        block = min(block, MAX_BLOCK)
     Q = torch.zeros_like(W)
     params: list = [None] * ng
-    bs = max(block // group_size, 1) * group_size  # lazy blocks hold whole groups
-    p = None
-    for i1 in range(0, k, bs):
-        i2 = min(i1 + bs, k)
-        W1 = W[:, i1:i2].clone()
-        E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for j in range(i2 - i1):
-            col = i1 + j
-            if static is not None:
-                p = static[int(perm[col]) // group_size]
-            elif col % group_size == 0:
-                p = grid.params(W1[:, j:j + group_size])
-                params[col // group_size] = p
-            wj = W1[:, j]
-            qj = grid.qdq(wj[:, None], p)[:, 0].to(dt)
-            Q[:, col] = qj
-            e = (wj - qj) / U1[j, j]
-            W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
-            E1[:, j] = e
+    if use_kernel:
+        kw = grid.kernel_args(W.device)
+        if static is not None:
+            p0, p1 = grid.kernel_params(static)
+            kw.update(p0=p0, p1=p1, gidx=(perm // group_size).to(device=W.device, dtype=torch.int32))
+    for i1, i2 in _blocks(k, group_size, block):
+        if use_kernel:
+            E1 = _kernel_block(W, U, Q, grid, group_size, i1, i2, params, kw)
+        else:
+            E1 = _torch_block(W, U, Q, grid, group_size, i1, i2, params, static, perm)
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if static is not None:
         params = static
         Q = Q[:, torch.argsort(perm)]
     return Q.float(), grid.stack(params)
+
+
+def _torch_block(W, U, Q, grid, group_size, i1, i2, params, static, perm) -> torch.Tensor:
+    """``gptq_weight``'s column loop over the block ``[i1, i2)`` in torch ops (the reference): writes Q's columns,
+    updates the block of W in place, records the parameters of the groups it starts in ``params``; returns the
+    errors E [N, i2 - i1]."""
+    W1 = W[:, i1:i2]
+    E1 = torch.zeros_like(W1)
+    U1 = U[i1:i2, i1:i2]
+    p = params[i1 // group_size]  # (a block inside a wide group: the group's parameters so far)
+    for j in range(i2 - i1):
+        col = i1 + j
+        if static is not None:
+            p = static[int(perm[col]) // group_size]
+        elif col % group_size == 0:
+            p = grid.params(W[:, col:col + group_size])
+            params[col // group_size] = p
+        wj = W1[:, j]
+        qj = grid.qdq(wj[:, None], p)[:, 0].to(W.dtype)
+        Q[:, col] = qj
+        e = (wj - qj) / U1[j, j]
+        W1[:, j:] -= e[:, None] * U1[j, j:][None, :]
+        E1[:, j] = e
+    return E1
+
+
+def _kernel_block(W, U, Q, grid, group_size, i1, i2, params, kw) -> torch.Tensor:
+    """``_torch_block`` by the Triton kernel: one launch for the block with act-order's static parameters (in
+    ``kw``), else one per group segment, each group's parameters computed here from W at its first column."""
+    from lowbit.kernels.gptq_block import gptq_block_triton
+
+    E1 = torch.empty((W.shape[0], i2 - i1), dtype=W.dtype, device=W.device)
+    if "gidx" in kw:
+        gptq_block_triton(W, U, Q, E1, i1, 0, i2 - i1, **kw)
+        return E1
+    for c0 in range(i1, i2, group_size) if i1 % group_size == 0 else [i1]:
+        if c0 % group_size == 0:
+            params[c0 // group_size] = grid.params(W[:, c0:c0 + group_size])
+        p0, p1 = grid.kernel_params([params[c0 // group_size]])
+        gptq_block_triton(W, U, Q, E1, i1, c0 - i1, min(c0 + group_size, i2) - i1, p0=p0, p1=p1, **kw)
+    return E1
 
 
 def round_to_nearest(w: torch.Tensor, grid: _Grid, group_size: int) -> torch.Tensor:
