@@ -131,3 +131,25 @@ def test_kernel_on_gpu(scheme, opts, gs, act_order):
     """Compiled on CUDA (no FP contraction): bit for bit the PyTorch loop on CUDA, float32, N and K off the tiles."""
     w, h, q, scales = _compare(scheme, opts, 300, 520, gs, act_order, dev="cuda")
     assert _on_grid(scheme, opts, q, scales, gs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_hessian_on_tf32_is_the_fp32_gemm():
+    """A bf16 input's Hessian on the TF32 tensor cores: bf16 values and their products are exact there, so it is the
+    float32 GEMM's result up to summation order (and the global TF32 switch is left as it was)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(2048, 1024, device="cuda", generator=g) * torch.rand(1024, device="cuda", generator=g) * 4)
+    x = x.to(torch.bfloat16)
+    before = torch.backends.cuda.matmul.allow_tf32
+    h, n = hessian_update(None, 0, x)
+    assert torch.backends.cuda.matmul.allow_tf32 == before and n == 2048
+    ref = (x.double().T @ x.double()) * (2.0 / 2048)
+    err = ((h.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-6, err
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:  # fp16 keeps the float32 GEMM whatever the switch says... unless the user turned TF32 on: then theirs
+        h16, _ = hessian_update(None, 0, x.half())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert h16.dtype == torch.float32

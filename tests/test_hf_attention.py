@@ -144,3 +144,30 @@ def test_static_cache_keeps_the_float_function(prompt_len):
         got = m.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation="static")
     assert torch.equal(got, ref)
 
+
+
+@pytest.mark.parametrize("kv", ["kv4", "kv4-zp"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fake_quant_round_trip_is_the_paged_cache(reference_ops, kv, interleaved):
+    """The prefill fake-quant path (pages laid out directly on k's device, no host copy) gives the values of a
+    ``PagedKVCache`` filled by the same append and read back by its ``dequantize``, bit for bit (T not a multiple of
+    the page, CRS on K; the append's reference on the CPU: the layouts are what is checked)."""
+    from lowbit.models.hf_attention import _kv4_round_trip
+    from lowbit.nn.kv_cache import PagedKVCache
+    from lowbit.formats.common import FP8_E4M3
+
+    g = torch.Generator().manual_seed(0)
+    B, H, T, D = 2, 3, 70, 32
+    k, v = (torch.randn(B, H, T, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    ang = torch.randn(B, T, D // 2, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+    crs = (torch.rand(H, D, generator=g) + 0.5)
+    got = _kv4_round_trip(k, v, cos, sin, crs, FP8_E4M3, kv == "kv4-zp", interleaved)
+    pc = PagedKVCache(1, H, D, numerics=kv, batch_size=B, page_size=64, dtype=k.dtype, scale_dtype=FP8_E4M3,
+                      interleaved=interleaved, num_pages=B * 2)
+    pc.begin_step(T)
+    pc.append(0, k, v, cos=cos, sin=sin, crs_k=crs)
+    want = pc.dequantize(0, k.dtype)
+    for a, b in zip(got, want):
+        assert a.shape == (B, H, T, D) and torch.equal(a, b)

@@ -193,15 +193,48 @@ def LowbitKVCache(config, **kwargs):  # noqa: N802 - factory named like the clas
 # ---- attention forward ----------------------------------------------------------------------------
 
 def _fake_quant(cfg: _AttnConfig, k, v, cos, sin):
-    """KV4 round trip of one step's K/V (post-RoPE K with CRS) through the same append."""
+    """KV4 round trip of one step's K/V (post-RoPE K with CRS) through the same append. For ``kv4`` / ``kv4-zp`` the
+    pages are laid out directly (each sequence's pages contiguous, the page table built on k's device): no host
+    copy, so no stream sync per call (session 43: the ``PagedKVCache`` it replaces copied three host tensors per
+    layer call); the values equal the cache's ``dequantize`` (test)."""
+    B, H, T, D = k.shape
+    if cfg.kv in ("kv4", "kv4-zp") and T:
+        return _kv4_round_trip(k, v, cos, sin, cfg.crs_k, cfg.scale_dtype, cfg.kv == "kv4-zp", cfg.interleaved)
     from lowbit.nn.kv_cache import PagedKVCache
 
-    B, H, T, D = k.shape
     pc = PagedKVCache(1, H, D, numerics=cfg.kv, batch_size=B, page_size=64, device=k.device, dtype=k.dtype,
                       scale_dtype=cfg.scale_dtype, interleaved=cfg.interleaved, num_pages=B * -(-T // 64))
     pc.begin_step(T)
     pc.append(0, k, v, cos=cos, sin=sin, crs_k=cfg.crs_k)
     return pc.dequantize(0, k.dtype)
+
+
+def _kv4_round_trip(k, v, cos, sin, crs_k, scale_dtype, zero_point: bool, interleaved: bool, page: int = 64):
+    """K, V ``[B, Hkv, T, D]`` -> their KV4 values (``kv4_append``'s RoPE + CRS + quantize, then
+    ``dequantize_kv4``) in k's dtype, through pages ``b * n .. b * n + n - 1`` of sequence b."""
+    from lowbit.formats.kv4 import dequantize_kv4
+    from lowbit.ops.kv4 import kv4_append
+
+    B, H, T, D = k.shape
+    n = -(-T // page)
+    dev = k.device
+
+    def pool(*tail, dt):
+        return torch.zeros(B * n, H, page, *tail, dtype=dt, device=dev)
+
+    codes = [pool(D // 2, dt=torch.uint8) for _ in range(2)]
+    scales = [pool(dt=scale_dtype) for _ in range(2)]
+    zeros = [pool(dt=torch.uint8) for _ in range(2)] if zero_point else [None, None]
+    table = torch.arange(B * n, dtype=torch.int32, device=dev).view(B, n)
+    kv4_append(k, v, codes[0], scales[0], codes[1], scales[1], table, torch.zeros(B, dtype=torch.int32, device=dev),
+               cos=cos, sin=sin, crs_k=crs_k, k_zero=zeros[0], v_zero=zeros[1], interleaved=interleaved)
+
+    def seq(t):  # [B * n, H, page, ...] -> [B, H, T, ...]
+        t = t.view(B, n, H, page, *t.shape[3:]).transpose(1, 2)
+        return t.reshape(B, H, n * page, *t.shape[4:])[:, :, :T]
+
+    return tuple(dequantize_kv4(seq(c), seq(s), None if z is None else seq(z), dtype=k.dtype)
+                 for c, s, z in zip(codes, scales, zeros))
 
 
 def _lowbit_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,

@@ -175,14 +175,27 @@ def make_grid(scheme: str, w: torch.Tensor, options: dict) -> _Grid:
 
 # ------------------------------------------------------------------------------------------------ core
 def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Running mean of ``2 x x^T`` over tokens: ``x`` [..., K] -> (H [K, K], tokens so far)."""
+    """Running mean of ``2 x x^T`` over tokens: ``x`` [..., K] -> (H [K, K], tokens so far).
+
+    One batch's products in float32, the running sum in float64 on the CPU and float32 elsewhere. A bf16 ``x`` on
+    CUDA multiplies on the TF32 tensor cores: its 8-bit mantissas are exact in TF32's 10, their products exact in
+    float32 and summed in float32, so the result is the float32 GEMM's up to summation order, ~8x faster (session
+    43: on a Llama-3-8B layer's down input, 14336 channels, the float32 GEMM of 2048 tokens takes ~13 ms on the
+    H200). Other dtypes keep the float32 GEMM."""
     x = x.detach().reshape(-1, x.shape[-1])
     dt = torch.float64 if x.device.type == "cpu" else torch.float32
-    x = x.float()  # one batch's products in float32, the running sum in ``dt``
+    tf32 = x.is_cuda and x.dtype == torch.bfloat16
+    x = x.float()
     t = x.shape[0]
     if h is None:
         h = torch.zeros(x.shape[1], x.shape[1], dtype=dt, device=x.device)
-    h.mul_(n / (n + t)).add_((x.T @ x).to(dt), alpha=2.0 / (n + t))
+    prev = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = tf32 or prev
+        xtx = x.T @ x
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    h.mul_(n / (n + t)).add_(xtx.to(dt), alpha=2.0 / (n + t))
     return h, n + t
 
 
