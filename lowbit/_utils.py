@@ -6,6 +6,8 @@ argument instead of faulting on the GPU.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 import warnings
 import weakref
@@ -14,8 +16,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 __all__ = [
-    "check_tensor", "check_same_device", "warn_once", "interpret_mode", "triton_available",
-    "use_triton", "cdiv", "by_batch", "MAX_GRID_Y", "FLOAT_DTYPES", "derived", "cached_dense",
+    "check_tensor", "check_rows", "check_same_device", "check_int", "check_index", "check_choice", "check_sm_scale",
+    "warn_once", "interpret_mode", "triton_available", "use_triton", "cdiv", "by_batch", "MAX_GRID_Y", "FLOAT_DTYPES",
+    "derived", "cached_dense",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,13 +84,83 @@ def check_tensor(
     return t
 
 
+def check_rows(x, name: str = "x", *, empty_features: bool = False) -> torch.Tensor:
+    """``x [..., K]``, rows of activations: a float16 / bfloat16 / float32 tensor with at least 1 dim and K >= 1 (an
+    empty last dim has no per-row scale: the reshape to rows failed as ambiguous; ``empty_features=True`` allows
+    K = 0 where the op defines it, e.g. ``w8_linear``'s bias-only output); TypeError / ValueError naming ``name``.
+    Zero rows are fine."""
+    check_tensor(x, name, dtype=FLOAT_DTYPES)
+    if x.ndim == 0 or (x.shape[-1] == 0 and not empty_features):
+        raise ValueError(f"{name} must have at least 1 dim{'' if empty_features else ' and a nonzero last dim'}, "
+                         f"got shape {list(x.shape)}")
+    return x
+
+
+def _is_int(v) -> bool:  # (a SymInt too: a size torch.compile traces symbolically)
+    return isinstance(v, (numbers.Integral, torch.SymInt)) and not isinstance(v, bool)
+
+
+def check_int(v, name: str, minimum: int = 0) -> int:
+    """``v`` as an int >= ``minimum`` (a bool, float or string is refused); TypeError / ValueError naming ``name``."""
+    if not _is_int(v):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return int(v)
+
+
+def check_index(i, n: int, name: str) -> int:
+    """``i`` as an index in ``[0, n)`` (negative indices are refused: a cache's layer -1 is a caller's bug, not the
+    last layer); TypeError / ValueError naming ``name``."""
+    if not _is_int(i):
+        raise TypeError(f"{name} must be an int, got {type(i).__name__} {i!r}")
+    if not 0 <= i < n:
+        raise ValueError(f"{name} must lie in [0, {n}), got {i}")
+    return int(i)
+
+
+def check_choice(value, name: str, choices: Sequence):
+    """``value`` if it is one of ``choices``, else ValueError naming ``name``. Where the choices are ints, ``value``
+    must be an int too (TypeError): ``128.0 in (32, 64, 128)`` holds, and the float then failed deep inside as a
+    tensor size."""
+    if all(_is_int(c) for c in choices):
+        if not _is_int(value):
+            raise TypeError(f"{name} must be an int, one of {tuple(choices)}, got {type(value).__name__} {value!r}")
+        value = int(value)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale of an attention call: ``head_dim ** -0.5`` for None, else ``sm_scale`` (a number or a
+    one-element tensor) as a float, which must be positive and finite (a NaN or an infinite scale gave NaN or
+    all-zero rows); TypeError / ValueError naming the argument."""
+    if sm_scale is None:
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        return head_dim ** -0.5
+    if isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1:
+        sm_scale = sm_scale.item()
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a number, got {type(sm_scale).__name__} {sm_scale!r}")
+    s = float(sm_scale)
+    if not (s > 0 and math.isfinite(s)):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+    return s
+
+
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device, else ValueError naming them."""
-    devs = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devs.values())) > 1:
-        desc = ", ".join(f"{n} on {d}" for n, d in devs.items())
-        raise ValueError(f"tensors must be on one device: {desc}")
-    return next(iter(devs.values()))
+    """All tensors on one device, else ValueError naming them (None entries are skipped)."""
+    first = None
+    for t in tensors.values():  # (the common case without building the message: a decode step calls this per layer)
+        if isinstance(t, torch.Tensor):
+            if first is None:
+                first = t.device
+            elif t.device != first:
+                desc = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
+                raise ValueError(f"tensors must be on one device: {desc}")
+    return first
 
 
 _CAPTURE_STREAMS: dict = {}  # device index -> the side stream every capture runs on

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lowbit import registry
-from lowbit._utils import FLOAT_DTYPES, check_tensor
+from lowbit._utils import FLOAT_DTYPES, check_sm_scale, check_tensor
 
 
 def schemes() -> list[dict]:
@@ -34,6 +34,11 @@ def quantize_linear(linear: torch.nn.Linear, scheme: str, **options) -> torch.nn
         raise TypeError(f"linear.weight must be float16, bfloat16 or float32, got {linear.weight.dtype}")
     if linear.weight.device.type not in entry.devices:
         raise ValueError(f"linear is on {linear.weight.device}; scheme {scheme!r} runs on {', '.join(entry.devices)}")
+    if linear.in_features < 1:
+        raise ValueError(f"linear must have in_features >= 1 to be quantized, got {linear.in_features}")
+    if options.get("dtype") is not None and options["dtype"] not in FLOAT_DTYPES:
+        raise TypeError(f"dtype (the activation / output dtype) must be torch.float16, torch.bfloat16 or "
+                        f"torch.float32, got {options['dtype']!r}")
     return entry.load().from_linear(linear, **options)
 
 
@@ -56,17 +61,20 @@ def attention(q, k, v, *, scheme: str, causal: bool = False, sm_scale: float | N
         raise ValueError(f"k and v must have the same shape, got k {list(k.shape)} and v {list(v.shape)}")
     if k.shape[3] != D:
         raise ValueError(f"q and k must have the same head_dim, got {D} and {k.shape[3]}")
-    if Hq % k.shape[1]:
+    if D < 1:
+        raise ValueError(f"q, k, v must have head_dim >= 1, got shape {list(q.shape)}")
+    if k.shape[1] < 1 or Hq % k.shape[1]:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({k.shape[1]})")
+    if causal not in (True, False):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if causal and Sq > k.shape[2]:
         raise ValueError(f"causal attention needs Sq <= Skv, got Sq={Sq}, Skv={k.shape[2]}")
     if q.device != k.device or q.device != v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.device.type not in entry.devices:
         raise ValueError(f"q, k, v are on {q.device}; scheme {scheme!r} runs on {', '.join(entry.devices)}")
-    if sm_scale is None:
-        sm_scale = D ** -0.5
-    return entry.load()(q, k, v, causal=causal, sm_scale=float(sm_scale), **options)
+    sm_scale = check_sm_scale(sm_scale, D)
+    return entry.load()(q, k, v, causal=bool(causal), sm_scale=sm_scale, **options)
 
 
 def quantize_model(model, recipe: str, calibration=None, **options):
@@ -74,6 +82,9 @@ def quantize_model(model, recipe: str, calibration=None, **options):
     entry = registry.get("recipe", recipe)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers *ForCausalLM), got {type(model).__name__}")
+    if not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers *ForCausalLM (a module with .config), "
+                        f"got {type(model).__name__}")
     return entry.load()(model, calibration=calibration, **options)
 
 

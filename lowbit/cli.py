@@ -58,6 +58,8 @@ def _setup(args):
     if getattr(args, "recipe", None):
         pipeline.check_recipe(args.recipe)
     args.options = _parse_options(getattr(args, "option", None))
+    if args.options and not getattr(args, "recipe", None):  # (they were ignored)
+        raise CLIError("--option sets a recipe option: it needs --recipe")
     device = pipeline.resolve_device(args.device)
     return device, pipeline.resolve_dtype(args.dtype, device)
 

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from lowbit._utils import check_int
+
 
 def load_text(text_file: str | os.PathLike | None = None) -> str:
     if text_file is not None:
@@ -47,6 +49,8 @@ def calibration_batches(tokenizer, *, n_samples: int = 16, seq_len: int = 512, s
     """``n_samples`` windows [1, seq_len] drawn at random offsets (seeded) from the corpus tail,
     i.e. after the first 8192 tokens that ``lowbit eval`` scores by default, so calibration and
     evaluation text do not overlap when the corpus is long enough."""
+    check_int(n_samples, "n_samples (calibration windows, --calib-samples)", 1)
+    check_int(seq_len, "seq_len (tokens per calibration window, --calib-seq-len)", 2)
     ids = tokenize(tokenizer, load_text(text_file))
     start = 8192 if ids.numel() > 8192 + 2 * seq_len else 0
     pool = ids[start:]

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit._utils import check_choice
 from lowbit.formats.common import AMAX_EPS
 
 BITS = (2, 3, 4)
@@ -72,9 +73,7 @@ __all__ = [
 
 
 def _check_bits(bits: int) -> int:
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-    return int(bits)
+    return check_choice(bits, "bits", BITS)
 
 
 def nf_table(bits: int = 4) -> torch.Tensor:
@@ -110,7 +109,11 @@ def make_table(table, bits: int) -> torch.Tensor:
         if table == "int":
             return int_table(bits)
         raise ValueError(f"table must be 'nf', 'int' or a tensor of 2**bits floats, got {table!r}")
-    t = torch.as_tensor(table).detach().to("cpu", torch.float32).flatten()
+    try:
+        t = torch.as_tensor(table).detach().to("cpu", torch.float32).flatten()
+    except (TypeError, ValueError, RuntimeError):  # None, a dict, ragged lists: torch's own message names no argument
+        raise TypeError(f"table must be 'nf', 'int' or a tensor of 2**bits floats, got {type(table).__name__} "
+                        f"{table!r}") from None
     if t.numel() != 2 ** bits:
         raise ValueError(f"table must have 2**bits = {2 ** bits} entries for bits={bits}, got {t.numel()}")
     if not torch.isfinite(t).all():
@@ -169,8 +172,7 @@ def quantize_lut(w: torch.Tensor, *, bits: int = 4, group_size: int = 128, table
     """Reference quantizer: ``w`` [N, K] float -> ``LUTWeight``. ``scales`` [N, ceil(K/group)]
     overrides the absmax scales (learned NF, FLUTE §4.2); codes are then nearest under them."""
     bits = _check_bits(bits)
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    check_choice(group_size, "group_size", GROUP_SIZES)
     if scale_dtype not in SCALE_DTYPES:
         raise TypeError(f"scale_dtype must be torch.bfloat16 or torch.float16, got {scale_dtype}")
     if not isinstance(w, torch.Tensor) or w.ndim != 2:

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import cached_dense
+from lowbit._utils import cached_dense, check_choice
 from lowbit.formats.common import (AMAX_EPS, FP8_E4M3, FP8_E4M3_MAX, INT4_MAX, div_ieee, quantize_per_token,
                                    silu_mul_ref, tile_rows, untile_rows)
 
@@ -93,8 +93,7 @@ def scale_cols(k: int, group_size: int) -> int:
 
 
 def _check_group(group_size: int) -> None:
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    check_choice(group_size, "group_size", GROUP_SIZES)
 
 
 def fp8_round(x: torch.Tensor) -> torch.Tensor:

@@ -228,6 +228,8 @@ def quantize(w: torch.Tensor, group_size: int = 128, *, s1: torch.Tensor | None 
         raise ValueError(f"w must be 2-D [out_features, in_features], got shape {list(w.shape)}")
     if not w.is_floating_point():
         raise TypeError(f"w must be a float tensor, got {w.dtype}")
+    if not torch.isfinite(w).all():  # (as the other formats; was quantized silently into a NaN output feature)
+        raise ValueError("w has NaN or Inf entries")
     N, K = w.shape
     if s1 is not None:
         s1 = s1.detach().to(w.device, torch.float32)

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from lowbit._utils import check_tensor, cuda_major, interpret_mode
+from lowbit._utils import check_rows, check_same_device, check_tensor, cuda_major, interpret_mode
 from lowbit.formats.common import AMAX_EPS, FP8_E4M3, QMAX
 
 PDL_DEFAULT = os.environ.get("LOWBIT_PDL", "0") == "1"
@@ -298,9 +298,7 @@ _FUSE = {None: 0, "rmsnorm": 1, "silu_mul": 2}
 def _row_operands(x, fuse, weight, up):
     """Checked kernel operands: ``x`` as rows ``[M, K]`` (unit stride along K), the second input
     (``up`` rows for 'silu_mul', else x again) and the norm weight (for 'rmsnorm', else x again)."""
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
+    check_rows(x)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -314,6 +312,7 @@ def _row_operands(x, fuse, weight, up):
         g2 = up.reshape(-1, K)
         if g2.stride(-1) != 1:
             g2 = g2.contiguous()
+    check_same_device(x=x, weight=w, up=g2)
     return x2, g2, w
 
 

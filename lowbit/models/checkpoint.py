@@ -317,7 +317,8 @@ def read_metadata(path) -> dict:
     """Parse and structurally validate ``DIR/lowbit.json``."""
     d = Path(path)
     if not d.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(d)!r} does not exist")
+        raise FileNotFoundError(f"checkpoint directory {str(d)!r} " + ("is a file, not a directory" if d.exists()
+                                                                       else "does not exist"))
     mp = d / META
     if not mp.is_file():
         raise CheckpointError(f"{str(d)!r} is not a lowbit checkpoint: {META} is missing")
@@ -453,6 +454,13 @@ def load_quantized(path, device: str | torch.device | None = None):
     """Rebuild and return the model saved by ``save_quantized`` (see module docstring)."""
     from safetensors import safe_open
 
+    if device is not None:  # before reading (and hashing) the weights
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: no CUDA GPU is visible on this machine")
     d = Path(path)
     meta = read_metadata(d)
     wpath = d / meta.get("weights_file", WEIGHTS)

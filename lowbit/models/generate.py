@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit._utils import capture_cuda_graph, interpret_mode, triton_available, use_triton
+from lowbit._utils import capture_cuda_graph, check_int, interpret_mode, triton_available, use_triton
 from lowbit.models.arch import check_llama_family, check_window
 
 __all__ = ["Generator", "generate"]
@@ -1055,13 +1055,7 @@ class Generator:
     def generate(self, prompts, max_new_tokens: int = 32, *, eos_token_id: int | None = None):
         """Greedy decoding of a batch of 1-D token tensors (any lengths); returns the new tokens of
         each request (cut after ``eos_token_id`` when given)."""
-        if isinstance(prompts, torch.Tensor):
-            prompts = list(prompts) if prompts.ndim == 2 else [prompts]
-        if not prompts:
-            raise ValueError("prompts must hold at least one sequence")
-        lens = [int(p.numel()) for p in prompts]
-        if min(lens) < 1:
-            raise ValueError("every prompt needs at least one token")
+        prompts, lens = _check_prompts(prompts, max_new_tokens, getattr(self.a.embed, "num_embeddings", None))
         if max(lens) + max_new_tokens > self.max_seq:
             raise ValueError(f"prompt length {max(lens)} + max_new_tokens {max_new_tokens} exceeds max_seq "
                              f"{self.max_seq}")
@@ -1091,10 +1085,30 @@ class Generator:
         return res
 
 
-def generate(model, prompts, max_new_tokens: int = 32, *, eos_token_id: int | None = None, **options):
-    """One-shot helper: build a ``Generator`` sized for ``prompts`` and decode greedily."""
+def _check_prompts(prompts, max_new_tokens, vocab: int | None = None) -> tuple[list, list[int]]:
+    """``prompts`` (1-D token tensors, or one 1-D / 2-D tensor) as a list, and their lengths: at least one prompt of
+    at least one integer token id in ``[0, vocab)``, and ``max_new_tokens`` an int >= 1; ValueError / TypeError
+    naming them (an id outside the vocabulary failed inside the embedding, ``max_new_tokens=0`` still gave a token)."""
+    check_int(max_new_tokens, "max_new_tokens", 1)
     if isinstance(prompts, torch.Tensor):
         prompts = list(prompts) if prompts.ndim == 2 else [prompts]
-    smax = max(int(p.numel()) for p in prompts) + max_new_tokens
+    if not prompts:
+        raise ValueError("prompts must hold at least one sequence")
+    for b, p in enumerate(prompts):
+        if not isinstance(p, torch.Tensor) or p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+            raise TypeError(f"prompts[{b}] must be a tensor of integer token ids, got "
+                            f"{p.dtype if isinstance(p, torch.Tensor) else type(p).__name__}")
+        if vocab is not None and p.numel() and (int(p.min()) < 0 or int(p.max()) >= vocab):
+            raise ValueError(f"prompts[{b}] has token ids outside [0, {vocab})")
+    lens = [int(p.numel()) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    return prompts, lens
+
+
+def generate(model, prompts, max_new_tokens: int = 32, *, eos_token_id: int | None = None, **options):
+    """One-shot helper: build a ``Generator`` sized for ``prompts`` and decode greedily."""
+    prompts, lens = _check_prompts(prompts, max_new_tokens)
+    smax = max(lens) + max_new_tokens
     g = Generator(model, max_batch=len(prompts), max_seq=smax, **options)
     return g.generate(prompts, max_new_tokens, eos_token_id=eos_token_id)

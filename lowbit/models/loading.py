@@ -221,6 +221,10 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     GGUF files go through the cache described in the module docstring (``cache=False`` skips it).
     """
     directory, gguf = resolve(model)  # fail fast (before importing transformers) on a bad path
+    if gguf is None and not (directory / "config.json").is_file():  # (transformers then failed on its tokenizer)
+        raise FileNotFoundError(f"model {str(model)!r} is a directory without config.json: not a Hugging Face model "
+                                f"folder (pass one, a .gguf file, or '{EMBEDDED}' for the embedded "
+                                "SmolLM2-135M-Instruct)")
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -12,6 +12,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from lowbit._utils import check_tensor
+
 
 GPTQ_ATTR = "lowbit_gptq"  # attribute of a float nn.Linear holding its GPTQResult until it is quantized
 
@@ -80,6 +82,14 @@ class QuantLinear(nn.Module):
         """Called by the runner's fusion (``lowbit.models.generate._fuse_rows``) on modules of this
         class before it stacks them: a class whose buffer layout can change in place (e.g. tiled
         codes back to row-major) makes the modules stackable here. Default: nothing."""
+
+    def check_input(self, x) -> None:
+        """The forward's check of ``x [..., in_features]`` before its op (a tensor, at least 1-D, this module's width:
+        an op that sees only the padded groups would let an x up to a group wider pass); ValueError / TypeError
+        naming x."""
+        check_tensor(x, "x")
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have {self.in_features} features in its last dim, got shape {list(x.shape)}")
 
     # --- inspection ---------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from lowbit._utils import FLOAT_DTYPES, check_index, check_int, check_same_device, check_tensor
 from lowbit.formats.common import FP8_E4M3
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4
 
@@ -43,6 +44,13 @@ class PagedKVCache:
                  scale_dtype: torch.dtype = FP8_E4M3, interleaved: bool = False):
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        check_int(num_layers, "num_layers", 1)
+        check_int(num_kv_heads, "num_kv_heads", 1)
+        check_int(head_dim, "head_dim", 2)
+        check_int(batch_size, "batch_size")
+        check_int(num_pages or 0, "num_pages")  # None / 0: 4 per sequence
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 16, got {page_size}")
         if head_dim % 2:
@@ -56,7 +64,7 @@ class PagedKVCache:
         self.num_pages = 0
         self.pools: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
         self._free: list[int] = []
-        self._grow(num_pages or 4 * batch_size)
+        self._grow(num_pages or max(1, 4 * batch_size))
         self.reset(batch_size)
 
     # ---- allocation -------------------------------------------------------------------------
@@ -96,6 +104,7 @@ class PagedKVCache:
 
     def release(self, b: int) -> None:
         """Return sequence ``b``'s pages to the free list (its length becomes 0)."""
+        b = check_index(b, self.batch_size, "b")
         self._free.extend(self._pages[b])
         self._pages[b] = []
         self.host_lengths[b] = 0
@@ -104,6 +113,7 @@ class PagedKVCache:
     def begin_step(self, num_tokens: int) -> torch.Tensor:
         """Reserve room for ``num_tokens`` new tokens in every sequence; returns ``start`` (int32
         [B], positions of the first new token) and advances ``lengths``."""
+        num_tokens = check_int(num_tokens, "num_tokens")  # (a negative count shrank every length)
         P = self.page_size
         need = [-(-(L + num_tokens) // P) - len(pg) for L, pg in zip(self.host_lengths, self._pages)]
         total = sum(max(0, n) for n in need)
@@ -112,9 +122,9 @@ class PagedKVCache:
         for b, n in enumerate(need):
             for _ in range(max(0, n)):
                 self._pages[b].append(self._free.pop(0))
-        width = max(1, max(len(pg) for pg in self._pages))
+        width = max(1, max((len(pg) for pg in self._pages), default=0))
         table = [pg + [0] * (width - len(pg)) for pg in self._pages]
-        self.page_table = torch.tensor(table, dtype=torch.int32).to(self.device)
+        self.page_table = torch.tensor(table, dtype=torch.int32).reshape(len(table), width).to(self.device)
         self.start = torch.tensor(self.host_lengths, dtype=torch.int32).to(self.device)
         self.host_lengths = [L + num_tokens for L in self.host_lengths]
         self.lengths = torch.tensor(self.host_lengths, dtype=torch.int32).to(self.device)
@@ -126,16 +136,23 @@ class PagedKVCache:
         return max(self.host_lengths) if self.host_lengths else 0
 
     # ---- per-layer operations ---------------------------------------------------------------
+    def _pool(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.pools[check_index(layer, self.num_layers, "layer")]
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, cos=None, sin=None, crs_k=None) -> None:
         """Write the step's new tokens ``k``/``v`` ``[B, Hkv, T, D]`` (k pre-RoPE when cos/sin are
         given; CRS ``crs_k [Hkv, D]`` after RoPE) of ``layer``. Call ``begin_step(T)`` first."""
         from lowbit.ops import kv4 as ops
 
+        pool = self._pool(layer)
+        check_tensor(k, "k", dtype=FLOAT_DTYPES, ndim=4)
         if k.shape[2] != self._step_tokens or k.shape[0] != self.batch_size:
             raise ValueError(f"append got k of shape {list(k.shape)}; begin_step({k.shape[2]}) for a batch of "
                              f"{self.batch_size} must come first (last step: {self._step_tokens} tokens)")
-        pool = self.pools[layer]
-        if self.numerics == "bf16":
+        if self.numerics == "bf16":  # (the kv4 op checks its own arguments)
+            check_tensor(k, "k", shape=[self.batch_size, self.num_kv_heads, k.shape[2], self.head_dim])
+            check_tensor(v, "v", dtype=FLOAT_DTYPES, shape=list(k.shape))
+            check_same_device(k=k, v=v, cache=pool["k"])
             kf = ops.rope_ref(k, cos, sin, interleaved=self.interleaved) if cos is not None else k.float()
             if crs_k is not None:
                 kf = kf * crs_k.float()[None, :, None, :]
@@ -155,7 +172,7 @@ class PagedKVCache:
         """K, V of every sequence as ``[B, Hkv, max_length, D]`` in ``dtype`` (positions past a
         sequence's length are zeros)."""
         dtype = dtype or self.dtype
-        pool = self.pools[layer]
+        pool = self._pool(layer)
         L, P = self.max_length, self.page_size
         pos = torch.arange(L, device=self.device)
         page = self.page_table.long()[:, pos // P]  # [B, L]
@@ -175,7 +192,7 @@ class PagedKVCache:
     def decode(self, layer: int, q: torch.Tensor, *, crs_q=None, sm_scale=None) -> torch.Tensor:
         """Attention of the step's queries ``q [B, Hq, T, D]`` (post-RoPE, T <= 16, causal among
         them) over everything cached for ``layer``. Returns q's shape and dtype."""
-        pool = self.pools[layer]
+        pool = self._pool(layer)
         if self.numerics == "bf16":  # split-KV kernel over the float pages (ragged batches too)
             from lowbit.ops.kv4 import decode_float
 

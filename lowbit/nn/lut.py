@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit._utils import check_choice
 from lowbit.formats.common import interleave_rows
 from lowbit.formats.lut import (GROUP_SIZES, SCALE_DTYPES, SILU_BLOCK, make_table, mma_layout_ok, mma_packed_shapes, pack_codes,
                                 pack_codes_mma, pack_lut, packed_shapes, pair_table, quantize_lut, table_is_uniform)
@@ -51,8 +52,7 @@ class LUTLinear(QuantLinear):
             raise ValueError("activation='silu_mul' (a fused gate_up) takes no bias")
         self.activation = activation
         rows = 2 * self.out_features if activation else self.out_features
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+        group_size = check_choice(group_size, "group_size", GROUP_SIZES)
         if dtype not in SCALE_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.bits = int(bits)
@@ -150,8 +150,7 @@ class LUTLinear(QuantLinear):
     # --- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
         """``x @ W_hat^T (+ bias)``; ``pdl``: as ``lowbit.ops.lut.lut_gemm`` (the runner's batch-1 chain)."""
-        if x.shape[-1] != self.in_features:  # the op sees only the padded groups: an x up to a group wider would pass
-            raise ValueError(f"x must have {self.in_features} features in its last dim, got shape {list(x.shape)}")
+        self.check_input(x)
         xin = x
         if x.is_cuda and x.dtype != self.dtype:
             x = x.to(self.dtype)

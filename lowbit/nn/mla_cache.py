@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import cdiv
+from lowbit._utils import cdiv, check_index, check_int, check_tensor
 from lowbit.formats.mla_fp8 import bytes_per_token
 from lowbit.ops.mla import MAX_DECODE_TOKENS, mla_append, mla_decode, mla_gather, mla_prefill
 
@@ -26,6 +26,8 @@ class PagedMLACache:
             raise ValueError(f"num_layers, batch and max_len must be >= 1, got {num_layers}, {batch}, {max_len}")
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        check_int(kv_lora_rank, "kv_lora_rank", 1)
+        check_int(rope_dim, "rope_dim")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
         device = torch.device(device or "cpu")
@@ -57,6 +59,7 @@ class PagedMLACache:
         self._seq_lens = [None] * self.num_layers
 
     def seq_lens(self, layer: int) -> torch.Tensor:
+        layer = check_index(layer, self.num_layers, "layer")
         if self._seq_lens[layer] is None:
             self._seq_lens[layer] = torch.tensor(self.lengths[layer], dtype=torch.int32, device=self.device)
         return self._seq_lens[layer]
@@ -70,7 +73,8 @@ class PagedMLACache:
     # --- data path ---------------------------------------------------------------------------
     def append(self, layer: int, kv: torch.Tensor) -> None:
         """Append ``kv [B, S, Dc + Dr]`` (latent after its norm, RoPE key rotated) to every sequence."""
-        B, S, D = kv.shape
+        layer = check_index(layer, self.num_layers, "layer")
+        B, S, D = check_tensor(kv, "kv", ndim=3).shape
         if B != self.batch:
             raise ValueError(f"kv batch {B} != cache batch {self.batch}")
         lens = self.lengths[layer]
@@ -86,7 +90,8 @@ class PagedMLACache:
     def attend(self, layer: int, q: torch.Tensor, *, sm_scale: float | None = None) -> torch.Tensor:
         """Attention of ``q [B, S, H, Dc + Dr]`` (the last S cached tokens) over the cache: the decode
         kernel for S <= 4 (MTP), the fetch-dequant prefill path otherwise. Returns ``[B, S, H, Dc]``."""
-        S = q.shape[1]
+        layer = check_index(layer, self.num_layers, "layer")
+        S = check_tensor(q, "q", ndim=4).shape[1]
         mx = max(self.lengths[layer])
         if S <= MAX_DECODE_TOKENS:
             qd = q if (self.fp8 or q.dtype == self.dtype) else q.to(self.dtype)
@@ -97,4 +102,5 @@ class PagedMLACache:
 
     def gather(self, layer: int, dtype=torch.bfloat16) -> torch.Tensor:
         """Dequantized latents ``[B, max_len_now, Dc + Dr]`` (Fused-Fetch-Dequant)."""
+        layer = check_index(layer, self.num_layers, "layer")
         return mla_gather(self.layers[layer], self.page_table, self.seq_lens(layer), max(self.lengths[layer]), dtype=dtype)

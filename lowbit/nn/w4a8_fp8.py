@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit._utils import check_choice
 from lowbit.formats.common import FP8_E4M3, interleave_rows
 from lowbit.formats.w4a8_fp8 import GROUP_SIZES, dequantize_weight, padded_k, quantize_weight, scale_cols
 from lowbit.nn.base import FusedMLP, QuantLinear, gptq_record
@@ -30,8 +31,7 @@ class W4A8FP8Linear(QuantLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.bfloat16,
                  *, group_size: int = 128, pts_exp: int = 0, activation: str | None = None, device=None):
         super().__init__(in_features, out_features, dtype)
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+        group_size = check_choice(group_size, "group_size", GROUP_SIZES)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be None or 'silu_mul', got {activation!r}")
         self.group_size = int(group_size)

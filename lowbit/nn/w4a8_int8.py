@@ -141,7 +141,6 @@ class W4A8INT8Linear(QuantLinear):
 
     # --- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x must have {self.in_features} features in its last dim, got shape {list(x.shape)}")
+        self.check_input(x)
         return w4a8_int8_linear(x, self.qweight, self.wscale, self.gscale, self.gzs, self.bias, tiled=self.tiled,
                                 weight_checked=True)

@@ -61,6 +61,5 @@ class W8Linear(QuantLinear):
         return fmt.dequantize_w8(self.codes, self.scale, torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x must have {self.in_features} features in its last dim, got shape {list(x.shape)}")
+        self.check_input(x)
         return w8_linear(x, self.codes, self.scale, self.bias)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import by_batch, check_tensor, interpret_mode, run_op, triton_available, use_triton, warn_once
+from lowbit._utils import (by_batch, check_sm_scale, check_tensor, interpret_mode, run_op, triton_available, use_triton,
+                           warn_once)
 from lowbit.formats.attention_quant import MODES, V_BLOCK, V_GRANULARITIES, attention_quant_ref, quantize_qkv
 from lowbit.formats.common import FP8_E4M3
 
@@ -76,7 +77,9 @@ def _quant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: st
         o = by_batch(lambda q_, k_, v_: quant_attention_triton(  # grid axis 1: batch x query heads
             q_, k_, v_, mode=mode, causal=causal, sm_scale=sm_scale, v_granularity=v_granularity, v_block=v_block,
             k_per_block=k_block is not None, p_block=p_block, fuse_kv=FUSE_KV), q.shape[1], q, k, v)
-        return o[..., :D] if kd != D else o
+        # (contiguous, as the fake implementation's empty_like(q): a strided view here gave torch.compile other
+        # strides than the traced graph assumed)
+        return o[..., :D].contiguous() if kd != D else o
     return _reference(q, k, v, mode, causal, sm_scale, v_granularity, v_block, k_block, bn, p_block=p_block)
 
 
@@ -101,8 +104,8 @@ def reference(q, k, v, *, mode: str, causal: bool = False, sm_scale: float | Non
     bn = _ref_block_n("fp8" if mode == "fp8-kv4" else mode, kd)
     kg = k_granularity or DEFAULT_K.get(mode, "token")
     vg = v_granularity or DEFAULT_V.get(mode, "channel")
-    return _reference(q, k, v, mode, causal, _scale(sm_scale, D), vg, v_block, bn if kg == "block" else None, bn, fused,
-                      p_scale == "block")
+    return _reference(q, k, v, mode, causal, check_sm_scale(sm_scale, D), vg, v_block, bn if kg == "block" else None, bn,
+                      fused, p_scale == "block")
 
 
 @_quant_attention.register_fake
@@ -204,13 +207,6 @@ def _check_common(q, hkv, skv, causal):
         raise ValueError(f"head_dim must be <= 256, got {D}")
 
 
-def _scale(sm_scale, d):
-    s = d ** -0.5 if sm_scale is None else float(sm_scale)
-    if not (s > 0 and s < float("inf")):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
-    return s
-
-
 # per-mode defaults: FP8 keeps ~2^-4 relative precision at any scale, so one scale per KV block
 # loses nothing measurable and saves a multiply per score (K) and per output element (V); INT8
 # codes are absolute, so int8 keeps the papers' per-token K and per-channel V scales.
@@ -248,8 +244,8 @@ def quant_attention(q, k, v, *, mode: str, causal: bool = False, sm_scale: float
     if mode == "fp8-kv4":
         return fp8_kv4_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     _check_qkv(q, k, v, causal)
-    return run_op(_quant_attention, q, k, v, mode, bool(causal), _scale(sm_scale, q.shape[-1]), v_granularity, v_block,
-                            k_granularity, p_scale == "block")
+    return run_op(_quant_attention, q, k, v, mode, bool(causal), check_sm_scale(sm_scale, q.shape[-1]), v_granularity,
+                  v_block, k_granularity, p_scale == "block")
 
 
 def fp8_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
@@ -303,7 +299,7 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
         if q.shape[-1] % 2:
             raise ValueError(f"kv4 needs an even head_dim, got {q.shape[-1]}")
         if not fused:  # one launch: float -> KV4 -> the fp8 operands
-            return run_op(_fp8_kv4_attention_float, q, k, v, bool(causal), _scale(sm_scale, q.shape[-1]))
+            return run_op(_fp8_kv4_attention_float, q, k, v, bool(causal), check_sm_scale(sm_scale, q.shape[-1]))
         from lowbit.ops.kv4 import kv4_quantize
 
         kc, ksc, vc, vsc = kv4_quantize(k, v)  # one Triton launch (D a power of two) or quantize_kv4
@@ -328,4 +324,5 @@ def fp8_kv4_attention(q, k=None, v=None, *, causal: bool = False, sm_scale: floa
     for name, t in (("k_codes", kc), ("v_codes", vc)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
-    return run_op(_fp8_kv4_attention, q, kc, ksc, vc, vsc, bool(causal), _scale(sm_scale, q.shape[-1]), bool(fused))
+    return run_op(_fp8_kv4_attention, q, kc, ksc, vc, vsc, bool(causal), check_sm_scale(sm_scale, q.shape[-1]),
+                  bool(fused))

@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from lowbit._utils import (by_batch, check_indices, check_page_reads, check_page_writes, check_tensor, run_op,
-                           use_triton)
+from lowbit._utils import (by_batch, check_indices, check_int, check_page_reads, check_page_writes, check_same_device,
+                           check_sm_scale, check_tensor, run_op, use_triton)
 from lowbit.formats.common import int8_planes
 from lowbit.formats.kv4 import SCALE_DTYPES, dequantize_kv4, quantize_kv4
 from lowbit.ops.attention import attention_ref
@@ -190,8 +190,8 @@ def kv4_quantize(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.
     tokens, the append kernel's row numerics) where D is a power of two >= 16, else that reference."""
     check_tensor(k, "k", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     check_tensor(v, "v", dtype=k.dtype, shape=list(k.shape))
-    if k.shape[-1] % 2:
-        raise ValueError(f"kv4 needs an even head_dim, got {k.shape[-1]}")
+    if k.shape[-1] % 2 or k.shape[-1] < 2:
+        raise ValueError(f"kv4 needs an even head_dim >= 2, got {k.shape[-1]}")
     if v.device != k.device:
         raise ValueError(f"v must be on {k.device}, got {v.device}")
     return run_op(_kv4_quantize, k, v)
@@ -250,6 +250,7 @@ def _check_float_cache(k, v, D: int, dtypes: tuple) -> tuple[int, int]:
         raise ValueError(f"the page size (k.shape[2] = {PAGE}) must be a multiple of 16")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have unit stride along the head dim")
+    check_same_device(k=k, v=v)
     return Hkv, PAGE
 
 
@@ -298,14 +299,16 @@ def decode_float_append(q, k_new, v_new, k, v, page_table, lengths, *, cos, sin,
     check_tensor(v_new, "v_new", dtype=q.dtype, shape=[B, Hkv, TQ, D])
     check_tensor(cos, "cos", shape=[B, TQ, D])
     check_tensor(sin, "sin", shape=[B, TQ, D])
-    q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float_append")
+    q, sm_scale, max_len, num_splits = _check_decode_args(q, k, page_table, lengths, sm_scale, max_len, num_splits,
+                                                          "decode_float_append")
+    check_same_device(q=q, k_new=k_new, v_new=v_new, v=v, cos=cos, sin=sin)
     k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
     v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
     if check_indices(lengths, page_table):  # (on CUDA only under LOWBIT_CHECK_INDEX: no extra launch in a graph)
         check_page_writes(lengths - TQ, page_table, TQ, PAGE, k.shape[0])  # "start" = lengths - TQ
         check_page_reads(lengths, page_table, PAGE, k.shape[0])
     return run_op(_decode_float_append, q, k_new, v_new, k, v, page_table, lengths, cos.to(q.dtype), sin.to(q.dtype),
-                                sm_scale, int(max_len), int(num_splits))
+                  sm_scale, max_len, num_splits)
 
 
 def _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, head_dim):
@@ -323,6 +326,7 @@ def _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, head_dim):
         check_tensor(v_zero, "v_zero", dtype=torch.uint8, shape=[P, H, PAGE], contiguous=True)
     if PAGE & (PAGE - 1) or PAGE < 16:
         raise ValueError(f"page size must be a power of two >= 16, got {PAGE}")
+    check_same_device(k_codes=k_codes, k_scale=k_scale, v_codes=v_codes, v_scale=v_scale, k_zero=k_zero, v_zero=v_zero)
     return P, H, PAGE
 
 
@@ -343,6 +347,7 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
     check_tensor(start, "start", dtype=torch.int32, shape=[B])
     if page_table.shape[0] != B:
         raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
+    check_same_device(k=k, v=v, k_codes=k_codes, page_table=page_table, start=start, cos=cos, sin=sin, crs_k=crs_k)
     check_page_writes(start, page_table, T, PAGE, k_codes.shape[0])
     if (cos is None) != (sin is None):
         raise ValueError("cos and sin must be given together")
@@ -363,23 +368,28 @@ def kv4_append(k, v, k_codes, k_scale, v_codes, v_scale, page_table, start, *, c
                 k_zero, v_zero, bool(interleaved))
 
 
-def _check_decode_args(q, Hkv, page_table, lengths, sm_scale, name: str):
-    """Checks shared by the decode ops: 1..16 query tokens, GQA grouping, int32 page table with one
-    row per sequence and int32 lengths, a positive ``sm_scale`` (None = 1/sqrt(D)). Returns
-    (q with unit stride along D, sm_scale)."""
+def _check_decode_args(q, cache, page_table, lengths, sm_scale, max_len, num_splits, name: str, cache_name: str = "k"):
+    """Checks shared by the decode ops: 1..16 query tokens, GQA grouping against the cache's KV heads
+    (``cache [pages, Hkv, PAGE, ...]``, on q's device), int32 page table with one row per sequence and int32
+    lengths (on q's device too), a positive finite ``sm_scale`` (None = 1/sqrt(D)), ``max_len`` and ``num_splits``
+    ints >= 0 (0: automatic), ``max_len`` bounding ``lengths`` where they are checked (a ``max_len`` below them cut
+    the keys read: a silently wrong output). Returns (q with unit stride along D, sm_scale, max_len, num_splits)."""
     B, Hq, TQ, D = q.shape
+    Hkv = cache.shape[1]
     if not 1 <= TQ <= 16:
         raise ValueError(f"{name} takes 1..16 query tokens per sequence, got {TQ}")
-    if Hq % Hkv:
+    if Hkv < 1 or Hq % Hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the cache's KV heads ({Hkv})")
     check_tensor(page_table, "page_table", dtype=torch.int32, ndim=2)
     check_tensor(lengths, "lengths", dtype=torch.int32, shape=[B])
     if page_table.shape[0] != B:
         raise ValueError(f"page_table must have {B} rows (one per sequence), got {page_table.shape[0]}")
-    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    if not sm_scale > 0:
-        raise ValueError(f"sm_scale must be > 0, got {sm_scale}")
-    return (q if q.stride(-1) == 1 else q.contiguous()), sm_scale
+    check_same_device(q=q, **{cache_name: cache}, page_table=page_table, lengths=lengths)
+    sm_scale = check_sm_scale(sm_scale, D)
+    max_len, num_splits = check_int(max_len, "max_len"), check_int(num_splits, "num_splits")
+    if max_len and B and check_indices(lengths) and int(lengths.max()) > max_len:
+        raise ValueError(f"max_len ({max_len}) must bound lengths (up to {int(lengths.max())}); 0 = read from lengths")
+    return (q if q.stride(-1) == 1 else q.contiguous()), sm_scale, max_len, num_splits
 
 
 def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_zero=None, v_zero=None,
@@ -393,17 +403,18 @@ def decode_kv4(q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, *, k_
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     B, Hq, TQ, D = q.shape
     P, Hkv, PAGE = _check_cache(k_codes, k_scale, v_codes, v_scale, k_zero, v_zero, D)
-    q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_kv4")
+    q, sm_scale, max_len, num_splits = _check_decode_args(q, k_codes, page_table, lengths, sm_scale, max_len,
+                                                          num_splits, "decode_kv4", "k_codes")
     check_page_reads(lengths, page_table, PAGE, P)
     if crs_q is not None:
         check_tensor(crs_q, "crs_q", shape=[Hkv, D])
         crs_q = crs_q.float().contiguous()
     if q_int8 is None:
         q_int8 = Q_INT8_DEFAULT
-    if int(q_int8) not in (0, 1, 2):
+    if q_int8 not in (0, 1, 2):
         raise ValueError(f"q_int8 must be False/0 (fp16 Q), True/1 (INT8 Q) or 2 (two INT8 planes), got {q_int8!r}")
     return run_op(_decode_kv4, q, k_codes, k_scale, v_codes, v_scale, page_table, lengths, k_zero, v_zero, crs_q,
-                       sm_scale, int(max_len), int(num_splits), int(q_int8))
+                  sm_scale, max_len, num_splits, int(q_int8))
 
 
 def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 0, num_splits: int = 0) -> torch.Tensor:
@@ -415,6 +426,7 @@ def decode_float(q, k, v, page_table, lengths, *, sm_scale=None, max_len: int = 
     ``lowbit.kernels.decode_float``."""
     check_tensor(q, "q", dtype=(torch.float16, torch.bfloat16, torch.float32), ndim=4)
     Hkv, PAGE = _check_float_cache(k, v, q.shape[3], (torch.float16, torch.bfloat16, torch.float32))
-    q, sm_scale = _check_decode_args(q, Hkv, page_table, lengths, sm_scale, "decode_float")
+    q, sm_scale, max_len, num_splits = _check_decode_args(q, k, page_table, lengths, sm_scale, max_len, num_splits,
+                                                          "decode_float")
     check_page_reads(lengths, page_table, PAGE, k.shape[0])
-    return run_op(_decode_float, q, k, v, page_table, lengths, sm_scale, int(max_len), int(num_splits))
+    return run_op(_decode_float, q, k, v, page_table, lengths, sm_scale, max_len, num_splits)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import cached_dense, check_tensor, derived, run_op, use_triton, warn_once
+from lowbit._utils import cached_dense, check_choice, check_rows, check_tensor, derived, run_op, use_triton, warn_once
 from lowbit.formats.common import silu_mul_ref
 from lowbit.formats.lut import (BITS, GROUP_SIZES, SILU_BLOCK, mma_packed_shapes, packed_shapes, pair_table, unpack_codes,
                                 unpack_codes_mma)
@@ -154,9 +154,7 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
     GEMM (measured choices: the kernels' docstrings). ``weight_checked``: the caller vouches for the weight tensors'
     shapes, ``bits``, ``group_size``, ``layout`` and x's width (``LUTLinear``): only x's dtype and device and the
     floating buffers' dtypes are checked (host time, session 38)."""
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
+    check_rows(x)
     # the weight checks; a LUTLinear (weight_checked) skips them unless its floating buffers changed dtype (a module
     # cast by .to(dtype) still gets the full checks and their errors)
     full = not (weight_checked and table.dtype == torch.float32 and scales.dtype in _ACT
@@ -195,10 +193,8 @@ def lut_gemm(x: torch.Tensor, qweight: torch.Tensor, qweight_hi: torch.Tensor | 
 
 def _check_lut_weight(x, qweight, qweight_hi, scales, table, bits, group_size, layout, silu_mul) -> None:
     """``lut_gemm``'s checks of the weight tensors and options against ``x``'s width."""
-    if bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    check_choice(bits, "bits", BITS)
+    check_choice(group_size, "group_size", GROUP_SIZES)
     check_tensor(scales, "scales", dtype=_ACT, ndim=2)
     check_tensor(table, "table", dtype=torch.float32, shape=(2 ** bits,))
     ng, N = scales.shape

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from lowbit._utils import (by_batch, check_indices, check_page_reads, check_same_device, check_tensor, run_op,
-                           use_triton, warn_once)
+from lowbit._utils import (by_batch, check_indices, check_int, check_page_reads, check_same_device, check_sm_scale,
+                           check_tensor, run_op, use_triton, warn_once)
 from lowbit.formats.mla_fp8 import P_SCALE_HEADROOM, dequantize_latent, quantize_latent, quantize_q
 
 __all__ = ["mla_decode", "mla_append", "mla_quantize_q", "mla_gather", "mla_prefill", "mla_decode_ref",
@@ -343,15 +343,18 @@ def mla_decode(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torch
     check_same_device(q=q, content=content, rope=rope, page_table=page_table, seq_lens=seq_lens)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
+    max_seq_len, num_splits = check_int(max_seq_len, "max_seq_len"), check_int(num_splits or 0, "num_splits")
     if max_seq_len > page_table.shape[1] * page:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the page table capacity {page_table.shape[1] * page}")
     if B and check_indices(seq_lens) and int(seq_lens.min()) < Sq:
         raise ValueError(f"every seq_len must be >= Sq ({Sq}): append the query tokens' latents first")
-    sm_scale = D ** -0.5 if sm_scale is None else float(sm_scale)
-    if not sm_scale > 0 or not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale}")
+    if B and check_indices(seq_lens) and int(seq_lens.max()) > max_seq_len:  # (it cut the keys read: a wrong output)
+        raise ValueError(f"max_seq_len ({max_seq_len}) must bound seq_lens (up to {int(seq_lens.max())})")
+    sm_scale = check_sm_scale(sm_scale, D)
+    if q.numel() == 0:  # no sequence or no head: nothing to launch (the split rule divides by them)
+        return q.new_empty(B, Sq, H, dc)
     return run_op(_mla_decode_op, q.contiguous(), content, rope, scale, page_table, seq_lens, sm_scale,
-                  int(max_seq_len), int(num_splits or 0), bool(pv_fp8), bool(pv16))
+                  max_seq_len, num_splits, bool(pv_fp8), bool(pv16))
 
 
 def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:
@@ -374,6 +377,8 @@ def mla_append(kv: torch.Tensor, cache, slots: torch.Tensor) -> None:
 def mla_quantize_q(q: torch.Tensor, kv_lora_rank: int):
     """Fused-Q-Quant: ``q [..., Dc + Dr]`` -> (fp8 [..., Dc], scale fp32 [...], bf16 RoPE [..., Dr] / scale)."""
     check_tensor(q, "q", dtype=_FLOATS)
+    if q.ndim < 1:
+        raise ValueError("q must have at least 1 dim")
     if not 0 < kv_lora_rank < q.shape[-1]:
         raise ValueError(f"kv_lora_rank ({kv_lora_rank}) must be in (0, {q.shape[-1]})")
     return run_op(_mla_quantize_q_op, q.contiguous(), int(kv_lora_rank))
@@ -404,11 +409,13 @@ def mla_prefill(q: torch.Tensor, cache, page_table: torch.Tensor, seq_lens: torc
     if D != content.shape[-1] + rope.shape[-1]:
         raise ValueError(f"q's last dim ({D}) must equal latent + rope ({content.shape[-1] + rope.shape[-1]})")
     dc = content.shape[-1]
+    sm_scale = check_sm_scale(sm_scale, D)
     kv = mla_gather(cache, page_table, seq_lens, max_seq_len, dtype=q.dtype if q.dtype != torch.float32 else torch.float32)
+    if B == 0:  # (the cache then holds 0 tokens, fewer than any S)
+        return q.new_empty(0, S, H, dc)
     L = kv.shape[1]
     if S > L:
         raise ValueError(f"q has {S} tokens but the cache holds only {L}")
-    sm_scale = D ** -0.5 if sm_scale is None else sm_scale
     qf = q.reshape(B, S * H, D)
     s = torch.matmul(qf, kv.transpose(1, 2)).float() * sm_scale  # [B, S*H, L]
     lim = (seq_lens.view(B, 1, 1) - S + 1 + (torch.arange(S * H, device=q.device) // H).view(1, -1, 1))

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowbit._utils import check_same_device, check_tensor, device_table, run_op, use_triton
+from lowbit._utils import check_choice, check_same_device, check_tensor, device_table, run_op, use_triton
 from lowbit.formats.common import FP8_E4M3, quantize_per_token, silu_mul_ref
 from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, scale_cols
 
@@ -356,8 +356,7 @@ def moe_w4a8_fp8(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torc
     the routing are checked."""
     _check_routing(x, top_k_index, top_k_weights)
     gu, dn = list(gate_up[:2]), list(down[:2])
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    check_choice(group_size, "group_size", GROUP_SIZES)
     _common(x, top_k_index, gu, dn)
     if len(gate_up[2]) != len(gu[0]) or len(down[2]) != len(dn[0]):
         raise ValueError("gate_up and down need one pts_exp per expert")

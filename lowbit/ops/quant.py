@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import check_tensor, run_op, use_triton
+from lowbit._utils import check_rows, run_op, use_triton
 from lowbit.formats.common import FP8_E4M3, quantize_per_token
 
 _OUT = {"fp8": FP8_E4M3, "int8": torch.int8}
@@ -36,7 +36,5 @@ def per_token_quant(x: torch.Tensor, out_format: str = "fp8") -> tuple[torch.Ten
     """Quantize each row of ``x`` to ``out_format`` ('fp8' or 'int8'); returns (q, scale)."""
     if out_format not in _OUT:
         raise ValueError(f"out_format must be one of {sorted(_OUT)}, got {out_format!r}")
-    check_tensor(x, "x", dtype=(torch.float16, torch.bfloat16, torch.float32))
-    if x.ndim == 0:
-        raise ValueError("x must have at least 1 dim")
+    check_rows(x)
     return run_op(_per_token_quant, x.contiguous(), out_format)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, run_op, use_triton
+from lowbit._utils import check_choice, check_rows, check_same_device, check_tensor, run_op, use_triton
 from lowbit.formats.common import FP8_E4M3
 from lowbit.formats.w4a8_fp8 import GROUP_SIZES, padded_k, reference_gemm, reference_linear, scale_cols
 
@@ -49,8 +49,7 @@ def _check(xq, sx, codes, scales, k, group_size, bias, residual, silu_mul, out_d
 
 
 def _check_weight(M, codes, scales, k, group_size, bias, residual, silu_mul, out_dtype):
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    check_choice(group_size, "group_size", GROUP_SIZES)
     check_tensor(codes, "codes", dtype=torch.uint8, ndim=2)
     N = codes.shape[0]
     check_tensor(codes, "codes", shape=[N, padded_k(k) // 2])
@@ -153,14 +152,15 @@ def w4a8_fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     the decode path (host time, session 38), x's still run."""
     from lowbit.ops.quant import per_token_quant
 
-    check_tensor(x, "x", dtype=_OUT_DTYPES)
-    if x.ndim < 1:
-        raise ValueError("x must have at least 1 dim")
+    check_rows(x)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight has in_features={k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    res = None if residual is None else residual.reshape(x2.shape[0], -1)
+    res = None
+    if residual is not None:  # [*lead, N]: reshaped with its own width (-1 is ambiguous at M = 0)
+        check_tensor(residual, "residual", shape=[*lead, None])
+        res = residual.reshape(x2.shape[0], residual.shape[-1])
     if x2.shape[0] > 0 and (x2.shape[0] <= _fused_quant_max_m() or _use_pdl(x2.shape[0], codes.shape[0], k)):
         # decode: the quantization of x runs inside the GEMM (one launch), or both launches PDL
         if weight_checked and res is None and codes.dtype == torch.uint8 and scales.dtype == FP8_E4M3 and (

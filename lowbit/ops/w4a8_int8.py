@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, run_op, use_triton
+from lowbit._utils import check_rows, check_same_device, check_tensor, run_op, use_triton
 from lowbit.formats.common import quantize_per_token
 from lowbit.formats.w4a8_int8 import gemm_ref
 
@@ -132,9 +132,7 @@ def w4a8_int8_linear(x: torch.Tensor, qweight: torch.Tensor, wscale: torch.Tenso
     ``tiled``: ``qweight`` in the row-tiled layout (``lowbit.formats.w4a8_int8.tile_codes``). ``weight_checked``:
     the caller vouches that the weight tensors fit each other (``W4A8INT8Linear``, which also checked x's width):
     only x's dtype and device are checked (host time, session 38)."""
-    check_tensor(x, "x", dtype=_OUT_DTYPES)
-    if x.ndim < 1:
-        raise ValueError("x must have at least 1 dim")
+    check_rows(x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not (weight_checked and wscale.dtype == torch.float32 and qweight.dtype == gscale.dtype == gzs.dtype ==

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit._utils import check_same_device, check_tensor, run_op, use_triton
+from lowbit._utils import check_rows, check_same_device, check_tensor, run_op, use_triton
 from lowbit.formats.w8 import gemm_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -31,9 +31,7 @@ def _(x, codes, scale, bias):
 def w8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] (fp16 / bf16 / fp32) -> [..., N] in x's dtype. ``codes`` [N, K] int8 (unit stride along K),
     ``scale`` [N] fp32, ``bias`` [N] or None (layouts: ``lowbit.formats.w8``)."""
-    check_tensor(x, "x", dtype=_DTYPES)
-    if x.ndim < 1:
-        raise ValueError("x must have at least 1 dim")
+    check_rows(x, empty_features=True)  # K = 0: the output is the bias (or 0)
     check_tensor(codes, "codes", dtype=torch.int8, ndim=2)
     N, K = codes.shape
     if x.shape[-1] != K:
