@@ -135,9 +135,10 @@ def test_kernel_on_gpu(scheme, opts, gs, act_order):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_hessian_on_tf32_is_the_fp32_gemm():
-    """A bf16 input's Hessian on the TF32 tensor cores: bf16 values and their products are exact there, so it is the
-    float32 GEMM's result up to summation order (and the global TF32 switch is left as it was)."""
+def test_bf16_hessian_on_tf32_is_accurate():
+    """A bf16 input's Hessian on the TF32 tensor cores: bf16 values and their products are exact there, so only the
+    accumulators' rounding remains (H200: 7.3e-6 of the largest entry, the float32 GEMM 1.2e-6, TF32 on float32 data
+    5.2e-5); the global TF32 switch is left as it was."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(2048, 1024, device="cuda", generator=g) * torch.rand(1024, device="cuda", generator=g) * 4)
     x = x.to(torch.bfloat16)
@@ -152,7 +153,7 @@ def test_bf16_hessian_on_tf32_is_the_fp32_gemm():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     err, err32 = (((a.double() - ref).abs().max() / ref.abs().max()).item() for a in (h, h32))
-    # TF32 rounding of the inputs would cost ~2^-11 per product; exact products leave the float32 sums' error only
+    # TF32 rounding of the inputs would cost ~2^-11 per product; exact products leave the accumulators' rounding
     assert err < max(4 * err32, 2e-5), (err, err32)
     torch.backends.cuda.matmul.allow_tf32 = True
     try:  # fp16 keeps the float32 GEMM whatever the switch says... unless the user turned TF32 on: then theirs

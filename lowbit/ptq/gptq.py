@@ -178,10 +178,11 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
     """Running mean of ``2 x x^T`` over tokens: ``x`` [..., K] -> (H [K, K], tokens so far).
 
     One batch's products in float32, the running sum in float64 on the CPU and float32 elsewhere. A bf16 ``x`` on
-    CUDA multiplies on the TF32 tensor cores: its 8-bit mantissas are exact in TF32's 10, their products exact in
-    float32 and summed in float32, so the result is the float32 GEMM's up to summation order, ~8x faster (session
-    43: on a Llama-3-8B layer's down input, 14336 channels, the float32 GEMM of 2048 tokens takes ~13 ms on the
-    H200). Other dtypes keep the float32 GEMM."""
+    CUDA multiplies on the TF32 tensor cores: its 8-bit mantissas are exact in TF32's 10 and their products exact,
+    summed in the tensor cores' float32 accumulators, which round less carefully than the CUDA cores' float32 GEMM
+    (H200, 2048 tokens x 1024 channels: 7.3e-6 of the largest entry against 1.2e-6 for the float32 GEMM and 5.2e-5
+    for TF32 on float32 data; GPTQ damps H by 1 % of its mean diagonal). It replaces a float32 GEMM that took
+    ~13 ms per 2048 tokens on a Llama-3-8B down input (14336 channels). Other dtypes keep the float32 GEMM."""
     x = x.detach().reshape(-1, x.shape[-1])
     dt = torch.float64 if x.device.type == "cpu" else torch.float32
     tf32 = x.is_cuda and x.dtype == torch.bfloat16
