@@ -65,7 +65,8 @@ def attention(q, k, v, *, scheme: str, causal: bool = False, sm_scale: float | N
         raise ValueError(f"q, k, v must have head_dim >= 1, got shape {list(q.shape)}")
     if k.shape[1] < 1 or Hq % k.shape[1]:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({k.shape[1]})")
-    if causal not in (True, False):
+    # (a SymBool is a bool torch.compile traces, e.g. ``causal=T > 1`` under dynamic shapes: ``in`` cannot compare it)
+    if not isinstance(causal, (bool, torch.SymBool)) and causal not in (True, False):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if causal and Sq > k.shape[2]:
         raise ValueError(f"causal attention needs Sq <= Skv, got Sq={Sq}, Skv={k.shape[2]}")

@@ -286,14 +286,20 @@ def test_run_op_keeps_the_op_for_tracers_modes_vmap_and_the_profiler(scheme):
 
 @pytest.mark.parametrize("scheme,dtype", [("w4a8-int8", torch.bfloat16), ("lut", torch.float16),
                                           ("w4a8-fp8", torch.bfloat16)])
-def test_modules_cast_by_to_dtype_still_raise(scheme, dtype):
-    """``module.to(dtype)`` converts its floating buffers (scales, tables); the modules' unchecked path notices and
-    the full checks name the buffer, as before session 38."""
+def test_modules_keep_their_buffers_under_dtype_casts(scheme, dtype):
+    """``module.to(dtype)`` / ``.half()`` leave the stored buffers (codes, scales, tables, bias) as they are (session
+    43; they were converted and the forward raised), device moves still apply, and the cast module answers x of that
+    dtype exactly as before the cast."""
     import lowbit
 
-    q = lowbit.quantize_linear(torch.nn.Linear(64, 32, bias=False), scheme, group_size=32).to(dtype)
-    with pytest.raises(TypeError, match="must have dtype"):
-        q(torch.randn(3, 64, dtype=dtype))
+    q = lowbit.quantize_linear(torch.nn.Linear(64, 32), scheme, group_size=32)
+    x = torch.randn(3, 64, dtype=dtype)
+    want, dtypes = q(x), [b.dtype for b in q.buffers()]
+    for cast in (lambda m: m.to(dtype), lambda m: m.half(), lambda m: m.float(), lambda m: m.to(torch.float64)):
+        q = cast(q)
+        assert [b.dtype for b in q.buffers()] == dtypes
+        assert torch.equal(q(x), want)
+    assert {b.device.type for b in q.to("meta").buffers()} == {"meta"}
 
 
 def test_run_op_keeps_mutating_ops_and_function_modes():

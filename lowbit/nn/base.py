@@ -83,6 +83,19 @@ class QuantLinear(nn.Module):
         class before it stacks them: a class whose buffer layout can change in place (e.g. tiled
         codes back to row-major) makes the modules stackable here. Default: nothing."""
 
+    def _apply(self, fn, recurse=True):
+        """Device moves (``.to(device)``, ``.cuda()``) apply to the stored buffers; dtype casts (``.half()``,
+        ``.to(torch.bfloat16)``, ``.float()``, of the module or of a model holding it) do not. Codes, scales, tables
+        and bias are the format's storage, and the forward takes fp16 / bf16 / fp32 activations and answers in their
+        dtype, so ``quantized_model.half()`` runs in fp16 with the weights as quantized. (Until session 43 a cast
+        converted the FP8 / fp32 scales too and the forward raised, naming the buffer.)"""
+
+        def move(t):
+            out = fn(t)
+            return out if out.dtype == t.dtype else t.to(device=out.device)
+
+        return super()._apply(move, recurse)
+
     def check_input(self, x) -> None:
         """The forward's check of ``x [..., in_features]`` before its op (a tensor, at least 1-D, this module's width:
         an op that sees only the padded groups would let an x up to a group wider pass); ValueError / TypeError
