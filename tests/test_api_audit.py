@@ -167,6 +167,20 @@ def test_attention_causal_must_be_a_bool():
     assert torch.equal(a, lowbit.attention(*_qkv(), scheme="sdpa", sm_scale=0.125))
 
 
+def test_attention_causal_from_a_traced_size():
+    """``causal=T > 1`` (as ``lowbit.models.hf_attention._attend`` passes it) is a SymBool when torch.compile traces
+    T dynamically: the bool check's ``causal not in (True, False)`` failed the trace ("BooleanAtom not allowed in
+    this context"), where the call compiled before the audit."""
+
+    def f(q, k, v):
+        return lowbit.attention(q, k, v, scheme="sdpa", causal=q.shape[2] > 1, sm_scale=0.125)
+
+    g = torch.compile(f, backend="eager", dynamic=True)  # (not fullgraph: the registry's import breaks the graph)
+    for sq in (5, 7):
+        q, k, v = _qkv(sq=sq, skv=sq, dtype=torch.float32)
+        assert torch.equal(g(q, k, v), f(q, k, v))
+
+
 @settings(max_examples=10, deadline=None)
 @given(scheme=st.sampled_from(("sdpa",) + PREFILL), B=st.sampled_from((0, 1, 2)), sq=st.sampled_from((0, 1, 5)),
        skv=st.sampled_from((0, 3, 9)), causal=st.booleans(), D=st.sampled_from((64, 48, 128)),

@@ -171,3 +171,17 @@ def test_fake_quant_round_trip_is_the_paged_cache(reference_ops, kv, interleaved
     want = pc.dequantize(0, k.dtype)
     for a, b in zip(got, want):
         assert a.shape == (B, H, T, D) and torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_compiled_model_with_changing_prompt_lengths():
+    """torch.compile of a model with lowbit attention (kv=None): the second prompt length makes T dynamic, so
+    ``_attend``'s ``causal=T > 1`` reaches ``lowbit.attention`` as a SymBool; its bool check (API audit, session 43)
+    failed the trace ("BooleanAtom not allowed in this context") where the model compiled before."""
+    m = tiny_llama(outlier=False)
+    install_quantized_attention(m, kv=None, prefill="sdpa")
+    f = torch.compile(m, backend="eager")
+    with torch.no_grad():
+        for T in (10, 13):  # (the second length recompiles with T dynamic)
+            ids = torch.randint(0, 96, (2, T))
+            assert torch.equal(f(ids).logits, m(ids).logits)

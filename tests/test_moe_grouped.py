@@ -529,7 +529,8 @@ def test_generator_captures_grouped_experts_at_any_count():
 
 def test_grouped_spec_cache_follows_the_modules():
     """The grouped schedule's weights are kept while the expert modules are the same objects: a replaced expert
-    and ``.to()`` are seen (a cast module leaves the schedule)."""
+    and ``.to()`` are seen (a cast keeps the quantized buffers since session 43: the schedule is rebuilt, on the same
+    buffers)."""
     experts = _moe("mixtral").model.layers[0].mlp.experts
     qe = QuantExperts.from_experts(experts, "w4a8-fp8", group_size=32)
     s1 = qe.grouped_weights()
@@ -542,8 +543,10 @@ def test_grouped_spec_cache_follows_the_modules():
     qe.down[1].codes = qe.down[1].codes.clone()
     qe.clear_grouped_cache()
     assert qe.grouped_weights()["down"][0][1] is qe.down[1].codes
+    s3 = qe.grouped_weights()
     qe.to(torch.bfloat16)
-    assert qe.grouped_weights() is None
+    s4 = qe.grouped_weights()
+    assert s4 is not None and s4 is not s3 and s4["down"][0][1] is qe.down[1].codes
 
 
 def test_device_tables_are_content_addressed():
