@@ -177,22 +177,20 @@ def make_grid(scheme: str, w: torch.Tensor, options: dict) -> _Grid:
 def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Running mean of ``2 x x^T`` over tokens: ``x`` [..., K] -> (H [K, K], tokens so far).
 
-    One batch's products in float32, the running sum in float64 on the CPU and float32 elsewhere. A bf16 ``x`` on
-    CUDA multiplies on the TF32 tensor cores: its 8-bit mantissas are exact in TF32's 10 and their products exact,
-    summed in the tensor cores' float32 accumulators, which round less carefully than the CUDA cores' float32 GEMM
-    (H200, 2048 tokens x 1024 channels: 7.3e-6 of the largest entry against 1.2e-6 for the float32 GEMM and 5.2e-5
-    for TF32 on float32 data; GPTQ damps H by 1 % of its mean diagonal). It replaces a float32 GEMM that took
-    ~13 ms per 2048 tokens on a Llama-3-8B down input (14336 channels). Other dtypes keep the float32 GEMM."""
+    One batch's products by the float32 GEMM (CUDA cores: TF32 stays off), the running sum in float64 on the CPU and
+    float32 elsewhere. Session 43 tried bf16 inputs on the TF32 tensor cores (their products are exact there, the
+    accumulators round less carefully: 7.3e-6 of the largest entry against 1.2e-6): it made GPTQ ~2 s per
+    Llama-3-8B layer faster and every GPTQ perplexity of the embedded model worse, by 0.06-0.33 (H200, same settings,
+    A/B against this GEMM, which reproduced session 42's values: ``s43_gptq_ppl*.json``), so it was taken out."""
     x = x.detach().reshape(-1, x.shape[-1])
     dt = torch.float64 if x.device.type == "cpu" else torch.float32
-    tf32 = x.is_cuda and x.dtype == torch.bfloat16
     x = x.float()
     t = x.shape[0]
     if h is None:
         h = torch.zeros(x.shape[1], x.shape[1], dtype=dt, device=x.device)
     prev = torch.backends.cuda.matmul.allow_tf32
     try:
-        torch.backends.cuda.matmul.allow_tf32 = tf32 or prev
+        torch.backends.cuda.matmul.allow_tf32 = False  # (a user's global TF32 switch would cost accuracy here too)
         xtx = x.T @ x
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
