@@ -153,11 +153,16 @@ class LUTWeight:
 def nearest_codes(u: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Index of the nearest ``table`` entry for each element of ``u`` (ties: smaller value).
     Uses midpoints and ``searchsorted``: no [.., 2**bits] temporary."""
-    t = table.to(u.device, torch.float32)
-    ts, perm = torch.sort(t)
-    mids = (ts[1:] + ts[:-1]) * 0.5
+    _, perm, mids = sorted_midpoints(table, u.device)
     idx = torch.searchsorted(mids, u.contiguous().float(), right=False)
     return perm[idx].to(torch.uint8)
+
+
+def sorted_midpoints(table: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``table``'s entries sorted ascending (float32), the sort's permutation and the midpoints of neighbours, on
+    ``device``: the nearest entry to u is ``perm[#{i: mids[i] < u}]`` (``nearest_codes``; the GPTQ kernel's LUT grid)."""
+    ts, perm = torch.sort(table.to(device, torch.float32))
+    return ts, perm, (ts[1:] + ts[:-1]) * 0.5
 
 
 def group_scales(amax: torch.Tensor, tmax: float, scale_dtype: torch.dtype) -> torch.Tensor:

@@ -85,7 +85,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit._utils import cached_dense
+from lowbit._utils import cached_dense, check_int
 from lowbit.formats.common import safe_scale, tile_rows, untile_rows
 from lowbit.formats.int4 import pack_int4, unpack_int4
 
@@ -162,8 +162,7 @@ def untile_codes(tiled: torch.Tensor) -> torch.Tensor:
 
 
 def check_group_size(group_size: int) -> int:
-    if not isinstance(group_size, int) or isinstance(group_size, bool):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    check_int(group_size, "group_size", -1)
     if group_size != -1 and (group_size < 2 or group_size % 2):
         raise ValueError(f"group_size must be -1 (per-channel) or an even int >= 2, got {group_size}")
     return group_size

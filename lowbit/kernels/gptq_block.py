@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from lowbit._utils import cdiv, check_same_device, check_tensor
+from lowbit.formats.lut import sorted_midpoints
 from lowbit.kernels.act_quant import round_to_fp8_e4m3
 from lowbit.kernels.kv4_append import _rint
 
@@ -125,8 +126,7 @@ def _gptq_block_kernel(
 def lut_tables(table: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A LUT grid's table -> (the entries sorted ascending, float32 ``[T]``; the midpoints of neighbours, float32,
     padded with +inf to a power of two), as ``lowbit.formats.lut.nearest_codes`` computes them, on ``device``."""
-    ts = torch.sort(table.to(device, torch.float32))[0]
-    mids = (ts[1:] + ts[:-1]) * 0.5
+    ts, _, mids = sorted_midpoints(table, device)
     nm = triton.next_power_of_2(max(mids.numel(), 1))
     return ts, torch.nn.functional.pad(mids, (0, nm - mids.numel()), value=float("inf"))
 

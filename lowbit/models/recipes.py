@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lowbit._utils import check_choice
 from lowbit.models.arch import INPUT_GROUPS
 from lowbit.nn.base import GPTQ_ATTR
 
@@ -436,8 +437,7 @@ def _check_gptq(name: str, gptq, linear: str | None, *, group_size, skip=()) -> 
 
         check_group_size(group_size)
         return
-    if group_size not in ok:
-        raise ValueError(f"group_size must be one of {tuple(ok)} for {linear}, got {group_size!r}")
+    check_choice(group_size, f"group_size (for {linear})", ok)
 
 
 def _gptq(name: str, model, scheme: str, batches, gptq, *, opts: dict, skip, progress: bool,

@@ -81,14 +81,21 @@ class _Grid:
     def stack(self, ps: list) -> dict:  # per-group parameters -> the GPTQResult.scales fields
         raise NotImplementedError
 
+    KERNEL_FIELDS: tuple = ()  # the ``stack`` fields the kernel reads per group, as its p0 (and p1)
+
     def kernel_args(self, device) -> dict:  # the grid's ``gptq_block_triton`` keywords (format, static parts)
         raise NotImplementedError
 
-    def kernel_params(self, ps: list) -> tuple:  # per-group parameters -> float32 [N, G] (p0, p1) of the kernel
-        raise NotImplementedError
+    def kernel_params(self, ps: list) -> tuple:
+        """Per-group parameters -> the kernel's float32 ``[N, G]`` (p0, p1 or None): ``KERNEL_FIELDS`` of ``stack``."""
+        f = self.stack(ps)
+        p = [f[name].float() for name in self.KERNEL_FIELDS]
+        return p[0], (p[1] if len(p) > 1 else None)
 
 
 class _FP8Grid(_Grid):
+    KERNEL_FIELDS = ("sigma",)
+
     def __init__(self, pts_exp: int):
         self.pts_exp = pts_exp
         self.d = 2.0 ** pts_exp
@@ -107,11 +114,10 @@ class _FP8Grid(_Grid):
     def kernel_args(self, device):
         return {"fmt": "w4a8-fp8", "pts_exp": self.pts_exp}
 
-    def kernel_params(self, ps):
-        return torch.stack(ps, 1), None
-
 
 class _QoQGrid(_Grid):
+    KERNEL_FIELDS = ("s2", "z")
+
     def __init__(self, s1: torch.Tensor):
         self.s1 = s1
 
@@ -132,11 +138,10 @@ class _QoQGrid(_Grid):
     def kernel_args(self, device):
         return {"fmt": "w4a8-int8", "s1": self.s1.to(device, torch.float32).contiguous()}
 
-    def kernel_params(self, ps):
-        return torch.stack([p[0] for p in ps], 1).float(), torch.stack([p[1] for p in ps], 1).float()
-
 
 class _LUTGrid(_Grid):
+    KERNEL_FIELDS = ("scales",)
+
     def __init__(self, table: torch.Tensor, scale_dtype: torch.dtype):
         self.t = table.float()
         self.tmax = float(table.abs().max())
@@ -156,9 +161,6 @@ class _LUTGrid(_Grid):
         from lowbit.kernels.gptq_block import lut_tables
 
         return {"fmt": "lut", "tables": lut_tables(self.t, device)}
-
-    def kernel_params(self, ps):
-        return torch.stack(ps, 1).float(), None
 
 
 def make_grid(scheme: str, w: torch.Tensor, options: dict) -> _Grid:
